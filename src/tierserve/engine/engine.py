@@ -1,0 +1,201 @@
+"""The engine: requests in, tokens out, one ``step`` at a time on the caller's thread."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer
+
+from tierserve.cache.allocator import PageAllocator
+from tierserve.cache.device_pool import DeviceKVPool, KVGeometry
+from tierserve.engine.config import EngineConfig
+from tierserve.engine.model_runner import ModelRunner
+from tierserve.engine.prefix_cache import NoPrefixCache, PrefixCache
+from tierserve.engine.request import FinishReason, Request, RequestOutput, RequestStatus
+from tierserve.engine.sampling_params import InvalidRequestError, SamplingParams
+from tierserve.engine.scheduler import Scheduler, SchedulerConfig, pages_for
+from tierserve.engine.text_stream import TextStream
+from tierserve.model.config import ModelConfig
+from tierserve.model.loader import load_model, resolve_dtype
+
+log = logging.getLogger(__name__)
+
+PrefixCacheFactory = Callable[[PageAllocator, DeviceKVPool], PrefixCache]
+CPU_DEFAULT_TOKENS = 16384
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class Engine:
+    """Continuous-batching engine over a paged KV pool.
+
+    Not thread-safe: one thread calls ``add_request``, ``abort`` and ``step`` (see ``EngineLoop``
+    for serving). Every page a request uses returns to the allocator (or the prefix cache) when
+    it finishes, is aborted or is preempted.
+    """
+
+    def __init__(self, config: EngineConfig, prefix_cache: PrefixCacheFactory | None = None) -> None:
+        self.config = config
+        self.device = pick_device(config.device)
+        torch.manual_seed(config.seed)
+        model_dir = Path(config.model_dir)
+        self.dtype = resolve_dtype(config.dtype, ModelConfig.from_dir(model_dir), self.device)
+        self.model = load_model(model_dir, self.device, self.dtype)
+        self.model_config = self.model.config
+        self.max_model_len = config.max_model_len or self.model_config.max_position
+        self.tokenizer = _load_tokenizer(model_dir)
+        self.eos_ids = set(self.model_config.eos_token_ids) | _generation_eos(model_dir)
+        self.geometry = KVGeometry(
+            self.model_config.num_layers, self.model_config.num_kv_heads,
+            self.model_config.head_dim, config.page_size, self.dtype,
+        )
+        self.pool = DeviceKVPool(self.geometry, self._num_pages(), self.device)
+        self.allocator = PageAllocator(self.pool.num_pages)
+        self.cache = (prefix_cache or (lambda a, _p: NoPrefixCache(a)))(self.allocator, self.pool)
+        sched = SchedulerConfig(config.page_size, config.chunked_prefill_size, config.max_running_requests)
+        self.scheduler = Scheduler(sched, self.allocator, self.cache)
+        self.runner = ModelRunner(self.model, self.pool, self.device)
+        self.requests: dict[str, Request] = {}
+        log.info("engine ready: model=%s device=%s dtype=%s kv_pages=%d page_size=%d",
+                 model_dir.name, self.device, self.dtype, self.pool.num_pages, config.page_size)
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.pool.num_pages * self.config.page_size
+
+    def add_request(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        """Queues a request; raises ``InvalidRequestError`` if it can never be served."""
+        prompt = list(prompt_ids)
+        self._validate(request_id, prompt, params)
+        request = Request(request_id, prompt, params)
+        if params.seed is not None:
+            request.generator = torch.Generator(self.device).manual_seed(params.seed)
+        if self.tokenizer is not None:
+            request.text = TextStream(self.tokenizer, params.stop, params.skip_special_tokens)
+        self.requests[request_id] = request
+        self.scheduler.add(request)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stops a waiting or running request and frees its pages; None if it is unknown."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        self.scheduler.remove(request)
+        return self._finish(request, FinishReason.ABORT, [], "")
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[RequestOutput]:
+        """Runs one batch; returns an output for every request that got a token or finished."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        sampled = self.runner.run(batch)
+        outputs = []
+        for scheduled in batch:
+            request = scheduled.request
+            request.num_computed += scheduled.num_tokens
+            token = sampled.get(request.request_id)
+            if token is not None:
+                outputs.append(self._append(request, token))
+        return outputs
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+        """Runs prompts to completion (a convenience for tests and benchmarks); returns output ids."""
+        ids = [f"gen-{i}-{id(prompts)}" for i in range(len(prompts))]
+        for rid, prompt in zip(ids, prompts, strict=True):
+            self.add_request(rid, prompt, params)
+        done: dict[str, list[int]] = {rid: [] for rid in ids}
+        while self.has_work():
+            for out in self.step():
+                done[out.request_id] += out.new_token_ids
+        return [done[rid] for rid in ids]
+
+    def _append(self, request: Request, token: int) -> RequestOutput:
+        request.output_ids.append(token)
+        text = request.text.push(token) if request.text is not None else ""
+        reason = self._finish_reason(request, token)
+        if reason is None:
+            return self._output(request, [token], text)
+        if request.text is not None:
+            text += request.text.flush()
+        self.requests.pop(request.request_id, None)
+        self.scheduler.remove(request)
+        return self._finish(request, reason, [token], text)
+
+    def _finish_reason(self, request: Request, token: int) -> FinishReason | None:
+        params = request.params
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_ids):
+            return FinishReason.STOP
+        if request.text is not None and request.text.stopped:
+            return FinishReason.STOP
+        if len(request.output_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, request: Request, reason: FinishReason, tokens: list[int], text: str) -> RequestOutput:
+        request.status, request.finish_reason = RequestStatus.FINISHED, reason
+        return self._output(request, tokens, text)
+
+    def _output(self, request: Request, tokens: list[int], text: str) -> RequestOutput:
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=tokens,
+            new_text=text,
+            finished=request.status is RequestStatus.FINISHED,
+            finish_reason=request.finish_reason,
+            prompt_tokens=len(request.prompt_ids),
+            completion_tokens=len(request.output_ids),
+            cached_tokens=request.cached_tokens,
+            cached_by_tier=dict(request.cached_by_tier),
+        )
+
+    def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+        params.validate()
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if not prompt:
+            raise InvalidRequestError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
+        total = len(prompt) + params.max_tokens
+        if total > self.max_model_len:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but the request "
+                f"needs {total} ({len(prompt)} prompt + {params.max_tokens} max_tokens)"
+            )
+        if pages_for(total, self.config.page_size) > self.pool.num_pages:
+            raise InvalidRequestError(
+                f"the request needs {total} tokens of KV cache but the pool holds {self.capacity_tokens}"
+            )
+
+    def _num_pages(self) -> int:
+        tokens = self.config.max_total_tokens
+        if tokens is None and self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            tokens = int(free * self.config.mem_fraction_static) // self.geometry.bytes_per_token
+        tokens = tokens or CPU_DEFAULT_TOKENS
+        return max(1, tokens // self.config.page_size)
+
+
+def _load_tokenizer(model_dir: Path) -> Tokenizer | None:
+    path = model_dir / "tokenizer.json"
+    return Tokenizer.from_file(str(path)) if path.is_file() else None
+
+
+def _generation_eos(model_dir: Path) -> set[int]:
+    path = model_dir / "generation_config.json"
+    if not path.is_file():
+        return set()
+    value = json.loads(path.read_text()).get("eos_token_id")
+    return set(value) if isinstance(value, list) else ({value} if value is not None else set())

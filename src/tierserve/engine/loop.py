@@ -1,0 +1,128 @@
+"""Runs an engine on its own thread and serves it to asyncio code."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from tierserve.engine.engine import Engine
+from tierserve.engine.request import RequestOutput
+from tierserve.engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Submit:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    sink: Callable[[RequestOutput | BaseException], None]
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class EngineLoop:
+    """Owns an ``Engine`` and the only thread that touches it.
+
+    Callers on any asyncio loop use ``generate``; commands reach the engine thread through a
+    queue and results come back with ``call_soon_threadsafe``, so the model never runs inside the
+    event loop. Cancelling the iterator (client gone) aborts the request and frees its pages.
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue[_Submit | _Abort | None] = queue.SimpleQueue()
+        self._sinks: dict[str, Callable[[RequestOutput | BaseException], None]] = {}
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+
+    def start(self) -> EngineLoop:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._commands.put(None)
+        self._thread.join(timeout=30)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._sinks)
+
+    async def generate(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        """Yields outputs until the finished one; raises the engine's error for a rejected request."""
+        loop = asyncio.get_running_loop()
+        results: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+
+        def sink(item: RequestOutput | BaseException) -> None:
+            loop.call_soon_threadsafe(results.put_nowait, item)
+
+        self._commands.put(_Submit(request_id, list(prompt_ids), params, sink))
+        finished = False
+        try:
+            while not finished:
+                item = await results.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self._commands.put(_Abort(request_id))
+
+    def _run(self) -> None:
+        while True:
+            block = not self.engine.has_work()
+            if not self._drain(block):
+                break
+            if self.engine.has_work():
+                self._step()
+        for rid in list(self._sinks):
+            self._deliver(self.engine.abort(rid), rid)
+
+    def _drain(self, block: bool) -> bool:
+        """Applies queued commands (waiting for one if idle); False once asked to stop."""
+        while True:
+            try:
+                command = self._commands.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if command is None:
+                return False
+            if isinstance(command, _Abort):
+                self._deliver(self.engine.abort(command.request_id), command.request_id)
+                continue
+            try:
+                self.engine.add_request(command.request_id, command.prompt_ids, command.params)
+                self._sinks[command.request_id] = command.sink
+            except Exception as exc:
+                command.sink(exc)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            log.exception("engine step failed")
+            for rid in list(self._sinks):
+                self.engine.abort(rid)
+                self._sinks.pop(rid)(exc)
+            return
+        for out in outputs:
+            self._deliver(out, out.request_id)
+
+    def _deliver(self, out: RequestOutput | None, request_id: str) -> None:
+        sink = self._sinks.get(request_id)
+        if sink is None or out is None:
+            return
+        if out.finished:
+            self._sinks.pop(request_id, None)
+        sink(out)

@@ -1,0 +1,107 @@
+"""Turns a scheduled step into tensors, runs the model once, and samples the next tokens."""
+
+from __future__ import annotations
+
+import torch
+
+from tierserve.cache.device_pool import DeviceKVPool
+from tierserve.engine.request import Request
+from tierserve.engine.scheduler import Scheduled, pages_for
+from tierserve.model.attention import AttentionBatch, ExtendSpan, LayerHooks
+from tierserve.model.llama import CausalLM
+from tierserve.model.sampling import SamplingBatch, sample
+
+
+class ModelRunner:
+    """Owns the model and the KV pool; ``run`` executes one step of a flat mixed batch.
+
+    Prefill chunks go first in the flat batch (each attends on its own), decode tokens last (all
+    attend in one padded batched call). Only requests whose last pending token is in this step
+    produce logits and a sampled token.
+    """
+
+    def __init__(self, model: CausalLM, pool: DeviceKVPool, device: torch.device) -> None:
+        self.model = model
+        self.pool = pool
+        self.device = device
+        self.page_size = pool.page_size
+
+    @torch.inference_mode()
+    def run(self, batch: list[Scheduled], hooks: LayerHooks | None = None) -> dict[str, int]:
+        """Returns the sampled token per request id, for requests that completed their pending tokens."""
+        extends = [s for s in batch if not _is_decode(s)]
+        decodes = [s for s in batch if _is_decode(s)]
+        ordered = extends + decodes
+        ids, positions, slots = self._flat_tokens(ordered)
+        attn = AttentionBatch(page_size=self.page_size, out_slots=slots, hooks=hooks)
+        attn.extends = self._extend_spans(extends)
+        attn.decode_start = len(ids) - len(decodes)
+        if decodes:
+            attn.decode_pages, attn.decode_mask = self._decode_tables(decodes)
+        hidden = self.model(self._tensor(ids), self._tensor(positions), attn, self.pool)
+        rows, sampled = _rows_to_sample(ordered)
+        if not rows:
+            return {}
+        logits = self.model.logits(hidden[self._tensor(rows)])
+        tokens = sample(logits, _sampling_batch(sampled)).tolist()
+        return {r.request_id: t for r, t in zip(sampled, tokens, strict=True)}
+
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+    def _flat_tokens(self, ordered: list[Scheduled]) -> tuple[list[int], list[int], torch.Tensor]:
+        ids: list[int] = []
+        positions: list[int] = []
+        pages: list[int] = []
+        for s in ordered:
+            r = s.request
+            start, end = r.num_computed, r.num_computed + s.num_tokens
+            ids += r.tokens(start, end)
+            positions += range(start, end)
+            pages += [r.pages[p // self.page_size] for p in range(start, end)]
+        pos = self._tensor(positions)
+        slots = self._tensor(pages) * self.page_size + pos % self.page_size
+        return ids, positions, slots
+
+    def _extend_spans(self, extends: list[Scheduled]) -> list[ExtendSpan]:
+        spans, start = [], 0
+        for s in extends:
+            r = s.request
+            pages = None
+            if r.num_computed:
+                pages = self._tensor(r.pages[: pages_for(r.num_computed + s.num_tokens, self.page_size)])
+            spans.append(ExtendSpan(start, s.num_tokens, r.num_computed, pages))
+            start += s.num_tokens
+        return spans
+
+    def _decode_tables(self, decodes: list[Scheduled]) -> tuple[torch.Tensor, torch.Tensor]:
+        lengths = [s.request.num_computed + 1 for s in decodes]
+        width = pages_for(max(lengths), self.page_size)
+        table = [s.request.pages[:width] + [0] * (width - len(s.request.pages[:width])) for s in decodes]
+        pages = self._tensor(table)
+        slots = torch.arange(width * self.page_size, device=self.device)
+        mask = slots[None, :] < self._tensor(lengths)[:, None]
+        return pages, mask[:, None, None, :]
+
+
+def _is_decode(s: Scheduled) -> bool:
+    return s.num_tokens == 1 and s.request.num_computed > 0
+
+
+def _rows_to_sample(ordered: list[Scheduled]) -> tuple[list[int], list[Request]]:
+    rows, requests, end = [], [], 0
+    for s in ordered:
+        end += s.num_tokens
+        if s.request.num_computed + s.num_tokens == s.request.num_tokens:
+            rows.append(end - 1)
+            requests.append(s.request)
+    return rows, requests
+
+
+def _sampling_batch(requests: list[Request]) -> SamplingBatch:
+    return SamplingBatch(
+        temperatures=[0.0 if r.params.greedy else r.params.temperature for r in requests],
+        top_ps=[r.params.top_p for r in requests],
+        top_ks=[r.params.top_k for r in requests],
+        generators=[r.generator for r in requests],
+    )

@@ -1,0 +1,62 @@
+"""The hook through which a prefix cache lends the engine pages already filled with a prompt's KV."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from tierserve.cache.allocator import PageAllocator
+
+
+@dataclass
+class PrefixHit:
+    """The first ``num_tokens`` tokens of a prompt are in ``pages`` (whole pages, read-only).
+
+    ``by_tier`` splits ``num_tokens`` by where the KV came from (device, host, storage);
+    ``handle`` is the cache's own bookkeeping, returned to it untouched.
+    """
+
+    num_tokens: int = 0
+    pages: list[int] = field(default_factory=list)
+    by_tier: dict[str, int] = field(default_factory=dict)
+    handle: object = None
+
+
+class PrefixCache(Protocol):
+    """Contract between the engine and a prefix cache.
+
+    Page ownership: pages in a hit belong to the cache and stay pinned until ``release``. The
+    engine allocates the request's other pages from the shared ``PageAllocator``; ``release``
+    hands all of them to the cache, which keeps what it wants and frees the rest, so after
+    ``release`` the engine owns none of the request's pages.
+    """
+
+    def match(self, token_ids: Sequence[int]) -> PrefixHit:
+        """Longest cached page-aligned prefix of ``token_ids``, pinned."""
+        ...
+
+    def release(self, token_ids: Sequence[int], pages: list[int], num_computed: int, hit: PrefixHit) -> None:
+        """The request is done with ``pages`` (its page table) whose first ``num_computed`` tokens of
+        ``token_ids`` hold valid KV; unpins ``hit``."""
+        ...
+
+    def evict(self, num_pages: int) -> int:
+        """Frees up to ``num_pages`` unpinned pages to the allocator; returns how many it freed."""
+        ...
+
+
+class NoPrefixCache:
+    """Caches nothing: every page a request used goes straight back to the allocator."""
+
+    def __init__(self, allocator: PageAllocator) -> None:
+        self.allocator = allocator
+
+    def match(self, token_ids: Sequence[int]) -> PrefixHit:
+        return PrefixHit()
+
+    def release(self, token_ids: Sequence[int], pages: list[int], num_computed: int, hit: PrefixHit) -> None:
+        self.allocator.free(pages)
+
+    def evict(self, num_pages: int) -> int:
+        return 0

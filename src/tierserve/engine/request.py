@@ -1,0 +1,88 @@
+"""A request's state inside the engine, and what the engine reports about it."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from tierserve.engine.prefix_cache import PrefixHit
+from tierserve.engine.sampling_params import SamplingParams
+from tierserve.engine.text_stream import TextStream
+
+
+class FinishReason(Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the context length
+    ABORT = "abort"  # cancelled by the caller
+
+
+class RequestStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    """One generation: prompt, output so far, page table and how much of it holds valid KV.
+
+    ``num_computed`` tokens of ``prompt_ids + output_ids`` have KV in ``pages``; the rest (all of
+    the prompt at first, then the last sampled token) is fed to the model next. After a
+    preemption ``num_computed`` drops to 0 and prompt plus output are recomputed.
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    output_ids: list[int] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    hit: PrefixHit = field(default_factory=PrefixHit)
+    cached_tokens: int = 0
+    cached_by_tier: dict[str, int] = field(default_factory=dict)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    generator: torch.Generator | None = None
+    text: TextStream | None = None
+    arrival: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """``token_ids()[start:end]`` without copying the whole sequence when decoding."""
+        n = len(self.prompt_ids)
+        if start >= n:
+            return self.output_ids[start - n : end - n]
+        return self.token_ids()[start:end]
+
+    def tokens_to_compute(self) -> int:
+        return self.num_tokens - self.num_computed
+
+
+@dataclass
+class RequestOutput:
+    """What one engine step produced for one request: new tokens and text, and the final state.
+
+    ``cached_tokens`` counts prompt tokens served from the prefix cache at admission, split by
+    tier in ``cached_by_tier``.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: FinishReason | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    cached_by_tier: dict[str, int] = field(default_factory=dict)
+    error: str | None = None

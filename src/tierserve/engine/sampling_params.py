@@ -1,0 +1,52 @@
+"""Per-request generation settings, validated once when the request enters the engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class InvalidRequestError(ValueError):
+    """The request cannot be served as asked (bad value, too long for the context or the pool)."""
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens and when to stop.
+
+    ``temperature == 0`` (or ``top_k == 1``) is greedy. ``top_k <= 0`` and ``top_p == 1`` disable
+    those filters. ``seed`` makes a request's samples reproducible whatever else is batched with it.
+    Stop strings end generation and are not part of the returned text; stop token ids end it too,
+    and so do the model's EOS ids unless ``ignore_eos``.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+    def validate(self) -> None:
+        checks = [
+            (self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}"),
+            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
+            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+            (self.top_k >= -1, f"top_k must be -1, 0 (off) or positive, got {self.top_k}"),
+            (all(s for s in self.stop), "stop strings must not be empty"),
+            (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be non-negative"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise InvalidRequestError(message)

@@ -1,0 +1,137 @@
+"""Continuous batching with chunked prefill over a paged KV pool.
+
+Each step every running request gets its next tokens (one when decoding, a chunk while its
+prompt is being prefilled), then waiting requests are admitted in arrival order while the
+prefill budget and free pages last. When a running request needs a page and none is free, the
+prefix cache is asked to evict, and failing that the newest running request is preempted: its
+pages are released and it waits again at the head of the queue, to be recomputed.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from tierserve.cache.allocator import PageAllocator
+from tierserve.engine.prefix_cache import PrefixCache, PrefixHit
+from tierserve.engine.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """``chunked_prefill_size``: prompt tokens computed per step across requests (the prefill
+    budget; decode tokens do not count). ``max_running_requests``: batch size limit."""
+
+    page_size: int
+    chunked_prefill_size: int = 2048
+    max_running_requests: int = 256
+
+
+@dataclass
+class Scheduled:
+    """One request's share of a step: compute ``num_tokens`` tokens starting at ``request.num_computed``."""
+
+    request: Request
+    num_tokens: int
+
+
+def pages_for(num_tokens: int, page_size: int) -> int:
+    return -(-num_tokens // page_size)
+
+
+class Scheduler:
+    """Decides what runs each step; owns the waiting queue, the running list and their pages."""
+
+    def __init__(self, config: SchedulerConfig, allocator: PageAllocator, cache: PrefixCache) -> None:
+        self.config = config
+        self.allocator = allocator
+        self.cache = cache
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[Scheduled]:
+        budget = self.config.chunked_prefill_size
+        batch: list[Scheduled] = []
+        for request in list(self.running):
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            decoding = request.tokens_to_compute() == 1 and request.num_computed > 0
+            n = 1 if decoding else min(request.tokens_to_compute(), budget)
+            if n and self._grow(request, n):
+                batch.append(Scheduled(request, n))
+                budget -= 0 if decoding else n
+        self._admit(batch, budget)
+        return batch
+
+    def release(self, request: Request) -> None:
+        """Gives the request's pages back (to the prefix cache, which frees what it does not keep)."""
+        tokens = request.token_ids()
+        self.cache.release(tokens, request.pages, request.num_computed, request.hit)
+        request.pages, request.hit = [], PrefixHit()
+
+    def remove(self, request: Request) -> None:
+        """Takes a finished or aborted request out of the queues and releases its pages."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.release(request)
+
+    def _admit(self, batch: list[Scheduled], budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
+            request = self.waiting[0]
+            self._match(request)
+            n = min(request.tokens_to_compute(), budget)
+            if not self._take_pages(request, request.num_computed + n):
+                self.release(request)  # unpin the hit while waiting; match again next time
+                request.num_computed = 0
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            batch.append(Scheduled(request, n))
+            budget -= n
+
+    def _match(self, request: Request) -> None:
+        # The last token is always computed: its logits pick the next token.
+        hit = self.cache.match(request.token_ids()[: request.num_tokens - 1])
+        request.hit, request.pages, request.num_computed = hit, list(hit.pages), hit.num_tokens
+        if not request.output_ids:  # a recomputation after preemption keeps its first report
+            request.cached_tokens, request.cached_by_tier = hit.num_tokens, dict(hit.by_tier)
+
+    def _grow(self, request: Request, n: int) -> bool:
+        """Secures pages for ``n`` more tokens, preempting newer requests if needed; False if the
+        request itself had to be preempted."""
+        while not self._take_pages(request, request.num_computed + n):
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is request:
+                return False
+        return True
+
+    def _take_pages(self, request: Request, num_tokens: int) -> bool:
+        missing = pages_for(num_tokens, self.config.page_size) - len(request.pages)
+        if missing <= 0:
+            return True
+        if self.allocator.num_free < missing:
+            self.cache.evict(missing - self.allocator.num_free)
+        pages = self.allocator.alloc(missing)
+        if pages is None:
+            return False
+        request.pages.extend(pages)
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.release(request)
+        request.num_computed = 0
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+        self.num_preemptions += 1

@@ -1,0 +1,132 @@
+"""Attention over a paged KV pool, for a flat batch mixing prefill chunks and decode tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class KVStore(Protocol):
+    """What attention needs from a KV pool: per-layer K and V views of shape [slots, kv_heads, head_dim]."""
+
+    def layer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class LayerHooks(Protocol):
+    """Per-layer signals for work that overlaps the forward pass.
+
+    ``before_attention(i)`` blocks until layer i's KV pages that are being loaded (L2 -> L1) are in
+    place; ``after_kv_written(i)`` tells a consumer (e.g. the KV sender) that layer i is in the pool.
+    """
+
+    def before_attention(self, layer_id: int) -> None: ...
+
+    def after_kv_written(self, layer_id: int) -> None: ...
+
+
+@dataclass
+class ExtendSpan:
+    """One sequence's new tokens in the flat batch (a prompt chunk).
+
+    ``kv_pages`` lists the pool pages holding all ``prefix_len + length`` tokens, needed only when
+    earlier tokens are already in the pool (``prefix_len > 0``).
+    """
+
+    start: int
+    length: int
+    prefix_len: int
+    kv_pages: torch.Tensor | None = None
+
+
+@dataclass
+class AttentionBatch:
+    """Where a forward pass writes and reads KV.
+
+    ``out_slots`` [T] is the pool slot (page * page_size + offset) of each token's K/V. Tokens of
+    extend spans come first in the flat batch, then one token per decoding sequence from
+    ``decode_start`` on. ``decode_pages`` [B, P] is each decoding sequence's page table, padded;
+    ``decode_mask`` [B, 1, 1, P * page_size] hides padding and slots past the sequence's length.
+    Reads gather whole pages: one large row per page is far faster than one row per token.
+    """
+
+    page_size: int
+    out_slots: torch.Tensor
+    extends: list[ExtendSpan] = field(default_factory=list)
+    decode_start: int = 0
+    decode_pages: torch.Tensor | None = None
+    decode_mask: torch.Tensor | None = None
+    hooks: LayerHooks | None = None
+
+
+class PagedAttention(nn.Module):
+    """Stores this layer's K/V for the batch's tokens in the pool, then attends over the pool."""
+
+    def __init__(self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.scale = head_dim**-0.5
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: AttentionBatch, kv: KVStore
+    ) -> torch.Tensor:
+        """q: [T, heads, dim]; k, v: [T, kv_heads, dim]; returns [T, heads * dim]."""
+        k_pool, v_pool = kv.layer(self.layer_id)
+        if batch.hooks is not None:
+            batch.hooks.before_attention(self.layer_id)
+        _store(k_pool, batch.out_slots, k)
+        _store(v_pool, batch.out_slots, v)
+        if batch.hooks is not None:
+            batch.hooks.after_kv_written(self.layer_id)
+        out = torch.empty_like(q)
+        for span in batch.extends:
+            end = span.start + span.length
+            new = q[span.start : end], k[span.start : end], v[span.start : end]
+            out[span.start : end] = self._extend(*new, span, batch.page_size, k_pool, v_pool)
+        if batch.decode_pages is not None:
+            out[batch.decode_start :] = self._decode(q[batch.decode_start :], batch, k_pool, v_pool)
+        return out.flatten(1)
+
+    def _extend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: ExtendSpan, page_size: int,
+        k_pool: torch.Tensor, v_pool: torch.Tensor,
+    ) -> torch.Tensor:
+        q = q.transpose(0, 1).unsqueeze(0)
+        if span.prefix_len == 0:
+            k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
+            return o[0].transpose(0, 1)
+        kv_len = span.prefix_len + span.length
+        k = _gather_pages(k_pool, span.kv_pages, page_size)[:, :kv_len].transpose(1, 2)
+        v = _gather_pages(v_pool, span.kv_pages, page_size)[:, :kv_len].transpose(1, 2)
+        q_pos = torch.arange(span.length, device=q.device) + span.prefix_len
+        mask = torch.arange(kv_len, device=q.device)[None, :] <= q_pos[:, None]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True)
+        return o[0].transpose(0, 1)
+
+    def _decode(
+        self, q: torch.Tensor, batch: AttentionBatch, k_pool: torch.Tensor, v_pool: torch.Tensor
+    ) -> torch.Tensor:
+        k = _gather_pages(k_pool, batch.decode_pages, batch.page_size).transpose(1, 2)
+        v = _gather_pages(v_pool, batch.decode_pages, batch.page_size).transpose(1, 2)
+        o = F.scaled_dot_product_attention(
+            q.unsqueeze(2), k, v, attn_mask=batch.decode_mask, scale=self.scale, enable_gqa=True
+        )
+        return o.squeeze(2)
+
+
+def _store(pool: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
+    """pool[slots] = values, as one row copy per token (faster than 3-D advanced indexing)."""
+    pool.view(pool.shape[0], -1).index_copy_(0, slots, values.reshape(values.shape[0], -1))
+
+
+def _gather_pages(pool: torch.Tensor, pages: torch.Tensor, page_size: int) -> torch.Tensor:
+    """[..., P] page ids -> [prod(...), P * page_size, heads, dim] copies of those pages."""
+    heads, dim = pool.shape[1], pool.shape[2]
+    rows = pool.view(-1, page_size * heads * dim).index_select(0, pages.reshape(-1))
+    return rows.view(-1, pages.shape[-1] * page_size, heads, dim)

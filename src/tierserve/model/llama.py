@@ -1,0 +1,95 @@
+"""Llama-style decoder (Llama, SmolLM2, Mistral without sliding window, Qwen2, Qwen3)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tierserve.model.attention import AttentionBatch, KVStore, PagedAttention
+from tierserve.model.config import ModelConfig, ModelFamily
+from tierserve.model.layers import (
+    ColumnParallelLinear,
+    Embedding,
+    GatedMLP,
+    QKVParallelLinear,
+    RMSNorm,
+    RowParallelLinear,
+)
+from tierserve.model.parallel import TensorParallel
+from tierserve.model.rope import RotaryEmbedding
+
+
+class SelfAttention(nn.Module):
+    """QKV projection, optional per-head q/k norm (Qwen3), rope, paged attention, output projection."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, rope: RotaryEmbedding, tp: TensorParallel) -> None:
+        super().__init__()
+        self.heads = tp.shard(cfg.num_heads, "num_attention_heads")
+        self.kv_heads = tp.shard(cfg.num_kv_heads, "num_key_value_heads")
+        self.head_dim = cfg.head_dim
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.attention_bias, tp
+        )
+        o_bias = cfg.attention_bias and cfg.family is not ModelFamily.QWEN2  # Qwen2 biases q/k/v only
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, o_bias, tp)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.rope = rope
+        self.attn = PagedAttention(layer_id, self.heads, self.kv_heads, cfg.head_dim)
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, batch: AttentionBatch, kv: KVStore
+    ) -> torch.Tensor:
+        q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(-1, self.heads, self.head_dim)
+        k = k.view(-1, self.kv_heads, self.head_dim)
+        v = v.view(-1, self.kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rope(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, batch, kv))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rope: RotaryEmbedding, tp: TensorParallel) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = SelfAttention(cfg, layer_id, rope, tp)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, tp)
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, batch: AttentionBatch, kv: KVStore
+    ) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), batch, kv)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class CausalLM(nn.Module):
+    """The whole model. ``forward`` runs a flat batch of tokens and returns final hidden states."""
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
+        rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position, cfg.rope_scaling)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rope, tp) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else ColumnParallelLinear(
+            cfg.hidden_size, [cfg.vocab_size], False, TensorParallel()
+        )
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch, kv: KVStore
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(positions, x, batch, kv)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits [n, vocab] for the given final hidden states."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()

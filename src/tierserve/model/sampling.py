@@ -1,0 +1,63 @@
+"""Batched next-token sampling: greedy, temperature, top-k, top-p, per-request seeds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row settings for the rows of a logits matrix.
+
+    ``temperatures[i] == 0`` means greedy; ``top_ks[i] <= 0`` and ``top_ps[i] == 1`` mean no filter.
+    ``generators[i]`` (or None for the shared default) draws row i's noise, so a seeded request
+    samples the same tokens whatever it is batched with.
+    """
+
+    temperatures: list[float]
+    top_ps: list[float]
+    top_ks: list[int]
+    generators: list[torch.Generator | None]
+
+    @property
+    def all_greedy(self) -> bool:
+        return all(t == 0 for t in self.temperatures)
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Token ids [n] for float32 logits [n, vocab]."""
+    greedy = logits.argmax(dim=-1)
+    if batch.all_greedy:
+        return greedy
+    temps = torch.tensor([t if t > 0 else 1.0 for t in batch.temperatures], device=logits.device)
+    probs = _filtered_probs(logits / temps[:, None], batch)
+    noise = _exponential_noise(probs, batch.generators)
+    sampled = (probs / noise).argmax(dim=-1)  # exponential race == sampling from probs
+    is_greedy = torch.tensor([t == 0 for t in batch.temperatures], device=logits.device)
+    return torch.where(is_greedy, greedy, sampled)
+
+
+def _filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    vocab = logits.shape[-1]
+    top_ks = [k if 0 < k < vocab else vocab for k in batch.top_ks]
+    if min(top_ks) == vocab and min(batch.top_ps) >= 1.0:
+        return logits.softmax(dim=-1)
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab, device=logits.device)[None, :]
+    drop = ranks >= torch.tensor(top_ks, device=logits.device)[:, None]
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    sorted_probs = sorted_logits.softmax(dim=-1)
+    before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass of the tokens ranked above
+    top_ps = torch.tensor(batch.top_ps, device=logits.device)[:, None]
+    sorted_probs = sorted_probs.masked_fill(before >= top_ps, 0.0)  # the top token always stays
+    return torch.zeros_like(sorted_probs).scatter_(-1, order, sorted_probs)
+
+
+def _exponential_noise(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    noise = torch.empty_like(probs).exponential_()
+    for row, gen in enumerate(generators):
+        if gen is not None:
+            noise[row].exponential_(generator=gen)
+    return noise

@@ -1,0 +1,31 @@
+"""Shared fixtures: tiny models per family, the built-in model."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from tiny_models import FAMILIES, make_tiny_model
+
+
+@pytest.fixture(scope="session", params=FAMILIES)
+def tiny_model(request, tmp_path_factory) -> Path:
+    return make_tiny_model(request.param, tmp_path_factory.mktemp(request.param))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    return make_tiny_model("llama", tmp_path_factory.mktemp("llama"))
+
+
+@pytest.fixture(scope="session")
+def builtin_model() -> Path:
+    from tierserve.model.fetch import fetch_builtin_model
+
+    return fetch_builtin_model(progress=False)
