@@ -53,7 +53,7 @@ def test_batched_greedy_matches_hf(reference, page_size: int, chunk: int) -> Non
     engine = Engine(EngineConfig(model_dir, dtype="float32", page_size=page_size,
                                  max_total_tokens=4096, chunked_prefill_size=chunk))
     assert engine.generate(prompts, GREEDY) == expected
-    assert engine.allocator.num_used == 0
+    assert engine.stats()["kv_pages_used"] == 0
 
 
 @pytest.mark.parametrize("page_size", [1, 16])

@@ -9,7 +9,8 @@ from pathlib import Path
 @dataclass(frozen=True)
 class EngineConfig:
     """``max_total_tokens`` sizes the KV pool (default: a fraction of free GPU memory on CUDA,
-    16384 tokens on CPU). ``max_model_len`` caps prompt plus output (default: the model's)."""
+    16384 tokens on CPU). ``max_model_len`` caps prompt plus output (default: the model's).
+    ``disable_radix_cache`` turns off reuse of earlier requests' KV for shared prompt prefixes."""
 
     model_dir: Path
     device: str = "auto"
@@ -21,6 +22,7 @@ class EngineConfig:
     max_running_requests: int = 256
     max_model_len: int | None = None
     seed: int = 0
+    disable_radix_cache: bool = False
 
     def __post_init__(self) -> None:
         if self.page_size < 1:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from collections.abc import Callable, Sequence
@@ -12,6 +13,8 @@ from tokenizers import Tokenizer
 
 from tierserve.cache.allocator import PageAllocator
 from tierserve.cache.device_pool import DeviceKVPool, KVGeometry
+from tierserve.cache.hashing import Namespace
+from tierserve.cache.radix_cache import RadixCache
 from tierserve.engine.config import EngineConfig
 from tierserve.engine.model_runner import ModelRunner
 from tierserve.engine.prefix_cache import NoPrefixCache, PrefixCache
@@ -51,6 +54,9 @@ class Engine:
         self.model = load_model(model_dir, self.device, self.dtype)
         self.model_config = self.model.config
         self.max_model_len = config.max_model_len or self.model_config.max_position
+        if self.max_model_len > self.model_config.max_position:
+            raise ValueError(f"context length {self.max_model_len} exceeds the model's "
+                             f"{self.model_config.max_position} positions")
         self.tokenizer = _load_tokenizer(model_dir)
         self.eos_ids = set(self.model_config.eos_token_ids) | _generation_eos(model_dir)
         self.geometry = KVGeometry(
@@ -59,13 +65,19 @@ class Engine:
         )
         self.pool = DeviceKVPool(self.geometry, self._num_pages(), self.device)
         self.allocator = PageAllocator(self.pool.num_pages)
-        self.cache = (prefix_cache or (lambda a, _p: NoPrefixCache(a)))(self.allocator, self.pool)
+        self.namespace = Namespace(
+            model_identity(model_dir), str(self.dtype).removeprefix("torch."), config.page_size,
+            self.geometry.num_layers, self.geometry.num_kv_heads, self.geometry.head_dim,
+        )
+        self.cache = (prefix_cache or self._default_cache)(self.allocator, self.pool)
         sched = SchedulerConfig(config.page_size, config.chunked_prefill_size, config.max_running_requests)
         self.scheduler = Scheduler(sched, self.allocator, self.cache)
         self.runner = ModelRunner(self.model, self.pool, self.device)
         self.requests: dict[str, Request] = {}
-        log.info("engine ready: model=%s device=%s dtype=%s kv_pages=%d page_size=%d",
-                 model_dir.name, self.device, self.dtype, self.pool.num_pages, config.page_size)
+        self.last_batch_size = 0
+        log.info("engine ready: model=%s device=%s dtype=%s kv_pages=%d page_size=%d namespace=%s",
+                 model_dir.name, self.device, self.dtype, self.pool.num_pages, config.page_size,
+                 self.namespace.digest())
 
     @property
     def capacity_tokens(self) -> int:
@@ -94,9 +106,24 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    def stats(self) -> dict[str, int]:
+        """Occupancy counters; safe to read from another thread (approximate while a step runs).
+        ``kv_pages_used`` counts pages held by requests, ``kv_pages_cached`` those the prefix cache
+        keeps for reuse (freed on demand)."""
+        cached = self.cache.num_cached_pages
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "kv_pages_used": self.allocator.num_used - cached,
+            "kv_pages_cached": cached,
+            "kv_pages_total": self.allocator.num_pages,
+            "preemptions": self.scheduler.num_preemptions,
+        }
+
     def step(self) -> list[RequestOutput]:
         """Runs one batch; returns an output for every request that got a token or finished."""
         batch = self.scheduler.schedule()
+        self.last_batch_size = len(batch)
         if not batch:
             return []
         sampled = self.runner.run(batch)
@@ -179,6 +206,11 @@ class Engine:
                 f"the request needs {total} tokens of KV cache but the pool holds {self.capacity_tokens}"
             )
 
+    def _default_cache(self, allocator: PageAllocator, pool: DeviceKVPool) -> PrefixCache:
+        if self.config.disable_radix_cache:
+            return NoPrefixCache(allocator)
+        return RadixCache(allocator, pool.page_size, self.namespace.seed())
+
     def _num_pages(self) -> int:
         tokens = self.config.max_total_tokens
         if tokens is None and self.device.type == "cuda":
@@ -186,6 +218,14 @@ class Engine:
             tokens = int(free * self.config.mem_fraction_static) // self.geometry.bytes_per_token
         tokens = tokens or CPU_DEFAULT_TOKENS
         return max(1, tokens // self.config.page_size)
+
+
+def model_identity(model_dir: Path) -> str:
+    """A cheap fingerprint of a checkpoint: its config and the names and sizes of its weight files."""
+    digest = hashlib.sha256((model_dir / "config.json").read_bytes())
+    for f in sorted(model_dir.glob("*.safetensors")):
+        digest.update(f"{f.name}:{f.stat().st_size}".encode())
+    return f"{model_dir.name}:{digest.hexdigest()[:16]}"
 
 
 def _load_tokenizer(model_dir: Path) -> Tokenizer | None:

@@ -52,6 +52,10 @@ class EngineLoop:
         self._thread.join(timeout=30)
 
     @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    @property
     def num_requests(self) -> int:
         return len(self._sinks)
 
@@ -79,23 +83,28 @@ class EngineLoop:
                 self._commands.put(_Abort(request_id))
 
     def _run(self) -> None:
-        while True:
-            block = not self.engine.has_work()
-            if not self._drain(block):
-                break
+        while self._drain(self._wait()):
             if self.engine.has_work():
                 self._step()
         for rid in list(self._sinks):
             self._deliver(self.engine.abort(rid), rid)
 
-    def _drain(self, block: bool) -> bool:
-        """Applies queued commands (waiting for one if idle); False once asked to stop."""
+    def _wait(self) -> float | None:
+        """How long to wait for a command: forever when idle, a moment when the last step could
+        schedule nothing (e.g. every page pinned) so the thread does not spin, else not at all."""
+        if not self.engine.has_work():
+            return None
+        return 0.0 if self.engine.last_batch_size else 0.005
+
+    def _drain(self, wait: float | None) -> bool:
+        """Applies queued commands, first waiting up to ``wait`` seconds (None: until one comes);
+        False once asked to stop."""
         while True:
             try:
-                command = self._commands.get(block=block)
+                command = self._commands.get(timeout=wait) if wait != 0 else self._commands.get_nowait()
             except queue.Empty:
                 return True
-            block = False
+            wait = 0
             if command is None:
                 return False
             if isinstance(command, _Abort):

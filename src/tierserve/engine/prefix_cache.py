@@ -49,6 +49,8 @@ class PrefixCache(Protocol):
 class NoPrefixCache:
     """Caches nothing: every page a request used goes straight back to the allocator."""
 
+    num_cached_pages = 0
+
     def __init__(self, allocator: PageAllocator) -> None:
         self.allocator = allocator
 

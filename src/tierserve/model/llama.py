@@ -19,11 +19,13 @@ from tierserve.model.layers import (
 from tierserve.model.parallel import TensorParallel
 from tierserve.model.rope import RotaryEmbedding
 
+RopeTables = tuple[torch.Tensor, torch.Tensor]
+
 
 class SelfAttention(nn.Module):
     """QKV projection, optional per-head q/k norm (Qwen3), rope, paged attention, output projection."""
 
-    def __init__(self, cfg: ModelConfig, layer_id: int, rope: RotaryEmbedding, tp: TensorParallel) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TensorParallel) -> None:
         super().__init__()
         self.heads = tp.shard(cfg.num_heads, "num_attention_heads")
         self.kv_heads = tp.shard(cfg.num_kv_heads, "num_key_value_heads")
@@ -35,12 +37,9 @@ class SelfAttention(nn.Module):
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, o_bias, tp)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.rope = rope
         self.attn = PagedAttention(layer_id, self.heads, self.kv_heads, cfg.head_dim)
 
-    def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, batch: AttentionBatch, kv: KVStore
-    ) -> torch.Tensor:
+    def forward(self, rope: RopeTables, x: torch.Tensor, batch: AttentionBatch, kv: KVStore) -> torch.Tensor:
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.heads, self.head_dim)
@@ -48,22 +47,20 @@ class SelfAttention(nn.Module):
         v = v.view(-1, self.kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rope(positions, q, k)
+        q, k = RotaryEmbedding.apply(q, k, rope)
         return self.o_proj(self.attn(q, k, v, batch, kv))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, rope: RotaryEmbedding, tp: TensorParallel) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TensorParallel) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = SelfAttention(cfg, layer_id, rope, tp)
+        self.self_attn = SelfAttention(cfg, layer_id, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, tp)
 
-    def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, batch: AttentionBatch, kv: KVStore
-    ) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), batch, kv)
+    def forward(self, rope: RopeTables, x: torch.Tensor, batch: AttentionBatch, kv: KVStore) -> torch.Tensor:
+        x = x + self.self_attn(rope, self.input_layernorm(x), batch, kv)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -74,22 +71,39 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
-        rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position, cfg.rope_scaling)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rope, tp) for i in range(cfg.num_layers))
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position, cfg.rope_scaling)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else ColumnParallelLinear(
             cfg.hidden_size, [cfg.vocab_size], False, TensorParallel()
         )
+        self._head_t: torch.Tensor | None = None  # CPU only: a transposed copy for one-row logits
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch, kv: KVStore
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        rope = self.rope.tables(positions, x.dtype)
         for layer in self.layers:
-            x = layer(positions, x, batch, kv)
+            x = layer(rope, x, batch, kv)
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [n, vocab] for the given final hidden states."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if hidden.device.type != "cpu":
+            return F.linear(hidden, weight).float()
+        # Same product, but on CPU BLAS picks much faster kernels for a large vocabulary this way:
+        # W @ h^T for several rows, h @ W^T with W^T contiguous for one (about 1.6x each).
+        if hidden.shape[0] > 1:
+            return (weight @ hidden.t()).t().float()
+        return (hidden @ self._transposed_head(weight)).float()
+
+    def weights_changed(self) -> None:
+        """Drops copies derived from the weights; call after loading new weights in place."""
+        self._head_t = None
+
+    def _transposed_head(self, weight: torch.Tensor) -> torch.Tensor:
+        if self._head_t is None:
+            self._head_t = weight.t().contiguous()
+        return self._head_t

@@ -77,6 +77,7 @@ def load_weights(model: CausalLM, model_dir: Path) -> None:
         loader(param, tensor.to(param.dtype), shard)
         loaded.setdefault(name, set()).add(shard)
     missing = sorted(n for n, p in params.items() if len(loaded.get(n, ())) < getattr(p, "num_shards", 1))
+    model.weights_changed()
     if missing:
         raise ValueError(f"{model_dir}: checkpoint lacks {missing[:5]}{'...' if len(missing) > 5 else ''}")
 

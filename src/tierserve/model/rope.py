@@ -79,7 +79,8 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Applies rope to q and k of shape [tokens, heads, head_dim] at absolute positions."""
+    """Rope tables for all positions; ``tables`` picks a batch's rows once per forward pass and
+    ``apply`` rotates q and k of shape [tokens, heads, head_dim] in every layer."""
 
     def __init__(
         self, head_dim: int, base: float, max_position: int, scaling: dict[str, Any] | None
@@ -92,9 +93,13 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos() * attention_factor, persistent=False)
         self.register_buffer("sin", emb.sin() * attention_factor, persistent=False)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin rows [tokens, 1, head_dim] for ``positions``, in the activations' dtype."""
+        return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
+
+    @staticmethod
+    def apply(
+        q: torch.Tensor, k: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].to(q.dtype).unsqueeze(1)
-        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
+        cos, sin = tables
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin

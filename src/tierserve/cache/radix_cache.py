@@ -1,0 +1,47 @@
+"""Device-tier (L1) prefix cache: the radix tree behind the engine's prefix-cache hook."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tierserve.cache.allocator import PageAllocator
+from tierserve.cache.radix_tree import Node, RadixTree
+from tierserve.engine.prefix_cache import PrefixHit
+
+
+class RadixCache:
+    """Keeps the KV pages of finished (and preempted) requests, shares them with later requests
+    whose prompts start the same way, and frees least recently used ones when the pool runs short.
+
+    Page ownership: a page is owned by exactly one of the allocator's free list, a request, or
+    the tree. ``release`` moves a request's full computed pages into the tree (or frees them when
+    the tree already has those tokens) and frees the rest.
+    """
+
+    def __init__(self, allocator: PageAllocator, page_size: int, seed: bytes) -> None:
+        self.allocator = allocator
+        self.page_size = page_size
+        self.tree = RadixTree(page_size, seed)
+        self.num_cached_pages = 0
+
+    def match(self, token_ids: Sequence[int]) -> PrefixHit:
+        found = self.tree.match(token_ids)
+        self.tree.lock(found.device_node)
+        n = len(found.device_pages) * self.page_size
+        return PrefixHit(n, list(found.device_pages), {"device": n} if n else {}, handle=found.device_node)
+
+    def release(self, token_ids: Sequence[int], pages: list[int], num_computed: int, hit: PrefixHit) -> None:
+        full = min(num_computed // self.page_size, len(pages))
+        unused, _ = self.tree.insert(token_ids[: full * self.page_size], pages[:full])
+        self.num_cached_pages += full - len(hit.pages) - len(unused)
+        self.allocator.free(unused + pages[full:])
+        if isinstance(hit.handle, Node):
+            self.tree.unlock(hit.handle)
+
+    def evict(self, num_pages: int) -> int:
+        device, host = self.tree.evict_device(num_pages)
+        if host:
+            raise RuntimeError("the L1-only radix cache holds no host pages")
+        self.allocator.free(device)
+        self.num_cached_pages -= len(device)
+        return len(device)

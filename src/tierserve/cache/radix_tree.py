@@ -1,0 +1,259 @@
+"""Page-granular radix tree over token ids: which prefixes have KV, and in which tier.
+
+Every node holds a run of whole pages: their tokens, one key per page (see ``hashing``), the L1
+(device) page indices or None, and the L2 (host) page indices or None. Invariant: a node with
+device pages has a parent with device pages (or the root), so a match is one contiguous prefix,
+its L1 part first, then its L2 part. Nodes are pinned by ``lock`` while requests or transfers use
+them; only unpinned nodes are evicted, least recently used first.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from tierserve.cache.hashing import page_keys
+
+_clock = itertools.count()
+
+
+@dataclass(eq=False)
+class Node:
+    tokens: tuple[int, ...] = ()
+    keys: list[bytes] = field(default_factory=list)
+    device: list[int] | None = None
+    host: list[int] | None = None
+    parent: Node | None = None
+    children: dict[tuple[int, ...], Node] = field(default_factory=dict)
+    lock: int = 0
+    hits: int = 0
+    last_access: int = field(default_factory=lambda: next(_clock))
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.keys)
+
+    def touch(self) -> None:
+        self.last_access = next(_clock)
+
+
+@dataclass
+class Match:
+    """A prompt's cached prefix: ``device_pages`` (L1) then ``host_pages`` (L2), contiguous.
+
+    ``device_node`` is the deepest node of the L1 part, ``last_node`` the deepest matched node
+    (equal when nothing came from L2); lock ``last_node`` to pin the whole path.
+    """
+
+    device_pages: list[int]
+    host_pages: list[int]
+    device_node: Node
+    last_node: Node
+    host_nodes: list[Node] = field(default_factory=list)
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.device_pages) + len(self.host_pages)
+
+
+class RadixTree:
+    """The tree; it decides nothing about memory: callers free the pages the tree gives back."""
+
+    def __init__(self, page_size: int, seed: bytes) -> None:
+        self.page_size = page_size
+        self.seed = seed
+        self.root = Node(keys=[], device=[], host=[])
+        self.root.lock = 1  # never evicted
+
+    # -- lookup --------------------------------------------------------------------------------
+
+    def match(self, token_ids: Sequence[int]) -> Match:
+        """Longest cached page-aligned prefix; splits a node where the match ends inside it."""
+        node, pages = self.root, self._pages(token_ids)
+        device: list[int] = []
+        host: list[int] = []
+        host_nodes: list[Node] = []
+        device_node = self.root
+        i = 0
+        while i < len(pages) and (child := node.children.get(pages[i])) is not None:
+            n = _common_pages(child, pages[i:], self.page_size)
+            if n < child.num_pages:
+                child = self._split(child, n)
+            child.touch()
+            if child.device is not None:
+                device += child.device
+                device_node = child
+            elif child.host is not None:
+                host += child.host
+                host_nodes.append(child)
+            else:
+                break
+            node, i = child, i + n
+        return Match(device, host, device_node, node, host_nodes)
+
+    def _pages(self, token_ids: Sequence[int]) -> list[tuple[int, ...]]:
+        ps = self.page_size
+        return [tuple(token_ids[i : i + ps]) for i in range(0, len(token_ids) - ps + 1, ps)]
+
+    # -- insertion -----------------------------------------------------------------------------
+
+    def insert(self, token_ids: Sequence[int], device_pages: list[int]) -> tuple[list[int], Node]:
+        """Records that ``device_pages`` hold the KV of the full pages of ``token_ids``.
+
+        Returns the pages the tree did not take (their tokens were already on the device: the
+        caller frees them) and the deepest node of the inserted path. Host-only nodes on the way
+        take the new device pages (they are back on L1).
+        """
+        pages = self._pages(token_ids)[: len(device_pages)]
+        node, i, unused = self.root, 0, []
+        while i < len(pages) and (child := node.children.get(pages[i])) is not None:
+            n = _common_pages(child, pages[i:], self.page_size)
+            if n < child.num_pages:
+                child = self._split(child, n)
+            if child.device is None:
+                child.device = device_pages[i : i + n]
+            else:  # the caller's own copy of pages the tree has; the same index is the same page
+                unused += [p for p, q in zip(device_pages[i : i + n], child.device, strict=True) if p != q]
+            child.touch()
+            node, i = child, i + n
+        if i < len(pages):
+            node = self._add_child(node, pages[i:], device_pages[i:])
+        return unused, node
+
+    def _add_child(self, parent: Node, pages: list[tuple[int, ...]], device: list[int]) -> Node:
+        tokens = tuple(t for page in pages for t in page)
+        parent_key = parent.keys[-1] if parent.keys else self.seed
+        child = Node(tokens, page_keys(parent_key, tokens, self.page_size), device=list(device), parent=parent)
+        parent.children[pages[0]] = child
+        return child
+
+    def _split(self, node: Node, n: int) -> Node:
+        """Cuts ``node`` after its first ``n`` pages; returns the new upper part (the lock and
+        access time are shared, so pins taken on the lower part still cover the upper part)."""
+        ps = self.page_size
+        upper = Node(node.tokens[: n * ps], node.keys[:n], _head(node.device, n), _head(node.host, n),
+                     node.parent, lock=node.lock, hits=node.hits, last_access=node.last_access)
+        node.parent.children[node.tokens[:ps]] = upper
+        node.tokens, node.keys = node.tokens[n * ps :], node.keys[n:]
+        node.device, node.host = _tail(node.device, n), _tail(node.host, n)
+        node.parent = upper
+        upper.children[node.tokens[:ps]] = node
+        return upper
+
+    # -- pins ----------------------------------------------------------------------------------
+
+    def lock(self, node: Node) -> None:
+        """Pins ``node`` and its ancestors (a request or transfer relies on the whole path)."""
+        for n in _path(node):
+            n.lock += 1
+
+    def unlock(self, node: Node) -> None:
+        for n in _path(node):
+            if n.lock <= 0:
+                raise RuntimeError("radix tree: unlock of an unlocked node")
+            n.lock -= 1
+
+    # -- eviction ------------------------------------------------------------------------------
+
+    def evict_device(self, num_pages: int) -> tuple[list[int], list[int]]:
+        """Drops the device copy of least recently used unpinned nodes at the bottom of the L1
+        subtree until ``num_pages`` pages are found. A node with a host copy stays, host-only; one
+        without is deleted (with any host-only nodes below it). Returns (device, host) pages freed."""
+        freed_device: list[int] = []
+        freed_host: list[int] = []
+        heap = _lru_heap(n for n in self.nodes() if _device_evictable(n))
+        while len(freed_device) < num_pages and heap:
+            victim = heapq.heappop(heap)[2]
+            freed_device += victim.device
+            victim.device = None
+            if victim.host is None:
+                freed_host += self._delete_subtree(victim)
+            if victim.parent is not self.root and _device_evictable(victim.parent):
+                heapq.heappush(heap, _lru_entry(victim.parent))
+        return freed_device, freed_host
+
+    def evict_host(self, num_pages: int) -> list[int]:
+        """Deletes least recently used unpinned host-only leaves until ``num_pages`` host pages are
+        found; returns them."""
+        freed: list[int] = []
+        heap = _lru_heap(n for n in self.nodes() if _host_evictable(n))
+        while len(freed) < num_pages and heap:
+            victim = heapq.heappop(heap)[2]
+            parent = victim.parent
+            freed += self._delete_subtree(victim)
+            if parent is not self.root and _host_evictable(parent):
+                heapq.heappush(heap, _lru_entry(parent))
+        return freed
+
+    def _delete_subtree(self, node: Node) -> list[int]:
+        """Unlinks ``node``; returns the host pages of it and everything below (none on device)."""
+        del node.parent.children[node.tokens[: self.page_size]]
+        freed = []
+        for n in _subtree(node):
+            if n.device is not None and n is not node:
+                raise RuntimeError("radix tree: deleting a node with device pages below it")
+            freed += n.host or []
+        return freed
+
+    # -- inspection ----------------------------------------------------------------------------
+
+    def nodes(self) -> Iterator[Node]:
+        """Every node except the root."""
+        for child in self.root.children.values():
+            yield from _subtree(child)
+
+    def device_pages(self) -> list[int]:
+        return [p for n in self.nodes() for p in n.device or []]
+
+    def host_pages(self) -> list[int]:
+        return [p for n in self.nodes() for p in n.host or []]
+
+
+def _common_pages(node: Node, pages: list[tuple[int, ...]], page_size: int) -> int:
+    n = 0
+    while n < min(node.num_pages, len(pages)) and node.tokens[n * page_size : (n + 1) * page_size] == pages[n]:
+        n += 1
+    return n
+
+
+def _head(values: list[int] | None, n: int) -> list[int] | None:
+    return None if values is None else values[:n]
+
+
+def _tail(values: list[int] | None, n: int) -> list[int] | None:
+    return None if values is None else values[n:]
+
+
+def _path(node: Node) -> Iterator[Node]:
+    while node.parent is not None:
+        yield node
+        node = node.parent
+
+
+def _subtree(node: Node) -> Iterator[Node]:
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        yield n
+        stack.extend(n.children.values())
+
+
+def _lru_entry(node: Node) -> tuple[int, int, Node]:
+    return node.last_access, id(node), node
+
+
+def _lru_heap(nodes: Iterator[Node]) -> list[tuple[int, int, Node]]:
+    heap = [_lru_entry(n) for n in nodes]
+    heapq.heapify(heap)
+    return heap
+
+
+def _device_evictable(node: Node) -> bool:
+    return (node.lock == 0 and node.device is not None
+            and all(c.device is None for c in node.children.values()))
+
+
+def _host_evictable(node: Node) -> bool:
+    return node.lock == 0 and node.device is None and node.host is not None and not node.children

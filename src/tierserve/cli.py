@@ -1,0 +1,145 @@
+"""The ``tierserve`` console script: one subcommand per role.
+
+Subcommands parse flags into typed config objects in one small function each, then hand those
+objects to the role's entry point; no argparse namespace travels further than that.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+# Only the light config module here: torch loads when a command needs it, so --help stays fast.
+from tierserve.engine.config import EngineConfig
+
+NOT_IMPLEMENTED = "not implemented yet (see the open issues)"
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+log = logging.getLogger("tierserve")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the process exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT, stream=sys.stderr)
+    if args.quiet_access_log:
+        logging.getLogger("uvicorn.access").setLevel(logging.WARNING)
+    return args.func(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    # Common flags go on leaf parsers only: argparse lets a subparser's defaults overwrite a parent's.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    common.add_argument("--quiet-access-log", action="store_true", help="do not log one line per HTTP request")
+    parser = argparse.ArgumentParser(prog="tierserve", description="LLM serving with PD disaggregation "
+                                     "and a three-tier KV cache.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    model = sub.add_parser("model", help="manage models")
+    model_sub = model.add_subparsers(dest="model_command", required=True, metavar="ACTION")
+    fetch = model_sub.add_parser("fetch", help="convert the built-in model into the local cache",
+                                 parents=[common])
+    fetch.add_argument("--cache-dir", type=Path, help="models directory (default: ~/.cache/tierserve/models)")
+    fetch.set_defaults(func=cmd_model_fetch)
+
+    serve = sub.add_parser("serve", help="one engine behind an OpenAI-compatible HTTP API", parents=[common])
+    add_server_args(serve)
+    serve.add_argument("--model", type=Path, help="Hugging Face model folder (default: the built-in model)")
+    serve.set_defaults(func=cmd_serve)
+
+    up = sub.add_parser("up", help="start a local deployment on the built-in model", parents=[common])
+    add_server_args(up)
+    up.set_defaults(func=cmd_up, model=None)
+
+    for name, text in [("router", "the HTTP router"), ("prefill", "a prefill node"),
+                       ("decode", "a decode node"), ("bench", "load generators and reports")]:
+        stub = sub.add_parser(name, help=f"{text}: {NOT_IMPLEMENTED}", parents=[common])
+        stub.set_defaults(func=cmd_not_implemented)
+    return parser
+
+
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    """HTTP and engine flags, named as in SGLang where it has one."""
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", help="require 'Authorization: Bearer <key>' on the API routes")
+    p.add_argument("--served-model-name", help="model name in the API (default: the model folder's name)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default="auto", help="auto, bfloat16, float16 or float32")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    p.add_argument("--max-total-tokens", type=int, help="KV pool size in tokens")
+    p.add_argument("--mem-fraction-static", type=float, default=0.85, help="GPU memory share for the KV pool")
+    p.add_argument("--chunked-prefill-size", type=int, default=2048, help="prompt tokens per step")
+    p.add_argument("--max-running-requests", type=int, default=256)
+    p.add_argument("--context-length", type=int, help="max prompt + output tokens (default: the model's)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--disable-radix-cache", action="store_true", help="do not reuse KV of shared prompt prefixes")
+
+
+def engine_config(args: argparse.Namespace, model_dir: Path) -> EngineConfig:
+    """The engine settings from parsed flags."""
+    return EngineConfig(
+        model_dir=model_dir, device=args.device, dtype=args.dtype, page_size=args.page_size,
+        max_total_tokens=args.max_total_tokens, mem_fraction_static=args.mem_fraction_static,
+        chunked_prefill_size=args.chunked_prefill_size, max_running_requests=args.max_running_requests,
+        max_model_len=args.context_length, seed=args.seed, disable_radix_cache=args.disable_radix_cache,
+    )
+
+
+def cmd_model_fetch(args: argparse.Namespace) -> int:
+    from tierserve.model.fetch import fetch_builtin_model
+
+    log.info("fetching the built-in model")
+    print(fetch_builtin_model(cache_dir=args.cache_dir, progress=True))
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace, on_ready: Callable[[], None] | None = None) -> int:
+    from tierserve.engine.server import serve
+
+    model_dir = args.model or _builtin_model()
+    if not (model_dir / "config.json").is_file():
+        print(f"tierserve: {model_dir} is not a model folder (no config.json)", file=sys.stderr)
+        return 2
+    try:
+        config = engine_config(args, model_dir)
+    except ValueError as exc:  # a flag out of range: a usage error, not a crash
+        print(f"tierserve: {exc}", file=sys.stderr)
+        return 2
+    serve(config, args.host, args.port, args.api_key, model_name=args.served_model_name, on_ready=on_ready)
+    return 0
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    # For now a single engine server; the whole local cluster replaces it later.
+    def announce() -> None:
+        base = f"http://{args.host}:{args.port}"
+        auth = f" -H 'Authorization: Bearer {args.api_key}'" if args.api_key else ""
+        print(f"\ntierserve is up: {base}/v1  (Ctrl+C stops it)\n\n"
+              f"curl {base}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\\n"
+              """  -d '{"messages": [{"role": "user", "content": "What is the capital of France?"}], """
+              """"max_tokens": 32}'\n""", flush=True)
+
+    return cmd_serve(args, on_ready=announce)
+
+
+def cmd_not_implemented(args: argparse.Namespace) -> int:
+    print(f"tierserve {args.command}: {NOT_IMPLEMENTED}", file=sys.stderr)
+    return 2
+
+
+def _builtin_model() -> Path:
+    from tierserve.model.fetch import builtin_model_dir, fetch_builtin_model, is_complete
+
+    if not is_complete(builtin_model_dir()):
+        log.info("converting the built-in model (once)")
+    return fetch_builtin_model(progress=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

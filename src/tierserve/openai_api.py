@@ -1,0 +1,367 @@
+"""The OpenAI-compatible HTTP API: request bodies, their sampling settings, response shapes, errors.
+
+Shared by the single-engine server and the router, so it imports neither torch nor any role.
+Request parsing is strict about types (``"max_tokens": "10"`` is a 400, as with OpenAI) and
+ignores fields it does not know. ``null`` means "not given" for every optional field.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from tierserve.engine.sampling_params import InvalidRequestError, SamplingParams
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+TIERS = ("device", "host", "storage")
+
+
+class APIError(Exception):
+    """An error to return as ``{"error": {message, type, param, code}}`` with HTTP ``status``."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    @property
+    def type(self) -> str:
+        if self.status >= 500:
+            return "server_error"
+        return "rate_limit_error" if self.status == 429 else "invalid_request_error"
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+# ---- requests -------------------------------------------------------------------------------
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class StreamOptions(_Body):
+    include_usage: bool | None = None
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: str
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    @model_validator(mode="after")
+    def _content_unless_assistant(self) -> ChatMessage:
+        # Only an assistant turn (one that called tools) may come without content, as in OpenAI's API.
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role!r} message needs content")
+        return self
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as chat templates expect it: text parts joined by newlines, as vLLM does."""
+        content = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content or [])
+        out: dict[str, Any] = {"role": self.role, "content": content}
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+class _GenerateBody(_Body):
+    """Fields shared by completions and chat; vLLM's extensions top_k, stop_token_ids, ignore_eos,
+    skip_special_tokens are accepted too."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    n: int | None = Field(default=None, ge=1, le=128)
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    user: str | None = None
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> _GenerateBody:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options can only be set when stream is true")
+        return self
+
+    @property
+    def num_choices(self) -> int:
+        return self.n or 1
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        """Engine settings; ``default_max_tokens`` applies when the body sets none.
+        Raises ``InvalidRequestError`` for out-of-range values."""
+        max_tokens = self.requested_max_tokens()
+        return SamplingParams(
+            max_tokens=default_max_tokens if max_tokens is None else max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k or 0,
+            seed=self.seed,
+            stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=bool(self.ignore_eos),
+            skip_special_tokens=self.skip_special_tokens is not False,
+        )
+
+
+class CompletionRequest(_GenerateBody):
+    prompt: str | list[str] | list[int] | list[list[int]]
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: text to tokenize or token ids to use as they are."""
+        if isinstance(self.prompt, str):
+            return [self.prompt]
+        if not self.prompt:
+            raise InvalidRequestError("prompt must not be empty")
+        if isinstance(self.prompt[0], int):
+            return [list(self.prompt)]  # type: ignore[arg-type]
+        return list(self.prompt)  # type: ignore[arg-type]
+
+
+class ChatCompletionRequest(_GenerateBody):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    add_generation_prompt: bool = True
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.template_dict() for m in self.messages]
+
+
+class TokenizeRequest(_Body):
+    """``/tokenize``: either ``prompt`` text or chat ``messages`` (rendered with the chat template)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        return self
+
+
+BodyT = TypeVar("BodyT", bound=BaseModel)
+
+
+def parse_body(cls: type[BodyT], raw: bytes) -> BodyT:
+    """Validates a JSON request body; raises ``APIError`` 400 naming the first bad field."""
+    try:
+        return cls.model_validate_json(raw or b"null")
+    except ValidationError as exc:
+        raise _validation_error(exc) from None
+
+
+def _validation_error(exc: ValidationError) -> APIError:
+    err = exc.errors(include_url=False)[0]
+    if err["type"] == "json_invalid":
+        return APIError(400, f"the request body is not valid JSON: {err['msg']}")
+    loc = [str(part) for part in err["loc"]]
+    if not loc:
+        return APIError(400, f"invalid request body: {err['msg']}")
+    if err["type"] == "missing":
+        return APIError(400, f"missing required field '{'.'.join(loc)}'", param=loc[0])
+    # Union members add their type names to the location; a plain sentence reads better.
+    if loc[0] == "prompt":
+        message = "prompt must be a string, a list of strings, a list of token ids or a list of such lists"
+        return APIError(400, message, param="prompt")
+    if loc[0] == "messages" and "content" in loc:
+        message = f"messages[{loc[1]}].content must be a string or a list of {{'type': 'text', 'text': ...}} parts"
+        return APIError(400, message, param="messages")
+    return APIError(400, f"invalid value for '{'.'.join(loc)}': {err['msg']}", param=loc[0])
+
+
+# ---- responses ------------------------------------------------------------------------------
+
+class CachedTokensByTier(BaseModel):
+    device: int = 0
+    host: int = 0
+    storage: int = 0
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+    cached_tokens_by_tier: CachedTokensByTier
+
+    @classmethod
+    def build(cls, prompt: int, completion: int, cached: int, by_tier: dict[str, int]) -> Usage:
+        tiers = CachedTokensByTier(**{t: by_tier.get(t, 0) for t in TIERS})
+        return cls(
+            prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached), cached_tokens_by_tier=tiers,
+        )
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    """Both the whole response and each stream chunk, as in OpenAI's API."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ChatMessageOut(BaseModel):
+    role: str = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessageOut
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: dict[str, str]  # a dict so absent keys stay absent: {} in the last chunk, as OpenAI sends
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "tierserve"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+@dataclass
+class ChoiceResult:
+    index: int
+    text: str
+    finish_reason: str | None
+
+
+class CompletionFormat:
+    """Builds one ``/v1/completions`` response or its stream chunks (one id and timestamp each)."""
+
+    def __init__(self, model: str) -> None:
+        self.id, self.created, self.model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), model
+
+    def opening_chunks(self, num_choices: int) -> list[BaseModel]:
+        return []
+
+    def chunk(self, index: int, text: str, finish_reason: str | None) -> BaseModel:
+        return self._make([CompletionChoice(index=index, text=text, finish_reason=finish_reason)])
+
+    def usage_chunk(self, usage: Usage) -> BaseModel:
+        return self._make([], usage)
+
+    def response(self, choices: list[ChoiceResult], usage: Usage) -> BaseModel:
+        return self._make([CompletionChoice(index=c.index, text=c.text, finish_reason=c.finish_reason)
+                           for c in choices], usage)
+
+    def _make(self, choices: list[CompletionChoice], usage: Usage | None = None) -> CompletionResponse:
+        return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage)
+
+
+class ChatFormat:
+    """Builds one ``/v1/chat/completions`` response or its stream chunks."""
+
+    def __init__(self, model: str) -> None:
+        self.id, self.created, self.model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model
+
+    def opening_chunks(self, num_choices: int) -> list[BaseModel]:
+        """OpenAI streams start with the role, and empty content, for each choice."""
+        return [self._make([ChatChunkChoice(index=i, delta={"role": "assistant", "content": ""})])
+                for i in range(num_choices)]
+
+    def chunk(self, index: int, text: str, finish_reason: str | None) -> BaseModel:
+        delta = {"content": text} if text else {}
+        return self._make([ChatChunkChoice(index=index, delta=delta, finish_reason=finish_reason)])
+
+    def usage_chunk(self, usage: Usage) -> BaseModel:
+        return self._make([], usage)
+
+    def response(self, choices: list[ChoiceResult], usage: Usage) -> BaseModel:
+        out = [ChatChoice(index=c.index, message=ChatMessageOut(content=c.text), finish_reason=c.finish_reason)
+               for c in choices]
+        return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=out, usage=usage)
+
+    def _make(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage)
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def sse(event: BaseModel | dict[str, Any]) -> bytes:
+    """One server-sent event carrying ``event`` as JSON."""
+    data = event.model_dump_json().encode() if isinstance(event, BaseModel) else json.dumps(event).encode()
+    return b"data: " + data + b"\n\n"

@@ -1,0 +1,39 @@
+"""Chained page keys and namespaces."""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+
+from tierserve.cache.hashing import Namespace, page_keys
+
+NS = Namespace(model="m", kv_dtype="float32", page_size=4, num_layers=2, num_kv_heads=2, head_dim=8)
+
+
+def test_keys_are_chained_sha256_of_u32_le_tokens() -> None:
+    tokens = list(range(10))
+    keys = page_keys(NS.seed(), tokens, 4)
+    assert len(keys) == 2  # the partial third page has no key
+    first = hashlib.sha256(NS.seed() + struct.pack("<4I", 0, 1, 2, 3)).digest()
+    assert keys[0] == first
+    assert keys[1] == hashlib.sha256(first + struct.pack("<4I", 4, 5, 6, 7)).digest()
+    assert page_keys(keys[0], tokens[4:], 4) == keys[1:]  # continuing a chain from a page key
+
+
+def test_same_page_different_prefix_gets_a_different_key() -> None:
+    a = page_keys(NS.seed(), [1, 2, 3, 4, 9, 9, 9, 9], 4)
+    b = page_keys(NS.seed(), [5, 6, 7, 8, 9, 9, 9, 9], 4)
+    assert a[1] != b[1]
+
+
+def test_every_namespace_field_changes_the_seed() -> None:
+    seeds = {NS.seed()}
+    variants = [NS.with_salt("tenant-b"), Namespace("m2", "float32", 4, 2, 2, 8),
+                Namespace("m", "bfloat16", 4, 2, 2, 8), Namespace("m", "float32", 16, 2, 2, 8),
+                Namespace("m", "float32", 4, 3, 2, 8), Namespace("m", "float32", 4, 2, 1, 8),
+                Namespace("m", "float32", 4, 2, 2, 16)]
+    for ns in variants:
+        seeds.add(ns.seed())
+        assert page_keys(ns.seed(), [1, 2, 3, 4], 4) != page_keys(NS.seed(), [1, 2, 3, 4], 4)
+    assert len(seeds) == len(variants) + 1
+    assert len(NS.digest()) == 16 and NS.digest() == NS.seed().hex()[:16]

@@ -1,0 +1,298 @@
+"""The single-engine OpenAI server as a real process on loopback, driven by the official client."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+pytestmark = pytest.mark.integration
+
+API_KEY = "sekrit"
+STARTUP_DEADLINE_S = 180
+
+
+@dataclass
+class Server:
+    url: str
+    process: subprocess.Popen
+    log: Path
+    api_key: str | None = None
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=self.api_key or "unused", max_retries=0)
+
+    def http(self) -> httpx.Client:
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        return httpx.Client(base_url=self.url, headers=headers, timeout=60)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(model: Path, log: Path, *flags: str) -> subprocess.Popen:
+    port = _free_port()
+    cmd = [sys.executable, "-m", "tierserve.cli", "serve", "--model", str(model), "--port", str(port),
+           "--quiet-access-log", *flags]
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    proc.port = port  # type: ignore[attr-defined]
+    return proc
+
+
+def _wait_healthy(proc: subprocess.Popen, url: str, log: Path) -> None:
+    deadline = time.monotonic() + STARTUP_DEADLINE_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)  # a polling interval, not a wait for readiness
+    raise TimeoutError(f"server not healthy after {STARTUP_DEADLINE_S}s:\n{log.read_text()[-4000:]}")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_llama: Path, builtin_model: Path, tmp_path_factory) -> Iterator[dict[str, Server]]:
+    """Both servers start together so their model loads overlap."""
+    logs = tmp_path_factory.mktemp("server-logs")
+    tiny = _start(tiny_llama, logs / "tiny.log", "--api-key", API_KEY, "--max-total-tokens", "2048")
+    smol = _start(builtin_model, logs / "smol.log", "--max-total-tokens", "4096", "--context-length", "2048")
+    started = {"tiny": (tiny, logs / "tiny.log", API_KEY), "smol": (smol, logs / "smol.log", None)}
+    try:
+        out = {}
+        for name, (proc, log, key) in started.items():
+            url = f"http://127.0.0.1:{proc.port}"
+            _wait_healthy(proc, url, log)
+            out[name] = Server(url, proc, log, key)
+        yield out
+    finally:
+        for proc, _, _ in started.values():
+            _stop(proc)
+
+
+@pytest.fixture(scope="module")
+def tiny(servers: dict[str, Server]) -> Server:
+    """Tiny random Llama, no tokenizer (token-id prompts only), with an API key."""
+    return servers["tiny"]
+
+
+@pytest.fixture(scope="module")
+def smol(servers: dict[str, Server]) -> Server:
+    """The built-in SmolLM2 with its tokenizer and chat template, no API key."""
+    return servers["smol"]
+
+
+def _model(server: Server) -> str:
+    return server.client().models.list().data[0].id
+
+
+def _poll(check: Callable[[], bool], what: str, deadline_s: float = 30) -> None:
+    deadline = time.monotonic() + deadline_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def _metric(server: Server, name: str, **labels: str) -> float:
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return 0.0
+
+
+# ---- auth, routing, errors -------------------------------------------------------------------
+
+def test_api_key_required(tiny: Server, tiny_llama: Path):
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+        r = httpx.post(f"{tiny.url}/v1/completions", json={"prompt": [1, 2]}, headers=headers, timeout=10)
+        assert r.status_code == 401
+        assert r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(f"{tiny.url}/health", timeout=10).status_code == 200
+    assert httpx.get(f"{tiny.url}/metrics", timeout=10).status_code == 200
+    bad = openai.OpenAI(base_url=f"{tiny.url}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    assert tiny.client().models.list().data[0].id == tiny_llama.name
+
+
+def test_unknown_model_is_404(tiny: Server):
+    with pytest.raises(openai.NotFoundError) as info:
+        tiny.client().completions.create(model="no-such-model", prompt=[1, 2, 3], max_tokens=2)
+    assert info.value.body["code"] == "model_not_found"
+    with tiny.http() as http:
+        assert http.get("/v1/nothing-here").json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"prompt": []},
+        {"prompt": [[]]},
+        {"prompt": list(range(600))},  # longer than the model's 512 positions
+        {"prompt": list(range(500)), "max_tokens": 100},  # fits alone, not with its max_tokens
+        {"prompt": list(range(500)), "max_tokens": 100, "stream": True},  # 400 before the stream starts
+        {"prompt": [1, 2], "max_tokens": -1},
+        {"prompt": [1, 2], "max_tokens": "ten"},
+        {"prompt": [1, 2], "temperature": "hot"},
+        {"prompt": [1, 2], "top_p": 0},
+        {"prompt": [1, 2], "stop": 5},
+        {"prompt": [1, 2], "n": 0},
+        {"prompt": [10**9]},  # not in the vocabulary
+        {"prompt": "text, but this model has no tokenizer"},
+        {"max_tokens": 3},
+    ],
+)
+def test_bad_request_is_400(tiny: Server, body: dict):
+    with tiny.http() as http:
+        r = http.post("/v1/completions", json=body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["message"]
+    assert set(error) == {"message", "type", "param", "code"}
+
+
+def test_malformed_json_is_400(tiny: Server):
+    with tiny.http() as http:
+        r = http.post("/v1/completions", content=b"{not json", headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("body", [{"prompt": ""}, {"messages": []}, {"messages": [{"role": "user"}]}])
+def test_bad_text_request_is_400(smol: Server, body: dict):
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    with smol.http() as http:
+        assert http.post(path, json=body).status_code == 400
+
+
+# ---- completions with token ids (tiny model) -------------------------------------------------
+
+def test_completion_usage_and_streaming(tiny: Server):
+    client, prompt = tiny.client(), [5, 6, 7, 8, 9]
+    extra = {"ignore_eos": True, "unknown_field": "ignored"}
+    full = client.completions.create(model=_model(tiny), prompt=prompt, max_tokens=8, temperature=0,
+                                     extra_body=extra)
+    assert full.choices[0].finish_reason == "length"
+    assert (full.usage.prompt_tokens, full.usage.completion_tokens, full.usage.total_tokens) == (5, 8, 13)
+    assert full.usage.prompt_tokens_details.cached_tokens == 0
+    assert full.usage.model_extra["cached_tokens_by_tier"] == {"device": 0, "host": 0, "storage": 0}
+
+    chunks = list(client.completions.create(model=_model(tiny), prompt=prompt, max_tokens=8, temperature=0,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body=extra))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_n_choices_and_prompt_batches(tiny: Server):
+    r = tiny.client().completions.create(model=_model(tiny), prompt=[[1, 2, 3], [4, 5]], n=2, max_tokens=3,
+                                         extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in r.choices) == [0, 1, 2, 3]
+    assert r.usage.prompt_tokens == 5 and r.usage.completion_tokens == 12
+
+
+# ---- text and chat (built-in model) ----------------------------------------------------------
+
+def test_chat_knows_paris(smol: Server):
+    r = smol.client().chat.completions.create(
+        model=_model(smol), messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=20, temperature=0,
+    )
+    assert "Paris" in r.choices[0].message.content
+    assert r.choices[0].message.role == "assistant"
+    assert r.usage.prompt_tokens > 0 and 0 < r.usage.completion_tokens <= 20
+    assert r.usage.prompt_tokens_details.cached_tokens >= 0
+
+
+def test_greedy_stream_equals_non_stream(smol: Server):
+    client, model = smol.client(), _model(smol)
+    kwargs = dict(model=model, prompt="The three primary colors are", max_tokens=16, temperature=0)
+    full = client.completions.create(**kwargs).choices[0].text
+    streamed = "".join(c.choices[0].text for c in client.completions.create(**kwargs, stream=True))
+    assert full and streamed == full
+
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Name a large animal."}]}]
+    chat = dict(model=model, messages=messages, max_tokens=16, temperature=0)
+    full = client.chat.completions.create(**chat).choices[0].message.content
+    parts = [c.choices[0].delta.content or "" for c in client.chat.completions.create(**chat, stream=True)
+             if c.choices]
+    assert full and "".join(parts) == full
+
+
+def test_tokenize(smol: Server, builtin_model: Path):
+    from tierserve.model.tokenizer import TextTokenizer
+
+    tok = TextTokenizer.from_dir(builtin_model)
+    messages = [{"role": "user", "content": "hi"}]
+    with smol.http() as http:
+        assert http.post("/tokenize", json={"prompt": "hello world"}).json()["tokens"] == tok.encode("hello world")
+        chat = http.post("/tokenize", json={"messages": messages}).json()
+    assert chat["tokens"] == tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
+    assert chat["count"] == len(chat["tokens"]) and chat["max_model_len"] == 2048
+
+
+def _engine_idle(server: Server) -> bool:
+    with server.http() as http:
+        state = http.get("/debug/engine").json()
+    return state["running"] == 0 and state["waiting"] == 0 and state["kv_pages_used"] == 0
+
+
+def test_client_disconnect_mid_stream_aborts(smol: Server):
+    aborted = _metric(smol, "tierserve_requests_total", finish_reason="abort")
+    body = {"prompt": "Once upon a time", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=smol.url, timeout=60) as http, http.stream("POST", "/v1/completions",
+                                                                          json=body) as r:
+        assert r.status_code == 200
+        first = next(line for line in r.iter_lines() if line.startswith("data: "))
+        assert json.loads(first.removeprefix("data: "))["choices"][0]["finish_reason"] is None
+    # Leaving the block closed the connection long before 1500 tokens could be generated.
+    _poll(lambda: _metric(smol, "tierserve_requests_total", finish_reason="abort") == aborted + 1, "the abort")
+    _poll(lambda: _engine_idle(smol), "the engine to release every page")
+    assert httpx.get(f"{smol.url}/health", timeout=10).status_code == 200
+    assert smol.client().completions.create(model=_model(smol), prompt="Hi", max_tokens=2).choices[0].text
+
+
+def test_client_disconnect_while_waiting_for_full_response_aborts(smol: Server):
+    aborted = _metric(smol, "tierserve_requests_total", finish_reason="abort")
+    body = {"prompt": "Once upon a time", "max_tokens": 1500, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{smol.url}/v1/completions", json=body, timeout=httpx.Timeout(60, read=1.0))
+    _poll(lambda: _metric(smol, "tierserve_requests_total", finish_reason="abort") == aborted + 1, "the abort")
+    _poll(lambda: _engine_idle(smol), "the engine to release every page")
+
+
+def test_metrics_count_requests(smol: Server):
+    before = _metric(smol, "tierserve_generation_tokens_total")
+    smol.client().completions.create(model=_model(smol), prompt="Hello", max_tokens=3,
+                                     extra_body={"ignore_eos": True})
+    assert _metric(smol, "tierserve_generation_tokens_total") == before + 3
+    assert _metric(smol, "tierserve_time_to_first_token_seconds_count") > 0
+    assert _metric(smol, "tierserve_e2e_request_latency_seconds_count") > 0
