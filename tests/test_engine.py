@@ -176,6 +176,9 @@ class DictPrefixCache:
     def evict(self, num_pages: int) -> int:
         return 0
 
+    def on_step(self) -> None:
+        pass
+
 
 def test_prefix_cache_hook_reuses_pages_and_outputs_do_not_change(tiny_llama: Path) -> None:
     engine = Engine(EngineConfig(tiny_llama, dtype="float32", page_size=4, max_total_tokens=2048),

@@ -13,7 +13,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 # Only the light config module here: torch loads when a command needs it, so --help stays fast.
-from tierserve.engine.config import EngineConfig
+from tierserve.cache.options import HostLayout, IOBackend, WritePolicy
+from tierserve.engine.config import EngineConfig, HiCacheOptions
 
 NOT_IMPLEMENTED = "not implemented yet (see the open issues)"
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -79,6 +80,22 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context-length", type=int, help="max prompt + output tokens (default: the model's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--disable-radix-cache", action="store_true", help="do not reuse KV of shared prompt prefixes")
+    add_hicache_args(p)
+
+
+def add_hicache_args(p: argparse.ArgumentParser) -> None:
+    """The host tier (L2) of the prefix cache, named as in SGLang."""
+    p.add_argument("--enable-hierarchical-cache", action="store_true", help="add a host-memory tier (L2)")
+    p.add_argument("--hicache-ratio", type=float, default=2.0, help="L2 size as a multiple of the device pool")
+    p.add_argument("--hicache-size", type=float, help="L2 size in GB (overrides --hicache-ratio)")
+    p.add_argument("--hicache-write-policy", type=WritePolicy, default=WritePolicy.WRITE_THROUGH,
+                   choices=list(WritePolicy), metavar="{" + ",".join(w.value for w in WritePolicy) + "}")
+    p.add_argument("--hicache-write-threshold", type=int, default=2,
+                   help="hits before write_through_selective copies a prefix to L2")
+    p.add_argument("--hicache-mem-layout", type=HostLayout, default=HostLayout.PAGE_FIRST_DIRECT,
+                   choices=list(HostLayout), metavar="{" + ",".join(x.value for x in HostLayout) + "}")
+    p.add_argument("--hicache-io-backend", type=IOBackend, default=IOBackend.KERNEL,
+                   choices=list(IOBackend), metavar="{" + ",".join(x.value for x in IOBackend) + "}")
 
 
 def engine_config(args: argparse.Namespace, model_dir: Path) -> EngineConfig:
@@ -88,6 +105,12 @@ def engine_config(args: argparse.Namespace, model_dir: Path) -> EngineConfig:
         max_total_tokens=args.max_total_tokens, mem_fraction_static=args.mem_fraction_static,
         chunked_prefill_size=args.chunked_prefill_size, max_running_requests=args.max_running_requests,
         max_model_len=args.context_length, seed=args.seed, disable_radix_cache=args.disable_radix_cache,
+        enable_hierarchical_cache=args.enable_hierarchical_cache,
+        hicache=HiCacheOptions(
+            ratio=args.hicache_ratio, size_gb=args.hicache_size, write_policy=args.hicache_write_policy,
+            write_threshold=args.hicache_write_threshold, mem_layout=args.hicache_mem_layout,
+            io_backend=args.hicache_io_backend,
+        ),
     )
 
 

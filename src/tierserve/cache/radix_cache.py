@@ -45,3 +45,6 @@ class RadixCache:
         self.allocator.free(device)
         self.num_cached_pages -= len(device)
         return len(device)
+
+    def on_step(self) -> None:
+        pass

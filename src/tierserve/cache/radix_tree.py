@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from tierserve.cache.hashing import page_keys
@@ -30,6 +30,8 @@ class Node:
     lock: int = 0
     hits: int = 0
     last_access: int = field(default_factory=lambda: next(_clock))
+    loading: object = None  # the L2 -> L1 load filling ``device`` until it completes
+    writing: bool = False  # an L1 -> L2 copy of this node is in flight
 
     @property
     def num_pages(self) -> int:
@@ -82,6 +84,7 @@ class RadixTree:
             if n < child.num_pages:
                 child = self._split(child, n)
             child.touch()
+            child.hits += 1
             if child.device is not None:
                 device += child.device
                 device_node = child
@@ -134,7 +137,8 @@ class RadixTree:
         access time are shared, so pins taken on the lower part still cover the upper part)."""
         ps = self.page_size
         upper = Node(node.tokens[: n * ps], node.keys[:n], _head(node.device, n), _head(node.host, n),
-                     node.parent, lock=node.lock, hits=node.hits, last_access=node.last_access)
+                     node.parent, lock=node.lock, hits=node.hits, last_access=node.last_access,
+                     loading=node.loading, writing=node.writing)
         node.parent.children[node.tokens[:ps]] = upper
         node.tokens, node.keys = node.tokens[n * ps :], node.keys[n:]
         node.device, node.host = _tail(node.device, n), _tail(node.host, n)
@@ -157,15 +161,21 @@ class RadixTree:
 
     # -- eviction ------------------------------------------------------------------------------
 
-    def evict_device(self, num_pages: int) -> tuple[list[int], list[int]]:
+    def evict_device(
+        self, num_pages: int, backup: Callable[[Node], bool] | None = None
+    ) -> tuple[list[int], list[int]]:
         """Drops the device copy of least recently used unpinned nodes at the bottom of the L1
-        subtree until ``num_pages`` pages are found. A node with a host copy stays, host-only; one
-        without is deleted (with any host-only nodes below it). Returns (device, host) pages freed."""
+        subtree until ``num_pages`` pages are found. A node without a host copy is first offered
+        to ``backup`` (write-back: it may give the node host pages); a node with a host copy stays,
+        host-only; one without is deleted (with any host-only nodes below it). Returns the
+        (device, host) pages freed."""
         freed_device: list[int] = []
         freed_host: list[int] = []
         heap = _lru_heap(n for n in self.nodes() if _device_evictable(n))
         while len(freed_device) < num_pages and heap:
             victim = heapq.heappop(heap)[2]
+            if victim.host is None and backup is not None:
+                backup(victim)
             freed_device += victim.device
             victim.device = None
             if victim.host is None:
@@ -251,7 +261,7 @@ def _lru_heap(nodes: Iterator[Node]) -> list[tuple[int, int, Node]]:
 
 
 def _device_evictable(node: Node) -> bool:
-    return (node.lock == 0 and node.device is not None
+    return (node.lock == 0 and node.device is not None and node.loading is None
             and all(c.device is None for c in node.children.values()))
 
 

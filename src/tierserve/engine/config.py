@@ -2,15 +2,30 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from tierserve.cache.options import HostLayout, IOBackend, WritePolicy
+
+
+@dataclass(frozen=True)
+class HiCacheOptions:
+    """The host tier: ``ratio`` x the device pool, or ``size_gb`` when given (``--hicache-*``)."""
+
+    ratio: float = 2.0
+    size_gb: float | None = None
+    write_policy: WritePolicy = WritePolicy.WRITE_THROUGH
+    write_threshold: int = 2
+    mem_layout: HostLayout = HostLayout.PAGE_FIRST_DIRECT
+    io_backend: IOBackend = IOBackend.KERNEL
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     """``max_total_tokens`` sizes the KV pool (default: a fraction of free GPU memory on CUDA,
     16384 tokens on CPU). ``max_model_len`` caps prompt plus output (default: the model's).
-    ``disable_radix_cache`` turns off reuse of earlier requests' KV for shared prompt prefixes."""
+    ``disable_radix_cache`` turns off reuse of earlier requests' KV for shared prompt prefixes;
+    ``enable_hierarchical_cache`` adds the host-memory tier (L2) behind it."""
 
     model_dir: Path
     device: str = "auto"
@@ -23,6 +38,8 @@ class EngineConfig:
     max_model_len: int | None = None
     seed: int = 0
     disable_radix_cache: bool = False
+    enable_hierarchical_cache: bool = False
+    hicache: HiCacheOptions = field(default_factory=HiCacheOptions)
 
     def __post_init__(self) -> None:
         if self.page_size < 1:

@@ -14,6 +14,8 @@ from tokenizers import Tokenizer
 from tierserve.cache.allocator import PageAllocator
 from tierserve.cache.device_pool import DeviceKVPool, KVGeometry
 from tierserve.cache.hashing import Namespace
+from tierserve.cache.hicache import HiCache, HiCacheConfig
+from tierserve.cache.host_pool import HostKVPool
 from tierserve.cache.radix_cache import RadixCache
 from tierserve.engine.config import EngineConfig
 from tierserve.engine.model_runner import ModelRunner
@@ -209,7 +211,15 @@ class Engine:
     def _default_cache(self, allocator: PageAllocator, pool: DeviceKVPool) -> PrefixCache:
         if self.config.disable_radix_cache:
             return NoPrefixCache(allocator)
-        return RadixCache(allocator, pool.page_size, self.namespace.seed())
+        if not self.config.enable_hierarchical_cache:
+            return RadixCache(allocator, pool.page_size, self.namespace.seed())
+        opts = self.config.hicache
+        pages = int(pool.num_pages * opts.ratio)
+        if opts.size_gb is not None:
+            pages = int(opts.size_gb * 2**30) // self.geometry.bytes_per_page
+        host = HostKVPool(self.geometry, max(1, pages), opts.mem_layout, pin_memory=self.device.type == "cuda")
+        config = HiCacheConfig(opts.write_policy, opts.io_backend, opts.write_threshold)
+        return HiCache(allocator, pool, host, self.namespace.seed(), config)
 
     def _num_pages(self) -> int:
         tokens = self.config.max_total_tokens

@@ -33,7 +33,7 @@ class ModelRunner:
         decodes = [s for s in batch if _is_decode(s)]
         ordered = extends + decodes
         ids, positions, slots = self._flat_tokens(ordered)
-        attn = AttentionBatch(page_size=self.page_size, out_slots=slots, hooks=hooks)
+        attn = AttentionBatch(page_size=self.page_size, out_slots=slots, hooks=hooks or _pending_loads(batch))
         attn.extends = self._extend_spans(extends)
         attn.decode_start = len(ids) - len(decodes)
         if decodes:
@@ -82,6 +82,26 @@ class ModelRunner:
         slots = torch.arange(width * self.page_size, device=self.device)
         mask = slots[None, :] < self._tensor(lengths)[:, None]
         return pages, mask[:, None, None, :]
+
+
+class _WaitForLoads:
+    """Layer hooks that hold each layer's attention until prefix pages copied into the pool
+    (e.g. from host memory) have that layer in place."""
+
+    def __init__(self, loads: list) -> None:
+        self.loads = loads
+
+    def before_attention(self, layer_id: int) -> None:
+        for load in self.loads:
+            load.wait(layer_id)
+
+    def after_kv_written(self, layer_id: int) -> None:
+        pass
+
+
+def _pending_loads(batch: list[Scheduled]) -> _WaitForLoads | None:
+    loads = [load for s in batch for load in s.request.hit.loads if not load.done()]
+    return _WaitForLoads(loads) if loads else None
 
 
 def _is_decode(s: Scheduled) -> bool:

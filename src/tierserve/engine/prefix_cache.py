@@ -14,13 +14,26 @@ class PrefixHit:
     """The first ``num_tokens`` tokens of a prompt are in ``pages`` (whole pages, read-only).
 
     ``by_tier`` splits ``num_tokens`` by where the KV came from (device, host, storage);
-    ``handle`` is the cache's own bookkeeping, returned to it untouched.
+    ``handle`` is the cache's own bookkeeping, returned to it untouched. ``loads`` are copies
+    still filling some of ``pages``, layer by layer: attention of layer i must first call
+    ``wait(i)`` on each.
     """
 
     num_tokens: int = 0
     pages: list[int] = field(default_factory=list)
     by_tier: dict[str, int] = field(default_factory=dict)
     handle: object = None
+    loads: list[LayerLoad] = field(default_factory=list)
+
+
+class LayerLoad(Protocol):
+    """A copy into device pages that completes layer by layer."""
+
+    def wait(self, layer: int) -> None:
+        """Blocks until layer ``layer`` is in place (raises if the copy failed)."""
+        ...
+
+    def done(self) -> bool: ...
 
 
 class PrefixCache(Protocol):
@@ -45,6 +58,11 @@ class PrefixCache(Protocol):
         """Frees up to ``num_pages`` unpinned pages to the allocator; returns how many it freed."""
         ...
 
+    def on_step(self) -> None:
+        """Called by the scheduler before each step: applies finished background work to the
+        cache's state, so every change happens at a step boundary on the engine thread."""
+        ...
+
 
 class NoPrefixCache:
     """Caches nothing: every page a request used goes straight back to the allocator."""
@@ -62,3 +80,6 @@ class NoPrefixCache:
 
     def evict(self, num_pages: int) -> int:
         return 0
+
+    def on_step(self) -> None:
+        pass

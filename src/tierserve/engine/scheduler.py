@@ -57,6 +57,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> list[Scheduled]:
+        self.cache.on_step()
         budget = self.config.chunked_prefill_size
         batch: list[Scheduled] = []
         for request in list(self.running):

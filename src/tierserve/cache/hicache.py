@@ -1,0 +1,219 @@
+"""HiCache over two tiers: L1 (device pool) and L2 (host pool) under one radix tree.
+
+Writes L1 -> L2 run on a worker thread and are applied to the tree at the next step boundary
+(``on_step``); loads L2 -> L1 run on the same worker layer by layer, so a request's attention in
+layer i only waits for layer i while later layers are still copying.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+from tierserve.cache.allocator import PageAllocator
+from tierserve.cache.device_pool import DeviceKVPool
+from tierserve.cache.host_pool import HostKVPool, copy_pages
+from tierserve.cache.options import IOBackend, WritePolicy
+from tierserve.cache.radix_tree import Node, RadixTree
+from tierserve.engine.prefix_cache import PrefixHit
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class HiCacheConfig:
+    write_policy: WritePolicy = WritePolicy.WRITE_THROUGH
+    io_backend: IOBackend = IOBackend.KERNEL
+    write_threshold: int = 2
+
+
+class LayerwiseLoad:
+    """An L2 -> L1 copy whose layers complete one after another (``wait(i)`` blocks for layer i)."""
+
+    def __init__(self, num_layers: int) -> None:
+        self._layers = [threading.Event() for _ in range(num_layers)]
+        self.error: BaseException | None = None
+
+    def run(self, copy_layer) -> None:
+        try:
+            for i, event in enumerate(self._layers):
+                copy_layer(i)
+                event.set()
+        except BaseException as exc:
+            self.error = exc
+            for event in self._layers:
+                event.set()
+
+    def wait(self, layer: int) -> None:
+        self._layers[layer].wait()
+        if self.error is not None:
+            raise RuntimeError("loading KV from host memory failed") from self.error
+
+    def done(self) -> bool:
+        return self._layers[-1].is_set()
+
+
+@dataclass
+class _Write:
+    node: Node
+    host_pages: list[int]
+    future: Future
+
+
+class HiCache:
+    """The engine's prefix cache over L1 and L2 (see ``engine.prefix_cache.PrefixCache``).
+
+    Page ownership: device pages belong to the device allocator's free list, a request, or the
+    tree; host pages to the host pool's allocator or the tree (or an in-flight write).
+    """
+
+    def __init__(self, allocator: PageAllocator, device: DeviceKVPool, host: HostKVPool, seed: bytes,
+                 config: HiCacheConfig) -> None:
+        self.allocator, self.device, self.host, self.config = allocator, device, host, config
+        self.page_size = device.page_size
+        self.tree = RadixTree(self.page_size, seed)
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicache-io")
+        self._writes: list[_Write] = []
+        self._loading: list[Node] = []
+
+    @property
+    def num_cached_pages(self) -> int:
+        return len(self.tree.device_pages())
+
+    def close(self) -> None:
+        self._worker.shutdown(wait=True)
+
+    # -- the engine hook -------------------------------------------------------------------------
+
+    def match(self, token_ids: Sequence[int]) -> PrefixHit:
+        found = self.tree.match(token_ids)
+        node = found.last_node
+        self.tree.lock(node)
+        loads = [n.loading for n in _path(found.device_node) if n.loading is not None]
+        host_tokens = 0
+        if found.host_pages:
+            load = self._load(found.host_nodes, found.host_pages)
+            if load is None:  # no room on the device: use the L1 part only
+                self.tree.unlock(node)
+                node = found.device_node
+                self.tree.lock(node)
+            else:
+                loads.append(load)
+                host_tokens = len(found.host_pages) * self.page_size
+        self._maybe_write_path(node)
+        pages = [p for n in reversed(list(_path(node))) for p in n.device]
+        device_tokens = len(pages) * self.page_size - host_tokens
+        by_tier = {k: v for k, v in (("device", device_tokens), ("host", host_tokens)) if v}
+        return PrefixHit(len(pages) * self.page_size, pages, by_tier, handle=node, loads=loads)
+
+    def release(self, token_ids: Sequence[int], pages: list[int], num_computed: int, hit: PrefixHit) -> None:
+        full = min(num_computed // self.page_size, len(pages))
+        unused, node = self.tree.insert(token_ids[: full * self.page_size], pages[:full])
+        self.allocator.free(unused + pages[full:])
+        if isinstance(hit.handle, Node):
+            self.tree.unlock(hit.handle)
+        if self.config.write_policy is WritePolicy.WRITE_THROUGH:
+            self._maybe_write_path(node)
+
+    def evict(self, num_pages: int) -> int:
+        backup = self._write_now if self.config.write_policy is WritePolicy.WRITE_BACK else None
+        device, host = self.tree.evict_device(num_pages, backup)
+        self.allocator.free(device)
+        self.host.allocator.free(host)
+        return len(device)
+
+    def on_step(self) -> None:
+        still = []
+        for write in self._writes:
+            if not write.future.done():
+                still.append(write)
+                continue
+            write.node.writing = False
+            self.tree.unlock(write.node)
+            if write.future.exception() is not None:
+                log.warning("L1 -> L2 copy failed: %s", write.future.exception())
+                self.host.allocator.free(write.host_pages)
+            else:
+                _assign_host(write.node, write.host_pages)
+        self._writes = still
+        for node in [n for n in self._loading if n.loading.done()]:
+            node.loading = None
+            self._loading.remove(node)
+
+    # -- L1 -> L2 ------------------------------------------------------------------------------
+
+    def _maybe_write_path(self, node: Node) -> None:
+        """Copies to L2 the nodes on ``node``'s path that the write policy says should be there."""
+        policy = self.config.write_policy
+        if policy is WritePolicy.WRITE_BACK:
+            return
+        for n in _path(node):
+            wanted = policy is WritePolicy.WRITE_THROUGH or n.hits >= self.config.write_threshold
+            if wanted and n.host is None and n.device is not None and not n.writing and n.loading is None:
+                self._write_async(n)
+
+    def _host_pages(self, n: int) -> list[int] | None:
+        pages = self.host.allocator.alloc(n)
+        if pages is None:
+            self.host.allocator.free(self.tree.evict_host(n - self.host.allocator.num_free))
+            pages = self.host.allocator.alloc(n)
+        return pages
+
+    def _write_async(self, node: Node) -> None:
+        host_pages = self._host_pages(node.num_pages)
+        if host_pages is None:
+            return  # L2 is full of pinned pages: stay L1-only for now
+        node.writing = True
+        self.tree.lock(node)
+        device_pages = list(node.device)
+        future = self._worker.submit(copy_pages, self.device, self.host, device_pages, host_pages, True,
+                                     self.config.io_backend)
+        self._writes.append(_Write(node, host_pages, future))
+
+    def _write_now(self, node: Node) -> bool:
+        """Write-back: copies an L1 victim to L2 before its device pages are dropped."""
+        host_pages = self._host_pages(node.num_pages)
+        if host_pages is None:
+            return False
+        copy_pages(self.device, self.host, node.device, host_pages, True, self.config.io_backend)
+        node.host = host_pages
+        return True
+
+    # -- L2 -> L1 ------------------------------------------------------------------------------
+
+    def _load(self, nodes: list[Node], host_pages: list[int]) -> LayerwiseLoad | None:
+        device_pages = self.allocator.alloc(len(host_pages))
+        if device_pages is None:
+            self.evict(len(host_pages) - self.allocator.num_free)
+            device_pages = self.allocator.alloc(len(host_pages))
+        if device_pages is None:
+            return None
+        load = LayerwiseLoad(self.device.geometry.num_layers)
+        start = 0
+        for n in nodes:
+            n.device, n.loading = device_pages[start : start + n.num_pages], load
+            self._loading.append(n)
+            start += n.num_pages
+        backend = self.config.io_backend
+
+        def copy_layer(i: int) -> None:
+            copy_pages(self.device, self.host, device_pages, host_pages, False, backend, range(i, i + 1))
+
+        self._worker.submit(load.run, copy_layer)
+        return load
+
+
+def _path(node: Node):
+    while node.parent is not None:
+        yield node
+        node = node.parent
+
+
+def _assign_host(node: Node, pages: list[int]) -> None:
+    """Gives a written span's host pages to the node(s) it covers now (it may have been split)."""
+    while pages:
+        node.host, pages = pages[-node.num_pages :], pages[: -node.num_pages]
+        node = node.parent
