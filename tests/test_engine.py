@@ -138,8 +138,8 @@ def test_top_k_one_is_greedy(tiny_llama: Path) -> None:
     engine = _engine(tiny_llama)
     prompt = _prompts(1, 12)[0]
     top1 = SamplingParams(max_tokens=16, temperature=1.5, top_k=1, ignore_eos=True)
-    assert engine.generate([prompt], top1) == engine.generate([prompt], GREEDY.__class__(
-        max_tokens=16, temperature=0, ignore_eos=True))
+    greedy = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    assert engine.generate([prompt], top1) == engine.generate([prompt], greedy)
 
 
 class DictPrefixCache:

@@ -86,3 +86,8 @@ class RequestOutput:
     cached_tokens: int = 0
     cached_by_tier: dict[str, int] = field(default_factory=dict)
     error: str | None = None
+
+    @property
+    def reason(self) -> str | None:
+        """The finish reason as the OpenAI API spells it, or None while running."""
+        return self.finish_reason.value if self.finish_reason is not None else None
