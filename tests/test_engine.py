@@ -12,7 +12,7 @@ from tierserve.cache.allocator import PageAllocator
 from tierserve.cache.device_pool import DeviceKVPool
 from tierserve.engine.config import EngineConfig
 from tierserve.engine.engine import Engine
-from tierserve.engine.prefix_cache import PrefixHit
+from tierserve.engine.prefix_cache import NoPrefetch, PrefixHit
 from tierserve.engine.request import FinishReason
 from tierserve.engine.sampling_params import InvalidRequestError, SamplingParams
 
@@ -142,7 +142,7 @@ def test_top_k_one_is_greedy(tiny_llama: Path) -> None:
     assert engine.generate([prompt], top1) == engine.generate([prompt], greedy)
 
 
-class DictPrefixCache:
+class DictPrefixCache(NoPrefetch):
     """A minimal prefix cache for exercising the hook: remembers, for every page boundary of a
     finished request, the pages holding that prefix. It never evicts, so pinning is moot."""
 
@@ -155,7 +155,7 @@ class DictPrefixCache:
     def num_cached_pages(self) -> int:
         return len({p for pages in self.entries.values() for p in pages})
 
-    def match(self, token_ids: Sequence[int]) -> PrefixHit:
+    def match(self, token_ids: Sequence[int], ticket: object | None = None) -> PrefixHit:
         pages = len(token_ids) // self.page_size
         for n in range(pages, 0, -1):
             key = tuple(token_ids[: n * self.page_size])

@@ -7,13 +7,14 @@ objects to the role's entry point; no argparse namespace travels further than th
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 # Only the light config module here: torch loads when a command needs it, so --help stays fast.
-from tierserve.cache.options import HostLayout, IOBackend, WritePolicy
+from tierserve.cache.options import HostLayout, IOBackend, PrefetchPolicy, WritePolicy
 from tierserve.engine.config import EngineConfig, HiCacheOptions
 
 NOT_IMPLEMENTED = "not implemented yet (see the open issues)"
@@ -96,6 +97,11 @@ def add_hicache_args(p: argparse.ArgumentParser) -> None:
                    choices=list(HostLayout), metavar="{" + ",".join(x.value for x in HostLayout) + "}")
     p.add_argument("--hicache-io-backend", type=IOBackend, default=IOBackend.KERNEL,
                    choices=list(IOBackend), metavar="{" + ",".join(x.value for x in IOBackend) + "}")
+    p.add_argument("--hicache-storage-backend", choices=["file", "dynamic"], help="the shared L3 tier")
+    p.add_argument("--hicache-storage-backend-extra-config", type=json.loads, default={}, metavar="JSON",
+                   help='backend settings, e.g. {"path": "/cache"}, and prefetch_threshold / prefetch_timeout_*')
+    p.add_argument("--hicache-storage-prefetch-policy", type=PrefetchPolicy, default=PrefetchPolicy.BEST_EFFORT,
+                   choices=list(PrefetchPolicy), metavar="{" + ",".join(x.value for x in PrefetchPolicy) + "}")
 
 
 def engine_config(args: argparse.Namespace, model_dir: Path) -> EngineConfig:
@@ -109,7 +115,9 @@ def engine_config(args: argparse.Namespace, model_dir: Path) -> EngineConfig:
         hicache=HiCacheOptions(
             ratio=args.hicache_ratio, size_gb=args.hicache_size, write_policy=args.hicache_write_policy,
             write_threshold=args.hicache_write_threshold, mem_layout=args.hicache_mem_layout,
-            io_backend=args.hicache_io_backend,
+            io_backend=args.hicache_io_backend, storage_backend=args.hicache_storage_backend,
+            storage_config=args.hicache_storage_backend_extra_config,
+            prefetch_policy=args.hicache_storage_prefetch_policy,
         ),
     )
 

@@ -11,13 +11,16 @@ import logging
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tierserve.cache.allocator import PageAllocator
 from tierserve.cache.device_pool import DeviceKVPool
 from tierserve.cache.host_pool import HostKVPool, copy_pages
-from tierserve.cache.options import IOBackend, WritePolicy
+from tierserve.cache.options import HostLayout, IOBackend, PrefetchPolicy, WritePolicy
+from tierserve.cache.prefetch import Prefetch, PrefetchOptions
 from tierserve.cache.radix_tree import Node, RadixTree
+from tierserve.cache.storage import StorageBackend
+from tierserve.cache.storage_tier import StorageTier
 from tierserve.engine.prefix_cache import PrefixHit
 
 log = logging.getLogger(__name__)
@@ -28,6 +31,8 @@ class HiCacheConfig:
     write_policy: WritePolicy = WritePolicy.WRITE_THROUGH
     io_backend: IOBackend = IOBackend.KERNEL
     write_threshold: int = 2
+    prefetch_policy: PrefetchPolicy = PrefetchPolicy.BEST_EFFORT
+    prefetch: PrefetchOptions = field(default_factory=PrefetchOptions)
 
 
 class LayerwiseLoad:
@@ -61,6 +66,7 @@ class _Write:
     node: Node
     host_pages: list[int]
     future: Future
+    keys: list[bytes]
 
 
 class HiCache:
@@ -71,13 +77,18 @@ class HiCache:
     """
 
     def __init__(self, allocator: PageAllocator, device: DeviceKVPool, host: HostKVPool, seed: bytes,
-                 config: HiCacheConfig) -> None:
+                 config: HiCacheConfig, storage: StorageBackend | None = None) -> None:
         self.allocator, self.device, self.host, self.config = allocator, device, host, config
         self.page_size = device.page_size
         self.tree = RadixTree(self.page_size, seed)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicache-io")
         self._writes: list[_Write] = []
         self._loading: list[Node] = []
+        self.storage: StorageTier | None = None
+        if storage is not None:
+            if host.layout is HostLayout.LAYER_FIRST:
+                raise ValueError("an L3 storage backend needs --hicache-mem-layout page_first or page_first_direct")
+            self.storage = StorageTier(storage, host, self.tree, config.prefetch, self._host_pages)
 
     @property
     def num_cached_pages(self) -> int:
@@ -85,10 +96,32 @@ class HiCache:
 
     def close(self) -> None:
         self._worker.shutdown(wait=True)
+        if self.storage is not None:
+            self.storage.close()
 
     # -- the engine hook -------------------------------------------------------------------------
 
-    def match(self, token_ids: Sequence[int]) -> PrefixHit:
+    def prefetch(self, token_ids: Sequence[int]) -> Prefetch | None:
+        return self.storage.start(token_ids) if self.storage is not None else None
+
+    def ready(self, ticket: object | None) -> bool:
+        if not isinstance(ticket, Prefetch):
+            return True
+        policy = self.config.prefetch_policy
+        if policy is PrefetchPolicy.WAIT_COMPLETE:
+            return ticket.done.is_set()
+        if policy is PrefetchPolicy.TIMEOUT:
+            return ticket.done.is_set() or ticket.timed_out()
+        return True
+
+    def cancel(self, ticket: object | None) -> None:
+        if isinstance(ticket, Prefetch) and self.storage is not None:
+            self.storage.drop(ticket)
+
+    def match(self, token_ids: Sequence[int], ticket: object | None = None) -> PrefixHit:
+        storage_pages = 0
+        if isinstance(ticket, Prefetch) and self.storage is not None:
+            storage_pages = self.storage.finish(ticket, token_ids)
         found = self.tree.match(token_ids)
         node = found.last_node
         self.tree.lock(node)
@@ -106,7 +139,9 @@ class HiCache:
         self._maybe_write_path(node)
         pages = [p for n in reversed(list(_path(node))) for p in n.device]
         device_tokens = len(pages) * self.page_size - host_tokens
-        by_tier = {k: v for k, v in (("device", device_tokens), ("host", host_tokens)) if v}
+        storage_tokens = min(storage_pages * self.page_size, host_tokens)
+        tiers = (("device", device_tokens), ("host", host_tokens - storage_tokens), ("storage", storage_tokens))
+        by_tier = {k: v for k, v in tiers if v}
         return PrefixHit(len(pages) * self.page_size, pages, by_tier, handle=node, loads=loads)
 
     def release(self, token_ids: Sequence[int], pages: list[int], num_computed: int, hit: PrefixHit) -> None:
@@ -132,13 +167,19 @@ class HiCache:
                 still.append(write)
                 continue
             write.node.writing = False
-            self.tree.unlock(write.node)
             if write.future.exception() is not None:
                 log.warning("L1 -> L2 copy failed: %s", write.future.exception())
                 self.host.allocator.free(write.host_pages)
+                self.tree.unlock(write.node)
+                continue
+            _assign_host(write.node, write.host_pages)
+            if self.storage is not None:  # back the pages up to L3; the node stays pinned meanwhile
+                self.storage.backup(write.node, write.keys, write.host_pages)
             else:
-                _assign_host(write.node, write.host_pages)
+                self.tree.unlock(write.node)
         self._writes = still
+        if self.storage is not None:
+            self.storage.on_step()
         for node in [n for n in self._loading if n.loading.done()]:
             node.loading = None
             self._loading.remove(node)
@@ -171,7 +212,7 @@ class HiCache:
         device_pages = list(node.device)
         future = self._worker.submit(copy_pages, self.device, self.host, device_pages, host_pages, True,
                                      self.config.io_backend)
-        self._writes.append(_Write(node, host_pages, future))
+        self._writes.append(_Write(node, host_pages, future, list(node.keys)))
 
     def _write_now(self, node: Node) -> bool:
         """Write-back: copies an L1 victim to L2 before its device pages are dropped."""

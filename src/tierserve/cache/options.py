@@ -26,3 +26,11 @@ class WritePolicy(Enum):
     WRITE_THROUGH = "write_through"  # when inserted or first hit
     WRITE_THROUGH_SELECTIVE = "write_through_selective"  # once hit ``write_threshold`` times
     WRITE_BACK = "write_back"  # only when L1 evicts it
+
+
+class PrefetchPolicy(Enum):
+    """When a request stops waiting for its L3 prefetch."""
+
+    BEST_EFFORT = "best_effort"  # as soon as the scheduler can run it; use what arrived
+    WAIT_COMPLETE = "wait_complete"  # when every page arrived
+    TIMEOUT = "timeout"  # when every page arrived or the prefetch timeout passed

@@ -6,10 +6,10 @@ from collections.abc import Sequence
 
 from tierserve.cache.allocator import PageAllocator
 from tierserve.cache.radix_tree import Node, RadixTree
-from tierserve.engine.prefix_cache import PrefixHit
+from tierserve.engine.prefix_cache import NoPrefetch, PrefixHit
 
 
-class RadixCache:
+class RadixCache(NoPrefetch):
     """Keeps the KV pages of finished (and preempted) requests, shares them with later requests
     whose prompts start the same way, and frees least recently used ones when the pool runs short.
 
@@ -24,7 +24,7 @@ class RadixCache:
         self.tree = RadixTree(page_size, seed)
         self.num_cached_pages = 0
 
-    def match(self, token_ids: Sequence[int]) -> PrefixHit:
+    def match(self, token_ids: Sequence[int], ticket: object | None = None) -> PrefixHit:
         found = self.tree.match(token_ids)
         self.tree.lock(found.device_node)
         n = len(found.device_pages) * self.page_size

@@ -122,13 +122,33 @@ class RadixTree:
             child.touch()
             node, i = child, i + n
         if i < len(pages):
-            node = self._add_child(node, pages[i:], device_pages[i:])
+            node = self._add_child(node, pages[i:], device=list(device_pages[i:]))
         return unused, node
 
-    def _add_child(self, parent: Node, pages: list[tuple[int, ...]], device: list[int]) -> Node:
+    def add_host_child(self, parent: Node, token_ids: Sequence[int], host_pages: list[int]) -> Node:
+        """Hangs a host-only node (e.g. pages prefetched from L3) below ``parent``, which must not
+        have a child starting with the same page."""
+        pages = self._pages(token_ids)
+        if pages[0] in parent.children:
+            raise ValueError("radix tree: the parent already has that child")
+        return self._add_child(parent, pages, host=list(host_pages))
+
+    def cached_pages(self, token_ids: Sequence[int]) -> int:
+        """How many leading pages of ``token_ids`` are in L1 or L2; changes nothing."""
+        node, pages, i = self.root, self._pages(token_ids), 0
+        while i < len(pages) and (child := node.children.get(pages[i])) is not None:
+            n = _common_pages(child, pages[i:], self.page_size)
+            i += n
+            if n < child.num_pages:
+                break
+            node = child
+        return i
+
+    def _add_child(self, parent: Node, pages: list[tuple[int, ...]], device: list[int] | None = None,
+                   host: list[int] | None = None) -> Node:
         tokens = tuple(t for page in pages for t in page)
         parent_key = parent.keys[-1] if parent.keys else self.seed
-        child = Node(tokens, page_keys(parent_key, tokens, self.page_size), device=list(device), parent=parent)
+        child = Node(tokens, page_keys(parent_key, tokens, self.page_size), device=device, host=host, parent=parent)
         parent.children[pages[0]] = child
         return child
 

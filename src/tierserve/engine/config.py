@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from tierserve.cache.options import HostLayout, IOBackend, WritePolicy
+from tierserve.cache.options import HostLayout, IOBackend, PrefetchPolicy, WritePolicy
 
 
 @dataclass(frozen=True)
 class HiCacheOptions:
-    """The host tier: ``ratio`` x the device pool, or ``size_gb`` when given (``--hicache-*``)."""
+    """The host tier: ``ratio`` x the device pool, or ``size_gb`` when given (``--hicache-*``), and
+    the optional L3 ``storage_backend`` (file, dynamic) configured by ``storage_config`` (the
+    extra-config JSON; it also overrides the prefetch threshold and timeouts)."""
 
     ratio: float = 2.0
     size_gb: float | None = None
@@ -18,6 +21,9 @@ class HiCacheOptions:
     write_threshold: int = 2
     mem_layout: HostLayout = HostLayout.PAGE_FIRST_DIRECT
     io_backend: IOBackend = IOBackend.KERNEL
+    storage_backend: str | None = None
+    storage_config: dict[str, Any] = field(default_factory=dict)
+    prefetch_policy: PrefetchPolicy = PrefetchPolicy.BEST_EFFORT
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,9 @@ from tierserve.cache.device_pool import DeviceKVPool, KVGeometry
 from tierserve.cache.hashing import Namespace
 from tierserve.cache.hicache import HiCache, HiCacheConfig
 from tierserve.cache.host_pool import HostKVPool
+from tierserve.cache.prefetch import PrefetchOptions
 from tierserve.cache.radix_cache import RadixCache
+from tierserve.cache.storage import create_backend
 from tierserve.engine.config import EngineConfig
 from tierserve.engine.model_runner import ModelRunner
 from tierserve.engine.prefix_cache import NoPrefixCache, PrefixCache
@@ -218,8 +220,17 @@ class Engine:
         if opts.size_gb is not None:
             pages = int(opts.size_gb * 2**30) // self.geometry.bytes_per_page
         host = HostKVPool(self.geometry, max(1, pages), opts.mem_layout, pin_memory=self.device.type == "cuda")
-        config = HiCacheConfig(opts.write_policy, opts.io_backend, opts.write_threshold)
-        return HiCache(allocator, pool, host, self.namespace.seed(), config)
+        extra = opts.storage_config
+        prefetch = PrefetchOptions(
+            threshold_tokens=int(extra.get("prefetch_threshold", 256)),
+            timeout_base=float(extra.get("prefetch_timeout_base", 2.0)),
+            timeout_per_ki_token=float(extra.get("prefetch_timeout_per_ki_token", 0.1)),
+            timeout_max=float(extra.get("prefetch_timeout_max", 30.0)),
+        )
+        config = HiCacheConfig(opts.write_policy, opts.io_backend, opts.write_threshold, opts.prefetch_policy,
+                               prefetch)
+        storage = create_backend(opts.storage_backend, extra) if opts.storage_backend else None
+        return HiCache(allocator, pool, host, self.namespace.seed(), config, storage)
 
     def _num_pages(self) -> int:
         tokens = self.config.max_total_tokens

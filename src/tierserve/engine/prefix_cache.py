@@ -45,8 +45,21 @@ class PrefixCache(Protocol):
     ``release`` the engine owns none of the request's pages.
     """
 
-    def match(self, token_ids: Sequence[int]) -> PrefixHit:
-        """Longest cached page-aligned prefix of ``token_ids``, pinned."""
+    def prefetch(self, token_ids: Sequence[int]) -> object | None:
+        """A new request arrived: start fetching its prefix from slower tiers; returns a ticket
+        (or None) that the scheduler passes to ``ready``, ``match`` or ``cancel``."""
+        ...
+
+    def ready(self, ticket: object | None) -> bool:
+        """Whether the request may be scheduled now (its prefetch policy is satisfied)."""
+        ...
+
+    def cancel(self, ticket: object | None) -> None:
+        """The request left before ``match``: drop its prefetch."""
+        ...
+
+    def match(self, token_ids: Sequence[int], ticket: object | None = None) -> PrefixHit:
+        """Longest cached page-aligned prefix of ``token_ids``, pinned (ends the prefetch)."""
         ...
 
     def release(self, token_ids: Sequence[int], pages: list[int], num_computed: int, hit: PrefixHit) -> None:
@@ -64,7 +77,20 @@ class PrefixCache(Protocol):
         ...
 
 
-class NoPrefixCache:
+class NoPrefetch:
+    """For caches with no slower tier to prefetch from."""
+
+    def prefetch(self, token_ids: Sequence[int]) -> object | None:
+        return None
+
+    def ready(self, ticket: object | None) -> bool:
+        return True
+
+    def cancel(self, ticket: object | None) -> None:
+        pass
+
+
+class NoPrefixCache(NoPrefetch):
     """Caches nothing: every page a request used goes straight back to the allocator."""
 
     num_cached_pages = 0
@@ -72,7 +98,7 @@ class NoPrefixCache:
     def __init__(self, allocator: PageAllocator) -> None:
         self.allocator = allocator
 
-    def match(self, token_ids: Sequence[int]) -> PrefixHit:
+    def match(self, token_ids: Sequence[int], ticket: object | None = None) -> PrefixHit:
         return PrefixHit()
 
     def release(self, token_ids: Sequence[int], pages: list[int], num_computed: int, hit: PrefixHit) -> None:

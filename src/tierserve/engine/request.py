@@ -41,6 +41,7 @@ class Request:
     pages: list[int] = field(default_factory=list)
     num_computed: int = 0
     hit: PrefixHit = field(default_factory=PrefixHit)
+    prefetch: object | None = None  # the prefix cache's ticket until admission
     cached_tokens: int = 0
     cached_by_tier: dict[str, int] = field(default_factory=dict)
     status: RequestStatus = RequestStatus.WAITING

@@ -51,6 +51,7 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, request: Request) -> None:
+        request.prefetch = self.cache.prefetch(request.token_ids())
         self.waiting.append(request)
 
     def has_work(self) -> bool:
@@ -83,18 +84,24 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        self.cache.cancel(request.prefetch)
+        request.prefetch = None
         self.release(request)
 
     def _admit(self, batch: list[Scheduled], budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
-            request = self.waiting[0]
+        """Admits waiting requests in arrival order, passing over those still prefetching."""
+        for request in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.config.max_running_requests:
+                break
+            if not self.cache.ready(request.prefetch):
+                continue
             self._match(request)
             n = min(request.tokens_to_compute(), budget)
             if not self._take_pages(request, request.num_computed + n):
                 self.release(request)  # unpin the hit while waiting; match again next time
                 request.num_computed = 0
                 break
-            self.waiting.popleft()
+            self.waiting.remove(request)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             batch.append(Scheduled(request, n))
@@ -102,7 +109,8 @@ class Scheduler:
 
     def _match(self, request: Request) -> None:
         # The last token is always computed: its logits pick the next token.
-        hit = self.cache.match(request.token_ids()[: request.num_tokens - 1])
+        hit = self.cache.match(request.token_ids()[: request.num_tokens - 1], request.prefetch)
+        request.prefetch = None
         request.hit, request.pages, request.num_computed = hit, list(hit.pages), hit.num_tokens
         if not request.output_ids:  # a recomputation after preemption keeps its first report
             request.cached_tokens, request.cached_by_tier = hit.num_tokens, dict(hit.by_tier)

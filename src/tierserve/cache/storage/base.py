@@ -1,0 +1,68 @@
+"""The L3 interface (DESIGN §4) and the backend registry."""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+
+
+class StorageError(RuntimeError):
+    """The backend failed (unreachable, timed out); callers degrade to L1 + L2."""
+
+
+class StorageBackend(ABC):
+    """Objects named by page keys (bytes); each object is one host page's contiguous span.
+
+    Batch calls take parallel lists. ``batch_get_into`` fills the given tensors in place and
+    ``batch_set_from`` reads them; both return per-page success, and a page already stored counts
+    as a success of ``batch_set_from`` (pages are immutable under their key).
+    """
+
+    @abstractmethod
+    def batch_exists(self, keys: list[bytes]) -> int:
+        """How many leading keys are present."""
+
+    @abstractmethod
+    def batch_get_into(self, keys: list[bytes], spans: list[torch.Tensor]) -> list[bool]: ...
+
+    @abstractmethod
+    def batch_set_from(self, keys: list[bytes], spans: list[torch.Tensor]) -> list[bool]: ...
+
+    @abstractmethod
+    def get(self, key: bytes) -> bytes | None: ...
+
+    @abstractmethod
+    def set(self, key: bytes, data: bytes) -> bool: ...
+
+    def exists(self, key: bytes) -> bool:
+        return self.batch_exists([key]) == 1
+
+    @abstractmethod
+    def clear(self) -> None: ...
+
+    @abstractmethod
+    def stats(self) -> dict[str, Any]: ...
+
+    def close(self) -> None:  # noqa: B027 - optional for backends without resources
+        pass
+
+
+def create_backend(name: str, config: dict[str, Any]) -> StorageBackend:
+    """``file`` and ``mooncake`` by name; ``dynamic`` imports ``config["module_path"]`` and builds
+    ``config["class_name"]`` with the whole config."""
+    if name == "file":
+        from tierserve.cache.storage.file import FileStorage
+
+        return FileStorage.from_config(config)
+    if name == "dynamic":
+        missing = {"module_path", "class_name"} - set(config)
+        if missing:
+            raise ValueError(f"the dynamic storage backend needs {sorted(missing)} in the extra config")
+        cls = getattr(importlib.import_module(config["module_path"]), config["class_name"])
+        if not (isinstance(cls, type) and issubclass(cls, StorageBackend)):
+            raise ValueError(f"{config['module_path']}.{config['class_name']} is not a StorageBackend")
+        return cls(config)
+    raise ValueError(f"unknown storage backend {name!r}; choose file or dynamic")

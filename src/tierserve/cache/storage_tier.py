@@ -1,0 +1,143 @@
+"""L3 behind the host tier: backups after L2 writes, prefetches before admission, and a circuit
+breaker so a failing store degrades the cache to L1 + L2 instead of failing requests."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+from tierserve.cache.hashing import page_keys
+from tierserve.cache.host_pool import HostKVPool
+from tierserve.cache.prefetch import Prefetch, PrefetchOptions, prefetch_timeout
+from tierserve.cache.radix_tree import Node, RadixTree
+from tierserve.cache.storage import StorageBackend
+
+log = logging.getLogger(__name__)
+RETRY_AFTER_S = 5.0
+
+
+@dataclass
+class _Backup:
+    node: Node
+    future: Future
+
+
+class StorageTier:
+    """Runs every L3 call on one worker thread; the tree changes only on the engine thread
+    (``finish``, ``on_step``). Host pages a prefetch reserves are capped by the options."""
+
+    def __init__(self, storage: StorageBackend, host: HostKVPool, tree: RadixTree, options: PrefetchOptions,
+                 host_pages: Callable[[int], list[int] | None]) -> None:
+        self.storage, self.host, self.tree, self.options = storage, host, tree, options
+        self._host_pages = host_pages
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicache-l3")
+        self._backups: list[_Backup] = []
+        self._reserved = 0
+        self._down_until = 0.0
+        self.failures = 0
+        self.backed_up_pages = 0
+        self.prefetched_pages = 0
+
+    @property
+    def healthy(self) -> bool:
+        return time.monotonic() >= self._down_until
+
+    def close(self) -> None:
+        self._worker.shutdown(wait=True)
+        self.storage.close()
+
+    # -- prefetch --------------------------------------------------------------------------------
+
+    def start(self, token_ids: Sequence[int]) -> Prefetch | None:
+        """Reserves host pages for the part of the prompt beyond L1 + L2 and starts reading what
+        L3 has of it, if that part is at least the threshold long."""
+        ps = self.tree.page_size
+        local, total = self.tree.cached_pages(token_ids), len(token_ids) // ps
+        if not self.healthy or (total - local) * ps < self.options.threshold_tokens:
+            return None
+        cap = int(self.host.num_pages * self.options.max_reserved_fraction) - self._reserved
+        n = min(total - local, cap)
+        host_pages = self._host_pages(n) if n > 0 else None
+        if host_pages is None:
+            return None
+        keys = page_keys(self.tree.seed, token_ids[: total * ps], ps)[local : local + n]
+        ticket = Prefetch(local, keys, host_pages, prefetch_timeout(self.options, n * ps))
+        self._reserved += n
+        self._worker.submit(self._read, ticket)
+        return ticket
+
+    def _read(self, ticket: Prefetch) -> None:
+        if not ticket.begin():
+            return
+        try:
+            present = self.storage.batch_exists(ticket.keys)
+        except Exception as exc:
+            self._fail("exists", exc)
+            ticket.done.set()
+            return
+        ticket.keys = ticket.keys[:present]
+        ticket.run(self.storage, self.host)
+        if ticket.failed:
+            self._fail("prefetch", None)
+
+    def finish(self, ticket: Prefetch, token_ids: Sequence[int]) -> int:
+        """Stops the prefetch, hangs what arrived under the local match as host-only nodes and
+        frees the rest of its pages; returns how many pages it contributed."""
+        self._stop(ticket)
+        ps, arrived = self.tree.page_size, ticket.arrived
+        found = self.tree.match(token_ids[: (ticket.start + arrived) * ps])
+        have = found.num_pages
+        skip = have - ticket.start  # pages the tree gained meanwhile; negative if it lost some
+        if skip < 0 or arrived <= skip:
+            self.host.allocator.free(ticket.host_pages)
+            return 0
+        keep = ticket.host_pages[skip:arrived]
+        self.host.allocator.free(ticket.host_pages[:skip] + ticket.host_pages[arrived:])
+        self.tree.add_host_child(found.last_node, token_ids[have * ps : (ticket.start + arrived) * ps], keep)
+        self.prefetched_pages += len(keep)
+        return len(keep)
+
+    def drop(self, ticket: Prefetch) -> None:
+        self._stop(ticket)
+        self.host.allocator.free(ticket.host_pages)
+
+    def _stop(self, ticket: Prefetch) -> None:
+        ticket.stop()
+        self._reserved -= len(ticket.host_pages)
+
+    # -- backup ----------------------------------------------------------------------------------
+
+    def backup(self, node: Node, keys: list[bytes], host_pages: list[int]) -> None:
+        """Writes pages just copied to L2 on to L3; ``node`` is pinned and is unpinned when done."""
+        if not self.healthy:
+            self.tree.unlock(node)
+            return
+        self._backups.append(_Backup(node, self._worker.submit(self._write, keys, host_pages)))
+
+    def _write(self, keys: list[bytes], host_pages: list[int]) -> int:
+        skip = self.storage.batch_exists(keys)  # L3 often has a shared prefix already
+        spans = [self.host.page_span(p) for p in host_pages[skip:]]
+        ok = self.storage.batch_set_from(keys[skip:], spans)
+        return sum(ok)
+
+    def on_step(self) -> None:
+        still = []
+        for b in self._backups:
+            if not b.future.done():
+                still.append(b)
+                continue
+            self.tree.unlock(b.node)
+            if b.future.exception() is not None:
+                self._fail("backup", b.future.exception())
+            else:
+                self.backed_up_pages += b.future.result()
+        self._backups = still
+
+    def _fail(self, what: str, exc: BaseException | None) -> None:
+        self.failures += 1
+        if self.healthy:
+            log.warning("L3 %s failed (%s); serving from L1 + L2, retrying L3 in %.0f s", what, exc, RETRY_AFTER_S)
+        self._down_until = time.monotonic() + RETRY_AFTER_S

@@ -1,0 +1,129 @@
+"""L3: the file backend, the dynamic loader, and the engine reading another engine's pages."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tierserve.cache.options import PrefetchPolicy
+from tierserve.cache.storage import StorageBackend, create_backend
+from tierserve.cache.storage.file import FileStorage
+from tierserve.engine.config import EngineConfig, HiCacheOptions
+from tierserve.engine.engine import Engine
+from tierserve.engine.sampling_params import SamplingParams
+
+PARAMS = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+_ids = itertools.count()
+
+
+def test_file_backend_round_trip_and_quota(tmp_path: Path) -> None:
+    store = FileStorage(tmp_path, quota_bytes=3 * 64)
+    keys = [bytes([i]) * 32 for i in range(4)]
+    spans = [torch.full((16,), float(i)) for i in range(4)]  # 64 bytes each
+    assert store.batch_set_from(keys[:2], spans[:2]) == [True, True]
+    assert store.batch_exists(keys) == 2
+    out = [torch.zeros(16), torch.zeros(16)]
+    assert store.batch_get_into(keys[:2], out) == [True, True]
+    assert torch.equal(out[1], spans[1])
+    assert store.batch_get_into([keys[3]], [torch.zeros(16)]) == [False]
+    store.batch_get_into([keys[0]], [torch.zeros(16)])  # key 0 is now the most recently used
+    store.batch_set_from(keys[2:], spans[2:])  # over the quota: the LRU page (key 1) goes
+    assert [store.exists(k) for k in keys] == [True, False, True, True]
+    assert not list(tmp_path.glob("*.tmp"))
+    assert store.set(b"x" * 32, b"abc") and store.get(b"x" * 32) == b"abc"
+    store.clear()
+    assert store.batch_exists(keys) == 0 and store.stats()["pages"] == 0
+
+
+class FailingStorage(StorageBackend):
+    """A backend whose store is down: every call raises."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        self.calls = 0
+
+    def _down(self, *args: Any) -> Any:
+        self.calls += 1
+        raise ConnectionError("store unreachable")
+
+    batch_exists = batch_get_into = batch_set_from = get = set = clear = _down
+
+    def stats(self) -> dict[str, Any]:
+        return {"calls": self.calls}
+
+
+def test_dynamic_backend_is_loaded_by_name(tmp_path: Path) -> None:
+    backend = create_backend("dynamic", {"module_path": "test_storage", "class_name": "FailingStorage"})
+    assert type(backend).__name__ == "FailingStorage"
+    with pytest.raises(ValueError, match="module_path"):
+        create_backend("dynamic", {"class_name": "X"})
+    with pytest.raises(ValueError, match="unknown storage backend"):
+        create_backend("nfs", {})
+
+
+def _prompt() -> list[int]:
+    return torch.randint(2, 384, (300,), generator=torch.Generator().manual_seed(4)).tolist()
+
+
+def _engine(model: Path, backend: str, config: dict, policy=PrefetchPolicy.WAIT_COMPLETE) -> Engine:
+    opts = HiCacheOptions(ratio=4.0, storage_backend=backend, storage_config=config, prefetch_policy=policy)
+    return Engine(EngineConfig(model, dtype="float32", page_size=16, max_total_tokens=512,
+                               enable_hierarchical_cache=True, hicache=opts))
+
+
+def _run(engine: Engine, prompt: list[int]) -> tuple[list[int], dict[str, int]]:
+    engine.add_request(f"r{next(_ids)}", prompt, PARAMS)
+    tokens, tiers = [], {}
+    while engine.has_work():
+        for out in engine.step():
+            tokens += out.new_token_ids
+            tiers = out.cached_by_tier
+    return tokens, tiers
+
+
+def _settle(engine: Engine) -> None:
+    cache = engine.cache
+    for write in list(cache._writes):
+        write.future.result(timeout=30)
+    cache.on_step()
+    for backup in list(cache.storage._backups):
+        backup.future.result(timeout=30)
+    cache.on_step()
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_llama: Path) -> list[int]:
+    plain = Engine(EngineConfig(tiny_llama, dtype="float32", page_size=16, max_total_tokens=512,
+                                disable_radix_cache=True))
+    return plain.generate([_prompt()], PARAMS)[0]
+
+
+@pytest.mark.parametrize("policy", list(PrefetchPolicy))
+def test_second_engine_reads_the_first_engines_pages_from_l3(tiny_llama: Path, tmp_path: Path, expected,
+                                                             policy: PrefetchPolicy) -> None:
+    config = {"path": str(tmp_path / "l3"), "prefetch_threshold": 64}
+    first = _engine(tiny_llama, "file", config, policy)
+    assert _run(first, _prompt())[0] == expected
+    _settle(first)
+    assert first.cache.storage.backed_up_pages == (300 + PARAMS.max_tokens - 1) // 16  # prompt + answer
+    second = _engine(tiny_llama, "file", config, policy)  # empty L1 and L2, same L3
+    tokens, tiers = _run(second, _prompt())
+    assert tokens == expected
+    if policy is not PrefetchPolicy.BEST_EFFORT:  # best effort may start before pages arrive
+        assert tiers.get("storage", 0) >= 0.9 * 288, tiers
+    _settle(second)
+    assert second.stats()["kv_pages_used"] == 0
+    assert second.cache.host.allocator.num_used == len(second.cache.tree.host_pages())
+
+
+def test_failing_store_degrades_to_l1_and_l2(tiny_llama: Path, expected) -> None:
+    engine = _engine(tiny_llama, "dynamic", {"module_path": "test_storage", "class_name": "FailingStorage",
+                                             "prefetch_threshold": 64})
+    assert _run(engine, _prompt())[0] == expected
+    _settle(engine)
+    assert engine.cache.storage.failures >= 1 and not engine.cache.storage.healthy
+    tokens, tiers = _run(engine, _prompt())
+    assert tokens == expected and tiers.get("device", 0) > 0
