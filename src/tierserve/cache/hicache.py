@@ -83,7 +83,6 @@ class HiCache:
         self.tree = RadixTree(self.page_size, seed)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicache-io")
         self._writes: list[_Write] = []
-        self._loading: list[Node] = []
         self.storage: StorageTier | None = None
         if storage is not None:
             if host.layout is HostLayout.LAYER_FIRST:
@@ -125,7 +124,7 @@ class HiCache:
         found = self.tree.match(token_ids)
         node = found.last_node
         self.tree.lock(node)
-        loads = [n.loading for n in _path(found.device_node) if n.loading is not None]
+        loads = [n.loading for n in _path(found.device_node) if n.loading is not None and not n.loading.done()]
         host_tokens = 0
         if found.host_pages:
             load = self._load(found.host_nodes, found.host_pages)
@@ -166,8 +165,8 @@ class HiCache:
             if not write.future.done():
                 still.append(write)
                 continue
-            write.node.writing = False
             if write.future.exception() is not None:
+                write.node.writing = False
                 log.warning("L1 -> L2 copy failed: %s", write.future.exception())
                 self.host.allocator.free(write.host_pages)
                 self.tree.unlock(write.node)
@@ -180,9 +179,6 @@ class HiCache:
         self._writes = still
         if self.storage is not None:
             self.storage.on_step()
-        for node in [n for n in self._loading if n.loading.done()]:
-            node.loading = None
-            self._loading.remove(node)
 
     # -- L1 -> L2 ------------------------------------------------------------------------------
 
@@ -236,7 +232,6 @@ class HiCache:
         start = 0
         for n in nodes:
             n.device, n.loading = device_pages[start : start + n.num_pages], load
-            self._loading.append(n)
             start += n.num_pages
         backend = self.config.io_backend
 
@@ -257,4 +252,5 @@ def _assign_host(node: Node, pages: list[int]) -> None:
     """Gives a written span's host pages to the node(s) it covers now (it may have been split)."""
     while pages:
         node.host, pages = pages[-node.num_pages :], pages[: -node.num_pages]
+        node.writing = False
         node = node.parent

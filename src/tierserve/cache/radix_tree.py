@@ -13,6 +13,7 @@ import heapq
 import itertools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from tierserve.cache.hashing import page_keys
 
@@ -30,7 +31,7 @@ class Node:
     lock: int = 0
     hits: int = 0
     last_access: int = field(default_factory=lambda: next(_clock))
-    loading: object = None  # the L2 -> L1 load filling ``device`` until it completes
+    loading: Any = None  # the L2 -> L1 load filling ``device`` (has ``done()``); kept after it completes
     writing: bool = False  # an L1 -> L2 copy of this node is in flight
 
     @property
@@ -281,7 +282,7 @@ def _lru_heap(nodes: Iterator[Node]) -> list[tuple[int, int, Node]]:
 
 
 def _device_evictable(node: Node) -> bool:
-    return (node.lock == 0 and node.device is not None and node.loading is None
+    return (node.lock == 0 and node.device is not None and (node.loading is None or node.loading.done())
             and all(c.device is None for c in node.children.values()))
 
 
