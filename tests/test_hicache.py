@@ -3,11 +3,11 @@ I/O backend and write policy, and every page is accounted for afterwards."""
 
 from __future__ import annotations
 
-import itertools
 from pathlib import Path
 
 import pytest
 import torch
+from engine_helpers import run_one
 
 from tierserve.cache.options import HostLayout, IOBackend, WritePolicy
 from tierserve.engine.config import EngineConfig, HiCacheOptions
@@ -15,7 +15,6 @@ from tierserve.engine.engine import Engine
 from tierserve.engine.sampling_params import SamplingParams
 
 PARAMS = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-_ids = itertools.count()
 
 
 def _prompts() -> tuple[list[int], list[list[int]]]:
@@ -39,13 +38,7 @@ def _engine(model: Path, **options) -> Engine:
 
 
 def _run(engine: Engine, prompt: list[int]) -> tuple[list[int], dict[str, int]]:
-    engine.add_request(f"r{next(_ids)}", prompt, PARAMS)
-    tokens, tiers = [], {}
-    while engine.has_work():
-        for out in engine.step():
-            tokens += out.new_token_ids
-            tiers = out.cached_by_tier
-    return tokens, tiers
+    return run_one(engine, prompt, PARAMS)
 
 
 def _settle(engine: Engine) -> None:

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import itertools
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from engine_helpers import run_one
 
 from tierserve.cache.options import PrefetchPolicy
 from tierserve.cache.storage import StorageBackend, create_backend
@@ -17,7 +17,6 @@ from tierserve.engine.engine import Engine
 from tierserve.engine.sampling_params import SamplingParams
 
 PARAMS = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-_ids = itertools.count()
 
 
 def test_file_backend_round_trip_and_quota(tmp_path: Path) -> None:
@@ -75,13 +74,7 @@ def _engine(model: Path, backend: str, config: dict, policy=PrefetchPolicy.WAIT_
 
 
 def _run(engine: Engine, prompt: list[int]) -> tuple[list[int], dict[str, int]]:
-    engine.add_request(f"r{next(_ids)}", prompt, PARAMS)
-    tokens, tiers = [], {}
-    while engine.has_work():
-        for out in engine.step():
-            tokens += out.new_token_ids
-            tiers = out.cached_by_tier
-    return tokens, tiers
+    return run_one(engine, prompt, PARAMS)
 
 
 def _settle(engine: Engine) -> None:

@@ -1,0 +1,21 @@
+"""Small drivers shared by engine-level tests."""
+
+from __future__ import annotations
+
+import itertools
+
+from tierserve.engine.engine import Engine
+from tierserve.engine.sampling_params import SamplingParams
+
+_ids = itertools.count()
+
+
+def run_one(engine: Engine, prompt: list[int], params: SamplingParams) -> tuple[list[int], dict[str, int]]:
+    """Runs one request to the end: its tokens and where its cached prefix came from."""
+    engine.add_request(f"r{next(_ids)}", prompt, params)
+    tokens, tiers = [], {}
+    while engine.has_work():
+        for out in engine.step():
+            tokens += out.new_token_ids
+            tiers = out.cached_by_tier
+    return tokens, tiers
