@@ -10,9 +10,11 @@ from tierserve.engine.sampling_params import SamplingParams
 _ids = itertools.count()
 
 
-def run_one(engine: Engine, prompt: list[int], params: SamplingParams) -> tuple[list[int], dict[str, int]]:
+def run_one(
+    engine: Engine, prompt: list[int], params: SamplingParams, cache_salt: str = ""
+) -> tuple[list[int], dict[str, int]]:
     """Runs one request to the end: its tokens and where its cached prefix came from."""
-    engine.add_request(f"r{next(_ids)}", prompt, params)
+    engine.add_request(f"r{next(_ids)}", prompt, params, cache_salt)
     tokens, tiers = [], {}
     while engine.has_work():
         for out in engine.step():

@@ -155,7 +155,7 @@ class DictPrefixCache(NoPrefetch):
     def num_cached_pages(self) -> int:
         return len({p for pages in self.entries.values() for p in pages})
 
-    def match(self, token_ids: Sequence[int], ticket: object | None = None) -> PrefixHit:
+    def match(self, token_ids: Sequence[int], ticket: object | None = None, salt: str = "") -> PrefixHit:
         pages = len(token_ids) // self.page_size
         for n in range(pages, 0, -1):
             key = tuple(token_ids[: n * self.page_size])

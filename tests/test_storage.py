@@ -120,3 +120,18 @@ def test_failing_store_degrades_to_l1_and_l2(tiny_llama: Path, expected) -> None
     assert engine.cache.storage.failures >= 1 and not engine.cache.storage.healthy
     tokens, tiers = _run(engine, _prompt())
     assert tokens == expected and tiers.get("device", 0) > 0
+
+
+def test_tenants_with_different_salts_never_read_each_others_pages(tiny_llama: Path, tmp_path: Path,
+                                                                  expected) -> None:
+    config = {"path": str(tmp_path / "l3"), "prefetch_threshold": 64}
+    first = _engine(tiny_llama, "file", config)
+    assert run_one(first, _prompt(), PARAMS, cache_salt="tenant-a")[0] == expected
+    _settle(first)
+    tokens, tiers = run_one(first, _prompt(), PARAMS, cache_salt="tenant-b")  # same engine, L1 has it
+    assert tokens == expected and tiers == {}
+    second = _engine(tiny_llama, "file", config)  # only L3 is shared
+    tokens, tiers = run_one(second, _prompt(), PARAMS, cache_salt="tenant-c")
+    assert tokens == expected and tiers == {}
+    tokens, tiers = run_one(second, _prompt(), PARAMS, cache_salt="tenant-a")
+    assert tokens == expected and tiers.get("storage", 0) >= 0.9 * 288, tiers

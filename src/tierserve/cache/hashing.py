@@ -33,7 +33,9 @@ class Namespace:
     salt: str = ""
 
     def seed(self) -> bytes:
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).digest()
+        fields = asdict(self)
+        salt = fields.pop("salt")
+        return salted_seed(hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).digest(), salt)
 
     def digest(self) -> str:
         """A short printable form of the seed, for logs and for comparing nodes."""
@@ -41,6 +43,11 @@ class Namespace:
 
     def with_salt(self, salt: str) -> Namespace:
         return Namespace(**(asdict(self) | {"salt": salt}))
+
+
+def salted_seed(seed: bytes, salt: str) -> bytes:
+    """The seed of a tenant's pages (``cache_salt``); the empty salt leaves the seed as it is."""
+    return seed if not salt else hashlib.sha256(seed + b"salt:" + salt.encode()).digest()
 
 
 def page_keys(parent: bytes, token_ids: Sequence[int], page_size: int) -> list[bytes]:

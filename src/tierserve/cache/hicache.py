@@ -100,8 +100,8 @@ class HiCache:
 
     # -- the engine hook -------------------------------------------------------------------------
 
-    def prefetch(self, token_ids: Sequence[int]) -> Prefetch | None:
-        return self.storage.start(token_ids) if self.storage is not None else None
+    def prefetch(self, token_ids: Sequence[int], salt: str = "") -> Prefetch | None:
+        return self.storage.start(token_ids, salt) if self.storage is not None else None
 
     def ready(self, ticket: object | None) -> bool:
         if not isinstance(ticket, Prefetch):
@@ -117,15 +117,14 @@ class HiCache:
         if isinstance(ticket, Prefetch) and self.storage is not None:
             self.storage.drop(ticket)
 
-    def match(self, token_ids: Sequence[int], ticket: object | None = None) -> PrefixHit:
-        storage_pages = 0
+    def match(self, token_ids: Sequence[int], ticket: object | None = None, salt: str = "") -> PrefixHit:
         if isinstance(ticket, Prefetch) and self.storage is not None:
-            storage_pages = self.storage.finish(ticket, token_ids)
-        found = self.tree.match(token_ids)
+            self.storage.finish(ticket, token_ids, salt)
+        found = self.tree.match(token_ids, salt)
         node = found.last_node
         self.tree.lock(node)
         loads = [n.loading for n in _path(found.device_node) if n.loading is not None and not n.loading.done()]
-        host_tokens = 0
+        host_tokens = storage_tokens = 0
         if found.host_pages:
             load = self._load(found.host_nodes, found.host_pages)
             if load is None:  # no room on the device: use the L1 part only
@@ -135,17 +134,19 @@ class HiCache:
             else:
                 loads.append(load)
                 host_tokens = len(found.host_pages) * self.page_size
+                storage_tokens = sum(n.num_pages for n in found.host_nodes if n.from_storage) * self.page_size
+                for n in found.host_nodes:
+                    n.from_storage = False
         self._maybe_write_path(node)
         pages = [p for n in reversed(list(_path(node))) for p in n.device]
         device_tokens = len(pages) * self.page_size - host_tokens
-        storage_tokens = min(storage_pages * self.page_size, host_tokens)
         tiers = (("device", device_tokens), ("host", host_tokens - storage_tokens), ("storage", storage_tokens))
         by_tier = {k: v for k, v in tiers if v}
-        return PrefixHit(len(pages) * self.page_size, pages, by_tier, handle=node, loads=loads)
+        return PrefixHit(len(pages) * self.page_size, pages, by_tier, handle=node, loads=loads, salt=salt)
 
     def release(self, token_ids: Sequence[int], pages: list[int], num_computed: int, hit: PrefixHit) -> None:
         full = min(num_computed // self.page_size, len(pages))
-        unused, node = self.tree.insert(token_ids[: full * self.page_size], pages[:full])
+        unused, node = self.tree.insert(token_ids[: full * self.page_size], pages[:full], hit.salt)
         self.allocator.free(unused + pages[full:])
         if isinstance(hit.handle, Node):
             self.tree.unlock(hit.handle)

@@ -24,15 +24,16 @@ class RadixCache(NoPrefetch):
         self.tree = RadixTree(page_size, seed)
         self.num_cached_pages = 0
 
-    def match(self, token_ids: Sequence[int], ticket: object | None = None) -> PrefixHit:
-        found = self.tree.match(token_ids)
+    def match(self, token_ids: Sequence[int], ticket: object | None = None, salt: str = "") -> PrefixHit:
+        found = self.tree.match(token_ids, salt)
         self.tree.lock(found.device_node)
         n = len(found.device_pages) * self.page_size
-        return PrefixHit(n, list(found.device_pages), {"device": n} if n else {}, handle=found.device_node)
+        return PrefixHit(n, list(found.device_pages), {"device": n} if n else {}, handle=found.device_node,
+                         salt=salt)
 
     def release(self, token_ids: Sequence[int], pages: list[int], num_computed: int, hit: PrefixHit) -> None:
         full = min(num_computed // self.page_size, len(pages))
-        unused, _ = self.tree.insert(token_ids[: full * self.page_size], pages[:full])
+        unused, _ = self.tree.insert(token_ids[: full * self.page_size], pages[:full], hit.salt)
         self.num_cached_pages += full - len(hit.pages) - len(unused)
         self.allocator.free(unused + pages[full:])
         if isinstance(hit.handle, Node):

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tierserve.cache.hashing import page_keys
+from tierserve.cache.hashing import page_keys, salted_seed
 
 _clock = itertools.count()
 
@@ -31,8 +31,10 @@ class Node:
     lock: int = 0
     hits: int = 0
     last_access: int = field(default_factory=lambda: next(_clock))
+    seed: bytes | None = None  # roots only: the (salted) seed their pages' keys chain from
     loading: Any = None  # the L2 -> L1 load filling ``device`` (has ``done()``); kept after it completes
     writing: bool = False  # an L1 -> L2 copy of this node is in flight
+    from_storage: bool = False  # host pages prefetched from L3 and not used yet (for the cache report)
 
     @property
     def num_pages(self) -> int:
@@ -67,18 +69,25 @@ class RadixTree:
     def __init__(self, page_size: int, seed: bytes) -> None:
         self.page_size = page_size
         self.seed = seed
-        self.root = Node(keys=[], device=[], host=[])
-        self.root.lock = 1  # never evicted
+        self.roots: dict[str, Node] = {}
+        self.root = self._root("")
+
+    def _root(self, salt: str) -> Node:
+        """One root per tenant (``cache_salt``): tenants never match each other's pages, and their
+        keys chain from different seeds."""
+        if salt not in self.roots:
+            self.roots[salt] = Node(keys=[], device=[], host=[], lock=1, seed=salted_seed(self.seed, salt))
+        return self.roots[salt]
 
     # -- lookup --------------------------------------------------------------------------------
 
-    def match(self, token_ids: Sequence[int]) -> Match:
+    def match(self, token_ids: Sequence[int], salt: str = "") -> Match:
         """Longest cached page-aligned prefix; splits a node where the match ends inside it."""
-        node, pages = self.root, self._pages(token_ids)
+        node, pages = self._root(salt), self._pages(token_ids)
         device: list[int] = []
         host: list[int] = []
         host_nodes: list[Node] = []
-        device_node = self.root
+        device_node = node
         i = 0
         while i < len(pages) and (child := node.children.get(pages[i])) is not None:
             n = _common_pages(child, pages[i:], self.page_size)
@@ -103,7 +112,7 @@ class RadixTree:
 
     # -- insertion -----------------------------------------------------------------------------
 
-    def insert(self, token_ids: Sequence[int], device_pages: list[int]) -> tuple[list[int], Node]:
+    def insert(self, token_ids: Sequence[int], device_pages: list[int], salt: str = "") -> tuple[list[int], Node]:
         """Records that ``device_pages`` hold the KV of the full pages of ``token_ids``.
 
         Returns the pages the tree did not take (their tokens were already on the device: the
@@ -111,7 +120,7 @@ class RadixTree:
         take the new device pages (they are back on L1).
         """
         pages = self._pages(token_ids)[: len(device_pages)]
-        node, i, unused = self.root, 0, []
+        node, i, unused = self._root(salt), 0, []
         while i < len(pages) and (child := node.children.get(pages[i])) is not None:
             n = _common_pages(child, pages[i:], self.page_size)
             if n < child.num_pages:
@@ -134,9 +143,11 @@ class RadixTree:
             raise ValueError("radix tree: the parent already has that child")
         return self._add_child(parent, pages, host=list(host_pages))
 
-    def cached_pages(self, token_ids: Sequence[int]) -> int:
+    def cached_pages(self, token_ids: Sequence[int], salt: str = "") -> int:
         """How many leading pages of ``token_ids`` are in L1 or L2; changes nothing."""
-        node, pages, i = self.root, self._pages(token_ids), 0
+        node, pages, i = self.roots.get(salt), self._pages(token_ids), 0
+        if node is None:
+            return 0
         while i < len(pages) and (child := node.children.get(pages[i])) is not None:
             n = _common_pages(child, pages[i:], self.page_size)
             i += n
@@ -148,7 +159,7 @@ class RadixTree:
     def _add_child(self, parent: Node, pages: list[tuple[int, ...]], device: list[int] | None = None,
                    host: list[int] | None = None) -> Node:
         tokens = tuple(t for page in pages for t in page)
-        parent_key = parent.keys[-1] if parent.keys else self.seed
+        parent_key = parent.keys[-1] if parent.keys else parent.seed
         child = Node(tokens, page_keys(parent_key, tokens, self.page_size), device=device, host=host, parent=parent)
         parent.children[pages[0]] = child
         return child
@@ -159,7 +170,7 @@ class RadixTree:
         ps = self.page_size
         upper = Node(node.tokens[: n * ps], node.keys[:n], _head(node.device, n), _head(node.host, n),
                      node.parent, lock=node.lock, hits=node.hits, last_access=node.last_access,
-                     loading=node.loading, writing=node.writing)
+                     loading=node.loading, writing=node.writing, from_storage=node.from_storage)
         node.parent.children[node.tokens[:ps]] = upper
         node.tokens, node.keys = node.tokens[n * ps :], node.keys[n:]
         node.device, node.host = _tail(node.device, n), _tail(node.host, n)
@@ -201,7 +212,7 @@ class RadixTree:
             victim.device = None
             if victim.host is None:
                 freed_host += self._delete_subtree(victim)
-            if victim.parent is not self.root and _device_evictable(victim.parent):
+            if victim.parent.parent is not None and _device_evictable(victim.parent):
                 heapq.heappush(heap, _lru_entry(victim.parent))
         return freed_device, freed_host
 
@@ -214,7 +225,7 @@ class RadixTree:
             victim = heapq.heappop(heap)[2]
             parent = victim.parent
             freed += self._delete_subtree(victim)
-            if parent is not self.root and _host_evictable(parent):
+            if parent.parent is not None and _host_evictable(parent):
                 heapq.heappush(heap, _lru_entry(parent))
         return freed
 
@@ -232,8 +243,9 @@ class RadixTree:
 
     def nodes(self) -> Iterator[Node]:
         """Every node except the root."""
-        for child in self.root.children.values():
-            yield from _subtree(child)
+        for root in self.roots.values():
+            for child in root.children.values():
+                yield from _subtree(child)
 
     def device_pages(self) -> list[int]:
         return [p for n in self.nodes() for p in n.device or []]

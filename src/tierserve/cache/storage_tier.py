@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-from tierserve.cache.hashing import page_keys
+from tierserve.cache.hashing import page_keys, salted_seed
 from tierserve.cache.host_pool import HostKVPool
 from tierserve.cache.prefetch import Prefetch, PrefetchOptions, prefetch_timeout
 from tierserve.cache.radix_tree import Node, RadixTree
@@ -51,11 +51,11 @@ class StorageTier:
 
     # -- prefetch --------------------------------------------------------------------------------
 
-    def start(self, token_ids: Sequence[int]) -> Prefetch | None:
+    def start(self, token_ids: Sequence[int], salt: str) -> Prefetch | None:
         """Reserves host pages for the part of the prompt beyond L1 + L2 and starts reading what
         L3 has of it, if that part is at least the threshold long."""
         ps = self.tree.page_size
-        local, total = self.tree.cached_pages(token_ids), len(token_ids) // ps
+        local, total = self.tree.cached_pages(token_ids, salt), len(token_ids) // ps
         if not self.healthy or (total - local) * ps < self.options.threshold_tokens:
             return None
         cap = int(self.host.num_pages * self.options.max_reserved_fraction) - self._reserved
@@ -63,7 +63,7 @@ class StorageTier:
         host_pages = self._host_pages(n) if n > 0 else None
         if host_pages is None:
             return None
-        keys = page_keys(self.tree.seed, token_ids[: total * ps], ps)[local : local + n]
+        keys = page_keys(salted_seed(self.tree.seed, salt), token_ids[: total * ps], ps)[local : local + n]
         ticket = Prefetch(local, keys, host_pages, prefetch_timeout(self.options, n * ps))
         self._reserved += n
         self._worker.submit(self._read, ticket)
@@ -83,12 +83,12 @@ class StorageTier:
         if ticket.failed:
             self._fail("prefetch", None)
 
-    def finish(self, ticket: Prefetch, token_ids: Sequence[int]) -> int:
+    def finish(self, ticket: Prefetch, token_ids: Sequence[int], salt: str) -> int:
         """Stops the prefetch, hangs what arrived under the local match as host-only nodes and
         frees the rest of its pages; returns how many pages it contributed."""
         self._stop(ticket)
         ps, arrived = self.tree.page_size, ticket.arrived
-        found = self.tree.match(token_ids[: (ticket.start + arrived) * ps])
+        found = self.tree.match(token_ids[: (ticket.start + arrived) * ps], salt)
         have = found.num_pages
         skip = have - ticket.start  # pages the tree gained meanwhile; negative if it lost some
         if skip < 0 or arrived <= skip:
@@ -96,7 +96,8 @@ class StorageTier:
             return 0
         keep = ticket.host_pages[skip:arrived]
         self.host.allocator.free(ticket.host_pages[:skip] + ticket.host_pages[arrived:])
-        self.tree.add_host_child(found.last_node, token_ids[have * ps : (ticket.start + arrived) * ps], keep)
+        node = self.tree.add_host_child(found.last_node, token_ids[have * ps : (ticket.start + arrived) * ps], keep)
+        node.from_storage = True
         self.prefetched_pages += len(keep)
         return len(keep)
 

@@ -87,11 +87,14 @@ class Engine:
     def capacity_tokens(self) -> int:
         return self.pool.num_pages * self.config.page_size
 
-    def add_request(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> None:
-        """Queues a request; raises ``InvalidRequestError`` if it can never be served."""
+    def add_request(
+        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, cache_salt: str = ""
+    ) -> None:
+        """Queues a request; raises ``InvalidRequestError`` if it can never be served. Requests
+        with different ``cache_salt`` never share cached KV."""
         prompt = list(prompt_ids)
         self._validate(request_id, prompt, params)
-        request = Request(request_id, prompt, params)
+        request = Request(request_id, prompt, params, cache_salt=cache_salt)
         if params.seed is not None:
             request.generator = torch.Generator(self.device).manual_seed(params.seed)
         if self.tokenizer is not None:

@@ -24,6 +24,7 @@ class PrefixHit:
     by_tier: dict[str, int] = field(default_factory=dict)
     handle: object = None
     loads: list[LayerLoad] = field(default_factory=list)
+    salt: str = ""
 
 
 class LayerLoad(Protocol):
@@ -45,9 +46,10 @@ class PrefixCache(Protocol):
     ``release`` the engine owns none of the request's pages.
     """
 
-    def prefetch(self, token_ids: Sequence[int]) -> object | None:
+    def prefetch(self, token_ids: Sequence[int], salt: str = "") -> object | None:
         """A new request arrived: start fetching its prefix from slower tiers; returns a ticket
-        (or None) that the scheduler passes to ``ready``, ``match`` or ``cancel``."""
+        (or None) that the scheduler passes to ``ready``, ``match`` or ``cancel``. ``salt`` (the
+        request's ``cache_salt``) separates tenants: they never share cached pages."""
         ...
 
     def ready(self, ticket: object | None) -> bool:
@@ -58,8 +60,9 @@ class PrefixCache(Protocol):
         """The request left before ``match``: drop its prefetch."""
         ...
 
-    def match(self, token_ids: Sequence[int], ticket: object | None = None) -> PrefixHit:
-        """Longest cached page-aligned prefix of ``token_ids``, pinned (ends the prefetch)."""
+    def match(self, token_ids: Sequence[int], ticket: object | None = None, salt: str = "") -> PrefixHit:
+        """Longest cached page-aligned prefix of ``token_ids``, pinned (ends the prefetch); the
+        hit remembers ``salt`` for ``release``."""
         ...
 
     def release(self, token_ids: Sequence[int], pages: list[int], num_computed: int, hit: PrefixHit) -> None:
@@ -80,7 +83,7 @@ class PrefixCache(Protocol):
 class NoPrefetch:
     """For caches with no slower tier to prefetch from."""
 
-    def prefetch(self, token_ids: Sequence[int]) -> object | None:
+    def prefetch(self, token_ids: Sequence[int], salt: str = "") -> object | None:
         return None
 
     def ready(self, ticket: object | None) -> bool:
@@ -98,7 +101,7 @@ class NoPrefixCache(NoPrefetch):
     def __init__(self, allocator: PageAllocator) -> None:
         self.allocator = allocator
 
-    def match(self, token_ids: Sequence[int], ticket: object | None = None) -> PrefixHit:
+    def match(self, token_ids: Sequence[int], ticket: object | None = None, salt: str = "") -> PrefixHit:
         return PrefixHit()
 
     def release(self, token_ids: Sequence[int], pages: list[int], num_computed: int, hit: PrefixHit) -> None:

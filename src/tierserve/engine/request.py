@@ -42,6 +42,7 @@ class Request:
     num_computed: int = 0
     hit: PrefixHit = field(default_factory=PrefixHit)
     prefetch: object | None = None  # the prefix cache's ticket until admission
+    cache_salt: str = ""  # tenant: requests with different salts never share cached KV
     cached_tokens: int = 0
     cached_by_tier: dict[str, int] = field(default_factory=dict)
     status: RequestStatus = RequestStatus.WAITING

@@ -51,7 +51,7 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, request: Request) -> None:
-        request.prefetch = self.cache.prefetch(request.token_ids())
+        request.prefetch = self.cache.prefetch(request.token_ids(), request.cache_salt)
         self.waiting.append(request)
 
     def has_work(self) -> bool:
@@ -109,7 +109,7 @@ class Scheduler:
 
     def _match(self, request: Request) -> None:
         # The last token is always computed: its logits pick the next token.
-        hit = self.cache.match(request.token_ids()[: request.num_tokens - 1], request.prefetch)
+        hit = self.cache.match(request.token_ids()[: request.num_tokens - 1], request.prefetch, request.cache_salt)
         request.prefetch = None
         request.hit, request.pages, request.num_computed = hit, list(hit.pages), hit.num_tokens
         if not request.output_ids:  # a recomputation after preemption keeps its first report
