@@ -52,6 +52,16 @@ class HostKVPool:
             return self.buffer[:, :, layer, kv]
         return self.buffer[:, layer, kv]
 
+    def run_all_layers(self, page: int, n: int) -> torch.Tensor:
+        """Pages ``page .. page + n`` across all layers as a view [L, 2, n, page_size, H, D] (the
+        device pool's order, so one strided ``copy_`` moves the run), whatever the layout."""
+        ps = self.geometry.page_size
+        if self.layout is HostLayout.LAYER_FIRST:
+            return self.buffer[:, :, page * ps : (page + n) * ps].unflatten(2, (n, ps))
+        if self.layout is HostLayout.PAGE_FIRST:  # [n, ps, L, 2, H, D]
+            return self.buffer[page : page + n].permute(2, 3, 0, 1, 4, 5)
+        return self.buffer[page : page + n].permute(1, 2, 0, 3, 4, 5)  # from [n, L, 2, ps, H, D]
+
     def page_span(self, page: int) -> torch.Tensor:
         """The whole page as one contiguous tensor (page_first layouts only): what L3 stores."""
         if self.layout is HostLayout.LAYER_FIRST:
@@ -95,7 +105,14 @@ def copy_pages(
     device: DeviceKVPool, host: HostKVPool, device_ids: list[int], host_ids: list[int],
     to_host: bool, backend: IOBackend, layers: range | None = None,
 ) -> None:
-    """Copies pages between L1 and L2, layer by layer (``layers`` limits it, for overlapped loads)."""
+    """Copies pages between L1 and L2, layer by layer (``layers`` limits it, for overlapped loads).
+
+    The direct backend moving every layer copies each run of consecutive pages across all layers
+    in one strided ``copy_``: one call per run instead of one per run, layer and K/V.
+    """
+    if layers is None and backend is IOBackend.DIRECT:
+        _copy_runs_all_layers(device, host, device_ids, host_ids, to_host)
+        return
     for layer in layers if layers is not None else range(device.geometry.num_layers):
         for kv in (0, 1):
             d, h = device_pages(device, layer, kv), host.pages(layer, kv)
@@ -103,3 +120,15 @@ def copy_pages(
                 copy_layer(h, host_ids, d, device_ids, backend)
             else:
                 copy_layer(d, device_ids, h, host_ids, backend)
+
+
+def _copy_runs_all_layers(
+    device: DeviceKVPool, host: HostKVPool, device_ids: list[int], host_ids: list[int], to_host: bool
+) -> None:
+    ps = device.page_size
+    for d, h, n in runs(device_ids, host_ids):
+        dev = device.buffer[:, :, d * ps : (d + n) * ps].unflatten(2, (n, ps))
+        if to_host:
+            host.run_all_layers(h, n).copy_(dev, non_blocking=True)
+        else:
+            dev.copy_(host.run_all_layers(h, n), non_blocking=True)
