@@ -179,6 +179,9 @@ class DictPrefixCache(NoPrefetch):
     def on_step(self) -> None:
         pass
 
+    def stats(self) -> dict[str, float]:
+        return {}
+
 
 def test_prefix_cache_hook_reuses_pages_and_outputs_do_not_change(tiny_llama: Path) -> None:
     engine = Engine(EngineConfig(tiny_llama, dtype="float32", page_size=4, max_total_tokens=2048),

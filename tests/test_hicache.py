@@ -72,6 +72,9 @@ def test_host_hit_gives_identical_output(tiny_llama: Path, expected: list[int], 
     tokens, tiers = _run(engine, target)
     assert tokens == expected
     assert tiers.get("host", 0) >= 32, tiers  # most of the prompt came back from host memory
+    stats = engine.stats()
+    assert stats["cache_l2_load_pages_total"] >= 8 and stats["cache_l2_write_pages_total"] > 0
+    assert stats["cache_device_evicted_pages_total"] > 0 and stats["cache_host_pages_used"] > 0
     _check_accounting(engine)
 
 
@@ -99,3 +102,20 @@ def test_selective_write_through_waits_for_hits(tiny_llama: Path, expected: list
     _settle(engine)
     assert engine.cache.host.allocator.num_used > 0
     _check_accounting(engine)
+
+
+def test_cache_metrics_are_exported(tiny_llama: Path) -> None:
+    from prometheus_client import generate_latest
+
+    from tierserve.engine.metrics import Metrics
+
+    engine = _engine(tiny_llama)
+    target, fillers = _prompts()
+    for prompt in [target, *fillers, target]:
+        _settle(engine)
+        _run(engine, prompt)
+    text = generate_latest(Metrics(engine).registry).decode()
+    for name in ("tierserve_cache_l2_load_pages_total", "tierserve_cache_l2_write_bytes_total",
+                 "tierserve_cache_device_evicted_pages_total", "tierserve_cache_host_pages_used"):
+        line = next(x for x in text.splitlines() if x.startswith(name + " "))
+        assert float(line.split()[1]) > 0, line

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -83,6 +85,7 @@ class HiCache:
         self.tree = RadixTree(self.page_size, seed)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicache-io")
         self._writes: list[_Write] = []
+        self.counters: Counter[str] = Counter()  # engine thread only
         self.storage: StorageTier | None = None
         if storage is not None:
             if host.layout is HostLayout.LAYER_FIRST:
@@ -158,7 +161,22 @@ class HiCache:
         device, host = self.tree.evict_device(num_pages, backup)
         self.allocator.free(device)
         self.host.allocator.free(host)
+        self.counters["device_evicted_pages_total"] += len(device)
+        self.counters["host_evicted_pages_total"] += len(host)
         return len(device)
+
+    def stats(self) -> dict[str, float]:
+        page = self.device.geometry.bytes_per_page
+        out: dict[str, float] = dict(self.counters)
+        out["host_pages_used"] = self.host.allocator.num_used
+        out["host_pages_total"] = self.host.num_pages
+        out["l2_write_bytes_total"] = self.counters["l2_write_pages_total"] * page
+        out["l2_load_bytes_total"] = self.counters["l2_load_pages_total"] * page
+        if self.storage is not None:
+            out |= {"l3_backup_pages_total": self.storage.backed_up_pages,
+                    "l3_prefetch_pages_total": self.storage.prefetched_pages,
+                    "l3_failures_total": self.storage.failures, "l3_healthy": float(self.storage.healthy)}
+        return out
 
     def on_step(self) -> None:
         still = []
@@ -173,6 +191,8 @@ class HiCache:
                 self.tree.unlock(write.node)
                 continue
             _assign_host(write.node, write.host_pages)
+            self.counters["l2_write_pages_total"] += len(write.host_pages)
+            self.counters["l2_write_seconds_total"] += write.future.result()
             if self.storage is not None:  # back the pages up to L3; the node stays pinned meanwhile
                 self.storage.backup(write.node, write.keys, write.host_pages)
             else:
@@ -207,7 +227,7 @@ class HiCache:
         node.writing = True
         self.tree.lock(node)
         device_pages = list(node.device)
-        future = self._worker.submit(copy_pages, self.device, self.host, device_pages, host_pages, True,
+        future = self._worker.submit(_timed, copy_pages, self.device, self.host, device_pages, host_pages, True,
                                      self.config.io_backend)
         self._writes.append(_Write(node, host_pages, future, list(node.keys)))
 
@@ -218,6 +238,7 @@ class HiCache:
             return False
         copy_pages(self.device, self.host, node.device, host_pages, True, self.config.io_backend)
         node.host = host_pages
+        self.counters["l2_write_pages_total"] += len(host_pages)
         return True
 
     # -- L2 -> L1 ------------------------------------------------------------------------------
@@ -240,7 +261,14 @@ class HiCache:
             copy_pages(self.device, self.host, device_pages, host_pages, False, backend, range(i, i + 1))
 
         self._worker.submit(load.run, copy_layer)
+        self.counters["l2_load_pages_total"] += len(host_pages)
         return load
+
+
+def _timed(fn, *args) -> float:
+    start = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - start
 
 
 def _path(node: Node):

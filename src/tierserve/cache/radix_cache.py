@@ -23,6 +23,7 @@ class RadixCache(NoPrefetch):
         self.page_size = page_size
         self.tree = RadixTree(page_size, seed)
         self.num_cached_pages = 0
+        self.evicted_pages = 0
 
     def match(self, token_ids: Sequence[int], ticket: object | None = None, salt: str = "") -> PrefixHit:
         found = self.tree.match(token_ids, salt)
@@ -45,7 +46,11 @@ class RadixCache(NoPrefetch):
             raise RuntimeError("the L1-only radix cache holds no host pages")
         self.allocator.free(device)
         self.num_cached_pages -= len(device)
+        self.evicted_pages += len(device)
         return len(device)
+
+    def stats(self) -> dict[str, float]:
+        return {"device_evicted_pages_total": self.evicted_pages}
 
     def on_step(self) -> None:
         pass

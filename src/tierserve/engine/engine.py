@@ -113,7 +113,7 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, float]:
         """Occupancy counters; safe to read from another thread (approximate while a step runs).
         ``kv_pages_used`` counts pages held by requests, ``kv_pages_cached`` those the prefix cache
         keeps for reuse (freed on demand)."""
@@ -125,7 +125,7 @@ class Engine:
             "kv_pages_cached": cached,
             "kv_pages_total": self.allocator.num_pages,
             "preemptions": self.scheduler.num_preemptions,
-        }
+        } | {f"cache_{k}": v for k, v in self.cache.stats().items()}
 
     def step(self) -> list[RequestOutput]:
         """Runs one batch; returns an output for every request that got a token or finished."""

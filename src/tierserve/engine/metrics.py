@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from tierserve import openai_api as oa
 from tierserve.engine.engine import Engine
@@ -41,6 +43,7 @@ class Metrics:
             "tierserve_kv_pages_cached": "kv_pages_cached",
             "tierserve_kv_pages_total": "kv_pages_total",
         }
+        r.register(_CacheCollector(engine))
         for name, key in gauges.items():
             gauge = Gauge(name, name.removeprefix("tierserve_").replace("_", " "), registry=r)
             gauge.set_function(lambda key=key: engine.stats()[key])
@@ -60,3 +63,21 @@ class Metrics:
                  last.prompt_tokens if last else 0, last.completion_tokens if last else 0,
                  last.cached_tokens if last else 0, e2e)
 
+
+
+class _CacheCollector:
+    """Exports the prefix cache's counters and gauges (``Engine.stats()`` keys ``cache_*``) at
+    scrape time, as ``tierserve_cache_*``; keys ending in ``_total`` are counters."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        for key, value in self.engine.stats().items():
+            if not key.startswith("cache_"):
+                continue
+            name = f"tierserve_{key}"
+            if key.endswith("_total"):
+                yield CounterMetricFamily(name.removesuffix("_total"), key.replace("_", " "), value=value)
+            else:
+                yield GaugeMetricFamily(name, key.replace("_", " "), value=value)

@@ -79,6 +79,10 @@ class PrefixCache(Protocol):
         cache's state, so every change happens at a step boundary on the engine thread."""
         ...
 
+    def stats(self) -> dict[str, float]:
+        """Monotonic counters (names ending in ``_total``) and gauges, for metrics."""
+        ...
+
 
 class NoPrefetch:
     """For caches with no slower tier to prefetch from."""
@@ -112,3 +116,6 @@ class NoPrefixCache(NoPrefetch):
 
     def on_step(self) -> None:
         pass
+
+    def stats(self) -> dict[str, float]:
+        return {}
