@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from tierserve.cache.agreement import Agreement, SingleRank, leading_true
 from tierserve.cache.allocator import PageAllocator
 from tierserve.cache.device_pool import DeviceKVPool
 from tierserve.cache.host_pool import HostKVPool, copy_pages
@@ -26,6 +27,7 @@ from tierserve.cache.storage_tier import StorageTier
 from tierserve.engine.prefix_cache import PrefixHit
 
 log = logging.getLogger(__name__)
+MAX_AGREED_TICKETS = 32  # prefetches taking part in one step's agreement (3 slots each)
 
 
 @dataclass(frozen=True)
@@ -79,13 +81,15 @@ class HiCache:
     """
 
     def __init__(self, allocator: PageAllocator, device: DeviceKVPool, host: HostKVPool, seed: bytes,
-                 config: HiCacheConfig, storage: StorageBackend | None = None) -> None:
+                 config: HiCacheConfig, storage: StorageBackend | None = None,
+                 agreement: Agreement | None = None) -> None:
         self.allocator, self.device, self.host, self.config = allocator, device, host, config
         self.page_size = device.page_size
         self.tree = RadixTree(self.page_size, seed)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicache-io")
         self._writes: list[_Write] = []
         self.counters: Counter[str] = Counter()  # engine thread only
+        self.agreement = agreement or SingleRank()
         self.storage: StorageTier | None = None
         if storage is not None:
             if host.layout is HostLayout.LAYER_FIRST:
@@ -111,9 +115,9 @@ class HiCache:
             return True
         policy = self.config.prefetch_policy
         if policy is PrefetchPolicy.WAIT_COMPLETE:
-            return ticket.done.is_set()
+            return ticket.agreed_done
         if policy is PrefetchPolicy.TIMEOUT:
-            return ticket.done.is_set() or ticket.timed_out()
+            return ticket.agreed_done or ticket.agreed_timed_out
         return True
 
     def cancel(self, ticket: object | None) -> None:
@@ -179,14 +183,22 @@ class HiCache:
         return out
 
     def on_step(self) -> None:
-        still = []
-        for write in self._writes:
-            if not write.future.done():
-                still.append(write)
-                continue
-            if write.future.exception() is not None:
+        """Agrees with the other ranks (one collective) on what finished, then applies it."""
+        local = [leading_true(w.future.done() for w in self._writes),
+                 leading_true(w.future.done() and w.future.exception() is None for w in self._writes)]
+        if self.storage is not None:
+            local += self.storage.local_state(MAX_AGREED_TICKETS)
+        agreed = self.agreement.min(local)
+        self._apply_writes(*agreed[:2])
+        if self.storage is not None:
+            self.storage.apply(agreed[2:])
+
+    def _apply_writes(self, done: int, ok: int) -> None:
+        """The first ``done`` writes finished on every rank, the first ``ok`` of them well."""
+        for i, write in enumerate(self._writes[:done]):
+            if i >= ok:
                 write.node.writing = False
-                log.warning("L1 -> L2 copy failed: %s", write.future.exception())
+                log.warning("L1 -> L2 copy failed (on this or another rank): %s", write.future.exception())
                 self.host.allocator.free(write.host_pages)
                 self.tree.unlock(write.node)
                 continue
@@ -197,9 +209,7 @@ class HiCache:
                 self.storage.backup(write.node, write.keys, write.host_pages)
             else:
                 self.tree.unlock(write.node)
-        self._writes = still
-        if self.storage is not None:
-            self.storage.on_step()
+        self._writes = self._writes[done:]
 
     # -- L1 -> L2 ------------------------------------------------------------------------------
 

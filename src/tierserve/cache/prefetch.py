@@ -40,6 +40,10 @@ class Prefetch:
     timeout: float
     arrived: int = 0
     failed: bool = False
+    # what every rank agreed on at the last step boundary (see cache.agreement)
+    agreed_arrived: int = 0
+    agreed_done: bool = False
+    agreed_timed_out: bool = False
     created: float = field(default_factory=time.monotonic)
     cancel: threading.Event = field(default_factory=threading.Event)
     done: threading.Event = field(default_factory=threading.Event)

@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+from tierserve.cache.agreement import leading_true
 from tierserve.cache.hashing import page_keys, salted_seed
 from tierserve.cache.host_pool import HostKVPool
 from tierserve.cache.prefetch import Prefetch, PrefetchOptions, prefetch_timeout
@@ -35,6 +36,7 @@ class StorageTier:
         self._host_pages = host_pages
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicache-l3")
         self._backups: list[_Backup] = []
+        self.tickets: list[Prefetch] = []  # running prefetches, oldest first
         self._reserved = 0
         self._down_until = 0.0
         self.failures = 0
@@ -66,6 +68,7 @@ class StorageTier:
         keys = page_keys(salted_seed(self.tree.seed, salt), token_ids[: total * ps], ps)[local : local + n]
         ticket = Prefetch(local, keys, host_pages, prefetch_timeout(self.options, n * ps))
         self._reserved += n
+        self.tickets.append(ticket)
         self._worker.submit(self._read, ticket)
         return ticket
 
@@ -87,7 +90,7 @@ class StorageTier:
         """Stops the prefetch, hangs what arrived under the local match as host-only nodes and
         frees the rest of its pages; returns how many pages it contributed."""
         self._stop(ticket)
-        ps, arrived = self.tree.page_size, ticket.arrived
+        ps, arrived = self.tree.page_size, ticket.agreed_arrived
         found = self.tree.match(token_ids[: (ticket.start + arrived) * ps], salt)
         have = found.num_pages
         skip = have - ticket.start  # pages the tree gained meanwhile; negative if it lost some
@@ -107,6 +110,7 @@ class StorageTier:
 
     def _stop(self, ticket: Prefetch) -> None:
         ticket.stop()
+        self.tickets.remove(ticket)
         self._reserved -= len(ticket.host_pages)
 
     # -- backup ----------------------------------------------------------------------------------
@@ -124,18 +128,29 @@ class StorageTier:
         ok = self.storage.batch_set_from(keys[skip:], spans)
         return sum(ok)
 
-    def on_step(self) -> None:
-        still = []
-        for b in self._backups:
-            if not b.future.done():
-                still.append(b)
-                continue
+    def local_state(self, max_tickets: int) -> list[int]:
+        """This rank's view, for the agreement: leading backups done, then per ticket (oldest
+        ``max_tickets``, padded) pages arrived, done, and timed out."""
+        values = [leading_true(b.future.done() for b in self._backups)]
+        for i in range(max_tickets):
+            t = self.tickets[i] if i < len(self.tickets) else None
+            values += [t.arrived, int(t.done.is_set()), int(t.timed_out())] if t else [0, 0, 0]
+        return values
+
+    def apply(self, agreed: list[int]) -> None:
+        """Applies the agreed view: finished backups unpin their nodes; tickets learn how far
+        every rank got."""
+        done, per_ticket = agreed[0], agreed[1:]
+        for b in self._backups[:done]:
             self.tree.unlock(b.node)
             if b.future.exception() is not None:
                 self._fail("backup", b.future.exception())
             else:
                 self.backed_up_pages += b.future.result()
-        self._backups = still
+        self._backups = self._backups[done:]
+        for t, i in zip(self.tickets, range(0, len(per_ticket), 3), strict=False):
+            t.agreed_arrived, t.agreed_done, t.agreed_timed_out = per_ticket[i], bool(per_ticket[i + 1]), \
+                bool(per_ticket[i + 2])
 
     def _fail(self, what: str, exc: BaseException | None) -> None:
         self.failures += 1
