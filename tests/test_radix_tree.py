@@ -152,3 +152,79 @@ def test_engine_with_radix_cache_gives_identical_outputs(tiny_llama: Path, page_
     engine.cache.evict(10**6)
     assert engine.allocator.num_used == 0
     engine.allocator.check()
+
+
+class HiCacheMachine(RuleBasedStateMachine):
+    """Random request/finish/evict/settle sequences over L1 and L2 (write-through, loads back from
+    host): every device and host page has exactly one owner, pins hold, paths stay contiguous."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from tierserve.cache.device_pool import DeviceKVPool, KVGeometry
+        from tierserve.cache.hicache import HiCache, HiCacheConfig
+        from tierserve.cache.host_pool import HostKVPool, HostLayout
+
+        geometry = KVGeometry(1, 1, 2, 2, torch.float32)
+        self.alloc = PageAllocator(24)
+        device = DeviceKVPool(geometry, 24, torch.device("cpu"))
+        host = HostKVPool(geometry, 12, HostLayout.PAGE_FIRST_DIRECT)
+        self.cache = HiCache(self.alloc, device, host, SEED, HiCacheConfig())
+        self.held: list = []
+
+    def teardown(self) -> None:
+        self.cache.close()
+
+    @rule(tokens=TreeMachine.tokens)
+    def request(self, tokens: list[int]) -> None:
+        hit = self.cache.match(tokens)
+        for load in hit.loads:
+            load.wait(0)
+        pages = self.alloc.alloc(len(tokens) // 2 - len(hit.pages) + 1)
+        if pages is None:
+            self.cache.release(tokens, list(hit.pages), hit.num_tokens, hit)
+            return
+        self.held.append((tokens, hit.pages + pages, hit))
+
+    @precondition(lambda self: self.held)
+    @rule(data=st.data())
+    def finish(self, data) -> None:
+        tokens, pages, hit = self.held.pop(data.draw(st.integers(0, len(self.held) - 1)))
+        self.cache.release(tokens, pages, len(tokens), hit)
+
+    @rule(n=st.integers(1, 12))
+    def evict_device(self, n: int) -> None:
+        pinned = {p for _, _, hit in self.held for p in hit.pages}
+        self.cache.evict(n)
+        assert pinned <= set(self.cache.tree.device_pages()), "a pinned page was evicted"
+
+    @rule(n=st.integers(1, 8))
+    def evict_host(self, n: int) -> None:
+        self.cache.host.allocator.free(self.cache.tree.evict_host(n))
+
+    @rule()
+    def settle(self) -> None:
+        for write in list(self.cache._writes):
+            write.future.result(timeout=10)
+        self.cache.on_step()
+
+    @invariant()
+    def pages_have_one_owner(self) -> None:
+        tree = self.cache.tree
+        device = tree.device_pages() + [p for _, pages, hit in self.held for p in pages[len(hit.pages):]]
+        assert len(device) == len(set(device)) == self.alloc.num_used
+        in_flight = [p for w in self.cache._writes for p in w.host_pages]
+        host = tree.host_pages() + in_flight
+        assert len(host) == len(set(host)) == self.cache.host.allocator.num_used
+        self.alloc.check()
+        self.cache.host.allocator.check()
+
+    @invariant()
+    def device_nodes_have_device_parents(self) -> None:
+        for node in self.cache.tree.nodes():
+            if node.device is not None and node.parent.parent is not None:
+                assert node.parent.device is not None
+            assert node.device is not None or node.host is not None
+
+
+TestHiCacheMachine = HiCacheMachine.TestCase
+TestHiCacheMachine.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
