@@ -70,6 +70,7 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", help="require 'Authorization: Bearer <key>' on the API routes")
+    p.add_argument("--admin-api-key", help="enable the /admin routes (L3 attach/detach/status/clear) with this key")
     p.add_argument("--served-model-name", help="model name in the API (default: the model folder's name)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="auto", help="auto, bfloat16, float16 or float32")
@@ -97,7 +98,7 @@ def add_hicache_args(p: argparse.ArgumentParser) -> None:
                    choices=list(HostLayout), metavar="{" + ",".join(x.value for x in HostLayout) + "}")
     p.add_argument("--hicache-io-backend", type=IOBackend, default=IOBackend.KERNEL,
                    choices=list(IOBackend), metavar="{" + ",".join(x.value for x in IOBackend) + "}")
-    p.add_argument("--hicache-storage-backend", choices=["file", "dynamic"], help="the shared L3 tier")
+    p.add_argument("--hicache-storage-backend", choices=["file", "mooncake", "dynamic"], help="the shared L3 tier")
     p.add_argument("--hicache-storage-backend-extra-config", type=json.loads, default={}, metavar="JSON",
                    help='backend settings, e.g. {"path": "/cache"}, and prefetch_threshold / prefetch_timeout_*')
     p.add_argument("--hicache-storage-prefetch-policy", type=PrefetchPolicy, default=PrefetchPolicy.BEST_EFFORT,
@@ -142,7 +143,8 @@ def cmd_serve(args: argparse.Namespace, on_ready: Callable[[], None] | None = No
     except ValueError as exc:  # a flag out of range: a usage error, not a crash
         print(f"tierserve: {exc}", file=sys.stderr)
         return 2
-    serve(config, args.host, args.port, args.api_key, model_name=args.served_model_name, on_ready=on_ready)
+    serve(config, args.host, args.port, args.api_key, model_name=args.served_model_name, on_ready=on_ready,
+          admin_api_key=args.admin_api_key)
     return 0
 
 

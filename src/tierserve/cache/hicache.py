@@ -14,6 +14,7 @@ from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 from tierserve.cache.agreement import Agreement, SingleRank, leading_true
 from tierserve.cache.allocator import PageAllocator
@@ -37,6 +38,10 @@ class HiCacheConfig:
     write_threshold: int = 2
     prefetch_policy: PrefetchPolicy = PrefetchPolicy.BEST_EFFORT
     prefetch: PrefetchOptions = field(default_factory=PrefetchOptions)
+
+
+class StorageBusyError(RuntimeError):
+    """An L3 admin action that needs an idle cache (or another state) was refused."""
 
 
 class LayerwiseLoad:
@@ -92,9 +97,7 @@ class HiCache:
         self.agreement = agreement or SingleRank()
         self.storage: StorageTier | None = None
         if storage is not None:
-            if host.layout is HostLayout.LAYER_FIRST:
-                raise ValueError("an L3 storage backend needs --hicache-mem-layout page_first or page_first_direct")
-            self.storage = StorageTier(storage, host, self.tree, config.prefetch, self._host_pages)
+            self.attach_storage(storage)
 
     @property
     def num_cached_pages(self) -> int:
@@ -104,6 +107,43 @@ class HiCache:
         self._worker.shutdown(wait=True)
         if self.storage is not None:
             self.storage.close()
+
+    # -- L3 at run time (admin) ----------------------------------------------------------------
+
+    def attach_storage(self, storage: StorageBackend) -> None:
+        """Puts ``storage`` behind L2; refused while another backend is attached or L2/L3 work runs."""
+        self._require_idle()
+        if self.storage is not None:
+            raise StorageBusyError("an L3 backend is already attached: detach it first")
+        if self.host.layout is HostLayout.LAYER_FIRST:
+            raise ValueError("an L3 storage backend needs --hicache-mem-layout page_first or page_first_direct")
+        storage.attach_host_buffer(self.host.buffer)
+        self.storage = StorageTier(storage, self.host, self.tree, self.config.prefetch, self._host_pages)
+
+    def detach_storage(self) -> None:
+        self._require_idle()
+        if self.storage is None:
+            raise StorageBusyError("no L3 backend is attached")
+        self.storage.close()
+        self.storage = None
+
+    def clear_storage(self) -> None:
+        self._require_idle()
+        if self.storage is None:
+            raise StorageBusyError("no L3 backend is attached")
+        self.storage.storage.clear()
+
+    def storage_status(self) -> dict[str, Any]:
+        if self.storage is None:
+            return {"attached": False}
+        return {"attached": True, "healthy": self.storage.healthy, "failures": self.storage.failures,
+                "backed_up_pages": self.storage.backed_up_pages, "prefetched_pages": self.storage.prefetched_pages,
+                "backend": self.storage.storage.stats()}
+
+    def _require_idle(self) -> None:
+        busy = self._writes or (self.storage is not None and (self.storage.busy))
+        if busy:
+            raise StorageBusyError("the cache is copying pages between tiers: retry when idle")
 
     # -- the engine hook -------------------------------------------------------------------------
 

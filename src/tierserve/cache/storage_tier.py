@@ -44,6 +44,11 @@ class StorageTier:
         self.prefetched_pages = 0
 
     @property
+    def busy(self) -> bool:
+        """Backups or prefetches are in flight."""
+        return bool(self._backups or self.tickets)
+
+    @property
     def healthy(self) -> bool:
         return time.monotonic() >= self._down_until
 

@@ -14,7 +14,7 @@ from tokenizers import Tokenizer
 from tierserve.cache.allocator import PageAllocator
 from tierserve.cache.device_pool import DeviceKVPool, KVGeometry
 from tierserve.cache.hashing import Namespace
-from tierserve.cache.hicache import HiCache, HiCacheConfig
+from tierserve.cache.hicache import HiCache, HiCacheConfig, StorageBusyError
 from tierserve.cache.host_pool import HostKVPool
 from tierserve.cache.prefetch import PrefetchOptions
 from tierserve.cache.radix_cache import RadixCache
@@ -212,6 +212,23 @@ class Engine:
             raise InvalidRequestError(
                 f"the request needs {total} tokens of KV cache but the pool holds {self.capacity_tokens}"
             )
+
+    def storage_admin(self, action: str, backend: str | None = None, config: dict | None = None) -> dict:
+        """Runtime L3 control: ``status``, ``attach`` (a backend by name with its extra config),
+        ``detach``, ``clear``. All but ``status`` need an idle engine (``StorageBusyError``)."""
+        if not isinstance(self.cache, HiCache):
+            raise ValueError("L3 needs the hierarchical cache (--enable-hierarchical-cache)")
+        if action != "status" and self.has_work():
+            raise StorageBusyError("requests are running: retry when the engine is idle")
+        if action == "attach":
+            self.cache.attach_storage(create_backend(backend or "", config or {}))
+        elif action == "detach":
+            self.cache.detach_storage()
+        elif action == "clear":
+            self.cache.clear_storage()
+        elif action != "status":
+            raise ValueError(f"unknown storage action {action!r}")
+        return self.cache.storage_status()
 
     def _default_cache(self, allocator: PageAllocator, pool: DeviceKVPool) -> PrefixCache:
         if self.config.disable_radix_cache:

@@ -29,6 +29,12 @@ class _Abort:
     request_id: str
 
 
+@dataclass
+class _Call:
+    fn: Callable[[Engine], object]
+    done: Callable[[object, BaseException | None], None]
+
+
 class EngineLoop:
     """Owns an ``Engine`` and the only thread that touches it.
 
@@ -39,7 +45,7 @@ class EngineLoop:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self._commands: queue.SimpleQueue[_Submit | _Abort | None] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Submit | _Abort | _Call | None] = queue.SimpleQueue()
         self._sinks: dict[str, Callable[[RequestOutput | BaseException], None]] = {}
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
@@ -82,6 +88,25 @@ class EngineLoop:
             if not finished:
                 self._commands.put(_Abort(request_id))
 
+    async def call(self, fn: Callable[[Engine], object]) -> object:
+        """Runs ``fn(engine)`` on the engine thread between steps; returns its result or raises."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future = loop.create_future()
+
+        def done(result: object, error: BaseException | None) -> None:
+            def settle() -> None:
+                if future.done():
+                    return
+                if error is not None:
+                    future.set_exception(error)
+                else:
+                    future.set_result(result)
+
+            loop.call_soon_threadsafe(settle)
+
+        self._commands.put(_Call(fn, done))
+        return await future
+
     def _run(self) -> None:
         while self._drain(self._wait()):
             if self.engine.has_work():
@@ -110,11 +135,22 @@ class EngineLoop:
             if isinstance(command, _Abort):
                 self._deliver(self.engine.abort(command.request_id), command.request_id)
                 continue
+            if isinstance(command, _Call):
+                self._call(command)
+                continue
             try:
                 self.engine.add_request(command.request_id, command.prompt_ids, command.params)
                 self._sinks[command.request_id] = command.sink
             except Exception as exc:
                 command.sink(exc)
+
+    def _call(self, command: _Call) -> None:
+        try:
+            result = command.fn(self.engine)
+        except Exception as exc:
+            command.done(None, exc)
+            return
+        command.done(result, None)
 
     def _step(self) -> None:
         try:

@@ -8,6 +8,7 @@ iterators, which aborts the engine requests and frees their KV pages.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import secrets
 import time
@@ -23,6 +24,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tierserve import openai_api as oa
+from tierserve.cache.hicache import StorageBusyError
 from tierserve.engine.config import EngineConfig
 from tierserve.engine.engine import Engine
 from tierserve.engine.loop import EngineLoop
@@ -215,6 +217,27 @@ class _Api:
         card = oa.ModelCard(id=self.model_name, created=self.created, max_model_len=self.max_model_len)
         return _json(oa.ModelList(data=[card]))
 
+    async def storage_status(self) -> Response:
+        return JSONResponse(await self.loop.call(lambda engine: engine.storage_admin("status")))
+
+    async def storage_action(self, action: str, request: Request) -> Response:
+        """attach (body: {"backend": NAME, "extra_config": {...}}), detach, clear: idle engine only."""
+        raw = await request.body()
+        try:
+            body = json.loads(raw) if raw.strip() else {}
+        except json.JSONDecodeError:
+            raise oa.APIError(400, "the body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise oa.APIError(400, "the body must be a JSON object")
+        backend, config = body.get("backend"), body.get("extra_config") or {}
+        try:
+            status = await self.loop.call(lambda engine: engine.storage_admin(action, backend, config))
+        except StorageBusyError as exc:
+            raise oa.APIError(409, str(exc), code="busy") from None
+        except ValueError as exc:
+            raise oa.APIError(400, str(exc)) from None
+        return JSONResponse(status)
+
     async def health(self) -> Response:
         if self.loop.is_alive:
             return JSONResponse({"status": "ok"})
@@ -298,8 +321,19 @@ def _auth(api_key: str | None) -> Callable[[Request], Coroutine[Any, Any, None]]
     return check
 
 
+def _admin_auth(admin_key: str | None) -> Callable[[Request], Coroutine[Any, Any, None]]:
+    check_key = _auth(admin_key)
+
+    async def check(request: Request) -> None:
+        if admin_key is None:
+            raise oa.APIError(403, "the admin API is off: start the server with --admin-api-key")
+        await check_key(request)
+
+    return check
+
+
 def create_app(loop: EngineLoop, tokenizer: TextTokenizer | None, model_name: str,
-               api_key: str | None = None) -> FastAPI:
+               api_key: str | None = None, admin_api_key: str | None = None) -> FastAPI:
     """The HTTP app for one started ``EngineLoop``. ``/health`` and ``/metrics`` are open; every other
     route needs ``Authorization: Bearer <api_key>`` when ``api_key`` is set. The caller stops the loop."""
     api = _Api(loop, tokenizer, model_name)
@@ -310,6 +344,9 @@ def create_app(loop: EngineLoop, tokenizer: TextTokenizer | None, model_name: st
     app.add_api_route("/v1/models", api.models, methods=["GET"], **guarded)
     app.add_api_route("/tokenize", api.tokenize, methods=["POST"], **guarded)
     app.add_api_route("/debug/engine", api.debug_engine, methods=["GET"], **guarded)
+    admin = {"dependencies": [Depends(_admin_auth(admin_api_key))]}
+    app.add_api_route("/admin/storage", api.storage_status, methods=["GET"], **admin)
+    app.add_api_route("/admin/storage/{action}", api.storage_action, methods=["POST"], **admin)
     app.add_api_route("/health", api.health, methods=["GET"])
     app.add_api_route("/metrics", lambda: Response(generate_latest(api.metrics.registry),
                                                    media_type=CONTENT_TYPE_LATEST), methods=["GET"])
@@ -351,12 +388,14 @@ class _Uvicorn(uvicorn.Server):
 
 
 def serve(config: EngineConfig, host: str, port: int, api_key: str | None, *,
-          model_name: str | None = None, on_ready: Callable[[], None] | None = None) -> None:
+          model_name: str | None = None, on_ready: Callable[[], None] | None = None,
+          admin_api_key: str | None = None) -> None:
     """Loads the engine and serves it until SIGINT/SIGTERM, then stops the engine thread."""
     engine = Engine(config)
     loop = EngineLoop(engine).start()
     try:
-        app = create_app(loop, try_load(config.model_dir), model_name or engine.model_config.name, api_key)
+        app = create_app(loop, try_load(config.model_dir), model_name or engine.model_config.name, api_key,
+                         admin_api_key)
         uv_config = uvicorn.Config(app, host=host, port=port, loop="uvloop", log_config=None,
                                    timeout_graceful_shutdown=5)
         _Uvicorn(uv_config, on_ready).run()

@@ -49,6 +49,9 @@ class StorageBackend(ABC):
     def close(self) -> None:  # noqa: B027 - optional for backends without resources
         pass
 
+    def attach_host_buffer(self, buffer: torch.Tensor) -> None:  # noqa: B027 - only zero-copy backends need it
+        """Called once with the whole host pool before any transfer; zero-copy backends register it."""
+
 
 def create_backend(name: str, config: dict[str, Any]) -> StorageBackend:
     """``file`` and ``mooncake`` by name; ``dynamic`` imports ``config["module_path"]`` and builds
@@ -57,6 +60,10 @@ def create_backend(name: str, config: dict[str, Any]) -> StorageBackend:
         from tierserve.cache.storage.file import FileStorage
 
         return FileStorage.from_config(config)
+    if name == "mooncake":
+        from tierserve.cache.storage.mooncake import MooncakeStorage
+
+        return MooncakeStorage.from_config(config)
     if name == "dynamic":
         missing = {"module_path", "class_name"} - set(config)
         if missing:
@@ -65,4 +72,4 @@ def create_backend(name: str, config: dict[str, Any]) -> StorageBackend:
         if not (isinstance(cls, type) and issubclass(cls, StorageBackend)):
             raise ValueError(f"{config['module_path']}.{config['class_name']} is not a StorageBackend")
         return cls(config)
-    raise ValueError(f"unknown storage backend {name!r}; choose file or dynamic")
+    raise ValueError(f"unknown storage backend {name!r}; choose file, mooncake or dynamic")
