@@ -12,7 +12,7 @@ from tierserve.cache.options import HostLayout, IOBackend, PrefetchPolicy, Write
 @dataclass(frozen=True)
 class HiCacheOptions:
     """The host tier: ``ratio`` x the device pool, or ``size_gb`` when given (``--hicache-*``), and
-    the optional L3 ``storage_backend`` (file, dynamic) configured by ``storage_config`` (the
+    the optional L3 ``storage_backend`` (file, mooncake, dynamic) configured by ``storage_config`` (the
     extra-config JSON; it also overrides the prefetch threshold and timeouts)."""
 
     ratio: float = 2.0

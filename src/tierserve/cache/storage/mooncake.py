@@ -1,0 +1,252 @@
+"""L3 on Mooncake Store: pages move zero-copy between the registered host pool and a pool of
+memory segments that every client process contributes, indexed by a ``mooncake_master``.
+
+Mooncake facts this module relies on (measured; see /work/shared/MOONCAKE_NOTES.md):
+
+- Calls answer per key: bytes read or 0 on success, or a negative ``ErrorCode``. -704 is a miss,
+  -200 a full store (it evicts in the background: the write is dropped, this is a cache),
+  -9xx an unreachable master and -8xx a failed or timed-out transfer from a peer's segment.
+- A put of an existing key answers 0 and keeps the old value: fine, a page key names its content.
+- A dead master makes calls fail with -900, at once or after ~4.3 s (``get``); its port is
+  probed (a TCP connect, refused at once) before each call after a failure so a down master
+  costs little. A restarted master is empty; clients re-mount their segments within ~1-2 s.
+- Any call after ``close()`` crashes the process, so calls and ``close`` are serialised here.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import socket
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+from tierserve.cache.storage.base import StorageBackend, StorageError
+
+# Read by the Mooncake library when it loads or a client starts; the environment overrides them.
+_ENV_DEFAULTS = {
+    "MC_LOG_LEVEL": "ERROR",  # INFO logs ~30 lines per client
+    "MC_STORE_CLIENT_SETUP_RETRIES": "1",  # setup() against a dead master: ~4 s instead of ~90 s
+    "MC_TRANSFER_TIMEOUT": "5",  # seconds (minimum 5); governs RDMA transfers
+    # A frozen peer blocks a TCP get/put for 30 s by default; MC_TRANSFER_TIMEOUT does not cover it.
+    "MC_TCP_STATUS_TIMEOUT_SEC": "5",
+    "MC_TCP_PROGRESS_TIMEOUT_SEC": "5",
+}
+for _name, _value in _ENV_DEFAULTS.items():
+    os.environ.setdefault(_name, _value)
+
+try:
+    from mooncake.store import MooncakeDistributedStore
+except ImportError as _exc:  # `import mooncake` alone succeeds even when the engine cannot load
+    raise ImportError(
+        "the mooncake storage backend needs Mooncake: pip install mooncake-transfer-engine-non-cuda "
+        "(CPU-only hosts) or mooncake-transfer-engine (CUDA hosts), not both, plus the system library "
+        f"libibverbs1; importing mooncake.store failed: {_exc}"
+    ) from _exc
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+NO_SPACE = -200
+OBJECT_NOT_FOUND = -704
+OBJECT_ALREADY_EXISTS = -705
+
+
+def is_outage(code: int) -> bool:
+    """Codes that say the store, not the key, failed: internal error, transfer (-8xx), RPC (-9xx),
+    HA status (-1010, -1011). Everything else negative (not found, no space, ...) is a miss."""
+    return code == -1 or -999 <= code <= -800 or code in (-1010, -1011)
+
+
+class MooncakeStorage(StorageBackend):
+    """Pages under ``key_prefix + key.hex()`` in the Mooncake Store behind ``master_server_address``.
+
+    One client per instance: it contributes ``global_segment_size`` bytes to the shared pool (what
+    it holds is lost when it closes) and keeps ``local_buffer_size`` bytes for the byte-copy
+    ``get``/``set``. Several instances in one process work (each has its own transfer engine).
+    Spans must lie in memory registered by ``register_buffer`` (HiCache calls it through
+    ``attach_host_buffer``); a span outside it registers its tensor's whole storage once (the host
+    pool), never a page alone.
+
+    Errors of the store raise ``StorageError``; a missing page or a full store is just ``False``.
+    All methods may be called from any thread; they are serialised.
+    """
+
+    def __init__(self, master_server_address: str, *, local_hostname: str = "127.0.0.1", protocol: str = "tcp",
+                 device_name: str = "", global_segment_size: int = 256 << 20, local_buffer_size: int = 64 << 20,
+                 metadata_server: str = "P2PHANDSHAKE", key_prefix: str = "tierserve/",
+                 probe_timeout_s: float = 0.5) -> None:
+        if protocol not in ("tcp", "rdma"):
+            raise ValueError(f"mooncake protocol must be tcp or rdma, not {protocol!r}")
+        host, _, port = master_server_address.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f'master_server_address must be "host:port", not {master_server_address!r}')
+        self.master, self._master = master_server_address, (host, int(port))
+        self.prefix, self.probe_timeout_s = key_prefix, probe_timeout_s
+        self._lock = threading.Lock()
+        self._regions: list[tuple[int, int]] = []  # (address, bytes) registered with the store
+        self._suspect = False  # the last call failed: probe the master before the next one
+        self.hits = self.misses = self.writes = self.dropped = self.failures = 0
+        self._probe()  # setup() against a dead master would block ~4 s first
+        store = MooncakeDistributedStore()
+        rc = store.setup(local_hostname, metadata_server, int(global_segment_size), int(local_buffer_size),
+                         protocol, device_name, master_server_address)
+        if rc != 0:
+            raise StorageError(f"Mooncake store setup against master {master_server_address} failed ({rc})")
+        self._store: MooncakeDistributedStore | None = store
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> MooncakeStorage:
+        """Builds from the extra-config JSON; keys other than this backend's are ignored."""
+        if "master_server_address" not in config:
+            raise ValueError('the mooncake storage backend needs {"master_server_address": "host:port"}')
+        names = ("local_hostname", "protocol", "device_name", "metadata_server", "key_prefix")
+        kwargs: dict[str, Any] = {k: str(config[k]) for k in names if k in config}
+        kwargs |= {k: int(config[k]) for k in ("global_segment_size", "local_buffer_size") if k in config}
+        if "probe_timeout_s" in config:
+            kwargs["probe_timeout_s"] = float(config["probe_timeout_s"])
+        return cls(str(config["master_server_address"]), **kwargs)
+
+    # -- memory registration ---------------------------------------------------------------------
+
+    def register_buffer(self, buffer: torch.Tensor) -> None:
+        """Registers ``buffer``'s whole storage (the host pool) for zero-copy transfers, once;
+        registering a region already covered is a no-op. Call before the first batch call."""
+        storage = buffer.untyped_storage()
+        self._register(storage.data_ptr(), storage.nbytes())
+
+    def attach_host_buffer(self, buffer: torch.Tensor) -> None:
+        """HiCache's hook, called once with ``HostKVPool.buffer`` before any transfer."""
+        self.register_buffer(buffer)
+
+    def _register(self, address: int, nbytes: int) -> None:
+        if self._covered(address, nbytes):
+            return
+        rc = self._call(lambda s: s.register_buffer(address, nbytes))
+        if rc != 0:
+            raise StorageError(f"Mooncake could not register {nbytes} bytes at {address:#x} ({rc})")
+        self._regions.append((address, nbytes))
+
+    def _covered(self, address: int, nbytes: int) -> bool:
+        return any(a <= address and address + nbytes <= a + n for a, n in self._regions)
+
+    def _locate(self, spans: list[torch.Tensor]) -> tuple[list[int], list[int]]:
+        """Addresses and sizes of the spans, registering their storage if nobody did."""
+        ptrs, sizes = [], []
+        for span in spans:
+            if span.device.type != "cpu" or not span.is_contiguous():
+                raise ValueError("Mooncake spans must be contiguous CPU tensors (page_first host layouts)")
+            ptr, nbytes = span.data_ptr(), span.numel() * span.element_size()
+            if not self._covered(ptr, nbytes):
+                log.warning("registering a span's storage with Mooncake on first use; call register_buffer")
+                self.register_buffer(span)
+            ptrs.append(ptr)
+            sizes.append(nbytes)
+        return ptrs, sizes
+
+    # -- pages -----------------------------------------------------------------------------------
+
+    def _names(self, keys: list[bytes]) -> list[str]:
+        return [self.prefix + k.hex() for k in keys]
+
+    def batch_exists(self, keys: list[bytes]) -> int:
+        if not keys:
+            return 0
+        names = self._names(keys)
+        codes = self._checked("exists", lambda s: s.batch_is_exist(names))
+        return next((i for i, c in enumerate(codes) if c != 1), len(codes))
+
+    def batch_get_into(self, keys: list[bytes], spans: list[torch.Tensor]) -> list[bool]:
+        if not keys:
+            return []
+        names, (ptrs, sizes) = self._names(keys), self._locate(spans)
+        codes = self._checked("get", lambda s: s.batch_get_into(names, ptrs, sizes))
+        ok = [c == n for c, n in zip(codes, sizes, strict=True)]  # a smaller object is not this page
+        self.hits += sum(ok)
+        self.misses += len(ok) - sum(ok)
+        return ok
+
+    def batch_set_from(self, keys: list[bytes], spans: list[torch.Tensor]) -> list[bool]:
+        if not keys:
+            return []
+        names, (ptrs, sizes) = self._names(keys), self._locate(spans)
+        codes = self._checked("put", lambda s: s.batch_put_from(names, ptrs, sizes))
+        return [self._stored(c) for c in codes]
+
+    def _stored(self, code: int) -> bool:
+        ok = code in (0, OBJECT_ALREADY_EXISTS)
+        self.writes += code == 0
+        self.dropped += not ok  # full (-200, it evicts in the background) or refused: drop, a cache
+        return ok
+
+    # -- single objects --------------------------------------------------------------------------
+
+    def get(self, key: bytes) -> bytes | None:
+        name = self._names([key])[0]
+        data = self._call(lambda s: s.get(name))
+        if data:
+            return data
+        code = self._checked("get", lambda s: [s.is_exist(name)])[0]  # b"" is both a miss and an error
+        return b"" if code == 1 else None
+
+    def set(self, key: bytes, data: bytes) -> bool:
+        """Copies through the local buffer; empty objects are refused by Mooncake (False)."""
+        name = self._names([key])[0]
+        return self._stored(self._checked("put", lambda s: [s.put(name, bytes(data))])[0])
+
+    def clear(self) -> None:
+        """Removes every object under this backend's prefix (from all clients), leased or not."""
+        pattern = "^" + re.escape(self.prefix)
+        self._checked("clear", lambda s: [min(0, s.remove_by_regex(pattern, True))])
+
+    def stats(self) -> dict[str, Any]:
+        return {"backend": "mooncake", "master": self.master, "hits": self.hits, "misses": self.misses,
+                "writes": self.writes, "dropped": self.dropped, "failures": self.failures,
+                "registered_buffers": len(self._regions), "registered_bytes": sum(n for _, n in self._regions),
+                "master_suspect": self._suspect, "closed": self._store is None}
+
+    def close(self) -> None:
+        """Unmounts this client's segment (its objects are lost). Takes ~1.5-2 s, ~11 s when the
+        master is down; later calls raise ``StorageError``."""
+        with self._lock:
+            store, self._store = self._store, None
+            if store is not None:
+                store.close()
+
+    # -- calls -----------------------------------------------------------------------------------
+
+    def _checked(self, op: str, fn: Callable[[MooncakeDistributedStore], list[int]]) -> list[int]:
+        """Runs a call answering per-key codes; raises ``StorageError`` if one says the store failed."""
+        codes = self._call(fn)
+        bad = next((c for c in codes if is_outage(c)), None)
+        if bad is not None:
+            self._suspect = True
+            self.failures += 1
+            raise StorageError(f"Mooncake {op} failed ({bad}) with master {self.master}")
+        self._suspect = False
+        return codes
+
+    def _call(self, fn: Callable[[MooncakeDistributedStore], T]) -> T:
+        with self._lock:
+            if self._store is None:
+                raise StorageError("the Mooncake store is closed")
+            if self._suspect:
+                self._probe()
+            try:
+                return fn(self._store)
+            except Exception as exc:  # a binding error: treat like an unreachable store
+                self._suspect = True
+                self.failures += 1
+                raise StorageError(f"Mooncake call failed: {exc}") from exc
+
+    def _probe(self) -> None:
+        """Raises ``StorageError`` at once if the master's port does not accept a connection."""
+        try:
+            socket.create_connection(self._master, timeout=self.probe_timeout_s).close()
+        except OSError as exc:
+            self.failures += 1
+            raise StorageError(f"Mooncake master {self.master} is unreachable: {exc}") from exc

@@ -1,0 +1,276 @@
+"""L3 on a real Mooncake Store: the backend against a real ``mooncake_master``, two engines sharing
+pages through it, and a master that dies and comes back while requests run."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from engine_helpers import run_one
+from tiny_models import make_tiny_model
+
+from tierserve.cache import storage_tier
+from tierserve.cache.options import HostLayout, PrefetchPolicy
+from tierserve.cache.storage import StorageError, create_backend
+from tierserve.engine.config import EngineConfig, HiCacheOptions
+from tierserve.engine.engine import Engine
+from tierserve.engine.sampling_params import SamplingParams
+
+# Through our module, which sets Mooncake's environment defaults before Mooncake loads.
+MooncakeStorage = pytest.importorskip("tierserve.cache.storage.mooncake").MooncakeStorage
+
+pytestmark = pytest.mark.integration
+PARAMS = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+PAGE = 16
+SEGMENT = 32 << 20  # per client: a few MiB of pages is all these tests store
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class MasterProcess:
+    """A real ``mooncake_master`` on loopback ports; ``kill`` and ``start`` keep the same ports."""
+
+    def __init__(self, binary: str, log: Path) -> None:
+        self.binary, self.log, self.rpc_port, self.metrics_port = binary, log, _free_port(), _free_port()
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.rpc_port}"
+
+    def start(self, deadline_s: float = 10.0) -> None:
+        """Starts it and returns once its RPC port accepts connections and /health answers."""
+        args = [self.binary, f"--rpc_port={self.rpc_port}", f"--metrics_port={self.metrics_port}"]
+        with open(self.log, "ab") as log:  # a file, not a pipe: a chatty master would block on a full pipe
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + deadline_s
+        while not self._ready():
+            if self.proc.poll() is not None:  # e.g. a port taken meanwhile: the master exits
+                raise RuntimeError(f"mooncake_master exited: {self.log.read_text(errors='replace')[-2000:]}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"mooncake_master not ready after {deadline_s} s")
+            time.sleep(0.01)  # poll interval, not a wait for readiness
+
+    def _ready(self) -> bool:
+        try:
+            socket.create_connection(("127.0.0.1", self.rpc_port), timeout=0.2).close()
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/health", timeout=0.5) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+
+@pytest.fixture
+def mooncake_master(tmp_path: Path) -> Iterator[MasterProcess]:
+    """A fresh master per test (it starts in ~0.1 s); stopped at teardown, after the clients the
+    test opened through ``closing`` (closing a client while its master is down takes ~11 s)."""
+    binary = str(Path(sys.executable).with_name("mooncake_master"))
+    binary = binary if Path(binary).exists() else shutil.which("mooncake_master")
+    if binary is None:
+        pytest.skip("mooncake_master not found")
+    master = MasterProcess(binary, tmp_path / "mooncake_master.log")
+    master.start()
+    yield master
+    master.kill()
+
+
+@pytest.fixture
+def closing(mooncake_master: MasterProcess) -> Iterator[Callable[[Any], Any]]:
+    """Registers things with a ``close()`` to close at teardown, before the master stops."""
+    opened: list[Any] = []
+    yield lambda thing: opened.append(thing) or thing
+    for thing in reversed(opened):
+        thing.close()
+
+
+def _backend(master: MasterProcess, closing: Callable[[Any], Any]) -> MooncakeStorage:
+    config = {"master_server_address": master.address, "global_segment_size": SEGMENT,
+              "local_buffer_size": 16 << 20}
+    return closing(create_backend("mooncake", config))
+
+
+# -- the backend -----------------------------------------------------------------------------------
+
+
+def test_round_trip_through_a_real_master(mooncake_master: MasterProcess, closing) -> None:
+    store = _backend(mooncake_master, closing)
+    pool = torch.randn(10, 1024)  # 10 pages of 4 KiB in one registered buffer
+    store.register_buffer(pool)
+    store.register_buffer(pool[3])  # already covered: a no-op (Mooncake itself would answer -600)
+    keys = [bytes([i]) * 32 for i in range(5)]
+    assert store.batch_set_from(keys[:4], list(pool[:4])) == [True] * 4
+    assert store.batch_exists(keys) == 4
+    assert store.batch_exists([keys[0], keys[4], keys[1]]) == 1  # leading keys only
+    untouched = pool[8].clone()
+    assert store.batch_get_into(keys, list(pool[4:9])) == [True] * 4 + [False]
+    assert torch.equal(pool[4:8], pool[:4]) and torch.equal(pool[8], untouched)
+    assert store.batch_set_from(keys[:1], [pool[9]]) == [True]  # stored already: keeps the old bytes
+    assert store.batch_get_into(keys[:1], [pool[8]]) == [True] and torch.equal(pool[8], pool[0])
+    assert store.set(b"x" * 32, b"abc") and store.get(b"x" * 32) == b"abc" and store.get(b"y" * 32) is None
+    assert store.stats()["registered_buffers"] == 1 and store.stats()["hits"] == 5
+    store.clear()
+    assert store.batch_exists(keys) == 0 and store.get(b"x" * 32) is None
+    store.close()
+    with pytest.raises(StorageError, match="closed"):  # the store itself would crash the process
+        store.batch_exists(keys)
+
+
+def test_a_dead_master_fails_fast_and_recovery_is_seen(mooncake_master: MasterProcess, closing) -> None:
+    store = _backend(mooncake_master, closing)
+    pool = torch.randn(2, 1024)
+    store.register_buffer(pool)
+    mooncake_master.kill()
+    with pytest.raises(StorageError):
+        store.batch_exists([b"k" * 32])
+    started = time.monotonic()
+    with pytest.raises(StorageError, match="unreachable"):  # probed first, instead of ~4.3 s of RPC
+        store.batch_get_into([b"k" * 32], [pool[0]])
+    assert time.monotonic() - started < 1.0
+    mooncake_master.start()  # an empty store; the client re-mounts its segment within ~1-2 s
+    _wait_until_writable(store)
+    assert store.batch_set_from([b"k" * 32], [pool[0]]) == [True]
+    assert store.batch_get_into([b"k" * 32], [pool[1]]) == [True] and torch.equal(pool[0], pool[1])
+
+
+def test_setup_against_no_master_fails_at_once() -> None:
+    started = time.monotonic()
+    with pytest.raises(StorageError, match="unreachable"):
+        MooncakeStorage(f"127.0.0.1:{_free_port()}")
+    assert time.monotonic() - started < 1.0
+
+
+def _wait_until_writable(store: MooncakeStorage, deadline_s: float = 15.0) -> None:
+    """Until a write through ``store`` lands: after a master restart its client answers -900 until
+    it reconnects, then -200 until a client re-mounts a segment (~1-5 s in all)."""
+    deadline = time.monotonic() + deadline_s
+    while not _try_set(store):
+        assert time.monotonic() < deadline, "the restarted master never accepted a write"
+        time.sleep(0.05)
+
+
+def _try_set(store: MooncakeStorage) -> bool:
+    try:
+        return store.set(b"\xff" * 32, b"probe")
+    except StorageError:
+        return False
+
+
+# -- engines ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def long_llama(tmp_path_factory) -> Path:
+    """The tiny random Llama, with room for prompts past 512 tokens."""
+    return make_tiny_model("llama", tmp_path_factory.mktemp("llama2k"), max_position=2048)
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    return torch.randint(2, 384, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module")
+def plain(long_llama: Path) -> Callable[[list[int]], list[int]]:
+    """Outputs of an engine without any prefix cache: what every cached run must reproduce."""
+    engine = Engine(EngineConfig(long_llama, dtype="float32", page_size=PAGE, max_total_tokens=2048,
+                                 disable_radix_cache=True))
+    return lambda prompt: engine.generate([prompt], PARAMS)[0]
+
+
+def _engine(model: Path, master: MasterProcess, closing) -> Engine:
+    config = {"master_server_address": master.address, "global_segment_size": SEGMENT,
+              "local_buffer_size": 16 << 20, "prefetch_threshold": 64}
+    opts = HiCacheOptions(ratio=2.0, mem_layout=HostLayout.PAGE_FIRST_DIRECT, storage_backend="mooncake",
+                          storage_config=config, prefetch_policy=PrefetchPolicy.WAIT_COMPLETE)
+    engine = Engine(EngineConfig(model, dtype="float32", page_size=PAGE, max_total_tokens=2048,
+                                 enable_hierarchical_cache=True, hicache=opts))
+    closing(engine.cache)
+    return engine
+
+
+def _settle(engine: Engine) -> None:
+    """Waits for L2 writes and the L3 backups they start (a failed backup counts as settled)."""
+    cache = engine.cache
+    futures.wait([w.future for w in cache._writes], timeout=30)
+    cache.on_step()
+    futures.wait([b.future for b in cache.storage._backups], timeout=30)
+    cache.on_step()
+
+
+def _registered_once(engine: Engine) -> bool:
+    """The host pool is registered with Mooncake as one buffer, never page by page."""
+    stats = engine.cache.storage.storage.stats()
+    return stats["registered_buffers"] == 1 and stats["registered_bytes"] == engine.cache.host.buffer.nbytes
+
+
+def test_second_engine_reads_the_first_engines_pages_from_mooncake(long_llama: Path, plain, mooncake_master,
+                                                                  closing, caplog) -> None:
+    prompt = _prompt(7, 800)
+    first = _engine(long_llama, mooncake_master, closing)
+    assert run_one(first, prompt, PARAMS)[0] == plain(prompt)
+    _settle(first)
+    assert first.cache.storage.backed_up_pages == (800 + PARAMS.max_tokens - 1) // PAGE  # prompt + answer
+    assert _registered_once(first)
+    second = _engine(long_llama, mooncake_master, closing)  # empty L1 and L2, its own client, same store
+    tokens, tiers = run_one(second, prompt, PARAMS)
+    assert tokens == plain(prompt)
+    assert tiers.get("storage", 0) >= 0.9 * 800, tiers
+    assert second.cache.storage.storage.stats()["hits"] >= 45 and _registered_once(second)
+    assert "on first use" not in caplog.text  # HiCache registered the pool through attach_host_buffer
+
+
+def test_a_master_killed_mid_run_degrades_to_l1_l2_then_l3_returns(long_llama: Path, plain, mooncake_master,
+                                                                    closing, monkeypatch) -> None:
+    monkeypatch.setattr(storage_tier, "RETRY_AFTER_S", 0.5)
+    prompts = [_prompt(10 + i, 320) for i in range(6)]
+    writer = _engine(long_llama, mooncake_master, closing)
+    assert run_one(writer, prompts[0], PARAMS)[0] == plain(prompts[0])
+    _settle(writer)  # prompts[0] is in L3: the next engine prefetches it
+    engine = _engine(long_llama, mooncake_master, closing)
+    for i, prompt in enumerate(prompts[:4]):
+        engine.add_request(f"kill{i}", prompt, PARAMS)
+    outputs: dict[str, list[int]] = {}
+    for step in range(10_000):
+        if step == 1:
+            mooncake_master.kill()
+        if not engine.has_work():
+            break
+        for out in engine.step():
+            outputs[out.request_id] = outputs.get(out.request_id, []) + out.new_token_ids
+    assert [outputs[f"kill{i}"] for i in range(4)] == [plain(p) for p in prompts[:4]]
+    _settle(engine)
+    assert run_one(engine, prompts[4], PARAMS)[0] == plain(prompts[4])  # its backup fails or is skipped
+    _settle(engine)
+    assert engine.cache.storage.failures >= 1
+
+    mooncake_master.start()  # same port, empty store
+    for client in (engine, writer):
+        _wait_until_writable(client.cache.storage.storage)
+    deadline = time.monotonic() + 10
+    while not engine.cache.storage.healthy:  # the circuit breaker's retry window
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    backed_up = engine.cache.storage.backed_up_pages
+    assert run_one(engine, prompts[5], PARAMS)[0] == plain(prompts[5])
+    _settle(engine)
+    assert engine.cache.storage.backed_up_pages - backed_up == (320 + PARAMS.max_tokens - 1) // PAGE
+    tokens, tiers = run_one(writer, prompts[5], PARAMS)  # the writer's client survived the restart too
+    assert tokens == plain(prompts[5]) and tiers.get("storage", 0) >= 0.9 * 320, tiers
