@@ -139,6 +139,8 @@ class RadixTree:
         """Hangs a host-only node (e.g. pages prefetched from L3) below ``parent``, which must not
         have a child starting with the same page."""
         pages = self._pages(token_ids)
+        if len(pages) != len(host_pages) or len(token_ids) % self.page_size:
+            raise ValueError("radix tree: host pages must cover the tokens exactly, in whole pages")
         if pages[0] in parent.children:
             raise ValueError("radix tree: the parent already has that child")
         return self._add_child(parent, pages, host=list(host_pages))

@@ -95,7 +95,9 @@ class StorageTier:
         """Stops the prefetch, hangs what arrived under the local match as host-only nodes and
         frees the rest of its pages; returns how many pages it contributed."""
         self._stop(ticket)
-        ps, arrived = self.tree.page_size, ticket.agreed_arrived
+        ps = self.tree.page_size
+        # the match may ask for fewer tokens than the prefetch read (the last token is always computed)
+        arrived = max(0, min(ticket.agreed_arrived, len(token_ids) // ps - ticket.start))
         found = self.tree.match(token_ids[: (ticket.start + arrived) * ps], salt)
         have = found.num_pages
         skip = have - ticket.start  # pages the tree gained meanwhile; negative if it lost some
