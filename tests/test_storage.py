@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import multiprocessing as mp
 from pathlib import Path
 from typing import Any
 
@@ -143,4 +145,24 @@ def test_tenants_with_different_salts_never_read_each_others_pages(long_llama: P
     tokens, tiers = run_one(second, _prompt(), PARAMS, cache_salt="tenant-c")
     assert tokens == expected and tiers == {}
     tokens, tiers = run_one(second, _prompt(), PARAMS, cache_salt="tenant-a")
+    assert tokens == expected and tiers.get("storage", 0) >= 0.9 * PROMPT_LEN, tiers
+
+
+def _write_l3_in_child(model: str, l3_dir: str, out: str) -> None:
+    engine = _engine(Path(model), "file", {"path": l3_dir, "prefetch_threshold": 64})
+    tokens, _ = _run(engine, _prompt())
+    _settle(engine)
+    Path(out).write_text(json.dumps(tokens))
+
+
+@pytest.mark.integration
+def test_l3_pages_written_by_another_process_are_used(long_llama: Path, tmp_path: Path, expected) -> None:
+    out = tmp_path / "child.json"
+    child = mp.get_context("spawn").Process(target=_write_l3_in_child,
+                                            args=(str(long_llama), str(tmp_path / "l3"), str(out)))
+    child.start()
+    child.join(timeout=300)
+    assert child.exitcode == 0 and json.loads(out.read_text()) == expected
+    engine = _engine(long_llama, "file", {"path": str(tmp_path / "l3"), "prefetch_threshold": 64})
+    tokens, tiers = _run(engine, _prompt())
     assert tokens == expected and tiers.get("storage", 0) >= 0.9 * PROMPT_LEN, tiers
