@@ -59,19 +59,25 @@ class StorageTier:
     # -- prefetch --------------------------------------------------------------------------------
 
     def start(self, token_ids: Sequence[int], salt: str) -> Prefetch | None:
-        """Reserves host pages for the part of the prompt beyond L1 + L2 and starts reading what
-        L3 has of it, if that part is at least the threshold long."""
+        """If the prompt extends beyond L1 + L2 by at least the threshold, asks L3 how much of the
+        rest it has and, if that is at least the threshold too, reserves host pages for it (they
+        may evict L2, so only for pages that exist) and starts reading them in the background."""
         ps = self.tree.page_size
         local, total = self.tree.cached_pages(token_ids, salt), len(token_ids) // ps
         if not self.healthy or (total - local) * ps < self.options.threshold_tokens:
             return None
+        keys = page_keys(salted_seed(self.tree.seed, salt), token_ids[: total * ps], ps)[local:]
+        try:
+            present = self.storage.batch_exists(keys)  # one cheap call; a down store fails fast
+        except Exception as exc:  # any backend error is a miss
+            self._fail("exists", exc)
+            return None
         cap = int(self.host.num_pages * self.options.max_reserved_fraction) - self._reserved
-        n = min(total - local, cap)
-        host_pages = self._host_pages(n) if n > 0 else None
+        n = min(present, cap)
+        host_pages = self._host_pages(n) if n * ps >= self.options.threshold_tokens else None
         if host_pages is None:
             return None
-        keys = page_keys(salted_seed(self.tree.seed, salt), token_ids[: total * ps], ps)[local : local + n]
-        ticket = Prefetch(local, keys, host_pages, prefetch_timeout(self.options, n * ps))
+        ticket = Prefetch(local, keys[:n], host_pages, prefetch_timeout(self.options, n * ps))
         self._reserved += n
         self.tickets.append(ticket)
         self._worker.submit(self._read, ticket)
@@ -80,13 +86,6 @@ class StorageTier:
     def _read(self, ticket: Prefetch) -> None:
         if not ticket.begin():
             return
-        try:
-            present = self.storage.batch_exists(ticket.keys)
-        except Exception as exc:
-            self._fail("exists", exc)
-            ticket.done.set()
-            return
-        ticket.keys = ticket.keys[:present]
         ticket.run(self.storage, self.host)
         if ticket.failed:
             self._fail("prefetch", None)
