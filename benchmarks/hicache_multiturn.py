@@ -62,10 +62,8 @@ def run(name: str, model: Path, extra: dict, args: argparse.Namespace) -> dict:
                 ttfts.append(ttft)
                 cached, prompt_tokens = cached + hit, prompt_tokens + len(prompt)
             history[c] = prompt + out
-            if hasattr(engine.cache, "_writes"):  # let background copies land between turns
-                for w in list(engine.cache._writes):
-                    w.future.result()
-                engine.cache.on_step()
+            if hasattr(engine.cache, "wait_background"):  # let background copies land between turns
+                engine.cache.wait_background()
     q = statistics.quantiles(ttfts, n=10)
     return {"name": name, "hit": cached / prompt_tokens, "median": statistics.median(ttfts), "p90": q[-1]}
 

@@ -33,12 +33,7 @@ def test_engine_attach_use_detach(tiny_llama: Path, tmp_path: Path) -> None:
     while engine.has_work():
         engine.step()
     run_one(engine, prompt[:50], PARAMS)
-    for write in list(engine.cache._writes):
-        write.future.result(timeout=30)
-    engine.cache.on_step()
-    for backup in list(engine.cache.storage._backups):
-        backup.future.result(timeout=30)
-    engine.cache.on_step()
+    engine.cache.wait_background()
     assert engine.storage_admin("status")["backend"]["pages"] > 0  # pages were backed up
     assert engine.storage_admin("clear")["backend"]["pages"] == 0
     assert engine.storage_admin("detach") == {"attached": False}

@@ -43,9 +43,7 @@ def _run(engine: Engine, prompt: list[int]) -> tuple[list[int], dict[str, int]]:
 
 def _settle(engine: Engine) -> None:
     """Lets background L1 -> L2 copies land (they are applied at step boundaries)."""
-    for write in list(engine.cache._writes):
-        write.future.result(timeout=30)
-    engine.cache.on_step()
+    engine.cache.wait_background()
 
 
 def _check_accounting(engine: Engine) -> None:

@@ -10,7 +10,6 @@ import sys
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
-from concurrent import futures
 from pathlib import Path
 from typing import Any
 
@@ -208,11 +207,7 @@ def _engine(model: Path, master: MasterProcess, closing) -> Engine:
 
 def _settle(engine: Engine) -> None:
     """Waits for L2 writes and the L3 backups they start (a failed backup counts as settled)."""
-    cache = engine.cache
-    futures.wait([w.future for w in cache._writes], timeout=30)
-    cache.on_step()
-    futures.wait([b.future for b in cache.storage._backups], timeout=30)
-    cache.on_step()
+    engine.cache.wait_background()
 
 
 def _registered_once(engine: Engine) -> bool:

@@ -60,6 +60,19 @@ def test_lru_eviction_respects_pins_and_keeps_host_copies() -> None:
     assert tree.evict_host(5) == [7] and not tree.root.children
 
 
+def _start_request(machine, tokens: list[int]) -> None:
+    """Matches ``tokens`` (waiting for any host load), then takes pages for the rest plus one, as
+    the engine does; a request that gets no pages gives its hit back at once."""
+    hit = machine.cache.match(tokens)
+    for load in hit.loads:
+        load.wait(0)
+    pages = machine.alloc.alloc(len(tokens) // 2 - len(hit.pages) + 1)
+    if pages is None:
+        machine.cache.release(tokens, list(hit.pages), hit.num_tokens, hit)
+        return
+    machine.held.append((tokens, hit.pages + pages, hit))
+
+
 class TreeMachine(RuleBasedStateMachine):
     """Random insert/match/lock/evict sequences against a reference: the set of cached prefixes."""
 
@@ -74,12 +87,7 @@ class TreeMachine(RuleBasedStateMachine):
 
     @rule(tokens=tokens)
     def request(self, tokens: list[int]) -> None:
-        hit = self.cache.match(tokens)
-        pages = self.alloc.alloc(len(tokens) // 2 - len(hit.pages) + 1)
-        if pages is None:
-            self.cache.release(tokens, list(hit.pages), hit.num_tokens, hit)
-            return
-        self.held.append((tokens, hit.pages + pages, hit))
+        _start_request(self, tokens)
 
     @precondition(lambda self: self.held)
     @rule(data=st.data())
@@ -176,14 +184,7 @@ class HiCacheMachine(RuleBasedStateMachine):
 
     @rule(tokens=TreeMachine.tokens)
     def request(self, tokens: list[int]) -> None:
-        hit = self.cache.match(tokens)
-        for load in hit.loads:
-            load.wait(0)
-        pages = self.alloc.alloc(len(tokens) // 2 - len(hit.pages) + 1)
-        if pages is None:
-            self.cache.release(tokens, list(hit.pages), hit.num_tokens, hit)
-            return
-        self.held.append((tokens, hit.pages + pages, hit))
+        _start_request(self, tokens)
 
     @precondition(lambda self: self.held)
     @rule(data=st.data())
@@ -203,9 +204,7 @@ class HiCacheMachine(RuleBasedStateMachine):
 
     @rule()
     def settle(self) -> None:
-        for write in list(self.cache._writes):
-            write.future.result(timeout=10)
-        self.cache.on_step()
+        self.cache.wait_background(timeout=10)
 
     @invariant()
     def pages_have_one_owner(self) -> None:

@@ -89,13 +89,7 @@ def _run(engine: Engine, prompt: list[int]) -> tuple[list[int], dict[str, int]]:
 
 
 def _settle(engine: Engine) -> None:
-    cache = engine.cache
-    for write in list(cache._writes):
-        write.future.result(timeout=30)
-    cache.on_step()
-    for backup in list(cache.storage._backups):
-        backup.future.result(timeout=30)
-    cache.on_step()
+    engine.cache.wait_background()
 
 
 @pytest.fixture(scope="module")

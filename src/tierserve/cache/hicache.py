@@ -12,6 +12,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -232,6 +233,15 @@ class HiCache:
         self._apply_writes(*agreed[:2])
         if self.storage is not None:
             self.storage.apply(agreed[2:])
+
+    def wait_background(self, timeout: float = 30.0) -> None:
+        """Waits for in-flight L2 writes and the L3 backups they start, and applies them (one rank
+        only: it runs ``on_step`` outside the scheduler's rhythm). For tests, benchmarks, shutdown."""
+        futures.wait([w.future for w in self._writes], timeout=timeout)
+        self.on_step()
+        if self.storage is not None:
+            self.storage.wait_backups(timeout)
+            self.on_step()
 
     def _apply_writes(self, done: int, ok: int) -> None:
         """The first ``done`` writes finished on every rank, the first ``ok`` of them well."""

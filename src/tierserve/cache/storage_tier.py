@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -133,6 +134,9 @@ class StorageTier:
         spans = [self.host.page_span(p) for p in host_pages[skip:]]
         ok = self.storage.batch_set_from(keys[skip:], spans)
         return sum(ok)
+
+    def wait_backups(self, timeout: float) -> None:
+        futures.wait([b.future for b in self._backups], timeout=timeout)
 
     def local_state(self, max_tickets: int) -> list[int]:
         """This rank's view, for the agreement: leading backups done, then per ticket (oldest
