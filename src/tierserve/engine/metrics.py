@@ -6,7 +6,7 @@ import logging
 import time
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from tierserve import openai_api as oa
@@ -35,18 +35,7 @@ class Metrics:
         self.ttft = histogram("tierserve_time_to_first_token_seconds", "Arrival to first token")
         self.itl = histogram("tierserve_inter_token_latency_seconds", "Time between output tokens")
         self.e2e = histogram("tierserve_e2e_request_latency_seconds", "Arrival to last token")
-        # Read from the serving thread without locks: plain length reads, approximate by nature.
-        gauges = {
-            "tierserve_num_requests_running": "running",
-            "tierserve_num_requests_waiting": "waiting",
-            "tierserve_kv_pages_used": "kv_pages_used",
-            "tierserve_kv_pages_cached": "kv_pages_cached",
-            "tierserve_kv_pages_total": "kv_pages_total",
-        }
-        r.register(_CacheCollector(engine))
-        for name, key in gauges.items():
-            gauge = Gauge(name, name.removeprefix("tierserve_").replace("_", " "), registry=r)
-            gauge.set_function(lambda key=key: engine.stats()[key])
+        r.register(_EngineCollector(engine))
 
     def request_ended(self, request_id: str, last: RequestOutput | None, failed: bool, started: float) -> None:
         """Counts an ended engine request (no finished output and no error: aborted) and logs it."""
@@ -65,15 +54,27 @@ class Metrics:
 
 
 
-class _CacheCollector:
-    """Exports the prefix cache's counters and gauges (``Engine.stats()`` keys ``cache_*``) at
-    scrape time, as ``tierserve_cache_*``; keys ending in ``_total`` are counters."""
+_ENGINE_GAUGES = {
+    "running": "tierserve_num_requests_running",
+    "waiting": "tierserve_num_requests_waiting",
+    "kv_pages_used": "tierserve_kv_pages_used",
+    "kv_pages_cached": "tierserve_kv_pages_cached",
+    "kv_pages_total": "tierserve_kv_pages_total",
+}
+
+
+class _EngineCollector:
+    """Exports one ``Engine.stats()`` snapshot per scrape (read without locks: approximate while a
+    step runs): occupancy gauges, and the prefix cache's ``cache_*`` keys as ``tierserve_cache_*``
+    (keys ending in ``_total`` are counters)."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         for key, value in self.engine.stats().items():
+            if key in _ENGINE_GAUGES:
+                yield GaugeMetricFamily(_ENGINE_GAUGES[key], key.replace("_", " "), value=value)
             if not key.startswith("cache_"):
                 continue
             name = f"tierserve_{key}"
