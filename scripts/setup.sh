@@ -70,16 +70,20 @@ install_model_package() {
 }
 
 # ---- Mooncake transfer engine (KV handoff prefill -> decode, and Mooncake Store) ------------
-# CPU machines: the non-CUDA build, installed now. GPU machines: `mooncake-transfer-engine`
-# (the CUDA build) goes here once the transfer/ work needs it.
+# Two builds install the same `mooncake/` package and pip does not notice: exactly one may be
+# present. GPU machines get the CUDA build (it cannot load without the NVIDIA driver), others
+# the non-CUDA one.
 install_mooncake() {
-    if has_gpu; then
-        say "GPU machine: mooncake-transfer-engine (CUDA build) not installed yet"
-        return
+    local want=mooncake-transfer-engine-non-cuda other=mooncake-transfer-engine
+    if has_gpu; then want=mooncake-transfer-engine other=mooncake-transfer-engine-non-cuda; fi
+    if has_dist "$other"; then
+        say "removing $other (it shares files with $want)"
+        "$PY" -m pip uninstall --quiet -y "$other"
+        "$PY" -m pip uninstall --quiet -y "$want" 2>/dev/null || true  # its files went with the other
     fi
-    if ! has_dist mooncake-transfer-engine-non-cuda; then
-        say "installing mooncake-transfer-engine-non-cuda==$MOONCAKE_VERSION"
-        "${PIP[@]}" "mooncake-transfer-engine-non-cuda==$MOONCAKE_VERSION"
+    if ! has_dist "$want"; then
+        say "installing $want==$MOONCAKE_VERSION"
+        "${PIP[@]}" "$want==$MOONCAKE_VERSION"
     fi
     "$PY" -c "import mooncake.engine" || { say "import mooncake.engine failed"; exit 1; }
 }
