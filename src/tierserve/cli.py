@@ -58,8 +58,25 @@ def build_parser() -> argparse.ArgumentParser:
     add_server_args(up)
     up.set_defaults(func=cmd_up, model=None)
 
-    for name, text in [("router", "the HTTP router"), ("prefill", "a prefill node"),
-                       ("decode", "a decode node"), ("bench", "load generators and reports")]:
+    prefill = sub.add_parser("prefill", help="a prefill node (gRPC PrefillService)", parents=[common])
+    add_node_args(prefill)
+    prefill.add_argument("--handoff-timeout", type=float, default=60.0,
+                         help="seconds for prefill plus KV handoff when the request gives no deadline")
+    prefill.add_argument("--fault-transfer-rate", type=float, default=0.0,
+                         help="testing only: make this share of KV handoffs fail for real")
+    prefill.set_defaults(func=cmd_prefill)
+
+    decode = sub.add_parser("decode", help="a decode node (gRPC DecodeService)", parents=[common])
+    add_node_args(decode)
+    decode.add_argument("--lease-seconds", type=float, default=30.0,
+                        help="how long a reservation waits for Generate before its pages are reclaimed")
+    decode.add_argument("--reserve-decode-tokens", type=int, default=256,
+                        help="pages reserved beyond the prompt for the first answer tokens")
+    decode.add_argument("--reservation-grace", type=float, default=40.0,
+                        help="seconds pages of an abandoned reservation stay unused (> any handoff timeout)")
+    decode.set_defaults(func=cmd_decode)
+
+    for name, text in [("router", "the HTTP router"), ("bench", "load generators and reports")]:
         stub = sub.add_parser(name, help=f"{text}: {NOT_IMPLEMENTED}", parents=[common])
         stub.set_defaults(func=cmd_not_implemented)
     return parser
@@ -72,6 +89,26 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", help="require 'Authorization: Bearer <key>' on the API routes")
     p.add_argument("--admin-api-key", help="enable the /admin routes (L3 attach/detach/status/clear) with this key")
     p.add_argument("--served-model-name", help="model name in the API (default: the model folder's name)")
+    add_engine_args(p)
+
+
+def add_node_args(p: argparse.ArgumentParser) -> None:
+    """gRPC, transfer and engine flags of a prefill or decode node."""
+    from tierserve.transfer.options import TransferProtocol
+
+    p.add_argument("--host", default="127.0.0.1", help="gRPC listen address")
+    p.add_argument("--port", type=int, default=0, help="gRPC port (0: any free port, logged)")
+    p.add_argument("--model", type=Path, help="Hugging Face model folder (default: the built-in model)")
+    p.add_argument("--served-model-name", help="model name reported by Info (default: the model folder's name)")
+    p.add_argument("--transfer-protocol", type=TransferProtocol, default=TransferProtocol.TCP,
+                   choices=list(TransferProtocol), metavar="{tcp,rdma}", help="KV transfer engine protocol")
+    p.add_argument("--transfer-device", default="", help="RDMA device list for --transfer-protocol rdma")
+    p.add_argument("--transfer-hostname", help="address peers use for this node's transfer engine "
+                   "(default: --host, or 127.0.0.1 when that is 0.0.0.0)")
+    add_engine_args(p)
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="auto", help="auto, bfloat16, float16 or float32")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
@@ -145,6 +182,56 @@ def cmd_serve(args: argparse.Namespace, on_ready: Callable[[], None] | None = No
         return 2
     serve(config, args.host, args.port, args.api_key, model_name=args.served_model_name, on_ready=on_ready,
           admin_api_key=args.admin_api_key)
+    return 0
+
+
+def node_options(args: argparse.Namespace):
+    from tierserve.node.server import NodeOptions
+
+    hostname = args.transfer_hostname or (args.host if args.host not in ("0.0.0.0", "::") else "127.0.0.1")
+    return NodeOptions(host=args.host, port=args.port, transfer_hostname=hostname,
+                       transfer_protocol=args.transfer_protocol, transfer_devices=args.transfer_device,
+                       served_model_name=args.served_model_name)
+
+
+def _node_config(args: argparse.Namespace) -> EngineConfig | None:
+    model_dir = args.model or _builtin_model()
+    if not (model_dir / "config.json").is_file():
+        print(f"tierserve: {model_dir} is not a model folder (no config.json)", file=sys.stderr)
+        return None
+    try:
+        return engine_config(args, model_dir)
+    except ValueError as exc:
+        print(f"tierserve: {exc}", file=sys.stderr)
+        return None
+
+
+def cmd_prefill(args: argparse.Namespace) -> int:
+    from tierserve.node.server import run_node
+    from tierserve.prefill_node.service import add_prefill_service
+    from tierserve.proto import tierserve_pb2 as pb
+
+    config = _node_config(args)
+    if config is None:
+        return 2
+    run_node(config, node_options(args), pb.ROLE_PREFILL,
+             add_prefill_service(args.handoff_timeout, args.fault_transfer_rate))
+    return 0
+
+
+def cmd_decode(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from tierserve.decode_node.service import add_decode_service
+    from tierserve.node.server import run_node
+    from tierserve.proto import tierserve_pb2 as pb
+
+    config = _node_config(args)
+    if config is None:
+        return 2
+    config = replace(config, reserve_decode_tokens=args.reserve_decode_tokens,
+                     reservation_grace_s=args.reservation_grace)
+    run_node(config, node_options(args), pb.ROLE_DECODE, add_decode_service(args.lease_seconds))
     return 0
 
 

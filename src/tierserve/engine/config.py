@@ -46,6 +46,10 @@ class EngineConfig:
     disable_radix_cache: bool = False
     enable_hierarchical_cache: bool = False
     hicache: HiCacheOptions = field(default_factory=HiCacheOptions)
+    # decode role: pages a reservation adds beyond the prompt for the first answer tokens, and how
+    # long pages a prefill node may still be writing stay unused (longer than any transfer deadline)
+    reserve_decode_tokens: int = 256
+    reservation_grace_s: float = 40.0
 
     def __post_init__(self) -> None:
         if self.page_size < 1:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -20,14 +21,17 @@ from tierserve.cache.prefetch import PrefetchOptions
 from tierserve.cache.radix_cache import RadixCache
 from tierserve.cache.storage import create_backend
 from tierserve.engine.config import EngineConfig
+from tierserve.engine.handoff import Handoff
 from tierserve.engine.model_runner import ModelRunner
 from tierserve.engine.prefix_cache import NoPrefixCache, PrefixCache
 from tierserve.engine.request import FinishReason, Request, RequestOutput, RequestStatus
+from tierserve.engine.reservations import Reservations
 from tierserve.engine.sampling_params import InvalidRequestError, SamplingParams
 from tierserve.engine.scheduler import Scheduler, SchedulerConfig, pages_for
 from tierserve.engine.text_stream import TextStream
 from tierserve.model.config import ModelConfig
 from tierserve.model.loader import load_model, resolve_dtype
+from tierserve.model.sampling import skip_draw
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +81,7 @@ class Engine:
         sched = SchedulerConfig(config.page_size, config.chunked_prefill_size, config.max_running_requests)
         self.scheduler = Scheduler(sched, self.allocator, self.cache)
         self.runner = ModelRunner(self.model, self.pool, self.device)
+        self.reservations = Reservations(self.allocator, self.cache, config.page_size, config.reservation_grace_s)
         self.requests: dict[str, Request] = {}
         self.last_batch_size = 0
         log.info("engine ready: model=%s device=%s dtype=%s kv_pages=%d page_size=%d namespace=%s",
@@ -88,19 +93,58 @@ class Engine:
         return self.pool.num_pages * self.config.page_size
 
     def add_request(
-        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, cache_salt: str = ""
+        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, cache_salt: str = "",
+        handoff: Handoff | None = None,
     ) -> None:
         """Queues a request; raises ``InvalidRequestError`` if it can never be served. Requests
-        with different ``cache_salt`` never share cached KV."""
+        with different ``cache_salt`` never share cached KV. ``handoff`` receives the prompt's KV
+        layer by layer as it is computed."""
         prompt = list(prompt_ids)
         self._validate(request_id, prompt, params)
-        request = Request(request_id, prompt, params, cache_salt=cache_salt)
+        request = Request(request_id, prompt, params, cache_salt=cache_salt, handoff=handoff)
+        self._prepare(request)
+        self.requests[request_id] = request
+        self.scheduler.add(request)
+
+    def reserve(self, request_id: str, prompt_ids: Sequence[int], max_new_tokens: int, cache_salt: str = "",
+                lease_s: float = 30.0) -> Request:
+        """Sets pages aside for a prompt another node computes (decode role); returns the
+        reservation's request (``pages`` is the page table, ``num_computed`` the tokens this
+        engine already caches). Raises ``InvalidRequestError`` or ``CapacityError``."""
+        prompt = list(prompt_ids)
+        self._validate(request_id, prompt, SamplingParams(max_tokens=max_new_tokens))
+        if request_id in self.reservations.active:
+            raise InvalidRequestError(f"request id {request_id!r} is already reserved")
+        request = Request(request_id, prompt, SamplingParams(max_tokens=max_new_tokens), cache_salt=cache_salt)
+        headroom = min(max_new_tokens, self.config.reserve_decode_tokens)
+        self.reservations.reserve(request, len(prompt) + max(1, headroom), lease_s)
+        return request
+
+    def start_reserved(self, request_id: str, first_token: int, params: SamplingParams) -> RequestOutput:
+        """The prompt's KV is in the reserved pages and ``first_token`` was sampled from it: the
+        request joins the running batch; returns the output for the first token."""
+        params.validate()
+        request = self.reservations.take(request_id)
+        request.params = params
+        self._prepare(request)
+        if request.generator is not None and not params.greedy:
+            skip_draw(request.generator, self.model_config.vocab_size, self.device)  # the prefill drew it
+        request.num_computed, request.status = len(request.prompt_ids), RequestStatus.RUNNING
+        request.first_token_at = time.monotonic()
+        self.requests[request_id] = request
+        self.scheduler.running.append(request)
+        return self._append(request, first_token)
+
+    def cancel_reservation(self, request_id: str, writer_stopped: bool) -> bool:
+        """Ends a reservation that will not run; see ``Reservations.cancel``."""
+        return self.reservations.cancel(request_id, writer_stopped)
+
+    def _prepare(self, request: Request) -> None:
+        params = request.params
         if params.seed is not None:
             request.generator = torch.Generator(self.device).manual_seed(params.seed)
         if self.tokenizer is not None:
             request.text = TextStream(self.tokenizer, params.stop, params.skip_special_tokens)
-        self.requests[request_id] = request
-        self.scheduler.add(request)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stops a waiting or running request and frees its pages; None if it is unknown."""
@@ -111,7 +155,7 @@ class Engine:
         return self._finish(request, FinishReason.ABORT, [], "")
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self.reservations)
 
     def stats(self) -> dict[str, float]:
         """Occupancy counters; safe to read from another thread (approximate while a step runs).
@@ -125,10 +169,15 @@ class Engine:
             "kv_pages_cached": cached,
             "kv_pages_total": self.allocator.num_pages,
             "preemptions": self.scheduler.num_preemptions,
+            "reservations": len(self.reservations.active),
+            "reservation_pages_quarantined": self.reservations.quarantined_pages,
+            "reservation_leases_expired": self.reservations.expired_leases,
+            "handoff_pages_parked": sum(len(p.pages) for p in self.scheduler.parked),
         } | {f"cache_{k}": v for k, v in self.cache.stats().items()}
 
     def step(self) -> list[RequestOutput]:
         """Runs one batch; returns an output for every request that got a token or finished."""
+        self.reservations.tick()
         batch = self.scheduler.schedule()
         self.last_batch_size = len(batch)
         if not batch:

@@ -8,6 +8,7 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from tierserve.engine.engine import Engine
 from tierserve.engine.request import RequestOutput
@@ -19,8 +20,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class _Submit:
     request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
+    start: Callable[[Engine], RequestOutput | None]  # adds the request; may already produce output
     sink: Callable[[RequestOutput | BaseException], None]
 
 
@@ -65,17 +65,31 @@ class EngineLoop:
     def num_requests(self) -> int:
         return len(self._sinks)
 
-    async def generate(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams
+    def generate(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, **options: Any
     ) -> AsyncIterator[RequestOutput]:
-        """Yields outputs until the finished one; raises the engine's error for a rejected request."""
+        """Yields outputs until the finished one; raises the engine's error for a rejected request.
+        ``options`` go to ``Engine.add_request`` (``cache_salt``, ``handoff``)."""
+        prompt = list(prompt_ids)
+        return self.stream(request_id, lambda e: e.add_request(request_id, prompt, params, **options))
+
+    def generate_reserved(self, request_id: str, first_token: int, params: SamplingParams
+                          ) -> AsyncIterator[RequestOutput]:
+        """Like ``generate`` for a reservation whose prompt KV arrived (``Engine.start_reserved``)."""
+        return self.stream(request_id, lambda e: e.start_reserved(request_id, first_token, params))
+
+    async def stream(
+        self, request_id: str, start: Callable[[Engine], RequestOutput | None]
+    ) -> AsyncIterator[RequestOutput]:
+        """Runs ``start(engine)`` on the engine thread, then yields the request's outputs until
+        the finished one; aborts the request if the caller stops early."""
         loop = asyncio.get_running_loop()
         results: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
 
         def sink(item: RequestOutput | BaseException) -> None:
             loop.call_soon_threadsafe(results.put_nowait, item)
 
-        self._commands.put(_Submit(request_id, list(prompt_ids), params, sink))
+        self._commands.put(_Submit(request_id, start, sink))
         finished = False
         try:
             while not finished:
@@ -87,6 +101,10 @@ class EngineLoop:
         finally:
             if not finished:
                 self._commands.put(_Abort(request_id))
+
+    def abort(self, request_id: str) -> None:
+        """Stops a request from any thread; its stream ends with an aborted output."""
+        self._commands.put(_Abort(request_id))
 
     async def call(self, fn: Callable[[Engine], object]) -> object:
         """Runs ``fn(engine)`` on the engine thread between steps; returns its result or raises."""
@@ -139,10 +157,12 @@ class EngineLoop:
                 self._call(command)
                 continue
             try:
-                self.engine.add_request(command.request_id, command.prompt_ids, command.params)
-                self._sinks[command.request_id] = command.sink
+                first = command.start(self.engine)
             except Exception as exc:
                 command.sink(exc)
+                continue
+            self._sinks[command.request_id] = command.sink
+            self._deliver(first, command.request_id)
 
     def _call(self, command: _Call) -> None:
         try:

@@ -33,7 +33,7 @@ class ModelRunner:
         decodes = [s for s in batch if _is_decode(s)]
         ordered = extends + decodes
         ids, positions, slots = self._flat_tokens(ordered)
-        attn = AttentionBatch(page_size=self.page_size, out_slots=slots, hooks=hooks or _pending_loads(batch))
+        attn = AttentionBatch(page_size=self.page_size, out_slots=slots, hooks=hooks or _step_hooks(batch))
         attn.extends = self._extend_spans(extends)
         attn.decode_start = len(ids) - len(decodes)
         if decodes:
@@ -84,24 +84,27 @@ class ModelRunner:
         return pages, mask[:, None, None, :]
 
 
-class _WaitForLoads:
-    """Layer hooks that hold each layer's attention until prefix pages copied into the pool
-    (e.g. from host memory) have that layer in place."""
+class _StepHooks:
+    """Holds each layer's attention until prefix pages being copied into the pool (e.g. from host
+    memory) have that layer in place, and tells handoffs when a layer's KV is written."""
 
-    def __init__(self, loads: list) -> None:
+    def __init__(self, loads: list, handoffs: list[Scheduled]) -> None:
         self.loads = loads
+        self.handoffs = handoffs
 
     def before_attention(self, layer_id: int) -> None:
         for load in self.loads:
             load.wait(layer_id)
 
     def after_kv_written(self, layer_id: int) -> None:
-        pass
+        for s in self.handoffs:
+            s.request.handoff.on_layer(layer_id, s.request.pages, s.request.num_computed + s.num_tokens)
 
 
-def _pending_loads(batch: list[Scheduled]) -> _WaitForLoads | None:
+def _step_hooks(batch: list[Scheduled]) -> _StepHooks | None:
     loads = [load for s in batch for load in s.request.hit.loads if not load.done()]
-    return _WaitForLoads(loads) if loads else None
+    handoffs = [s for s in batch if s.request.handoff is not None]
+    return _StepHooks(loads, handoffs) if loads or handoffs else None
 
 
 def _is_decode(s: Scheduled) -> bool:

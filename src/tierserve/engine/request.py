@@ -8,6 +8,7 @@ from enum import Enum
 
 import torch
 
+from tierserve.engine.handoff import Handoff
 from tierserve.engine.prefix_cache import PrefixHit
 from tierserve.engine.sampling_params import SamplingParams
 from tierserve.engine.text_stream import TextStream
@@ -51,6 +52,7 @@ class Request:
     text: TextStream | None = None
     arrival: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
+    handoff: Handoff | None = None  # where the prompt's KV goes as it is computed (prefill role)
 
     @property
     def num_tokens(self) -> int:

@@ -10,7 +10,7 @@ pages are released and it waits again at the head of the queue, to be recomputed
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tierserve.cache.allocator import PageAllocator
 from tierserve.engine.prefix_cache import PrefixCache, PrefixHit
@@ -25,6 +25,17 @@ class SchedulerConfig:
     page_size: int
     chunked_prefill_size: int = 2048
     max_running_requests: int = 256
+
+
+@dataclass
+class _Parked:
+    """A finished request's pages that a handoff may still read."""
+
+    request: Request
+    tokens: list[int]
+    pages: list[int]
+    num_computed: int
+    hit: PrefixHit = field(default_factory=PrefixHit)
 
 
 @dataclass
@@ -48,6 +59,7 @@ class Scheduler:
         self.cache = cache
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.parked: list[_Parked] = []
         self.num_preemptions = 0
 
     def add(self, request: Request) -> None:
@@ -55,10 +67,11 @@ class Scheduler:
         self.waiting.append(request)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.parked)
 
     def schedule(self) -> list[Scheduled]:
         self.cache.on_step()
+        self._unpark()
         budget = self.config.chunked_prefill_size
         batch: list[Scheduled] = []
         for request in list(self.running):
@@ -73,10 +86,19 @@ class Scheduler:
         return batch
 
     def release(self, request: Request) -> None:
-        """Gives the request's pages back (to the prefix cache, which frees what it does not keep)."""
+        """Gives the request's pages back (to the prefix cache, which frees what it does not keep);
+        while its handoff may still read them they are parked and given back by a later step."""
         tokens = request.token_ids()
-        self.cache.release(tokens, request.pages, request.num_computed, request.hit)
+        if request.handoff is not None and request.handoff.busy():
+            self.parked.append(_Parked(request, tokens, request.pages, request.num_computed, request.hit))
+        else:
+            self.cache.release(tokens, request.pages, request.num_computed, request.hit)
         request.pages, request.hit = [], PrefixHit()
+
+    def _unpark(self) -> None:
+        for p in [p for p in self.parked if not p.request.handoff.busy()]:
+            self.parked.remove(p)
+            self.cache.release(p.tokens, p.pages, p.num_computed, p.hit)
 
     def remove(self, request: Request) -> None:
         """Takes a finished or aborted request out of the queues and releases its pages."""

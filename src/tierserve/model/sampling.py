@@ -61,3 +61,9 @@ def _exponential_noise(probs: torch.Tensor, generators: list[torch.Generator | N
         if gen is not None:
             noise[row].exponential_(generator=gen)
     return noise
+
+
+def skip_draw(generator: torch.Generator, vocab_size: int, device: torch.device) -> None:
+    """Advances a request's generator past one sampling step, as ``sample`` would: a request that
+    continues on another engine then draws the same noise as it would have here."""
+    torch.empty(vocab_size, device=device).exponential_(generator=generator)

@@ -1,0 +1,78 @@
+"""``DecodeService``: reserve pages for a prompt a prefill node computes, then generate from them.
+
+Offload to L3 needs no code here: with the hierarchical cache and a storage backend, a finished
+request's pages (prompt and answer) go into the tree under the prompt's chained keys, the write
+policy copies them to L2 and each L2 copy is backed up to L3, all in the background.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+
+from tierserve.engine.reservations import CapacityError
+from tierserve.engine.sampling_params import InvalidRequestError
+from tierserve.node.convert import arena, identity, sampling_params
+from tierserve.node.server import Node
+from tierserve.proto import tierserve_pb2 as pb
+from tierserve.proto import tierserve_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+
+class DecodeServicer(pb_grpc.DecodeServiceServicer):
+    def __init__(self, node: Node, lease_s: float = 30.0) -> None:
+        self.node, self.lease_s = node, lease_s
+        self.identity, self.arena = identity(node.engine), arena(node.engine)
+
+    async def Reserve(self, request: pb.ReserveRequest, context: grpc.aio.ServicerContext) -> pb.ReserveResponse:
+        rid, lease = request.request_id, request.lease_seconds or self.lease_s
+        prompt, max_new = list(request.prompt_ids), request.max_new_tokens or 16
+        try:
+            reserved = await self.node.loop.call(lambda e: e.reserve(rid, prompt, max_new, request.cache_salt, lease))
+        except InvalidRequestError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except CapacityError as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        dest = pb.KVDestination(reservation_id=rid, transfer_endpoint=self.node.transfer.endpoint,
+                                identity=self.identity, base_address=self.arena.base, num_slots=self.arena.num_slots,
+                                pages=reserved.pages, cached_tokens=reserved.num_computed)
+        return pb.ReserveResponse(destination=dest, lease_seconds=lease)
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+                       ) -> AsyncIterator[pb.GenerateChunk]:
+        try:
+            params = sampling_params(request.sampling)
+        except InvalidRequestError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        stream = self.node.loop.generate_reserved(request.reservation_id, request.first_token, params)
+        try:
+            async for out in stream:
+                yield pb.GenerateChunk(token_ids=out.new_token_ids, text=out.new_text, finished=out.finished,
+                                       finish_reason=out.reason or "", completion_tokens=out.completion_tokens)
+        except KeyError as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0]))
+        except InvalidRequestError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+    async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:
+        rid = request.reservation_id
+
+        def release(engine) -> bool:
+            return engine.cancel_reservation(rid, request.writer_stopped) or rid in engine.requests
+
+        released = await self.node.loop.call(release)
+        self.node.loop.abort(rid)  # a running generation ends (aborted) on its stream; else a no-op
+        return pb.ReleaseResponse(released=released)
+
+
+def add_decode_service(lease_s: float):
+    """The ``AddService`` hook of ``run_node`` for the decode role."""
+
+    def add(server: grpc.aio.Server, node: Node) -> str:
+        pb_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(node, lease_s), server)
+        return "tierserve.v1.DecodeService"
+
+    return add

@@ -1,0 +1,98 @@
+"""Pages set aside for prompts another node computes (the decode role's side of a handoff).
+
+A reservation holds the prompt's page table under a lease: the prefix it already caches (pinned,
+read-only) and fresh pages a prefill node writes into. It ends in one of three ways: ``take``
+(the prompt arrived; the request starts generating), ``cancel`` with the writer known to have
+stopped (pages freed at once), or ``cancel`` without that knowledge, e.g. an expired lease or a
+prefill node that vanished (fresh pages quarantined for ``grace_s``, longer than any transfer
+deadline, so a late write can never land in a page someone else now uses).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from tierserve.cache.allocator import PageAllocator
+from tierserve.engine.prefix_cache import PrefixCache, PrefixHit
+from tierserve.engine.request import Request
+from tierserve.engine.scheduler import pages_for
+
+
+class CapacityError(RuntimeError):
+    """Not enough free KV pages for the reservation now; retry later or elsewhere."""
+
+
+@dataclass
+class Reservation:
+    request: Request  # prompt, page table and prefix hit; not yet known to the scheduler
+    expires_at: float
+
+
+@dataclass
+class Reservations:
+    allocator: PageAllocator
+    cache: PrefixCache
+    page_size: int
+    grace_s: float
+    active: dict[str, Reservation] = field(default_factory=dict)
+    quarantine: list[tuple[float, list[int]]] = field(default_factory=list)  # (free at, pages)
+    expired_leases: int = 0
+
+    def reserve(self, request: Request, num_tokens: int, lease_s: float) -> None:
+        """Matches the prompt's cached prefix and allocates pages for ``num_tokens`` tokens;
+        raises ``CapacityError`` (holding nothing) when the pool cannot supply them."""
+        prompt = request.prompt_ids
+        hit = self.cache.match(prompt[: len(prompt) - 1], None, request.cache_salt)
+        missing = pages_for(num_tokens, self.page_size) - len(hit.pages)
+        if self.allocator.num_free < missing:
+            self.cache.evict(missing - self.allocator.num_free)
+        pages = self.allocator.alloc(missing)
+        if pages is None:
+            self.cache.release(prompt, list(hit.pages), hit.num_tokens, hit)
+            raise CapacityError(f"no room for {num_tokens} tokens of KV: {self.allocator.num_free} pages free "
+                                f"of {self.allocator.num_pages}")
+        request.hit, request.pages, request.num_computed = hit, [*hit.pages, *pages], hit.num_tokens
+        self.active[request.request_id] = Reservation(request, time.monotonic() + lease_s)
+
+    def take(self, request_id: str) -> Request:
+        """Ends the lease: the prompt's KV is in place and the request may run."""
+        reservation = self.active.pop(request_id, None)
+        if reservation is None:
+            raise KeyError(f"no reservation {request_id!r} (unknown, released or its lease expired)")
+        return reservation.request
+
+    def cancel(self, request_id: str, writer_stopped: bool) -> bool:
+        """Gives the pages back; False if the reservation is unknown."""
+        reservation = self.active.pop(request_id, None)
+        if reservation is None:
+            return False
+        r = reservation.request
+        kept = len(r.hit.pages)
+        if writer_stopped:
+            self.cache.release(r.prompt_ids, r.pages, r.hit.num_tokens, r.hit)
+        else:
+            self.cache.release(r.prompt_ids, r.pages[:kept], r.hit.num_tokens, r.hit)
+            self.quarantine.append((time.monotonic() + self.grace_s, r.pages[kept:]))
+        r.pages, r.hit = [], PrefixHit()
+        return True
+
+    def tick(self) -> list[str]:
+        """Expires leases (their writer may still be running) and frees quarantined pages whose
+        grace period is over; returns the expired reservation ids."""
+        now = time.monotonic()
+        expired = [rid for rid, res in self.active.items() if res.expires_at <= now]
+        for rid in expired:
+            self.cancel(rid, writer_stopped=False)
+        self.expired_leases += len(expired)
+        for entry in [q for q in self.quarantine if q[0] <= now]:
+            self.quarantine.remove(entry)
+            self.allocator.free(entry[1])
+        return expired
+
+    def __bool__(self) -> bool:
+        return bool(self.active or self.quarantine)
+
+    @property
+    def quarantined_pages(self) -> int:
+        return sum(len(pages) for _, pages in self.quarantine)

@@ -1,0 +1,90 @@
+"""Starts a node: the engine on its own thread, a transfer engine with the KV pool registered,
+and a gRPC server with the role's service, ``NodeService`` and the standard health service."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from tierserve.engine.config import EngineConfig
+from tierserve.engine.engine import Engine
+from tierserve.engine.loop import EngineLoop
+from tierserve.node.service import NodeServicer
+from tierserve.proto import tierserve_pb2 as pb
+from tierserve.proto import tierserve_pb2_grpc as pb_grpc
+from tierserve.transfer.engine import TransferEngineHandle
+from tierserve.transfer.options import TransferProtocol
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class NodeOptions:
+    """Where a node listens (gRPC) and how its transfer engine reaches peers."""
+
+    host: str = "127.0.0.1"
+    port: int = 0  # 0 = any free port (logged)
+    transfer_hostname: str = "127.0.0.1"  # the address peers use for this node's transfer engine
+    transfer_protocol: TransferProtocol = TransferProtocol.TCP
+    transfer_devices: str = ""  # RDMA devices, e.g. "mlx5_0,mlx5_1"
+    served_model_name: str | None = None
+
+
+@dataclass
+class Node:
+    """What a role's service needs."""
+
+    engine: Engine
+    loop: EngineLoop
+    transfer: TransferEngineHandle
+
+
+AddService = Callable[[grpc.aio.Server, Node], str]  # registers the role's servicer; returns its full name
+
+
+def run_node(config: EngineConfig, options: NodeOptions, role: pb.Role, add_service: AddService) -> None:
+    """Builds the node and serves until SIGINT or SIGTERM."""
+    import uvloop
+
+    engine = Engine(config)
+    transfer = TransferEngineHandle(options.transfer_hostname, options.transfer_protocol, options.transfer_devices)
+    transfer.register(engine.pool.buffer)  # one arena: every page, every layer
+    node = Node(engine, EngineLoop(engine).start(), transfer)
+    try:
+        uvloop.run(_serve(node, options, role, add_service))
+    finally:
+        node.loop.stop()
+        close = getattr(engine.cache, "close", None)
+        if close is not None:
+            close()  # stops the L2/L3 workers
+
+
+async def _serve(node: Node, options: NodeOptions, role: pb.Role, add_service: AddService) -> None:
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    service_name = add_service(server, node)
+    model_name = options.served_model_name or node.engine.config.model_dir.name
+    pb_grpc.add_NodeServiceServicer_to_server(
+        NodeServicer(node.loop, role, node.transfer.endpoint, model_name), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    port = server.add_insecure_port(f"{options.host}:{options.port}")
+    if port == 0:
+        raise OSError(f"cannot listen on {options.host}:{options.port}")
+    await server.start()
+    for name in ("", service_name, "tierserve.v1.NodeService"):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info("%s node ready: grpc=%s:%d transfer=%s namespace=%s", pb.Role.Name(role).removeprefix("ROLE_").lower(),
+             options.host, port, node.transfer.endpoint, node.engine.namespace.digest())
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("stopping: refusing new work, draining for up to 5 s")
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(grace=5)

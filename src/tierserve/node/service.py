@@ -1,0 +1,87 @@
+"""``NodeService`` (every role): identity, load, cache flush and run-time L3 control."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+from google.protobuf import json_format, struct_pb2
+
+from tierserve.cache.hicache import HiCache, StorageBusyError
+from tierserve.engine.engine import Engine
+from tierserve.engine.loop import EngineLoop
+from tierserve.node.convert import identity
+from tierserve.proto import tierserve_pb2 as pb
+from tierserve.proto import tierserve_pb2_grpc as pb_grpc
+
+
+def flush_cache(engine: Engine, device: bool, host: bool) -> tuple[int, int]:
+    """Drops what L1 and/or L2 cache (pages no request holds); L3 is untouched. Returns the
+    numbers of device and host pages freed."""
+    cache = engine.cache
+    if isinstance(cache, HiCache):
+        cache.wait_background()
+    host_before = cache.host.allocator.num_used if isinstance(cache, HiCache) else 0
+    device_pages = cache.evict(engine.allocator.num_pages) if device else 0
+    if host and isinstance(cache, HiCache):
+        cache.host.allocator.free(cache.tree.evict_host(cache.host.num_pages))
+    host_pages = host_before - cache.host.allocator.num_used if isinstance(cache, HiCache) else 0
+    return device_pages, host_pages
+
+
+class NodeServicer(pb_grpc.NodeServiceServicer):
+    def __init__(self, loop: EngineLoop, role: pb.Role, transfer_endpoint: str, model_name: str) -> None:
+        self.loop, self.role, self.transfer_endpoint, self.model_name = loop, role, transfer_endpoint, model_name
+
+    async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.NodeInfo:
+        engine = self.loop.engine
+        return pb.NodeInfo(role=self.role, model=self.model_name, identity=identity(engine),
+                           namespace_digest=engine.namespace.digest(), transfer_endpoint=self.transfer_endpoint,
+                           max_context_tokens=engine.max_model_len)
+
+    async def Load(self, request: pb.LoadRequest, context: grpc.aio.ServicerContext) -> pb.LoadReport:
+        s = self.loop.engine.stats()
+        return pb.LoadReport(running=int(s["running"]), waiting=int(s["waiting"]),
+                             kv_pages_used=int(s["kv_pages_used"]), kv_pages_total=int(s["kv_pages_total"]),
+                             reservations=int(s["reservations"]))
+
+    async def FlushCache(self, request: pb.FlushCacheRequest, context: grpc.aio.ServicerContext
+                         ) -> pb.FlushCacheResponse:
+        device, host = await self.loop.call(lambda e: flush_cache(e, request.device, request.host))
+        return pb.FlushCacheResponse(device_pages=device, host_pages=host)
+
+    async def AttachStorage(self, request: pb.StorageAttachRequest, context: grpc.aio.ServicerContext
+                            ) -> pb.StorageStatus:
+        config = json_format.MessageToDict(request.config)
+        return await self._storage(context, "attach", request.backend, config)
+
+    async def DetachStorage(self, request: pb.StorageRequest, context: grpc.aio.ServicerContext) -> pb.StorageStatus:
+        return await self._storage(context, "detach")
+
+    async def ClearStorage(self, request: pb.StorageRequest, context: grpc.aio.ServicerContext) -> pb.StorageStatus:
+        return await self._storage(context, "clear")
+
+    async def GetStorageStatus(self, request: pb.StorageRequest, context: grpc.aio.ServicerContext
+                               ) -> pb.StorageStatus:
+        return await self._storage(context, "status")
+
+    async def _storage(self, context: grpc.aio.ServicerContext, action: str, backend: str | None = None,
+                       config: dict[str, Any] | None = None) -> pb.StorageStatus:
+        try:
+            status = await self.loop.call(lambda e: e.storage_admin(action, backend, config))
+        except StorageBusyError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except (ValueError, ImportError) as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return storage_status(status)
+
+
+def storage_status(status: dict[str, Any]) -> pb.StorageStatus:
+    """The engine's status dict as a message; the backend's own stats are prefixed ``backend_``."""
+    flat = {k: v for k, v in status.items() if k not in ("attached", "healthy", "backend")}
+    backend = status.get("backend") or {}
+    flat |= {f"backend_{k}": v for k, v in backend.items()}
+    stats = struct_pb2.Struct()
+    stats.update({k: v for k, v in flat.items() if isinstance(v, int | float | str | bool)})
+    return pb.StorageStatus(attached=bool(status.get("attached")), backend=str(backend.get("backend", "")),
+                            healthy=bool(status.get("healthy")), stats=stats)

@@ -1,0 +1,101 @@
+"""``PrefillService``: compute a prompt (with HiCache hits), stream its KV into the decode node's
+reserved pages layer by layer, and answer the first token with the cache report."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import replace
+
+import grpc
+
+from tierserve.engine.sampling_params import InvalidRequestError
+from tierserve.node.convert import arena, destination_arena, identity, identity_mismatch, sampling_params
+from tierserve.node.server import Node
+from tierserve.proto import tierserve_pb2 as pb
+from tierserve.proto import tierserve_pb2_grpc as pb_grpc
+from tierserve.transfer.handoff import HandoffResult, KVHandoff
+
+log = logging.getLogger(__name__)
+
+
+class PrefillServicer(pb_grpc.PrefillServiceServicer):
+    """``timeout_s`` bounds compute plus handoff when the request gives none; ``fault_rate``
+    makes that share of handoffs fail for real (fault tests only)."""
+
+    def __init__(self, node: Node, timeout_s: float = 60.0, fault_rate: float = 0.0) -> None:
+        self.node, self.timeout_s, self.fault_rate = node, timeout_s, fault_rate
+        self.identity, self.arena = identity(node.engine), arena(node.engine)
+        self.failures = 0
+
+    async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
+        prompt, dest = list(request.prompt_ids), request.destination
+        problem = self._check_destination(prompt, dest)
+        if problem is not None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
+        try:
+            params = replace(sampling_params(request.sampling), max_tokens=1, ignore_eos=True, stop=[])
+        except InvalidRequestError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        handoff = KVHandoff(self.node.transfer, dest.transfer_endpoint, self.arena,
+                            destination_arena(dest, self.arena.slot_bytes), list(dest.pages), dest.cached_tokens,
+                            len(prompt), self.fault_rate)
+        timeout = request.timeout_seconds or self.timeout_s
+        deadline = time.monotonic() + timeout
+        try:
+            first = await asyncio.wait_for(self._compute(request, prompt, params, handoff), timeout)
+            result = await asyncio.to_thread(handoff.result, max(0.0, deadline - time.monotonic()))
+        except InvalidRequestError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except TimeoutError:
+            self.failures += 1
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"prefill and KV handoff took over {timeout:.1f} s")
+        finally:
+            handoff.cancel("prefill ended early")  # a no-op once every layer arrived
+        return await self._answer(context, request.request_id, first, result)
+
+    async def _compute(self, request: pb.PrefillRequest, prompt: list[int], params, handoff: KVHandoff):
+        first = None
+        async for out in self.node.loop.generate(request.request_id, prompt, params, cache_salt=request.cache_salt,
+                                                 handoff=handoff):
+            first = out
+        return first
+
+    async def _answer(self, context: grpc.aio.ServicerContext, request_id: str, first, result: HandoffResult
+                      ) -> pb.PrefillResponse:
+        if result.error is not None:
+            self.failures += 1
+            log.warning("request %s: KV handoff failed: %s", request_id, result.error)
+            await context.abort(grpc.StatusCode.ABORTED, f"KV handoff failed: {result.error}")
+        tiers = first.cached_by_tier
+        cache = pb.CacheReport(cached_tokens=first.cached_tokens, device=tiers.get("device", 0),
+                               host=tiers.get("host", 0), storage=tiers.get("storage", 0))
+        return pb.PrefillResponse(first_token=first.new_token_ids[0], cache=cache, transferred_bytes=result.bytes,
+                                  transfer_seconds=result.transfer_seconds,
+                                  exposed_transfer_seconds=result.exposed_seconds)
+
+    def _check_destination(self, prompt: list[int], dest: pb.KVDestination) -> str | None:
+        mismatch = identity_mismatch(self.identity, dest.identity)
+        if mismatch is not None:
+            return mismatch
+        page = self.identity.page_size
+        if not prompt:
+            return "the prompt is empty"
+        if len(dest.pages) * page < len(prompt):
+            return f"the destination holds {len(dest.pages) * page} tokens, the prompt has {len(prompt)}"
+        if dest.cached_tokens >= len(prompt) or dest.cached_tokens % page:
+            return f"cached_tokens {dest.cached_tokens} must be a multiple of {page} below the prompt length"
+        if max(dest.pages) * page >= dest.num_slots:
+            return "a destination page lies outside the destination arena"
+        return None
+
+
+def add_prefill_service(timeout_s: float, fault_rate: float):
+    """The ``AddService`` hook of ``run_node`` for the prefill role."""
+
+    def add(server: grpc.aio.Server, node: Node) -> str:
+        pb_grpc.add_PrefillServiceServicer_to_server(PrefillServicer(node, timeout_s, fault_rate), server)
+        return "tierserve.v1.PrefillService"
+
+    return add

@@ -1,0 +1,107 @@
+"""Real processes on loopback for integration tests: ``mooncake_master`` and tierserve nodes.
+Every start polls readiness against a deadline; every stop waits for the process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(ready, what: str, deadline_s: float, proc: subprocess.Popen | None = None, log: Path | None = None
+               ) -> None:
+    deadline = time.monotonic() + deadline_s
+    while not ready():
+        if proc is not None and proc.poll() is not None:
+            tail = log.read_text(errors="replace")[-3000:] if log else ""
+            raise RuntimeError(f"{what} exited with {proc.returncode}:\n{tail}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} not ready after {deadline_s} s")
+        time.sleep(0.02)  # poll interval, not a wait for readiness
+
+
+class MasterProcess:
+    """A real ``mooncake_master`` on loopback ports; ``kill`` and ``start`` keep the same ports."""
+
+    def __init__(self, log: Path) -> None:
+        self.binary = str(Path(sys.executable).parent / "mooncake_master")
+        self.log, self.rpc_port, self.metrics_port = log, free_port(), free_port()
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.rpc_port}"
+
+    def start(self, deadline_s: float = 10.0) -> MasterProcess:
+        args = [self.binary, f"--rpc_port={self.rpc_port}", f"--metrics_port={self.metrics_port}"]
+        with open(self.log, "ab") as log:  # a file, not a pipe: a chatty process would block on a full pipe
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+        wait_until(self._ready, "mooncake_master", deadline_s, self.proc, self.log)
+        return self
+
+    def _ready(self) -> bool:
+        try:
+            socket.create_connection(("127.0.0.1", self.rpc_port), timeout=0.2).close()
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/health", timeout=0.5) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+
+class NodeProcess:
+    """``tierserve prefill|decode`` in its own process, ready once its gRPC health says SERVING."""
+
+    def __init__(self, role: str, args: list[str], log: Path, env: dict[str, str] | None = None) -> None:
+        self.role, self.port, self.log = role, free_port(), log
+        cmd = [sys.executable, "-m", "tierserve.cli", role, "--port", str(self.port), *args]
+        with open(log, "ab") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def wait_ready(self, deadline_s: float = 120.0) -> NodeProcess:
+        wait_until(self._serving, f"{self.role} node", deadline_s, self.proc, self.log)
+        return self
+
+    def _serving(self) -> bool:
+        try:
+            with grpc.insecure_channel(self.address) as channel:
+                reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1)
+                return reply.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.RpcError:
+            return False
+
+    def signal(self, sig: int) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
