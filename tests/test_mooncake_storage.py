@@ -194,10 +194,10 @@ def plain(long_llama: Path) -> Callable[[list[int]], list[int]]:
     return lambda prompt: engine.generate([prompt], PARAMS)[0]
 
 
-def _engine(model: Path, master: MasterProcess, closing) -> Engine:
+def _engine(model: Path, master: MasterProcess, closing, layout: HostLayout = HostLayout.PAGE_FIRST_DIRECT) -> Engine:
     config = {"master_server_address": master.address, "global_segment_size": SEGMENT,
               "local_buffer_size": 16 << 20, "prefetch_threshold": 64}
-    opts = HiCacheOptions(ratio=2.0, mem_layout=HostLayout.PAGE_FIRST_DIRECT, storage_backend="mooncake",
+    opts = HiCacheOptions(ratio=2.0, mem_layout=layout, storage_backend="mooncake",
                           storage_config=config, prefetch_policy=PrefetchPolicy.WAIT_COMPLETE)
     engine = Engine(EngineConfig(model, dtype="float32", page_size=PAGE, max_total_tokens=2048,
                                  enable_hierarchical_cache=True, hicache=opts))
@@ -230,6 +230,22 @@ def test_second_engine_reads_the_first_engines_pages_from_mooncake(long_llama: P
     assert tiers.get("storage", 0) >= 0.9 * 800, tiers
     assert second.cache.storage.storage.stats()["hits"] >= 45 and _registered_once(second)
     assert "on first use" not in caplog.text  # HiCache registered the pool through attach_host_buffer
+
+
+def test_layer_first_pages_go_through_mooncake_via_the_registered_staging_buffer(long_llama: Path, plain,
+                                                                                 mooncake_master, closing) -> None:
+    prompt = _prompt(8, 400)
+    first = _engine(long_llama, mooncake_master, closing, HostLayout.LAYER_FIRST)
+    assert run_one(first, prompt, PARAMS)[0] == plain(prompt)
+    _settle(first)
+    assert first.cache.storage.backed_up_pages == (400 + PARAMS.max_tokens - 1) // PAGE
+    second = _engine(long_llama, mooncake_master, closing, HostLayout.LAYER_FIRST)
+    tokens, tiers = run_one(second, prompt, PARAMS)
+    assert tokens == plain(prompt) and tiers.get("storage", 0) >= 0.9 * 400, tiers
+    for engine in (first, second):  # only the small staging buffer is registered, never the pool
+        stats, staging = engine.cache.storage.storage.stats(), engine.cache.storage.io.buffer
+        assert stats["registered_buffers"] == 1 and stats["registered_bytes"] == staging.nbytes
+        assert staging.nbytes < engine.cache.host.buffer.nbytes
 
 
 def test_a_master_killed_mid_run_degrades_to_l1_l2_then_l3_returns(long_llama: Path, plain, mooncake_master,

@@ -12,7 +12,10 @@ import torch
 from engine_helpers import run_one
 from tiny_models import make_tiny_model
 
-from tierserve.cache.options import PrefetchPolicy
+from tierserve.cache.device_pool import KVGeometry
+from tierserve.cache.host_pool import HostKVPool
+from tierserve.cache.options import HostLayout, IOBackend, PrefetchPolicy
+from tierserve.cache.staging import DirectPageIO, StagedPageIO, page_io
 from tierserve.cache.storage import StorageBackend, create_backend
 from tierserve.cache.storage.file import FileStorage
 from tierserve.engine.config import EngineConfig, HiCacheOptions
@@ -39,6 +42,26 @@ def test_file_backend_round_trip_and_quota(tmp_path: Path) -> None:
     assert store.set(b"x" * 32, b"abc") and store.get(b"x" * 32) == b"abc"
     store.clear()
     assert store.batch_exists(keys) == 0 and store.stats()["pages"] == 0
+
+
+def test_staging_moves_layer_first_pages_in_page_first_format(tmp_path: Path) -> None:
+    geometry = KVGeometry(num_layers=3, num_kv_heads=2, head_dim=4, page_size=4, dtype=torch.float32)
+    host = HostKVPool(geometry, 12, HostLayout.LAYER_FIRST)
+    host.buffer.normal_()
+    reference = HostKVPool(geometry, 12, HostLayout.PAGE_FIRST)
+    reference.buffer.copy_(host.run_all_layers(0, 12).permute(2, 3, 0, 1, 4, 5))  # same pages, page_first
+    io, store = page_io(host, staging_pages=3), FileStorage(tmp_path)
+    assert isinstance(io, StagedPageIO) and io.buffer.shape[0] == 3  # bounded, attached instead of the pool
+    assert isinstance(page_io(reference), DirectPageIO) and page_io(reference).buffer is reference.buffer
+    keys, pages = [bytes([i]) * 32 for i in range(7)], [0, 1, 2, 5, 9, 4, 3]  # more pages than staging holds
+    assert io.set_from(store, keys, pages) == [True] * 7
+    assert store.get(keys[3]) == reference.page_span(5).numpy().tobytes()
+    before = host.buffer.clone()
+    host.buffer.zero_()
+    assert io.get_into(store, [*keys[:5], b"?" * 32, keys[6]], [0, 1, 2, 5, 9, 10, 3]) == [True] * 5 + [False, True]
+    for p in (0, 1, 2, 5, 9, 3):
+        assert torch.equal(host.run_all_layers(p, 1), before[:, :, p * 4 : (p + 1) * 4].unflatten(2, (1, 4)))
+    assert not host.run_all_layers(10, 1).any()  # a miss leaves the page alone
 
 
 class FailingStorage(StorageBackend):
@@ -78,8 +101,9 @@ def _prompt() -> list[int]:
     return torch.randint(2, 384, (PROMPT_LEN,), generator=torch.Generator().manual_seed(4)).tolist()
 
 
-def _engine(model: Path, backend: str, config: dict, policy=PrefetchPolicy.WAIT_COMPLETE) -> Engine:
-    opts = HiCacheOptions(ratio=4.0, storage_backend=backend, storage_config=config, prefetch_policy=policy)
+def _engine(model: Path, backend: str, config: dict, policy=PrefetchPolicy.WAIT_COMPLETE, **options) -> Engine:
+    opts = HiCacheOptions(ratio=4.0, storage_backend=backend, storage_config=config, prefetch_policy=policy,
+                          **options)
     return Engine(EngineConfig(model, dtype="float32", page_size=16, max_total_tokens=1024,
                                enable_hierarchical_cache=True, hicache=opts))
 
@@ -115,6 +139,49 @@ def test_second_engine_reads_the_first_engines_pages_from_l3(long_llama: Path, t
     _settle(second)
     assert second.stats()["kv_pages_used"] == 0
     assert second.cache.host.allocator.num_used == len(second.cache.tree.host_pages())
+
+
+def _flush_l1_l2(engine: Engine) -> None:
+    """Empties L1 and L2 (every node leaves the tree) and scribbles over both pools, so a page
+    not really read back from L3 changes the output; only L3 still has the pages."""
+    cache = engine.cache
+    _settle(engine)
+    cache.evict(engine.allocator.num_pages)
+    cache.host.allocator.free(cache.tree.evict_host(cache.host.num_pages))
+    assert not list(cache.tree.nodes()) and engine.allocator.num_used == cache.host.allocator.num_used == 0
+    cache.host.buffer.normal_(generator=torch.Generator().manual_seed(0))
+    cache.device.buffer.normal_(generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("layout", list(HostLayout))
+@pytest.mark.parametrize("io_backend", list(IOBackend))
+def test_l3_hit_after_flushing_l1_and_l2_gives_identical_output(long_llama: Path, tmp_path: Path, expected,
+                                                                 layout: HostLayout, io_backend: IOBackend) -> None:
+    engine = _engine(long_llama, "file", {"path": str(tmp_path), "prefetch_threshold": 64},
+                     mem_layout=layout, io_backend=io_backend)
+    assert _run(engine, _prompt())[0] == expected
+    _settle(engine)
+    assert engine.cache.storage.backed_up_pages == (PROMPT_LEN + PARAMS.max_tokens - 1) // 16
+    _flush_l1_l2(engine)
+    tokens, tiers = _run(engine, _prompt())
+    assert tokens == expected
+    assert tiers.get("storage", 0) >= 0.9 * PROMPT_LEN, tiers
+    _settle(engine)
+    assert engine.stats()["kv_pages_used"] == 0
+    assert engine.cache.host.allocator.num_used == len(engine.cache.tree.host_pages())
+    engine.allocator.check()
+    engine.cache.host.allocator.check()
+
+
+def test_layer_first_objects_are_page_first_objects(long_llama: Path, tmp_path: Path, expected) -> None:
+    """Staging writes the page_first byte format: nodes with either layout share one L3."""
+    config = {"path": str(tmp_path), "prefetch_threshold": 64}
+    writer = _engine(long_llama, "file", config, mem_layout=HostLayout.LAYER_FIRST)
+    assert _run(writer, _prompt())[0] == expected
+    _settle(writer)
+    reader = _engine(long_llama, "file", config, mem_layout=HostLayout.PAGE_FIRST)
+    tokens, tiers = _run(reader, _prompt())
+    assert tokens == expected and tiers.get("storage", 0) >= 0.9 * PROMPT_LEN, tiers
 
 
 def test_failing_store_degrades_to_l1_and_l2(long_llama: Path, expected) -> None:

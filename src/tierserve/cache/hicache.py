@@ -21,7 +21,7 @@ from tierserve.cache.agreement import Agreement, SingleRank, leading_true
 from tierserve.cache.allocator import PageAllocator
 from tierserve.cache.device_pool import DeviceKVPool
 from tierserve.cache.host_pool import HostKVPool, copy_pages
-from tierserve.cache.options import HostLayout, IOBackend, PrefetchPolicy, WritePolicy
+from tierserve.cache.options import IOBackend, PrefetchPolicy, WritePolicy
 from tierserve.cache.prefetch import Prefetch, PrefetchOptions
 from tierserve.cache.radix_tree import Node, RadixTree
 from tierserve.cache.storage import StorageBackend
@@ -116,9 +116,6 @@ class HiCache:
         self._require_idle()
         if self.storage is not None:
             raise StorageBusyError("an L3 backend is already attached: detach it first")
-        if self.host.layout is HostLayout.LAYER_FIRST:
-            raise ValueError("an L3 storage backend needs --hicache-mem-layout page_first or page_first_direct")
-        storage.attach_host_buffer(self.host.buffer)
         self.storage = StorageTier(storage, self.host, self.tree, self.config.prefetch, self._host_pages)
 
     def detach_storage(self) -> None:
@@ -141,9 +138,14 @@ class HiCache:
                 "backed_up_pages": self.storage.backed_up_pages, "prefetched_pages": self.storage.prefetched_pages,
                 "backend": self.storage.storage.stats()}
 
+    @property
+    def busy(self) -> bool:
+        """Background copies (L1 -> L2 writes, L3 backups or prefetches) are in flight. They are
+        applied only at steps, so an engine with nothing else to do keeps stepping meanwhile."""
+        return bool(self._writes) or (self.storage is not None and self.storage.busy)
+
     def _require_idle(self) -> None:
-        busy = self._writes or (self.storage is not None and (self.storage.busy))
-        if busy:
+        if self.busy:
             raise StorageBusyError("the cache is copying pages between tiers: retry when idle")
 
     # -- the engine hook -------------------------------------------------------------------------

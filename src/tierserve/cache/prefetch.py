@@ -7,7 +7,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from tierserve.cache.host_pool import HostKVPool
+from tierserve.cache.staging import PageIO
 from tierserve.cache.storage import StorageBackend
 
 log = logging.getLogger(__name__)
@@ -71,14 +71,15 @@ class Prefetch:
         if started:
             self.done.wait()
 
-    def run(self, storage: StorageBackend, host: HostKVPool) -> None:
+    def run(self, storage: StorageBackend, io: PageIO) -> None:
+        """Reads the pages in chunks, in order, until all arrived, one is missing, the store fails
+        or ``cancel`` is set; ``done`` is set at the end whatever happened."""
         try:
             for at in range(0, len(self.keys), CHUNK_PAGES):
                 if self.cancel.is_set():
                     break
                 keys = self.keys[at : at + CHUNK_PAGES]
-                spans = [host.page_span(p) for p in self.host_pages[at : at + len(keys)]]
-                ok = storage.batch_get_into(keys, spans)
+                ok = io.get_into(storage, keys, self.host_pages[at : at + len(keys)])
                 good = next((i for i, x in enumerate(ok) if not x), len(ok))
                 self.arrived += good
                 if good < len(ok):

@@ -15,6 +15,7 @@ from tierserve.cache.hashing import page_keys, salted_seed
 from tierserve.cache.host_pool import HostKVPool
 from tierserve.cache.prefetch import Prefetch, PrefetchOptions, prefetch_timeout
 from tierserve.cache.radix_tree import Node, RadixTree
+from tierserve.cache.staging import page_io
 from tierserve.cache.storage import StorageBackend
 
 log = logging.getLogger(__name__)
@@ -29,11 +30,17 @@ class _Backup:
 
 class StorageTier:
     """Runs every L3 call on one worker thread; the tree changes only on the engine thread
-    (``finish``, ``on_step``). Host pages a prefetch reserves are capped by the options."""
+    (``finish``, ``on_step``). Host pages a prefetch reserves are capped by the options.
+
+    Hands the backend the buffer its spans live in (``attach_host_buffer``) before any transfer:
+    the host pool itself, or a staging buffer where the layout has no contiguous pages.
+    """
 
     def __init__(self, storage: StorageBackend, host: HostKVPool, tree: RadixTree, options: PrefetchOptions,
                  host_pages: Callable[[int], list[int] | None]) -> None:
         self.storage, self.host, self.tree, self.options = storage, host, tree, options
+        self.io = page_io(host)
+        storage.attach_host_buffer(self.io.buffer)
         self._host_pages = host_pages
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicache-l3")
         self._backups: list[_Backup] = []
@@ -87,7 +94,7 @@ class StorageTier:
     def _read(self, ticket: Prefetch) -> None:
         if not ticket.begin():
             return
-        ticket.run(self.storage, self.host)
+        ticket.run(self.storage, self.io)
         if ticket.failed:
             self._fail("prefetch", None)
 
@@ -131,9 +138,7 @@ class StorageTier:
 
     def _write(self, keys: list[bytes], host_pages: list[int]) -> int:
         skip = self.storage.batch_exists(keys)  # L3 often has a shared prefix already
-        spans = [self.host.page_span(p) for p in host_pages[skip:]]
-        ok = self.storage.batch_set_from(keys[skip:], spans)
-        return sum(ok)
+        return sum(self.io.set_from(self.storage, keys[skip:], host_pages[skip:]))
 
     def wait_backups(self, timeout: float) -> None:
         futures.wait([b.future for b in self._backups], timeout=timeout)
@@ -144,7 +149,7 @@ class StorageTier:
         values = [leading_true(b.future.done() for b in self._backups)]
         for i in range(max_tickets):
             t = self.tickets[i] if i < len(self.tickets) else None
-            values += [t.arrived, int(t.done.is_set()), int(t.timed_out())] if t else [0, 0, 0]
+            values += _ticket_state(t) if t else [0, 0, 0]
         return values
 
     def apply(self, agreed: list[int]) -> None:
@@ -167,3 +172,11 @@ class StorageTier:
         if self.healthy:
             log.warning("L3 %s failed (%s); serving from L1 + L2, retrying L3 in %.0f s", what, exc, RETRY_AFTER_S)
         self._down_until = time.monotonic() + RETRY_AFTER_S
+
+
+def _ticket_state(ticket: Prefetch) -> list[int]:
+    """[arrived, done, timed out]. ``done`` is read before ``arrived``: the reader stops growing
+    ``arrived`` before it sets ``done``, so a done ticket reports its final count (read the other
+    way round, a reader finishing in between looked done with pages missing)."""
+    done = ticket.done.is_set()
+    return [ticket.arrived, int(done), int(ticket.timed_out())]
