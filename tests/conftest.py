@@ -29,3 +29,9 @@ def builtin_model() -> Path:
     from tierserve.model.fetch import fetch_builtin_model
 
     return fetch_builtin_model(progress=False)
+
+
+@pytest.fixture(scope="session")
+def long_llama(tmp_path_factory) -> Path:
+    """A tiny llama with a 2048-token context, for prompts longer than several prefill chunks."""
+    return make_tiny_model("llama", tmp_path_factory.mktemp("long_llama"), max_position=2048)

@@ -4,74 +4,47 @@ node (real Mooncake transfer engines over TCP), driven through gRPC as the route
 from __future__ import annotations
 
 import asyncio
-import random
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
 from cluster import NodeProcess
-from tiny_models import make_tiny_model
+from pd_helpers import (
+    DECODE_ARGS,
+    GRACE_S,
+    NODE_ARGS,
+    PAGE,
+    TOKEN_BYTES,
+    greedy,
+    load,
+    prompts,
+    reference,
+    release,
+    reserve,
+    run_pd,
+    wait_for,
+)
 
-from tierserve.engine.config import EngineConfig
-from tierserve.engine.engine import Engine
-from tierserve.engine.sampling_params import SamplingParams
 from tierserve.proto import tierserve_pb2 as pb
 from tierserve.proto import tierserve_pb2_grpc as pb_grpc
-from tierserve.router import pd_flow
 
 pytestmark = pytest.mark.integration
-PAGE, CHUNK, MAX_NEW = 16, 64, 12
-TOKEN_BYTES = 2 * 2 * 2 * 16 * 4  # tiny llama: layers x (K, V) x kv heads x head dim x float32
-NODE_ARGS = ["--device", "cpu", "--dtype", "float32", "--page-size", str(PAGE), "--chunked-prefill-size", str(CHUNK),
-             "--max-total-tokens", "4096"]
-
-
 @pytest.fixture(scope="module")
-def model(tmp_path_factory) -> Path:
-    return make_tiny_model("llama", tmp_path_factory.mktemp("pd-llama"), max_position=2048)
+def model(long_llama: Path) -> Path:
+    return long_llama
 
 
 @pytest.fixture(scope="module")
 def pair_nodes(model: Path, tmp_path_factory) -> Iterator[tuple[NodeProcess, NodeProcess]]:
     logs = tmp_path_factory.mktemp("pd-logs")
     prefill = NodeProcess("prefill", ["--model", str(model), *NODE_ARGS], logs / "prefill.log")
-    decode = NodeProcess("decode", ["--model", str(model), *NODE_ARGS], logs / "decode.log")
+    decode = NodeProcess("decode", ["--model", str(model), *DECODE_ARGS], logs / "decode.log")
     try:
         yield prefill.wait_ready(), decode.wait_ready()
     finally:
         prefill.stop()
         decode.stop()
-
-
-def prompts(n: int, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    lengths = [rng.choice([5, 17, 40, 3 * CHUNK + 7, 5 * CHUNK]) for _ in range(n)]
-    return [[rng.randrange(2, 384) for _ in range(length)] for length in lengths]
-
-
-def reference(model: Path, batch: list[list[int]]) -> list[list[int]]:
-    engine = Engine(EngineConfig(model, device="cpu", dtype="float32", page_size=PAGE, chunked_prefill_size=CHUNK,
-                                 max_total_tokens=4096))
-    return engine.generate(batch, SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True))
-
-
-def greedy(max_tokens: int = MAX_NEW) -> pb.SamplingOptions:
-    return pb.SamplingOptions(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-
-
-async def run_pd(prefill: str, decode: str, rid: str, prompt: list[int], salt: str = ""
-                 ) -> tuple[list[int], pb.PrefillResponse]:
-    async with grpc.aio.insecure_channel(prefill) as p, grpc.aio.insecure_channel(decode) as d:
-        pair = pd_flow.Pair.connect(p, d)
-        done = await pd_flow.prefill(pair, rid, prompt, greedy(), salt, timeout_s=60)
-        tokens = [t async for chunk in pd_flow.generate(pair, done, greedy()) for t in chunk.token_ids]
-        return tokens, done.response
-
-
-async def load(address: str) -> pb.LoadReport:
-    async with grpc.aio.insecure_channel(address) as channel:
-        return await pb_grpc.NodeServiceStub(channel).Load(pb.LoadRequest())
 
 
 def test_outputs_equal_the_single_engine_for_concurrent_requests(model: Path, pair_nodes) -> None:
@@ -87,3 +60,79 @@ def test_outputs_equal_the_single_engine_for_concurrent_requests(model: Path, pa
     for (_, response), prompt in zip(results, batch, strict=True):
         assert response.transferred_bytes == len(prompt) * TOKEN_BYTES  # every token's K and V, once
     assert asyncio.run(load(decode.address)).kv_pages_used == 0
+
+
+def test_decode_node_cache_hit_means_fewer_bytes_and_same_output(model: Path, pair_nodes) -> None:
+    prefill, decode = pair_nodes
+    prompt = prompts(1, seed=7)[0] + list(range(2, 2 + 3 * PAGE))
+    expected = reference(model, [prompt])[0]
+    first, r1 = asyncio.run(run_pd(prefill.address, decode.address, "warm", prompt))
+    again, r2 = asyncio.run(run_pd(prefill.address, decode.address, "again", prompt))
+    assert first == again == expected
+    held = (len(prompt) - 1) // PAGE * PAGE  # whole pages below the last token, kept by D's radix cache
+    assert r1.transferred_bytes == len(prompt) * TOKEN_BYTES
+    assert r2.transferred_bytes == (len(prompt) - held) * TOKEN_BYTES
+
+
+def test_identity_mismatch_is_refused_with_a_clear_error(pair_nodes) -> None:
+    prefill, decode = pair_nodes
+    prompt = list(range(2, 40))
+    reserved = asyncio.run(reserve(decode.address, "mismatch", prompt)).destination
+    reserved.identity.page_size = PAGE * 2
+    reserved.identity.dtype = "bfloat16"
+
+    async def call() -> None:
+        async with grpc.aio.insecure_channel(prefill.address) as channel:
+            await pb_grpc.PrefillServiceStub(channel).Prefill(pb.PrefillRequest(
+                request_id="mismatch", prompt_ids=prompt, sampling=greedy(), destination=reserved))
+
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        asyncio.run(call())
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "KV identity mismatch" in err.value.details() and "page_size" in err.value.details()
+    assert "dtype" in err.value.details()
+
+    assert asyncio.run(release(decode.address, "mismatch", writer_stopped=True))
+    assert asyncio.run(load(decode.address)).kv_pages_used == 0
+
+
+def test_unknown_reservation_and_capacity_errors(pair_nodes) -> None:
+    _, decode = pair_nodes
+
+    async def generate_unknown() -> None:
+        async with grpc.aio.insecure_channel(decode.address) as channel:
+            call = pb_grpc.DecodeServiceStub(channel).Generate(
+                pb.GenerateRequest(reservation_id="nope", first_token=5, sampling=greedy()))
+            async for _ in call:
+                pass
+
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        asyncio.run(generate_unknown())
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        asyncio.run(reserve(decode.address, "too-long", [2 + i % 380 for i in range(2100)]))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "maximum context length" in err.value.details()
+
+    big = [2 + i % 380 for i in range(1500)]  # three of these exceed the 4096-token pool
+    asyncio.run(reserve(decode.address, "big-0", big))
+    asyncio.run(reserve(decode.address, "big-1", big))
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        asyncio.run(reserve(decode.address, "big-2", big))
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    for rid in ("big-0", "big-1"):
+        asyncio.run(release(decode.address, rid, writer_stopped=True))
+    assert asyncio.run(load(decode.address)).kv_pages_used == 0
+
+
+def test_expired_lease_is_reclaimed_after_the_grace_period(pair_nodes) -> None:
+    _, decode = pair_nodes
+    asyncio.run(reserve(decode.address, "forgotten", list(range(2, 100)), lease=0.3))
+    assert asyncio.run(load(decode.address)).kv_pages_used > 0
+
+    async def reclaimed() -> bool:
+        report = await load(decode.address)
+        return report.reservations == 0 and report.kv_pages_used == 0
+
+    wait_for(reclaimed, "the expired reservation's pages come back", 0.3 + GRACE_S + 10)
+    assert not asyncio.run(release(decode.address, "forgotten", writer_stopped=True))  # already gone

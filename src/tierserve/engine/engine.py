@@ -155,7 +155,8 @@ class Engine:
         return self._finish(request, FinishReason.ABORT, [], "")
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self.reservations)
+        """Requests, reservations, or cache copies that finish only through steps."""
+        return self.scheduler.has_work() or bool(self.reservations) or getattr(self.cache, "busy", False)
 
     def stats(self) -> dict[str, float]:
         """Occupancy counters; safe to read from another thread (approximate while a step runs).

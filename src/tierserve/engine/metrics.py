@@ -35,7 +35,7 @@ class Metrics:
         self.ttft = histogram("tierserve_time_to_first_token_seconds", "Arrival to first token")
         self.itl = histogram("tierserve_inter_token_latency_seconds", "Time between output tokens")
         self.e2e = histogram("tierserve_e2e_request_latency_seconds", "Arrival to last token")
-        r.register(_EngineCollector(engine))
+        r.register(EngineCollector(engine))
 
     def request_ended(self, request_id: str, last: RequestOutput | None, failed: bool, started: float) -> None:
         """Counts an ended engine request (no finished output and no error: aborted) and logs it."""
@@ -60,10 +60,17 @@ _ENGINE_GAUGES = {
     "kv_pages_used": "tierserve_kv_pages_used",
     "kv_pages_cached": "tierserve_kv_pages_cached",
     "kv_pages_total": "tierserve_kv_pages_total",
+    "reservations": "tierserve_reservations",
+    "reservation_pages_quarantined": "tierserve_reservation_pages_quarantined",
+    "handoff_pages_parked": "tierserve_handoff_pages_parked",
+}
+_ENGINE_COUNTERS = {
+    "preemptions": "tierserve_preemptions",
+    "reservation_leases_expired": "tierserve_reservation_leases_expired",
 }
 
 
-class _EngineCollector:
+class EngineCollector:
     """Exports one ``Engine.stats()`` snapshot per scrape (read without locks: approximate while a
     step runs): occupancy gauges, and the prefix cache's ``cache_*`` keys as ``tierserve_cache_*``
     (keys ending in ``_total`` are counters)."""
@@ -75,6 +82,8 @@ class _EngineCollector:
         for key, value in self.engine.stats().items():
             if key in _ENGINE_GAUGES:
                 yield GaugeMetricFamily(_ENGINE_GAUGES[key], key.replace("_", " "), value=value)
+            if key in _ENGINE_COUNTERS:
+                yield CounterMetricFamily(_ENGINE_COUNTERS[key], key.replace("_", " "), value=value)
             if not key.startswith("cache_"):
                 continue
             name = f"tierserve_{key}"

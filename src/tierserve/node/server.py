@@ -15,10 +15,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from tierserve.engine.config import EngineConfig
 from tierserve.engine.engine import Engine
 from tierserve.engine.loop import EngineLoop
+from tierserve.node.metrics import NodeMetrics
 from tierserve.node.service import NodeServicer
 from tierserve.proto import tierserve_pb2 as pb
 from tierserve.proto import tierserve_pb2_grpc as pb_grpc
-from tierserve.transfer.engine import TransferEngineHandle
+from tierserve.transfer.engine import PeerEngines, TransferEngineHandle
 from tierserve.transfer.options import TransferProtocol
 
 log = logging.getLogger(__name__)
@@ -34,6 +35,7 @@ class NodeOptions:
     transfer_protocol: TransferProtocol = TransferProtocol.TCP
     transfer_devices: str = ""  # RDMA devices, e.g. "mlx5_0,mlx5_1"
     served_model_name: str | None = None
+    metrics_port: int | None = None  # Prometheus /metrics on this port; None = off
 
 
 @dataclass
@@ -42,7 +44,9 @@ class Node:
 
     engine: Engine
     loop: EngineLoop
-    transfer: TransferEngineHandle
+    transfer: TransferEngineHandle  # receives (decode) and names this node to peers
+    peers: PeerEngines  # sends (prefill): one engine per destination
+    metrics: NodeMetrics
 
 
 AddService = Callable[[grpc.aio.Server, Node], str]  # registers the role's servicer; returns its full name
@@ -55,7 +59,11 @@ def run_node(config: EngineConfig, options: NodeOptions, role: pb.Role, add_serv
     engine = Engine(config)
     transfer = TransferEngineHandle(options.transfer_hostname, options.transfer_protocol, options.transfer_devices)
     transfer.register(engine.pool.buffer)  # one arena: every page, every layer
-    node = Node(engine, EngineLoop(engine).start(), transfer)
+    peers = PeerEngines(options.transfer_hostname, options.transfer_protocol, options.transfer_devices,
+                        [engine.pool.buffer])
+    node = Node(engine, EngineLoop(engine).start(), transfer, peers, NodeMetrics(engine))
+    if options.metrics_port is not None:
+        node.metrics.serve(options.host, options.metrics_port)
     try:
         uvloop.run(_serve(node, options, role, add_service))
     finally:

@@ -27,7 +27,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
     def __init__(self, node: Node, timeout_s: float = 60.0, fault_rate: float = 0.0) -> None:
         self.node, self.timeout_s, self.fault_rate = node, timeout_s, fault_rate
         self.identity, self.arena = identity(node.engine), arena(node.engine)
-        self.failures = 0
+        self.metrics = node.metrics
 
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
         prompt, dest = list(request.prompt_ids), request.destination
@@ -38,7 +38,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             params = replace(sampling_params(request.sampling), max_tokens=1, ignore_eos=True, stop=[])
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        handoff = KVHandoff(self.node.transfer, dest.transfer_endpoint, self.arena,
+        handoff = KVHandoff(self.node.peers, dest.transfer_endpoint, self.arena,
                             destination_arena(dest, self.arena.slot_bytes), list(dest.pages), dest.cached_tokens,
                             len(prompt), self.fault_rate)
         timeout = request.timeout_seconds or self.timeout_s
@@ -49,7 +49,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except TimeoutError:
-            self.failures += 1
+            self.metrics.handoffs.labels("deadline").inc()
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"prefill and KV handoff took over {timeout:.1f} s")
         finally:
             handoff.cancel("prefill ended early")  # a no-op once every layer arrived
@@ -64,10 +64,18 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
 
     async def _answer(self, context: grpc.aio.ServicerContext, request_id: str, first, result: HandoffResult
                       ) -> pb.PrefillResponse:
+        if result.error is None and (first is None or not first.new_token_ids):
+            result.error = "the prefill was aborted"
         if result.error is not None:
-            self.failures += 1
+            self.metrics.handoffs.labels("failed").inc()
             log.warning("request %s: KV handoff failed: %s", request_id, result.error)
             await context.abort(grpc.StatusCode.ABORTED, f"KV handoff failed: {result.error}")
+        self.metrics.handoffs.labels("ok").inc()
+        self.metrics.transfer_bytes.inc(result.bytes)
+        self.metrics.transfer_seconds.observe(result.transfer_seconds)
+        self.metrics.exposed_seconds.observe(result.exposed_seconds)
+        log.info("request %s: handoff %d bytes in %.3f s (%.3f s after compute), cached %d", request_id,
+                 result.bytes, result.transfer_seconds, result.exposed_seconds, first.cached_tokens)
         tiers = first.cached_by_tier
         cache = pb.CacheReport(cached_tokens=first.cached_tokens, device=tiers.get("device", 0),
                                host=tiers.get("host", 0), storage=tiers.get("storage", 0))

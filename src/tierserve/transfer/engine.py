@@ -79,3 +79,28 @@ class TransferEngineHandle:
         """Synchronous write (benchmarks and probes)."""
         srcs, dsts, lens = (list(col) for col in zip(*blocks, strict=True))
         return self._engine.batch_transfer_sync_write(target, srcs, dsts, lens) == 0
+
+
+class PeerEngines:
+    """One transfer engine per destination peer, each with the same arenas registered.
+
+    Measured: an engine serialises its handshakes, so the first transfer to a frozen peer held
+    transfers to every other peer of the same engine for about a minute. With an engine per peer
+    a frozen peer stalls only its own requests. Engines are made on first use, on the caller's
+    thread (a sender thread, never the model's).
+    """
+
+    def __init__(self, hostname: str, protocol: TransferProtocol, devices: str, arenas: list[torch.Tensor]) -> None:
+        self.hostname, self.protocol, self.devices, self.arenas = hostname, protocol, devices, arenas
+        self._engines: dict[str, TransferEngineHandle] = {}
+        self._lock = threading.Lock()
+
+    def for_target(self, target: str) -> TransferEngineHandle:
+        with self._lock:
+            engine = self._engines.get(target)
+            if engine is None:
+                engine = TransferEngineHandle(self.hostname, self.protocol, self.devices)
+                for arena in self.arenas:
+                    engine.register(arena)
+                self._engines[target] = engine
+            return engine

@@ -1,23 +1,25 @@
 """One request's KV handoff from a prefill node into a decode node's reserved pages.
 
 The engine calls ``on_layer`` right after the model wrote a layer's K and V, so a layer's
-transfer runs while the next layers compute. Submissions happen on the engine thread (they only
-queue work in the transfer engine); a waiter thread per handoff collects completions, so a slow or
-frozen peer delays only its own request. The request's pages must not be reused while ``busy()``.
+transfer runs while the next layers compute. The engine thread only computes the layer's blocks
+and queues them: a sender thread per handoff submits and waits, because the transfer engine can
+block in a call (e.g. the first handshake with a frozen peer), and that must delay only this
+request. The request's pages must not be reused while ``busy()``.
 """
 
 from __future__ import annotations
 
+import itertools
 import queue
-import random
 import threading
 import time
 from dataclasses import dataclass
 
-from tierserve.transfer.engine import TransferEngineHandle, TransferError
+from tierserve.transfer.engine import Block, PeerEngines, TransferError
 from tierserve.transfer.layout import KVArena, layer_blocks, token_runs
 
-_DONE = -1  # sentinel in the waiter's queue: no more batches
+_DONE = None  # sentinel in the sender's queue: no more layers
+_handoffs = itertools.count()  # numbers handoffs for deterministic fault injection
 
 
 @dataclass
@@ -32,22 +34,23 @@ class HandoffResult:
 
 class KVHandoff:
     """Sends tokens ``[dst_start, prompt_len)`` of every layer from ``src`` pages into ``dst`` pages
-    at ``target``. ``fault_rate`` makes that share of handoffs fail for real (one block aimed at an
-    address the peer never registered), for fault tests."""
+    at ``target``. ``fault_rate`` makes exactly that share of handoffs (every 1/rate-th) fail for
+    real, for fault tests: one block aimed at an address the peer never registered."""
 
-    def __init__(self, engine: TransferEngineHandle, target: str, src: KVArena, dst: KVArena,
+    def __init__(self, engines: PeerEngines, target: str, src: KVArena, dst: KVArena,
                  dst_pages: list[int], dst_start: int, prompt_len: int, fault_rate: float = 0.0) -> None:
-        self.engine, self.target, self.src, self.dst = engine, target, src, dst
+        self.engines, self.target, self.src, self.dst = engines, target, src, dst
         self.dst_pages, self.prompt_len = dst_pages, prompt_len
         self._sent = [dst_start] * src.num_layers  # per layer: tokens before this are submitted
-        self._inject = fault_rate > 0 and random.random() < fault_rate
-        self._batches: queue.SimpleQueue[int] = queue.SimpleQueue()
+        n = next(_handoffs)
+        self._inject = int((n + 1) * fault_rate) > int(n * fault_rate)
+        self._layers: queue.SimpleQueue[list[Block] | None] = queue.SimpleQueue()
         self._finished = threading.Event()
         self._error: str | None = None
         self._bytes = 0
         self._first_submit = self._last_submit = self._last_done = 0.0
-        self._waiter = threading.Thread(target=self._wait_all, name="kv-handoff", daemon=True)
-        self._waiter.start()
+        self._sender = threading.Thread(target=self._send_all, name="kv-handoff", daemon=True)
+        self._sender.start()
         if all(s >= prompt_len for s in self._sent):
             self._close_submissions()
 
@@ -60,8 +63,11 @@ class KVHandoff:
             return
         self._sent[layer] = end
         if self._error is None:
-            self._submit(layer_blocks(self.src, self.dst, token_runs(pages, self.dst_pages, start, end,
-                                                                     self.src.page_size), layer))
+            now = time.monotonic()
+            self._first_submit = self._first_submit or now
+            self._last_submit = now
+            runs = token_runs(pages, self.dst_pages, start, end, self.src.page_size)
+            self._layers.put(layer_blocks(self.src, self.dst, runs, layer))
         if layer == self.src.num_layers - 1 and end == self.prompt_len:
             self._close_submissions()
 
@@ -86,35 +92,43 @@ class KVHandoff:
             max(0.0, self._last_done - self._first_submit), max(0.0, self._last_done - self._last_submit),
         )
 
-    def _submit(self, blocks: list) -> None:
-        if self._inject:
-            self._inject = False
-            blocks = [(blocks[0][0], 64, blocks[0][2]), *blocks[1:]]  # an unregistered address: fails at once
-        now = time.monotonic()
-        self._first_submit = self._first_submit or now
-        self._last_submit = now
-        try:
-            batch = self.engine.submit(self.target, blocks)
-        except TransferError as exc:
-            self._fail(str(exc))
-            return
-        self._bytes += sum(b[2] for b in blocks)
-        self._batches.put(batch)
-
     def _close_submissions(self) -> None:
-        self._batches.put(_DONE)
+        self._layers.put(_DONE)
 
     def _fail(self, reason: str) -> None:
         if self._error is None:
             self._error = reason
 
-    def _wait_all(self) -> None:
-        while (batch := self._batches.get()) != _DONE:
-            ok = self.engine.wait(batch)
-            self._last_done = time.monotonic()
-            if not ok:
-                self._fail(f"KV transfer to {self.target} failed (peer gone, refused or timed out)")
+    def _send_all(self) -> None:
+        """Submits layers as they come and waits for the oldest batch whenever none is queued."""
+        inflight: list[int] = []
+        while (blocks := self._layers.get()) is not _DONE:
+            if self._error is None:
+                batch = self._submit(blocks)
+                inflight += [batch] if batch is not None else []
+            while inflight and self._layers.empty():
+                self._wait(inflight.pop(0))
+        for batch in inflight:
+            self._wait(batch)
         self._last_done = self._last_done or time.monotonic()
         if self._error is None and any(s < self.prompt_len for s in self._sent):
             self._error = "KV handoff stopped before the whole prompt was sent"
         self._finished.set()
+
+    def _submit(self, blocks: list[Block]) -> int | None:
+        if self._inject:
+            self._inject = False
+            blocks = [(blocks[0][0], 64, blocks[0][2]), *blocks[1:]]  # an unregistered address: fails at once
+        try:
+            batch = self.engines.for_target(self.target).submit(self.target, blocks)
+        except TransferError as exc:
+            self._fail(str(exc))
+            return None
+        self._bytes += sum(b[2] for b in blocks)
+        return batch
+
+    def _wait(self, batch: int) -> None:
+        ok = self.engines.for_target(self.target).wait(batch)
+        self._last_done = time.monotonic()
+        if not ok:
+            self._fail(f"KV transfer to {self.target} failed (peer gone, refused or timed out)")

@@ -1,0 +1,76 @@
+"""Shared pieces of the prefill-decode integration tests: node flags, prompts, the reference
+engine and the gRPC calls the router makes."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from pathlib import Path
+
+import grpc
+
+from tierserve.engine.config import EngineConfig
+from tierserve.engine.engine import Engine
+from tierserve.engine.sampling_params import SamplingParams
+from tierserve.proto import tierserve_pb2 as pb
+from tierserve.proto import tierserve_pb2_grpc as pb_grpc
+from tierserve.router import pd_flow
+
+PAGE, CHUNK, MAX_NEW = 16, 64, 12
+TOKEN_BYTES = 2 * 2 * 2 * 16 * 4  # tiny llama: layers x (K, V) x kv heads x head dim x float32
+NODE_ARGS = ["--device", "cpu", "--dtype", "float32", "--page-size", str(PAGE), "--chunked-prefill-size", str(CHUNK),
+             "--max-total-tokens", "4096"]
+GRACE_S = 2.0  # decode nodes here: pages of an abandoned reservation come back after this
+DECODE_ARGS = [*NODE_ARGS, "--reservation-grace", str(GRACE_S)]
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    lengths = [rng.choice([5, 17, 40, 3 * CHUNK + 7, 5 * CHUNK]) for _ in range(n)]
+    return [[rng.randrange(2, 384) for _ in range(length)] for length in lengths]
+
+
+def reference(model: Path, batch: list[list[int]]) -> list[list[int]]:
+    engine = Engine(EngineConfig(model, device="cpu", dtype="float32", page_size=PAGE, chunked_prefill_size=CHUNK,
+                                 max_total_tokens=4096))
+    return engine.generate(batch, SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True))
+
+
+def greedy(max_tokens: int = MAX_NEW) -> pb.SamplingOptions:
+    return pb.SamplingOptions(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+
+
+async def run_pd(prefill: str, decode: str, rid: str, prompt: list[int], salt: str = ""
+                 ) -> tuple[list[int], pb.PrefillResponse]:
+    async with grpc.aio.insecure_channel(prefill) as p, grpc.aio.insecure_channel(decode) as d:
+        pair = pd_flow.Pair.connect(p, d)
+        done = await pd_flow.prefill(pair, rid, prompt, greedy(), salt, timeout_s=60)
+        tokens = [t async for chunk in pd_flow.generate(pair, done, greedy()) for t in chunk.token_ids]
+        return tokens, done.response
+
+
+async def load(address: str) -> pb.LoadReport:
+    async with grpc.aio.insecure_channel(address) as channel:
+        return await pb_grpc.NodeServiceStub(channel).Load(pb.LoadRequest())
+
+
+async def reserve(decode: str, rid: str, prompt: list[int], lease: float = 0.0) -> pb.ReserveResponse:
+    async with grpc.aio.insecure_channel(decode) as channel:
+        return await pb_grpc.DecodeServiceStub(channel).Reserve(
+            pb.ReserveRequest(request_id=rid, prompt_ids=prompt, max_new_tokens=MAX_NEW, lease_seconds=lease))
+
+
+def wait_for(check, what: str, deadline_s: float) -> None:
+    """Polls ``check()`` (an awaitable factory) until it is true."""
+    deadline = time.monotonic() + deadline_s
+    while not asyncio.run(check()):
+        assert time.monotonic() < deadline, f"{what} within {deadline_s} s"
+        time.sleep(0.05)  # poll interval
+
+
+async def release(decode: str, rid: str, writer_stopped: bool) -> bool:
+    async with grpc.aio.insecure_channel(decode) as channel:
+        reply = await pb_grpc.DecodeServiceStub(channel).Release(
+            pb.ReleaseRequest(reservation_id=rid, writer_stopped=writer_stopped))
+        return reply.released
