@@ -62,11 +62,15 @@ async def reserve(decode: str, rid: str, prompt: list[int], lease: float = 0.0) 
 
 
 def wait_for(check, what: str, deadline_s: float) -> None:
-    """Polls ``check()`` (an awaitable factory) until it is true."""
+    """Polls ``check()`` (a bool, or an awaitable of one) until it is true."""
     deadline = time.monotonic() + deadline_s
-    while not asyncio.run(check()):
+    while not _value(check()):
         assert time.monotonic() < deadline, f"{what} within {deadline_s} s"
         time.sleep(0.05)  # poll interval
+
+
+def _value(result) -> bool:
+    return asyncio.run(result) if asyncio.iscoroutine(result) else bool(result)
 
 
 async def release(decode: str, rid: str, writer_stopped: bool) -> bool:
