@@ -9,6 +9,12 @@ import pytest
 import torch
 from engine_helpers import run_one
 
+from tierserve.cache import hicache as hicache_module
+from tierserve.cache.allocator import PageAllocator
+from tierserve.cache.device_pool import DeviceKVPool, KVGeometry
+from tierserve.cache.hicache import HiCache, HiCacheConfig
+from tierserve.cache.host_pool import HostKVPool
+from tierserve.cache.loads import HostLoadError
 from tierserve.cache.options import HostLayout, IOBackend, WritePolicy
 from tierserve.engine.config import EngineConfig, HiCacheOptions
 from tierserve.engine.engine import Engine
@@ -117,3 +123,85 @@ def test_cache_metrics_are_exported(tiny_llama: Path) -> None:
                  "tierserve_cache_device_evicted_pages_total", "tierserve_cache_host_pages_used"):
         line = next(x for x in text.splitlines() if x.startswith(name + " "))
         assert float(line.split()[1]) > 0, line
+
+
+# -- a failed L2 -> L1 load -------------------------------------------------------------------------
+
+
+def _failing_loads(monkeypatch) -> None:
+    """Makes every L2 -> L1 copy fail at layer 1 (after layer 0 landed); L1 -> L2 copies still work."""
+    real = hicache_module.copy_pages
+
+    def copy_pages(device, host, device_ids, host_ids, to_host, backend, layers=None) -> None:
+        if not to_host and layers is not None and 1 in layers:
+            raise OSError("injected copy failure")
+        real(device, host, device_ids, host_ids, to_host, backend, layers)
+
+    monkeypatch.setattr(hicache_module, "copy_pages", copy_pages)
+
+
+def test_a_failed_host_load_leaves_no_garbage_in_the_tree(monkeypatch) -> None:
+    geometry = KVGeometry(num_layers=3, num_kv_heads=1, head_dim=2, page_size=2, dtype=torch.float32)
+    alloc, host = PageAllocator(16), HostKVPool(geometry, 16, HostLayout.PAGE_FIRST_DIRECT)
+    device = DeviceKVPool(geometry, 16, torch.device("cpu"))
+    cache = HiCache(alloc, device, host, b"s" * 32, HiCacheConfig())
+    tokens = list(range(12))  # 6 pages, computed by a request, written through to L2, evicted from L1
+    computed, pages = cache.match(tokens), alloc.alloc(6)
+    for i, p in enumerate(pages):
+        device.buffer[:, :, p * 2 : (p + 1) * 2] = i + 1
+    cache.release(tokens, pages, len(tokens), computed)
+    cache.wait_background()
+    cache.evict(16)
+    assert not cache.tree.device_pages() and len(cache.tree.host_pages()) == 6
+
+    _failing_loads(monkeypatch)
+    first, second = cache.match(tokens), cache.match(tokens)  # the second is lent the loading pages
+    assert len(first.pages) == 6 and second.pages == first.pages and second.loads == first.loads
+    with pytest.raises(HostLoadError):
+        first.loads[0].wait(1)
+    assert not first.loads[0].done()  # never usable: every later wait fails too
+    cache.release(tokens, second.pages, second.num_tokens, second)  # aborted before the step boundary
+    assert alloc.num_used == 6
+    cache.on_step()  # the failure is agreed: the device copy leaves the tree, the host copy stays
+    assert not set(first.pages) & set(cache.tree.device_pages())
+    found = cache.tree.match(tokens)
+    assert not found.device_pages and len(found.host_pages) == 6
+    assert alloc.num_used == 6  # still lent to the first request
+    extra = alloc.alloc(1)  # its page for the next token
+    cache.release(tokens, first.pages + extra, first.num_tokens, first)
+    assert alloc.num_used == 0 and not cache.tree.device_pages()
+    alloc.check()
+    host.allocator.check()
+    assert host.allocator.num_used == len(cache.tree.host_pages()) == 6
+    assert cache.stats()["l2_load_failures_total"] == 1
+
+    monkeypatch.undo()  # the next match loads the host copy again, correctly
+    again = cache.match(tokens)
+    for layer in range(3):
+        again.loads[-1].wait(layer)
+    for i, p in enumerate(again.pages):
+        assert (device.buffer[:, :, p * 2 : (p + 1) * 2] == i + 1).all()
+    cache.release(tokens, again.pages, again.num_tokens, again)
+    cache.close()
+
+
+def test_a_request_whose_host_load_fails_fails_and_the_next_one_is_right(tiny_llama: Path, expected: list[int],
+                                                                         monkeypatch) -> None:
+    engine = _engine(tiny_llama)
+    target, fillers = _prompts()
+    _run(engine, target)
+    for filler in fillers:
+        _settle(engine)
+        _run(engine, filler)
+    _settle(engine)
+    _failing_loads(monkeypatch)
+    engine.add_request("doomed", target, PARAMS)
+    with pytest.raises(HostLoadError):
+        while engine.has_work():
+            engine.step()
+    engine.abort("doomed")  # what the engine loop does with the requests of a failed step
+    monkeypatch.undo()
+    tokens, tiers = _run(engine, target)
+    assert tokens == expected and tiers.get("host", 0) >= 32, tiers  # loaded again from the host copy
+    assert engine.cache.stats()["l2_load_failures_total"] == 1
+    _check_accounting(engine)

@@ -8,7 +8,6 @@ layer i only waits for layer i while later layers are still copying.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -21,6 +20,7 @@ from tierserve.cache.agreement import Agreement, SingleRank, leading_true
 from tierserve.cache.allocator import PageAllocator
 from tierserve.cache.device_pool import DeviceKVPool
 from tierserve.cache.host_pool import HostKVPool, copy_pages
+from tierserve.cache.loads import LayerwiseLoad, Loads
 from tierserve.cache.options import IOBackend, PrefetchPolicy, WritePolicy
 from tierserve.cache.prefetch import Prefetch, PrefetchOptions
 from tierserve.cache.radix_tree import Node, RadixTree
@@ -45,32 +45,6 @@ class StorageBusyError(RuntimeError):
     """An L3 admin action that needs an idle cache (or another state) was refused."""
 
 
-class LayerwiseLoad:
-    """An L2 -> L1 copy whose layers complete one after another (``wait(i)`` blocks for layer i)."""
-
-    def __init__(self, num_layers: int) -> None:
-        self._layers = [threading.Event() for _ in range(num_layers)]
-        self.error: BaseException | None = None
-
-    def run(self, copy_layer) -> None:
-        try:
-            for i, event in enumerate(self._layers):
-                copy_layer(i)
-                event.set()
-        except BaseException as exc:
-            self.error = exc
-            for event in self._layers:
-                event.set()
-
-    def wait(self, layer: int) -> None:
-        self._layers[layer].wait()
-        if self.error is not None:
-            raise RuntimeError("loading KV from host memory failed") from self.error
-
-    def done(self) -> bool:
-        return self._layers[-1].is_set()
-
-
 @dataclass
 class _Write:
     node: Node
@@ -83,7 +57,9 @@ class HiCache:
     """The engine's prefix cache over L1 and L2 (see ``engine.prefix_cache.PrefixCache``).
 
     Page ownership: device pages belong to the device allocator's free list, a request, or the
-    tree; host pages to the host pool's allocator or the tree (or an in-flight write).
+    tree; host pages to the host pool's allocator or the tree (or an in-flight write). After an
+    L2 -> L1 load fails (``HostLoadError`` from ``wait``), its device pages leave the tree and belong
+    to ``loads`` until the requests holding them are released; those requests must not go on.
     """
 
     def __init__(self, allocator: PageAllocator, device: DeviceKVPool, host: HostKVPool, seed: bytes,
@@ -94,6 +70,7 @@ class HiCache:
         self.tree = RadixTree(self.page_size, seed)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicache-io")
         self._writes: list[_Write] = []
+        self.loads = Loads(self.tree, allocator)
         self.counters: Counter[str] = Counter()  # engine thread only
         self.agreement = agreement or SingleRank()
         self.storage: StorageTier | None = None
@@ -192,12 +169,18 @@ class HiCache:
         device_tokens = len(pages) * self.page_size - host_tokens
         tiers = (("device", device_tokens), ("host", host_tokens - storage_tokens), ("storage", storage_tokens))
         by_tier = {k: v for k, v in tiers if v}
-        return PrefixHit(len(pages) * self.page_size, pages, by_tier, handle=node, loads=loads, salt=salt)
+        hit = PrefixHit(len(pages) * self.page_size, pages, by_tier, handle=node, loads=loads, salt=salt)
+        self.loads.lent(hit)
+        return hit
 
     def release(self, token_ids: Sequence[int], pages: list[int], num_computed: int, hit: PrefixHit) -> None:
-        full = min(num_computed // self.page_size, len(pages))
+        """Only KV before the first page of a failed load goes into the tree: the rest is garbage
+        (that page's load) or was computed from it; pages the failed load owns are not freed here."""
+        self.loads.returned(hit)
+        full = min(num_computed // self.page_size, len(pages), self.loads.usable(pages))
         unused, node = self.tree.insert(token_ids[: full * self.page_size], pages[:full], hit.salt)
-        self.allocator.free(unused + pages[full:])
+        self.allocator.free(unused + [p for p in pages[full:] if not self.loads.is_orphan(p)])
+        self.loads.collect()
         if isinstance(hit.handle, Node):
             self.tree.unlock(hit.handle)
         if self.config.write_policy is WritePolicy.WRITE_THROUGH:
@@ -219,6 +202,7 @@ class HiCache:
         out["host_pages_total"] = self.host.num_pages
         out["l2_write_bytes_total"] = self.counters["l2_write_pages_total"] * page
         out["l2_load_bytes_total"] = self.counters["l2_load_pages_total"] * page
+        out["l2_load_failures_total"] = self.loads.failures
         if self.storage is not None:
             out |= {"l3_backup_pages_total": self.storage.backed_up_pages,
                     "l3_prefetch_pages_total": self.storage.prefetched_pages,
@@ -228,13 +212,16 @@ class HiCache:
     def on_step(self) -> None:
         """Agrees with the other ranks (one collective) on what finished, then applies it."""
         local = [leading_true(w.future.done() for w in self._writes),
-                 leading_true(w.future.done() and w.future.exception() is None for w in self._writes)]
+                 leading_true(w.future.done() and w.future.exception() is None for w in self._writes),
+                 *self.loads.local_state()]
         if self.storage is not None:
             local += self.storage.local_state(MAX_AGREED_TICKETS)
         agreed = self.agreement.min(local)
         self._apply_writes(*agreed[:2])
+        self.loads.apply(*agreed[2:4])
+        self.loads.collect()
         if self.storage is not None:
-            self.storage.apply(agreed[2:])
+            self.storage.apply(agreed[4:])
 
     def wait_background(self, timeout: float = 30.0) -> None:
         """Waits for in-flight L2 writes and the L3 backups they start, and applies them (one rank
@@ -323,6 +310,7 @@ class HiCache:
             copy_pages(self.device, self.host, device_pages, host_pages, False, backend, range(i, i + 1))
 
         self._worker.submit(load.run, copy_layer)
+        self.loads.started(load)
         self.counters["l2_load_pages_total"] += len(host_pages)
         return load
 

@@ -1,0 +1,147 @@
+"""L2 -> L1 loads that complete layer by layer, and the clean-up after one fails.
+
+A failed load leaves garbage in the device pages the tree already lists for its nodes. ``Loads``
+takes those device copies out of the tree (the nodes keep their host copies, so a later match
+loads them again) and keeps the pages out of the allocator until no request holds them any more
+and nothing still writes them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterator
+
+from tierserve.cache.agreement import leading_true
+from tierserve.cache.allocator import PageAllocator
+from tierserve.cache.radix_tree import Node, RadixTree
+from tierserve.engine.prefix_cache import PrefixHit
+
+log = logging.getLogger(__name__)
+
+
+class HostLoadError(RuntimeError):
+    """Copying a prefix's KV from host memory failed: the request cannot use the pages it was lent."""
+
+
+class LayerwiseLoad:
+    """An L2 -> L1 copy whose layers complete one after another (``wait(i)`` blocks for layer i).
+
+    ``finished()``: the copy stopped (well or not) and no longer writes its pages. ``done()``: it
+    finished well, so its pages are usable; a failed load is never done, and every ``wait`` on it
+    raises ``HostLoadError``.
+    """
+
+    def __init__(self, num_layers: int) -> None:
+        self._layers = [threading.Event() for _ in range(num_layers)]
+        self.error: BaseException | None = None
+
+    def run(self, copy_layer: Callable[[int], None]) -> None:
+        try:
+            for i, event in enumerate(self._layers):
+                copy_layer(i)
+                event.set()
+        except BaseException as exc:
+            self.error = exc  # before the events: whoever sees an event set sees the error
+            for event in self._layers:
+                event.set()
+
+    def wait(self, layer: int) -> None:
+        self._layers[layer].wait()
+        if self.error is not None:
+            raise HostLoadError("loading KV from host memory failed") from self.error
+
+    def finished(self) -> bool:
+        return self._layers[-1].is_set()
+
+    def done(self) -> bool:
+        return self.finished() and self.error is None
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
+
+
+class Loads:
+    """The loads in flight, the device pages each live hit lends its request, and the pages taken
+    out of the tree after a failed load (orphans). Engine thread only; every ``match`` is paired
+    with one ``release`` (``lent`` / ``returned``). Until the step boundary that drops a failed
+    load, its nodes keep their device pages but are neither evictable nor usable: the load is not
+    ``done``, so requests that match them wait on it and fail too."""
+
+    def __init__(self, tree: RadixTree, allocator: PageAllocator) -> None:
+        self.tree, self.allocator = tree, allocator
+        self.running: list[LayerwiseLoad] = []
+        self.failures = 0
+        self._lent: dict[int, list[int]] = {}  # id(hit) -> its pages
+        self._orphans: dict[int, LayerwiseLoad | None] = {}  # page -> the load that may still write it
+
+    @property
+    def num_orphans(self) -> int:
+        return len(self._orphans)
+
+    def started(self, load: LayerwiseLoad) -> None:
+        self.running.append(load)
+
+    def lent(self, hit: PrefixHit) -> None:
+        self._lent[id(hit)] = hit.pages
+
+    def returned(self, hit: PrefixHit) -> None:
+        self._lent.pop(id(hit), None)
+
+    def is_orphan(self, page: int) -> bool:
+        return page in self._orphans
+
+    def usable(self, pages: list[int]) -> int:
+        """How many leading ``pages`` (a request's page table) hold valid KV as far as loads go:
+        everything from the first orphan on was computed from, or is, garbage."""
+        return next((i for i, p in enumerate(pages) if p in self._orphans), len(pages))
+
+    def local_state(self) -> list[int]:
+        """This rank's view, for the agreement: [leading loads done, index of the first failed load
+        (``len(running)`` if none)]. ``running`` is the same list on every rank (loads start in
+        ``match``), so indices agree."""
+        failed = next((i for i, x in enumerate(self.running) if x.failed), len(self.running))
+        return [leading_true(x.done() for x in self.running), failed]
+
+    def apply(self, done: int, failed: int) -> None:
+        """Applies the agreed view: forgets the first ``done`` loads and, if a load failed on some
+        rank, takes its device copies out of the tree on every rank (frees nothing: ``collect``)."""
+        dropped = self.running[failed] if failed < len(self.running) else None
+        if dropped is not None:
+            log.warning("L2 -> L1 load failed (%s); its requests fail, its nodes stay host-only", dropped.error)
+            self.failures += 1
+            self._drop(dropped)
+        self.running = [x for i, x in enumerate(self.running) if i >= done and x is not dropped]
+
+    def _drop(self, load: LayerwiseLoad) -> None:
+        # Device nodes below a loaded node are dropped too (a device node needs a device parent);
+        # they are other loads' nodes, still with their host copies: requests that computed on
+        # garbage cannot exist, since every one of them waited on this load and failed.
+        for top in [n for n in self.tree.nodes() if n.loading is load]:
+            for node in _subtree(top):
+                if node.device is None:
+                    continue
+                self._orphans.update(dict.fromkeys(node.device, node.loading))
+                node.device, node.loading = None, None
+                if node.host is None:
+                    log.error("radix tree: node %s under a failed load has no host copy left", node.keys[:1])
+
+    def collect(self) -> None:
+        """Frees orphans that no live hit holds and that no load still writes."""
+        if not self._orphans:  # the usual case: skip the walk over every live hit's pages
+            return
+        held = {p for pages in self._lent.values() for p in pages if p in self._orphans}
+        free = [p for p, writer in self._orphans.items()
+                if p not in held and (writer is None or writer.finished())]
+        for p in free:
+            del self._orphans[p]
+        self.allocator.free(free)
+
+
+def _subtree(node: Node) -> Iterator[Node]:
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        yield n
+        stack.extend(n.children.values())
