@@ -31,7 +31,7 @@ def test_every_namespace_field_changes_the_seed() -> None:
     variants = [NS.with_salt("tenant-b"), Namespace("m2", "float32", 4, 2, 2, 8),
                 Namespace("m", "bfloat16", 4, 2, 2, 8), Namespace("m", "float32", 16, 2, 2, 8),
                 Namespace("m", "float32", 4, 3, 2, 8), Namespace("m", "float32", 4, 2, 1, 8),
-                Namespace("m", "float32", 4, 2, 2, 16)]
+                Namespace("m", "float32", 4, 2, 2, 16), Namespace("m", "float32", 4, 2, 2, 8, "page_first")]
     for ns in variants:
         seeds.add(ns.seed())
         assert page_keys(ns.seed(), [1, 2, 3, 4], 4) != page_keys(NS.seed(), [1, 2, 3, 4], 4)

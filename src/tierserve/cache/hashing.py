@@ -21,7 +21,9 @@ class Namespace:
     """Everything that makes two pages of KV for the same tokens differ.
 
     ``model`` identifies the weights (e.g. a digest of the checkpoint), ``salt`` the tenant
-    (``cache_salt``): requests with different salts never share cached KV.
+    (``cache_salt``): requests with different salts never share cached KV. ``object_format`` is
+    the byte order of a page as an L3 object (``page_first`` or ``page_first_direct``): the same
+    tokens stored in another order are other bytes, so they get other keys.
     """
 
     model: str
@@ -30,6 +32,7 @@ class Namespace:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    object_format: str = ""
     salt: str = ""
 
     def seed(self) -> bytes:

@@ -34,3 +34,9 @@ class PrefetchPolicy(Enum):
     BEST_EFFORT = "best_effort"  # as soon as the scheduler can run it; use what arrived
     WAIT_COMPLETE = "wait_complete"  # when every page arrived
     TIMEOUT = "timeout"  # when every page arrived or the prefetch timeout passed
+
+
+def object_format(layout: HostLayout) -> str:
+    """The byte order of a page as one L3 object for a host layout: ``layer_first`` pages are
+    staged into the ``page_first`` order, the two page-first layouts are stored as they are."""
+    return HostLayout.PAGE_FIRST_DIRECT.value if layout is HostLayout.PAGE_FIRST_DIRECT else HostLayout.PAGE_FIRST.value

@@ -82,7 +82,8 @@ class StorageTier:
             return None
         cap = int(self.host.num_pages * self.options.max_reserved_fraction) - self._reserved
         n = min(present, cap)
-        host_pages = self._host_pages(n) if n * ps >= self.options.threshold_tokens else None
+        host_pages = self._reserve(token_ids[: local * ps], salt, n) if n * ps >= self.options.threshold_tokens \
+            else None
         if host_pages is None:
             return None
         ticket = Prefetch(local, keys[:n], host_pages, prefetch_timeout(self.options, n * ps))
@@ -90,6 +91,18 @@ class StorageTier:
         self.tickets.append(ticket)
         self._worker.submit(self._read, ticket)
         return ticket
+
+    def _reserve(self, prefix: Sequence[int], salt: str, n: int) -> list[int] | None:
+        """Host pages for ``n`` prefetched pages. Reserving may evict L2, so the local prefix the
+        prefetch extends is pinned meanwhile: losing it would make the prefetch useless."""
+        anchor = self.tree.match(prefix, salt).last_node if prefix else None
+        if anchor is not None:
+            self.tree.lock(anchor)
+        try:
+            return self._host_pages(n)
+        finally:
+            if anchor is not None:
+                self.tree.unlock(anchor)
 
     def _read(self, ticket: Prefetch) -> None:
         if not ticket.begin():

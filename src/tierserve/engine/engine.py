@@ -17,6 +17,8 @@ from tierserve.cache.device_pool import DeviceKVPool, KVGeometry
 from tierserve.cache.hashing import Namespace
 from tierserve.cache.hicache import HiCache, HiCacheConfig, StorageBusyError
 from tierserve.cache.host_pool import HostKVPool
+from tierserve.cache.loads import HostLoadError
+from tierserve.cache.options import object_format
 from tierserve.cache.prefetch import PrefetchOptions
 from tierserve.cache.radix_cache import RadixCache
 from tierserve.cache.storage import create_backend
@@ -76,6 +78,7 @@ class Engine:
         self.namespace = Namespace(
             model_identity(model_dir), str(self.dtype).removeprefix("torch."), config.page_size,
             self.geometry.num_layers, self.geometry.num_kv_heads, self.geometry.head_dim,
+            object_format(config.hicache.mem_layout),
         )
         self.cache = (prefix_cache or self._default_cache)(self.allocator, self.pool)
         sched = SchedulerConfig(config.page_size, config.chunked_prefill_size, config.max_running_requests)
@@ -83,6 +86,7 @@ class Engine:
         self.runner = ModelRunner(self.model, self.pool, self.device)
         self.reservations = Reservations(self.allocator, self.cache, config.page_size, config.reservation_grace_s)
         self.requests: dict[str, Request] = {}
+        self.failures: list[tuple[str, Exception]] = []
         self.last_batch_size = 0
         log.info("engine ready: model=%s device=%s dtype=%s kv_pages=%d page_size=%d namespace=%s",
                  model_dir.name, self.device, self.dtype, self.pool.num_pages, config.page_size,
@@ -183,7 +187,11 @@ class Engine:
         self.last_batch_size = len(batch)
         if not batch:
             return []
-        sampled = self.runner.run(batch)
+        try:
+            sampled = self.runner.run(batch)
+        except HostLoadError as exc:  # only requests lent the failed copy fail; the rest rerun next step
+            self._fail_loads(batch, exc)
+            return []
         outputs = []
         for scheduled in batch:
             request = scheduled.request
@@ -192,6 +200,21 @@ class Engine:
             if token is not None:
                 outputs.append(self._append(request, token))
         return outputs
+
+    def take_failures(self) -> list[tuple[str, Exception]]:
+        """Requests that failed alone (e.g. their prefix's host copy could not be loaded) since the
+        last call: they are gone from the engine and hold no pages."""
+        failures, self.failures = self.failures, []
+        return failures
+
+    def _fail_loads(self, batch: list, exc: HostLoadError) -> None:
+        for scheduled in batch:
+            request = scheduled.request
+            if any(load.failed for load in request.hit.loads):
+                log.warning("request %s failed: %s", request.request_id, exc)
+                self.requests.pop(request.request_id, None)
+                self.scheduler.remove(request)
+                self.failures.append((request.request_id, exc))
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
         """Runs prompts to completion (a convenience for tests and benchmarks); returns output ids."""
@@ -202,6 +225,8 @@ class Engine:
         while self.has_work():
             for out in self.step():
                 done[out.request_id] += out.new_token_ids
+            for _, exc in self.take_failures():
+                raise exc
         return [done[rid] for rid in ids]
 
     def _append(self, request: Request, token: int) -> RequestOutput:

@@ -183,6 +183,10 @@ class EngineLoop:
             return
         for out in outputs:
             self._deliver(out, out.request_id)
+        for rid, exc in self.engine.take_failures():
+            sink = self._sinks.pop(rid, None)
+            if sink is not None:
+                sink(exc)
 
     def _deliver(self, out: RequestOutput | None, request_id: str) -> None:
         sink = self._sinks.get(request_id)

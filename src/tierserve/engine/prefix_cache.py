@@ -36,6 +36,11 @@ class LayerLoad(Protocol):
 
     def done(self) -> bool: ...
 
+    @property
+    def failed(self) -> bool:
+        """The copy failed: ``wait`` raises for every layer from now on."""
+        ...
+
 
 class PrefixCache(Protocol):
     """Contract between the engine and a prefix cache.
