@@ -49,3 +49,39 @@ def test_page_first_layouts_keep_a_page_contiguous() -> None:
         assert span.is_contiguous() and span.numel() * 4 == GEOMETRY.bytes_per_page
     with pytest.raises(ValueError):
         HostKVPool(GEOMETRY, 4, HostLayout.LAYER_FIRST).page_span(0)
+
+
+PAGE_LISTS = {  # device pages, host pages: which side forms runs picks gather vs scatter
+    "consecutive": ([2, 3, 4, 5], [4, 5, 6, 7]),
+    "host_consecutive": ([9, 1, 5, 3], [3, 0, 2, 1]),
+    "device_consecutive": ([7, 6, 9, 8], [7, 0, 3, 5]),
+    "both_scattered": ([9, 0, 5, 2, 7], [3, 7, 1, 5, 0]),
+}
+
+
+@pytest.mark.parametrize("layout", list(HostLayout))
+@pytest.mark.parametrize("backend", list(IOBackend))
+@pytest.mark.parametrize("case", list(PAGE_LISTS))
+@pytest.mark.parametrize("layers", [None, range(1, 3), range(0, 1), range(0, 3, 2)])
+def test_copy_pages_moves_exactly_the_selected_pages_and_layers(
+    layout: HostLayout, backend: IOBackend, case: str, layers: range | None
+) -> None:
+    dev_ids, host_ids = PAGE_LISTS[case]
+    source = DeviceKVPool(GEOMETRY, 10, torch.device("cpu"))
+    source.buffer.copy_(torch.randn_like(source.buffer))
+    host = HostKVPool(GEOMETRY, 8, layout)
+    copy_pages(source, host, dev_ids, host_ids, to_host=True, backend=backend, layers=layers)
+    target = DeviceKVPool(GEOMETRY, 10, torch.device("cpu"))
+    copy_pages(target, host, dev_ids, host_ids, to_host=False, backend=backend, layers=layers)
+    selected = set(layers if layers is not None else range(GEOMETRY.num_layers))
+    others = [p for p in range(8) if p not in host_ids]
+    for layer in range(GEOMETRY.num_layers):
+        for kv in (0, 1):
+            want = device_pages(source, layer, kv)[dev_ids]
+            if layer not in selected:
+                want = torch.zeros_like(want)
+            assert torch.equal(host.pages(layer, kv)[host_ids], want)
+            assert torch.equal(device_pages(target, layer, kv)[dev_ids], want)
+            assert not host.pages(layer, kv)[others].any()
+    untouched = [p for p in range(10) if p not in dev_ids]
+    assert not target.buffer.view(3, 2, 10, -1)[:, :, untouched].any()
