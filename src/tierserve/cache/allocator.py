@@ -36,7 +36,7 @@ class PageAllocator:
             return None
         if n <= 0:
             return []
-        pages = self._free[-n:]
+        pages = self._free[-n:][::-1]  # ascending: consecutive pages coalesce into one copy or transfer
         del self._free[-n:]
         for p in pages:
             self._in_use[p] = 1
@@ -48,7 +48,7 @@ class PageAllocator:
             if not 0 <= p < self.num_pages or not self._in_use[p]:
                 raise PageAccountingError(f"page {p} freed but not allocated")
             self._in_use[p] = 0
-        self._free.extend(pages)
+        self._free.extend(reversed(pages))  # so that allocating them again gives the same order
 
     def check(self) -> None:
         """Raises unless the free list and the ownership flags describe the same set of pages."""
