@@ -111,14 +111,15 @@ def test_selective_write_through_waits_for_hits(tiny_llama: Path, expected: list
 def test_cache_metrics_are_exported(tiny_llama: Path) -> None:
     from prometheus_client import generate_latest
 
-    from tierserve.engine.metrics import Metrics
+    from tierserve.api_metrics import ApiMetrics
+    from tierserve.engine.metrics import EngineCollector
 
     engine = _engine(tiny_llama)
     target, fillers = _prompts()
     for prompt in [target, *fillers, target]:
         _settle(engine)
         _run(engine, prompt)
-    text = generate_latest(Metrics(engine).registry).decode()
+    text = generate_latest(ApiMetrics(EngineCollector(engine)).registry).decode()
     for name in ("tierserve_cache_l2_load_pages_total", "tierserve_cache_l2_write_bytes_total",
                  "tierserve_cache_device_evicted_pages_total", "tierserve_cache_host_pages_used"):
         line = next(x for x in text.splitlines() if x.startswith(name + " "))

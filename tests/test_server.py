@@ -261,7 +261,7 @@ def test_tokenize(smol: Server, builtin_model: Path):
 
 def _engine_idle(server: Server) -> bool:
     with server.http() as http:
-        state = http.get("/debug/engine").json()
+        state = http.get("/debug/state").json()
     return state["running"] == 0 and state["waiting"] == 0 and state["kv_pages_used"] == 0
 
 

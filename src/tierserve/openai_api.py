@@ -76,7 +76,8 @@ class ChatMessage(_Body):
 
 class _GenerateBody(_Body):
     """Fields shared by completions and chat; vLLM's extensions top_k, stop_token_ids, ignore_eos,
-    skip_special_tokens are accepted too."""
+    skip_special_tokens and cache_salt (a tenant: requests with different salts never share cached
+    KV) are accepted too."""
 
     model: str | None = None
     max_tokens: int | None = None
@@ -91,6 +92,7 @@ class _GenerateBody(_Body):
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
+    cache_salt: str | None = None
     user: str | None = None
 
     @model_validator(mode="after")

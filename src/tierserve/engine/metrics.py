@@ -1,58 +1,12 @@
-"""Prometheus metrics of the single-engine HTTP server."""
+"""Prometheus view of one engine: occupancy gauges and the prefix cache's counters."""
 
 from __future__ import annotations
 
-import logging
-import time
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from tierserve import openai_api as oa
 from tierserve.engine.engine import Engine
-from tierserve.engine.request import RequestOutput
-
-log = logging.getLogger(__name__)
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
-
-
-class Metrics:
-    """Prometheus metrics of one server, in a registry of its own (no process-wide singletons)."""
-
-    def __init__(self, engine: Engine) -> None:
-        self.registry = r = CollectorRegistry()
-
-        def histogram(name: str, doc: str) -> Histogram:
-            return Histogram(name, doc, buckets=_LATENCY_BUCKETS, registry=r)
-
-        self.requests = Counter("tierserve_requests", "Engine requests ended, by reason", ["finish_reason"],
-                                registry=r)
-        self.errors = Counter("tierserve_http_errors", "Error responses, by status", ["status"], registry=r)
-        self.prompt_tokens = Counter("tierserve_prompt_tokens", "Prompt tokens of ended requests", registry=r)
-        self.generation_tokens = Counter("tierserve_generation_tokens", "Generated tokens", registry=r)
-        self.cached_tokens = Counter("tierserve_cached_tokens", "Prompt tokens from cache", ["tier"], registry=r)
-        self.ttft = histogram("tierserve_time_to_first_token_seconds", "Arrival to first token")
-        self.itl = histogram("tierserve_inter_token_latency_seconds", "Time between output tokens")
-        self.e2e = histogram("tierserve_e2e_request_latency_seconds", "Arrival to last token")
-        r.register(EngineCollector(engine))
-
-    def request_ended(self, request_id: str, last: RequestOutput | None, failed: bool, started: float) -> None:
-        """Counts an ended engine request (no finished output and no error: aborted) and logs it."""
-        reason = "error" if failed else (last.reason if last is not None else None) or "abort"
-        self.requests.labels(reason).inc()
-        e2e = time.monotonic() - started
-        if last is not None:
-            self.prompt_tokens.inc(last.prompt_tokens)
-            self.generation_tokens.inc(last.completion_tokens)
-            for tier in oa.TIERS:
-                self.cached_tokens.labels(tier).inc(last.cached_by_tier.get(tier, 0))
-            self.e2e.observe(e2e)
-        log.info("request %s ended: reason=%s prompt=%d completion=%d cached=%d e2e=%.3fs", request_id, reason,
-                 last.prompt_tokens if last else 0, last.completion_tokens if last else 0,
-                 last.cached_tokens if last else 0, e2e)
-
-
 
 _ENGINE_GAUGES = {
     "running": "tierserve_num_requests_running",

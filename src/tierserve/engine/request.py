@@ -1,4 +1,4 @@
-"""A request's state inside the engine, and what the engine reports about it."""
+"""A request's state inside the engine."""
 
 from __future__ import annotations
 
@@ -9,15 +9,12 @@ from enum import Enum
 import torch
 
 from tierserve.engine.handoff import Handoff
+from tierserve.engine.outputs import FinishReason, RequestOutput
 from tierserve.engine.prefix_cache import PrefixHit
 from tierserve.engine.sampling_params import SamplingParams
 from tierserve.engine.text_stream import TextStream
 
-
-class FinishReason(Enum):
-    STOP = "stop"  # EOS, a stop token id or a stop string
-    LENGTH = "length"  # max_tokens or the context length
-    ABORT = "abort"  # cancelled by the caller
+__all__ = ["FinishReason", "Request", "RequestOutput", "RequestStatus"]
 
 
 class RequestStatus(Enum):
@@ -70,28 +67,3 @@ class Request:
 
     def tokens_to_compute(self) -> int:
         return self.num_tokens - self.num_computed
-
-
-@dataclass
-class RequestOutput:
-    """What one engine step produced for one request: new tokens and text, and the final state.
-
-    ``cached_tokens`` counts prompt tokens served from the prefix cache at admission, split by
-    tier in ``cached_by_tier``.
-    """
-
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str
-    finished: bool
-    finish_reason: FinishReason | None
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int = 0
-    cached_by_tier: dict[str, int] = field(default_factory=dict)
-    error: str | None = None
-
-    @property
-    def reason(self) -> str | None:
-        """The finish reason as the OpenAI API spells it, or None while running."""
-        return self.finish_reason.value if self.finish_reason is not None else None

@@ -1,390 +1,85 @@
-"""OpenAI-compatible HTTP server in front of one engine (no router, no disaggregation).
-
-Each API request becomes one engine request per (prompt, choice). Outputs stream back through
-``EngineLoop.generate``; when the client goes away mid-request the handler cancels those
-iterators, which aborts the engine requests and frees their KV pages.
-"""
+"""``tierserve serve``: the OpenAI-compatible API in front of one engine (no router, no
+disaggregation), plus the engine's L3 admin routes."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-import logging
-import secrets
-import time
-from collections.abc import AsyncIterator, Callable, Coroutine
-from dataclasses import dataclass, replace
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
-import uvicorn
-from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
 
 from tierserve import openai_api as oa
+from tierserve.api_metrics import ApiMetrics
+from tierserve.api_server import admin_guard, create_app, run_http
 from tierserve.cache.hicache import StorageBusyError
 from tierserve.engine.config import EngineConfig
 from tierserve.engine.engine import Engine
 from tierserve.engine.loop import EngineLoop
-from tierserve.engine.metrics import Metrics
-from tierserve.engine.request import RequestOutput
-from tierserve.engine.sampling_params import InvalidRequestError, SamplingParams
-from tierserve.model.tokenizer import ChatTemplateError, TextTokenizer, try_load
-
-log = logging.getLogger(__name__)
-T = TypeVar("T")
-Format = oa.CompletionFormat | oa.ChatFormat
+from tierserve.engine.metrics import EngineCollector
+from tierserve.engine.outputs import RequestOutput
+from tierserve.engine.sampling_params import SamplingParams
+from tierserve.model.tokenizer import TextTokenizer, try_load
 
 
-class ClientDisconnected(Exception):
-    """The client closed the connection before the response was ready."""
+class EngineBackend:
+    """One engine on its own thread (``EngineLoop``) as the API's backend."""
+
+    def __init__(self, loop: EngineLoop) -> None:
+        self.loop = loop
+        self.max_model_len = loop.engine.max_model_len
+
+    def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, cache_salt: str
+                 ) -> AsyncIterator[RequestOutput]:
+        return self.loop.generate(request_id, prompt_ids, params, cache_salt=cache_salt)
+
+    def healthy(self) -> bool:
+        return self.loop.is_alive
+
+    def ready(self) -> bool:
+        return self.loop.is_alive
+
+    async def debug_state(self) -> dict[str, Any]:
+        """Occupancy, approximate: read without stopping the engine."""
+        return self.loop.engine.stats() | {"loop_requests": self.loop.num_requests}
 
 
-@dataclass
-class _Job:
-    """One engine request: choice ``index`` of the response; ``counts_prompt`` for one choice per prompt."""
+def create_engine_app(loop: EngineLoop, tokenizer: TextTokenizer | None, model_name: str,
+                      api_key: str | None = None, admin_api_key: str | None = None) -> FastAPI:
+    """The HTTP app for one started ``EngineLoop`` (the caller stops it), with ``/admin/storage``
+    (L3 status, attach, detach, clear) behind ``admin_api_key``."""
+    metrics = ApiMetrics(EngineCollector(loop.engine))
+    app = create_app(EngineBackend(loop), tokenizer, model_name, metrics, api_key)
+    admin = admin_guard(admin_api_key)
 
-    index: int
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    counts_prompt: bool
+    async def storage_status() -> Response:
+        return JSONResponse(await loop.call(lambda engine: engine.storage_admin("status")))
 
-
-def _jobs(response_id: str, prompts: list[list[int]], params: SamplingParams, n: int) -> list[_Job]:
-    """``n`` choices per prompt; with a seed, choice ``i`` uses ``seed + i`` so they differ."""
-    jobs = []
-    for p, ids in enumerate(prompts):
-        for i in range(n):
-            choice_params = params if params.seed is None or i == 0 else replace(params, seed=params.seed + i)
-            index = p * n + i
-            jobs.append(_Job(index, f"{response_id}-{index}", ids, choice_params, counts_prompt=i == 0))
-    return jobs
-
-
-class _Choices:
-    """Runs a response's engine requests concurrently, merges their outputs in arrival order and
-    keeps each choice's text and last output (for the response body and its usage)."""
-
-    def __init__(self, loop: EngineLoop, jobs: list[_Job], metrics: Metrics) -> None:
-        self._loop, self._jobs, self._metrics = loop, jobs, metrics
-        self._queue: asyncio.Queue[tuple[int, RequestOutput | Exception]] = asyncio.Queue()
-        self._ready: list[tuple[int, RequestOutput | Exception]] = []
-        self._text: dict[int, list[str]] = {j.index: [] for j in jobs}
-        self._last: dict[int, RequestOutput] = {}
-        self._tasks = [asyncio.create_task(self._pump(job)) for job in jobs]
-
-    async def _pump(self, job: _Job) -> None:
-        started = prev = time.monotonic()
-        last, failed = None, False
-        try:
-            async for out in self._loop.generate(job.request_id, job.prompt_ids, job.params):
-                if out.new_token_ids:
-                    now = time.monotonic()
-                    (self._metrics.ttft if last is None else self._metrics.itl).observe(now - prev)
-                    prev = now
-                last = out
-                self._queue.put_nowait((job.index, out))
-        except Exception as exc:
-            failed = True
-            self._queue.put_nowait((job.index, exc))
-        finally:  # also on cancellation: that is the client-gone path, counted as an abort
-            self._metrics.request_ended(job.request_id, last, failed, started)
-
-    async def start(self) -> None:
-        """Waits until every request produced its first output; raises the first engine rejection,
-        so that a bad request is answered with an error status before any stream starts."""
-        started: set[int] = set()
-        while len(started) < len(self._tasks):
-            index, item = await self._queue.get()
-            self._ready.append((index, item))
-            if isinstance(item, Exception):
-                raise item
-            started.add(index)
-
-    async def events(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Every output of every request until all finished; raises a request's error."""
-        pending = len(self._tasks)
-        while pending:
-            index, item = self._ready.pop(0) if self._ready else await self._queue.get()
-            if isinstance(item, Exception):
-                raise item
-            self._text[index].append(item.new_text)
-            self._last[index] = item
-            pending -= item.finished
-            yield index, item
-
-    async def run(self) -> None:
-        async for _ in self.events():
-            pass
-
-    def cancel(self) -> None:
-        """Aborts whatever still runs. Synchronous: it must work inside an already-cancelled task."""
-        for task in self._tasks:
-            task.cancel()
-
-    def results(self) -> list[oa.ChoiceResult]:
-        return [oa.ChoiceResult(j.index, "".join(self._text[j.index]), _reason(self._last.get(j.index)))
-                for j in self._jobs]
-
-    def usage(self) -> oa.Usage:
-        outs = [(j, self._last[j.index]) for j in self._jobs if j.index in self._last]
-        heads = [o for j, o in outs if j.counts_prompt]  # a prompt counts once however many choices
-        by_tier = {t: sum(o.cached_by_tier.get(t, 0) for o in heads) for t in oa.TIERS}
-        return oa.Usage.build(sum(o.prompt_tokens for o in heads), sum(o.completion_tokens for _, o in outs),
-                              sum(o.cached_tokens for o in heads), by_tier)
-
-
-def _reason(out: RequestOutput | None) -> str | None:
-    return out.reason if out is not None else None
-
-
-async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) -> T:
-    """Runs ``work`` but cancels it (raising ``ClientDisconnected``) if the client hangs up first."""
-    task, watch = asyncio.ensure_future(work), asyncio.ensure_future(_wait_disconnect(request))
-    try:
-        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        if not task.done():
-            task.cancel()
-    if task not in done:
-        raise ClientDisconnected()
-    return task.result()
-
-
-async def _wait_disconnect(request: Request) -> None:
-    # The body is already read, so the next ASGI message can only be the disconnect.
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-class _Api:
-    """The handlers; state is the engine loop, the tokenizer and the metrics, nothing global."""
-
-    def __init__(self, loop: EngineLoop, tokenizer: TextTokenizer | None, model_name: str) -> None:
-        self.loop, self.tokenizer, self.model_name = loop, tokenizer, model_name
-        self.max_model_len: int = loop.engine.max_model_len
-        self.metrics = Metrics(loop.engine)
-        self.created = int(time.time())
-
-    async def completions(self, request: Request) -> Response:
-        body = oa.parse_body(oa.CompletionRequest, await request.body())
-        self._check_model(body.model)
-        prompts = [self._prompt_ids(p) for p in body.prompts()]
-        params = body.sampling_params(oa.DEFAULT_COMPLETION_MAX_TOKENS)
-        fmt = oa.CompletionFormat(self.model_name)
-        return await self._respond(request, _jobs(fmt.id, prompts, params, body.num_choices), fmt,
-                                   body.stream, body.include_usage)
-
-    async def chat(self, request: Request) -> Response:
-        body = oa.parse_body(oa.ChatCompletionRequest, await request.body())
-        self._check_model(body.model)
-        text = self._render_chat(body.template_messages(), body.add_generation_prompt)
-        ids = self._prompt_ids(self._need_tokenizer().encode(text, add_special_tokens=False))
-        params = body.sampling_params(default_max_tokens=self.max_model_len - len(ids))
-        fmt = oa.ChatFormat(self.model_name)
-        return await self._respond(request, _jobs(fmt.id, [ids], params, body.num_choices), fmt,
-                                   body.stream, body.include_usage)
-
-    async def _respond(self, request: Request, jobs: list[_Job], fmt: Format, stream: bool | None,
-                       include_usage: bool) -> Response:
-        choices = _Choices(self.loop, jobs, self.metrics)
-        try:
-            await _unless_disconnected(request, choices.start())
-            if stream:
-                return _SSEResponse(_sse_events(choices, fmt, len(jobs), include_usage), choices)
-            await _unless_disconnected(request, choices.run())
-        except BaseException:
-            choices.cancel()
-            raise
-        return _json(fmt.response(choices.results(), choices.usage()))
-
-    async def tokenize(self, request: Request) -> Response:
-        body = oa.parse_body(oa.TokenizeRequest, await request.body())
-        self._check_model(body.model)
-        tokenizer = self._need_tokenizer()
-        if body.messages is not None:
-            text = self._render_chat([m.template_dict() for m in body.messages], body.add_generation_prompt)
-            ids = tokenizer.encode(text, add_special_tokens=False)
-        else:
-            ids = tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
-        return _json(oa.TokenizeResponse(tokens=ids, count=len(ids), max_model_len=self.max_model_len))
-
-    async def models(self) -> Response:
-        card = oa.ModelCard(id=self.model_name, created=self.created, max_model_len=self.max_model_len)
-        return _json(oa.ModelList(data=[card]))
-
-    async def storage_status(self) -> Response:
-        return JSONResponse(await self.loop.call(lambda engine: engine.storage_admin("status")))
-
-    async def storage_action(self, action: str, request: Request) -> Response:
+    async def storage_action(action: str, request: Request) -> Response:
         """attach (body: {"backend": NAME, "extra_config": {...}}), detach, clear: idle engine only."""
-        raw = await request.body()
+        backend, config = _storage_body(await request.body())
         try:
-            body = json.loads(raw) if raw.strip() else {}
-        except json.JSONDecodeError:
-            raise oa.APIError(400, "the body is not valid JSON") from None
-        if not isinstance(body, dict):
-            raise oa.APIError(400, "the body must be a JSON object")
-        backend, config = body.get("backend"), body.get("extra_config") or {}
-        try:
-            status = await self.loop.call(lambda engine: engine.storage_admin(action, backend, config))
+            status = await loop.call(lambda engine: engine.storage_admin(action, backend, config))
         except StorageBusyError as exc:
             raise oa.APIError(409, str(exc), code="busy") from None
         except ValueError as exc:
             raise oa.APIError(400, str(exc)) from None
         return JSONResponse(status)
 
-    async def health(self) -> Response:
-        if self.loop.is_alive:
-            return JSONResponse({"status": "ok"})
-        return JSONResponse({"status": "engine stopped"}, status_code=503)
-
-    async def debug_engine(self) -> dict[str, int]:
-        """Occupancy for tests and operators; approximate, read without stopping the engine."""
-        return self.loop.engine.stats() | {"loop_requests": self.loop.num_requests}
-
-    def _check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_name:
-            raise oa.APIError(404, f"the model `{name}` does not exist; this server serves `{self.model_name}`",
-                              param="model", code="model_not_found")
-
-    def _need_tokenizer(self) -> TextTokenizer:
-        if self.tokenizer is None:
-            raise oa.APIError(400, "this model has no tokenizer: send prompts as token ids to /v1/completions")
-        return self.tokenizer
-
-    def _render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
-        try:
-            return self._need_tokenizer().apply_chat_template(messages, add_generation_prompt)
-        except ChatTemplateError as exc:
-            raise oa.APIError(400, f"chat template: {exc}", param="messages") from None
-
-    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
-        """Token ids pass as they are; text is tokenized (BOS only if the tokenizer config asks)."""
-        ids = self._need_tokenizer().encode(prompt) if isinstance(prompt, str) else prompt
-        if not ids:
-            raise oa.APIError(400, "the prompt is empty", param="prompt")
-        if len(ids) >= self.max_model_len:
-            raise oa.APIError(400, f"this model's maximum context length is {self.max_model_len} tokens, "
-                                   f"but the prompt has {len(ids)} tokens", param="prompt")
-        return ids
-
-
-async def _sse_events(choices: _Choices, fmt: Format, num_choices: int,
-                      include_usage: bool) -> AsyncIterator[bytes]:
-    try:
-        for chunk in fmt.opening_chunks(num_choices):
-            yield oa.sse(chunk)
-        async for index, out in choices.events():
-            if out.new_text or out.finished:
-                yield oa.sse(fmt.chunk(index, out.new_text, out.reason))
-        if include_usage:
-            yield oa.sse(fmt.usage_chunk(choices.usage()))
-    except Exception as exc:
-        log.exception("stream failed")
-        yield oa.sse(oa.APIError(400 if isinstance(exc, InvalidRequestError) else 500, str(exc)).body())
-    yield oa.SSE_DONE
-
-
-class _SSEResponse(StreamingResponse):
-    """An event stream that aborts its engine requests however it ends: finished, failed, or the
-    client gone (even before the first event, when the body generator never started)."""
-
-    def __init__(self, events: AsyncIterator[bytes], choices: _Choices) -> None:
-        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        self._choices = choices
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._choices.cancel()
-
-
-def _json(model: BaseModel) -> Response:
-    return Response(model.model_dump_json(), media_type="application/json")
-
-
-def _auth(api_key: str | None) -> Callable[[Request], Coroutine[Any, Any, None]]:
-    async def check(request: Request) -> None:
-        if api_key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
-            raise oa.APIError(401, "missing or incorrect API key: send 'Authorization: Bearer <key>'",
-                              code="invalid_api_key")
-
-    return check
-
-
-def _admin_auth(admin_key: str | None) -> Callable[[Request], Coroutine[Any, Any, None]]:
-    check_key = _auth(admin_key)
-
-    async def check(request: Request) -> None:
-        if admin_key is None:
-            raise oa.APIError(403, "the admin API is off: start the server with --admin-api-key")
-        await check_key(request)
-
-    return check
-
-
-def create_app(loop: EngineLoop, tokenizer: TextTokenizer | None, model_name: str,
-               api_key: str | None = None, admin_api_key: str | None = None) -> FastAPI:
-    """The HTTP app for one started ``EngineLoop``. ``/health`` and ``/metrics`` are open; every other
-    route needs ``Authorization: Bearer <api_key>`` when ``api_key`` is set. The caller stops the loop."""
-    api = _Api(loop, tokenizer, model_name)
-    app = FastAPI(title="tierserve", docs_url=None, redoc_url=None)
-    guarded = {"dependencies": [Depends(_auth(api_key))]}
-    app.add_api_route("/v1/completions", api.completions, methods=["POST"], **guarded)
-    app.add_api_route("/v1/chat/completions", api.chat, methods=["POST"], **guarded)
-    app.add_api_route("/v1/models", api.models, methods=["GET"], **guarded)
-    app.add_api_route("/tokenize", api.tokenize, methods=["POST"], **guarded)
-    app.add_api_route("/debug/engine", api.debug_engine, methods=["GET"], **guarded)
-    admin = {"dependencies": [Depends(_admin_auth(admin_api_key))]}
-    app.add_api_route("/admin/storage", api.storage_status, methods=["GET"], **admin)
-    app.add_api_route("/admin/storage/{action}", api.storage_action, methods=["POST"], **admin)
-    app.add_api_route("/health", api.health, methods=["GET"])
-    app.add_api_route("/metrics", lambda: Response(generate_latest(api.metrics.registry),
-                                                   media_type=CONTENT_TYPE_LATEST), methods=["GET"])
-
-    def error(status: int, body: dict[str, Any]) -> Response:
-        api.metrics.errors.labels(str(status)).inc()
-        return JSONResponse(body, status_code=status)
-
-    @app.exception_handler(oa.APIError)
-    async def on_api_error(_: Request, exc: oa.APIError) -> Response:
-        return error(exc.status, exc.body())
-
-    @app.exception_handler(InvalidRequestError)  # the engine's or SamplingParams' verdict on the input
-    async def on_invalid(_: Request, exc: InvalidRequestError) -> Response:
-        return error(400, oa.APIError(400, str(exc)).body())
-
-    @app.exception_handler(StarletteHTTPException)
-    async def on_http_error(_: Request, exc: StarletteHTTPException) -> Response:
-        return error(exc.status_code, oa.APIError(exc.status_code, str(exc.detail)).body())
-
-    @app.exception_handler(ClientDisconnected)
-    async def on_gone(_: Request, __: ClientDisconnected) -> Response:
-        return Response(status_code=499)  # nobody reads it; nginx's code for "client closed request"
-
+    app.add_api_route("/admin/storage", storage_status, methods=["GET"], **admin)
+    app.add_api_route("/admin/storage/{action}", storage_action, methods=["POST"], **admin)
     return app
 
 
-class _Uvicorn(uvicorn.Server):
-    """uvicorn that calls ``on_ready`` once its socket is listening."""
-
-    def __init__(self, config: uvicorn.Config, on_ready: Callable[[], None] | None) -> None:
-        super().__init__(config)
-        self._on_ready = on_ready
-
-    async def startup(self, sockets: list[Any] | None = None) -> None:
-        await super().startup(sockets=sockets)
-        if self.started and self._on_ready is not None:
-            self._on_ready()
+def _storage_body(raw: bytes) -> tuple[str | None, dict[str, Any]]:
+    try:
+        body = json.loads(raw) if raw.strip() else {}
+    except json.JSONDecodeError:
+        raise oa.APIError(400, "the body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise oa.APIError(400, "the body must be a JSON object")
+    return body.get("backend"), body.get("extra_config") or {}
 
 
 def serve(config: EngineConfig, host: str, port: int, api_key: str | None, *,
@@ -394,10 +89,8 @@ def serve(config: EngineConfig, host: str, port: int, api_key: str | None, *,
     engine = Engine(config)
     loop = EngineLoop(engine).start()
     try:
-        app = create_app(loop, try_load(config.model_dir), model_name or engine.model_config.name, api_key,
-                         admin_api_key)
-        uv_config = uvicorn.Config(app, host=host, port=port, loop="uvloop", log_config=None,
-                                   timeout_graceful_shutdown=5)
-        _Uvicorn(uv_config, on_ready).run()
+        app = create_engine_app(loop, try_load(config.model_dir), model_name or engine.model_config.name, api_key,
+                                admin_api_key)
+        run_http(app, host, port, on_ready)
     finally:
         loop.stop()

@@ -1,0 +1,53 @@
+"""Prometheus metrics of the OpenAI-compatible HTTP API (torch-free: the router uses them)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from tierserve import openai_api as oa
+from tierserve.engine.outputs import RequestOutput
+
+log = logging.getLogger(__name__)
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class ApiMetrics:
+    """Prometheus metrics of one HTTP server, in a registry of its own (no process-wide singletons);
+    ``collectors`` add what the backend knows (engine occupancy, worker state)."""
+
+    def __init__(self, *collectors: Any) -> None:
+        self.registry = r = CollectorRegistry()
+
+        def histogram(name: str, doc: str) -> Histogram:
+            return Histogram(name, doc, buckets=_LATENCY_BUCKETS, registry=r)
+
+        self.requests = Counter("tierserve_requests", "Engine requests ended, by reason", ["finish_reason"],
+                                registry=r)
+        self.errors = Counter("tierserve_http_errors", "Error responses, by status", ["status"], registry=r)
+        self.prompt_tokens = Counter("tierserve_prompt_tokens", "Prompt tokens of ended requests", registry=r)
+        self.generation_tokens = Counter("tierserve_generation_tokens", "Generated tokens", registry=r)
+        self.cached_tokens = Counter("tierserve_cached_tokens", "Prompt tokens from cache", ["tier"], registry=r)
+        self.ttft = histogram("tierserve_time_to_first_token_seconds", "Arrival to first token")
+        self.itl = histogram("tierserve_inter_token_latency_seconds", "Time between output tokens")
+        self.e2e = histogram("tierserve_e2e_request_latency_seconds", "Arrival to last token")
+        for collector in collectors:
+            r.register(collector)
+
+    def request_ended(self, request_id: str, last: RequestOutput | None, failed: bool, started: float) -> None:
+        """Counts an ended engine request (no finished output and no error: aborted) and logs it."""
+        reason = "error" if failed else (last.reason if last is not None else None) or "abort"
+        self.requests.labels(reason).inc()
+        e2e = time.monotonic() - started
+        if last is not None:
+            self.prompt_tokens.inc(last.prompt_tokens)
+            self.generation_tokens.inc(last.completion_tokens)
+            for tier in oa.TIERS:
+                self.cached_tokens.labels(tier).inc(last.cached_by_tier.get(tier, 0))
+            self.e2e.observe(e2e)
+        log.info("request %s ended: reason=%s prompt=%d completion=%d cached=%d e2e=%.3fs", request_id, reason,
+                 last.prompt_tokens if last else 0, last.completion_tokens if last else 0,
+                 last.cached_tokens if last else 0, e2e)

@@ -1,0 +1,37 @@
+"""What the engine reports about a request (torch-free: the HTTP layer and the router use it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class FinishReason(Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the context length
+    ABORT = "abort"  # cancelled by the caller
+
+
+@dataclass
+class RequestOutput:
+    """What one engine step produced for one request: new tokens and text, and the final state.
+
+    ``cached_tokens`` counts prompt tokens served from the prefix cache at admission, split by
+    tier in ``cached_by_tier``.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: FinishReason | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    cached_by_tier: dict[str, int] = field(default_factory=dict)
+    error: str | None = None
+
+    @property
+    def reason(self) -> str | None:
+        """The finish reason as the OpenAI API spells it, or None while running."""
+        return self.finish_reason.value if self.finish_reason is not None else None
