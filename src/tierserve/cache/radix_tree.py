@@ -5,6 +5,10 @@ Every node holds a run of whole pages: their tokens, one key per page (see ``has
 device pages has a parent with device pages (or the root), so a match is one contiguous prefix,
 its L1 part first, then its L2 part. Nodes are pinned by ``lock`` while requests or transfers use
 them; only unpinned nodes are evicted, least recently used first.
+
+KV events: an optional ``listener`` hears, per node, when its pages gain or lose a device or a
+host copy (keys and tier; a split changes no page's tiers, so it says nothing). Code outside
+this module changes a node's tiers only through ``set_device`` / ``set_host`` so it is heard.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tierserve.cache.events import DEVICE, HOST, KVEventListener
 from tierserve.cache.hashing import page_keys, salted_seed
 
 _clock = itertools.count()
@@ -66,9 +71,10 @@ class Match:
 class RadixTree:
     """The tree; it decides nothing about memory: callers free the pages the tree gives back."""
 
-    def __init__(self, page_size: int, seed: bytes) -> None:
+    def __init__(self, page_size: int, seed: bytes, listener: KVEventListener | None = None) -> None:
         self.page_size = page_size
         self.seed = seed
+        self.listener = listener  # None: no events, no cost beyond one test per change
         self.roots: dict[str, Node] = {}
         self.root = self._root("")
 
@@ -126,7 +132,7 @@ class RadixTree:
             if n < child.num_pages:
                 child = self._split(child, n)
             if child.device is None:
-                child.device = device_pages[i : i + n]
+                self.set_device(child, device_pages[i : i + n])
             else:  # the caller's own copy of pages the tree has; the same index is the same page
                 unused += [p for p, q in zip(device_pages[i : i + n], child.device, strict=True) if p != q]
             child.touch()
@@ -144,6 +150,26 @@ class RadixTree:
         if pages[0] in parent.children:
             raise ValueError("radix tree: the parent already has that child")
         return self._add_child(parent, pages, host=list(host_pages))
+
+    def set_device(self, node: Node, pages: list[int] | None) -> None:
+        """Gives ``node`` device pages (an L2 -> L1 load) or takes them away (None); the caller
+        owns the pages taken away."""
+        self._set_tier(node, DEVICE, pages)
+
+    def set_host(self, node: Node, pages: list[int] | None) -> None:
+        """Gives ``node`` host pages (an L1 -> L2 copy landed) or takes them away (None)."""
+        self._set_tier(node, HOST, pages)
+
+    def _set_tier(self, node: Node, medium: str, pages: list[int] | None) -> None:
+        had = (node.device if medium == DEVICE else node.host) is not None
+        if pages is not None and len(pages) != node.num_pages:
+            raise ValueError(f"radix tree: {len(pages)} {medium} pages for a node of {node.num_pages}")
+        if medium == DEVICE:
+            node.device = pages
+        else:
+            node.host = pages
+        if self.listener is not None and had != (pages is not None):
+            self._announce(node, medium, pages is not None)
 
     def cached_pages(self, token_ids: Sequence[int], salt: str = "") -> int:
         """How many leading pages of ``token_ids`` are in L1 or L2; changes nothing."""
@@ -164,7 +190,17 @@ class RadixTree:
         parent_key = parent.keys[-1] if parent.keys else parent.seed
         child = Node(tokens, page_keys(parent_key, tokens, self.page_size), device=device, host=host, parent=parent)
         parent.children[pages[0]] = child
+        if self.listener is not None:
+            self._announce(child, DEVICE if device is not None else HOST, True)
         return child
+
+    def _announce(self, node: Node, medium: str, stored: bool) -> None:
+        """Tells the listener that ``node``'s pages gained (or lost) their copy in ``medium``."""
+        if stored:
+            parent = node.parent.keys[-1] if node.parent is not None and node.parent.keys else None
+            self.listener.stored(node.keys, parent, node.tokens, medium)
+        else:
+            self.listener.removed(node.keys, medium)
 
     def _split(self, node: Node, n: int) -> Node:
         """Cuts ``node`` after its first ``n`` pages; returns the new upper part (the lock and
@@ -211,7 +247,7 @@ class RadixTree:
             if victim.host is None and backup is not None:
                 backup(victim)
             freed_device += victim.device
-            victim.device = None
+            self.set_device(victim, None)
             if victim.host is None:
                 freed_host += self._delete_subtree(victim)
             if victim.parent.parent is not None and _device_evictable(victim.parent):
@@ -239,6 +275,8 @@ class RadixTree:
             if n.device is not None and n is not node:
                 raise RuntimeError("radix tree: deleting a node with device pages below it")
             freed += n.host or []
+            if self.listener is not None and n.host is not None:
+                self._announce(n, HOST, False)
         return freed
 
     # -- inspection ----------------------------------------------------------------------------
@@ -248,6 +286,16 @@ class RadixTree:
         for root in self.roots.values():
             for child in root.children.values():
                 yield from _subtree(child)
+
+    def snapshot(self) -> list[tuple[bytes, str]]:
+        """(key, medium) of every page copy the tree holds: a page in L1 and L2 appears twice.
+        The state the listener's events add up to, for a subscriber that lost some."""
+        out = []
+        for n in self.nodes():
+            for medium, pages in ((DEVICE, n.device), (HOST, n.host)):
+                if pages is not None:
+                    out += [(k, medium) for k in n.keys]
+        return out
 
     def device_pages(self) -> list[int]:
         return [p for n in self.nodes() for p in n.device or []]
