@@ -180,7 +180,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("role", "model", "identity", "namespace_digest", "transfer_endpoint", "max_context_tokens", "kv_events_endpoint")
+    __slots__ = ("role", "model", "identity", "namespace_digest", "transfer_endpoint", "max_context_tokens", "kv_events_endpoint", "namespace_seed")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     IDENTITY_FIELD_NUMBER: _ClassVar[int]
@@ -188,6 +188,7 @@ class NodeInfo(_message.Message):
     TRANSFER_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_EVENTS_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_SEED_FIELD_NUMBER: _ClassVar[int]
     role: Role
     model: str
     identity: KVIdentity
@@ -195,7 +196,8 @@ class NodeInfo(_message.Message):
     transfer_endpoint: str
     max_context_tokens: int
     kv_events_endpoint: str
-    def __init__(self, role: _Optional[_Union[Role, str]] = ..., model: _Optional[str] = ..., identity: _Optional[_Union[KVIdentity, _Mapping]] = ..., namespace_digest: _Optional[str] = ..., transfer_endpoint: _Optional[str] = ..., max_context_tokens: _Optional[int] = ..., kv_events_endpoint: _Optional[str] = ...) -> None: ...
+    namespace_seed: bytes
+    def __init__(self, role: _Optional[_Union[Role, str]] = ..., model: _Optional[str] = ..., identity: _Optional[_Union[KVIdentity, _Mapping]] = ..., namespace_digest: _Optional[str] = ..., transfer_endpoint: _Optional[str] = ..., max_context_tokens: _Optional[int] = ..., kv_events_endpoint: _Optional[str] = ..., namespace_seed: _Optional[bytes] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
     __slots__ = ()
@@ -254,3 +256,23 @@ class StorageStatus(_message.Message):
     healthy: bool
     stats: _struct_pb2.Struct
     def __init__(self, attached: _Optional[bool] = ..., backend: _Optional[str] = ..., healthy: _Optional[bool] = ..., stats: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
+
+class KVSnapshotRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class KVSnapshotEntry(_message.Message):
+    __slots__ = ("key", "medium")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    key: bytes
+    medium: str
+    def __init__(self, key: _Optional[bytes] = ..., medium: _Optional[str] = ...) -> None: ...
+
+class KVSnapshotReply(_message.Message):
+    __slots__ = ("sequence", "entries")
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    sequence: int
+    entries: _containers.RepeatedCompositeFieldContainer[KVSnapshotEntry]
+    def __init__(self, sequence: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[KVSnapshotEntry, _Mapping]]] = ...) -> None: ...

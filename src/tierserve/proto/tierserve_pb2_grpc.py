@@ -299,6 +299,11 @@ class NodeServiceStub:
                 request_serializer=tierserve_dot_proto_dot_tierserve__pb2.StorageRequest.SerializeToString,
                 response_deserializer=tierserve_dot_proto_dot_tierserve__pb2.StorageStatus.FromString,
                 _registered_method=True)
+        self.KVSnapshot = channel.unary_unary(
+                '/tierserve.v1.NodeService/KVSnapshot',
+                request_serializer=tierserve_dot_proto_dot_tierserve__pb2.KVSnapshotRequest.SerializeToString,
+                response_deserializer=tierserve_dot_proto_dot_tierserve__pb2.KVSnapshotReply.FromString,
+                _registered_method=True)
 
 
 class NodeServiceServicer:
@@ -346,6 +351,12 @@ class NodeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def KVSnapshot(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -383,6 +394,11 @@ def add_NodeServiceServicer_to_server(servicer, server):
                     servicer.GetStorageStatus,
                     request_deserializer=tierserve_dot_proto_dot_tierserve__pb2.StorageRequest.FromString,
                     response_serializer=tierserve_dot_proto_dot_tierserve__pb2.StorageStatus.SerializeToString,
+            ),
+            'KVSnapshot': grpc.unary_unary_rpc_method_handler(
+                    servicer.KVSnapshot,
+                    request_deserializer=tierserve_dot_proto_dot_tierserve__pb2.KVSnapshotRequest.FromString,
+                    response_serializer=tierserve_dot_proto_dot_tierserve__pb2.KVSnapshotReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -574,6 +590,33 @@ class NodeService:
             '/tierserve.v1.NodeService/GetStorageStatus',
             tierserve_dot_proto_dot_tierserve__pb2.StorageRequest.SerializeToString,
             tierserve_dot_proto_dot_tierserve__pb2.StorageStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KVSnapshot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tierserve.v1.NodeService/KVSnapshot',
+            tierserve_dot_proto_dot_tierserve__pb2.KVSnapshotRequest.SerializeToString,
+            tierserve_dot_proto_dot_tierserve__pb2.KVSnapshotReply.FromString,
             options,
             channel_credentials,
             insecure,
