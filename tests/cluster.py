@@ -105,3 +105,39 @@ class NodeProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(timeout=10)
+
+
+class RouterProcess:
+    """``tierserve router`` in its own process, ready once ``/readiness`` answers 200 (a healthy
+    pair) or, with ``need_workers=False``, once ``/health`` does."""
+
+    def __init__(self, args: list[str], log: Path) -> None:
+        self.port, self.log = free_port(), log
+        cmd = [sys.executable, "-m", "tierserve.cli", "router", "--port", str(self.port), *args]
+        with open(log, "ab") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def wait_ready(self, need_workers: bool = True, deadline_s: float = 60.0) -> RouterProcess:
+        path = "/readiness" if need_workers else "/health"
+        wait_until(lambda: self._ok(path), "router", deadline_s, self.proc, self.log)
+        return self
+
+    def _ok(self, path: str) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=1) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)

@@ -76,7 +76,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds pages of an abandoned reservation stay unused (> any handoff timeout)")
     decode.set_defaults(func=cmd_decode)
 
-    for name, text in [("router", "the HTTP router"), ("bench", "load generators and reports")]:
+    router = sub.add_parser("router", help="the OpenAI-compatible HTTP router over prefill/decode nodes",
+                            parents=[common])
+    add_router_args(router)
+    router.set_defaults(func=cmd_router)
+
+    for name, text in [("bench", "load generators and reports")]:
         stub = sub.add_parser(name, help=f"{text}: {NOT_IMPLEMENTED}", parents=[common])
         stub.set_defaults(func=cmd_not_implemented)
     return parser
@@ -107,6 +112,72 @@ def add_node_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transfer-hostname", help="address peers use for this node's transfer engine "
                    "(default: --host, or 127.0.0.1 when that is 0.0.0.0)")
     add_engine_args(p)
+
+
+def add_router_args(p: argparse.ArgumentParser) -> None:
+    """Flags of ``tierserve router``, named as in SGLang's router where it has one."""
+    from tierserve.router.policies import PolicyKind
+
+    names = "{" + ",".join(k.value for k in PolicyKind) + "}"
+    policies = {"type": PolicyKind, "choices": list(PolicyKind), "metavar": names}
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    workers = {"action": "extend", "nargs": "+", "default": [], "metavar": "HOST:PORT"}
+    p.add_argument("--prefill", help="prefill workers (gRPC)", **workers)
+    p.add_argument("--decode", help="decode workers (gRPC)", **workers)
+    p.add_argument("--model", type=Path, help="model folder for the tokenizer and chat template (default: built-in)")
+    p.add_argument("--served-model-name", help="model name in the API (default: the model folder's name)")
+    p.add_argument("--context-length", type=int, help="max prompt + output tokens (default: the model's)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer <key>' on the API routes")
+    p.add_argument("--admin-api-key", help="enable the /workers admin routes with this key")
+    p.add_argument("--prefill-policy", default=PolicyKind.CACHE_AWARE, **policies)
+    p.add_argument("--decode-policy", default=PolicyKind.POWER_OF_TWO, **policies)
+    p.add_argument("--max-running-requests", type=int, default=256, help="requests in flight through the router")
+    p.add_argument("--max-queued-requests", type=int, default=1024, help="waiting beyond this gets 429")
+    p.add_argument("--request-timeout", type=float, default=600.0, help="deadline of a prefill leg, seconds")
+    p.add_argument("--max-retries", type=int, default=2, help="new pairs tried while nothing was streamed")
+    p.add_argument("--health-check-interval", type=float, default=2.0, help="seconds between worker checks")
+    p.add_argument("--service-discovery", action="store_true", help="find workers as Kubernetes pods")
+    p.add_argument("--service-discovery-namespace", help="pods' namespace (default: the router's own)")
+    p.add_argument("--prefill-selector", default="app=tierserve,role=prefill", help="label selector of prefill pods")
+    p.add_argument("--decode-selector", default="app=tierserve,role=decode", help="label selector of decode pods")
+    p.add_argument("--service-discovery-port", type=int, default=50051,
+                   help="workers' gRPC port when the pod names no container port 'grpc'")
+
+
+def router_config(args: argparse.Namespace, model_dir: Path):
+    from tierserve.router.app import RouterConfig
+    from tierserve.router.backend import RouterOptions
+
+    return RouterConfig(
+        model_dir=model_dir, prefill=args.prefill, decode=args.decode, served_model_name=args.served_model_name,
+        context_length=args.context_length, api_key=args.api_key, admin_api_key=args.admin_api_key,
+        prefill_policy=args.prefill_policy, decode_policy=args.decode_policy,
+        options=RouterOptions(max_running=args.max_running_requests, max_queued=args.max_queued_requests,
+                              timeout_s=args.request_timeout, max_retries=args.max_retries),
+        health_check_interval_s=args.health_check_interval,
+    )
+
+
+def cmd_router(args: argparse.Namespace, on_ready: Callable[[], None] | None = None) -> int:
+    from tierserve.router.app import serve_router
+
+    model_dir = args.model or _builtin_model()
+    if not (model_dir / "config.json").is_file():
+        print(f"tierserve: {model_dir} is not a model folder (no config.json)", file=sys.stderr)
+        return 2
+    tasks = _discovery_tasks(args)
+    serve_router(router_config(args, model_dir), args.host, args.port, tasks, on_ready)
+    return 0
+
+
+def _discovery_tasks(args: argparse.Namespace) -> list:
+    if not args.service_discovery:
+        return []
+    from tierserve.router.discovery import kubernetes_task
+
+    return [kubernetes_task(args.service_discovery_namespace, args.prefill_selector, args.decode_selector,
+                            args.service_discovery_port)]
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:

@@ -3,27 +3,11 @@
 from __future__ import annotations
 
 from tierserve.engine.engine import Engine
-from tierserve.engine.sampling_params import SamplingParams
 from tierserve.proto import tierserve_pb2 as pb
+from tierserve.proto.sampling import from_proto as sampling_params
 from tierserve.transfer.layout import KVArena
 
-
-def sampling_params(options: pb.SamplingOptions) -> SamplingParams:
-    """Proto defaults (0) mean "off" for top_p and top_k; raises ``InvalidRequestError``."""
-    return SamplingParams(
-        max_tokens=options.max_tokens or 16, temperature=options.temperature, top_p=options.top_p or 1.0,
-        top_k=options.top_k, seed=options.seed if options.HasField("seed") else None, stop=list(options.stop),
-        stop_token_ids=list(options.stop_token_ids), ignore_eos=options.ignore_eos,
-        skip_special_tokens=options.skip_special_tokens,
-    )
-
-
-def sampling_options(params: SamplingParams) -> pb.SamplingOptions:
-    return pb.SamplingOptions(
-        max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-        seed=params.seed, stop=params.stop, stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos,
-        skip_special_tokens=params.skip_special_tokens,
-    )
+__all__ = ["arena", "destination_arena", "identity", "identity_mismatch", "sampling_params"]
 
 
 def identity(engine: Engine) -> pb.KVIdentity:

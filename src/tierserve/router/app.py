@@ -1,0 +1,140 @@
+"""``tierserve router``: the OpenAI-compatible HTTP API over prefill/decode pairs, the worker
+registry with its admin API, and the background tasks (health checks, discovery)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from tierserve import openai_api as oa
+from tierserve.api_metrics import ApiMetrics
+from tierserve.api_server import admin_guard, create_app, run_http
+from tierserve.model.config import ModelConfig
+from tierserve.model.tokenizer import try_load
+from tierserve.router.backend import PDBackend, RouterOptions
+from tierserve.router.policies import PolicyKind, make_policy
+from tierserve.router.registry import Registry
+from tierserve.router.roles import Role
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    model_dir: Path  # for the tokenizer, the chat template and the context length
+    prefill: list[str] = field(default_factory=list)  # host:port of gRPC workers
+    decode: list[str] = field(default_factory=list)
+    served_model_name: str | None = None
+    context_length: int | None = None
+    api_key: str | None = None
+    admin_api_key: str | None = None
+    prefill_policy: PolicyKind = PolicyKind.CACHE_AWARE
+    decode_policy: PolicyKind = PolicyKind.POWER_OF_TWO
+    options: RouterOptions = field(default_factory=RouterOptions)
+    health_check_interval_s: float = 2.0
+
+
+Task = Callable[[Registry], Any]  # a background coroutine function run for the app's lifetime
+
+
+def create_router_app(config: RouterConfig, registry: Registry, tasks: list[Task] | None = None) -> FastAPI:
+    model = ModelConfig.from_dir(config.model_dir)
+    backend = PDBackend(registry, make_policy(config.prefill_policy), make_policy(config.decode_policy),
+                        config.options, config.context_length or model.max_position)
+    name = config.served_model_name or config.model_dir.name
+    app = create_app(backend, try_load(config.model_dir), name, ApiMetrics(_RouterCollector(registry, backend)),
+                     config.api_key)
+    _add_worker_routes(app, registry, admin_guard(config.admin_api_key))
+    initial = [(Role.PREFILL, a) for a in config.prefill] + [(Role.DECODE, a) for a in config.decode]
+    app.router.lifespan_context = _lifespan(registry, initial, [Registry.run_checks, *(tasks or [])])
+    return app
+
+
+def _lifespan(registry: Registry, initial: list[tuple[Role, str]], tasks: list[Task]):
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        for role, address in initial:  # gRPC channels belong to the serving event loop
+            registry.add(role, address)
+        await registry.check_all()  # workers already up get traffic from the first request
+        running = [asyncio.create_task(task(registry)) for task in tasks]
+        try:
+            yield
+        finally:
+            for task in running:
+                task.cancel()
+            for task in running:
+                with contextlib.suppress(BaseException):
+                    await task
+            await registry.close()
+
+    return lifespan
+
+
+def _add_worker_routes(app: FastAPI, registry: Registry, admin: dict[str, Any]) -> None:
+    async def list_workers() -> Response:
+        return JSONResponse({"workers": [w.describe() for w in registry.workers.values()]})
+
+    async def add_worker(request: Request) -> Response:
+        role, address = _worker_body(await request.body())
+        worker = registry.add(role, address)
+        await registry.check(worker)
+        return JSONResponse(worker.describe(), status_code=201)
+
+    async def remove_worker(request: Request) -> Response:
+        role, address = _worker_body(await request.body())
+        if not await registry.remove(role, address):
+            raise oa.APIError(404, f"no {role.value} worker {address}")
+        return JSONResponse({"removed": address})
+
+    app.add_api_route("/workers", list_workers, methods=["GET"], **admin)
+    app.add_api_route("/workers", add_worker, methods=["POST"], **admin)
+    app.add_api_route("/workers", remove_worker, methods=["DELETE"], **admin)
+
+
+def _worker_body(raw: bytes) -> tuple[Role, str]:
+    try:
+        body = json.loads(raw)
+        role, address = Role(body["role"]), str(body["address"])
+    except (ValueError, KeyError, TypeError):
+        raise oa.APIError(400, 'the body must be {"role": "prefill" or "decode", "address": "host:port"}') from None
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise oa.APIError(400, f'address must be "host:port", not {address!r}', param="address")
+    return role, address
+
+
+class _RouterCollector:
+    """Per-worker state and load, queue size and retries, one snapshot per scrape."""
+
+    def __init__(self, registry: Registry, backend: PDBackend) -> None:
+        self.registry, self.backend = registry, backend
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        load = GaugeMetricFamily("tierserve_worker_load", "Router requests on a worker", labels=["role", "worker"])
+        healthy = GaugeMetricFamily("tierserve_worker_available", "1 if the worker gets traffic",
+                                    labels=["role", "worker"])
+        for w in self.registry.workers.values():
+            load.add_metric([w.role.value, w.address], w.load)
+            healthy.add_metric([w.role.value, w.address], float(w.available))
+        yield load
+        yield healthy
+        yield GaugeMetricFamily("tierserve_router_queued_requests", "Requests waiting for a slot",
+                                value=self.backend.queued)
+        yield CounterMetricFamily("tierserve_router_retries", "Retries on a new pair", value=self.backend.retries)
+
+
+def serve_router(config: RouterConfig, host: str, port: int, tasks: list[Task] | None = None,
+                 on_ready: Callable[[], None] | None = None) -> None:
+    registry = Registry(check_interval_s=config.health_check_interval_s)
+    run_http(create_router_app(config, registry, tasks), host, port, on_ready)

@@ -1,0 +1,154 @@
+"""The router's workers: where they come from (flags, the admin API, Kubernetes), whether they
+may get traffic (health checks, a circuit breaker, the KV namespace), and their live load."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tierserve.proto import tierserve_pb2 as pb
+from tierserve.proto import tierserve_pb2_grpc as pb_grpc
+from tierserve.router.roles import Role
+
+log = logging.getLogger(__name__)
+
+
+class WorkerState(Enum):
+    STARTING = "starting"  # not yet reached (no Info)
+    HEALTHY = "healthy"
+    UNHEALTHY = "unhealthy"  # failed health checks or the circuit breaker is open
+    REFUSED = "refused"  # its KV namespace or model differs from the cluster's
+
+
+@dataclass
+class BreakerOptions:
+    """``failures`` consecutive failed requests or checks open the breaker for ``open_s`` seconds."""
+
+    failures: int = 3
+    open_s: float = 10.0
+
+
+@dataclass(eq=False)
+class Worker:
+    role: Role
+    address: str
+    channel: grpc.aio.Channel
+    state: WorkerState = WorkerState.STARTING
+    info: pb.NodeInfo | None = None
+    load: int = 0  # this router's requests on it now (a request counts until its stream ends)
+    failures: int = 0  # consecutive
+    open_until: float = 0.0
+    reason: str = ""
+
+    @property
+    def available(self) -> bool:
+        return self.state is WorkerState.HEALTHY and time.monotonic() >= self.open_until
+
+    def describe(self) -> dict[str, object]:
+        return {"role": self.role.value, "address": self.address, "state": self.state.value, "load": self.load,
+                "namespace": self.info.namespace_digest if self.info else None, "reason": self.reason}
+
+
+@dataclass
+class Registry:
+    """All workers by (role, address). The first worker that answers ``Info`` fixes the cluster's
+    model and KV namespace; a worker that disagrees is refused (and logged) so KV never mixes."""
+
+    breaker: BreakerOptions = field(default_factory=BreakerOptions)
+    check_interval_s: float = 2.0
+    workers: dict[tuple[Role, str], Worker] = field(default_factory=dict)
+    namespace: str | None = None
+    model: str | None = None
+    info: pb.NodeInfo | None = None  # of the first accepted worker: page size, context, seed
+
+    def add(self, role: Role, address: str) -> Worker:
+        """Registers a worker (idempotent); it gets traffic once a health check reached it."""
+        key = (role, address)
+        if key not in self.workers:
+            self.workers[key] = Worker(role, address, grpc.aio.insecure_channel(address))
+            log.info("worker added: %s %s", role.value, address)
+        return self.workers[key]
+
+    async def remove(self, role: Role, address: str) -> bool:
+        worker = self.workers.pop((role, address), None)
+        if worker is None:
+            return False
+        log.info("worker removed: %s %s", role.value, address)
+        await worker.channel.close(grace=None)
+        return True
+
+    def available(self, role: Role) -> list[Worker]:
+        return [w for w in self.workers.values() if w.role is role and w.available]
+
+    def ready(self) -> bool:
+        return bool(self.available(Role.PREFILL) and self.available(Role.DECODE))
+
+    def succeeded(self, worker: Worker) -> None:
+        worker.failures = 0
+
+    def failed(self, worker: Worker, reason: str) -> None:
+        """A request failed because of this worker: enough in a row open its breaker."""
+        worker.failures += 1
+        if worker.failures >= self.breaker.failures and time.monotonic() >= worker.open_until:
+            worker.open_until = time.monotonic() + self.breaker.open_s
+            worker.reason = reason
+            log.warning("worker %s %s: circuit open for %.0f s after %d failures (%s)", worker.role.value,
+                        worker.address, self.breaker.open_s, worker.failures, reason)
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self.check(w) for w in list(self.workers.values())))
+
+    async def check(self, worker: Worker) -> None:
+        """One health check (gRPC health service), plus ``Info`` until the worker answered it."""
+        try:
+            reply = await health_pb2_grpc.HealthStub(worker.channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
+            serving = reply.status == health_pb2.HealthCheckResponse.SERVING
+            if serving and worker.info is None:
+                worker.info = await pb_grpc.NodeServiceStub(worker.channel).Info(pb.InfoRequest(), timeout=5)
+        except grpc.aio.AioRpcError as exc:
+            serving = False
+            worker.reason = f"health check: {exc.code().name}"
+        self._set_state(worker, serving)
+
+    def _set_state(self, worker: Worker, serving: bool) -> None:
+        if worker.state is WorkerState.REFUSED:
+            return
+        if serving and worker.info is not None and not self._accept(worker):
+            return
+        new = WorkerState.HEALTHY if serving else WorkerState.UNHEALTHY
+        if new is not worker.state:
+            log.info("worker %s %s is %s", worker.role.value, worker.address, new.value)
+            worker.state = new
+            if serving:
+                worker.reason, worker.failures, worker.open_until = "", 0, 0.0
+
+    def _accept(self, worker: Worker) -> bool:
+        info = worker.info
+        if self.namespace is None:
+            self.namespace, self.model, self.info = info.namespace_digest, info.model, info
+            log.info("cluster KV namespace %s (model %s) from %s", self.namespace, self.model, worker.address)
+        if info.namespace_digest != self.namespace:
+            worker.state = WorkerState.REFUSED
+            worker.reason = (f"KV namespace {info.namespace_digest} differs from the cluster's {self.namespace}: "
+                             "another model, dtype, page size or KV layout")
+            log.error("refusing worker %s %s: %s", worker.role.value, worker.address, worker.reason)
+            return False
+        return True
+
+    async def run_checks(self) -> None:
+        """Checks every worker every ``check_interval_s`` until cancelled."""
+        while True:
+            await self.check_all()
+            await asyncio.sleep(self.check_interval_s)
+
+    async def close(self) -> None:
+        for worker in list(self.workers.values()):
+            with contextlib.suppress(Exception):
+                await worker.channel.close(grace=None)

@@ -1,0 +1,178 @@
+"""The router over real prefill and decode processes on the built-in model: the OpenAI API
+(completions, chat, streaming, errors), outputs equal to the single engine, client disconnects,
+admission control and the admin worker API."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from cluster import NodeProcess, RouterProcess, free_port
+from pd_helpers import load, wait_for
+
+from tierserve.engine.config import EngineConfig
+from tierserve.engine.engine import Engine
+from tierserve.engine.sampling_params import SamplingParams
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+ARGS = ["--device", "cpu", "--dtype", "float32", "--max-total-tokens", "4096"]
+ADMIN = {"Authorization": "Bearer admin-secret"}
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
+
+
+@pytest.fixture(scope="module")
+def cluster(builtin_model: Path, tmp_path_factory) -> Iterator[tuple[RouterProcess, NodeProcess, NodeProcess]]:
+    logs = tmp_path_factory.mktemp("router")
+    prefill = NodeProcess("prefill", ["--model", str(builtin_model), *ARGS], logs / "prefill.log")
+    decode = NodeProcess("decode", ["--model", str(builtin_model), *ARGS], logs / "decode.log")
+    router = None
+    try:
+        prefill.wait_ready(), decode.wait_ready()
+        router = RouterProcess(["--model", str(builtin_model), "--prefill", prefill.address, "--decode",
+                                decode.address, "--admin-api-key", "admin-secret", "--health-check-interval", "0.5"],
+                               logs / "router.log").wait_ready()
+        yield router, prefill, decode
+    finally:
+        for proc in (router, prefill, decode):
+            if proc is not None:
+                proc.stop()
+
+
+@pytest.fixture(scope="module")
+def expected(builtin_model: Path) -> list[str]:
+    engine = Engine(EngineConfig(builtin_model, device="cpu", dtype="float32", max_total_tokens=4096))
+    ids = [engine.tokenizer.encode(p).ids for p in PROMPTS]
+    outs = engine.generate(ids, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    return [engine.tokenizer.decode(o, skip_special_tokens=True) for o in outs]
+
+
+def complete(router: RouterProcess, prompt, **fields) -> httpx.Response:
+    body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True} | fields
+    return httpx.post(f"{router.url}/v1/completions", json=body, timeout=120)
+
+
+def test_completions_equal_the_single_engine(cluster, expected: list[str]) -> None:
+    router, _, _ = cluster
+    r = complete(router, PROMPTS)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [c["text"] for c in sorted(body["choices"], key=lambda c: c["index"])] == expected
+    assert body["usage"]["completion_tokens"] == 12 * len(PROMPTS)
+
+
+def test_streaming_with_usage_reports_cached_tokens_by_tier(cluster, expected: list[str]) -> None:
+    router, _, _ = cluster
+    long_prompt = PROMPTS[0] + " Paris. " * 60  # several pages, so a repeat hits the prefill's cache
+    complete(router, long_prompt)
+    body = {"prompt": long_prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{router.url}/v1/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        events = [line.removeprefix("data: ") for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    usage = json.loads(events[-2])["usage"]
+    details = usage["prompt_tokens_details"]
+    assert details["cached_tokens"] > 0
+    assert sum(usage["cached_tokens_by_tier"].values()) == details["cached_tokens"]
+    assert usage["cached_tokens_by_tier"]["device"] == details["cached_tokens"]
+
+
+def test_chat_completion_answers_paris(cluster) -> None:
+    router, _, _ = cluster
+    body = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 16,
+            "temperature": 0}
+    r = httpx.post(f"{router.url}/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    assert "Paris" in r.json()["choices"][0]["message"]["content"]
+
+
+def test_errors_have_the_openai_shape_and_status(cluster) -> None:
+    router, _, _ = cluster
+    cases = [
+        (complete(router, ""), 400),
+        (complete(router, "hi", max_tokens=-1), 400),
+        (complete(router, "hi", max_tokens="ten"), 400),
+        (complete(router, [5] * 9000), 400),
+        (complete(router, "hi", model="no-such-model"), 404),
+    ]
+    for response, status in cases:
+        assert response.status_code == status, response.text
+        error = response.json()["error"]
+        assert error["message"] and error["type"]
+    models = httpx.get(f"{router.url}/v1/models").json()
+    assert models["data"][0]["id"] == "SmolLM2-135M-Instruct"
+
+
+def test_client_disconnect_aborts_on_both_nodes(cluster) -> None:
+    router, prefill, decode = cluster
+    body = {"prompt": PROMPTS[2], "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{router.url}/v1/completions", json=body, timeout=120) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i >= 6:
+                break  # leave mid-stream: the connection closes
+
+    async def idle() -> bool:
+        d, p = await load(decode.address), await load(prefill.address)
+        return d.running == 0 and d.kv_pages_used == 0 and p.running == 0 and p.kv_pages_used == 0
+
+    wait_for(idle, "both nodes drop the request and its pages", 20)
+
+
+def test_admin_workers_api_and_no_healthy_decode(cluster) -> None:
+    router, _, decode = cluster
+    assert httpx.get(f"{router.url}/workers").status_code == 401
+    assert httpx.get(f"{router.url}/workers", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    workers = httpx.get(f"{router.url}/workers", headers=ADMIN).json()["workers"]
+    assert {(w["role"], w["state"]) for w in workers} == {("prefill", "healthy"), ("decode", "healthy")}
+    gone = {"role": "decode", "address": decode.address}
+    assert httpx.request("DELETE", f"{router.url}/workers", json=gone, headers=ADMIN).status_code == 200
+    try:
+        r = complete(router, "hi")
+        assert r.status_code == 503 and "no healthy decode worker" in r.json()["error"]["message"]
+        assert httpx.get(f"{router.url}/readiness").status_code == 503
+        dead = {"role": "decode", "address": f"127.0.0.1:{free_port()}"}
+        assert httpx.post(f"{router.url}/workers", json=dead, headers=ADMIN).json()["state"] == "unhealthy"
+        assert httpx.post(f"{router.url}/workers", json={"role": "x"}, headers=ADMIN).status_code == 400
+    finally:
+        assert httpx.post(f"{router.url}/workers", json=gone, headers=ADMIN).json()["state"] == "healthy"
+    assert complete(router, "hi").status_code == 200
+
+
+def test_a_worker_with_another_namespace_is_refused(builtin_model: Path, cluster, tmp_path: Path) -> None:
+    router, _, _ = cluster
+    other = NodeProcess("decode", ["--model", str(builtin_model), *ARGS, "--page-size", "32"],
+                        tmp_path / "other.log").wait_ready()
+    try:
+        r = httpx.post(f"{router.url}/workers", json={"role": "decode", "address": other.address}, headers=ADMIN)
+        assert r.json()["state"] == "refused" and "namespace" in r.json()["reason"]
+        assert complete(router, "hi").status_code == 200  # served by the others
+    finally:
+        httpx.request("DELETE", f"{router.url}/workers", json={"role": "decode", "address": other.address},
+                      headers=ADMIN)
+        other.stop()
+
+
+def test_full_admission_queue_answers_429(builtin_model: Path, cluster, tmp_path: Path) -> None:
+    _, prefill, decode = cluster
+    small = RouterProcess(["--model", str(builtin_model), "--prefill", prefill.address, "--decode", decode.address,
+                           "--max-running-requests", "1", "--max-queued-requests", "0"],
+                          tmp_path / "small.log").wait_ready()
+    try:
+        codes: list[int] = []
+        slow = threading.Thread(target=lambda: codes.append(complete(small, PROMPTS[0], max_tokens=60).status_code))
+        slow.start()
+        wait_for(lambda: _running(decode.address), "the first request runs", 30)
+        r = complete(small, PROMPTS[1])
+        assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
+        slow.join(60)
+        assert codes == [200]
+    finally:
+        small.stop()
+
+
+async def _running(address: str) -> bool:
+    return (await load(address)).running > 0
