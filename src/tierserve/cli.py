@@ -54,9 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--model", type=Path, help="Hugging Face model folder (default: the built-in model)")
     serve.set_defaults(func=cmd_serve)
 
-    up = sub.add_parser("up", help="start a local deployment on the built-in model", parents=[common])
-    add_server_args(up)
-    up.set_defaults(func=cmd_up, model=None)
+    up = sub.add_parser("up", help="start a local cluster (L3 master, prefill and decode nodes, router)",
+                        parents=[common])
+    add_up_args(up)
+    up.set_defaults(func=cmd_up)
 
     prefill = sub.add_parser("prefill", help="a prefill node (gRPC PrefillService)", parents=[common])
     add_node_args(prefill)
@@ -307,17 +308,53 @@ def cmd_decode(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_up_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="the router's address")
+    p.add_argument("--port", type=int, default=8000, help="the router's port")
+    p.add_argument("--model", type=Path, help="Hugging Face model folder (default: the built-in model)")
+    p.add_argument("--prefill-nodes", type=int, default=1)
+    p.add_argument("--decode-nodes", type=int, default=1)
+    p.add_argument("--no-l3", action="store_true", help="no mooncake_master: nodes keep L1 (and L2 if asked) only")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer <key>' on the router's API")
+    p.add_argument("--admin-api-key", help="enable the router's /workers admin routes with this key")
+    add_engine_args(p)
+
+
+def _engine_flags(args: argparse.Namespace) -> list[str]:
+    """The engine flags the user set, as command-line arguments for every node."""
+    reference = argparse.ArgumentParser(add_help=False)
+    add_engine_args(reference)
+    flags: list[str] = []
+    for action in reference._actions:
+        value = getattr(args, action.dest, action.default)
+        if value == action.default:
+            continue
+        if isinstance(value, bool):
+            flags.append(action.option_strings[0])
+        else:
+            text = json.dumps(value) if isinstance(value, dict) else getattr(value, "value", value)
+            flags += [action.option_strings[0], str(text)]
+    return flags
+
+
 def cmd_up(args: argparse.Namespace) -> int:
-    # For now a single engine server; the whole local cluster replaces it later.
-    def announce() -> None:
-        base = f"http://{args.host}:{args.port}"
+    from tierserve.launch import ClusterPlan, up
+
+    model_dir = args.model or _builtin_model()
+    router_flags = [f for flag, value in (("--api-key", args.api_key), ("--admin-api-key", args.admin_api_key))
+                    if value for f in (flag, value)]
+    plan = ClusterPlan(model_dir, args.host, args.port, args.prefill_nodes, args.decode_nodes, not args.no_l3,
+                       _engine_flags(args), router_flags)
+
+    def announce(base: str) -> None:
         auth = f" -H 'Authorization: Bearer {args.api_key}'" if args.api_key else ""
-        print(f"\ntierserve is up: {base}/v1  (Ctrl+C stops it)\n\n"
+        print(f"\ntierserve is up: {base}/v1  ({args.prefill_nodes} prefill, {args.decode_nodes} decode"
+              f"{', L3 on Mooncake' if not args.no_l3 else ''}; Ctrl+C stops it)\n\n"
               f"curl {base}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\\n"
               """  -d '{"messages": [{"role": "user", "content": "What is the capital of France?"}], """
               """"max_tokens": 32}'\n""", flush=True)
 
-    return cmd_serve(args, on_ready=announce)
+    return up(plan, announce)
 
 
 def cmd_not_implemented(args: argparse.Namespace) -> int:

@@ -1,0 +1,174 @@
+"""``tierserve up``: a whole local cluster in one command. Starts ``mooncake_master`` (the shared
+L3), N prefill and M decode nodes and the router as child processes, shows their logs prefixed by
+role, waits until the router is ready, and stops everything on Ctrl-C (or when a child dies)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+START_TIMEOUT_S = 600.0  # a cold machine converts the model and loads it in every node
+
+
+@dataclass(frozen=True)
+class ClusterPlan:
+    """What to start; ``node_flags`` go to every node (engine and cache flags)."""
+
+    model_dir: Path
+    host: str = "127.0.0.1"
+    port: int = 8000
+    prefill_nodes: int = 1
+    decode_nodes: int = 1
+    with_l3: bool = True
+    node_flags: list[str] = field(default_factory=list)
+    router_flags: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen
+
+
+class Cluster:
+    """The running children, in start order; ``stop`` ends them in reverse."""
+
+    def __init__(self) -> None:
+        self.children: list[Child] = []
+        self.stopping = threading.Event()
+
+    def start(self, name: str, args: list[str]) -> Child:
+        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                                start_new_session=True)  # Ctrl-C reaches us only; we stop them in order
+        child = Child(name, proc)
+        self.children.append(child)
+        threading.Thread(target=_relay, args=(child,), daemon=True).start()
+        return child
+
+    def dead(self) -> Child | None:
+        return next((c for c in self.children if c.proc.poll() is not None), None)
+
+    def stop(self) -> None:
+        self.stopping.set()
+        for child in reversed(self.children):
+            if child.proc.poll() is None:
+                child.proc.terminate()
+        deadline = time.monotonic() + 20
+        for child in reversed(self.children):
+            try:
+                child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.proc.kill()
+                child.proc.wait()
+
+
+def _relay(child: Child) -> None:
+    """Copies a child's output to ours, each line prefixed by its role."""
+    assert child.proc.stdout is not None
+    for line in child.proc.stdout:
+        sys.stdout.write(f"[{child.name}] {line}")
+        sys.stdout.flush()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def up(plan: ClusterPlan, announce: Callable[[str], None]) -> int:
+    """Runs the cluster until SIGINT/SIGTERM; returns the exit status (1 if a child died)."""
+    cluster = Cluster()
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        _start_all(plan, cluster, stop)
+        if stop.is_set():
+            return 0
+        announce(f"http://{plan.host}:{plan.port}")
+        while not stop.wait(0.5):
+            if (dead := cluster.dead()) is not None:
+                print(f"tierserve up: {dead.name} exited with {dead.proc.returncode}; stopping", file=sys.stderr)
+                return 1
+        return 0
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"tierserve up: {exc}; stopping", file=sys.stderr)
+        return 1
+    finally:
+        cluster.stop()
+
+
+def _start_all(plan: ClusterPlan, cluster: Cluster, stop: threading.Event) -> None:
+    flags = list(plan.node_flags)
+    if plan.with_l3:
+        rpc, metrics = free_port(), free_port()
+        master = str(Path(sys.executable).parent / "mooncake_master")
+        cluster.start("mooncake-master", [master, f"--rpc_port={rpc}", f"--metrics_port={metrics}"])
+        _wait(lambda: _tcp_open(rpc), "mooncake_master", cluster, stop)
+        l3 = {"master_server_address": f"127.0.0.1:{rpc}"}
+        flags += ["--enable-hierarchical-cache", "--hicache-storage-backend", "mooncake",
+                  "--hicache-storage-backend-extra-config", json.dumps(l3)]
+    nodes = {"prefill": [free_port() for _ in range(plan.prefill_nodes)],
+             "decode": [free_port() for _ in range(plan.decode_nodes)]}
+    cli = [sys.executable, "-m", "tierserve.cli"]
+    for role, ports in nodes.items():
+        for i, port in enumerate(ports):
+            cluster.start(f"{role}-{i}", [*cli, role, "--model", str(plan.model_dir), "--port", str(port), *flags])
+    for role, ports in nodes.items():
+        for i, port in enumerate(ports):
+            _wait(lambda p=port: _grpc_serving(p), f"{role}-{i}", cluster, stop)
+    workers = [f for role, ports in nodes.items() for p in ports for f in (f"--{role}", f"127.0.0.1:{p}")]
+    cluster.start("router", [*cli, "router", "--model", str(plan.model_dir), "--host", plan.host,
+                             "--port", str(plan.port), *workers, *plan.router_flags])
+    _wait(lambda: _http_ok(f"http://{plan.host}:{plan.port}/readiness"), "router", cluster, stop)
+
+
+def _wait(ready: Callable[[], bool], what: str, cluster: Cluster, stop: threading.Event) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not ready():
+        if stop.is_set():
+            return
+        if (dead := cluster.dead()) is not None:
+            raise RuntimeError(f"{dead.name} exited with {dead.proc.returncode} while starting")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} not ready after {START_TIMEOUT_S:.0f} s")
+        stop.wait(0.1)  # poll interval
+
+
+def _tcp_open(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+        return True
+    except OSError:
+        return False
+
+
+def _grpc_serving(port: int) -> bool:
+    import grpc
+
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1)
+            return reply.status == health_pb2.HealthCheckResponse.SERVING
+    except grpc.RpcError:
+        return False
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1) as r:
+            return r.status == 200
+    except OSError:
+        return False
