@@ -70,8 +70,9 @@ class MasterProcess:
 class NodeProcess:
     """``tierserve prefill|decode`` in its own process, ready once its gRPC health says SERVING."""
 
-    def __init__(self, role: str, args: list[str], log: Path, env: dict[str, str] | None = None) -> None:
-        self.role, self.port, self.log = role, free_port(), log
+    def __init__(self, role: str, args: list[str], log: Path, env: dict[str, str] | None = None,
+                 port: int | None = None) -> None:
+        self.role, self.port, self.log = role, port or free_port(), log
         cmd = [sys.executable, "-m", "tierserve.cli", role, "--port", str(self.port), *args]
         with open(log, "ab") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})

@@ -315,6 +315,13 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-nodes", type=int, default=1)
     p.add_argument("--decode-nodes", type=int, default=1)
     p.add_argument("--no-l3", action="store_true", help="no mooncake_master: nodes keep L1 (and L2 if asked) only")
+    from tierserve.router.policies import PolicyKind
+
+    names = "{" + ",".join(k.value for k in PolicyKind) + "}"
+    p.add_argument("--prefill-policy", type=PolicyKind, choices=list(PolicyKind), metavar=names,
+                   default=PolicyKind.CACHE_AWARE)
+    p.add_argument("--decode-policy", type=PolicyKind, choices=list(PolicyKind), metavar=names,
+                   default=PolicyKind.POWER_OF_TWO)
     p.add_argument("--api-key", help="require 'Authorization: Bearer <key>' on the router's API")
     p.add_argument("--admin-api-key", help="enable the router's /workers admin routes with this key")
     add_engine_args(p)
@@ -343,6 +350,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     model_dir = args.model or _builtin_model()
     router_flags = [f for flag, value in (("--api-key", args.api_key), ("--admin-api-key", args.admin_api_key))
                     if value for f in (flag, value)]
+    router_flags += ["--prefill-policy", args.prefill_policy.value, "--decode-policy", args.decode_policy.value]
     plan = ClusterPlan(model_dir, args.host, args.port, args.prefill_nodes, args.decode_nodes, not args.no_l3,
                        _engine_flags(args), router_flags)
 

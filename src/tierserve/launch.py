@@ -4,6 +4,8 @@ role, waits until the router is ready, and stops everything on Ctrl-C (or when a
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import json
 import signal
 import socket
@@ -18,6 +20,7 @@ from pathlib import Path
 
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+_PR_SET_PDEATHSIG = 1
 START_TIMEOUT_S = 600.0  # a cold machine converts the model and loads it in every node
 
 
@@ -50,7 +53,8 @@ class Cluster:
 
     def start(self, name: str, args: list[str]) -> Child:
         proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                                start_new_session=True)  # Ctrl-C reaches us only; we stop them in order
+                                start_new_session=True,  # Ctrl-C reaches us only; we stop them in order
+                                preexec_fn=_die_with_parent)
         child = Child(name, proc)
         self.children.append(child)
         threading.Thread(target=_relay, args=(child,), daemon=True).start()
@@ -71,6 +75,13 @@ class Cluster:
             except subprocess.TimeoutExpired:
                 child.proc.kill()
                 child.proc.wait()
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: Linux sends it SIGTERM if ``tierserve up`` dies (even by SIGKILL),
+    so no node outlives the command that started it."""
+    with contextlib.suppress(OSError, AttributeError):  # not Linux: Ctrl-C and SIGTERM still stop everything
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _relay(child: Child) -> None:

@@ -132,7 +132,7 @@ class PDBackend:
                     grpc.StatusCode.OUT_OF_RANGE):
             raise InvalidRequestError(message)  # the request, not the worker: no retry
         if code is not grpc.StatusCode.RESOURCE_EXHAUSTED:  # a full worker is healthy, just busy
-            self.registry.failed(worker, code.name)
+            self.registry.failed(worker, code.name, unreachable=code is grpc.StatusCode.UNAVAILABLE)
 
     async def _stream(self, decode: Worker, stubs: pd_flow.Pair, done: pd_flow.Prefilled, prompt_len: int,
                       sampling: pb.SamplingOptions) -> AsyncIterator[RequestOutput]:
@@ -150,7 +150,7 @@ class PDBackend:
                     cached_tokens=cache.cached_tokens, cached_by_tier=tiers,
                 )
         except grpc.aio.AioRpcError as exc:
-            self.registry.failed(decode, exc.code().name)
+            self.registry.failed(decode, exc.code().name, unreachable=exc.code() is grpc.StatusCode.UNAVAILABLE)
             if not streamed:  # e.g. the lease ran out or the node died: the client saw nothing yet
                 await pd_flow.release(stubs, done.reservation_id, writer_stopped=True)
                 raise _Retry(f"generate on {decode.address}: {exc.code().name} {exc.details()}") from exc

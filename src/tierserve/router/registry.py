@@ -93,8 +93,14 @@ class Registry:
     def succeeded(self, worker: Worker) -> None:
         worker.failures = 0
 
-    def failed(self, worker: Worker, reason: str) -> None:
-        """A request failed because of this worker: enough in a row open its breaker."""
+    def failed(self, worker: Worker, reason: str, unreachable: bool = False) -> None:
+        """A request failed because of this worker: enough in a row open its breaker. An
+        unreachable worker (connection refused or reset) gets no traffic until a health check
+        reaches it again, so a retry does not pick it."""
+        if unreachable and worker.state is WorkerState.HEALTHY:
+            worker.state, worker.reason = WorkerState.UNHEALTHY, reason
+            log.warning("worker %s %s unreachable (%s): no traffic until a health check passes", worker.role.value,
+                        worker.address, reason)
         worker.failures += 1
         if worker.failures >= self.breaker.failures and time.monotonic() >= worker.open_until:
             worker.open_until = time.monotonic() + self.breaker.open_s
