@@ -1,0 +1,94 @@
+"""Faults through the router with real processes: a prefill node killed mid-request (retried on
+another pair, succeeds), every decode node down (503 at once, recovery when one returns)."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from cluster import NodeProcess, RouterProcess
+from pd_helpers import DECODE_ARGS, NODE_ARGS, load, wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+ADMIN = {"Authorization": "Bearer k"}
+
+
+def complete(router: RouterProcess, prompt: list[int], max_tokens: int = 12) -> httpx.Response:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    return httpx.post(f"{router.url}/v1/completions", json=body, timeout=120)
+
+
+def node(role: str, model: Path, log: Path, *extra: str, port: int | None = None) -> NodeProcess:
+    args = DECODE_ARGS if role == "decode" else NODE_ARGS
+    return NodeProcess(role, ["--model", str(model), *args, *extra], log, port=port)
+
+
+def test_prefill_killed_mid_request_is_retried_on_another_node(long_llama: Path, tmp_path: Path) -> None:
+    victim = node("prefill", long_llama, tmp_path / "victim.log", "--chunked-prefill-size", "16").wait_ready()
+    spare = node("prefill", long_llama, tmp_path / "spare.log").wait_ready()
+    decode = node("decode", long_llama, tmp_path / "decode.log").wait_ready()
+    router = RouterProcess(["--model", str(long_llama), "--prefill", victim.address, "--decode", decode.address,
+                            "--admin-api-key", "k", "--health-check-interval", "0.5"], tmp_path / "r.log").wait_ready()
+    prompt = [2 + (i * 5) % 380 for i in range(1800)]
+    try:
+        responses: list[httpx.Response] = []
+        thread = threading.Thread(target=lambda: responses.append(complete(router, prompt)))
+        thread.start()
+        wait_for(lambda: _running(victim.address), "the victim prefills the request", 30)
+        added = httpx.post(f"{router.url}/workers", json={"role": "prefill", "address": spare.address}, headers=ADMIN)
+        assert added.json()["state"] == "healthy"
+        victim.signal(signal.SIGKILL)
+        thread.join(120)
+        assert responses and responses[0].status_code == 200, responses[0].text if responses else "no answer"
+        assert responses[0].json()["usage"]["completion_tokens"] == 12
+        assert httpx.get(f"{router.url}/debug/state").json()["retries"] >= 1
+        wait_for(lambda: _clean(decode.address), "the decode node frees the dead attempt's pages", 20)
+    finally:
+        for proc in (router, victim, spare, decode):
+            proc.stop()
+
+
+def test_all_decode_nodes_down_gives_503_quickly_and_recovers(long_llama: Path, tmp_path: Path) -> None:
+    prefill = node("prefill", long_llama, tmp_path / "p.log").wait_ready()
+    decode = node("decode", long_llama, tmp_path / "d.log").wait_ready()
+    router = RouterProcess(["--model", str(long_llama), "--prefill", prefill.address, "--decode", decode.address,
+                            "--health-check-interval", "0.5"], tmp_path / "r.log").wait_ready()
+    prompt = [2 + i % 300 for i in range(40)]
+    revived = None
+    try:
+        assert complete(router, prompt).status_code == 200
+        decode.signal(signal.SIGKILL)
+        decode.proc.wait(10)
+        start = time.monotonic()
+        r = complete(router, prompt)
+        assert r.status_code == 503, r.text
+        assert time.monotonic() - start < 5
+        assert r.json()["error"]["message"]
+        revived = node("decode", long_llama, tmp_path / "d2.log", port=decode.port).wait_ready()
+        wait_for(lambda: _http_ok(f"{router.url}/readiness"), "the router sees the decode node again", 30)
+        r = complete(router, prompt)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 12
+    finally:
+        for proc in (router, prefill, decode, revived):
+            if proc is not None:
+                proc.stop()
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+async def _running(address: str) -> bool:
+    return (await load(address)).running > 0
+
+
+async def _clean(address: str) -> bool:
+    report = await load(address)
+    return report.kv_pages_used == 0 and report.reservations == 0
