@@ -10,8 +10,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
-from cluster import NodeProcess, RouterProcess, free_port
+from cluster import MasterProcess, NodeProcess, RouterProcess, free_port
 from pd_helpers import load, wait_for
 
 from tierserve.engine.config import EngineConfig
@@ -26,20 +27,34 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, i
 
 @pytest.fixture(scope="module")
 def cluster(builtin_model: Path, tmp_path_factory) -> Iterator[tuple[RouterProcess, NodeProcess, NodeProcess]]:
+    """mooncake_master, 2 prefill nodes and 1 decode node sharing L3, and the router."""
     logs = tmp_path_factory.mktemp("router")
-    prefill = NodeProcess("prefill", ["--model", str(builtin_model), *ARGS], logs / "prefill.log")
-    decode = NodeProcess("decode", ["--model", str(builtin_model), *ARGS], logs / "decode.log")
+    master = MasterProcess(logs / "master.log").start()
+    l3_config = {"master_server_address": master.address, "global_segment_size": 128 << 20}
+    l3 = ["--enable-hierarchical-cache", "--hicache-storage-backend", "mooncake",
+          "--hicache-storage-backend-extra-config", json.dumps(l3_config)]
+    args = ["--model", str(builtin_model), *ARGS, *l3]
+    prefills = [NodeProcess("prefill", args, logs / f"prefill{i}.log") for i in range(2)]
+    decode = NodeProcess("decode", args, logs / "decode.log")
     router = None
     try:
-        prefill.wait_ready(), decode.wait_ready()
-        router = RouterProcess(["--model", str(builtin_model), "--prefill", prefill.address, "--decode",
-                                decode.address, "--admin-api-key", "admin-secret", "--health-check-interval", "0.5"],
+        for proc in (*prefills, decode):
+            proc.wait_ready()
+        workers = [a for p in prefills for a in ("--prefill", p.address)]
+        router = RouterProcess(["--model", str(builtin_model), *workers, "--decode", decode.address,
+                                "--admin-api-key", "admin-secret", "--health-check-interval", "0.5"],
                                logs / "router.log").wait_ready()
-        yield router, prefill, decode
+        yield router, prefills[0], decode
     finally:
-        for proc in (router, prefill, decode):
+        for proc in (router, *prefills, decode):
             if proc is not None:
                 proc.stop()
+        master.kill()
+
+
+@pytest.fixture()
+def client(cluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{cluster[0].url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -55,13 +70,43 @@ def complete(router: RouterProcess, prompt, **fields) -> httpx.Response:
     return httpx.post(f"{router.url}/v1/completions", json=body, timeout=120)
 
 
-def test_completions_equal_the_single_engine(cluster, expected: list[str]) -> None:
-    router, _, _ = cluster
-    r = complete(router, PROMPTS)
-    assert r.status_code == 200, r.text
-    body = r.json()
-    assert [c["text"] for c in sorted(body["choices"], key=lambda c: c["index"])] == expected
-    assert body["usage"]["completion_tokens"] == 12 * len(PROMPTS)
+def test_openai_client_gets_the_single_engine_text(client: openai.OpenAI, expected: list[str]) -> None:
+    extra = {"ignore_eos": True}
+    out = client.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPTS, max_tokens=12, temperature=0,
+                                    extra_body=extra)
+    assert [c.text for c in sorted(out.choices, key=lambda c: c.index)] == expected
+    assert out.usage.completion_tokens == 12 * len(PROMPTS)
+    for prompt, want in zip(PROMPTS, expected, strict=True):
+        stream = client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=12,
+                                           temperature=0, stream=True, extra_body=extra)
+        assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == want
+
+
+def test_openai_chat_streaming_and_second_turn_hits_the_cache(client: openai.OpenAI, builtin_model: Path) -> None:
+    question = "Tell me about the history of the city of Paris in detail. " * 8
+    messages = [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": question}]
+    first = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, max_tokens=16,
+                                           temperature=0)
+    answer = first.choices[0].message.content
+    assert answer == _single_engine_chat(builtin_model, messages, 16)
+    messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "And its population?"}]
+    stream = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, max_tokens=16,
+                                            temperature=0, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == _single_engine_chat(builtin_model, messages, 16)
+    second = chunks[-1].usage
+    assert second.prompt_tokens_details.cached_tokens > (first.usage.prompt_tokens_details.cached_tokens or 0)
+
+
+def _single_engine_chat(model: Path, messages: list[dict], max_tokens: int) -> str:
+    from tierserve.model.tokenizer import try_load
+
+    tokenizer = try_load(model)
+    ids = tokenizer.encode(tokenizer.apply_chat_template(messages, True), add_special_tokens=False)
+    engine = Engine(EngineConfig(model, device="cpu", dtype="float32", max_total_tokens=4096))
+    out = engine.generate([ids], SamplingParams(max_tokens=max_tokens, temperature=0))[0]
+    return engine.tokenizer.decode(out, skip_special_tokens=True)
 
 
 def test_streaming_with_usage_reports_cached_tokens_by_tier(cluster, expected: list[str]) -> None:
