@@ -13,6 +13,8 @@ import httpx
 import openai
 import pytest
 from cluster import MasterProcess, NodeProcess, RouterProcess, free_port
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from pd_helpers import load, wait_for
 
 from tierserve.engine.config import EngineConfig
@@ -221,3 +223,51 @@ def test_full_admission_queue_answers_429(builtin_model: Path, cluster, tmp_path
 
 async def _running(address: str) -> bool:
     return (await load(address)).running > 0
+
+
+_JUNK = st.one_of(st.none(), st.booleans(), st.integers(-10, 10), st.text(max_size=5),
+                  st.lists(st.integers(-2, 5), max_size=3))
+_PROMPTS = st.one_of(st.text(max_size=30), st.lists(st.integers(-5, 60000), max_size=6),
+                     st.lists(st.text(max_size=8), max_size=2), _JUNK)
+_FIELDS = {
+    "prompt": _PROMPTS,
+    "max_tokens": st.one_of(st.integers(-3, 6), st.just(10**9), _JUNK),
+    "temperature": st.one_of(st.floats(-1, 3, allow_nan=False), _JUNK),
+    "top_p": st.one_of(st.floats(-0.5, 1.5, allow_nan=False), _JUNK),
+    "top_k": st.one_of(st.integers(-3, 50), _JUNK),
+    "n": st.one_of(st.integers(-1, 3), _JUNK),
+    "stop": st.one_of(st.text(max_size=3), st.lists(st.text(max_size=3), max_size=2), _JUNK),
+    "seed": st.one_of(st.integers(-5, 2**40), _JUNK),
+    "stream": _JUNK,
+    "model": st.one_of(st.just("SmolLM2-135M-Instruct"), _JUNK),
+    "surprise": _JUNK,
+}
+_MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "robot", ""]),
+                                   "content": st.one_of(st.text(max_size=20), _JUNK)})
+_MESSAGES = st.one_of(_JUNK, st.lists(_MESSAGE, max_size=3))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=st.fixed_dictionaries({}, optional=_FIELDS), chat=st.booleans(), messages=_MESSAGES)
+def test_fuzzed_bodies_never_get_a_5xx(cluster, body: dict, chat: bool, messages) -> None:
+    router = cluster[0]
+    if chat:
+        body = {k: v for k, v in body.items() if k != "prompt"} | {"messages": messages}
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    if isinstance(body.get("max_tokens"), int) and 6 < body["max_tokens"] < 10**9:
+        body["max_tokens"] = 6
+    body.setdefault("max_tokens", 4)  # chat's default is the whole context: too slow on a CPU
+    r = httpx.post(f"{router.url}{path}", json=body, timeout=120)
+    assert r.status_code < 500, (body, r.text)
+    if r.status_code != 200:
+        assert r.json()["error"]["message"], r.text
+
+
+def test_nothing_is_left_allocated_after_the_fuzz(cluster) -> None:
+    _, prefill, decode = cluster
+
+    async def idle() -> bool:
+        d, p = await load(decode.address), await load(prefill.address)
+        return d.running == d.waiting == d.reservations == 0 and d.kv_pages_used == 0 and p.kv_pages_used == 0
+
+    wait_for(idle, "the nodes hold no request pages", 30)
