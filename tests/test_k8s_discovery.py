@@ -381,3 +381,30 @@ def test_in_cluster_reads_service_account(tmp_path: Path) -> None:
     assert d.token_file == tmp_path / "token" and d.ports == {Role.PREFILL: 50051, Role.DECODE: 50051}
     with pytest.raises(RuntimeError, match="not in a Kubernetes pod"):
         KubernetesDiscovery.in_cluster(SELECTORS, 50051, sa_dir=tmp_path, env={})
+
+
+def test_discovered_pods_join_and_leave_the_router_registry(kube: FakeKubeApi) -> None:
+    from tierserve.router.discovery import sync_registry
+    from tierserve.router.registry import Registry
+
+    kube.put(make_pod("p-a", ip="10.244.1.7"))
+
+    async def main() -> None:
+        registry = Registry()
+        discovery = KubernetesDiscovery(kube.base, NS, selectors={Role.PREFILL: SELECTORS[Role.PREFILL]}, port=8000,
+                                        backoff_initial_s=0.02, backoff_max_s=0.2)
+        task = asyncio.create_task(sync_registry(discovery)(registry))
+        try:
+            await _until(lambda: (Role.PREFILL, "10.244.1.7:50051") in registry.workers)  # its "grpc" port
+            kube.delete("p-a")
+            await _until(lambda: not registry.workers)
+        finally:
+            task.cancel()
+            await registry.close()
+
+    asyncio.run(asyncio.wait_for(main(), 12))
+
+
+async def _until(check: Callable[[], bool]) -> None:
+    while not check():
+        await asyncio.sleep(0.02)  # poll interval; the caller's wait_for is the deadline
