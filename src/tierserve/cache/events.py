@@ -230,9 +230,11 @@ class KVEventPublisher:
         self._stop.set()
         with self.recorder.ready:
             self.recorder.ready.notify()
-        self._thread.join(timeout=5)
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
         if self._ctx is not None:
             self._ctx.term()
+            self._ctx = None
 
     def _run(self) -> None:
         assert self._socket is not None
