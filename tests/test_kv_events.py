@@ -316,8 +316,6 @@ def test_subscriber_recovers_lost_events_through_a_snapshot() -> None:
 # -- a real engine ----------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="hicache.py / loads.py still set node.host / node.device directly "
-                   "instead of RadixTree.set_host / set_device: remove this mark once they do")
 def test_engine_hicache_events_add_up_to_the_snapshot(tiny_llama) -> None:
     """Inserts, L1 -> L2 writes, L1 evictions and L2 -> L1 loads of a real HiCache engine."""
     import torch

@@ -107,6 +107,8 @@ def add_node_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=Path, help="Hugging Face model folder (default: the built-in model)")
     p.add_argument("--served-model-name", help="model name reported by Info (default: the model folder's name)")
     p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
+    p.add_argument("--kv-events-port", type=int,
+                   help="publish KV events (ZMQ PUB) on this port for cache-aware routing (0: any free port)")
     p.add_argument("--transfer-protocol", type=TransferProtocol, default=TransferProtocol.TCP,
                    choices=list(TransferProtocol), metavar="{tcp,rdma}", help="KV transfer engine protocol")
     p.add_argument("--transfer-device", default="", help="RDMA device list for --transfer-protocol rdma")
@@ -264,7 +266,8 @@ def node_options(args: argparse.Namespace):
     hostname = args.transfer_hostname or (args.host if args.host not in ("0.0.0.0", "::") else "127.0.0.1")
     return NodeOptions(host=args.host, port=args.port, transfer_hostname=hostname,
                        transfer_protocol=args.transfer_protocol, transfer_devices=args.transfer_device,
-                       served_model_name=args.served_model_name, metrics_port=args.metrics_port)
+                       served_model_name=args.served_model_name, metrics_port=args.metrics_port,
+                       kv_events_port=args.kv_events_port)
 
 
 def _node_config(args: argparse.Namespace) -> EngineConfig | None:

@@ -136,7 +136,8 @@ def _start_all(plan: ClusterPlan, cluster: Cluster, stop: threading.Event) -> No
     cli = [sys.executable, "-m", "tierserve.cli"]
     for role, ports in nodes.items():
         for i, port in enumerate(ports):
-            cluster.start(f"{role}-{i}", [*cli, role, "--model", str(plan.model_dir), "--port", str(port), *flags])
+            cluster.start(f"{role}-{i}", [*cli, role, "--model", str(plan.model_dir), "--port", str(port),
+                                          "--kv-events-port", "0", *flags])  # for the router's cache-aware policy
     for role, ports in nodes.items():
         for i, port in enumerate(ports):
             _wait(lambda p=port: _grpc_serving(p), f"{role}-{i}", cluster, stop)

@@ -241,7 +241,7 @@ class HiCache:
                 self.host.allocator.free(write.host_pages)
                 self.tree.unlock(write.node)
                 continue
-            _assign_host(write.node, write.host_pages)
+            _assign_host(self.tree, write.node, write.host_pages)
             self.counters["l2_write_pages_total"] += len(write.host_pages)
             self.counters["l2_write_seconds_total"] += write.future.result()
             if self.storage is not None:  # back the pages up to L3; the node stays pinned meanwhile
@@ -286,7 +286,7 @@ class HiCache:
         if host_pages is None:
             return False
         copy_pages(self.device, self.host, node.device, host_pages, True, self.config.io_backend)
-        node.host = host_pages
+        self.tree.set_host(node, host_pages)
         self.counters["l2_write_pages_total"] += len(host_pages)
         return True
 
@@ -302,7 +302,8 @@ class HiCache:
         load = LayerwiseLoad(self.device.geometry.num_layers)
         start = 0
         for n in nodes:
-            n.device, n.loading = device_pages[start : start + n.num_pages], load
+            self.tree.set_device(n, device_pages[start : start + n.num_pages])
+            n.loading = load
             start += n.num_pages
         backend = self.config.io_backend
 
@@ -327,9 +328,10 @@ def _path(node: Node):
         node = node.parent
 
 
-def _assign_host(node: Node, pages: list[int]) -> None:
+def _assign_host(tree: RadixTree, node: Node, pages: list[int]) -> None:
     """Gives a written span's host pages to the node(s) it covers now (it may have been split)."""
     while pages:
-        node.host, pages = pages[-node.num_pages :], pages[: -node.num_pages]
+        tree.set_host(node, pages[-node.num_pages :])
+        pages = pages[: -node.num_pages]
         node.writing = False
         node = node.parent

@@ -123,7 +123,8 @@ class Loads:
                 if node.device is None:
                     continue
                 self._orphans.update(dict.fromkeys(node.device, node.loading))
-                node.device, node.loading = None, None
+                self.tree.set_device(node, None)
+                node.loading = None
                 if node.host is None:
                     log.error("radix tree: node %s under a failed load has no host copy left", node.keys[:1])
 

@@ -12,9 +12,11 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from tierserve.cache.events import KVEventPublisher
 from tierserve.engine.config import EngineConfig
 from tierserve.engine.engine import Engine
 from tierserve.engine.loop import EngineLoop
+from tierserve.node.kv_events import advertised_endpoint, start_kv_events
 from tierserve.node.metrics import NodeMetrics
 from tierserve.node.service import NodeServicer
 from tierserve.proto import tierserve_pb2 as pb
@@ -36,6 +38,7 @@ class NodeOptions:
     transfer_devices: str = ""  # RDMA devices, e.g. "mlx5_0,mlx5_1"
     served_model_name: str | None = None
     metrics_port: int | None = None  # Prometheus /metrics on this port; None = off
+    kv_events_port: int | None = None  # ZMQ PUB of KV events on this port (0: any free); None = off
 
 
 @dataclass
@@ -47,6 +50,7 @@ class Node:
     transfer: TransferEngineHandle  # receives (decode) and names this node to peers
     peers: PeerEngines  # sends (prefill): one engine per destination
     metrics: NodeMetrics
+    kv_events: KVEventPublisher | None = None
 
 
 AddService = Callable[[grpc.aio.Server, Node], str]  # registers the role's servicer; returns its full name
@@ -61,13 +65,18 @@ def run_node(config: EngineConfig, options: NodeOptions, role: pb.Role, add_serv
     transfer.register(engine.pool.buffer)  # one arena: every page, every layer
     peers = PeerEngines(options.transfer_hostname, options.transfer_protocol, options.transfer_devices,
                         [engine.pool.buffer])
-    node = Node(engine, EngineLoop(engine).start(), transfer, peers, NodeMetrics(engine))
+    kv_events = None
+    if options.kv_events_port is not None:  # before the engine thread starts: the tree is its alone then
+        kv_events = start_kv_events(engine, f"tcp://{options.host}:{options.kv_events_port}")
+    node = Node(engine, EngineLoop(engine).start(), transfer, peers, NodeMetrics(engine), kv_events)
     if options.metrics_port is not None:
         node.metrics.serve(options.host, options.metrics_port)
     try:
         uvloop.run(_serve(node, options, role, add_service))
     finally:
         node.loop.stop()
+        if node.kv_events is not None:
+            node.kv_events.stop()
         close = getattr(engine.cache, "close", None)
         if close is not None:
             close()  # stops the L2/L3 workers
@@ -77,8 +86,9 @@ async def _serve(node: Node, options: NodeOptions, role: pb.Role, add_service: A
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     service_name = add_service(server, node)
     model_name = options.served_model_name or node.engine.config.model_dir.name
+    events = advertised_endpoint(node.kv_events.endpoint, options.transfer_hostname) if node.kv_events else ""
     pb_grpc.add_NodeServiceServicer_to_server(
-        NodeServicer(node.loop, role, node.transfer.endpoint, model_name), server)
+        NodeServicer(node.loop, role, node.transfer.endpoint, model_name, node.kv_events, events), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = server.add_insecure_port(f"{options.host}:{options.port}")

@@ -7,10 +7,12 @@ from typing import Any
 import grpc
 from google.protobuf import json_format, struct_pb2
 
+from tierserve.cache.events import KVEventPublisher
 from tierserve.cache.hicache import HiCache, StorageBusyError
 from tierserve.engine.engine import Engine
 from tierserve.engine.loop import EngineLoop
 from tierserve.node.convert import identity
+from tierserve.node.kv_events import snapshot_reply, take_snapshot
 from tierserve.proto import tierserve_pb2 as pb
 from tierserve.proto import tierserve_pb2_grpc as pb_grpc
 
@@ -30,14 +32,22 @@ def flush_cache(engine: Engine, device: bool, host: bool) -> tuple[int, int]:
 
 
 class NodeServicer(pb_grpc.NodeServiceServicer):
-    def __init__(self, loop: EngineLoop, role: pb.Role, transfer_endpoint: str, model_name: str) -> None:
+    def __init__(self, loop: EngineLoop, role: pb.Role, transfer_endpoint: str, model_name: str,
+                 kv_events: KVEventPublisher | None = None, kv_events_endpoint: str = "") -> None:
         self.loop, self.role, self.transfer_endpoint, self.model_name = loop, role, transfer_endpoint, model_name
+        self.kv_events, self.kv_events_endpoint = kv_events, kv_events_endpoint
 
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.NodeInfo:
         engine = self.loop.engine
         return pb.NodeInfo(role=self.role, model=self.model_name, identity=identity(engine),
                            namespace_digest=engine.namespace.digest(), transfer_endpoint=self.transfer_endpoint,
-                           max_context_tokens=engine.max_model_len)
+                           max_context_tokens=engine.max_model_len, namespace_seed=engine.namespace.seed(),
+                           kv_events_endpoint=self.kv_events_endpoint)
+
+    async def KVSnapshot(self, request: pb.KVSnapshotRequest, context: grpc.aio.ServicerContext
+                         ) -> pb.KVSnapshotReply:
+        """The tree's pages per tier and the last event batch they reflect (for a router that lost events)."""
+        return snapshot_reply(await self.loop.call(lambda e: take_snapshot(e, self.kv_events)))
 
     async def Load(self, request: pb.LoadRequest, context: grpc.aio.ServicerContext) -> pb.LoadReport:
         s = self.loop.engine.stats()

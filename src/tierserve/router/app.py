@@ -23,6 +23,7 @@ from tierserve.api_server import admin_guard, create_app, run_http
 from tierserve.model.config import ModelConfig
 from tierserve.model.tokenizer import try_load
 from tierserve.router.backend import PDBackend, RouterOptions
+from tierserve.router.cache_view import CacheView
 from tierserve.router.policies import PolicyKind, make_policy
 from tierserve.router.registry import Registry
 from tierserve.router.roles import Role
@@ -50,14 +51,15 @@ Task = Callable[[Registry], Any]  # a background coroutine function run for the 
 
 def create_router_app(config: RouterConfig, registry: Registry, tasks: list[Task] | None = None) -> FastAPI:
     model = ModelConfig.from_dir(config.model_dir)
+    caches = CacheView(registry)
     backend = PDBackend(registry, make_policy(config.prefill_policy), make_policy(config.decode_policy),
-                        config.options, config.context_length or model.max_position)
+                        config.options, config.context_length or model.max_position, caches.lookup)
     name = config.served_model_name or config.model_dir.name
     app = create_app(backend, try_load(config.model_dir), name, ApiMetrics(_RouterCollector(registry, backend)),
                      config.api_key)
     _add_worker_routes(app, registry, admin_guard(config.admin_api_key))
     initial = [(Role.PREFILL, a) for a in config.prefill] + [(Role.DECODE, a) for a in config.decode]
-    app.router.lifespan_context = _lifespan(registry, initial, [Registry.run_checks, *(tasks or [])])
+    app.router.lifespan_context = _lifespan(registry, initial, [Registry.run_checks, caches.run, *(tasks or [])])
     return app
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -48,6 +49,7 @@ class PDBackend:
         self._slots = asyncio.Semaphore(options.max_running)
         self._queued = 0
         self.retries = 0
+        self.routes: deque[dict[str, object]] = deque(maxlen=256)  # recent decisions, for operators and tests
 
     @property
     def queued(self) -> int:
@@ -62,7 +64,7 @@ class PDBackend:
 
     async def debug_state(self) -> dict[str, Any]:
         return {"workers": [w.describe() for w in self.registry.workers.values()], "queued": self._queued,
-                "retries": self.retries}
+                "retries": self.retries, "routes": list(self.routes)}
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, cache_salt: str
                        ) -> AsyncIterator[RequestOutput]:
@@ -110,7 +112,12 @@ class PDBackend:
             missing = "prefill" if not prefills else "decode"
             raise oa.APIError(503, f"no healthy {missing} worker", code="unavailable")
         lookup = self.lookup(prompt, salt)
-        return self.prefill_policy.pick(prefills, lookup), self.decode_policy.pick(decodes, lookup)
+        prefill, decode = self.prefill_policy.pick(prefills, lookup), self.decode_policy.pick(decodes, lookup)
+        cached = lookup(prefill)
+        self.routes.append({"prefill": prefill.address, "decode": decode.address, "prompt_tokens": len(prompt),
+                            "prefill_cached_pages": [cached.device, cached.host]})
+        log.debug("route: prefill %s (cached pages %s), decode %s", prefill.address, cached, decode.address)
+        return prefill, decode
 
     async def _prefill(self, pair: tuple[Worker, Worker], rid: str, prompt: list[int], sampling: pb.SamplingOptions,
                        salt: str) -> tuple[pd_flow.Pair, pd_flow.Prefilled]:

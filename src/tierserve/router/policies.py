@@ -76,11 +76,18 @@ class CacheAware:
     load_cost: float = 4.0
     balance_threshold: int = 8
 
+    def __post_init__(self) -> None:
+        self._fallback = RoundRobin()
+
     def pick(self, workers: Sequence[Worker], lookup: PrefixLookup) -> Worker:
         loads = [w.load for w in workers]
         if max(loads) - min(loads) > self.balance_threshold:
             return min(workers, key=lambda w: (w.load, w.address))
-        return max(workers, key=lambda w: (self.score(lookup(w), w.load), -w.load, w.address))
+        cached = {w: lookup(w) for w in workers}
+        if not any(c.device or c.host for c in cached.values()):  # nobody has it: spread by load
+            least = min(loads)
+            return self._fallback.pick([w for w in workers if w.load == least], lookup)
+        return max(workers, key=lambda w: (self.score(cached[w], w.load), -w.load, w.address))
 
     def score(self, cached: CachedPrefix, load: int) -> float:
         return self.device_credit * cached.device + self.host_credit * cached.host - self.load_cost * load

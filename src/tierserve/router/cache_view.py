@@ -1,0 +1,68 @@
+"""What the router knows of each worker's cache: a KV-event subscription per worker that
+publishes events, and the per-prompt lookup the ``cache_aware`` policy scores with."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from tierserve.proto import tierserve_pb2 as pb
+from tierserve.proto import tierserve_pb2_grpc as pb_grpc
+from tierserve.router.kv_index import KVEventSubscriber, SnapshotEntries, prompt_keys
+from tierserve.router.policies import CachedPrefix
+from tierserve.router.registry import Registry, Worker, WorkerState
+
+
+def _key(worker: Worker) -> str:
+    return f"{worker.role.value}/{worker.address}"
+
+
+class CacheView:
+    """Follows the KV events of every accepted worker that publishes them (``--kv-events-port``)."""
+
+    def __init__(self, registry: Registry) -> None:
+        self.registry = registry
+        self.subscriber: KVEventSubscriber | None = None
+        self._following: dict[str, str] = {}  # worker key -> endpoint
+
+    async def run(self, registry: Registry) -> None:
+        """Keeps subscriptions in step with the registry until cancelled (an app task)."""
+        self.subscriber = KVEventSubscriber(self._fetch)
+        try:
+            while True:
+                self._sync()
+                await asyncio.sleep(registry.check_interval_s)
+        finally:
+            await self.subscriber.close()
+
+    def _sync(self) -> None:
+        live = {_key(w): w.info.kv_events_endpoint for w in self.registry.workers.values()
+                if w.info is not None and w.info.kv_events_endpoint and w.state is not WorkerState.REFUSED}
+        for key in [k for k in self._following if k not in live]:
+            self.subscriber.remove(key)
+            del self._following[key]
+        for key, endpoint in live.items():
+            if self._following.get(key) != endpoint:
+                self.subscriber.add(key, endpoint)
+                self._following[key] = endpoint
+
+    async def _fetch(self, key: str) -> tuple[int, SnapshotEntries]:
+        worker = next(w for w in self.registry.workers.values() if _key(w) == key)
+        reply = await pb_grpc.NodeServiceStub(worker.channel).KVSnapshot(pb.KVSnapshotRequest(), timeout=10)
+        return reply.sequence, [(e.key, e.medium) for e in reply.entries]
+
+    def lookup(self, token_ids: list[int], salt: str) -> Callable[[Worker], CachedPrefix]:
+        """For one prompt: how many of its leading pages each worker holds in L1, then in L2."""
+        info = self.registry.info
+        if self.subscriber is None or info is None or not info.namespace_seed:
+            return lambda worker: CachedPrefix()
+        keys = prompt_keys(info.namespace_seed, salt, token_ids, info.identity.page_size)
+        index = self.subscriber.index
+
+        def cached(worker: Worker) -> CachedPrefix:
+            if _key(worker) not in self._following:
+                return CachedPrefix()
+            device, host = index.match(_key(worker), keys)
+            return CachedPrefix(device, host)
+
+        return cached
