@@ -10,7 +10,9 @@ Layouts (``--hicache-mem-layout``), for L layers, page size P, H KV heads, head 
                                                   moves whole page-by-layer blocks.
 
 I/O backends (``--hicache-io-backend``): ``direct`` copies block by block (a run of consecutive
-pages on both sides is one block); ``kernel`` does one batched gather and scatter per layer.
+pages on both sides is one block); ``kernel`` moves all selected layers of the pages as batched
+index ops that touch each byte once: one gather into (or scatter out of) each run of consecutive
+pages on one side, whatever the order on the other (per layer when a load asks for one layer).
 """
 
 from __future__ import annotations
