@@ -82,9 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_router_args(router)
     router.set_defaults(func=cmd_router)
 
-    for name, text in [("bench", "load generators and reports")]:
-        stub = sub.add_parser(name, help=f"{text}: {NOT_IMPLEMENTED}", parents=[common])
-        stub.set_defaults(func=cmd_not_implemented)
+    from tierserve.bench.cli import add_bench_commands  # argparse only: the client loads when it runs
+
+    bench = sub.add_parser("bench", help="load generators, trace replay and performance reports")
+    add_bench_commands(bench, common)
     return parser
 
 
