@@ -180,3 +180,31 @@ def test_token_space_excludes_special_ids_and_tags_blocks() -> None:
     assert len(heads) == 100
     with pytest.raises(ValueError):
         space.tagged_ids(100, rng, 4)
+
+
+def test_the_bench_package_is_a_client_without_torch() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, tierserve.bench.runner, tierserve.bench.cli, tierserve.bench.traces, "
+            "tierserve.bench.compare, tierserve.bench.plots; print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
+
+
+def test_cli_builds_each_workload_from_flags() -> None:
+    from tierserve.bench.cli import bench_options, build_workload
+    from tierserve.cli import build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["bench", "run", "multiturn", "--conversations", "3", "--rounds", "2", "--barrier"])
+    assert build_workload(args).planned == 6 and bench_options(args).barrier
+    args = parser.parse_args(["bench", "run", "shared-prefix", "--groups", "2", "--prompts-per-group", "3"])
+    assert build_workload(args).planned == 6 and bench_options(args).mode == "closed"
+    args = parser.parse_args(["bench", "run", "trace", "--trace", str(MOONCAKE), "--max-records", "5"])
+    assert build_workload(args).planned == 5 and bench_options(args).mode == "trace"
+    args = parser.parse_args(["bench", "run", "azure", "--trace", str(AZURE), "--max-records", "5",
+                              "--mode", "poisson"])
+    assert build_workload(args).name == "azure" and bench_options(args).mode == "poisson"
+    with pytest.raises(ValueError):
+        build_workload(parser.parse_args(["bench", "run", "trace"]))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from pathlib import Path
 from typing import Any
@@ -114,6 +115,7 @@ def cmd_bench_run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"tierserve bench: {exc}", file=sys.stderr)
         return 2
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request would bury the bar
     report = run_bench(args.endpoint, workload, options)
     print(report.table())
     if args.out:

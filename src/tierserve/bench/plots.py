@@ -50,6 +50,10 @@ def plot_hit_rate(reports: dict[str, Report], path: Path, bins: int = 20) -> Pat
             points = [(t, v) for t, v in report.hit_rate_over_time(bins) if v is not None]
         if points:
             ax.plot([p[0] for p in points], [100 * p[1] for p in points], marker="o", label=label)
+    if by_round:
+        from matplotlib.ticker import MaxNLocator
+
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set(xlabel="round" if by_round else "send time (s)", ylabel="hit rate (% of prompt tokens)",
            title="prefix cache hit rate", ylim=(0, 102))
     ax.grid(alpha=0.3)
