@@ -35,7 +35,7 @@ def cluster(builtin_model: Path, tmp_path_factory) -> Iterator[tuple[RouterProce
     l3_config = {"master_server_address": master.address, "global_segment_size": 128 << 20}
     l3 = ["--enable-hierarchical-cache", "--hicache-storage-backend", "mooncake",
           "--hicache-storage-backend-extra-config", json.dumps(l3_config)]
-    args = ["--model", str(builtin_model), *ARGS, *l3]
+    args = ["--model", str(builtin_model), *ARGS, *l3, "--kv-events-port", "0"]  # as `tierserve up` runs them
     prefills = [NodeProcess("prefill", args, logs / f"prefill{i}.log") for i in range(2)]
     decode = NodeProcess("decode", args, logs / "decode.log")
     router = None
