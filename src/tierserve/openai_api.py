@@ -95,10 +95,21 @@ class _GenerateBody(_Body):
     cache_salt: str | None = None
     user: str | None = None
 
+    logprobs: bool | int | None = None
+    top_logprobs: int | None = None
+    echo: bool | None = None
+
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> _GenerateBody:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options can only be set when stream is true")
+        return self
+
+    @model_validator(mode="after")
+    def _no_logprobs(self) -> _GenerateBody:
+        # Said plainly rather than answered with `"logprobs": null` as if they had been asked for.
+        if self.logprobs or self.top_logprobs or self.echo:
+            raise ValueError("logprobs, top_logprobs and echo are not supported by this server yet")
         return self
 
     @property
