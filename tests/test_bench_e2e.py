@@ -83,7 +83,8 @@ def test_multiturn_bench_against_a_local_cluster(router: RouterProcess, tmp_path
 def test_trace_replay_through_the_cli(router: RouterProcess, tmp_path: Path, capsys) -> None:
     out = tmp_path / "trace.json"
     args = ["bench", "run", "trace", "--endpoint", router.url, "--trace", str(MOONCAKE), "--max-records", "16",
-            "--block-size", "16", "--max-prompt-tokens", "1024", "--output-scale", "0.01", "--time-scale", "0.05",
+            "--block-size", "16", "--max-prompt-tokens", "512", "--output-scale", "0.01", "--time-scale", "0.05",
+            "--max-concurrency", "3",  # the decode pool (4096 tokens) holds 3 prompts + headroom at once
             "--vocab-size", "384", "--no-progress", "--out", str(out), "--plots-dir", str(tmp_path / "plots"),
             "--extra-body", json.dumps({"cache_salt": "trace"})]
     assert main(args) == 0
@@ -92,7 +93,7 @@ def test_trace_replay_through_the_cli(router: RouterProcess, tmp_path: Path, cap
     report = Report.from_json(out)
     s = check_consistent(report, planned=16)
     assert s["hit_rate"] > 0  # the trace's first records share their first block (hash id 0)
-    expected = mooncake_trace(TraceConfig(MOONCAKE, 16, 0.01, 16, 1024), SPACE)
+    expected = mooncake_trace(TraceConfig(MOONCAKE, 16, 0.01, 16, 512), SPACE)
     assert sorted(r.sent_prompt_tokens for r in report.records) == sorted(len(x.first().prompt)
                                                                             for x in expected.sessions)
     assert all((tmp_path / "plots" / f"trace_{name}.png").is_file() for name in ("ttft_cdf", "hit_rate"))
