@@ -6,6 +6,7 @@ from __future__ import annotations
 import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -92,3 +93,20 @@ async def _running(address: str) -> bool:
 async def _clean(address: str) -> bool:
     report = await load(address)
     return report.kv_pages_used == 0 and report.reservations == 0
+
+
+def test_a_burst_bigger_than_the_decode_pool_waits_instead_of_failing(long_llama: Path, tmp_path: Path) -> None:
+    prefill = node("prefill", long_llama, tmp_path / "p.log").wait_ready()
+    small = ["--model", str(long_llama), *DECODE_ARGS, "--max-total-tokens", "512"]  # room for two at a time
+    decode = NodeProcess("decode", small, tmp_path / "d.log").wait_ready()
+    router = RouterProcess(["--model", str(long_llama), "--prefill", prefill.address, "--decode", decode.address],
+                           tmp_path / "r.log").wait_ready()
+    try:
+        prompts = [[2 + (i * 7 + j) % 380 for j in range(200)] for i in range(5)]
+        with ThreadPoolExecutor(5) as pool:
+            codes = list(pool.map(lambda p: complete(router, p).status_code, prompts))
+        assert codes == [200] * 5
+        assert httpx.get(f"{router.url}/debug/state").json()["retries"] >= 1  # some had to wait
+    finally:
+        for proc in (router, prefill, decode):
+            proc.stop()

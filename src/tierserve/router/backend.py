@@ -87,11 +87,15 @@ class PDBackend:
 
     async def _attempts(self, request_id: str, prompt: list[int], params: SamplingParams, salt: str
                         ) -> AsyncIterator[RequestOutput]:
-        sampling, last_error = to_proto(params), "no attempt"
-        for attempt in range(self.options.max_retries + 1):
+        """Tries pairs until one streams. A failed pair uses up a retry; a decode node with no room
+        (a burst) does not: the request waits with backoff, up to its deadline, as in a queue."""
+        sampling, last_error, failures, attempt = to_proto(params), "no attempt", 0, 0
+        deadline = asyncio.get_running_loop().time() + self.options.timeout_s
+        while failures <= self.options.max_retries:
             if attempt:
                 self.retries += 1
-                await asyncio.sleep(self.options.backoff_s * 2 ** (attempt - 1) * (0.5 + random.random()))
+                await asyncio.sleep(self._backoff(attempt, deadline))
+            attempt += 1
             pair = self._pick(prompt, salt)
             prefill, decode = pair
             prefill.load, decode.load = prefill.load + 1, decode.load + 1
@@ -102,9 +106,15 @@ class PDBackend:
                 return
             except _Retry as exc:
                 last_error = str(exc)
+                failures += 0 if exc.busy and asyncio.get_running_loop().time() < deadline else 1
             finally:
                 prefill.load, decode.load = prefill.load - 1, decode.load - 1
         raise oa.APIError(503, f"no prefill/decode pair could serve the request: {last_error}", code="unavailable")
+
+    def _backoff(self, attempt: int, deadline: float) -> float:
+        """Jittered exponential delay, at most 1 s and never past the deadline."""
+        delay = min(1.0, self.options.backoff_s * 2 ** min(attempt - 1, 10)) * (0.5 + random.random())
+        return max(0.0, min(delay, deadline - asyncio.get_running_loop().time()))
 
     def _pick(self, prompt: list[int], salt: str) -> tuple[Worker, Worker]:
         prefills, decodes = self.registry.available(Role.PREFILL), self.registry.available(Role.DECODE)
@@ -130,7 +140,8 @@ class PDBackend:
             raise _Retry(f"prefill on {prefill.address}: {exc}") from exc
         except grpc.aio.AioRpcError as exc:  # Reserve failed
             self._blame(decode, exc.code(), exc.details() or "")
-            raise _Retry(f"reserve on {decode.address}: {exc.code().name} {exc.details()}") from exc
+            busy = exc.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+            raise _Retry(f"reserve on {decode.address}: {exc.code().name} {exc.details()}", busy) from exc
         self.registry.succeeded(prefill)
         return stubs, done
 
@@ -166,4 +177,9 @@ class PDBackend:
 
 
 class _Retry(Exception):
-    """This pair failed before anything was streamed: try another."""
+    """This pair failed before anything was streamed: try another. ``busy``: the worker was only
+    full, not broken."""
+
+    def __init__(self, message: str, busy: bool = False) -> None:
+        super().__init__(message)
+        self.busy = busy
