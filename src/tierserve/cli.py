@@ -17,7 +17,6 @@ from pathlib import Path
 from tierserve.cache.options import HostLayout, IOBackend, PrefetchPolicy, WritePolicy
 from tierserve.engine.config import EngineConfig, HiCacheOptions
 
-NOT_IMPLEMENTED = "not implemented yet (see the open issues)"
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 log = logging.getLogger("tierserve")
@@ -367,11 +366,6 @@ def cmd_up(args: argparse.Namespace) -> int:
               """"max_tokens": 32}'\n""", flush=True)
 
     return up(plan, announce)
-
-
-def cmd_not_implemented(args: argparse.Namespace) -> int:
-    print(f"tierserve {args.command}: {NOT_IMPLEMENTED}", file=sys.stderr)
-    return 2
 
 
 def _builtin_model() -> Path:
