@@ -3,18 +3,14 @@ pages through it, and a master that dies and comes back while requests run."""
 
 from __future__ import annotations
 
-import shutil
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from cluster import MasterProcess, free_port
 from engine_helpers import run_one
 from tiny_models import make_tiny_model
 
@@ -35,58 +31,12 @@ PAGE = 16
 SEGMENT = 32 << 20  # per client: a few MiB of pages is all these tests store
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class MasterProcess:
-    """A real ``mooncake_master`` on loopback ports; ``kill`` and ``start`` keep the same ports."""
-
-    def __init__(self, binary: str, log: Path) -> None:
-        self.binary, self.log, self.rpc_port, self.metrics_port = binary, log, _free_port(), _free_port()
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.rpc_port}"
-
-    def start(self, deadline_s: float = 10.0) -> None:
-        """Starts it and returns once its RPC port accepts connections and /health answers."""
-        args = [self.binary, f"--rpc_port={self.rpc_port}", f"--metrics_port={self.metrics_port}"]
-        with open(self.log, "ab") as log:  # a file, not a pipe: a chatty master would block on a full pipe
-            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + deadline_s
-        while not self._ready():
-            if self.proc.poll() is not None:  # e.g. a port taken meanwhile: the master exits
-                raise RuntimeError(f"mooncake_master exited: {self.log.read_text(errors='replace')[-2000:]}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"mooncake_master not ready after {deadline_s} s")
-            time.sleep(0.01)  # poll interval, not a wait for readiness
-
-    def _ready(self) -> bool:
-        try:
-            socket.create_connection(("127.0.0.1", self.rpc_port), timeout=0.2).close()
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/health", timeout=0.5) as r:
-                return r.status == 200
-        except OSError:
-            return False
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-
-
 @pytest.fixture
 def mooncake_master(tmp_path: Path) -> Iterator[MasterProcess]:
     """A fresh master per test (it starts in ~0.1 s); stopped at teardown, after the clients the
     test opened through ``closing`` (closing a client while its master is down takes ~11 s)."""
-    binary = str(Path(sys.executable).with_name("mooncake_master"))
-    binary = binary if Path(binary).exists() else shutil.which("mooncake_master")
-    assert binary is not None, "mooncake_master not found: run make setup (it installs the Mooncake wheel)"
-    master = MasterProcess(binary, tmp_path / "mooncake_master.log")
+    master = MasterProcess(tmp_path / "mooncake_master.log")
+    assert Path(master.binary).exists(), "mooncake_master not found: run make setup (it installs the Mooncake wheel)"
     master.start()
     yield master
     master.kill()
@@ -153,7 +103,7 @@ def test_a_dead_master_fails_fast_and_recovery_is_seen(mooncake_master: MasterPr
 def test_setup_against_no_master_fails_at_once() -> None:
     started = time.monotonic()
     with pytest.raises(StorageError, match="unreachable"):
-        MooncakeStorage(f"127.0.0.1:{_free_port()}")
+        MooncakeStorage(f"127.0.0.1:{free_port()}")
     assert time.monotonic() - started < 1.0
 
 

@@ -52,7 +52,8 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             self.metrics.handoffs.labels("deadline").inc()
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"prefill and KV handoff took over {timeout:.1f} s")
         finally:
-            handoff.cancel("prefill ended early")  # a no-op once every layer arrived
+            if handoff.busy():  # aborted, failed or timed out: stop sending; in-flight batches still end
+                handoff.cancel("the prefill ended before the handoff")
         return await self._answer(context, request.request_id, first, result)
 
     async def _compute(self, request: pb.PrefillRequest, prompt: list[int], params, handoff: KVHandoff):

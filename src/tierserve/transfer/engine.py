@@ -9,22 +9,14 @@ so callers also keep their own deadline.
 
 from __future__ import annotations
 
-import os
 import threading
 
 import torch
 
+from tierserve.mooncake_env import apply_defaults
 from tierserve.transfer.options import TransferProtocol
 
-# Read when the library loads or an engine starts; the environment overrides them.
-_ENV_DEFAULTS = {
-    "MC_LOG_LEVEL": "ERROR",
-    "MC_TRANSFER_TIMEOUT": "5",  # seconds (the minimum); RDMA transfers
-    "MC_TCP_STATUS_TIMEOUT_SEC": "5",  # a frozen peer would hold a TCP transfer 30 s
-    "MC_TCP_PROGRESS_TIMEOUT_SEC": "5",
-}
-for _name, _value in _ENV_DEFAULTS.items():
-    os.environ.setdefault(_name, _value)
+apply_defaults()  # before Mooncake loads
 
 try:
     from mooncake.engine import TransferEngine

@@ -16,7 +16,6 @@ Mooncake facts this module relies on (measured; see /work/shared/MOONCAKE_NOTES.
 from __future__ import annotations
 
 import logging
-import os
 import re
 import socket
 import threading
@@ -26,18 +25,9 @@ from typing import Any, TypeVar
 import torch
 
 from tierserve.cache.storage.base import StorageBackend, StorageError
+from tierserve.mooncake_env import apply_defaults
 
-# Read by the Mooncake library when it loads or a client starts; the environment overrides them.
-_ENV_DEFAULTS = {
-    "MC_LOG_LEVEL": "ERROR",  # INFO logs ~30 lines per client
-    "MC_STORE_CLIENT_SETUP_RETRIES": "1",  # setup() against a dead master: ~4 s instead of ~90 s
-    "MC_TRANSFER_TIMEOUT": "5",  # seconds (minimum 5); governs RDMA transfers
-    # A frozen peer blocks a TCP get/put for 30 s by default; MC_TRANSFER_TIMEOUT does not cover it.
-    "MC_TCP_STATUS_TIMEOUT_SEC": "5",
-    "MC_TCP_PROGRESS_TIMEOUT_SEC": "5",
-}
-for _name, _value in _ENV_DEFAULTS.items():
-    os.environ.setdefault(_name, _value)
+apply_defaults()  # before Mooncake loads
 
 try:
     from mooncake.store import MooncakeDistributedStore

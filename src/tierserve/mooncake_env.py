@@ -1,0 +1,21 @@
+"""Mooncake's settings by environment variable, set before the library loads (it reads them at
+load or engine start; the environment overrides these defaults). Measured reasons in
+/work/shared/MOONCAKE_NOTES.md."""
+
+from __future__ import annotations
+
+import os
+
+DEFAULTS = {
+    "MC_LOG_LEVEL": "ERROR",  # INFO logs ~30 lines per client
+    "MC_STORE_CLIENT_SETUP_RETRIES": "1",  # setup() against a dead master: ~4 s instead of ~90 s
+    "MC_TRANSFER_TIMEOUT": "5",  # seconds (the minimum); RDMA transfers
+    # a frozen peer holds a TCP transfer 30 s by default; MC_TRANSFER_TIMEOUT does not cover TCP
+    "MC_TCP_STATUS_TIMEOUT_SEC": "5",
+    "MC_TCP_PROGRESS_TIMEOUT_SEC": "5",
+}
+
+
+def apply_defaults() -> None:
+    for name, value in DEFAULTS.items():
+        os.environ.setdefault(name, value)
