@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 from tierserve.cache.agreement import leading_true
 from tierserve.cache.allocator import PageAllocator
-from tierserve.cache.radix_tree import Node, RadixTree
+from tierserve.cache.radix_tree import RadixTree, subtree
 from tierserve.engine.prefix_cache import PrefixHit
 
 log = logging.getLogger(__name__)
@@ -119,7 +119,7 @@ class Loads:
         # they are other loads' nodes, still with their host copies: requests that computed on
         # garbage cannot exist, since every one of them waited on this load and failed.
         for top in [n for n in self.tree.nodes() if n.loading is load]:
-            for node in _subtree(top):
+            for node in subtree(top):
                 if node.device is None:
                     continue
                 self._orphans.update(dict.fromkeys(node.device, node.loading))
@@ -138,11 +138,3 @@ class Loads:
         for p in free:
             del self._orphans[p]
         self.allocator.free(free)
-
-
-def _subtree(node: Node) -> Iterator[Node]:
-    stack = [node]
-    while stack:
-        n = stack.pop()
-        yield n
-        stack.extend(n.children.values())

@@ -271,7 +271,7 @@ class RadixTree:
         """Unlinks ``node``; returns the host pages of it and everything below (none on device)."""
         del node.parent.children[node.tokens[: self.page_size]]
         freed = []
-        for n in _subtree(node):
+        for n in subtree(node):
             if n.device is not None and n is not node:
                 raise RuntimeError("radix tree: deleting a node with device pages below it")
             freed += n.host or []
@@ -285,7 +285,7 @@ class RadixTree:
         """Every node except the root."""
         for root in self.roots.values():
             for child in root.children.values():
-                yield from _subtree(child)
+                yield from subtree(child)
 
     def snapshot(self) -> list[tuple[bytes, str]]:
         """(key, medium) of every page copy the tree holds: a page in L1 and L2 appears twice.
@@ -325,7 +325,8 @@ def _path(node: Node) -> Iterator[Node]:
         node = node.parent
 
 
-def _subtree(node: Node) -> Iterator[Node]:
+def subtree(node: Node) -> Iterator[Node]:
+    """``node`` and everything below it."""
     stack = [node]
     while stack:
         n = stack.pop()
