@@ -22,6 +22,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL if it is still running after 20 s."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
 def wait_until(ready, what: str, deadline_s: float, proc: subprocess.Popen | None = None, log: Path | None = None
                ) -> None:
     deadline = time.monotonic() + deadline_s
@@ -99,13 +110,8 @@ class NodeProcess:
 
     def stop(self) -> None:
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGCONT)
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
+            self.proc.send_signal(signal.SIGCONT)  # a frozen node cannot act on SIGTERM
+        stop(self.proc)
 
 
 class RouterProcess:
@@ -135,10 +141,4 @@ class RouterProcess:
             return False
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
+        stop(self.proc)
