@@ -104,7 +104,7 @@ def test_injected_transfer_failures_fail_cleanly(long_llama: Path, decode: NodeP
         wait_for(lambda: pages_back(decode.address), "the decode node frees every page", 15)
         wait_for(lambda: pages_back(faulty.address), "the prefill node frees every page", 15)
         again = asyncio.run(run_pd(faulty.address, decode.address, "healthy", batch[0]))
-        assert again[0] == expected[0] or isinstance(again, BaseException)
+        assert again[0] == expected[0]  # the 21st handoff: not one of the injected tenth
     finally:
         faulty.stop()
 
