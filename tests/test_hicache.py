@@ -210,3 +210,29 @@ def test_only_the_request_whose_host_load_fails_fails_and_the_next_one_is_right(
     assert tokens == expected and tiers.get("host", 0) >= 32, tiers  # loaded again from the host copy
     assert engine.cache.stats()["l2_load_failures_total"] == 1
     _check_accounting(engine)
+
+
+def test_a_failed_l2_write_of_a_node_split_meanwhile_frees_every_part(monkeypatch) -> None:
+    geometry = KVGeometry(num_layers=2, num_kv_heads=1, head_dim=2, page_size=2, dtype=torch.float32)
+    alloc, host = PageAllocator(32), HostKVPool(geometry, 32, HostLayout.PAGE_FIRST_DIRECT)
+    cache = HiCache(alloc, DeviceKVPool(geometry, 32, torch.device("cpu")), host, b"s" * 32, HiCacheConfig())
+
+    def failing_copy(device, host, device_ids, host_ids, to_host, backend, layers=None) -> None:
+        raise OSError("injected L1 -> L2 failure")
+
+    monkeypatch.setattr(hicache_module, "copy_pages", failing_copy)
+    tokens = list(range(12))  # 6 pages: inserted and written through (the copy will fail)
+    hit, pages = cache.match(tokens), alloc.alloc(6)
+    cache.release(tokens, pages, len(tokens), hit)
+    other = tokens[:4] + [99] * 8  # shares 2 pages: splits the node while its write is in flight
+    hit, pages = cache.match(other), alloc.alloc(4)
+    cache.release(other, hit.pages + pages, len(other), hit)
+    cache.wait_background()
+    assert all(not n.writing for n in cache.tree.nodes()), "a part of the split node still looks in flight"
+    assert host.allocator.num_used == 0 and all(n.lock == 0 for n in cache.tree.nodes())
+    monkeypatch.undo()  # the next release may write them again
+    hit = cache.match(tokens)
+    cache.release(tokens, list(hit.pages) + alloc.alloc(1), len(tokens), hit)
+    cache.wait_background()
+    assert len(cache.tree.host_pages()) >= 6
+    cache.close()

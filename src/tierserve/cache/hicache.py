@@ -236,7 +236,7 @@ class HiCache:
         """The first ``done`` writes finished on every rank, the first ``ok`` of them well."""
         for i, write in enumerate(self._writes[:done]):
             if i >= ok:
-                write.node.writing = False
+                _end_failed_write(write.node, len(write.host_pages))
                 log.warning("L1 -> L2 copy failed (on this or another rank): %s", write.future.exception())
                 self.host.allocator.free(write.host_pages)
                 self.tree.unlock(write.node)
@@ -325,6 +325,15 @@ def _timed(fn, *args) -> float:
 def _path(node: Node):
     while node.parent is not None:
         yield node
+        node = node.parent
+
+
+def _end_failed_write(node: Node, num_pages: int) -> None:
+    """A failed write's span may have been split meanwhile: no part of it is in flight any more
+    (a part left marked would never be written to L2 again)."""
+    while num_pages > 0:
+        node.writing = False
+        num_pages -= node.num_pages
         node = node.parent
 
 
