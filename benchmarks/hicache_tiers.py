@@ -35,7 +35,7 @@ from tierserve.bench import (
     plot_ttft_cdf,
     run_bench,
 )
-from tierserve.launch import Cluster, _grpc_serving, _http_ok, _tcp_open, free_port
+from tierserve.launch import Cluster, free_port, grpc_serving, http_ok, tcp_open
 from tierserve.model.fetch import fetch_builtin_model
 
 
@@ -75,7 +75,7 @@ def cache_flags(setup: Setup, cluster: Cluster, l2_ratio: float) -> list[str]:
         rpc, metrics = free_port(), free_port()
         cluster.start("master", [str(Path(sys.executable).parent / "mooncake_master"), f"--rpc_port={rpc}",
                                  f"--metrics_port={metrics}"])
-        wait(lambda: _tcp_open(rpc), "mooncake_master", cluster)
+        wait(lambda: tcp_open(rpc), "mooncake_master", cluster)
         config = {"master_server_address": f"127.0.0.1:{rpc}", "global_segment_size": 512 << 20}
         # requests run one or two at a time here: best_effort would stop a prefetch at once
         flags += ["--hicache-storage-backend", "mooncake", "--hicache-storage-backend-extra-config", json.dumps(config),
@@ -94,7 +94,7 @@ def start(setup: Setup, model: Path, args: argparse.Namespace, cluster: Cluster)
         if setup.l2:  # the same L2 as the prefill node's, not a multiple of the bigger pool
             one_pool += ["--hicache-ratio", f"{l1_tokens * args.l2_ratio / pool:.4f}"]
         cluster.start("serve", [*cli, "serve", "--model", str(model), "--port", str(http), *one_pool])
-        wait(lambda: _http_ok(f"http://127.0.0.1:{http}/health"), "serve", cluster)
+        wait(lambda: http_ok(f"http://127.0.0.1:{http}/health"), "serve", cluster)
         return f"http://127.0.0.1:{http}"
     nodes = [("prefill", free_port(), small_l1) for _ in range(setup.prefill_nodes)]
     nodes.append(("decode", free_port(), [*flags, "--max-total-tokens", str(args.decode_tokens)]))
@@ -102,11 +102,11 @@ def start(setup: Setup, model: Path, args: argparse.Namespace, cluster: Cluster)
         cluster.start(f"{role}-{i}", [*cli, role, "--model", str(model), "--port", str(port), "--kv-events-port", "0",
                                       *node_flags])
     for role, port, _ in nodes:
-        wait(lambda p=port: _grpc_serving(p), role, cluster)
+        wait(lambda p=port: grpc_serving(p), role, cluster)
     workers = [a for role, port, _ in nodes for a in (f"--{role}", f"127.0.0.1:{port}")]
     cluster.start("router", [*cli, "router", "--model", str(model), "--port", str(http), *workers,
                              "--log-level", "warning"])
-    wait(lambda: _http_ok(f"http://127.0.0.1:{http}/readiness"), "router", cluster)
+    wait(lambda: http_ok(f"http://127.0.0.1:{http}/readiness"), "router", cluster)
     return f"http://127.0.0.1:{http}"
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import httpx
 
-from tierserve.launch import _grpc_serving, _http_ok, free_port
+from tierserve.launch import free_port, grpc_serving, http_ok
 from tierserve.model.fetch import fetch_builtin_model
 
 NODE = ["--device", "cpu", "--dtype", "float32", "--max-total-tokens", "16384", "--kv-events-port", "0",
@@ -95,14 +95,14 @@ def main() -> None:
     results = {}
     try:
         for port in ports:
-            wait(lambda p=port: _grpc_serving(p), f"node on {port}")
+            wait(lambda p=port: grpc_serving(p), f"node on {port}")
         for policy in ("round_robin", "cache_aware"):
             http = free_port()
             router = start(["router", "--model", str(model), "--port", str(http), "--prefill", f"127.0.0.1:{ports[0]}",
                             "--prefill", f"127.0.0.1:{ports[1]}", "--decode", f"127.0.0.1:{ports[2]}",
                             "--prefill-policy", policy, "--log-level", "warning"], logs / f"{policy}.log")
             try:
-                wait(lambda h=http: _http_ok(f"http://127.0.0.1:{h}/readiness"), "router")
+                wait(lambda h=http: http_ok(f"http://127.0.0.1:{h}/readiness"), "router")
                 results[policy] = run(f"http://127.0.0.1:{http}", policy, args.conversations, args.turns)
             finally:
                 router.terminate()

@@ -34,6 +34,7 @@ import grpc
 from tierserve.engine.config import EngineConfig
 from tierserve.engine.engine import Engine
 from tierserve.engine.sampling_params import SamplingParams
+from tierserve.launch import free_port, grpc_serving
 from tierserve.model.fetch import fetch_builtin_model
 from tierserve.node.convert import arena, destination_arena
 from tierserve.proto import tierserve_pb2 as pb
@@ -50,20 +51,11 @@ def start_decode(model: Path, port: int, tokens: int, log: Path) -> subprocess.P
             "--log-level", "warning"]
     proc = subprocess.Popen(args, stdout=log.open("wb"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 180
-    while not _serving(port):
+    while not grpc_serving(port):
         if proc.poll() is not None or time.monotonic() > deadline:
             raise RuntimeError(f"decode node did not start: {log.read_text()[-2000:]}")
         time.sleep(0.1)  # poll interval
     return proc
-
-
-def _serving(port: int) -> bool:
-    try:
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            pb_grpc.NodeServiceStub(channel).Info(pb.InfoRequest(), timeout=1)
-            return True
-    except grpc.RpcError:
-        return False
 
 
 def reserve(port: int, rid: str, prompt: list[int]) -> pb.KVDestination:
@@ -128,7 +120,7 @@ def main() -> None:
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     model = fetch_builtin_model(progress=True)
     pool_tokens = args.tokens + 512
-    port = args.port or _free_port()
+    port = args.port or free_port()
     decode = start_decode(model, port, pool_tokens, Path(tempfile.mkdtemp()) / "decode.log")
     try:
         engine = Engine(EngineConfig(model, device="cpu", dtype="float32", max_total_tokens=pool_tokens,
@@ -170,14 +162,6 @@ def report(rows: list[dict[str, float]], args: argparse.Namespace) -> None:
     print(f"| raw, one block (GB/s) | {raw_bw:.2f} |")
     print(f"| **replay / raw** | **{replay_bw / raw_bw:.2f}** |")
     print(f"| **share of transfer hidden behind compute** | **{hidden:.2f}** |")
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":

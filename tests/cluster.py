@@ -5,21 +5,12 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tierserve.launch import free_port, grpc_serving, http_ok, tcp_open
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -65,12 +56,7 @@ class MasterProcess:
         return self
 
     def _ready(self) -> bool:
-        try:
-            socket.create_connection(("127.0.0.1", self.rpc_port), timeout=0.2).close()
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/health", timeout=0.5) as r:
-                return r.status == 200
-        except OSError:
-            return False
+        return tcp_open(self.rpc_port) and http_ok(f"http://127.0.0.1:{self.metrics_port}/health")
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -97,12 +83,7 @@ class NodeProcess:
         return self
 
     def _serving(self) -> bool:
-        try:
-            with grpc.insecure_channel(self.address) as channel:
-                reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1)
-                return reply.status == health_pb2.HealthCheckResponse.SERVING
-        except grpc.RpcError:
-            return False
+        return grpc_serving(self.address)
 
     def signal(self, sig: int) -> None:
         if self.proc.poll() is None:
@@ -134,11 +115,7 @@ class RouterProcess:
         return self
 
     def _ok(self, path: str) -> bool:
-        try:
-            with urllib.request.urlopen(self.url + path, timeout=1) as r:
-                return r.status == 200
-        except OSError:
-            return False
+        return http_ok(self.url + path)
 
     def stop(self) -> None:
         stop(self.proc)

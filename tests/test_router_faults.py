@@ -14,6 +14,8 @@ import pytest
 from cluster import NodeProcess, RouterProcess
 from pd_helpers import DECODE_ARGS, NODE_ARGS, load, wait_for
 
+from tierserve.launch import http_ok
+
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 ADMIN = {"Authorization": "Bearer k"}
 
@@ -70,20 +72,13 @@ def test_all_decode_nodes_down_gives_503_quickly_and_recovers(long_llama: Path, 
         assert time.monotonic() - start < 5
         assert r.json()["error"]["message"]
         revived = node("decode", long_llama, tmp_path / "d2.log", port=decode.port).wait_ready()
-        wait_for(lambda: _http_ok(f"{router.url}/readiness"), "the router sees the decode node again", 30)
+        wait_for(lambda: http_ok(f"{router.url}/readiness"), "the router sees the decode node again", 30)
         r = complete(router, prompt)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 12
     finally:
         for proc in (router, prefill, decode, revived):
             if proc is not None:
                 proc.stop()
-
-
-def _http_ok(url: str) -> bool:
-    try:
-        return httpx.get(url, timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 async def _running(address: str) -> bool:

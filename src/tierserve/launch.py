@@ -127,7 +127,7 @@ def _start_all(plan: ClusterPlan, cluster: Cluster, stop: threading.Event) -> No
         rpc, metrics = free_port(), free_port()
         master = str(Path(sys.executable).parent / "mooncake_master")
         cluster.start("mooncake-master", [master, f"--rpc_port={rpc}", f"--metrics_port={metrics}"])
-        _wait(lambda: _tcp_open(rpc), "mooncake_master", cluster, stop)
+        _wait(lambda: tcp_open(rpc), "mooncake_master", cluster, stop)
         l3 = {"master_server_address": f"127.0.0.1:{rpc}"}
         flags += ["--enable-hierarchical-cache", "--hicache-storage-backend", "mooncake",
                   "--hicache-storage-backend-extra-config", json.dumps(l3)]
@@ -140,11 +140,11 @@ def _start_all(plan: ClusterPlan, cluster: Cluster, stop: threading.Event) -> No
                                           "--kv-events-port", "0", *flags])  # for the router's cache-aware policy
     for role, ports in nodes.items():
         for i, port in enumerate(ports):
-            _wait(lambda p=port: _grpc_serving(p), f"{role}-{i}", cluster, stop)
+            _wait(lambda p=port: grpc_serving(p), f"{role}-{i}", cluster, stop)
     workers = [f for role, ports in nodes.items() for p in ports for f in (f"--{role}", f"127.0.0.1:{p}")]
     cluster.start("router", [*cli, "router", "--model", str(plan.model_dir), "--host", plan.host,
                              "--port", str(plan.port), *workers, *plan.router_flags])
-    _wait(lambda: _http_ok(f"http://{plan.host}:{plan.port}/readiness"), "router", cluster, stop)
+    _wait(lambda: http_ok(f"http://{plan.host}:{plan.port}/readiness"), "router", cluster, stop)
 
 
 def _wait(ready: Callable[[], bool], what: str, cluster: Cluster, stop: threading.Event) -> None:
@@ -159,7 +159,10 @@ def _wait(ready: Callable[[], bool], what: str, cluster: Cluster, stop: threadin
         stop.wait(0.1)  # poll interval
 
 
-def _tcp_open(port: int) -> bool:
+# Readiness probes (each answers at once; callers poll them against a deadline).
+
+
+def tcp_open(port: int) -> bool:
     try:
         socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
         return True
@@ -167,18 +170,20 @@ def _tcp_open(port: int) -> bool:
         return False
 
 
-def _grpc_serving(port: int) -> bool:
+def grpc_serving(address: str | int) -> bool:
+    """The gRPC health service at ``host:port`` (or a local port) says SERVING."""
     import grpc
 
+    target = f"127.0.0.1:{address}" if isinstance(address, int) else address
     try:
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        with grpc.insecure_channel(target) as channel:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1)
             return reply.status == health_pb2.HealthCheckResponse.SERVING
     except grpc.RpcError:
         return False
 
 
-def _http_ok(url: str) -> bool:
+def http_ok(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=1) as r:
             return r.status == 200
