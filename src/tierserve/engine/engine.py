@@ -116,10 +116,11 @@ class Engine:
         reservation's request (``pages`` is the page table, ``num_computed`` the tokens this
         engine already caches). Raises ``InvalidRequestError`` or ``CapacityError``."""
         prompt = list(prompt_ids)
-        self._validate(request_id, prompt, SamplingParams(max_tokens=max_new_tokens))
+        params = SamplingParams(max_tokens=max_new_tokens)
+        self._validate(request_id, prompt, params)
         if request_id in self.reservations.active:
             raise InvalidRequestError(f"request id {request_id!r} is already reserved")
-        request = Request(request_id, prompt, SamplingParams(max_tokens=max_new_tokens), cache_salt=cache_salt)
+        request = Request(request_id, prompt, params, cache_salt=cache_salt)
         headroom = min(max_new_tokens, self.config.reserve_decode_tokens)
         self.reservations.reserve(request, len(prompt) + max(1, headroom), lease_s)
         return request
@@ -160,7 +161,7 @@ class Engine:
 
     def has_work(self) -> bool:
         """Requests, reservations, or cache copies that finish only through steps."""
-        return self.scheduler.has_work() or bool(self.reservations) or getattr(self.cache, "busy", False)
+        return self.scheduler.has_work() or bool(self.reservations) or self.cache.busy
 
     def stats(self) -> dict[str, float]:
         """Occupancy counters; safe to read from another thread (approximate while a step runs).

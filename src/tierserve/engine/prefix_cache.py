@@ -88,9 +88,17 @@ class PrefixCache(Protocol):
         """Monotonic counters (names ending in ``_total``) and gauges, for metrics."""
         ...
 
+    @property
+    def busy(self) -> bool:
+        """Background copies are in flight; they finish through ``on_step``, so the engine keeps
+        stepping while this is True even with no request."""
+        ...
+
 
 class NoPrefetch:
-    """For caches with no slower tier to prefetch from."""
+    """For caches with no slower tier to prefetch from (and so no background copies)."""
+
+    busy = False
 
     def prefetch(self, token_ids: Sequence[int], salt: str = "") -> object | None:
         return None
