@@ -21,14 +21,14 @@ def flush_cache(engine: Engine, device: bool, host: bool) -> tuple[int, int]:
     """Drops what L1 and/or L2 cache (pages no request holds); L3 is untouched. Returns the
     numbers of device and host pages freed."""
     cache = engine.cache
-    if isinstance(cache, HiCache):
-        cache.wait_background()
-    host_before = cache.host.allocator.num_used if isinstance(cache, HiCache) else 0
-    device_pages = cache.evict(engine.allocator.num_pages) if device else 0
-    if host and isinstance(cache, HiCache):
+    if not isinstance(cache, HiCache):  # no host tier
+        return (cache.evict(engine.allocator.num_pages) if device else 0), 0
+    cache.wait_background()  # copies in flight pin their pages
+    host_before = cache.host.allocator.num_used
+    device_pages = cache.evict(engine.allocator.num_pages) if device else 0  # may drop host copies too
+    if host:
         cache.host.allocator.free(cache.tree.evict_host(cache.host.num_pages))
-    host_pages = host_before - cache.host.allocator.num_used if isinstance(cache, HiCache) else 0
-    return device_pages, host_pages
+    return device_pages, host_before - cache.host.allocator.num_used
 
 
 class NodeServicer(pb_grpc.NodeServiceServicer):
