@@ -27,9 +27,9 @@ from pathlib import Path
 
 import torch
 
+from tierserve.core.sampling import SamplingParams
 from tierserve.engine.config import EngineConfig
 from tierserve.engine.engine import Engine
-from tierserve.engine.sampling_params import SamplingParams
 from tierserve.model.fetch import fetch_builtin_model
 
 SCENARIOS = ("b1", "b16", "serve16")

@@ -18,10 +18,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from tierserve.cache.options import PrefetchPolicy
-from tierserve.engine.config import EngineConfig, HiCacheOptions
+from tierserve.cache.options import HiCacheOptions, PrefetchPolicy
+from tierserve.core.sampling import SamplingParams
+from tierserve.engine.config import EngineConfig
 from tierserve.engine.engine import Engine
-from tierserve.engine.sampling_params import SamplingParams
 from tierserve.model.fetch import fetch_builtin_model
 
 

@@ -31,9 +31,10 @@ from pathlib import Path
 
 import grpc
 
+from tierserve.core.sampling import SamplingParams
+from tierserve.core.transfer import TransferProtocol
 from tierserve.engine.config import EngineConfig
 from tierserve.engine.engine import Engine
-from tierserve.engine.sampling_params import SamplingParams
 from tierserve.launch import free_port, grpc_serving
 from tierserve.model.fetch import fetch_builtin_model
 from tierserve.node.convert import arena, destination_arena
@@ -42,7 +43,6 @@ from tierserve.proto import tierserve_pb2_grpc as pb_grpc
 from tierserve.transfer.engine import PeerEngines
 from tierserve.transfer.handoff import KVHandoff
 from tierserve.transfer.layout import layer_blocks, token_runs
-from tierserve.transfer.options import TransferProtocol
 
 
 def start_decode(model: Path, port: int, tokens: int, log: Path) -> subprocess.Popen:

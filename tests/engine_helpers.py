@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import itertools
 
+from tierserve.core.sampling import SamplingParams
 from tierserve.engine.engine import Engine
-from tierserve.engine.sampling_params import SamplingParams
 
 _ids = itertools.count()
 

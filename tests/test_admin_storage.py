@@ -10,10 +10,11 @@ import torch
 from engine_helpers import run_one
 from test_server import _start, _stop, _wait_healthy
 
-from tierserve.cache.hicache import StorageBusyError
-from tierserve.engine.config import EngineConfig, HiCacheOptions
+from tierserve.cache.options import HiCacheOptions
+from tierserve.core.sampling import SamplingParams
+from tierserve.core.storage import StorageBusyError
+from tierserve.engine.config import EngineConfig
 from tierserve.engine.engine import Engine
-from tierserve.engine.sampling_params import SamplingParams
 
 PARAMS = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 

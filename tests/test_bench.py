@@ -15,7 +15,7 @@ from tierserve.bench.tokens import TokenSpace
 from tierserve.bench.traces import BlockBank, TraceConfig, azure_trace, mooncake_prompt, mooncake_trace
 from tierserve.bench.workloads import MultiTurnConfig, SharedPrefixConfig, multiturn, shared_prefix
 
-TRACES = Path("/work/shared/traces")
+TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
 MOONCAKE = TRACES / "mooncake_conversation_first_half.jsonl"
 AZURE = TRACES / "azure_llm_2023_conv.csv"
 SPACE = TokenSpace(vocab_size=384, min_id=32)
@@ -186,15 +186,15 @@ def test_the_bench_package_is_a_client_without_torch() -> None:
     import subprocess
     import sys
 
-    code = ("import sys, tierserve.bench.runner, tierserve.bench.cli, tierserve.bench.traces, "
+    code = ("import sys, tierserve.bench.runner, tierserve.cli.bench, tierserve.bench.traces, "
             "tierserve.bench.compare, tierserve.bench.plots; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
 
 
 def test_cli_builds_each_workload_from_flags() -> None:
-    from tierserve.bench.cli import bench_options, build_workload
-    from tierserve.cli import build_parser
+    from tierserve.cli.bench import bench_options, build_workload
+    from tierserve.cli.main import build_parser
 
     parser = build_parser()
     args = parser.parse_args(["bench", "run", "multiturn", "--conversations", "3", "--rounds", "2", "--barrier"])

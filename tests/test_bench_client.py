@@ -18,7 +18,7 @@ from tierserve.bench.report import Report, percentile
 from tierserve.bench.runner import BenchOptions, run_bench_async
 from tierserve.bench.tokens import TokenSpace
 from tierserve.bench.workloads import MultiTurnConfig, SharedPrefixConfig, multiturn, shared_prefix
-from tierserve.cli import main
+from tierserve.cli.main import main
 
 SPACE = TokenSpace(384, 32)
 

@@ -23,11 +23,11 @@ from tierserve.bench import (
     run_bench,
 )
 from tierserve.bench.records import TIERS
-from tierserve.cli import main
+from tierserve.cli.main import main
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 SPACE = TokenSpace(vocab_size=384, min_id=32)  # the tiny test model's vocabulary
-MOONCAKE = Path("/work/shared/traces/mooncake_conversation_first_half.jsonl")
+MOONCAKE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation_first_half.jsonl"
 
 
 @pytest.fixture(scope="module")

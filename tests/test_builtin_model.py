@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from tierserve.core.sampling import SamplingParams
 from tierserve.engine.config import EngineConfig
 from tierserve.engine.engine import Engine
-from tierserve.engine.sampling_params import SamplingParams
 from tierserve.model.attention import AttentionBatch, ExtendSpan
 
 pytestmark = pytest.mark.slow

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from tierserve.cache.options import HostLayout, IOBackend, PrefetchPolicy, WritePolicy
-from tierserve.cli import build_parser, engine_config
+from tierserve.cli.flags import engine_config
+from tierserve.cli.main import build_parser
 
 
 def test_hicache_flags_reach_the_engine_config() -> None:

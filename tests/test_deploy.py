@@ -27,7 +27,7 @@ import yaml
 from cluster import free_port, wait_until
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tierserve.cli import build_parser
+from tierserve.cli.main import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from tierserve.cache.allocator import PageAllocator
+from tierserve.cache.base import PrefixHit, SingleTier
 from tierserve.cache.device_pool import DeviceKVPool
+from tierserve.core.sampling import InvalidRequestError, SamplingParams
 from tierserve.engine.config import EngineConfig
 from tierserve.engine.engine import Engine
-from tierserve.engine.prefix_cache import NoPrefetch, PrefixHit
 from tierserve.engine.request import FinishReason
-from tierserve.engine.sampling_params import InvalidRequestError, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
@@ -142,7 +142,7 @@ def test_top_k_one_is_greedy(tiny_llama: Path) -> None:
     assert engine.generate([prompt], top1) == engine.generate([prompt], greedy)
 
 
-class DictPrefixCache(NoPrefetch):
+class DictPrefixCache(SingleTier):
     """A minimal prefix cache for exercising the hook: remembers, for every page boundary of a
     finished request, the pages holding that prefix. It never evicts, so pinning is moot."""
 

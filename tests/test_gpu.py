@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tierserve.engine.config import EngineConfig, HiCacheOptions
+from tierserve.cache.options import HiCacheOptions
+from tierserve.core.sampling import SamplingParams
+from tierserve.engine.config import EngineConfig
 from tierserve.engine.engine import Engine
-from tierserve.engine.sampling_params import SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

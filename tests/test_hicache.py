@@ -15,10 +15,10 @@ from tierserve.cache.device_pool import DeviceKVPool, KVGeometry
 from tierserve.cache.hicache import HiCache, HiCacheConfig
 from tierserve.cache.host_pool import HostKVPool
 from tierserve.cache.loads import HostLoadError
-from tierserve.cache.options import HostLayout, IOBackend, WritePolicy
-from tierserve.engine.config import EngineConfig, HiCacheOptions
+from tierserve.cache.options import HiCacheOptions, HostLayout, IOBackend, WritePolicy
+from tierserve.core.sampling import SamplingParams
+from tierserve.engine.config import EngineConfig
 from tierserve.engine.engine import Engine
-from tierserve.engine.sampling_params import SamplingParams
 
 PARAMS = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
@@ -111,8 +111,8 @@ def test_selective_write_through_waits_for_hits(tiny_llama: Path, expected: list
 def test_cache_metrics_are_exported(tiny_llama: Path) -> None:
     from prometheus_client import generate_latest
 
-    from tierserve.api_metrics import ApiMetrics
-    from tierserve.engine.metrics import EngineCollector
+    from tierserve.api.engine_metrics import EngineCollector
+    from tierserve.api.metrics import ApiMetrics
 
     engine = _engine(tiny_llama)
     target, fillers = _prompts()

@@ -12,6 +12,8 @@ from types import SimpleNamespace
 import msgpack
 import pytest
 
+from tierserve.cache.allocator import PageAllocator
+from tierserve.cache.base import NoPrefixCache
 from tierserve.cache.events import (
     DEVICE,
     HOST,
@@ -120,12 +122,12 @@ def test_take_snapshot_orders_pending_events_before_it() -> None:
     tree, rec = _tree()
     tree.insert([1, 2], [5])
     publisher = SimpleNamespace(recorder=rec)
-    seq, entries = take_snapshot(SimpleNamespace(cache=SimpleNamespace(tree=tree)), publisher)
+    seq, entries = take_snapshot(SimpleNamespace(cache=SimpleNamespace(snapshot=tree.snapshot)), publisher)
     assert seq == 0 and entries == [(page_keys(SEED, [1, 2], PS)[0], DEVICE)]
     assert [s for s, _ in rec.take()] == [0]  # the pending insert got a number <= the snapshot's
     reply = snapshot_reply((seq, entries))
     assert reply.sequence == 0 and reply.entries[0].medium == DEVICE and len(reply.entries[0].key) == 32
-    assert take_snapshot(SimpleNamespace(cache=None), None) == (-1, [])
+    assert take_snapshot(SimpleNamespace(cache=NoPrefixCache(PageAllocator(4))), None) == (-1, [])
 
 
 # -- wire format -------------------------------------------------------------------------------------
@@ -321,9 +323,10 @@ def test_engine_hicache_events_add_up_to_the_snapshot(tiny_llama) -> None:
     import torch
     from engine_helpers import run_one
 
-    from tierserve.engine.config import EngineConfig, HiCacheOptions
+    from tierserve.cache.options import HiCacheOptions
+    from tierserve.core.sampling import SamplingParams
+    from tierserve.engine.config import EngineConfig
     from tierserve.engine.engine import Engine
-    from tierserve.engine.sampling_params import SamplingParams
 
     engine = Engine(EngineConfig(tiny_llama, dtype="float32", page_size=4, max_total_tokens=96,
                                  enable_hierarchical_cache=True, hicache=HiCacheOptions(ratio=4.0)))

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from tierserve.core.sampling import SamplingParams
 from tierserve.engine.config import EngineConfig
 from tierserve.engine.engine import Engine
-from tierserve.engine.sampling_params import SamplingParams
 
 NEW_TOKENS = 32
 PROMPT_LENGTHS = (5, 17, 40, 70)

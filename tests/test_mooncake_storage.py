@@ -15,15 +15,15 @@ from engine_helpers import run_one
 from tiny_models import make_tiny_model
 
 from tierserve.cache import storage_tier
-from tierserve.cache.options import HostLayout, PrefetchPolicy
+from tierserve.cache.options import HiCacheOptions, HostLayout, PrefetchPolicy
 from tierserve.cache.storage import StorageError, create_backend
 
 # Through our module, which sets Mooncake's environment defaults before Mooncake loads. A plain
 # import: `make test` installs Mooncake, so a failure here is a broken setup, not a reason to skip.
 from tierserve.cache.storage.mooncake import MooncakeStorage
-from tierserve.engine.config import EngineConfig, HiCacheOptions
+from tierserve.core.sampling import SamplingParams
+from tierserve.engine.config import EngineConfig
 from tierserve.engine.engine import Engine
-from tierserve.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.integration
 PARAMS = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)

@@ -14,9 +14,9 @@ from tierserve.cache.allocator import PageAllocator
 from tierserve.cache.hashing import page_keys
 from tierserve.cache.radix_cache import RadixCache
 from tierserve.cache.radix_tree import RadixTree
+from tierserve.core.sampling import SamplingParams
 from tierserve.engine.config import EngineConfig
 from tierserve.engine.engine import Engine
-from tierserve.engine.sampling_params import SamplingParams
 
 SEED = b"s" * 32
 

@@ -17,9 +17,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pd_helpers import load, wait_for
 
+from tierserve.core.sampling import SamplingParams
 from tierserve.engine.config import EngineConfig
 from tierserve.engine.engine import Engine
-from tierserve.engine.sampling_params import SamplingParams
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 ARGS = ["--device", "cpu", "--dtype", "float32", "--max-total-tokens", "4096"]
@@ -102,7 +102,7 @@ def test_openai_chat_streaming_and_second_turn_hits_the_cache(client: openai.Ope
 
 
 def _single_engine_chat(model: Path, messages: list[dict], max_tokens: int) -> str:
-    from tierserve.model.tokenizer import try_load
+    from tierserve.api.tokenizer import try_load
 
     tokenizer = try_load(model)
     ids = tokenizer.encode(tokenizer.apply_chat_template(messages, True), add_special_tokens=False)

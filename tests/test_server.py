@@ -250,7 +250,7 @@ def test_greedy_stream_equals_non_stream(smol: Server):
 
 
 def test_tokenize(smol: Server, builtin_model: Path):
-    from tierserve.model.tokenizer import TextTokenizer
+    from tierserve.api.tokenizer import TextTokenizer
 
     tok = TextTokenizer.from_dir(builtin_model)
     messages = [{"role": "user", "content": "hi"}]

@@ -14,13 +14,13 @@ from tiny_models import make_tiny_model
 
 from tierserve.cache.device_pool import KVGeometry
 from tierserve.cache.host_pool import HostKVPool
-from tierserve.cache.options import HostLayout, IOBackend, PrefetchPolicy
+from tierserve.cache.options import HiCacheOptions, HostLayout, IOBackend, PrefetchPolicy
 from tierserve.cache.staging import DirectPageIO, StagedPageIO, page_io
 from tierserve.cache.storage import StorageBackend, create_backend
 from tierserve.cache.storage.file import FileStorage
-from tierserve.engine.config import EngineConfig, HiCacheOptions
+from tierserve.core.sampling import SamplingParams
+from tierserve.engine.config import EngineConfig
 from tierserve.engine.engine import Engine
-from tierserve.engine.sampling_params import SamplingParams
 
 PARAMS = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tierserve.model.tokenizer import ChatTemplateError, TextTokenizer, try_load
+from tierserve.api.tokenizer import ChatTemplateError, TextTokenizer, try_load
 
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of France?"}],
@@ -118,6 +118,6 @@ def test_folder_without_tokenizer(tiny_llama: Path):
 
 def test_router_side_modules_are_torch_free():
     # The router imports these two and must not pay for (or depend on) torch.
-    code = ("import sys, tierserve.model.tokenizer, tierserve.openai_api; "
+    code = ("import sys, tierserve.api.tokenizer, tierserve.api.openai; "
             "sys.exit(sorted({'torch', 'transformers'} & set(sys.modules)) or None)")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -8,12 +8,14 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 from cluster import free_port
 
-from tierserve.cli import _engine_flags, build_parser
+from tierserve.cli.flags import engine_config, engine_flags
+from tierserve.cli.main import build_parser
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -59,7 +61,7 @@ def test_up_serves_chat_and_stops_cleanly_on_ctrl_c() -> None:
 def test_engine_flags_are_forwarded_to_every_node() -> None:
     args = build_parser().parse_args(["up", "--page-size", "32", "--enable-hierarchical-cache",
                                       "--hicache-mem-layout", "page_first", "--max-total-tokens", "2048"])
-    flags = _engine_flags(args)
+    flags = engine_flags(engine_config(args, Path("/m")))
     assert flags == ["--page-size", "32", "--max-total-tokens", "2048", "--enable-hierarchical-cache",
                      "--hicache-mem-layout", "page_first"]
     assert build_parser().parse_args(["prefill", *flags]).page_size == 32  # the nodes accept them

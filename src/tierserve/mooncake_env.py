@@ -1,6 +1,6 @@
 """Mooncake's settings by environment variable, set before the library loads (it reads them at
 load or engine start; the environment overrides these defaults). Measured reasons in
-/work/shared/MOONCAKE_NOTES.md."""
+``docs/mooncake.md``."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-TIERS = ("device", "host", "storage")
+from tierserve.core.tiers import TIERS
 
 # A prompt is token ids (sent to /v1/completions), text (/v1/completions) or chat messages
 # (/v1/chat/completions).

@@ -1,4 +1,5 @@
-"""Replays of public serving traces (see /work/shared/traces/README.md) as token-id workloads.
+"""Replays of public serving traces (the ``traces/`` folder of the shared project data, beside
+the checkout) as token-id workloads.
 
 Mooncake format: every ``hash_id`` names one block of the trace's block size (512 tokens) and the
 whole prefix before it. The replay draws one deterministic block of ``block_size`` token ids per

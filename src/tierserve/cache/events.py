@@ -29,10 +29,12 @@ from typing import Protocol
 import msgpack
 import zmq
 
+from tierserve.core.tiers import CacheTier
+
 log = logging.getLogger(__name__)
 
-DEVICE = "device"  # L1
-HOST = "host"  # L2
+DEVICE = CacheTier.DEVICE  # L1
+HOST = CacheTier.HOST  # L2
 MEDIUMS = (DEVICE, HOST)
 DEFAULT_TOPIC = b"kv-events"
 

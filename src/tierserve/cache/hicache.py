@@ -18,15 +18,18 @@ from typing import Any
 
 from tierserve.cache.agreement import Agreement, SingleRank, leading_true
 from tierserve.cache.allocator import PageAllocator
+from tierserve.cache.base import PrefixHit, Snapshot
 from tierserve.cache.device_pool import DeviceKVPool
+from tierserve.cache.events import KVEventListener
 from tierserve.cache.host_pool import HostKVPool, copy_pages
 from tierserve.cache.loads import LayerwiseLoad, Loads
 from tierserve.cache.options import IOBackend, PrefetchPolicy, WritePolicy
 from tierserve.cache.prefetch import Prefetch, PrefetchOptions
-from tierserve.cache.radix_tree import Node, RadixTree
+from tierserve.cache.radix_tree import Match, Node, RadixTree
 from tierserve.cache.storage import StorageBackend
 from tierserve.cache.storage_tier import StorageTier
-from tierserve.engine.prefix_cache import PrefixHit
+from tierserve.core.storage import StorageAction, StorageBusyError
+from tierserve.core.tiers import CacheTier
 
 log = logging.getLogger(__name__)
 MAX_AGREED_TICKETS = 32  # prefetches taking part in one step's agreement (3 slots each)
@@ -41,10 +44,6 @@ class HiCacheConfig:
     prefetch: PrefetchOptions = field(default_factory=PrefetchOptions)
 
 
-class StorageBusyError(RuntimeError):
-    """An L3 admin action that needs an idle cache (or another state) was refused."""
-
-
 @dataclass
 class _Write:
     node: Node
@@ -54,7 +53,7 @@ class _Write:
 
 
 class HiCache:
-    """The engine's prefix cache over L1 and L2 (see ``engine.prefix_cache.PrefixCache``).
+    """The engine's prefix cache over L1, L2 and L3 (the ``cache.base.PrefixCache`` contract).
 
     Page ownership: device pages belong to the device allocator's free list, a request, or the
     tree; host pages to the host pool's allocator or the tree (or an in-flight write). After an
@@ -86,7 +85,33 @@ class HiCache:
         if self.storage is not None:
             self.storage.close()
 
+    def flush(self, device: bool, host: bool) -> tuple[int, int]:
+        self.wait_background()  # copies in flight pin their pages
+        host_before = self.host.allocator.num_used
+        device_pages = self.evict(self.allocator.num_pages) if device else 0  # may drop host copies too
+        if host:
+            self.host.allocator.free(self.tree.evict_host(self.host.num_pages))
+        return device_pages, host_before - self.host.allocator.num_used
+
+    def set_event_listener(self, listener: KVEventListener) -> bool:
+        self.tree.listener = listener
+        return True
+
+    def snapshot(self) -> Snapshot:
+        return self.tree.snapshot()
+
     # -- L3 at run time (admin) ----------------------------------------------------------------
+
+    def storage_admin(self, action: StorageAction, backend: StorageBackend | None = None) -> dict[str, Any]:
+        if action is StorageAction.ATTACH:
+            if backend is None:
+                raise ValueError("attach needs a storage backend")
+            self.attach_storage(backend)
+        elif action is StorageAction.DETACH:
+            self.detach_storage()
+        elif action is StorageAction.CLEAR:
+            self.clear_storage()
+        return self.storage_status()
 
     def attach_storage(self, storage: StorageBackend) -> None:
         """Puts ``storage`` behind L2; refused while another backend is attached or L2/L3 work runs."""
@@ -145,33 +170,48 @@ class HiCache:
             self.storage.drop(ticket)
 
     def match(self, token_ids: Sequence[int], ticket: object | None = None, salt: str = "") -> PrefixHit:
-        if isinstance(ticket, Prefetch) and self.storage is not None:
-            self.storage.finish(ticket, token_ids, salt)
+        """The longest prefix in L1 or L2 (after applying a finished prefetch), pinned; its L2 part
+        starts loading into L1 layer by layer (when L1 has no room, only the L1 part is used)."""
+        self._finish_prefetch(ticket, token_ids, salt)
         found = self.tree.match(token_ids, salt)
-        node = found.last_node
-        self.tree.lock(node)
-        loads = [n.loading for n in _path(found.device_node) if n.loading is not None and not n.loading.done()]
-        host_tokens = storage_tokens = 0
-        if found.host_pages:
-            load = self._load(found.host_nodes, found.host_pages)
-            if load is None:  # no room on the device: use the L1 part only
-                self.tree.unlock(node)
-                node = found.device_node
-                self.tree.lock(node)
-            else:
-                loads.append(load)
-                host_tokens = len(found.host_pages) * self.page_size
-                storage_tokens = sum(n.num_pages for n in found.host_nodes if n.from_storage) * self.page_size
-                for n in found.host_nodes:
-                    n.from_storage = False
+        pending = [n.loading for n in _path(found.device_node) if n.loading is not None and not n.loading.done()]
+        node, load = self._pin_and_load(found)
         self._maybe_write_path(node)
         pages = [p for n in reversed(list(_path(node))) for p in n.device]
-        device_tokens = len(pages) * self.page_size - host_tokens
-        tiers = (("device", device_tokens), ("host", host_tokens - storage_tokens), ("storage", storage_tokens))
-        by_tier = {k: v for k, v in tiers if v}
-        hit = PrefixHit(len(pages) * self.page_size, pages, by_tier, handle=node, loads=loads, salt=salt)
+        loads = pending + ([load] if load is not None else [])
+        hit = PrefixHit(len(pages) * self.page_size, pages, self._tiers(found, load, len(pages)), handle=node,
+                        loads=loads, salt=salt)
         self.loads.lent(hit)
         return hit
+
+    def _finish_prefetch(self, ticket: object | None, token_ids: Sequence[int], salt: str) -> None:
+        """Inserts what the request's L3 prefetch brought into L2 as host-only nodes."""
+        if isinstance(ticket, Prefetch) and self.storage is not None:
+            self.storage.finish(ticket, token_ids, salt)
+
+    def _pin_and_load(self, found: Match) -> tuple[Node, LayerwiseLoad | None]:
+        """Pins the whole match first (so making room in L1 cannot evict it), then starts loading
+        its L2 part; without room, unpins down to the L1 part. Returns the pinned node and the load."""
+        self.tree.lock(found.last_node)
+        if not found.host_pages:
+            return found.last_node, None
+        load = self._load(found.host_nodes, found.host_pages)
+        if load is None:
+            self.tree.unlock(found.last_node)
+            self.tree.lock(found.device_node)
+            return found.device_node, None
+        return found.last_node, load
+
+    def _tiers(self, found: Match, load: LayerwiseLoad | None, num_pages: int) -> dict[CacheTier, int]:
+        """The hit's tokens by the tier they came from; pages L3 brought count as storage once."""
+        host = storage = 0
+        if load is not None:
+            host = len(found.host_pages)
+            storage = sum(n.num_pages for n in found.host_nodes if n.from_storage)
+            for n in found.host_nodes:
+                n.from_storage = False
+        pages = {CacheTier.DEVICE: num_pages - host, CacheTier.HOST: host - storage, CacheTier.STORAGE: storage}
+        return {tier: n * self.page_size for tier, n in pages.items() if n}
 
     def release(self, token_ids: Sequence[int], pages: list[int], num_computed: int, hit: PrefixHit) -> None:
         """Only KV before the first page of a failed load goes into the tree: the rest is garbage

@@ -14,8 +14,8 @@ from collections.abc import Callable
 
 from tierserve.cache.agreement import leading_true
 from tierserve.cache.allocator import PageAllocator
+from tierserve.cache.base import PrefixHit
 from tierserve.cache.radix_tree import RadixTree, subtree
-from tierserve.engine.prefix_cache import PrefixHit
 
 log = logging.getLogger(__name__)
 

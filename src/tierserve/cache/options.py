@@ -1,8 +1,20 @@
-"""HiCache option values (torch-free, so configs and the CLI can name them cheaply)."""
+"""The cache's own settings (torch-free, so configs and the CLI can name them cheaply)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
+
+from tierserve.core.storage import StorageKind
+
+
+class CacheKind(Enum):
+    """Which prefix cache an engine runs."""
+
+    NONE = "none"  # --disable-radix-cache: nothing is reused
+    RADIX = "radix"  # L1 only
+    HIERARCHICAL = "hierarchical"  # L1 + L2 (+ L3 when a storage backend is set)
 
 
 class HostLayout(Enum):
@@ -40,3 +52,25 @@ def object_format(layout: HostLayout) -> str:
     """The byte order of a page as one L3 object for a host layout: ``layer_first`` pages are
     staged into the ``page_first`` order, the two page-first layouts are stored as they are."""
     return HostLayout.PAGE_FIRST_DIRECT.value if layout is HostLayout.PAGE_FIRST_DIRECT else HostLayout.PAGE_FIRST.value
+
+
+@dataclass(frozen=True)
+class HiCacheOptions:
+    """The host tier: ``ratio`` x the device pool, or ``size_gb`` when given (``--hicache-*``), and
+    the optional L3 ``storage_backend`` configured by ``storage_config`` (the extra-config JSON;
+    it also overrides the prefetch threshold and timeouts). A backend given by name is parsed
+    (``ValueError`` for an unknown one)."""
+
+    ratio: float = 2.0
+    size_gb: float | None = None
+    write_policy: WritePolicy = WritePolicy.WRITE_THROUGH
+    write_threshold: int = 2
+    mem_layout: HostLayout = HostLayout.PAGE_FIRST_DIRECT
+    io_backend: IOBackend = IOBackend.KERNEL
+    storage_backend: StorageKind | None = None
+    storage_config: dict[str, Any] = field(default_factory=dict)
+    prefetch_policy: PrefetchPolicy = PrefetchPolicy.BEST_EFFORT
+
+    def __post_init__(self) -> None:
+        if self.storage_backend is not None:
+            object.__setattr__(self, "storage_backend", StorageKind.parse(self.storage_backend))

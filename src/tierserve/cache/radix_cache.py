@@ -5,11 +5,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from tierserve.cache.allocator import PageAllocator
+from tierserve.cache.base import PrefixHit, SingleTier, Snapshot
+from tierserve.cache.events import KVEventListener
 from tierserve.cache.radix_tree import Node, RadixTree
-from tierserve.engine.prefix_cache import NoPrefetch, PrefixHit
+from tierserve.core.tiers import CacheTier
 
 
-class RadixCache(NoPrefetch):
+class RadixCache(SingleTier):
     """Keeps the KV pages of finished (and preempted) requests, shares them with later requests
     whose prompts start the same way, and frees least recently used ones when the pool runs short.
 
@@ -29,7 +31,7 @@ class RadixCache(NoPrefetch):
         found = self.tree.match(token_ids, salt)
         self.tree.lock(found.device_node)
         n = len(found.device_pages) * self.page_size
-        return PrefixHit(n, list(found.device_pages), {"device": n} if n else {}, handle=found.device_node,
+        return PrefixHit(n, list(found.device_pages), {CacheTier.DEVICE: n} if n else {}, handle=found.device_node,
                          salt=salt)
 
     def release(self, token_ids: Sequence[int], pages: list[int], num_computed: int, hit: PrefixHit) -> None:
@@ -54,3 +56,10 @@ class RadixCache(NoPrefetch):
 
     def on_step(self) -> None:
         pass
+
+    def set_event_listener(self, listener: KVEventListener) -> bool:
+        self.tree.listener = listener
+        return True
+
+    def snapshot(self) -> Snapshot:
+        return self.tree.snapshot()

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import grpc
 
-from tierserve.engine.reservations import CapacityError
-from tierserve.engine.sampling_params import InvalidRequestError
+from tierserve.core.sampling import InvalidRequestError
+from tierserve.engine.reservations import DEFAULT_TERMS, CapacityError, ReservationTerms
 from tierserve.node.convert import arena, identity, sampling_params
-from tierserve.node.server import Node
+from tierserve.node.server import AddService, Node
 from tierserve.proto import tierserve_pb2 as pb
 from tierserve.proto import tierserve_pb2_grpc as pb_grpc
 
@@ -23,15 +24,18 @@ log = logging.getLogger(__name__)
 
 
 class DecodeServicer(pb_grpc.DecodeServiceServicer):
-    def __init__(self, node: Node, lease_s: float = 30.0) -> None:
-        self.node, self.lease_s = node, lease_s
+    """``terms`` are the decode role's reservation settings (``--lease-seconds``,
+    ``--reservation-grace``, ``--reserve-decode-tokens``); a request may ask for another lease."""
+
+    def __init__(self, node: Node, terms: ReservationTerms = DEFAULT_TERMS) -> None:
+        self.node, self.terms = node, terms
         self.identity, self.arena = identity(node.engine), arena(node.engine)
 
     async def Reserve(self, request: pb.ReserveRequest, context: grpc.aio.ServicerContext) -> pb.ReserveResponse:
-        rid, lease = request.request_id, request.lease_seconds or self.lease_s
+        rid, terms = request.request_id, replace(self.terms, lease_s=request.lease_seconds or self.terms.lease_s)
         prompt, max_new = list(request.prompt_ids), request.max_new_tokens or 16
         try:
-            reserved = await self.node.loop.call(lambda e: e.reserve(rid, prompt, max_new, request.cache_salt, lease))
+            reserved = await self.node.loop.call(lambda e: e.reserve(rid, prompt, max_new, request.cache_salt, terms))
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except CapacityError as exc:
@@ -39,7 +43,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         dest = pb.KVDestination(reservation_id=rid, transfer_endpoint=self.node.transfer.endpoint,
                                 identity=self.identity, base_address=self.arena.base, num_slots=self.arena.num_slots,
                                 pages=reserved.pages, cached_tokens=reserved.num_computed)
-        return pb.ReserveResponse(destination=dest, lease_seconds=lease)
+        return pb.ReserveResponse(destination=dest, lease_seconds=terms.lease_s)
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[pb.GenerateChunk]:
@@ -68,11 +72,11 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         return pb.ReleaseResponse(released=released)
 
 
-def add_decode_service(lease_s: float):
+def add_decode_service(terms: ReservationTerms) -> AddService:
     """The ``AddService`` hook of ``run_node`` for the decode role."""
 
     def add(server: grpc.aio.Server, node: Node) -> str:
-        pb_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(node, lease_s), server)
+        pb_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(node, terms), server)
         return "tierserve.v1.DecodeService"
 
     return add

@@ -1,29 +1,12 @@
-"""Settings of one engine (model, device, KV pool, batching)."""
+"""Settings of one engine (model, device, KV pool, batching, prefix cache). Role-only settings
+(the decode role's lease and grace, the prefill role's handoff deadline) live with their role."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-from tierserve.cache.options import HostLayout, IOBackend, PrefetchPolicy, WritePolicy
-
-
-@dataclass(frozen=True)
-class HiCacheOptions:
-    """The host tier: ``ratio`` x the device pool, or ``size_gb`` when given (``--hicache-*``), and
-    the optional L3 ``storage_backend`` (file, mooncake, dynamic) configured by ``storage_config`` (the
-    extra-config JSON; it also overrides the prefetch threshold and timeouts)."""
-
-    ratio: float = 2.0
-    size_gb: float | None = None
-    write_policy: WritePolicy = WritePolicy.WRITE_THROUGH
-    write_threshold: int = 2
-    mem_layout: HostLayout = HostLayout.PAGE_FIRST_DIRECT
-    io_backend: IOBackend = IOBackend.KERNEL
-    storage_backend: str | None = None
-    storage_config: dict[str, Any] = field(default_factory=dict)
-    prefetch_policy: PrefetchPolicy = PrefetchPolicy.BEST_EFFORT
+from tierserve.cache.options import CacheKind, HiCacheOptions
 
 
 @dataclass(frozen=True)
@@ -46,10 +29,6 @@ class EngineConfig:
     disable_radix_cache: bool = False
     enable_hierarchical_cache: bool = False
     hicache: HiCacheOptions = field(default_factory=HiCacheOptions)
-    # decode role: pages a reservation adds beyond the prompt for the first answer tokens, and how
-    # long pages a prefill node may still be writing stay unused (longer than any transfer deadline)
-    reserve_decode_tokens: int = 256
-    reservation_grace_s: float = 40.0
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -58,3 +37,9 @@ class EngineConfig:
             raise ValueError("chunked_prefill_size must be at least 1")
         if self.max_running_requests < 1:
             raise ValueError("max_running_requests must be at least 1")
+
+    @property
+    def cache_kind(self) -> CacheKind:
+        if self.disable_radix_cache:
+            return CacheKind.NONE
+        return CacheKind.HIERARCHICAL if self.enable_hierarchical_cache else CacheKind.RADIX

@@ -13,25 +13,23 @@ import torch
 from tokenizers import Tokenizer
 
 from tierserve.cache.allocator import PageAllocator
+from tierserve.cache.base import PrefixCache
 from tierserve.cache.device_pool import DeviceKVPool, KVGeometry
+from tierserve.cache.factory import build_cache
 from tierserve.cache.hashing import Namespace
-from tierserve.cache.hicache import HiCache, HiCacheConfig, StorageBusyError
-from tierserve.cache.host_pool import HostKVPool
 from tierserve.cache.loads import HostLoadError
 from tierserve.cache.options import object_format
-from tierserve.cache.prefetch import PrefetchOptions
-from tierserve.cache.radix_cache import RadixCache
 from tierserve.cache.storage import create_backend
+from tierserve.core.model_config import ModelConfig
+from tierserve.core.sampling import InvalidRequestError, SamplingParams
+from tierserve.core.storage import StorageAction, StorageBusyError, StorageKind
 from tierserve.engine.config import EngineConfig
 from tierserve.engine.handoff import Handoff
 from tierserve.engine.model_runner import ModelRunner
-from tierserve.engine.prefix_cache import NoPrefixCache, PrefixCache
 from tierserve.engine.request import FinishReason, Request, RequestOutput, RequestStatus
-from tierserve.engine.reservations import Reservations
-from tierserve.engine.sampling_params import InvalidRequestError, SamplingParams
+from tierserve.engine.reservations import DEFAULT_TERMS, Reservations, ReservationTerms
 from tierserve.engine.scheduler import Scheduler, SchedulerConfig, pages_for
 from tierserve.engine.text_stream import TextStream
-from tierserve.model.config import ModelConfig
 from tierserve.model.loader import load_model, resolve_dtype
 from tierserve.model.sampling import skip_draw
 
@@ -80,11 +78,11 @@ class Engine:
             self.geometry.num_layers, self.geometry.num_kv_heads, self.geometry.head_dim,
             object_format(config.hicache.mem_layout),
         )
-        self.cache = (prefix_cache or self._default_cache)(self.allocator, self.pool)
+        self.cache = (prefix_cache or self._build_cache)(self.allocator, self.pool)
         sched = SchedulerConfig(config.page_size, config.chunked_prefill_size, config.max_running_requests)
         self.scheduler = Scheduler(sched, self.allocator, self.cache)
         self.runner = ModelRunner(self.model, self.pool, self.device)
-        self.reservations = Reservations(self.allocator, self.cache, config.page_size, config.reservation_grace_s)
+        self.reservations = Reservations(self.allocator, self.cache, config.page_size)
         self.requests: dict[str, Request] = {}
         self.failures: list[tuple[str, Exception]] = []
         self.last_batch_size = 0
@@ -111,18 +109,18 @@ class Engine:
         self.scheduler.add(request)
 
     def reserve(self, request_id: str, prompt_ids: Sequence[int], max_new_tokens: int, cache_salt: str = "",
-                lease_s: float = 30.0) -> Request:
-        """Sets pages aside for a prompt another node computes (decode role); returns the
-        reservation's request (``pages`` is the page table, ``num_computed`` the tokens this
-        engine already caches). Raises ``InvalidRequestError`` or ``CapacityError``."""
+                terms: ReservationTerms = DEFAULT_TERMS) -> Request:
+        """Sets pages aside for a prompt another node computes (decode role) on the role's
+        ``terms``; returns the reservation's request (``pages`` is the page table, ``num_computed``
+        the tokens this engine already caches). Raises ``InvalidRequestError`` or ``CapacityError``."""
         prompt = list(prompt_ids)
         params = SamplingParams(max_tokens=max_new_tokens)
         self._validate(request_id, prompt, params)
         if request_id in self.reservations.active:
             raise InvalidRequestError(f"request id {request_id!r} is already reserved")
         request = Request(request_id, prompt, params, cache_salt=cache_salt)
-        headroom = min(max_new_tokens, self.config.reserve_decode_tokens)
-        self.reservations.reserve(request, len(prompt) + max(1, headroom), lease_s)
+        headroom = min(max_new_tokens, terms.headroom_tokens)
+        self.reservations.reserve(request, len(prompt) + max(1, headroom), terms)
         return request
 
     def start_reserved(self, request_id: str, first_token: int, params: SamplingParams) -> RequestOutput:
@@ -289,44 +287,18 @@ class Engine:
                 f"the request needs {total} tokens of KV cache but the pool holds {self.capacity_tokens}"
             )
 
-    def storage_admin(self, action: str, backend: str | None = None, config: dict | None = None) -> dict:
-        """Runtime L3 control: ``status``, ``attach`` (a backend by name with its extra config),
-        ``detach``, ``clear``. All but ``status`` need an idle engine (``StorageBusyError``)."""
-        if not isinstance(self.cache, HiCache):
-            raise ValueError("L3 needs the hierarchical cache (--enable-hierarchical-cache)")
-        if action != "status" and self.has_work():
+    def storage_admin(self, action: StorageAction, kind: StorageKind | None = None,
+                      config: dict | None = None) -> dict:
+        """Runtime L3 control (``PrefixCache.storage_admin``); ``ATTACH`` builds a backend of ``kind``
+        from its extra ``config``. All but ``STATUS`` need an idle engine (``StorageBusyError``)."""
+        action = StorageAction.parse(action)
+        if action is not StorageAction.STATUS and self.has_work():
             raise StorageBusyError("requests are running: retry when the engine is idle")
-        if action == "attach":
-            self.cache.attach_storage(create_backend(backend or "", config or {}))
-        elif action == "detach":
-            self.cache.detach_storage()
-        elif action == "clear":
-            self.cache.clear_storage()
-        elif action != "status":
-            raise ValueError(f"unknown storage action {action!r}")
-        return self.cache.storage_status()
+        backend = create_backend(kind or "", config or {}) if action is StorageAction.ATTACH else None
+        return self.cache.storage_admin(action, backend)
 
-    def _default_cache(self, allocator: PageAllocator, pool: DeviceKVPool) -> PrefixCache:
-        if self.config.disable_radix_cache:
-            return NoPrefixCache(allocator)
-        if not self.config.enable_hierarchical_cache:
-            return RadixCache(allocator, pool.page_size, self.namespace.seed())
-        opts = self.config.hicache
-        pages = int(pool.num_pages * opts.ratio)
-        if opts.size_gb is not None:
-            pages = int(opts.size_gb * 2**30) // self.geometry.bytes_per_page
-        host = HostKVPool(self.geometry, max(1, pages), opts.mem_layout, pin_memory=self.device.type == "cuda")
-        extra = opts.storage_config
-        prefetch = PrefetchOptions(
-            threshold_tokens=int(extra.get("prefetch_threshold", 256)),
-            timeout_base=float(extra.get("prefetch_timeout_base", 2.0)),
-            timeout_per_ki_token=float(extra.get("prefetch_timeout_per_ki_token", 0.1)),
-            timeout_max=float(extra.get("prefetch_timeout_max", 30.0)),
-        )
-        config = HiCacheConfig(opts.write_policy, opts.io_backend, opts.write_threshold, opts.prefetch_policy,
-                               prefetch)
-        storage = create_backend(opts.storage_backend, extra) if opts.storage_backend else None
-        return HiCache(allocator, pool, host, self.namespace.seed(), config, storage)
+    def _build_cache(self, allocator: PageAllocator, pool: DeviceKVPool) -> PrefixCache:
+        return build_cache(self.config.cache_kind, allocator, pool, self.namespace.seed(), self.config.hicache)
 
     def _num_pages(self) -> int:
         tokens = self.config.max_total_tokens

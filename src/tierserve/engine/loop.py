@@ -8,11 +8,11 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
 
+from tierserve.core.sampling import SamplingParams
 from tierserve.engine.engine import Engine
+from tierserve.engine.handoff import Handoff
 from tierserve.engine.request import RequestOutput
-from tierserve.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -66,12 +66,13 @@ class EngineLoop:
         return len(self._sinks)
 
     def generate(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams, **options: Any
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, cache_salt: str = "",
+        handoff: Handoff | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yields outputs until the finished one; raises the engine's error for a rejected request.
-        ``options`` go to ``Engine.add_request`` (``cache_salt``, ``handoff``)."""
+        ``cache_salt`` and ``handoff`` are those of ``Engine.add_request``."""
         prompt = list(prompt_ids)
-        return self.stream(request_id, lambda e: e.add_request(request_id, prompt, params, **options))
+        return self.stream(request_id, lambda e: e.add_request(request_id, prompt, params, cache_salt, handoff))
 
     def generate_reserved(self, request_id: str, first_token: int, params: SamplingParams
                           ) -> AsyncIterator[RequestOutput]:

@@ -8,10 +8,10 @@ from enum import Enum
 
 import torch
 
+from tierserve.cache.base import PrefixHit
+from tierserve.core.outputs import FinishReason, RequestOutput
+from tierserve.core.sampling import SamplingParams
 from tierserve.engine.handoff import Handoff
-from tierserve.engine.outputs import FinishReason, RequestOutput
-from tierserve.engine.prefix_cache import PrefixHit
-from tierserve.engine.sampling_params import SamplingParams
 from tierserve.engine.text_stream import TextStream
 
 __all__ = ["FinishReason", "Request", "RequestOutput", "RequestStatus"]

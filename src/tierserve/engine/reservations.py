@@ -4,8 +4,9 @@ A reservation holds the prompt's page table under a lease: the prefix it already
 read-only) and fresh pages a prefill node writes into. It ends in one of three ways: ``take``
 (the prompt arrived; the request starts generating), ``cancel`` with the writer known to have
 stopped (pages freed at once), or ``cancel`` without that knowledge, e.g. an expired lease or a
-prefill node that vanished (fresh pages quarantined for ``grace_s``, longer than any transfer
-deadline, so a late write can never land in a page someone else now uses).
+prefill node that vanished (fresh pages quarantined for the terms' ``grace_s``, longer than any
+transfer deadline, so a late write can never land in a page someone else now uses). The terms
+are the decode role's settings (``decode_node``), given with each reservation.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 from tierserve.cache.allocator import PageAllocator
-from tierserve.engine.prefix_cache import PrefixCache, PrefixHit
+from tierserve.cache.base import PrefixCache, PrefixHit
 from tierserve.engine.request import Request
 from tierserve.engine.scheduler import pages_for
 
@@ -23,10 +24,25 @@ class CapacityError(RuntimeError):
     """Not enough free KV pages for the reservation now; retry later or elsewhere."""
 
 
+@dataclass(frozen=True)
+class ReservationTerms:
+    """How a reservation is held: ``lease_s`` until ``Generate`` must come, ``grace_s`` that pages a
+    writer may still touch stay unused after an unconfirmed end (longer than any transfer
+    deadline), and ``headroom_tokens`` reserved beyond the prompt for the first answer tokens."""
+
+    lease_s: float = 30.0
+    grace_s: float = 40.0
+    headroom_tokens: int = 256
+
+
+DEFAULT_TERMS = ReservationTerms()
+
+
 @dataclass
 class Reservation:
     request: Request  # prompt, page table and prefix hit; not yet known to the scheduler
     expires_at: float
+    grace_s: float
 
 
 @dataclass
@@ -34,12 +50,11 @@ class Reservations:
     allocator: PageAllocator
     cache: PrefixCache
     page_size: int
-    grace_s: float
     active: dict[str, Reservation] = field(default_factory=dict)
     quarantine: list[tuple[float, list[int]]] = field(default_factory=list)  # (free at, pages)
     expired_leases: int = 0
 
-    def reserve(self, request: Request, num_tokens: int, lease_s: float) -> None:
+    def reserve(self, request: Request, num_tokens: int, terms: ReservationTerms) -> None:
         """Matches the prompt's cached prefix and allocates pages for ``num_tokens`` tokens;
         raises ``CapacityError`` (holding nothing) when the pool cannot supply them."""
         prompt = request.prompt_ids
@@ -53,7 +68,7 @@ class Reservations:
             raise CapacityError(f"no room for {num_tokens} tokens of KV: {self.allocator.num_free} pages free "
                                 f"of {self.allocator.num_pages}")
         request.hit, request.pages, request.num_computed = hit, [*hit.pages, *pages], hit.num_tokens
-        self.active[request.request_id] = Reservation(request, time.monotonic() + lease_s)
+        self.active[request.request_id] = Reservation(request, time.monotonic() + terms.lease_s, terms.grace_s)
 
     def take(self, request_id: str) -> Request:
         """Ends the lease: the prompt's KV is in place and the request may run."""
@@ -73,7 +88,7 @@ class Reservations:
             self.cache.release(r.prompt_ids, r.pages, r.hit.num_tokens, r.hit)
         else:
             self.cache.release(r.prompt_ids, r.pages[:kept], r.hit.num_tokens, r.hit)
-            self.quarantine.append((time.monotonic() + self.grace_s, r.pages[kept:]))
+            self.quarantine.append((time.monotonic() + reservation.grace_s, r.pages[kept:]))
         r.pages, r.hit = [], PrefixHit()
         return True
 

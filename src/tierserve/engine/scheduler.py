@@ -13,7 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from tierserve.cache.allocator import PageAllocator
-from tierserve.engine.prefix_cache import PrefixCache, PrefixHit
+from tierserve.cache.base import PrefixCache, PrefixHit
 from tierserve.engine.request import Request, RequestStatus
 
 

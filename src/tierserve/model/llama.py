@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tierserve.core.model_config import ModelConfig, ModelFamily
 from tierserve.model.attention import AttentionBatch, KVStore, PagedAttention
-from tierserve.model.config import ModelConfig, ModelFamily
 from tierserve.model.layers import (
     ColumnParallelLinear,
     Embedding,

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from tierserve.model.config import ModelConfig
+from tierserve.core.model_config import ModelConfig
 from tierserve.model.layers import copy_whole
 from tierserve.model.llama import CausalLM
 from tierserve.model.parallel import TensorParallel

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tierserve.model.config import UnsupportedModelError
+from tierserve.core.model_config import UnsupportedModelError
 
 
 def _base_inv_freq(base: float, dim: int) -> torch.Tensor:

@@ -6,25 +6,24 @@ from __future__ import annotations
 import logging
 from urllib.parse import urlsplit
 
+from tierserve.cache.base import Snapshot as CacheSnapshot
 from tierserve.cache.events import KVEventPublisher, KVEventRecorder
 from tierserve.engine.engine import Engine
 from tierserve.proto import tierserve_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-Snapshot = tuple[int, list[tuple[bytes, str]]]  # (last batch number, (page key, medium) pairs)
+Snapshot = tuple[int, CacheSnapshot]  # (last batch number, (page key, medium) pairs)
 
 
 def start_kv_events(engine: Engine, endpoint: str, interval_s: float = 0.01) -> KVEventPublisher | None:
     """Binds a publisher at ``endpoint`` (``tcp://HOST:0``: any free port) and makes the engine's
     tree report to it. Call before the engine thread starts (the tree is that thread's alone).
     None when the engine has no prefix tree (``--disable-radix-cache``): nothing to report."""
-    tree = getattr(engine.cache, "tree", None)
-    if tree is None:
+    recorder = KVEventRecorder(engine.config.page_size)
+    if not engine.cache.set_event_listener(recorder):
         log.warning("KV events are off: this engine has no prefix cache")
         return None
-    recorder = KVEventRecorder(tree.page_size)
-    tree.listener = recorder
     publisher = KVEventPublisher(recorder, endpoint, interval_s=interval_s).start()
     log.info("KV events published on %s", publisher.endpoint)
     return publisher
@@ -44,9 +43,8 @@ def take_snapshot(engine: Engine, publisher: KVEventPublisher | None) -> Snapsho
     """Engine thread only (``EngineLoop.call``): cuts the pending events into a batch first, so
     every event the snapshot reflects has a number <= the one returned and every later event a
     larger one. (-1, []) pages when KV events are off or the engine has no tree."""
-    tree = getattr(engine.cache, "tree", None)
     seq = publisher.recorder.flush() if publisher is not None else -1
-    return seq, tree.snapshot() if tree is not None else []
+    return seq, engine.cache.snapshot()
 
 
 def snapshot_reply(snapshot: Snapshot) -> pb.KVSnapshotReply:

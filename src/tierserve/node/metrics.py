@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 
+from tierserve.api.engine_metrics import EngineCollector
 from tierserve.engine.engine import Engine
-from tierserve.engine.metrics import EngineCollector
 
 _TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 

@@ -13,6 +13,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from tierserve.cache.events import KVEventPublisher
+from tierserve.core.transfer import TransferProtocol
 from tierserve.engine.config import EngineConfig
 from tierserve.engine.engine import Engine
 from tierserve.engine.loop import EngineLoop
@@ -22,7 +23,6 @@ from tierserve.node.service import NodeServicer
 from tierserve.proto import tierserve_pb2 as pb
 from tierserve.proto import tierserve_pb2_grpc as pb_grpc
 from tierserve.transfer.engine import PeerEngines, TransferEngineHandle
-from tierserve.transfer.options import TransferProtocol
 
 log = logging.getLogger(__name__)
 
@@ -77,9 +77,7 @@ def run_node(config: EngineConfig, options: NodeOptions, role: pb.Role, add_serv
         node.loop.stop()
         if node.kv_events is not None:
             node.kv_events.stop()
-        close = getattr(engine.cache, "close", None)
-        if close is not None:
-            close()  # stops the L2/L3 workers
+        engine.cache.close()  # stops the L2/L3 workers
 
 
 async def _serve(node: Node, options: NodeOptions, role: pb.Role, add_service: AddService) -> None:

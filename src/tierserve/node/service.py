@@ -8,27 +8,12 @@ import grpc
 from google.protobuf import json_format, struct_pb2
 
 from tierserve.cache.events import KVEventPublisher
-from tierserve.cache.hicache import HiCache, StorageBusyError
-from tierserve.engine.engine import Engine
+from tierserve.core.storage import StorageAction, StorageBusyError, StorageKind
 from tierserve.engine.loop import EngineLoop
 from tierserve.node.convert import identity
 from tierserve.node.kv_events import snapshot_reply, take_snapshot
 from tierserve.proto import tierserve_pb2 as pb
 from tierserve.proto import tierserve_pb2_grpc as pb_grpc
-
-
-def flush_cache(engine: Engine, device: bool, host: bool) -> tuple[int, int]:
-    """Drops what L1 and/or L2 cache (pages no request holds); L3 is untouched. Returns the
-    numbers of device and host pages freed."""
-    cache = engine.cache
-    if not isinstance(cache, HiCache):  # no host tier
-        return (cache.evict(engine.allocator.num_pages) if device else 0), 0
-    cache.wait_background()  # copies in flight pin their pages
-    host_before = cache.host.allocator.num_used
-    device_pages = cache.evict(engine.allocator.num_pages) if device else 0  # may drop host copies too
-    if host:
-        cache.host.allocator.free(cache.tree.evict_host(cache.host.num_pages))
-    return device_pages, host_before - cache.host.allocator.num_used
 
 
 class NodeServicer(pb_grpc.NodeServiceServicer):
@@ -57,28 +42,29 @@ class NodeServicer(pb_grpc.NodeServiceServicer):
 
     async def FlushCache(self, request: pb.FlushCacheRequest, context: grpc.aio.ServicerContext
                          ) -> pb.FlushCacheResponse:
-        device, host = await self.loop.call(lambda e: flush_cache(e, request.device, request.host))
+        device, host = await self.loop.call(lambda e: e.cache.flush(request.device, request.host))
         return pb.FlushCacheResponse(device_pages=device, host_pages=host)
 
     async def AttachStorage(self, request: pb.StorageAttachRequest, context: grpc.aio.ServicerContext
                             ) -> pb.StorageStatus:
         config = json_format.MessageToDict(request.config)
-        return await self._storage(context, "attach", request.backend, config)
+        return await self._storage(context, StorageAction.ATTACH, request.backend, config)
 
     async def DetachStorage(self, request: pb.StorageRequest, context: grpc.aio.ServicerContext) -> pb.StorageStatus:
-        return await self._storage(context, "detach")
+        return await self._storage(context, StorageAction.DETACH)
 
     async def ClearStorage(self, request: pb.StorageRequest, context: grpc.aio.ServicerContext) -> pb.StorageStatus:
-        return await self._storage(context, "clear")
+        return await self._storage(context, StorageAction.CLEAR)
 
     async def GetStorageStatus(self, request: pb.StorageRequest, context: grpc.aio.ServicerContext
                                ) -> pb.StorageStatus:
-        return await self._storage(context, "status")
+        return await self._storage(context, StorageAction.STATUS)
 
-    async def _storage(self, context: grpc.aio.ServicerContext, action: str, backend: str | None = None,
+    async def _storage(self, context: grpc.aio.ServicerContext, action: StorageAction, backend: str | None = None,
                        config: dict[str, Any] | None = None) -> pb.StorageStatus:
         try:
-            status = await self.loop.call(lambda e: e.storage_admin(action, backend, config))
+            kind = StorageKind.parse(backend) if backend else None
+            status = await self.loop.call(lambda e: e.storage_admin(action, kind, config))
         except StorageBusyError as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except (ValueError, ImportError) as exc:

@@ -10,9 +10,10 @@ from dataclasses import replace
 
 import grpc
 
-from tierserve.engine.sampling_params import InvalidRequestError
+from tierserve.core.sampling import InvalidRequestError
+from tierserve.core.tiers import CacheTier
 from tierserve.node.convert import arena, destination_arena, identity, identity_mismatch, sampling_params
-from tierserve.node.server import Node
+from tierserve.node.server import AddService, Node
 from tierserve.proto import tierserve_pb2 as pb
 from tierserve.proto import tierserve_pb2_grpc as pb_grpc
 from tierserve.transfer.handoff import HandoffResult, KVHandoff
@@ -78,8 +79,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         log.info("request %s: handoff %d bytes in %.3f s (%.3f s after compute), cached %d", request_id,
                  result.bytes, result.transfer_seconds, result.exposed_seconds, first.cached_tokens)
         tiers = first.cached_by_tier
-        cache = pb.CacheReport(cached_tokens=first.cached_tokens, device=tiers.get("device", 0),
-                               host=tiers.get("host", 0), storage=tiers.get("storage", 0))
+        cache = pb.CacheReport(cached_tokens=first.cached_tokens, **{t.value: tiers.get(t, 0) for t in CacheTier})
         return pb.PrefillResponse(first_token=first.new_token_ids[0], cache=cache, transferred_bytes=result.bytes,
                                   transfer_seconds=result.transfer_seconds,
                                   exposed_transfer_seconds=result.exposed_seconds)
@@ -100,7 +100,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         return None
 
 
-def add_prefill_service(timeout_s: float, fault_rate: float):
+def add_prefill_service(timeout_s: float, fault_rate: float) -> AddService:
     """The ``AddService`` hook of ``run_node`` for the prefill role."""
 
     def add(server: grpc.aio.Server, node: Node) -> str:

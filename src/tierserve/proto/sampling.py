@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tierserve.engine.sampling_params import SamplingParams
+from tierserve.core.sampling import SamplingParams
 from tierserve.proto import tierserve_pb2 as pb
 
 

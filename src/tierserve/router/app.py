@@ -17,11 +17,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from tierserve import openai_api as oa
-from tierserve.api_metrics import ApiMetrics
-from tierserve.api_server import admin_guard, create_app, run_http
-from tierserve.model.config import ModelConfig
-from tierserve.model.tokenizer import try_load
+from tierserve.api import openai as oa
+from tierserve.api.app import create_app
+from tierserve.api.auth import admin_guard
+from tierserve.api.http import run_http
+from tierserve.api.metrics import ApiMetrics
+from tierserve.api.tokenizer import try_load
+from tierserve.core.model_config import ModelConfig
 from tierserve.router.backend import PDBackend, RouterOptions
 from tierserve.router.cache_view import CacheView
 from tierserve.router.policies import PolicyKind, make_policy

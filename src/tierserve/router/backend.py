@@ -1,6 +1,6 @@
-"""The router's ``Backend``: each request through a prefill/decode pair (DESIGN §3), with
-admission control, deadlines, retries on a new pair while nothing was streamed, and load counted
-until the stream ends."""
+"""The router's ``Backend``: each request through a prefill/decode pair (``docs/architecture.md``,
+a request's life), with admission control, deadlines, retries on a new pair while nothing was
+streamed, and load counted until the stream ends."""
 
 from __future__ import annotations
 
@@ -14,9 +14,10 @@ from typing import Any
 
 import grpc
 
-from tierserve import openai_api as oa
-from tierserve.engine.outputs import FinishReason, RequestOutput
-from tierserve.engine.sampling_params import InvalidRequestError, SamplingParams
+from tierserve.api import openai as oa
+from tierserve.core.outputs import FinishReason, RequestOutput
+from tierserve.core.sampling import InvalidRequestError, SamplingParams
+from tierserve.core.tiers import TIERS
 from tierserve.proto import tierserve_pb2 as pb
 from tierserve.proto.sampling import to_proto
 from tierserve.router import pd_flow
@@ -155,7 +156,7 @@ class PDBackend:
     async def _stream(self, decode: Worker, stubs: pd_flow.Pair, done: pd_flow.Prefilled, prompt_len: int,
                       sampling: pb.SamplingOptions) -> AsyncIterator[RequestOutput]:
         cache = done.response.cache
-        tiers = {t: getattr(cache, t) for t in oa.TIERS if getattr(cache, t)}
+        tiers = {t: getattr(cache, t) for t in TIERS if getattr(cache, t)}
         streamed = False
         try:
             async for chunk in pd_flow.generate(stubs, done, sampling):

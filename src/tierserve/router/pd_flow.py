@@ -1,6 +1,7 @@
-"""One request through a prefill/decode pair (DESIGN §3): Reserve on D, Prefill on P, Generate
-on D. Any failure releases the reservation at once; the caller decides whether to retry on a new
-pair (only while nothing was streamed). No torch here: the router imports this."""
+"""One request through a prefill/decode pair (``docs/architecture.md``, a request's life):
+Reserve on D, Prefill on P, Generate on D. Any failure releases the reservation at once; the
+caller decides whether to retry on a new pair (only while nothing was streamed). No torch here:
+the router imports this."""
 
 from __future__ import annotations
 

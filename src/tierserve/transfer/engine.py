@@ -1,7 +1,7 @@
 """A thin, typed handle on one Mooncake Transfer Engine: start it, register the KV arena once,
 submit writes, wait for them.
 
-Facts this relies on (measured; ../shared/MOONCAKE_NOTES.md): cost is per batch entry, not per
+Facts this relies on (measured; ``docs/mooncake.md``, the Transfer Engine): cost is per batch entry, not per
 byte, so callers coalesce; ``get_batch_transfer_status`` blocks until a batch is done or failed
 and releases the GIL meanwhile; a frozen peer holds a TCP transfer until the ``MC_TCP_*`` timeouts,
 so callers also keep their own deadline.
@@ -13,8 +13,9 @@ import threading
 
 import torch
 
+from tierserve.core.transfer import TransferProtocol
 from tierserve.mooncake_env import apply_defaults
-from tierserve.transfer.options import TransferProtocol
+from tierserve.transfer.layout import Block
 
 apply_defaults()  # before Mooncake loads
 
@@ -31,9 +32,6 @@ __all__ = ["TransferEngineHandle", "TransferError", "TransferProtocol"]
 
 class TransferError(RuntimeError):
     """A handoff failed; the message says why."""
-
-
-Block = tuple[int, int, int]  # (source address, destination address, bytes)
 
 
 class TransferEngineHandle:

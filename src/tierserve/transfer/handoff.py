@@ -15,8 +15,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-from tierserve.transfer.engine import Block, PeerEngines, TransferError
-from tierserve.transfer.layout import KVArena, layer_blocks, token_runs
+from tierserve.transfer.engine import PeerEngines, TransferError
+from tierserve.transfer.layout import Block, KVArena, layer_blocks, token_runs
 
 _DONE = None  # sentinel in the sender's queue: no more layers
 _handoffs = itertools.count()  # numbers handoffs for deterministic fault injection

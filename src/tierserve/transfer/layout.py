@@ -1,10 +1,12 @@
-"""Where a token's K or V lives in a KV arena, and the coalesced block list of a handoff."""
+"""Where a token's K or V lives in a KV arena, and the coalesced block list of a handoff (no
+Mooncake import: the nodes and tests use it without loading the transfer engine)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tierserve.transfer.engine import Block
+Block = tuple[int, int, int]  # (source address, destination address, bytes)
+
 
 
 @dataclass(frozen=True)

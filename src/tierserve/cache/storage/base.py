@@ -1,12 +1,15 @@
-"""The L3 interface (DESIGN §4) and the backend registry."""
+"""The L3 interface (``docs/architecture.md``, the cache) and the backend registry."""
 
 from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from tierserve.core.storage import StorageKind
 
 
 class StorageError(RuntimeError):
@@ -53,23 +56,36 @@ class StorageBackend(ABC):
         """Called once with the whole host pool before any transfer; zero-copy backends register it."""
 
 
-def create_backend(name: str, config: dict[str, Any]) -> StorageBackend:
-    """``file`` and ``mooncake`` by name; ``dynamic`` imports ``config["module_path"]`` and builds
-    ``config["class_name"]`` with the whole config."""
-    if name == "file":
-        from tierserve.cache.storage.file import FileStorage
+def _file(config: dict[str, Any]) -> StorageBackend:
+    from tierserve.cache.storage.file import FileStorage
 
-        return FileStorage.from_config(config)
-    if name == "mooncake":
-        from tierserve.cache.storage.mooncake import MooncakeStorage
+    return FileStorage.from_config(config)
 
-        return MooncakeStorage.from_config(config)
-    if name == "dynamic":
-        missing = {"module_path", "class_name"} - set(config)
-        if missing:
-            raise ValueError(f"the dynamic storage backend needs {sorted(missing)} in the extra config")
-        cls = getattr(importlib.import_module(config["module_path"]), config["class_name"])
-        if not (isinstance(cls, type) and issubclass(cls, StorageBackend)):
-            raise ValueError(f"{config['module_path']}.{config['class_name']} is not a StorageBackend")
-        return cls(config)
-    raise ValueError(f"unknown storage backend {name!r}; choose file, mooncake or dynamic")
+
+def _mooncake(config: dict[str, Any]) -> StorageBackend:
+    from tierserve.cache.storage.mooncake import MooncakeStorage  # loads Mooncake: only when asked for
+
+    return MooncakeStorage.from_config(config)
+
+
+def _dynamic(config: dict[str, Any]) -> StorageBackend:
+    """Imports ``config["module_path"]`` and builds ``config["class_name"]`` with the whole config."""
+    missing = {"module_path", "class_name"} - set(config)
+    if missing:
+        raise ValueError(f"the dynamic storage backend needs {sorted(missing)} in the extra config")
+    cls = getattr(importlib.import_module(config["module_path"]), config["class_name"])
+    if not (isinstance(cls, type) and issubclass(cls, StorageBackend)):
+        raise ValueError(f"{config['module_path']}.{config['class_name']} is not a StorageBackend")
+    return cls(config)
+
+
+BACKENDS: dict[StorageKind, Callable[[dict[str, Any]], StorageBackend]] = {
+    StorageKind.FILE: _file,
+    StorageKind.MOONCAKE: _mooncake,
+    StorageKind.DYNAMIC: _dynamic,
+}
+
+
+def create_backend(kind: StorageKind | str, config: dict[str, Any]) -> StorageBackend:
+    """The backend of ``kind`` built from its extra config; ``ValueError`` for an unknown kind."""
+    return BACKENDS[StorageKind.parse(kind)](config)

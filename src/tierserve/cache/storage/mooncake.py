@@ -1,7 +1,7 @@
 """L3 on Mooncake Store: pages move zero-copy between the registered host pool and a pool of
 memory segments that every client process contributes, indexed by a ``mooncake_master``.
 
-Mooncake facts this module relies on (measured; see /work/shared/MOONCAKE_NOTES.md):
+Mooncake facts this module relies on (measured; see ``docs/mooncake.md``):
 
 - Calls answer per key: bytes read or 0 on success, or a negative ``ErrorCode``. -704 is a miss,
   -200 a full store (it evicts in the background: the write is dropped, this is a cache),

@@ -1,33 +1,32 @@
 """The OpenAI-compatible HTTP API over any ``Backend``: one engine (``tierserve serve``) or the
 router's prefill/decode pairs. Torch-free: the router imports it.
 
-Each API request becomes one backend request per (prompt, choice). Outputs stream back through
-``Backend.generate``; when the client goes away mid-request the handler cancels those iterators,
-which aborts the requests wherever they run and frees their KV pages.
+Each API request becomes one backend request per (prompt, choice) (``choices.py``). When the
+client goes away mid-request the handler cancels those, which aborts the requests wherever they
+run and frees their KV pages.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
-from dataclasses import dataclass, replace
-from typing import Any, Protocol, TypeVar
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any, TypeVar
 
-import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tierserve import openai_api as oa
-from tierserve.api_metrics import ApiMetrics
-from tierserve.engine.outputs import RequestOutput
-from tierserve.engine.sampling_params import InvalidRequestError, SamplingParams
-from tierserve.model.tokenizer import ChatTemplateError, TextTokenizer
+from tierserve.api import openai as oa
+from tierserve.api.auth import api_key_check
+from tierserve.api.backend import Backend
+from tierserve.api.choices import Choices, Job, make_jobs
+from tierserve.api.metrics import ApiMetrics
+from tierserve.api.tokenizer import ChatTemplateError, TextTokenizer
+from tierserve.core.sampling import InvalidRequestError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -36,129 +35,6 @@ Format = oa.CompletionFormat | oa.ChatFormat
 
 class ClientDisconnected(Exception):
     """The client closed the connection before the response was ready."""
-
-
-class Backend(Protocol):
-    """Where API requests run. ``generate`` yields a request's outputs until the finished one and
-    raises ``InvalidRequestError`` (400) or ``oa.APIError`` (its status: 429 overloaded, 503 no
-    healthy worker, ...) when it cannot serve it; closing the iterator early aborts the request."""
-
-    max_model_len: int
-
-    def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, cache_salt: str
-                 ) -> AsyncIterator[RequestOutput]: ...
-
-    def healthy(self) -> bool:
-        """The process can serve (``/health``)."""
-        ...
-
-    def ready(self) -> bool:
-        """Requests would be accepted now (``/readiness``): e.g. at least one healthy worker pair."""
-        ...
-
-    async def debug_state(self) -> dict[str, Any]:
-        """Occupancy for tests and operators (``/debug/state``)."""
-        ...
-
-
-@dataclass
-class _Job:
-    """One engine request: choice ``index`` of the response; ``counts_prompt`` for one choice per prompt."""
-
-    index: int
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    counts_prompt: bool
-    cache_salt: str = ""
-
-
-def _jobs(response_id: str, prompts: list[list[int]], params: SamplingParams, n: int, salt: str) -> list[_Job]:
-    """``n`` choices per prompt; with a seed, choice ``i`` uses ``seed + i`` so they differ."""
-    jobs = []
-    for p, ids in enumerate(prompts):
-        for i in range(n):
-            choice_params = params if params.seed is None or i == 0 else replace(params, seed=params.seed + i)
-            index = p * n + i
-            jobs.append(_Job(index, f"{response_id}-{index}", ids, choice_params, i == 0, salt))
-    return jobs
-
-
-class _Choices:
-    """Runs a response's engine requests concurrently, merges their outputs in arrival order and
-    keeps each choice's text and last output (for the response body and its usage)."""
-
-    def __init__(self, backend: Backend, jobs: list[_Job], metrics: ApiMetrics) -> None:
-        self._backend, self._jobs, self._metrics = backend, jobs, metrics
-        self._queue: asyncio.Queue[tuple[int, RequestOutput | Exception]] = asyncio.Queue()
-        self._ready: list[tuple[int, RequestOutput | Exception]] = []
-        self._text: dict[int, list[str]] = {j.index: [] for j in jobs}
-        self._last: dict[int, RequestOutput] = {}
-        self._tasks = [asyncio.create_task(self._pump(job)) for job in jobs]
-
-    async def _pump(self, job: _Job) -> None:
-        started = prev = time.monotonic()
-        last, failed = None, False
-        try:
-            async for out in self._backend.generate(job.request_id, job.prompt_ids, job.params, job.cache_salt):
-                if out.new_token_ids:
-                    now = time.monotonic()
-                    (self._metrics.ttft if last is None else self._metrics.itl).observe(now - prev)
-                    prev = now
-                last = out
-                self._queue.put_nowait((job.index, out))
-        except Exception as exc:
-            failed = True
-            self._queue.put_nowait((job.index, exc))
-        finally:  # also on cancellation: that is the client-gone path, counted as an abort
-            self._metrics.request_ended(job.request_id, last, failed, started)
-
-    async def start(self) -> None:
-        """Waits until every request produced its first output; raises the first engine rejection,
-        so that a bad request is answered with an error status before any stream starts."""
-        started: set[int] = set()
-        while len(started) < len(self._tasks):
-            index, item = await self._queue.get()
-            self._ready.append((index, item))
-            if isinstance(item, Exception):
-                raise item
-            started.add(index)
-
-    async def events(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Every output of every request until all finished; raises a request's error."""
-        pending = len(self._tasks)
-        while pending:
-            index, item = self._ready.pop(0) if self._ready else await self._queue.get()
-            if isinstance(item, Exception):
-                raise item
-            self._text[index].append(item.new_text)
-            self._last[index] = item
-            pending -= item.finished
-            yield index, item
-
-    async def run(self) -> None:
-        async for _ in self.events():
-            pass
-
-    def cancel(self) -> None:
-        """Aborts whatever still runs. Synchronous: it must work inside an already-cancelled task."""
-        for task in self._tasks:
-            task.cancel()
-
-    def results(self) -> list[oa.ChoiceResult]:
-        return [oa.ChoiceResult(j.index, "".join(self._text[j.index]), _reason(self._last.get(j.index)))
-                for j in self._jobs]
-
-    def usage(self) -> oa.Usage:
-        outs = [(j, self._last[j.index]) for j in self._jobs if j.index in self._last]
-        heads = [o for j, o in outs if j.counts_prompt]  # a prompt counts once however many choices
-        by_tier = {t: sum(o.cached_by_tier.get(t, 0) for o in heads) for t in oa.TIERS}
-        return oa.Usage.build(sum(o.prompt_tokens for o in heads), sum(o.completion_tokens for _, o in outs),
-                              sum(o.cached_tokens for o in heads), by_tier)
-
-
-def _reason(out: RequestOutput | None) -> str | None:
-    return out.reason if out is not None else None
 
 
 async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) -> T:
@@ -197,7 +73,7 @@ class _Api:
         prompts = [self._prompt_ids(p) for p in body.prompts()]
         params = body.sampling_params(oa.DEFAULT_COMPLETION_MAX_TOKENS)
         fmt = oa.CompletionFormat(self.model_name)
-        return await self._respond(request, _jobs(fmt.id, prompts, params, body.num_choices, body.cache_salt or ""),
+        return await self._respond(request, make_jobs(fmt.id, prompts, params, body.num_choices, body.cache_salt or ""),
                                    fmt, body.stream, body.include_usage)
 
     async def chat(self, request: Request) -> Response:
@@ -207,12 +83,12 @@ class _Api:
         ids = self._prompt_ids(self._need_tokenizer().encode(text, add_special_tokens=False))
         params = body.sampling_params(default_max_tokens=self.max_model_len - len(ids))
         fmt = oa.ChatFormat(self.model_name)
-        return await self._respond(request, _jobs(fmt.id, [ids], params, body.num_choices, body.cache_salt or ""),
+        return await self._respond(request, make_jobs(fmt.id, [ids], params, body.num_choices, body.cache_salt or ""),
                                    fmt, body.stream, body.include_usage)
 
-    async def _respond(self, request: Request, jobs: list[_Job], fmt: Format, stream: bool | None,
+    async def _respond(self, request: Request, jobs: list[Job], fmt: Format, stream: bool | None,
                        include_usage: bool) -> Response:
-        choices = _Choices(self.backend, jobs, self.metrics)
+        choices = Choices(self.backend, jobs, self.metrics)
         try:
             await _unless_disconnected(request, choices.start())
             if stream:
@@ -278,7 +154,7 @@ class _Api:
         return ids
 
 
-async def _sse_events(choices: _Choices, fmt: Format, num_choices: int,
+async def _sse_events(choices: Choices, fmt: Format, num_choices: int,
                       include_usage: bool) -> AsyncIterator[bytes]:
     try:
         for chunk in fmt.opening_chunks(num_choices):
@@ -298,7 +174,7 @@ class _SSEResponse(StreamingResponse):
     """An event stream that aborts its engine requests however it ends: finished, failed, or the
     client gone (even before the first event, when the body generator never started)."""
 
-    def __init__(self, events: AsyncIterator[bytes], choices: _Choices) -> None:
+    def __init__(self, events: AsyncIterator[bytes], choices: Choices) -> None:
         super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         self._choices = choices
 
@@ -313,34 +189,6 @@ def _json(model: BaseModel) -> Response:
     return Response(model.model_dump_json(), media_type="application/json")
 
 
-def _auth(api_key: str | None) -> Callable[[Request], Coroutine[Any, Any, None]]:
-    async def check(request: Request) -> None:
-        if api_key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
-            raise oa.APIError(401, "missing or incorrect API key: send 'Authorization: Bearer <key>'",
-                              code="invalid_api_key")
-
-    return check
-
-
-def admin_guard(admin_key: str | None) -> dict[str, Any]:
-    """Route options for admin routes: off (403) without a key, else that key as a bearer token."""
-    return {"dependencies": [Depends(_admin_auth(admin_key))]}
-
-
-def _admin_auth(admin_key: str | None) -> Callable[[Request], Coroutine[Any, Any, None]]:
-    check_key = _auth(admin_key)
-
-    async def check(request: Request) -> None:
-        if admin_key is None:
-            raise oa.APIError(403, "the admin API is off: start the server with --admin-api-key")
-        await check_key(request)
-
-    return check
-
-
 def create_app(backend: Backend, tokenizer: TextTokenizer | None, model_name: str, metrics: ApiMetrics,
                api_key: str | None = None) -> FastAPI:
     """The HTTP app over a started backend. ``/health``, ``/readiness`` and ``/metrics`` are open;
@@ -348,7 +196,7 @@ def create_app(backend: Backend, tokenizer: TextTokenizer | None, model_name: st
     their own routes (``guarded`` and ``admin_guard`` give the dependencies)."""
     api = _Api(backend, tokenizer, model_name, metrics)
     app = FastAPI(title="tierserve", docs_url=None, redoc_url=None)
-    guarded = {"dependencies": [Depends(_auth(api_key))]}
+    guarded = {"dependencies": [Depends(api_key_check(api_key))]}
     app.add_api_route("/v1/completions", api.completions, methods=["POST"], **guarded)
     app.add_api_route("/v1/chat/completions", api.chat, methods=["POST"], **guarded)
     app.add_api_route("/v1/models", api.models, methods=["GET"], **guarded)
@@ -382,20 +230,3 @@ def create_app(backend: Backend, tokenizer: TextTokenizer | None, model_name: st
     return app
 
 
-class _Uvicorn(uvicorn.Server):
-    """uvicorn that calls ``on_ready`` once its socket is listening."""
-
-    def __init__(self, config: uvicorn.Config, on_ready: Callable[[], None] | None) -> None:
-        super().__init__(config)
-        self._on_ready = on_ready
-
-    async def startup(self, sockets: list[Any] | None = None) -> None:
-        await super().startup(sockets=sockets)
-        if self.started and self._on_ready is not None:
-            self._on_ready()
-
-
-def run_http(app: FastAPI, host: str, port: int, on_ready: Callable[[], None] | None = None) -> None:
-    """Serves ``app`` with uvicorn on uvloop until SIGINT/SIGTERM."""
-    uv_config = uvicorn.Config(app, host=host, port=port, loop="uvloop", log_config=None, timeout_graceful_shutdown=5)
-    _Uvicorn(uv_config, on_ready).run()

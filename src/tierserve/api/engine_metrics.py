@@ -1,12 +1,12 @@
-"""Prometheus view of one engine: occupancy gauges and the prefix cache's counters."""
+"""Prometheus view of one engine: occupancy gauges and the prefix cache's counters (torch-free:
+it reads the engine's ``stats()`` only)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-from tierserve.engine.engine import Engine
 
 _ENGINE_GAUGES = {
     "running": "tierserve_num_requests_running",
@@ -24,12 +24,18 @@ _ENGINE_COUNTERS = {
 }
 
 
+class StatsSource(Protocol):
+    """What the collector reads: ``Engine.stats()``."""
+
+    def stats(self) -> dict[str, float]: ...
+
+
 class EngineCollector:
     """Exports one ``Engine.stats()`` snapshot per scrape (read without locks: approximate while a
     step runs): occupancy gauges, and the prefix cache's ``cache_*`` keys as ``tierserve_cache_*``
     (keys ending in ``_total`` are counters)."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: StatsSource) -> None:
         self.engine = engine
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:

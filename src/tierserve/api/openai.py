@@ -15,10 +15,10 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from tierserve.engine.sampling_params import InvalidRequestError, SamplingParams
+from tierserve.core.sampling import InvalidRequestError, SamplingParams
+from tierserve.core.tiers import TIERS
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-TIERS = ("device", "host", "storage")
 
 
 class APIError(Exception):

@@ -1,26 +1,28 @@
-"""``tierserve serve``: the OpenAI-compatible API in front of one engine (no router, no
-disaggregation), plus the engine's L3 admin routes."""
+"""One engine (no router, no disaggregation) as the API's backend, plus the engine's L3 admin
+routes: what ``tierserve serve`` puts behind the HTTP layer. Torch-free: the engine arrives
+already running on its own thread (``engine.loop.EngineLoop``)."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from tierserve import openai_api as oa
-from tierserve.api_metrics import ApiMetrics
-from tierserve.api_server import admin_guard, create_app, run_http
-from tierserve.cache.hicache import StorageBusyError
-from tierserve.engine.config import EngineConfig
-from tierserve.engine.engine import Engine
-from tierserve.engine.loop import EngineLoop
-from tierserve.engine.metrics import EngineCollector
-from tierserve.engine.outputs import RequestOutput
-from tierserve.engine.sampling_params import SamplingParams
-from tierserve.model.tokenizer import TextTokenizer, try_load
+from tierserve.api import openai as oa
+from tierserve.api.app import create_app
+from tierserve.api.auth import admin_guard
+from tierserve.api.engine_metrics import EngineCollector
+from tierserve.api.metrics import ApiMetrics
+from tierserve.api.tokenizer import TextTokenizer
+from tierserve.core.outputs import RequestOutput
+from tierserve.core.sampling import SamplingParams
+from tierserve.core.storage import StorageAction, StorageBusyError, StorageKind
+
+if TYPE_CHECKING:
+    from tierserve.engine.loop import EngineLoop
 
 
 class EngineBackend:
@@ -54,13 +56,13 @@ def create_engine_app(loop: EngineLoop, tokenizer: TextTokenizer | None, model_n
     admin = admin_guard(admin_api_key)
 
     async def storage_status() -> Response:
-        return JSONResponse(await loop.call(lambda engine: engine.storage_admin("status")))
+        return JSONResponse(await loop.call(lambda engine: engine.storage_admin(StorageAction.STATUS)))
 
     async def storage_action(action: str, request: Request) -> Response:
         """attach (body: {"backend": NAME, "extra_config": {...}}), detach, clear: idle engine only."""
-        backend, config = _storage_body(await request.body())
+        verb, (backend, config) = _action(action), _storage_body(await request.body())
         try:
-            status = await loop.call(lambda engine: engine.storage_admin(action, backend, config))
+            status = await loop.call(lambda engine: engine.storage_admin(verb, backend, config))
         except StorageBusyError as exc:
             raise oa.APIError(409, str(exc), code="busy") from None
         except ValueError as exc:
@@ -72,25 +74,25 @@ def create_engine_app(loop: EngineLoop, tokenizer: TextTokenizer | None, model_n
     return app
 
 
-def _storage_body(raw: bytes) -> tuple[str | None, dict[str, Any]]:
+def _action(name: str) -> StorageAction:
+    try:
+        return StorageAction.parse(name)
+    except ValueError as exc:
+        raise oa.APIError(400, str(exc), param="action") from None
+
+
+def _storage_body(raw: bytes) -> tuple[StorageKind | None, dict[str, Any]]:
     try:
         body = json.loads(raw) if raw.strip() else {}
     except json.JSONDecodeError:
         raise oa.APIError(400, "the body is not valid JSON") from None
     if not isinstance(body, dict):
         raise oa.APIError(400, "the body must be a JSON object")
-    return body.get("backend"), body.get("extra_config") or {}
+    return _kind(body.get("backend")), body.get("extra_config") or {}
 
 
-def serve(config: EngineConfig, host: str, port: int, api_key: str | None, *,
-          model_name: str | None = None, on_ready: Callable[[], None] | None = None,
-          admin_api_key: str | None = None) -> None:
-    """Loads the engine and serves it until SIGINT/SIGTERM, then stops the engine thread."""
-    engine = Engine(config)
-    loop = EngineLoop(engine).start()
+def _kind(name: object) -> StorageKind | None:
     try:
-        app = create_engine_app(loop, try_load(config.model_dir), model_name or engine.model_config.name, api_key,
-                                admin_api_key)
-        run_http(app, host, port, on_ready)
-    finally:
-        loop.stop()
+        return None if name is None else StorageKind.parse(str(name))
+    except ValueError as exc:
+        raise oa.APIError(400, str(exc), param="backend") from None

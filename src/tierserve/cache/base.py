@@ -1,12 +1,24 @@
-"""The hook through which a prefix cache lends the engine pages already filled with a prompt's KV."""
+"""The one interface between a prefix cache and the engine and nodes: lending pages already
+filled with a prompt's KV (``match``/``release``), and managing the cache (flush, close, KV event
+listener and snapshot, L3 admin). The engine and the nodes use only this; see
+``docs/architecture.md`` (the cache) for who calls what on which thread."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from tierserve.cache.allocator import PageAllocator
+from tierserve.cache.events import KVEventListener
+from tierserve.core.storage import StorageAction, StorageUnavailableError
+from tierserve.core.tiers import CacheTier
+
+if TYPE_CHECKING:
+    from tierserve.cache.storage import StorageBackend
+
+Snapshot = list[tuple[bytes, str]]  # (page key, tier) of every page the cache holds, root first
 
 
 @dataclass
@@ -21,7 +33,7 @@ class PrefixHit:
 
     num_tokens: int = 0
     pages: list[int] = field(default_factory=list)
-    by_tier: dict[str, int] = field(default_factory=dict)
+    by_tier: dict[CacheTier, int] = field(default_factory=dict)
     handle: object = None
     loads: list[LayerLoad] = field(default_factory=list)
     salt: str = ""
@@ -43,7 +55,8 @@ class LayerLoad(Protocol):
 
 
 class PrefixCache(Protocol):
-    """Contract between the engine and a prefix cache.
+    """Contract between the engine (and the nodes) and a prefix cache. Every method runs on the
+    engine thread, except ``stats`` and ``num_cached_pages`` (read from any thread, approximate).
 
     Page ownership: pages in a hit belong to the cache and stay pinned until ``release``. The
     engine allocates the request's other pages from the shared ``PageAllocator``; ``release``
@@ -89,14 +102,45 @@ class PrefixCache(Protocol):
         ...
 
     @property
+    def num_cached_pages(self) -> int:
+        """Device pages the cache keeps for reuse (no request holds them; freed on demand)."""
+        ...
+
+    @property
     def busy(self) -> bool:
         """Background copies are in flight; they finish through ``on_step``, so the engine keeps
         stepping while this is True even with no request."""
         ...
 
+    def flush(self, device: bool, host: bool) -> tuple[int, int]:
+        """Drops what L1 (``device``) and/or L2 (``host``) cache and no request holds, after
+        waiting for copies in flight; L3 is untouched. Returns the device and host pages freed."""
+        ...
 
-class NoPrefetch:
-    """For caches with no slower tier to prefetch from (and so no background copies)."""
+    def close(self) -> None:
+        """Stops background workers (node shutdown); the cache is not used afterwards."""
+        ...
+
+    def set_event_listener(self, listener: KVEventListener) -> bool:
+        """Reports every page stored or removed, per tier, to ``listener`` from now on. False
+        (and nothing reported) when the cache keeps no prefixes."""
+        ...
+
+    def snapshot(self) -> Snapshot:
+        """Every page the cache holds now, per tier, parents before children (KV event resync)."""
+        ...
+
+    def storage_admin(self, action: StorageAction, backend: StorageBackend | None = None) -> dict[str, Any]:
+        """Runtime L3 control: ``STATUS``, ``ATTACH`` (``backend``), ``DETACH``, ``CLEAR``; returns the
+        status. Raises ``StorageBusyError`` when the action needs another state (idle, attached,
+        detached) and ``StorageUnavailableError`` when the cache has no host tier."""
+        ...
+
+
+class SingleTier:
+    """Defaults for caches with one tier (L1 or nothing): no prefetch, no background copies, no
+    L3, flush by eviction. Subclasses provide ``match``, ``release``, ``evict``, ``on_step`` and
+    ``stats`` (and a tree, if they keep prefixes)."""
 
     busy = False
 
@@ -109,8 +153,28 @@ class NoPrefetch:
     def cancel(self, ticket: object | None) -> None:
         pass
 
+    def evict(self, num_pages: int) -> int:
+        return 0
 
-class NoPrefixCache(NoPrefetch):
+    def flush(self, device: bool, host: bool) -> tuple[int, int]:
+        return (self.evict(sys.maxsize) if device else 0), 0
+
+    def close(self) -> None:
+        pass
+
+    def set_event_listener(self, listener: KVEventListener) -> bool:
+        return False
+
+    def snapshot(self) -> Snapshot:
+        return []
+
+    def storage_admin(self, action: StorageAction, backend: StorageBackend | None = None) -> dict[str, Any]:
+        if action is StorageAction.STATUS:
+            return {"attached": False}
+        raise StorageUnavailableError("L3 needs the hierarchical cache (--enable-hierarchical-cache)")
+
+
+class NoPrefixCache(SingleTier):
     """Caches nothing: every page a request used goes straight back to the allocator."""
 
     num_cached_pages = 0
@@ -123,9 +187,6 @@ class NoPrefixCache(NoPrefetch):
 
     def release(self, token_ids: Sequence[int], pages: list[int], num_computed: int, hit: PrefixHit) -> None:
         self.allocator.free(pages)
-
-    def evict(self, num_pages: int) -> int:
-        return 0
 
     def on_step(self) -> None:
         pass

@@ -8,8 +8,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from tierserve import openai_api as oa
-from tierserve.engine.outputs import RequestOutput
+from tierserve.core.outputs import RequestOutput
+from tierserve.core.tiers import TIERS
 
 log = logging.getLogger(__name__)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -45,7 +45,7 @@ class ApiMetrics:
         if last is not None:
             self.prompt_tokens.inc(last.prompt_tokens)
             self.generation_tokens.inc(last.completion_tokens)
-            for tier in oa.TIERS:
+            for tier in TIERS:
                 self.cached_tokens.labels(tier).inc(last.cached_by_tier.get(tier, 0))
             self.e2e.observe(e2e)
         log.info("request %s ended: reason=%s prompt=%d completion=%d cached=%d e2e=%.3fs", request_id, reason,

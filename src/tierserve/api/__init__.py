@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP layer shared by `tierserve serve` and the router (torch-free)."""

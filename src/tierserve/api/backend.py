@@ -1,0 +1,33 @@
+"""The ``Backend`` protocol: where the HTTP layer's requests run (one engine, or the router's
+prefill/decode pairs)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+from tierserve.core.outputs import RequestOutput
+from tierserve.core.sampling import SamplingParams
+
+
+class Backend(Protocol):
+    """Where API requests run. ``generate`` yields a request's outputs until the finished one and
+    raises ``InvalidRequestError`` (400) or ``APIError`` (its status: 429 overloaded, 503 no
+    healthy worker, ...) when it cannot serve it; closing the iterator early aborts the request."""
+
+    max_model_len: int
+
+    def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, cache_salt: str
+                 ) -> AsyncIterator[RequestOutput]: ...
+
+    def healthy(self) -> bool:
+        """The process can serve (``/health``)."""
+        ...
+
+    def ready(self) -> bool:
+        """Requests would be accepted now (``/readiness``): e.g. at least one healthy worker pair."""
+        ...
+
+    async def debug_state(self) -> dict[str, Any]:
+        """Occupancy for tests and operators (``/debug/state``)."""
+        ...

@@ -1,0 +1,116 @@
+"""One API request fanned out into backend requests, one per (prompt, choice), run
+concurrently; their outputs merged in arrival order."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+
+from tierserve.api import openai as oa
+from tierserve.api.backend import Backend
+from tierserve.api.metrics import ApiMetrics
+from tierserve.core.outputs import RequestOutput
+from tierserve.core.sampling import SamplingParams
+from tierserve.core.tiers import TIERS
+
+
+@dataclass
+class Job:
+    """One engine request: choice ``index`` of the response; ``counts_prompt`` for one choice per prompt."""
+
+    index: int
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    counts_prompt: bool
+    cache_salt: str = ""
+
+
+def make_jobs(response_id: str, prompts: list[list[int]], params: SamplingParams, n: int, salt: str) -> list[Job]:
+    """``n`` choices per prompt; with a seed, choice ``i`` uses ``seed + i`` so they differ."""
+    jobs = []
+    for p, ids in enumerate(prompts):
+        for i in range(n):
+            choice_params = params if params.seed is None or i == 0 else replace(params, seed=params.seed + i)
+            index = p * n + i
+            jobs.append(Job(index, f"{response_id}-{index}", ids, choice_params, i == 0, salt))
+    return jobs
+
+
+class Choices:
+    """Runs a response's engine requests concurrently, merges their outputs in arrival order and
+    keeps each choice's text and last output (for the response body and its usage)."""
+
+    def __init__(self, backend: Backend, jobs: list[Job], metrics: ApiMetrics) -> None:
+        self._backend, self._jobs, self._metrics = backend, jobs, metrics
+        self._queue: asyncio.Queue[tuple[int, RequestOutput | Exception]] = asyncio.Queue()
+        self._ready: list[tuple[int, RequestOutput | Exception]] = []
+        self._text: dict[int, list[str]] = {j.index: [] for j in jobs}
+        self._last: dict[int, RequestOutput] = {}
+        self._tasks = [asyncio.create_task(self._pump(job)) for job in jobs]
+
+    async def _pump(self, job: Job) -> None:
+        started = prev = time.monotonic()
+        last, failed = None, False
+        try:
+            async for out in self._backend.generate(job.request_id, job.prompt_ids, job.params, job.cache_salt):
+                if out.new_token_ids:
+                    now = time.monotonic()
+                    (self._metrics.ttft if last is None else self._metrics.itl).observe(now - prev)
+                    prev = now
+                last = out
+                self._queue.put_nowait((job.index, out))
+        except Exception as exc:
+            failed = True
+            self._queue.put_nowait((job.index, exc))
+        finally:  # also on cancellation: that is the client-gone path, counted as an abort
+            self._metrics.request_ended(job.request_id, last, failed, started)
+
+    async def start(self) -> None:
+        """Waits until every request produced its first output; raises the first engine rejection,
+        so that a bad request is answered with an error status before any stream starts."""
+        started: set[int] = set()
+        while len(started) < len(self._tasks):
+            index, item = await self._queue.get()
+            self._ready.append((index, item))
+            if isinstance(item, Exception):
+                raise item
+            started.add(index)
+
+    async def events(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Every output of every request until all finished; raises a request's error."""
+        pending = len(self._tasks)
+        while pending:
+            index, item = self._ready.pop(0) if self._ready else await self._queue.get()
+            if isinstance(item, Exception):
+                raise item
+            self._text[index].append(item.new_text)
+            self._last[index] = item
+            pending -= item.finished
+            yield index, item
+
+    async def run(self) -> None:
+        async for _ in self.events():
+            pass
+
+    def cancel(self) -> None:
+        """Aborts whatever still runs. Synchronous: it must work inside an already-cancelled task."""
+        for task in self._tasks:
+            task.cancel()
+
+    def results(self) -> list[oa.ChoiceResult]:
+        return [oa.ChoiceResult(j.index, "".join(self._text[j.index]), _reason(self._last.get(j.index)))
+                for j in self._jobs]
+
+    def usage(self) -> oa.Usage:
+        outs = [(j, self._last[j.index]) for j in self._jobs if j.index in self._last]
+        heads = [o for j, o in outs if j.counts_prompt]  # a prompt counts once however many choices
+        by_tier = {t: sum(o.cached_by_tier.get(t, 0) for o in heads) for t in TIERS}
+        return oa.Usage.build(sum(o.prompt_tokens for o in heads), sum(o.completion_tokens for _, o in outs),
+                              sum(o.cached_tokens for o in heads), by_tier)
+
+
+def _reason(out: RequestOutput | None) -> str | None:
+    return out.reason if out is not None else None

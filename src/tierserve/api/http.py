@@ -1,0 +1,28 @@
+"""Serving an app with uvicorn on uvloop."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn that calls ``on_ready`` once its socket is listening."""
+
+    def __init__(self, config: uvicorn.Config, on_ready: Callable[[], None] | None) -> None:
+        super().__init__(config)
+        self._on_ready = on_ready
+
+    async def startup(self, sockets: list[Any] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started and self._on_ready is not None:
+            self._on_ready()
+
+
+def run_http(app: FastAPI, host: str, port: int, on_ready: Callable[[], None] | None = None) -> None:
+    """Serves ``app`` with uvicorn on uvloop until SIGINT/SIGTERM."""
+    uv_config = uvicorn.Config(app, host=host, port=port, loop="uvloop", log_config=None, timeout_graceful_shutdown=5)
+    _Uvicorn(uv_config, on_ready).run()

@@ -1,0 +1,1 @@
+"""The `tierserve` console script: `main` and one module per command."""

@@ -1,0 +1,177 @@
+"""Flags shared by several commands, each defined once.
+
+The engine's flags are one table (``ENGINE_FLAGS``): each row names a flag and the field of
+``EngineConfig`` it sets, so the parser, the config built from parsed flags and the flags
+``tierserve up`` forwards to its nodes all come from it. A new engine setting (a parallelism
+mode, say) is one row here and one field in the config. Defaults come from the config classes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from tierserve.cache.options import HiCacheOptions, HostLayout, IOBackend, PrefetchPolicy, WritePolicy
+from tierserve.core.storage import StorageKind
+from tierserve.engine.config import EngineConfig
+
+log = logging.getLogger("tierserve")
+SWITCH = None  # ``Flag.parse`` of an on/off flag (``store_true``)
+
+
+@dataclass(frozen=True)
+class Flag:
+    """``name`` sets the config field at dotted ``path`` (``"hicache.ratio"``); ``parse`` turns the
+    text into the value (an ``Enum`` class: its members are the choices; ``SWITCH``: no value)."""
+
+    name: str
+    path: str
+    help: str
+    parse: Callable[[str], Any] | None = str
+
+
+ENGINE_FLAGS: tuple[Flag, ...] = (
+    Flag("--device", "device", "auto, cpu, cuda or cuda:N"),
+    Flag("--dtype", "dtype", "auto, bfloat16, float16 or float32"),
+    Flag("--page-size", "page_size", "tokens per KV page", int),
+    Flag("--max-total-tokens", "max_total_tokens", "KV pool size in tokens", int),
+    Flag("--mem-fraction-static", "mem_fraction_static", "GPU memory share for the KV pool", float),
+    Flag("--chunked-prefill-size", "chunked_prefill_size", "prompt tokens per step", int),
+    Flag("--max-running-requests", "max_running_requests", "requests in the running batch", int),
+    Flag("--context-length", "max_model_len", "max prompt + output tokens (default: the model's)", int),
+    Flag("--seed", "seed", "random seed", int),
+    Flag("--disable-radix-cache", "disable_radix_cache", "do not reuse KV of shared prompt prefixes", SWITCH),
+    # The host tier (L2) and L3, named as in SGLang.
+    Flag("--enable-hierarchical-cache", "enable_hierarchical_cache", "add a host-memory tier (L2)", SWITCH),
+    Flag("--hicache-ratio", "hicache.ratio", "L2 size as a multiple of the device pool", float),
+    Flag("--hicache-size", "hicache.size_gb", "L2 size in GB (overrides --hicache-ratio)", float),
+    Flag("--hicache-write-policy", "hicache.write_policy", "when L1 pages are copied to L2", WritePolicy),
+    Flag("--hicache-write-threshold", "hicache.write_threshold",
+         "hits before write_through_selective copies a prefix to L2", int),
+    Flag("--hicache-mem-layout", "hicache.mem_layout", "byte order of the L2 pool", HostLayout),
+    Flag("--hicache-io-backend", "hicache.io_backend", "how L1 <-> L2 copies run", IOBackend),
+    Flag("--hicache-storage-backend", "hicache.storage_backend", "the shared L3 tier", StorageKind),
+    Flag("--hicache-storage-backend-extra-config", "hicache.storage_config",
+         'backend settings, e.g. {"path": "/cache"}, and prefetch_threshold / prefetch_timeout_*', json.loads),
+    Flag("--hicache-storage-prefetch-policy", "hicache.prefetch_policy", "when a request stops waiting for L3",
+         PrefetchPolicy),
+)
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Every ``ENGINE_FLAGS`` row, with the config's default."""
+    for flag in ENGINE_FLAGS:
+        p.add_argument(flag.name, dest=_dest(flag), default=_default(flag.path), help=flag.help, **_kind(flag))
+
+
+def engine_config(args: argparse.Namespace, model_dir: Path) -> EngineConfig:
+    """The engine settings from parsed flags; ``ValueError`` for values out of range."""
+    top = {f.path: getattr(args, _dest(f)) for f in ENGINE_FLAGS if "." not in f.path}
+    hicache = {f.path.split(".")[1]: getattr(args, _dest(f)) for f in ENGINE_FLAGS if f.path.startswith("hicache.")}
+    return EngineConfig(model_dir=model_dir, **top, hicache=HiCacheOptions(**hicache))
+
+
+def engine_flags(config: EngineConfig) -> list[str]:
+    """The command line that gives ``config`` (its non-default settings), e.g. for a child node."""
+    out: list[str] = []
+    for flag in ENGINE_FLAGS:
+        value = _get(config, flag.path)
+        if value == _default(flag.path):
+            continue
+        out += [flag.name] if flag.parse is SWITCH else [flag.name, _text(value)]
+    return out
+
+
+def _dest(flag: Flag) -> str:
+    return flag.name.removeprefix("--").replace("-", "_")
+
+
+def _kind(flag: Flag) -> dict[str, Any]:
+    """argparse's options for how a flag reads its value."""
+    if flag.parse is SWITCH:
+        return {"action": "store_true"}
+    if isinstance(flag.parse, type) and issubclass(flag.parse, Enum):
+        names = "{" + ",".join(m.value for m in flag.parse) + "}"
+        return {"type": flag.parse, "choices": list(flag.parse), "metavar": names}
+    return {"type": flag.parse, "metavar": "JSON"} if flag.parse is json.loads else {"type": flag.parse}
+
+
+def _default(path: str) -> Any:
+    head, _, rest = path.partition(".")
+    cls = {"hicache": HiCacheOptions}.get(head, EngineConfig) if rest else EngineConfig
+    name = rest or head
+    field = next(f for f in dataclasses.fields(cls) if f.name == name)
+    return field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
+
+
+def _get(config: EngineConfig, path: str) -> Any:
+    value: Any = config
+    for part in path.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, dict):
+        return json.dumps(value)
+    return str(value.value if isinstance(value, Enum) else value)
+
+
+# -- other shared groups ---------------------------------------------------------------------------
+
+
+def add_listen_args(p: argparse.ArgumentParser, port: int, what: str = "listen") -> None:
+    p.add_argument("--host", default="127.0.0.1", help=f"{what} address")
+    p.add_argument("--port", type=int, default=port, help=f"{what} port" + (" (0: any free port, logged)"
+                                                                            if port == 0 else ""))
+
+
+def add_model_args(p: argparse.ArgumentParser, served_name: bool = True) -> None:
+    p.add_argument("--model", type=Path, help="Hugging Face model folder (default: the built-in model)")
+    if served_name:
+        p.add_argument("--served-model-name", help="model name in the API (default: the model folder's name)")
+
+
+def add_api_key_args(p: argparse.ArgumentParser, admin: str) -> None:
+    """``--api-key`` on the API routes and ``--admin-api-key`` enabling ``admin`` (the admin routes)."""
+    p.add_argument("--api-key", help="require 'Authorization: Bearer <key>' on the API routes")
+    p.add_argument("--admin-api-key", help=f"enable {admin} with this key")
+
+
+def model_dir(args: argparse.Namespace) -> Path | None:
+    """``--model`` or the built-in model (converted once); None, with the reason printed, when the
+    folder is not a model folder."""
+    folder = args.model or builtin_model()
+    if not (folder / "config.json").is_file():
+        print(f"tierserve: {folder} is not a model folder (no config.json)", file=sys.stderr)
+        return None
+    return folder
+
+
+def node_engine_config(args: argparse.Namespace) -> EngineConfig | None:
+    """The engine settings of a command that runs an engine; None, with the reason printed, for a
+    missing model folder or a flag out of range (a usage error, not a crash)."""
+    folder = model_dir(args)
+    if folder is None:
+        return None
+    try:
+        return engine_config(args, folder)
+    except ValueError as exc:
+        print(f"tierserve: {exc}", file=sys.stderr)
+        return None
+
+
+def builtin_model() -> Path:
+    from tierserve.model.fetch import builtin_model_dir, fetch_builtin_model, is_complete
+
+    if not is_complete(builtin_model_dir()):
+        log.info("converting the built-in model (once)")
+    return fetch_builtin_model(progress=True)

@@ -1,0 +1,36 @@
+"""Flags every node role shares (``prefill``, ``decode``): gRPC, metrics, KV events, transfer."""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING
+
+from tierserve.cli.flags import add_engine_args, add_listen_args, add_model_args
+from tierserve.core.transfer import TransferProtocol
+
+if TYPE_CHECKING:
+    from tierserve.node.server import NodeOptions
+
+
+def add_node_args(p: argparse.ArgumentParser) -> None:
+    add_listen_args(p, 0, "gRPC")
+    add_model_args(p)
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
+    p.add_argument("--kv-events-port", type=int,
+                   help="publish KV events (ZMQ PUB) on this port for cache-aware routing (0: any free port)")
+    p.add_argument("--transfer-protocol", type=TransferProtocol, default=TransferProtocol.TCP,
+                   choices=list(TransferProtocol), metavar="{tcp,rdma}", help="KV transfer engine protocol")
+    p.add_argument("--transfer-device", default="", help="RDMA device list for --transfer-protocol rdma")
+    p.add_argument("--transfer-hostname", help="address peers use for this node's transfer engine "
+                   "(default: --host, or 127.0.0.1 when that is 0.0.0.0)")
+    add_engine_args(p)
+
+
+def node_options(args: argparse.Namespace) -> NodeOptions:
+    from tierserve.node.server import NodeOptions
+
+    hostname = args.transfer_hostname or (args.host if args.host not in ("0.0.0.0", "::") else "127.0.0.1")
+    return NodeOptions(host=args.host, port=args.port, transfer_hostname=hostname,
+                       transfer_protocol=args.transfer_protocol, transfer_devices=args.transfer_device,
+                       served_model_name=args.served_model_name, metrics_port=args.metrics_port,
+                       kv_events_port=args.kv_events_port)

@@ -1,0 +1,29 @@
+"""``tierserve prefill``: a prefill node (gRPC ``PrefillService``)."""
+
+from __future__ import annotations
+
+import argparse
+
+from tierserve.cli.flags import node_engine_config
+from tierserve.cli.node import add_node_args, node_options
+
+
+def add_prefill_args(p: argparse.ArgumentParser) -> None:
+    add_node_args(p)
+    p.add_argument("--handoff-timeout", type=float, default=60.0,
+                   help="seconds for prefill plus KV handoff when the request gives no deadline")
+    p.add_argument("--fault-transfer-rate", type=float, default=0.0,
+                   help="testing only: make this share of KV handoffs fail for real")
+
+
+def cmd_prefill(args: argparse.Namespace) -> int:
+    from tierserve.node.server import run_node
+    from tierserve.prefill_node.service import add_prefill_service
+    from tierserve.proto import tierserve_pb2 as pb
+
+    config = node_engine_config(args)
+    if config is None:
+        return 2
+    run_node(config, node_options(args), pb.ROLE_PREFILL,
+             add_prefill_service(args.handoff_timeout, args.fault_transfer_rate))
+    return 0

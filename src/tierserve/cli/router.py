@@ -1,0 +1,79 @@
+"""``tierserve router``: the OpenAI-compatible HTTP router over prefill/decode nodes."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from tierserve.cli.flags import add_api_key_args, add_listen_args, add_model_args, model_dir
+
+if TYPE_CHECKING:
+    from tierserve.router.app import RouterConfig, Task
+
+
+def add_policy_args(p: argparse.ArgumentParser) -> None:
+    """``--prefill-policy`` and ``--decode-policy`` (``tierserve router`` and ``up``)."""
+    from tierserve.router.policies import PolicyKind
+
+    names = "{" + ",".join(k.value for k in PolicyKind) + "}"
+    policies = {"type": PolicyKind, "choices": list(PolicyKind), "metavar": names}
+    p.add_argument("--prefill-policy", default=PolicyKind.CACHE_AWARE, **policies)
+    p.add_argument("--decode-policy", default=PolicyKind.POWER_OF_TWO, **policies)
+
+
+def add_router_args(p: argparse.ArgumentParser) -> None:
+    """Flags of ``tierserve router``, named as in SGLang's router where it has one."""
+    add_listen_args(p, 8000)
+    workers = {"action": "extend", "nargs": "+", "default": [], "metavar": "HOST:PORT"}
+    p.add_argument("--prefill", help="prefill workers (gRPC)", **workers)
+    p.add_argument("--decode", help="decode workers (gRPC)", **workers)
+    add_model_args(p)
+    p.add_argument("--context-length", type=int, help="max prompt + output tokens (default: the model's)")
+    add_api_key_args(p, "the /workers admin routes")
+    add_policy_args(p)
+    p.add_argument("--max-running-requests", type=int, default=256, help="requests in flight through the router")
+    p.add_argument("--max-queued-requests", type=int, default=1024, help="waiting beyond this gets 429")
+    p.add_argument("--request-timeout", type=float, default=600.0, help="deadline of a prefill leg, seconds")
+    p.add_argument("--max-retries", type=int, default=2, help="new pairs tried while nothing was streamed")
+    p.add_argument("--health-check-interval", type=float, default=2.0, help="seconds between worker checks")
+    p.add_argument("--service-discovery", action="store_true", help="find workers as Kubernetes pods")
+    p.add_argument("--service-discovery-namespace", help="pods' namespace (default: the router's own)")
+    p.add_argument("--prefill-selector", default="app=tierserve,role=prefill", help="label selector of prefill pods")
+    p.add_argument("--decode-selector", default="app=tierserve,role=decode", help="label selector of decode pods")
+    p.add_argument("--service-discovery-port", type=int, default=50051,
+                   help="workers' gRPC port when the pod names no container port 'grpc'")
+
+
+def router_config(args: argparse.Namespace, folder: Path) -> RouterConfig:
+    from tierserve.router.app import RouterConfig
+    from tierserve.router.backend import RouterOptions
+
+    return RouterConfig(
+        model_dir=folder, prefill=args.prefill, decode=args.decode, served_model_name=args.served_model_name,
+        context_length=args.context_length, api_key=args.api_key, admin_api_key=args.admin_api_key,
+        prefill_policy=args.prefill_policy, decode_policy=args.decode_policy,
+        options=RouterOptions(max_running=args.max_running_requests, max_queued=args.max_queued_requests,
+                              timeout_s=args.request_timeout, max_retries=args.max_retries),
+        health_check_interval_s=args.health_check_interval,
+    )
+
+
+def cmd_router(args: argparse.Namespace, on_ready: Callable[[], None] | None = None) -> int:
+    from tierserve.router.app import serve_router
+
+    folder = model_dir(args)
+    if folder is None:
+        return 2
+    serve_router(router_config(args, folder), args.host, args.port, _discovery_tasks(args), on_ready)
+    return 0
+
+
+def _discovery_tasks(args: argparse.Namespace) -> list[Task]:
+    if not args.service_discovery:
+        return []
+    from tierserve.router.discovery import kubernetes_task
+
+    return [kubernetes_task(args.service_discovery_namespace, args.prefill_selector, args.decode_selector,
+                            args.service_discovery_port)]

@@ -1,0 +1,267 @@
+"""The package's layering rules, checked on a static scan of every import in src/tierserve (see
+import_graph.py), plus a runtime check that the torch-free entry points really stay torch-free.
+
+The rules (the tables below hold what they allow and forbid):
+1. prefill_node and decode_node never import each other.
+2. router, bench, api and core never import torch or mooncake, directly or through other modules.
+3. router, bench, api and core import from tierserve only what ALLOWED lists (plus themselves).
+4. cache never imports the serving layers above it (CACHE_MUST_NOT_IMPORT).
+5. No import cycles between the top-level packages/modules of tierserve.
+The second half of the file shows that each check fires on a small fixture package that breaks it.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from import_graph import (
+    Scan,
+    allowlist_violations,
+    cycle_violations,
+    forbidden_violations,
+    heavy_import_violations,
+    scan,
+)
+
+# Besides its own package, what each torch-free unit may import from tierserve (names relative to tierserve).
+ALLOWED: dict[str, tuple[str, ...]] = {
+    "core": (),
+    "bench": ("core",),
+    "api": ("core", "proto", "cache.hashing", "cache.events"),
+    "router": ("core", "api", "proto", "cache.hashing", "cache.events"),
+}
+TORCH_FREE = tuple(ALLOWED)
+HEAVY = ("torch", "mooncake")  # top-level names the torch-free units must never reach
+SIBLINGS = {"prefill_node": ("decode_node",), "decode_node": ("prefill_node",)}
+CACHE_MUST_NOT_IMPORT = ("engine", "node", "prefill_node", "decode_node", "router", "api", "cli")
+# Imported in a fresh interpreter, each must leave torch and mooncake unloaded (the console script
+# too: every command's parser is built before any command runs).
+RUNTIME_TORCH_FREE = ("tierserve.router.app", "tierserve.api.app", "tierserve.api.engine_backend",
+                      "tierserve.cli.main", "tierserve.bench.runner")
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE = "tierserve"
+
+
+def check_siblings(tree: Scan) -> list[str]:
+    """Rule 1 on ``tree``."""
+    return [msg for unit, other in SIBLINGS.items() for msg in forbidden_violations(tree, unit, other)]
+
+
+def check_heavy(tree: Scan) -> list[str]:
+    """Rule 2 on ``tree``."""
+    return heavy_import_violations(tree, TORCH_FREE, HEAVY)
+
+
+def check_allowed(tree: Scan) -> list[str]:
+    """Rule 3 on ``tree``."""
+    return allowlist_violations(tree, ALLOWED)
+
+
+def check_cache(tree: Scan) -> list[str]:
+    """Rule 4 on ``tree``."""
+    return forbidden_violations(tree, "cache", CACHE_MUST_NOT_IMPORT)
+
+
+RULES = {
+    "siblings": check_siblings,
+    "no_torch": check_heavy,
+    "allow_list": check_allowed,
+    "cache_below_serving": check_cache,
+    "no_cycles": cycle_violations,
+}
+
+
+@pytest.fixture(scope="module")
+def real_tree() -> Scan:
+    return scan(REPO / "src" / PACKAGE, PACKAGE, shown_from=REPO)
+
+
+@pytest.mark.parametrize("rule", list(RULES))
+def test_layering_rule_holds_on_the_real_tree(real_tree: Scan, rule: str) -> None:
+    violations = RULES[rule](real_tree)
+    assert not violations, f"{len(violations)} violation(s) of {rule}:\n" + "\n".join(violations)
+
+
+def test_the_real_tree_is_scanned(real_tree: Scan) -> None:
+    assert {"tierserve", "tierserve.router.app"} <= real_tree.modules
+    assert any(imp.target.startswith("tierserve.") for imp in real_tree.imports)
+
+
+PROBE = """
+import importlib, sys
+importlib.import_module(sys.argv[1])
+print(" ".join(sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "mooncake"))) or "CLEAN")
+"""
+
+
+@pytest.mark.parametrize("module", RUNTIME_TORCH_FREE)
+def test_torch_free_entry_points_load_neither_torch_nor_mooncake(module: str) -> None:
+    done = subprocess.run([sys.executable, "-c", PROBE, module], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert done.returncode == 0, f"importing {module} failed:\n{done.stderr}"
+    assert done.stdout.strip() == "CLEAN", f"importing {module} loads {done.stdout.strip()}"
+
+
+# --- the scanner itself, on fixture packages ---------------------------------------------------
+
+
+def make_tree(root: Path, files: dict[str, str]) -> Scan:
+    """Write ``files`` (paths relative to the package ``pkg``) under ``root``/pkg and scan it; every
+    package directory gets an empty ``__init__.py`` unless ``files`` gives one."""
+    pkg = root / "pkg"
+    for rel, text in files.items():
+        path = pkg / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text), encoding="utf-8")
+    for folder in [pkg, *(p for p in pkg.rglob("*") if p.is_dir())]:
+        (folder / "__init__.py").touch()
+    return scan(pkg, "pkg")
+
+
+def run_rules(tree: Scan) -> dict[str, list[str]]:
+    """Every rule's violations on ``tree``, by rule name."""
+    return {name: check(tree) for name, check in RULES.items()}
+
+
+# A fixture package that follows every rule: the baseline each breaking fixture adds to.
+CLEAN = {
+    "core/shapes.py": "import dataclasses\n",
+    "api/app.py": "from pkg.core import shapes\nfrom ..cache import hashing\n",
+    "router/app.py": "from pkg.api.app import x\nfrom pkg.cache.events import Event\nfrom . import policies\n",
+    "router/policies.py": "import random\n",
+    "bench/cli.py": "import pkg.core.shapes\n",
+    "cache/hashing.py": "import hashlib\n",
+    "cache/events.py": "from pkg.cache import hashing\n",
+    "cache/storage/file.py": "from ..hashing import h\nfrom pkg.core.shapes import S\n",
+    "engine/loop.py": "import torch\nfrom pkg.cache import storage\nfrom pkg.cache.storage import file\n",
+    "prefill_node/service.py": "from pkg.engine import loop\n",
+    "decode_node/service.py": "from pkg.engine.loop import run\n",
+    "launch.py": "import pkg.prefill_node.service\nimport pkg.decode_node.service\n",
+}
+
+
+def test_a_tree_that_follows_the_rules_passes(tmp_path: Path) -> None:
+    assert run_rules(make_tree(tmp_path, CLEAN)) == {name: [] for name in RULES}
+
+
+def test_relative_and_from_imports_resolve_to_submodules(tmp_path: Path) -> None:
+    tree = make_tree(tmp_path, CLEAN)
+    by_module = {(imp.module, imp.target) for imp in tree.imports}
+    assert ("pkg.api.app", "pkg.cache.hashing") in by_module  # from ..cache import hashing
+    assert ("pkg.router.app", "pkg.router.policies") in by_module  # from . import policies
+    assert ("pkg.engine.loop", "pkg.cache.storage") in by_module  # a subpackage
+    assert ("pkg.cache.storage.file", "pkg.cache.hashing") in by_module  # from ..hashing import h
+    assert ("pkg.router.app", "pkg.api.app") in by_module  # from pkg.api.app import x: a name, not a module
+
+
+def test_siblings_rule_fires(tmp_path: Path) -> None:
+    tree = make_tree(tmp_path, {**CLEAN, "decode_node/service.py": "from pkg.prefill_node import service\n"})
+    assert check_siblings(tree) == [
+        "pkg/decode_node/service.py:1 imports pkg.prefill_node.service (decode_node must not import prefill_node)"
+    ]
+
+
+def test_an_import_inside_a_function_counts(tmp_path: Path) -> None:
+    body = """\
+        def start():
+            if True:
+                from ..decode_node.service import Decoder
+            return Decoder
+        """
+    tree = make_tree(tmp_path, {**CLEAN, "prefill_node/service.py": body})
+    assert check_siblings(tree) == [
+        "pkg/prefill_node/service.py:3 imports pkg.decode_node.service (prefill_node must not import decode_node)"
+    ]
+
+
+def test_a_direct_torch_import_fires(tmp_path: Path) -> None:
+    tree = make_tree(tmp_path, {**CLEAN, "core/shapes.py": "import torch.nn\n"})
+    assert "pkg/core/shapes.py:1 imports torch.nn, which leads to torch: core.shapes -> torch" in check_heavy(tree)
+
+
+def test_a_transitive_torch_import_through_two_modules_fires(tmp_path: Path) -> None:
+    files = {**CLEAN, "api/tokenizer.py": "from pkg.model import weights\n",
+             "model/weights.py": "from .tensors import T\n", "model/tensors.py": "from torch import Tensor\n",
+             "router/app.py": CLEAN["router/app.py"] + "\n\nfrom pkg.api.tokenizer import Tok\n"}
+    violations = check_heavy(make_tree(tmp_path, files))
+    assert ("pkg/router/app.py:6 imports pkg.api.tokenizer, which leads to torch: "
+            "router.app -> api.tokenizer -> model.weights -> model.tensors -> torch") in violations
+    assert any(v.startswith("pkg/api/tokenizer.py:1 imports pkg.model.weights,") for v in violations)
+
+
+def test_mooncake_reached_through_a_package_init_fires(tmp_path: Path) -> None:
+    files = {**CLEAN, "cache/__init__.py": "from .store import Store\n", "cache/store.py": "import mooncake.store\n"}
+    violations = check_heavy(make_tree(tmp_path, files))
+    assert ("pkg/router/app.py:2 imports pkg.cache.events, which leads to mooncake: "
+            "router.app -> cache -> cache.store -> mooncake") in violations
+
+
+def test_imports_under_type_checking_do_not_count(tmp_path: Path) -> None:
+    body = """\
+        from __future__ import annotations
+        import typing
+        from typing import TYPE_CHECKING
+
+        if TYPE_CHECKING:
+            import torch
+            from pkg.engine.loop import Engine
+        if typing.TYPE_CHECKING:
+            from pkg.decode_node import service
+        else:
+            from pkg.core import shapes
+        """
+    tree = make_tree(tmp_path, {**CLEAN, "router/app.py": body, "prefill_node/service.py": body})
+    assert run_rules(tree) == {name: [] for name in RULES}
+    assert ("pkg.router.app", "pkg.core.shapes") in {(i.module, i.target) for i in tree.imports}  # the else runs
+
+
+def test_allow_list_fires(tmp_path: Path) -> None:
+    files = {**CLEAN, "router/app.py": CLEAN["router/app.py"] + "from pkg.cache import radix\n",
+             "cache/radix.py": "", "bench/cli.py": "from ..api import app\n", "core/shapes.py": "import pkg\n"}
+    assert sorted(check_allowed(make_tree(tmp_path, files))) == [
+        "pkg/bench/cli.py:1 imports pkg.api.app (bench may import only core)",
+        "pkg/core/shapes.py:1 imports pkg (core may import only core)",
+        "pkg/router/app.py:4 imports pkg.cache.radix "
+        "(router may import only core, api, proto, cache.hashing, cache.events)",
+    ]
+
+
+def test_cache_rule_fires(tmp_path: Path) -> None:
+    files = {**CLEAN, "cache/storage/file.py": "def f():\n    import pkg.engine.loop\n    from pkg.api import app\n"}
+    assert check_cache(make_tree(tmp_path, files)) == [
+        "pkg/cache/storage/file.py:2 imports pkg.engine.loop (cache must not import engine)",
+        "pkg/cache/storage/file.py:3 imports pkg.api.app (cache must not import api)",
+    ]
+
+
+def test_a_cycle_between_units_fires(tmp_path: Path) -> None:
+    files = {**CLEAN, "cache/hooks.py": "def later():\n    from pkg import launch\n",
+             "launch.py": "import pkg.prefill_node.service\n"}
+    assert cycle_violations(make_tree(tmp_path, files)) == [
+        "cycle cache -> launch -> prefill_node -> engine -> cache: "
+        "pkg/cache/hooks.py:2 imports pkg.launch; pkg/launch.py:1 imports pkg.prefill_node.service; "
+        "pkg/prefill_node/service.py:1 imports pkg.engine.loop; pkg/engine/loop.py:2 imports pkg.cache.storage"
+    ]
+
+
+def test_a_two_unit_cycle_is_reported_once(tmp_path: Path) -> None:
+    files = {**CLEAN, "core/shapes.py": "from pkg.bench import cli\n"}
+    assert cycle_violations(make_tree(tmp_path, files)) == [
+        "cycle bench -> core -> bench: "
+        "pkg/bench/cli.py:1 imports pkg.core.shapes; pkg/core/shapes.py:1 imports pkg.bench.cli"
+    ]
+
+
+def test_the_readme_layout_names_every_top_level_part() -> None:
+    """The README's layout block lists each package and module directly under src/tierserve."""
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    block = readme.split("## Layout", 1)[1].split("```")[1]
+    root = REPO / "src" / PACKAGE
+    parts = [f"{p.name}/" for p in root.iterdir() if (p / "__init__.py").is_file()]
+    parts += [p.name for p in root.glob("*.py") if p.name != "__init__.py"]
+    missing = [part for part in sorted(parts) if f"  {part}" not in block]
+    assert not missing, f"README.md's layout section does not list {missing}"
