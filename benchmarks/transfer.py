@@ -93,22 +93,26 @@ def replay_once(engine: Engine, peers: PeerEngines, dest: pb.KVDestination, num_
     src = arena(engine)
     dst = destination_arena(dest, src.slot_bytes)
     runs = token_runs(list(range(len(dest.pages))), list(dest.pages), 0, num_tokens, src.page_size)
-    handle = peers.for_target(dest.transfer_endpoint)
+    handle = peers.acquire(dest.transfer_endpoint)
     start = time.perf_counter()
     batches = [handle.submit(dest.transfer_endpoint, layer_blocks(src, dst, runs, layer))
                for layer in range(src.num_layers)]
     failed = [layer for layer, b in enumerate(batches) if not handle.wait(b)]
+    peers.release(dest.transfer_endpoint)
     if failed:
         raise RuntimeError(f"replay failed for layers {failed} ({len(runs)} runs per layer)")
     return time.perf_counter() - start
 
 
 def raw_once(engine: Engine, peers: PeerEngines, dest: pb.KVDestination, nbytes: int) -> float:
-    handle = peers.for_target(dest.transfer_endpoint)
+    handle = peers.acquire(dest.transfer_endpoint)
     start = time.perf_counter()
-    if not handle.write(dest.transfer_endpoint, [(engine.pool.buffer.data_ptr(), dest.base_address, nbytes)]):
+    ok = handle.write(dest.transfer_endpoint, [(engine.pool.buffer.data_ptr(), dest.base_address, nbytes)])
+    elapsed = time.perf_counter() - start
+    peers.release(dest.transfer_endpoint)
+    if not ok:
         raise RuntimeError("raw write failed")
-    return time.perf_counter() - start
+    return elapsed
 
 
 def main() -> None:

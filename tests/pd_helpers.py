@@ -21,7 +21,7 @@ PAGE, CHUNK, MAX_NEW = 16, 64, 12
 TOKEN_BYTES = 2 * 2 * 2 * 16 * 4  # tiny llama: layers x (K, V) x kv heads x head dim x float32
 NODE_ARGS = ["--device", "cpu", "--dtype", "float32", "--page-size", str(PAGE), "--chunked-prefill-size", str(CHUNK),
              "--max-total-tokens", "4096"]
-GRACE_S = 2.0  # decode nodes here: pages of an abandoned reservation come back after this
+GRACE_S = 6.0  # decode nodes here: pages of an abandoned reservation come back after this (> the 5 s transfer timeout)
 DECODE_ARGS = [*NODE_ARGS, "--reservation-grace", str(GRACE_S)]
 
 

@@ -439,6 +439,7 @@ class L3Machine(RuleBasedStateMachine):
         tree = self.cache.tree
         device = tree.device_pages() + [p for h in self.held for p in h.pages[len(h.hit.pages) :]]
         assert len(device) == len(set(device)) == self.alloc.num_used, "an L1 page leaked or has two owners"
+        assert tree.num_device_pages == len(tree.device_pages()), "the tree miscounts its L1 pages"
         tier = self.cache.storage
         host = (tree.host_pages() + [p for w in self.cache._writes for p in w.host_pages]
                 + [p for t in tier.tickets for p in t.host_pages])

@@ -108,6 +108,7 @@ class TreeMachine(RuleBasedStateMachine):
     @invariant()
     def pages_are_owned_once(self) -> None:
         tree_pages = self.cache.tree.device_pages()
+        assert self.cache.tree.num_device_pages == len(tree_pages), "the tree miscounts its L1 pages"
         request_pages = [p for _, pages, hit in self.held for p in pages[len(hit.pages):]]
         owned = tree_pages + request_pages
         assert len(owned) == len(set(owned)), "a page has two owners"

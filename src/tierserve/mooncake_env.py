@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 
+from tierserve.core.transfer import TransferProtocol
+
 DEFAULTS = {
     "MC_LOG_LEVEL": "ERROR",  # INFO logs ~30 lines per client
     "MC_STORE_CLIENT_SETUP_RETRIES": "1",  # setup() against a dead master: ~4 s instead of ~90 s
@@ -19,3 +21,11 @@ DEFAULTS = {
 def apply_defaults() -> None:
     for name, value in DEFAULTS.items():
         os.environ.setdefault(name, value)
+
+
+def transfer_timeout_s(protocol: TransferProtocol) -> float:
+    """The longest one transfer batch runs before Mooncake fails it, with the defaults applied: a
+    writer that gave up can still land a batch until then (the decode grace must be longer)."""
+    names = ("MC_TCP_STATUS_TIMEOUT_SEC", "MC_TCP_PROGRESS_TIMEOUT_SEC") if protocol is TransferProtocol.TCP \
+        else ("MC_TRANSFER_TIMEOUT",)
+    return max(float(os.environ.get(name) or DEFAULTS[name]) for name in names)

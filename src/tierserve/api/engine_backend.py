@@ -43,15 +43,15 @@ class EngineBackend:
         return self.loop.is_alive
 
     async def debug_state(self) -> dict[str, Any]:
-        """Occupancy, approximate: read without stopping the engine."""
-        return self.loop.engine.stats() | {"loop_requests": self.loop.num_requests}
+        """Occupancy as of the engine's last step (its published snapshot)."""
+        return self.loop.stats() | {"loop_requests": self.loop.num_requests}
 
 
 def create_engine_app(loop: EngineLoop, tokenizer: TextTokenizer | None, model_name: str,
                       api_key: str | None = None, admin_api_key: str | None = None) -> FastAPI:
     """The HTTP app for one started ``EngineLoop`` (the caller stops it), with ``/admin/storage``
     (L3 status, attach, detach, clear) behind ``admin_api_key``."""
-    metrics = ApiMetrics(EngineCollector(loop.engine))
+    metrics = ApiMetrics(EngineCollector(loop))
     app = create_app(EngineBackend(loop), tokenizer, model_name, metrics, api_key)
     admin = admin_guard(admin_api_key)
 

@@ -25,15 +25,15 @@ _ENGINE_COUNTERS = {
 
 
 class StatsSource(Protocol):
-    """What the collector reads: ``Engine.stats()``."""
+    """What the collector reads: ``EngineLoop.stats()`` (a snapshot the engine thread published),
+    or ``Engine.stats()`` on the engine's own thread."""
 
     def stats(self) -> dict[str, float]: ...
 
 
 class EngineCollector:
-    """Exports one ``Engine.stats()`` snapshot per scrape (read without locks: approximate while a
-    step runs): occupancy gauges, and the prefix cache's ``cache_*`` keys as ``tierserve_cache_*``
-    (keys ending in ``_total`` are counters)."""
+    """Exports one stats snapshot per scrape: occupancy gauges, and the prefix cache's ``cache_*``
+    keys as ``tierserve_cache_*`` (keys ending in ``_total`` are counters)."""
 
     def __init__(self, engine: StatsSource) -> None:
         self.engine = engine

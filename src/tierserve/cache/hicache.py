@@ -78,7 +78,7 @@ class HiCache:
 
     @property
     def num_cached_pages(self) -> int:
-        return len(self.tree.device_pages())
+        return self.tree.num_device_pages
 
     def close(self) -> None:
         self._worker.shutdown(wait=True)

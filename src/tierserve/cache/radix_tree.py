@@ -75,6 +75,7 @@ class RadixTree:
         self.page_size = page_size
         self.seed = seed
         self.listener = listener  # None: no events, no cost beyond one test per change
+        self.num_device_pages = 0  # kept as pages come and go, so counting them never walks the tree
         self.roots: dict[str, Node] = {}
         self.root = self._root("")
 
@@ -165,6 +166,7 @@ class RadixTree:
         if pages is not None and len(pages) != node.num_pages:
             raise ValueError(f"radix tree: {len(pages)} {medium} pages for a node of {node.num_pages}")
         if medium == DEVICE:
+            self.num_device_pages += len(pages or []) - len(node.device or [])
             node.device = pages
         else:
             node.host = pages
@@ -190,6 +192,7 @@ class RadixTree:
         parent_key = parent.keys[-1] if parent.keys else parent.seed
         child = Node(tokens, page_keys(parent_key, tokens, self.page_size), device=device, host=host, parent=parent)
         parent.children[pages[0]] = child
+        self.num_device_pages += len(device or [])
         if self.listener is not None:
             self._announce(child, DEVICE if device is not None else HOST, True)
         return child

@@ -14,16 +14,18 @@ def add_prefill_args(p: argparse.ArgumentParser) -> None:
                    help="seconds for prefill plus KV handoff when the request gives no deadline")
     p.add_argument("--fault-transfer-rate", type=float, default=0.0,
                    help="testing only: make this share of KV handoffs fail for real")
+    p.add_argument("--fault-transfer-delay", type=float, default=0.0,
+                   help="testing only: hold each KV handoff's first batch this many seconds (a slow link)")
 
 
 def cmd_prefill(args: argparse.Namespace) -> int:
     from tierserve.node.server import run_node
-    from tierserve.prefill_node.service import add_prefill_service
+    from tierserve.prefill_node.service import PrefillOptions, add_prefill_service
     from tierserve.proto import tierserve_pb2 as pb
 
     config = node_engine_config(args)
     if config is None:
         return 2
-    run_node(config, node_options(args), pb.ROLE_PREFILL,
-             add_prefill_service(args.handoff_timeout, args.fault_transfer_rate))
+    options = PrefillOptions(args.handoff_timeout, args.fault_transfer_rate, args.fault_transfer_delay)
+    run_node(config, node_options(args), pb.ROLE_PREFILL, add_prefill_service(options))
     return 0

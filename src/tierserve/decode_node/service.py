@@ -25,14 +25,16 @@ log = logging.getLogger(__name__)
 
 class DecodeServicer(pb_grpc.DecodeServiceServicer):
     """``terms`` are the decode role's reservation settings (``--lease-seconds``,
-    ``--reservation-grace``, ``--reserve-decode-tokens``); a request may ask for another lease."""
+    ``--reservation-grace``, ``--reserve-decode-tokens``); a request may ask for another lease, up
+    to ``max_lease_s``."""
 
-    def __init__(self, node: Node, terms: ReservationTerms = DEFAULT_TERMS) -> None:
-        self.node, self.terms = node, terms
+    def __init__(self, node: Node, terms: ReservationTerms = DEFAULT_TERMS, max_lease_s: float = 900.0) -> None:
+        self.node, self.terms, self.max_lease_s = node, terms, max_lease_s
         self.identity, self.arena = identity(node.engine), arena(node.engine)
 
     async def Reserve(self, request: pb.ReserveRequest, context: grpc.aio.ServicerContext) -> pb.ReserveResponse:
-        rid, terms = request.request_id, replace(self.terms, lease_s=request.lease_seconds or self.terms.lease_s)
+        lease = min(request.lease_seconds or self.terms.lease_s, self.max_lease_s)
+        rid, terms = request.request_id, replace(self.terms, lease_s=lease)
         prompt, max_new = list(request.prompt_ids), request.max_new_tokens or 16
         try:
             reserved = await self.node.loop.call(lambda e: e.reserve(rid, prompt, max_new, request.cache_salt, terms))
@@ -72,11 +74,11 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         return pb.ReleaseResponse(released=released)
 
 
-def add_decode_service(terms: ReservationTerms) -> AddService:
+def add_decode_service(terms: ReservationTerms, max_lease_s: float) -> AddService:
     """The ``AddService`` hook of ``run_node`` for the decode role."""
 
     def add(server: grpc.aio.Server, node: Node) -> str:
-        pb_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(node, terms), server)
+        pb_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(node, terms, max_lease_s), server)
         return "tierserve.v1.DecodeService"
 
     return add

@@ -162,9 +162,9 @@ class Engine:
         return self.scheduler.has_work() or bool(self.reservations) or self.cache.busy
 
     def stats(self) -> dict[str, float]:
-        """Occupancy counters; safe to read from another thread (approximate while a step runs).
-        ``kv_pages_used`` counts pages held by requests, ``kv_pages_cached`` those the prefix cache
-        keeps for reuse (freed on demand)."""
+        """Occupancy counters; engine thread only (other threads read ``EngineLoop.stats``, which
+        the engine thread publishes). ``kv_pages_used`` counts pages held by requests,
+        ``kv_pages_cached`` those the prefix cache keeps for reuse (freed on demand)."""
         cached = self.cache.num_cached_pages
         return {
             "running": len(self.scheduler.running),

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -15,6 +16,7 @@ from tierserve.engine.handoff import Handoff
 from tierserve.engine.request import RequestOutput
 
 log = logging.getLogger(__name__)
+STATS_INTERVAL_S = 0.01  # a busy engine republishes its occupancy at most this often
 
 
 @dataclass
@@ -41,10 +43,14 @@ class EngineLoop:
     Callers on any asyncio loop use ``generate``; commands reach the engine thread through a
     queue and results come back with ``call_soon_threadsafe``, so the model never runs inside the
     event loop. Cancelling the iterator (client gone) aborts the request and frees its pages.
+    Other threads read the engine's occupancy through ``stats``, a snapshot the engine thread
+    publishes, never the engine's own structures.
     """
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
+        self._stats = engine.stats()  # the engine thread does not run yet
+        self._published = 0.0
         self._commands: queue.SimpleQueue[_Submit | _Abort | _Call | None] = queue.SimpleQueue()
         self._sinks: dict[str, Callable[[RequestOutput | BaseException], None]] = {}
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
@@ -64,6 +70,11 @@ class EngineLoop:
     @property
     def num_requests(self) -> int:
         return len(self._sinks)
+
+    def stats(self) -> dict[str, float]:
+        """``Engine.stats()`` as of the engine's last step or command (at most ``STATS_INTERVAL_S``
+        old while it works); any thread. The dict is replaced, never changed, so it is safe to read."""
+        return self._stats
 
     def generate(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, cache_salt: str = "",
@@ -130,8 +141,16 @@ class EngineLoop:
         while self._drain(self._wait()):
             if self.engine.has_work():
                 self._step()
+            self._publish()
         for rid in list(self._sinks):
             self._deliver(self.engine.abort(rid), rid)
+        self._publish(force=True)
+
+    def _publish(self, force: bool = False) -> None:
+        """Engine thread: a fresh occupancy snapshot, always before waiting idle."""
+        now = time.monotonic()
+        if force or not self.engine.has_work() or now - self._published >= STATS_INTERVAL_S:
+            self._stats, self._published = self.engine.stats(), now
 
     def _wait(self) -> float | None:
         """How long to wait for a command: forever when idle, a moment when the last step could
@@ -166,11 +185,14 @@ class EngineLoop:
             self._deliver(first, command.request_id)
 
     def _call(self, command: _Call) -> None:
+        """Runs the call, publishes the occupancy it changed, then answers: a caller that reads
+        ``stats`` after its call returned sees the call's effect (e.g. a reservation's pages)."""
         try:
             result = command.fn(self.engine)
         except Exception as exc:
             command.done(None, exc)
             return
+        self._publish(force=True)
         command.done(result, None)
 
     def _step(self) -> None:

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 
-from tierserve.api.engine_metrics import EngineCollector
-from tierserve.engine.engine import Engine
+from tierserve.api.engine_metrics import EngineCollector, StatsSource
 
 _TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
@@ -13,7 +12,7 @@ _TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1,
 class NodeMetrics:
     """Engine occupancy and cache counters (one snapshot per scrape) plus the handoffs' own."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: StatsSource) -> None:
         self.registry = r = CollectorRegistry()
         self.handoffs = Counter("tierserve_handoffs", "KV handoffs ended, by outcome", ["outcome"], registry=r)
         self.transfer_bytes = Counter("tierserve_transfer_bytes", "KV bytes written into decode nodes", registry=r)

@@ -68,7 +68,8 @@ def run_node(config: EngineConfig, options: NodeOptions, role: pb.Role, add_serv
     kv_events = None
     if options.kv_events_port is not None:  # before the engine thread starts: the tree is its alone then
         kv_events = start_kv_events(engine, f"tcp://{options.host}:{options.kv_events_port}")
-    node = Node(engine, EngineLoop(engine).start(), transfer, peers, NodeMetrics(engine), kv_events)
+    loop = EngineLoop(engine)
+    node = Node(engine, loop.start(), transfer, peers, NodeMetrics(loop), kv_events)
     if options.metrics_port is not None:
         node.metrics.serve(options.host, options.metrics_port)
     try:

@@ -35,10 +35,12 @@ class NodeServicer(pb_grpc.NodeServiceServicer):
         return snapshot_reply(await self.loop.call(lambda e: take_snapshot(e, self.kv_events)))
 
     async def Load(self, request: pb.LoadRequest, context: grpc.aio.ServicerContext) -> pb.LoadReport:
-        s = self.loop.engine.stats()
+        s = self.loop.stats()
         return pb.LoadReport(running=int(s["running"]), waiting=int(s["waiting"]),
                              kv_pages_used=int(s["kv_pages_used"]), kv_pages_total=int(s["kv_pages_total"]),
-                             reservations=int(s["reservations"]))
+                             reservations=int(s["reservations"]),
+                             kv_pages_quarantined=int(s["reservation_pages_quarantined"]),
+                             kv_pages_parked=int(s["handoff_pages_parked"]))
 
     async def FlushCache(self, request: pb.FlushCacheRequest, context: grpc.aio.ServicerContext
                          ) -> pb.FlushCacheResponse:

@@ -6,11 +6,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import grpc
 
-from tierserve.core.sampling import InvalidRequestError
+from tierserve.core.outputs import RequestOutput
+from tierserve.core.sampling import InvalidRequestError, SamplingParams
 from tierserve.core.tiers import CacheTier
 from tierserve.node.convert import arena, destination_arena, identity, identity_mismatch, sampling_params
 from tierserve.node.server import AddService, Node
@@ -21,57 +22,87 @@ from tierserve.transfer.handoff import HandoffResult, KVHandoff
 log = logging.getLogger(__name__)
 
 
-class PrefillServicer(pb_grpc.PrefillServiceServicer):
-    """``timeout_s`` bounds compute plus handoff when the request gives none; ``fault_rate``
-    makes that share of handoffs fail for real (fault tests only)."""
+WRITER_STOPPED = "tierserve-writer-stopped"  # trailing metadata of a failed Prefill (see tierserve.proto)
+CONFIRM_STOP_S = 0.5  # a failed Prefill waits this long for its in-flight batches, to confirm they ended
 
-    def __init__(self, node: Node, timeout_s: float = 60.0, fault_rate: float = 0.0) -> None:
-        self.node, self.timeout_s, self.fault_rate = node, timeout_s, fault_rate
+
+@dataclass(frozen=True)
+class PrefillOptions:
+    """``timeout_s`` bounds compute plus handoff when the request gives none. For fault tests
+    only: ``fault_rate`` makes that share of handoffs fail for real, ``fault_delay_s`` holds each
+    handoff's first batch that long (see ``KVHandoff``)."""
+
+    timeout_s: float = 60.0
+    fault_rate: float = 0.0
+    fault_delay_s: float = 0.0
+
+
+class PrefillServicer(pb_grpc.PrefillServiceServicer):
+    def __init__(self, node: Node, options: PrefillOptions = PrefillOptions()) -> None:
+        self.node, self.options = node, options
         self.identity, self.arena = identity(node.engine), arena(node.engine)
         self.metrics = node.metrics
 
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
+        """Computes the prompt and hands its KV over; a failure says in its trailing metadata
+        whether the handoff's batches all ended (``WRITER_STOPPED``)."""
         prompt, dest = list(request.prompt_ids), request.destination
         problem = self._check_destination(prompt, dest)
         if problem is not None:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
+            await _abort(context, grpc.StatusCode.FAILED_PRECONDITION, problem, stopped=True)
         try:
             params = replace(sampling_params(request.sampling), max_tokens=1, ignore_eos=True, stop=[])
         except InvalidRequestError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc), stopped=True)
+        opts = self.options
         handoff = KVHandoff(self.node.peers, dest.transfer_endpoint, self.arena,
                             destination_arena(dest, self.arena.slot_bytes), list(dest.pages), dest.cached_tokens,
-                            len(prompt), self.fault_rate)
-        timeout = request.timeout_seconds or self.timeout_s
-        deadline = time.monotonic() + timeout
+                            len(prompt), opts.fault_rate, opts.fault_delay_s)
+        timeout = request.timeout_seconds or opts.timeout_s
         try:
-            first = await asyncio.wait_for(self._compute(request, prompt, params, handoff), timeout)
-            result = await asyncio.to_thread(handoff.result, max(0.0, deadline - time.monotonic()))
+            first, result = await self._run(request, prompt, params, handoff, timeout)
         except InvalidRequestError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await self._fail(context, handoff, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except TimeoutError:
             self.metrics.handoffs.labels("deadline").inc()
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"prefill and KV handoff took over {timeout:.1f} s")
+            await self._fail(context, handoff, grpc.StatusCode.DEADLINE_EXCEEDED,
+                             f"prefill and KV handoff took over {timeout:.1f} s")
         finally:
             if handoff.busy():  # aborted, failed or timed out: stop sending; in-flight batches still end
                 handoff.cancel("the prefill ended before the handoff")
-        return await self._answer(context, request.request_id, first, result)
+        return await self._answer(context, request.request_id, first, result, handoff)
 
-    async def _compute(self, request: pb.PrefillRequest, prompt: list[int], params, handoff: KVHandoff):
+    async def _run(self, request: pb.PrefillRequest, prompt: list[int], params: SamplingParams, handoff: KVHandoff,
+                   timeout: float) -> tuple[RequestOutput | None, HandoffResult]:
+        """Compute, then the rest of the handoff, within ``timeout`` seconds together."""
+        deadline = time.monotonic() + timeout
+        first = await asyncio.wait_for(self._compute(request, prompt, params, handoff), timeout)
+        return first, await asyncio.to_thread(handoff.result, max(0.0, deadline - time.monotonic()))
+
+    async def _fail(self, context: grpc.aio.ServicerContext, handoff: KVHandoff, code: grpc.StatusCode,
+                    message: str) -> None:
+        """Stops the handoff, waits a moment for its in-flight batches, and aborts saying whether they ended."""
+        if handoff.busy():
+            handoff.cancel(message)
+        stopped = await asyncio.to_thread(handoff.wait_stopped, CONFIRM_STOP_S)
+        await _abort(context, code, message, stopped)
+
+    async def _compute(self, request: pb.PrefillRequest, prompt: list[int], params: SamplingParams,
+                       handoff: KVHandoff) -> RequestOutput | None:
         first = None
         async for out in self.node.loop.generate(request.request_id, prompt, params, cache_salt=request.cache_salt,
                                                  handoff=handoff):
             first = out
         return first
 
-    async def _answer(self, context: grpc.aio.ServicerContext, request_id: str, first, result: HandoffResult
-                      ) -> pb.PrefillResponse:
+    async def _answer(self, context: grpc.aio.ServicerContext, request_id: str, first: RequestOutput | None,
+                      result: HandoffResult, handoff: KVHandoff) -> pb.PrefillResponse:
         if result.error is None and (first is None or not first.new_token_ids):
             result.error = "the prefill was aborted"
         if result.error is not None:
             self.metrics.handoffs.labels("failed").inc()
             log.warning("request %s: KV handoff failed: %s", request_id, result.error)
-            await context.abort(grpc.StatusCode.ABORTED, f"KV handoff failed: {result.error}")
+            await self._fail(context, handoff, grpc.StatusCode.ABORTED, f"KV handoff failed: {result.error}")
         self.metrics.handoffs.labels("ok").inc()
         self.metrics.transfer_bytes.inc(result.bytes)
         self.metrics.transfer_seconds.observe(result.transfer_seconds)
@@ -100,11 +131,15 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         return None
 
 
-def add_prefill_service(timeout_s: float, fault_rate: float) -> AddService:
+async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str, stopped: bool) -> None:
+    await context.abort(code, message, trailing_metadata=((WRITER_STOPPED, "1" if stopped else "0"),))
+
+
+def add_prefill_service(options: PrefillOptions) -> AddService:
     """The ``AddService`` hook of ``run_node`` for the prefill role."""
 
     def add(server: grpc.aio.Server, node: Node) -> str:
-        pb_grpc.add_PrefillServiceServicer_to_server(PrefillServicer(node, timeout_s, fault_rate), server)
+        pb_grpc.add_PrefillServiceServicer_to_server(PrefillServicer(node, options), server)
         return "tierserve.v1.PrefillService"
 
     return add

@@ -204,18 +204,22 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("running", "waiting", "kv_pages_used", "kv_pages_total", "reservations")
+    __slots__ = ("running", "waiting", "kv_pages_used", "kv_pages_total", "reservations", "kv_pages_quarantined", "kv_pages_parked")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_PAGES_USED_FIELD_NUMBER: _ClassVar[int]
     KV_PAGES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     RESERVATIONS_FIELD_NUMBER: _ClassVar[int]
+    KV_PAGES_QUARANTINED_FIELD_NUMBER: _ClassVar[int]
+    KV_PAGES_PARKED_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     kv_pages_used: int
     kv_pages_total: int
     reservations: int
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_pages_used: _Optional[int] = ..., kv_pages_total: _Optional[int] = ..., reservations: _Optional[int] = ...) -> None: ...
+    kv_pages_quarantined: int
+    kv_pages_parked: int
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_pages_used: _Optional[int] = ..., kv_pages_total: _Optional[int] = ..., reservations: _Optional[int] = ..., kv_pages_quarantined: _Optional[int] = ..., kv_pages_parked: _Optional[int] = ...) -> None: ...
 
 class FlushCacheRequest(_message.Message):
     __slots__ = ("device", "host")

@@ -14,6 +14,9 @@ import grpc
 from tierserve.proto import tierserve_pb2 as pb
 from tierserve.proto import tierserve_pb2_grpc as pb_grpc
 
+WRITER_STOPPED = "tierserve-writer-stopped"  # a failed Prefill's word on its in-flight batches
+LEASE_MARGIN_S = 2.0  # the prefill leg ends this long before the decode node's lease runs out
+
 
 class HandoffFailed(RuntimeError):
     """The prefill leg failed (compute, transfer or deadline); ``code`` is its gRPC status."""
@@ -45,27 +48,42 @@ class Prefilled:
 
 async def prefill(pair: Pair, request_id: str, prompt_ids: list[int], sampling: pb.SamplingOptions,
                   cache_salt: str = "", timeout_s: float = 60.0) -> Prefilled:
-    """Reserve on D then Prefill on P; releases the reservation on any failure (telling D whether
-    P is known to have stopped writing) and raises ``HandoffFailed`` or the gRPC error."""
+    """Reserve on D then Prefill on P; releases the reservation on any failure and raises
+    ``HandoffFailed`` or the gRPC error.
+
+    The deadlines form one chain (``docs/architecture.md``, faults): D grants a lease for the
+    whole leg (it may grant less than asked), P's deadline ends ``LEASE_MARGIN_S`` before that
+    lease, and D frees the pages at once only when P confirmed that its last batch ended; any
+    other ending makes D quarantine them for its grace period, longer than any transfer."""
     reserved = await pair.decode.Reserve(pb.ReserveRequest(
         request_id=request_id, prompt_ids=prompt_ids, max_new_tokens=sampling.max_tokens, cache_salt=cache_salt,
+        lease_seconds=timeout_s + LEASE_MARGIN_S,
     ), timeout=timeout_s)
     dest = reserved.destination
+    deadline = min(timeout_s, reserved.lease_seconds - LEASE_MARGIN_S)
+    if deadline <= 0:
+        await release(pair, dest.reservation_id, writer_stopped=True)
+        raise HandoffFailed(grpc.StatusCode.ABORTED, f"the decode node granted a {reserved.lease_seconds:.1f} s "
+                                                     f"lease: too short for a prefill")
     try:
         response = await pair.prefill.Prefill(pb.PrefillRequest(
             request_id=request_id, prompt_ids=prompt_ids, sampling=sampling, cache_salt=cache_salt,
-            destination=dest, timeout_seconds=timeout_s,
-        ), timeout=timeout_s + 5)
+            destination=dest, timeout_seconds=deadline,
+        ), timeout=deadline + LEASE_MARGIN_S / 2)
     except grpc.aio.AioRpcError as exc:
-        # P answered: it stopped writing. Unreachable or cut off: it may still write, so D waits out its grace.
-        answered = exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED,
-                                      grpc.StatusCode.DEADLINE_EXCEEDED)
-        await release(pair, dest.reservation_id, writer_stopped=answered)
+        await release(pair, dest.reservation_id, writer_stopped=writer_stopped(exc))
         raise HandoffFailed(exc.code(), exc.details() or "") from exc
-    except BaseException:  # cancelled by our caller: P's call was cancelled with us
+    except BaseException:  # cancelled by our caller: P's call was cancelled with us, P may still write
         await release(pair, dest.reservation_id, writer_stopped=False)
         raise
     return Prefilled(dest.reservation_id, response)
+
+
+def writer_stopped(exc: grpc.aio.AioRpcError) -> bool:
+    """Whether a failed Prefill confirmed that none of its batches can land any more. A P that
+    was unreachable, cut off or did not say so may still be writing."""
+    trailing = exc.trailing_metadata() or ()
+    return any(key == WRITER_STOPPED and value == "1" for key, value in trailing)
 
 
 async def generate(pair: Pair, prefilled: Prefilled, sampling: pb.SamplingOptions) -> AsyncIterator[pb.GenerateChunk]:

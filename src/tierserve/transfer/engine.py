@@ -10,6 +10,8 @@ so callers also keep their own deadline.
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
 
 import torch
 
@@ -45,11 +47,13 @@ class TransferEngineHandle:
             raise TransferError(f"transfer engine start failed on {hostname} over {protocol.value} ({rc})")
         self.endpoint = f"{hostname}:{self._engine.get_rpc_port()}"
         self._lock = threading.Lock()
+        self._registered: list[tuple[int, int]] = []
 
     def register(self, tensor: torch.Tensor) -> None:
         """Registers a whole arena (never a page: every region travels in the handshake)."""
         if self._engine.register_memory(tensor.data_ptr(), tensor.nbytes) != 0:
             raise TransferError(f"registering {tensor.nbytes} bytes with the transfer engine failed")
+        self._registered.append((tensor.data_ptr(), tensor.nbytes))
 
     def submit(self, target: str, blocks: list[Block]) -> int:
         """Starts writing ``blocks`` into ``target``'s memory; returns a batch id for ``wait``."""
@@ -65,32 +69,87 @@ class TransferEngineHandle:
         Each id may be waited for once."""
         return self._engine.get_batch_transfer_status([batch]) == 0
 
+    def close(self) -> None:
+        """Unregisters the arenas and drops the engine (its destructor stops it; slow)."""
+        engine, self._engine = self._engine, None
+        for base, _ in self._registered:
+            engine.unregister_memory(base)
+        del engine  # the last reference: the destructor runs on this thread
+
     def write(self, target: str, blocks: list[Block]) -> bool:
         """Synchronous write (benchmarks and probes)."""
         srcs, dsts, lens = (list(col) for col in zip(*blocks, strict=True))
         return self._engine.batch_transfer_sync_write(target, srcs, dsts, lens) == 0
 
 
+@dataclass
+class _Peer:
+    lock: threading.Lock = field(default_factory=threading.Lock)  # held while its engine starts
+    engine: TransferEngineHandle | None = None
+    users: int = 0  # handoffs holding the engine; only an unused engine may be closed
+
+
 class PeerEngines:
     """One transfer engine per destination peer, each with the same arenas registered.
 
-    Measured: an engine serialises its handshakes, so the first transfer to a frozen peer held
-    transfers to every other peer of the same engine for about a minute. With an engine per peer
-    a frozen peer stalls only its own requests. Engines are made on first use, on the caller's
-    thread (a sender thread, never the model's).
+    Measured (``docs/mooncake.md``): an engine serialises its handshakes, so the first transfer to
+    a frozen peer held transfers to every other peer of the same engine for about a minute. With
+    an engine per peer a frozen peer stalls only its own requests, and each peer has its own lock:
+    starting one peer's engine never waits on another's. At most ``max_peers`` engines live (pods
+    come and go): when a new peer needs one, the least recently used unused engines are closed on
+    a background thread (closing is slow). Engines start on the caller's thread (a sender thread,
+    never the model's); callers ``acquire`` an engine and ``release`` it when their batches ended.
     """
 
-    def __init__(self, hostname: str, protocol: TransferProtocol, devices: str, arenas: list[torch.Tensor]) -> None:
+    def __init__(self, hostname: str, protocol: TransferProtocol, devices: str, arenas: list[torch.Tensor],
+                 max_peers: int = 64) -> None:
         self.hostname, self.protocol, self.devices, self.arenas = hostname, protocol, devices, arenas
-        self._engines: dict[str, TransferEngineHandle] = {}
-        self._lock = threading.Lock()
+        self.max_peers = max_peers
+        self._peers: OrderedDict[str, _Peer] = OrderedDict()  # least recently used first
+        self._lock = threading.Lock()  # guards the dict only: never held while an engine starts
+        self.closed = 0
 
-    def for_target(self, target: str) -> TransferEngineHandle:
+    def acquire(self, target: str) -> TransferEngineHandle:
+        """The engine for ``target``, started on first use; raises ``TransferError`` if it cannot start."""
+        peer = self._enter(target)
+        try:
+            with peer.lock:
+                if peer.engine is None:
+                    peer.engine = self._start(target)
+                return peer.engine
+        except BaseException:
+            self.release(target)
+            raise
+
+    def release(self, target: str) -> None:
+        """The caller's batches to ``target`` ended; the engine may now be closed to make room."""
         with self._lock:
-            engine = self._engines.get(target)
-            if engine is None:
-                engine = TransferEngineHandle(self.hostname, self.protocol, self.devices)
-                for arena in self.arenas:
-                    engine.register(arena)
-                self._engines[target] = engine
-            return engine
+            self._peers[target].users -= 1
+            self._evict()
+
+    def __len__(self) -> int:
+        return len(self._peers)
+
+    def _enter(self, target: str) -> _Peer:
+        with self._lock:
+            peer = self._peers.setdefault(target, _Peer())
+            self._peers.move_to_end(target)
+            peer.users += 1
+            self._evict()
+            return peer
+
+    def _evict(self) -> None:
+        """Closes unused engines, oldest first, while more than ``max_peers`` exist (lock held)."""
+        idle = [t for t, p in self._peers.items() if p.users == 0]
+        for target in idle[: max(0, len(self._peers) - self.max_peers)]:
+            peer = self._peers.pop(target)
+            if peer.engine is not None:
+                self.closed += 1
+                threading.Thread(target=peer.engine.close, name="transfer-close", daemon=True).start()
+
+    def _start(self, target: str) -> TransferEngineHandle:
+        """A new engine with the arenas registered (its handshake with ``target`` comes on first use)."""
+        engine = TransferEngineHandle(self.hostname, self.protocol, self.devices)
+        for arena in self.arenas:
+            engine.register(arena)
+        return engine

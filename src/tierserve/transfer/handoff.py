@@ -15,7 +15,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from tierserve.transfer.engine import PeerEngines, TransferError
+from tierserve.transfer.engine import PeerEngines, TransferEngineHandle, TransferError
 from tierserve.transfer.layout import Block, KVArena, layer_blocks, token_runs
 
 _DONE = None  # sentinel in the sender's queue: no more layers
@@ -34,20 +34,25 @@ class HandoffResult:
 
 class KVHandoff:
     """Sends tokens ``[dst_start, prompt_len)`` of every layer from ``src`` pages into ``dst`` pages
-    at ``target``. ``fault_rate`` makes exactly that share of handoffs (every 1/rate-th) fail for
-    real, for fault tests: one block aimed at an address the peer never registered."""
+    at ``target``. For fault tests: ``fault_rate`` makes exactly that share of handoffs (every
+    1/rate-th) fail for real (one block aimed at an address the peer never registered), and
+    ``fault_delay_s`` holds the first batch that long before it is written, as a slow link would:
+    a ``cancel`` meanwhile does not stop it, as it cannot stop a batch already on the wire."""
 
     def __init__(self, engines: PeerEngines, target: str, src: KVArena, dst: KVArena,
-                 dst_pages: list[int], dst_start: int, prompt_len: int, fault_rate: float = 0.0) -> None:
+                 dst_pages: list[int], dst_start: int, prompt_len: int, fault_rate: float = 0.0,
+                 fault_delay_s: float = 0.0) -> None:
         self.engines, self.target, self.src, self.dst = engines, target, src, dst
         self.dst_pages, self.prompt_len = dst_pages, prompt_len
         self._sent = [dst_start] * src.num_layers  # per layer: tokens before this are submitted
         n = next(_handoffs)
         self._inject = int((n + 1) * fault_rate) > int(n * fault_rate)
+        self._delay_s = fault_delay_s
         self._layers: queue.SimpleQueue[list[Block] | None] = queue.SimpleQueue()
         self._finished = threading.Event()
         self._error: str | None = None
         self._bytes = 0
+        self._engine: TransferEngineHandle | None = None  # acquired by the sender thread on first use
         self._first_submit = self._last_submit = self._last_done = 0.0
         self._sender = threading.Thread(target=self._send_all, name="kv-handoff", daemon=True)
         self._sender.start()
@@ -72,8 +77,12 @@ class KVHandoff:
             self._close_submissions()
 
     def busy(self) -> bool:
-        """Transfers may still read the source pages."""
+        """Transfers may still read the source pages (and write the destination's)."""
         return not self._finished.is_set()
+
+    def wait_stopped(self, timeout: float) -> bool:
+        """Waits up to ``timeout`` seconds for every batch to end; True when none is in flight."""
+        return self._finished.wait(timeout)
 
     def cancel(self, reason: str) -> None:
         """Stops submitting (the request was aborted or its deadline passed); what is in flight
@@ -110,17 +119,24 @@ class KVHandoff:
                 self._wait(inflight.pop(0))
         for batch in inflight:
             self._wait(batch)
+        if self._engine is not None:
+            self.engines.release(self.target)
         self._last_done = self._last_done or time.monotonic()
         if self._error is None and any(s < self.prompt_len for s in self._sent):
             self._error = "KV handoff stopped before the whole prompt was sent"
         self._finished.set()
 
     def _submit(self, blocks: list[Block]) -> int | None:
+        if self._delay_s:
+            time.sleep(self._delay_s)  # fault tests only: a batch that lands late
+            self._delay_s = 0.0
         if self._inject:
             self._inject = False
             blocks = [(blocks[0][0], 64, blocks[0][2]), *blocks[1:]]  # an unregistered address: fails at once
         try:
-            batch = self.engines.for_target(self.target).submit(self.target, blocks)
+            if self._engine is None:
+                self._engine = self.engines.acquire(self.target)
+            batch = self._engine.submit(self.target, blocks)
         except TransferError as exc:
             self._fail(str(exc))
             return None
@@ -128,7 +144,7 @@ class KVHandoff:
         return batch
 
     def _wait(self, batch: int) -> None:
-        ok = self.engines.for_target(self.target).wait(batch)
+        ok = self._engine.wait(batch)
         self._last_done = time.monotonic()
         if not ok:
             self._fail(f"KV transfer to {self.target} failed (peer gone, refused or timed out)")
