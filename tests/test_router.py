@@ -203,6 +203,32 @@ def test_a_worker_with_another_namespace_is_refused(builtin_model: Path, cluster
         other.stop()
 
 
+def test_a_worker_that_comes_back_at_its_address_is_identified_again(builtin_model: Path, cluster,
+                                                                     tmp_path: Path) -> None:
+    """Another process at the same address (a restart with other weights or settings) is checked
+    again: refused when its namespace differs, accepted again once the right one is back."""
+    router, _, _ = cluster
+    port, body = free_port(), None
+    node = NodeProcess("decode", ["--model", str(builtin_model), *ARGS], tmp_path / "a.log", port=port).wait_ready()
+    try:
+        body = {"role": "decode", "address": node.address}
+        assert httpx.post(f"{router.url}/workers", json=body, headers=ADMIN).json()["state"] == "healthy"
+        for extra, state in ((["--page-size", "32"], "refused"), ([], "healthy")):
+            node.stop()
+            node = NodeProcess("decode", ["--model", str(builtin_model), *ARGS, *extra], tmp_path / f"{state}.log",
+                               port=port).wait_ready()
+            wait_for(lambda s=state: _worker_state(router, body["address"]) == s, f"the new process is {state}", 30)
+    finally:
+        if body is not None:
+            httpx.request("DELETE", f"{router.url}/workers", json=body, headers=ADMIN)
+        node.stop()
+
+
+def _worker_state(router: RouterProcess, address: str) -> str | None:
+    workers = httpx.get(f"{router.url}/workers", headers=ADMIN).json()["workers"]
+    return next((w["state"] for w in workers if w["role"] == "decode" and w["address"] == address), None)
+
+
 def test_full_admission_queue_answers_429(builtin_model: Path, cluster, tmp_path: Path) -> None:
     _, prefill, decode = cluster
     small = RouterProcess(["--model", str(builtin_model), "--prefill", prefill.address, "--decode", decode.address,

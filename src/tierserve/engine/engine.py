@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import time
@@ -30,6 +29,7 @@ from tierserve.engine.request import FinishReason, Request, RequestOutput, Reque
 from tierserve.engine.reservations import DEFAULT_TERMS, Reservations, ReservationTerms
 from tierserve.engine.scheduler import Scheduler, SchedulerConfig, pages_for
 from tierserve.engine.text_stream import TextStream
+from tierserve.model.identity import model_identity
 from tierserve.model.loader import load_model, resolve_dtype
 from tierserve.model.sampling import skip_draw
 
@@ -307,14 +307,6 @@ class Engine:
             tokens = int(free * self.config.mem_fraction_static) // self.geometry.bytes_per_token
         tokens = tokens or CPU_DEFAULT_TOKENS
         return max(1, tokens // self.config.page_size)
-
-
-def model_identity(model_dir: Path) -> str:
-    """A cheap fingerprint of a checkpoint: its config and the names and sizes of its weight files."""
-    digest = hashlib.sha256((model_dir / "config.json").read_bytes())
-    for f in sorted(model_dir.glob("*.safetensors")):
-        digest.update(f"{f.name}:{f.stat().st_size}".encode())
-    return f"{model_dir.name}:{digest.hexdigest()[:16]}"
 
 
 def _load_tokenizer(model_dir: Path) -> Tokenizer | None:

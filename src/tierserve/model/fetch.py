@@ -46,10 +46,14 @@ _LAYER_NAMES = {
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight"}
 
 
+def cache_root() -> Path:
+    """tierserve's own cache folder: ``$TIERSERVE_CACHE_DIR`` or ``~/.cache/tierserve``."""
+    return Path(os.environ.get("TIERSERVE_CACHE_DIR") or Path.home() / ".cache" / "tierserve").expanduser()
+
+
 def default_cache_dir() -> Path:
     """Return the models directory: ``$TIERSERVE_CACHE_DIR/models`` or ``~/.cache/tierserve/models``."""
-    root = os.environ.get("TIERSERVE_CACHE_DIR") or Path.home() / ".cache" / "tierserve"
-    return Path(root).expanduser() / "models"
+    return cache_root() / "models"
 
 
 def builtin_model_dir(cache_dir: Path | None = None) -> Path:

@@ -24,7 +24,7 @@ class WorkerState(Enum):
     STARTING = "starting"  # not yet reached (no Info)
     HEALTHY = "healthy"
     UNHEALTHY = "unhealthy"  # failed health checks or the circuit breaker is open
-    REFUSED = "refused"  # its KV namespace or model differs from the cluster's
+    REFUSED = "refused"  # its KV namespace differs from the cluster's (checked again when it comes back)
 
 
 @dataclass
@@ -112,7 +112,9 @@ class Registry:
         await asyncio.gather(*(self.check(w) for w in list(self.workers.values())))
 
     async def check(self, worker: Worker) -> None:
-        """One health check (gRPC health service), plus ``Info`` until the worker answered it."""
+        """One health check (gRPC health service), plus ``Info`` whenever the worker comes (back):
+        what answers at the same address after an outage may be another process, with other
+        weights, so its identity is checked again (and a refused worker gets another chance)."""
         try:
             reply = await health_pb2_grpc.HealthStub(worker.channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
             serving = reply.status == health_pb2.HealthCheckResponse.SERVING
@@ -121,11 +123,11 @@ class Registry:
         except grpc.aio.AioRpcError as exc:
             serving = False
             worker.reason = f"health check: {exc.code().name}"
+        if not serving:
+            worker.info = None
         self._set_state(worker, serving)
 
     def _set_state(self, worker: Worker, serving: bool) -> None:
-        if worker.state is WorkerState.REFUSED:
-            return
         if serving and worker.info is not None and not self._accept(worker):
             return
         new = WorkerState.HEALTHY if serving else WorkerState.UNHEALTHY
@@ -141,10 +143,11 @@ class Registry:
             self.namespace, self.model, self.info = info.namespace_digest, info.model, info
             log.info("cluster KV namespace %s (model %s) from %s", self.namespace, self.model, worker.address)
         if info.namespace_digest != self.namespace:
-            worker.state = WorkerState.REFUSED
             worker.reason = (f"KV namespace {info.namespace_digest} differs from the cluster's {self.namespace}: "
-                             "another model, dtype, page size or KV layout")
-            log.error("refusing worker %s %s: %s", worker.role.value, worker.address, worker.reason)
+                             "another model, other weights, dtype, page size or KV layout")
+            if worker.state is not WorkerState.REFUSED:
+                log.error("refusing worker %s %s: %s", worker.role.value, worker.address, worker.reason)
+            worker.state = WorkerState.REFUSED
             return False
         return True
 
