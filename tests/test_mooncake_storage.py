@@ -3,6 +3,8 @@ pages through it, and a master that dies and comes back while requests run."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -98,6 +100,41 @@ def test_a_dead_master_fails_fast_and_recovery_is_seen(mooncake_master: MasterPr
     _wait_until_writable(store)
     assert store.batch_set_from([b"k" * 32], [pool[0]]) == [True]
     assert store.batch_get_into([b"k" * 32], [pool[1]]) == [True] and torch.equal(pool[0], pool[1])
+
+
+PEER = """
+import sys, time, torch
+from tierserve.cache.storage.mooncake import MooncakeStorage
+store = MooncakeStorage(sys.argv[1], global_segment_size=32 << 20, local_buffer_size=16 << 20)
+pool = torch.ones(8, 1024)
+store.register_buffer(pool)
+print(sum(store.batch_set_from([bytes([i]) * 32 for i in range(8)], list(pool))), flush=True)
+time.sleep(300)
+"""
+
+
+def test_a_dead_peers_objects_are_misses_not_an_outage(mooncake_master: MasterProcess, closing) -> None:
+    """When a node dies the master still lists its segment for ~10 s: its objects fail with -800
+    on every other node. Those are misses and dropped writes, never a store failure (which would
+    switch L3 off on every node)."""
+    peer = subprocess.Popen([sys.executable, "-c", PEER, mooncake_master.address], stdout=subprocess.PIPE, text=True)
+    try:
+        assert peer.stdout is not None and peer.stdout.readline().strip() == "8"  # all 8 pages on the peer
+        store = _backend(mooncake_master, closing)  # its own segment holds nothing yet
+        pool = torch.zeros(16, 1024)
+        store.register_buffer(pool)
+        keys = [bytes([i]) * 32 for i in range(8)]
+        assert store.batch_exists(keys) == 8
+    finally:
+        peer.kill()
+        peer.wait()
+    assert store.batch_get_into(keys, list(pool[:8])) == [False] * 8  # no StorageError
+    fresh = [bytes([100 + i]) * 32 for i in range(8)]
+    stored = store.batch_set_from(fresh, list(pool[8:]))  # some may be placed on the dead segment
+    assert store.batch_get_into([k for k, ok in zip(fresh, stored, strict=True) if ok], list(pool[:sum(stored)])) \
+        == [True] * sum(stored)
+    stats = store.stats()
+    assert stats["failures"] == 0 and not stats["master_suspect"] and stats["peer_failures"] >= 8
 
 
 def test_setup_against_no_master_fails_at_once() -> None:

@@ -6,6 +6,10 @@ Mooncake facts this module relies on (measured; see ``docs/mooncake.md``):
 - Calls answer per key: bytes read or 0 on success, or a negative ``ErrorCode``. -704 is a miss,
   -200 a full store (it evicts in the background: the write is dropped, this is a cache),
   -9xx an unreachable master and -8xx a failed or timed-out transfer from a peer's segment.
+- When a node dies, the master lists its segment for another ~10 s: gets of the objects it held
+  and some puts (placed on it) fail with -800 after ~1 s each, on every surviving node. That is a
+  dead peer's objects, not a broken store: those keys are misses (and dropped writes), counted as
+  ``peer_failures``, and nothing raises (so no node switches L3 off for it).
 - A put of an existing key answers 0 and keeps the old value: fine, a page key names its content.
 - A dead master makes calls fail with -900, at once or after ~4.3 s (``get``); its port is
   probed (a TCP connect, refused at once) before each call after a failure so a down master
@@ -47,9 +51,14 @@ OBJECT_ALREADY_EXISTS = -705
 
 
 def is_outage(code: int) -> bool:
-    """Codes that say the store, not the key, failed: internal error, transfer (-8xx), RPC (-9xx),
-    HA status (-1010, -1011). Everything else negative (not found, no space, ...) is a miss."""
-    return code == -1 or -999 <= code <= -800 or code in (-1010, -1011)
+    """Codes that say the store, not the key, failed: internal error, RPC (-9xx), HA status (-1010,
+    -1011). Everything else negative (not found, no space, a peer's transfer -8xx) is a miss."""
+    return code == -1 or -999 <= code <= -900 or code in (-1010, -1011)
+
+
+def is_peer_failure(code: int) -> bool:
+    """A transfer from or to another node's segment failed (the node is dead or frozen)."""
+    return -899 <= code <= -800
 
 
 class MooncakeStorage(StorageBackend):
@@ -81,7 +90,7 @@ class MooncakeStorage(StorageBackend):
         self._regions: list[tuple[int, int]] = []  # (address, bytes) registered with the store
         self._hot = (0, 0)  # (start, end) of the region that covered the last span located
         self._suspect = False  # the last call failed: probe the master before the next one
-        self.hits = self.misses = self.writes = self.dropped = self.failures = 0
+        self.hits = self.misses = self.writes = self.dropped = self.failures = self.peer_failures = 0
         self._probe()  # setup() against a dead master would block ~4 s first
         store = MooncakeDistributedStore()
         rc = store.setup(local_hostname, metadata_server, int(global_segment_size), int(local_buffer_size),
@@ -210,6 +219,7 @@ class MooncakeStorage(StorageBackend):
     def stats(self) -> dict[str, Any]:
         return {"backend": "mooncake", "master": self.master, "hits": self.hits, "misses": self.misses,
                 "writes": self.writes, "dropped": self.dropped, "failures": self.failures,
+                "peer_failures": self.peer_failures,
                 "registered_buffers": len(self._regions), "registered_bytes": sum(n for _, n in self._regions),
                 "master_suspect": self._suspect, "closed": self._store is None}
 
@@ -226,6 +236,7 @@ class MooncakeStorage(StorageBackend):
     def _checked(self, op: str, fn: Callable[[MooncakeDistributedStore], list[int]]) -> list[int]:
         """Runs a call answering per-key codes; raises ``StorageError`` if one says the store failed."""
         codes = self._call(fn)
+        self.peer_failures += sum(1 for c in codes if is_peer_failure(c))
         bad = next((c for c in codes if is_outage(c)), None) if codes and min(codes) < 0 else None
         if bad is not None:
             self._suspect = True
