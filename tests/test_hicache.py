@@ -3,6 +3,7 @@ I/O backend and write policy, and every page is accounted for afterwards."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -235,4 +236,50 @@ def test_a_failed_l2_write_of_a_node_split_meanwhile_frees_every_part(monkeypatc
     cache.release(tokens, list(hit.pages) + alloc.alloc(1), len(tokens), hit)
     cache.wait_background()
     assert len(cache.tree.host_pages()) >= 6
+    cache.close()
+
+
+def _host_only_prefix(cache: HiCache, alloc: PageAllocator, tokens: list[int]) -> None:
+    """Computes ``tokens`` (whole pages), lets the L2 copy land and evicts L1: only L2 holds them."""
+    hit, pages = cache.match(tokens), alloc.alloc(len(tokens) // 2)
+    cache.release(tokens, pages, len(tokens), hit)
+    cache.wait_background()
+    cache.evict(alloc.num_pages)
+
+
+def test_loads_are_not_queued_behind_writes_and_complete_layer_by_layer(monkeypatch) -> None:
+    """A load is on a request's critical path: it runs while an L1 -> L2 write is stuck, and
+    layer 0 is usable while later layers are still copying (attention of layer 0 overlaps them)."""
+    geometry = KVGeometry(num_layers=3, num_kv_heads=1, head_dim=2, page_size=2, dtype=torch.float32)
+    alloc, host = PageAllocator(32), HostKVPool(geometry, 32, HostLayout.PAGE_FIRST_DIRECT)
+    cache = HiCache(alloc, DeviceKVPool(geometry, 32, torch.device("cpu")), host, b"s" * 32, HiCacheConfig())
+    loaded = list(range(8))
+    _host_only_prefix(cache, alloc, loaded)
+    real, write_stuck, later_layers = hicache_module.copy_pages, threading.Event(), threading.Event()
+
+    def copy_pages(device, host, device_ids, host_ids, to_host, backend, layers=None) -> None:
+        if to_host:
+            write_stuck.wait(30)  # a slow L1 -> L2 write
+        elif layers is not None and 0 not in layers:
+            later_layers.wait(30)  # layers after 0 are slow to copy
+        real(device, host, device_ids, host_ids, to_host, backend, layers)
+
+    monkeypatch.setattr(hicache_module, "copy_pages", copy_pages)
+    other = [100 + t for t in range(8)]
+    hit, pages = cache.match(other), alloc.alloc(4)
+    cache.release(other, pages, len(other), hit)  # queues its write-through, which is now stuck
+    load = cache.match(loaded)
+    try:
+        assert load.loads, "the prefix should load from L2"
+        waiter = threading.Thread(target=load.loads[-1].wait, args=(0,))
+        waiter.start()
+        waiter.join(timeout=10)
+        assert not waiter.is_alive(), "layer 0 of the load waited behind an L1 -> L2 write"
+        assert not load.loads[-1].finished(), "layer 0 came only after every layer was copied"
+    finally:
+        later_layers.set()
+        write_stuck.set()
+    load.loads[-1].wait(2)
+    cache.release(loaded, load.pages, load.num_tokens, load)
+    cache.wait_background()
     cache.close()

@@ -188,7 +188,8 @@ class L3Machine(RuleBasedStateMachine):
         self.cache = HiCache(self.alloc, self.device, self.host, SEED, HiCacheConfig(prefetch=OPTIONS))
         if not self.threaded:
             self.cache._worker.shutdown()
-            self.cache._worker = self.io = StepExecutor()
+            self.cache._loader.shutdown()
+            self.cache._worker = self.cache._loader = self.io = StepExecutor()  # one queue the test runs
         self.cache.attach_storage(self.store)
         if not self.threaded:
             self.cache.storage._worker.shutdown()

@@ -1,8 +1,9 @@
-"""HiCache over two tiers: L1 (device pool) and L2 (host pool) under one radix tree.
+"""HiCache over L1 (device pool), L2 (host pool) and L3 (a storage backend) under one radix tree.
 
 Writes L1 -> L2 run on a worker thread and are applied to the tree at the next step boundary
-(``on_step``); loads L2 -> L1 run on the same worker layer by layer, so a request's attention in
-layer i only waits for layer i while later layers are still copying.
+(``on_step``). Loads L2 -> L1 are on a request's critical path, so they have a worker of their
+own (never queued behind writes) and copy layer by layer: a request's attention in layer i only
+waits for layer i while later layers are still copying.
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ class HiCache:
         self.allocator, self.device, self.host, self.config = allocator, device, host, config
         self.page_size = device.page_size
         self.tree = RadixTree(self.page_size, seed)
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicache-io")
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicache-write")
+        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicache-load")
         self._writes: list[_Write] = []
         self.loads = Loads(self.tree, allocator)
         self.counters: Counter[str] = Counter()  # engine thread only
@@ -82,6 +84,7 @@ class HiCache:
 
     def close(self) -> None:
         self._worker.shutdown(wait=True)
+        self._loader.shutdown(wait=True)
         if self.storage is not None:
             self.storage.close()
 
@@ -350,7 +353,7 @@ class HiCache:
         def copy_layer(i: int) -> None:
             copy_pages(self.device, self.host, device_pages, host_pages, False, backend, range(i, i + 1))
 
-        self._worker.submit(load.run, copy_layer)
+        self._loader.submit(load.run, copy_layer)
         self.loads.started(load)
         self.counters["l2_load_pages_total"] += len(host_pages)
         return load
