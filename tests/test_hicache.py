@@ -16,7 +16,7 @@ from tierserve.cache.device_pool import DeviceKVPool, KVGeometry
 from tierserve.cache.hicache import HiCache, HiCacheConfig
 from tierserve.cache.host_pool import HostKVPool
 from tierserve.cache.loads import HostLoadError
-from tierserve.cache.options import HiCacheOptions, HostLayout, IOBackend, WritePolicy
+from tierserve.cache.options import HiCacheOptions, HostLayout, IOBackend, PrefetchPolicy, WritePolicy
 from tierserve.core.sampling import SamplingParams
 from tierserve.engine.config import EngineConfig
 from tierserve.engine.engine import Engine
@@ -283,3 +283,60 @@ def test_loads_are_not_queued_behind_writes_and_complete_layer_by_layer(monkeypa
     cache.release(loaded, load.pages, load.num_tokens, load)
     cache.wait_background()
     cache.close()
+
+
+def _record_host_copies(monkeypatch) -> list[str]:
+    """The threads that run L1 -> L2 copies, from now on."""
+    threads: list[str] = []
+    real = hicache_module.copy_pages
+
+    def copy_pages(device, host, device_ids, host_ids, to_host, backend, layers=None) -> None:
+        if to_host:
+            threads.append(threading.current_thread().name)
+        real(device, host, device_ids, host_ids, to_host, backend, layers)
+
+    monkeypatch.setattr(hicache_module, "copy_pages", copy_pages)
+    return threads
+
+
+def test_write_back_copies_ahead_of_eviction_in_the_background(tiny_llama: Path, monkeypatch) -> None:
+    """While requests run, write-back copies the least recently used L1 pages to L2 on its
+    worker once free pages run low, so eviction finds them clean: no copy on the engine thread."""
+    copies = _record_host_copies(monkeypatch)
+    engine = _engine(tiny_llama, write_policy=WritePolicy.WRITE_BACK)
+    gen = torch.Generator().manual_seed(5)
+    engine.add_request("long", torch.randint(2, 384, (8,), generator=gen).tolist(),
+                       SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+    for i in range(8):  # short requests one after another while the long one decodes
+        engine.add_request(f"r{i}", torch.randint(2, 384, (12,), generator=gen).tolist(),
+                           SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+        while f"r{i}" in engine.requests:
+            engine.step()
+    while engine.has_work():
+        engine.step()
+    stats, threads = engine.stats(), set(copies)
+    assert stats["cache_device_evicted_pages_total"] > 0, "the workload should evict written-back pages"
+    assert threads == {"hicache-write_0"}, f"L1 -> L2 copies ran on {sorted(threads)}"
+    assert stats.get("cache_l2_write_back_sync_pages_total", 0) == 0
+    _check_accounting(engine)  # (its flush of everything copies what is still dirty, on this thread)
+
+
+def test_write_back_pages_reach_l3_even_when_copied_at_eviction(tiny_llama: Path, expected: list[int],
+                                                               tmp_path: Path) -> None:
+    """Back to back requests leave write-back no time to copy ahead: the victims are copied at
+    eviction (counted), and still go on to L3, where another engine finds them."""
+    l3 = {"path": str(tmp_path / "l3"), "prefetch_threshold": 16}
+    engine = _engine(tiny_llama, write_policy=WritePolicy.WRITE_BACK, storage_backend="file", storage_config=l3)
+    target, fillers = _prompts()
+    assert _run(engine, target)[0] == expected
+    for filler in fillers:
+        _run(engine, filler)
+    _settle(engine)
+    stats = engine.stats()
+    assert stats["cache_l2_write_back_sync_pages_total"] > 0 and stats["cache_l3_backup_pages_total"] > 0
+    fresh = _engine(tiny_llama, write_policy=WritePolicy.WRITE_BACK, storage_backend="file", storage_config=l3,
+                    prefetch_policy=PrefetchPolicy.WAIT_COMPLETE)
+    tokens, tiers = _run(fresh, target)
+    assert tokens == expected and tiers.get("storage", 0) >= 32, tiers
+    engine.cache.close()
+    fresh.cache.close()

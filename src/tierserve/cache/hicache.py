@@ -23,6 +23,7 @@ from tierserve.cache.base import PrefixHit, Snapshot
 from tierserve.cache.device_pool import DeviceKVPool
 from tierserve.cache.events import KVEventListener
 from tierserve.cache.host_pool import HostKVPool, copy_pages
+from tierserve.cache.host_writes import WRITE_BACK_LOW_WATERMARK, assign_host, dirty_lru, end_failed_write
 from tierserve.cache.loads import LayerwiseLoad, Loads
 from tierserve.cache.options import IOBackend, PrefetchPolicy, WritePolicy
 from tierserve.cache.prefetch import Prefetch, PrefetchOptions
@@ -261,30 +262,34 @@ class HiCache:
             local += self.storage.local_state(MAX_AGREED_TICKETS)
         agreed = self.agreement.min(local)
         self._apply_writes(*agreed[:2])
+        self._write_back_ahead()
         self.loads.apply(*agreed[2:4])
         self.loads.collect()
         if self.storage is not None:
             self.storage.apply(agreed[4:])
 
     def wait_background(self, timeout: float = 30.0) -> None:
-        """Waits for in-flight L2 writes and the L3 backups they start, and applies them (one rank
-        only: it runs ``on_step`` outside the scheduler's rhythm). For tests, benchmarks, shutdown."""
-        futures.wait([w.future for w in self._writes], timeout=timeout)
-        self.on_step()
+        """Waits for in-flight L2 writes (and the write-backs their landing starts) and the L3
+        backups they lead to, and applies them (one rank only: it runs ``on_step`` outside the
+        scheduler's rhythm). For tests, benchmarks, flush and shutdown."""
+        deadline = time.monotonic() + timeout
+        while self._writes and time.monotonic() < deadline:
+            futures.wait([w.future for w in self._writes], timeout=deadline - time.monotonic())
+            self.on_step()
         if self.storage is not None:
-            self.storage.wait_backups(timeout)
+            self.storage.wait_backups(max(0.0, deadline - time.monotonic()))
             self.on_step()
 
     def _apply_writes(self, done: int, ok: int) -> None:
         """The first ``done`` writes finished on every rank, the first ``ok`` of them well."""
         for i, write in enumerate(self._writes[:done]):
             if i >= ok:
-                _end_failed_write(write.node, len(write.host_pages))
+                end_failed_write(write.node, len(write.host_pages))
                 log.warning("L1 -> L2 copy failed (on this or another rank): %s", write.future.exception())
                 self.host.allocator.free(write.host_pages)
                 self.tree.unlock(write.node)
                 continue
-            _assign_host(self.tree, write.node, write.host_pages)
+            assign_host(self.tree, write.node, write.host_pages)
             self.counters["l2_write_pages_total"] += len(write.host_pages)
             self.counters["l2_write_seconds_total"] += write.future.result()
             if self.storage is not None:  # back the pages up to L3; the node stays pinned meanwhile
@@ -323,14 +328,29 @@ class HiCache:
                                      self.config.io_backend)
         self._writes.append(_Write(node, host_pages, future, list(node.keys)))
 
+    def _write_back_ahead(self) -> None:
+        """Write-back: when free L1 pages run low, copies the least recently used L1-only nodes to
+        L2 in the background (landing like any write, then backed up to L3), so eviction finds
+        them clean instead of copying on the engine thread."""
+        if self.config.write_policy is not WritePolicy.WRITE_BACK or self._writes:
+            return
+        short = int(self.allocator.num_pages * WRITE_BACK_LOW_WATERMARK) - self.allocator.num_free
+        for node in dirty_lru(self.tree, short) if short > 0 else []:
+            self._write_async(node)
+
     def _write_now(self, node: Node) -> bool:
-        """Write-back: copies an L1 victim to L2 before its device pages are dropped."""
+        """Write-back's fallback when an L1 victim is still dirty: copies it to L2 on the engine
+        thread (counted: a high count means the watermark is too low), then backs it up to L3."""
         host_pages = self._host_pages(node.num_pages)
         if host_pages is None:
             return False
         copy_pages(self.device, self.host, node.device, host_pages, True, self.config.io_backend)
         self.tree.set_host(node, host_pages)
         self.counters["l2_write_pages_total"] += len(host_pages)
+        self.counters["l2_write_back_sync_pages_total"] += len(host_pages)
+        if self.storage is not None:  # pinned until the backup lands, so L2 keeps it meanwhile
+            self.tree.lock(node)
+            self.storage.backup(node, list(node.keys), host_pages)
         return True
 
     # -- L2 -> L1 ------------------------------------------------------------------------------
@@ -368,22 +388,4 @@ def _timed(fn, *args) -> float:
 def _path(node: Node):
     while node.parent is not None:
         yield node
-        node = node.parent
-
-
-def _end_failed_write(node: Node, num_pages: int) -> None:
-    """A failed write's span may have been split meanwhile: no part of it is in flight any more
-    (a part left marked would never be written to L2 again)."""
-    while num_pages > 0:
-        node.writing = False
-        num_pages -= node.num_pages
-        node = node.parent
-
-
-def _assign_host(tree: RadixTree, node: Node, pages: list[int]) -> None:
-    """Gives a written span's host pages to the node(s) it covers now (it may have been split)."""
-    while pages:
-        tree.set_host(node, pages[-node.num_pages :])
-        pages = pages[: -node.num_pages]
-        node.writing = False
         node = node.parent
