@@ -101,6 +101,8 @@ def test_records_and_summary_are_consistent() -> None:
     assert s["tokens"]["cached"] == sum(s["tokens"][t] for t in TIERS)
     assert s["hit_rate"] == pytest.approx(sum(s["hit_rate_by_tier"].values()))
     assert 0 < s["hit_rate"] < 1 and s["hit_rate_by_round"][0] == 0 and s["hit_rate_by_round"][2] > 0.5
+    # The fake caches every prompt it saw, in whole pages: all an unbounded cache would hit here too.
+    assert s["ideal_hit_rate"] == pytest.approx(s["hit_rate"]) and s["efficiency"] == pytest.approx(1.0)
     assert s["ttft_s"]["count"] == 12 and s["itl_s"]["count"] == 36
     assert s["ttft_s"]["median"] <= s["ttft_s"]["p90"] <= s["ttft_s"]["p99"]
     assert s["request_throughput"] == pytest.approx(12 / report.duration)
@@ -165,6 +167,7 @@ def test_json_round_trip_and_compare(tmp_path: Path, capsys) -> None:
     again = Report.from_json(tmp_path / "fast.json")
     assert again.summary()["ttft_s"] == fast.summary()["ttft_s"] and again.meta["model"] == "fake"
     assert "api_key" not in again.meta["options"]
+    assert again.summary()["efficiency"] == fast.summary()["efficiency"] and again.meta["ideal"]["page_size"] == 16
     rows = {label: ratio for label, _, _, ratio in metric_rows(fast.summary(), slow.summary())}
     assert rows["ITL median"] > 3 and rows["hit rate"] == pytest.approx(1.0)
     assert "TTFT p99" in compare(fast, slow)

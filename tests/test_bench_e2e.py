@@ -60,6 +60,9 @@ def check_consistent(report: Report, planned: int) -> dict:
         assert 0 < r.ttft <= r.e2e and all(x >= 0 for x in r.itl)
     assert s["tokens"]["cached"] == sum(s["tokens"][t] for t in TIERS)
     assert 0 <= s["hit_rate"] <= 1 and s["hit_rate"] == pytest.approx(sum(s["hit_rate_by_tier"].values()))
+    # The ideal (an unbounded cache over the same prompts) bounds what the server hit: fresh salts per test.
+    assert report.meta["ideal"]["note"] is None and s["ideal_hit_rate"] is not None
+    assert s["efficiency"] is not None and 0 <= s["efficiency"] <= 1.0 + 1e-9, (s["hit_rate"], s["ideal_hit_rate"])
     for key in ("ttft_s", "e2e_s"):
         d = s[key]
         assert d["count"] == planned and 0 < d["median"] <= d["p90"] <= d["p99"]
@@ -89,7 +92,7 @@ def test_trace_replay_through_the_cli(router: RouterProcess, tmp_path: Path, cap
             "--extra-body", json.dumps({"cache_salt": "trace"})]
     assert main(args) == 0
     printed = capsys.readouterr().out
-    assert "TTFT" in printed and "hit rate" in printed
+    assert "TTFT" in printed and "hit rate" in printed and "efficiency" in printed
     report = Report.from_json(out)
     s = check_consistent(report, planned=16)
     assert s["hit_rate"] > 0  # the trace's first records share their first block (hash id 0)

@@ -22,6 +22,7 @@ _EXPORTS = {
     "Workload": "workloads", "MultiTurnConfig": "workloads", "SharedPrefixConfig": "workloads",
     "multiturn": "workloads", "shared_prefix": "workloads",
     "TraceConfig": "traces", "mooncake_trace": "traces", "azure_trace": "traces",
+    "IdealCache": "ideal", "ideal_cached_tokens": "ideal",
     "compare": "compare", "save_plots": "plots", "plot_ttft_cdf": "plots", "plot_hit_rate": "plots",
 }
 __all__ = sorted(_EXPORTS)

@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 
-from tierserve.bench.records import TIERS, RequestRecord, RequestSpec
+from tierserve.bench.records import TIERS, Prompt, RequestRecord, RequestSpec
 
 
 @dataclass
@@ -34,6 +34,12 @@ class ClientConfig:
     def api_root(self) -> str:
         root = self.base_url.rstrip("/")
         return root if root.endswith("/v1") else root + "/v1"
+
+    @property
+    def server_root(self) -> str:
+        """The root without ``/v1``: where ``/tokenize`` lives."""
+        root = self.base_url.rstrip("/")
+        return root.removesuffix("/v1")
 
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
@@ -61,6 +67,37 @@ async def discover_model(client: httpx.AsyncClient, config: ClientConfig) -> str
         return data[0]["id"] if data else None
     except (httpx.HTTPError, ValueError, KeyError):
         return None
+
+
+class TokenizeError(Exception):
+    """The server did not tokenize a prompt: no /tokenize route, no tokenizer, unreachable..."""
+
+
+def tokenize_body(prompt: Prompt, config: ClientConfig) -> dict[str, Any]:
+    """The /tokenize body that gives the ids /v1/completions (text: the tokenizer's special tokens
+    as its config asks) or /v1/chat/completions (messages through the chat template) would use.
+    ``add_generation_prompt`` follows ``extra_body``, since it reaches the chat request too."""
+    body: dict[str, Any] = {"model": config.model} if config.model else {}
+    if isinstance(prompt, str):
+        return {**body, "prompt": prompt}
+    generation = config.extra_body.get("add_generation_prompt", True)
+    return {**body, "messages": prompt, "add_generation_prompt": generation}
+
+
+async def tokenize(client: httpx.AsyncClient, config: ClientConfig, prompt: Prompt) -> list[int]:
+    """The token ids the server makes of a text or chat ``prompt`` (its ``POST /tokenize``).
+    Raises ``TokenizeError`` with the reason when there are none."""
+    try:
+        reply = await client.post(config.server_root + "/tokenize", json=tokenize_body(prompt, config),
+                                  headers=config.headers(), timeout=config.timeout_s)
+    except httpx.HTTPError as exc:
+        raise TokenizeError(f"{type(exc).__name__}: {exc}") from None
+    if reply.status_code != 200:
+        raise TokenizeError(f"HTTP {reply.status_code}: {_error_message(reply.text)}")
+    try:
+        return [int(t) for t in reply.json()["tokens"]]
+    except (ValueError, KeyError, TypeError):
+        raise TokenizeError(f"not a /tokenize answer: {reply.text[:200]}") from None
 
 
 async def send(client: httpx.AsyncClient, config: ClientConfig, spec: RequestSpec, record: RequestRecord,

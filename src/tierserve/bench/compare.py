@@ -17,6 +17,8 @@ METRICS: list[tuple[str, tuple[str, ...], float, str]] = [
     ("output tok/s", ("output_token_throughput",), 1.0, ""),
     ("hit rate", ("hit_rate",), 100.0, "%"),
     *[(f"hit rate {t}", ("hit_rate_by_tier", t), 100.0, "%") for t in TIERS],
+    ("ideal hit rate", ("ideal_hit_rate",), 100.0, "%"),
+    ("efficiency", ("efficiency",), 100.0, "%"),
     ("failed requests", ("requests", "failed"), 1.0, ""),
 ]
 

@@ -35,7 +35,9 @@ class RequestRecord:
     output (text or a finish reason); ``itl`` the gaps between later such chunks (a chunk may carry
     several tokens, as in SGLang's and vLLM's benchmarks). Token counts come from the server's
     usage; ``cached_by_tier`` from ``usage.cached_tokens_by_tier`` (zeros where a server gives none).
-    A failed request has ``ok`` false and ``error`` set; its latencies may be missing."""
+    ``ideal_cached_tokens`` is what an unbounded prefix cache would have hit (``bench.ideal``; None
+    when the run could not know the prompt's token ids). A failed request has ``ok`` false and
+    ``error`` set; its latencies may be missing."""
 
     index: int
     tags: dict[str, Any]
@@ -52,6 +54,7 @@ class RequestRecord:
     cached_tokens: int = 0
     cached_by_tier: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
     sent_prompt_tokens: int | None = None  # known when the prompt was token ids
+    ideal_cached_tokens: int | None = None  # filled after the run, once every prompt is known
     text: str = ""  # the answer; not written to JSON (it can be large, and multiturn needs it only live)
 
     def to_json(self) -> dict[str, Any]:

@@ -7,7 +7,11 @@ where there is no sample); ``request_throughput`` (successful requests/s),
 ``input_token_throughput``/``output_token_throughput`` (tokens/s); ``tokens`` {prompt, output,
 cached, device, host, storage}; ``hit_rate`` = cached / prompt tokens and ``hit_rate_by_tier``
 {device, host, storage} = that tier's cached / prompt tokens (they sum to ``hit_rate`` when the
-server's tiers sum to its cached tokens); ``hit_rate_by_round`` {round: rate} for multi-turn runs."""
+server's tiers sum to its cached tokens); ``hit_rate_by_round`` {round: rate} for multi-turn runs;
+``ideal_hit_rate`` = the ideal cached tokens (an unbounded prefix cache over the prompts the run
+sent, ``bench.ideal``) / prompt tokens, and ``efficiency`` = ``hit_rate`` / ``ideal_hit_rate``, both
+over the successful requests (None where the ideal is unknown, or 0 for ``efficiency``);
+``tokens.ideal_cached`` is the numerator (None where unknown)."""
 
 from __future__ import annotations
 
@@ -38,6 +42,22 @@ def distribution(values: list[float]) -> dict[str, float | int | None]:
             "p90": percentile(values, 90), "p99": percentile(values, 99)}
 
 
+def ideal_hit_rate(records: list[RequestRecord]) -> float | None:
+    """Ideal cached / prompt tokens over ``records`` (pass the successful ones, as for
+    ``hit_rates``); None without prompt tokens or when a record's ideal is unknown."""
+    prompt = sum(r.prompt_tokens for r in records)
+    ideal = [r.ideal_cached_tokens for r in records]
+    if not prompt or None in ideal:
+        return None
+    return sum(x for x in ideal if x is not None) / prompt
+
+
+def efficiency(achieved: float | None, ideal: float | None) -> float | None:
+    """``achieved`` / ``ideal`` hit rate; None when either is unknown or the ideal is 0 (a run with
+    nothing to reuse has no efficiency to speak of)."""
+    return achieved / ideal if achieved is not None and ideal else None
+
+
 def hit_rates(records: list[RequestRecord]) -> tuple[float | None, dict[str, float | None]]:
     """Cached / prompt tokens over ``records``, overall and per tier (None without prompt tokens)."""
     prompt = sum(r.prompt_tokens for r in records)
@@ -65,7 +85,9 @@ class Report:
         rate, by_tier = hit_rates(ok)
         tokens = {"prompt": sum(r.prompt_tokens for r in ok), "output": sum(r.output_tokens for r in ok),
                   "cached": sum(r.cached_tokens for r in ok),
-                  **{t: sum(r.cached_by_tier.get(t, 0) for r in ok) for t in TIERS}}
+                  **{t: sum(r.cached_by_tier.get(t, 0) for r in ok) for t in TIERS},
+                  "ideal_cached": _ideal_cached(ok)}
+        ideal = ideal_hit_rate(ok)
         return {
             "requests": {"total": len(self.records), "ok": len(ok), "failed": len(self.records) - len(ok)},
             "errors": dict(Counter(r.error for r in self.records if r.error).most_common()),
@@ -80,6 +102,8 @@ class Report:
             "hit_rate": rate,
             "hit_rate_by_tier": by_tier,
             "hit_rate_by_round": self.hit_rate_by_round(),
+            "ideal_hit_rate": ideal,
+            "efficiency": efficiency(rate, ideal),
         }
 
     def hit_rate_by_round(self) -> dict[int, float | None]:
@@ -125,9 +149,23 @@ def format_table(s: dict[str, Any], meta: dict[str, Any]) -> str:
                  f"tok/s, {s['output_token_throughput']:.1f} output tok/s")
     tiers = ", ".join(f"{t} {_pct(s['hit_rate_by_tier'][t])}" for t in TIERS)
     lines.append(f"hit rate: {_pct(s['hit_rate'])} of {s['tokens']['prompt']} prompt tokens ({tiers})")
+    lines.append(_ideal_line(s, meta.get("ideal") or {}))
     if s["hit_rate_by_round"]:
         lines.append("by round: " + ", ".join(f"{k}: {_pct(v)}" for k, v in s["hit_rate_by_round"].items()))
     return "\n".join(lines)
+
+
+def _ideal_line(s: dict[str, Any], ideal: dict[str, Any]) -> str:
+    """The ideal hit rate and the efficiency, or why there is no ideal."""
+    if s.get("ideal_hit_rate") is None:
+        return f"ideal hit rate: - ({ideal.get('note') or 'unknown'})"
+    return (f"ideal hit rate: {_pct(s['ideal_hit_rate'])} (unbounded prefix cache over the prompts sent, "
+            f"{ideal.get('page_size', '?')}-token pages), efficiency {_pct(s['efficiency'])}")
+
+
+def _ideal_cached(records: list[RequestRecord]) -> int | None:
+    ideal = [r.ideal_cached_tokens for r in records]
+    return None if None in ideal else sum(x for x in ideal if x is not None)
 
 
 def _ms(value: float | None) -> str:

@@ -8,7 +8,9 @@ were already waiting, and the rounds of many clients interleave as in SGLang's m
 Modes: ``closed`` (every session ready at once, ``clients`` requests in flight: N closed-loop
 clients), ``poisson`` (sessions start at Poisson arrivals of ``rate`` per second) and ``trace``
 (sessions start at the trace's times multiplied by ``time_scale``); both open-loop modes take an
-optional ``max_concurrency``. A failed request ends its session (its history has no answer)."""
+optional ``max_concurrency``. A failed request ends its session (its history has no answer).
+After the last request, the run computes its ideal hit rate (``bench.ideal``) from the prompts it
+sent; that takes no part in the timings."""
 
 from __future__ import annotations
 
@@ -24,7 +26,8 @@ from typing import Any, Literal
 import httpx
 
 from tierserve.bench.client import ClientConfig, discover_model, send
-from tierserve.bench.records import RequestRecord, RequestSpec
+from tierserve.bench.ideal import DEFAULT_PAGE_SIZE, fill_ideal
+from tierserve.bench.records import Prompt, RequestRecord, RequestSpec
 from tierserve.bench.report import Report
 from tierserve.bench.workloads import Session, Workload
 
@@ -36,7 +39,8 @@ MODES: tuple[Mode, ...] = ("closed", "poisson", "trace")
 class BenchOptions:
     """How to load the endpoint. ``time_scale`` multiplies trace arrival offsets (0.1 replays ten
     times faster); ``barrier`` holds every conversation's round r+1 until all finished round r;
-    ``model`` None asks the server's /v1/models. ``extra_body`` goes into every request."""
+    ``model`` None asks the server's /v1/models. ``extra_body`` goes into every request.
+    ``page_size`` is the server's KV page size, for the ideal hit rate."""
 
     mode: Mode = "closed"
     clients: int = 8
@@ -52,6 +56,7 @@ class BenchOptions:
     temperature: float = 0.0
     ignore_eos: bool = True
     extra_body: dict[str, Any] = field(default_factory=dict)
+    page_size: int = DEFAULT_PAGE_SIZE
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -60,6 +65,8 @@ class BenchOptions:
             raise ValueError("closed-loop mode needs at least one client")
         if self.mode == "poisson" and self.rate <= 0:
             raise ValueError("poisson mode needs a rate above 0")
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be at least 1, got {self.page_size}")
 
     @property
     def concurrency(self) -> int | None:
@@ -97,13 +104,15 @@ async def run_bench_async(endpoint: str, workload: Workload, options: BenchOptio
         run = _Run(client, config, options, workload)
         started = time.time()
         await run.all(arrivals(workload, options))
+        ideal = await fill_ideal(client, config, run.records, run.prompts, options.page_size)
     meta = {"endpoint": endpoint, "model": config.model, "started": started, "workload": workload.name,
-            "workload_params": workload.params, "options": _options_json(options)}
+            "workload_params": workload.params, "options": _options_json(options), "ideal": ideal}
     return Report(sorted(run.records, key=lambda r: r.index), run.duration, meta)
 
 
 class _Run:
-    """The state of one run: the records, the semaphore, the barrier and the progress bar."""
+    """The state of one run: the records (and the prompt each sent), the semaphore, the barrier and
+    the progress bar."""
 
     def __init__(self, client: httpx.AsyncClient, config: ClientConfig, options: BenchOptions,
                  workload: Workload) -> None:
@@ -111,6 +120,7 @@ class _Run:
 
         self.client, self.config, self.options = client, config, options
         self.records: list[RequestRecord] = []
+        self.prompts: dict[int, Prompt] = {}  # by record index: the ideal hit rate replays them
         limit = options.concurrency
         self.gate = asyncio.Semaphore(limit) if limit else contextlib.nullcontext()
         self.barrier = RoundBarrier(len(workload.sessions)) if options.barrier else None
@@ -149,6 +159,7 @@ class _Run:
     async def request(self, spec: RequestSpec, scheduled: float) -> RequestRecord:
         record = RequestRecord(index=len(self.records), tags=dict(spec.tags), scheduled_at=scheduled)
         self.records.append(record)
+        self.prompts[record.index] = spec.prompt
         async with self.gate:
             try:
                 await send(self.client, self.config, spec, record, self.t0)

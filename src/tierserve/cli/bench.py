@@ -39,6 +39,8 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, help="write the report (every request) as JSON here")
     p.add_argument("--plots-dir", type=Path, help="write the TTFT CDF and hit rate PNGs here")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--page-size", type=int, default=16,
+                   help="the server's KV page size, for the ideal hit rate (tierserve's default: 16)")
 
     load = p.add_argument_group("load")
     load.add_argument("--mode", choices=["closed", "poisson", "trace"],
@@ -103,7 +105,7 @@ def bench_options(args: argparse.Namespace) -> Any:
     return BenchOptions(mode=mode, clients=args.clients, rate=args.rate, time_scale=args.time_scale,
                         max_concurrency=args.max_concurrency, barrier=args.barrier, timeout_s=args.timeout,
                         seed=args.seed, progress=not args.no_progress, model=args.model, api_key=args.api_key,
-                        extra_body=args.extra_body)
+                        extra_body=args.extra_body, page_size=args.page_size)
 
 
 def cmd_bench_run(args: argparse.Namespace) -> int:
