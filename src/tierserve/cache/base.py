@@ -92,6 +92,11 @@ class PrefixCache(Protocol):
         """Frees up to ``num_pages`` unpinned pages to the allocator; returns how many it freed."""
         ...
 
+    def record_compute(self, num_tokens: int, seconds: float) -> None:
+        """The engine computed ``num_tokens`` prompt tokens in ``seconds`` (one step): how fast
+        recomputing is, against which reading a prefix from a slower tier is weighed."""
+        ...
+
     def on_step(self) -> None:
         """Called by the scheduler before each step: applies finished background work to the
         cache's state, so every change happens at a step boundary on the engine thread."""
@@ -160,6 +165,9 @@ class SingleTier:
         return (self.evict(sys.maxsize) if device else 0), 0
 
     def close(self) -> None:
+        pass
+
+    def record_compute(self, num_tokens: int, seconds: float) -> None:
         pass
 
     def set_event_listener(self, listener: KVEventListener) -> bool:

@@ -34,7 +34,6 @@ from tierserve.core.storage import StorageAction, StorageBusyError
 from tierserve.core.tiers import CacheTier
 
 log = logging.getLogger(__name__)
-MAX_AGREED_TICKETS = 32  # prefetches taking part in one step's agreement (3 slots each)
 
 
 @dataclass(frozen=True)
@@ -42,7 +41,7 @@ class HiCacheConfig:
     write_policy: WritePolicy = WritePolicy.WRITE_THROUGH
     io_backend: IOBackend = IOBackend.KERNEL
     write_threshold: int = 2
-    prefetch_policy: PrefetchPolicy = PrefetchPolicy.BEST_EFFORT
+    prefetch_policy: PrefetchPolicy = PrefetchPolicy.AUTO
     prefetch: PrefetchOptions = field(default_factory=PrefetchOptions)
 
 
@@ -160,14 +159,13 @@ class HiCache:
         return self.storage.start(token_ids, salt) if self.storage is not None else None
 
     def ready(self, ticket: object | None) -> bool:
-        if not isinstance(ticket, Prefetch):
+        if not isinstance(ticket, Prefetch) or self.storage is None:
             return True
-        policy = self.config.prefetch_policy
-        if policy is PrefetchPolicy.WAIT_COMPLETE:
-            return ticket.agreed_done
-        if policy is PrefetchPolicy.TIMEOUT:
-            return ticket.agreed_done or ticket.agreed_timed_out
-        return True
+        return self.storage.ready(ticket, self.config.prefetch_policy)
+
+    def record_compute(self, num_tokens: int, seconds: float) -> None:
+        if self.storage is not None:
+            self.storage.speed.record_prefill(num_tokens, seconds)
 
     def cancel(self, ticket: object | None) -> None:
         if isinstance(ticket, Prefetch) and self.storage is not None:
@@ -250,6 +248,8 @@ class HiCache:
         if self.storage is not None:
             out |= {"l3_backup_pages_total": self.storage.backed_up_pages,
                     "l3_prefetch_pages_total": self.storage.prefetched_pages,
+                    "l3_prefetch_wait_decisions_total": self.storage.decisions["wait"],
+                    "l3_prefetch_no_wait_decisions_total": self.storage.decisions["no_wait"],
                     "l3_failures_total": self.storage.failures, "l3_healthy": float(self.storage.healthy)}
         return out
 
@@ -259,7 +259,7 @@ class HiCache:
                  leading_true(w.future.done() and w.future.exception() is None for w in self._writes),
                  *self.loads.local_state()]
         if self.storage is not None:
-            local += self.storage.local_state(MAX_AGREED_TICKETS)
+            local += self.storage.local_state()
         agreed = self.agreement.min(local)
         self._apply_writes(*agreed[:2])
         self._write_back_ahead()

@@ -43,6 +43,7 @@ class WritePolicy(Enum):
 class PrefetchPolicy(Enum):
     """When a request stops waiting for its L3 prefetch."""
 
+    AUTO = "auto"  # wait while reading the pages is expected to be faster than computing them
     BEST_EFFORT = "best_effort"  # as soon as the scheduler can run it; use what arrived
     WAIT_COMPLETE = "wait_complete"  # when every page arrived
     TIMEOUT = "timeout"  # when every page arrived or the prefetch timeout passed
@@ -69,7 +70,7 @@ class HiCacheOptions:
     io_backend: IOBackend = IOBackend.KERNEL
     storage_backend: StorageKind | None = None
     storage_config: dict[str, Any] = field(default_factory=dict)
-    prefetch_policy: PrefetchPolicy = PrefetchPolicy.BEST_EFFORT
+    prefetch_policy: PrefetchPolicy = PrefetchPolicy.AUTO
 
     def __post_init__(self) -> None:
         if self.storage_backend is not None:

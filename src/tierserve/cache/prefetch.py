@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tierserve.cache.staging import PageIO
@@ -28,22 +29,36 @@ class PrefetchOptions:
 
 @dataclass
 class Prefetch:
-    """Pages ``start .. start + len(keys)`` of a prompt, read into ``host_pages`` in order.
+    """One request's L3 -> L2 prefetch of the prompt's pages from ``start`` on (``keys``).
 
-    ``arrived`` only grows and counts a contiguous run from the first page; ``done`` is set when
-    the reader stopped (finished, cancelled or failed).
+    Its life (``docs/architecture.md``, the cache): the L3 worker asks the store how many leading
+    keys it has (``probed``); at a step boundary, on the value every rank agreed, the engine thread
+    either gives up (too few pages, no host room: nothing to read) or reserves ``host_pages`` and
+    the worker reads them in order (``arrived`` only grows, a contiguous run from the first page;
+    ``done`` is set when the reader stopped). The request's match (or its abort) consumes it without
+    waiting for the reader; pages it did not keep (``leftover``) are freed once the reader stopped
+    on every rank, when the ticket is retired.
     """
 
     start: int
     keys: list[bytes]
-    host_pages: list[int]
-    timeout: float
+    timeout: float  # seconds from ``created`` after which the ``timeout`` and ``auto`` policies stop waiting
+    prefix: list[int] = field(default_factory=list)  # the prompt tokens before ``start`` (pinned while reserving)
+    salt: str = ""
+    host_pages: list[int] = field(default_factory=list)
+    probed: int = -1  # L3 worker: how many leading keys the store has (-1: not asked yet)
+    decided: bool = False  # engine thread: read (host pages reserved) or gave up
+    wait: bool = True  # the auto policy's agreed verdict: reading beats computing
+    consumed: bool = False  # the request matched or went away
+    leftover: list[int] = field(default_factory=list)
     arrived: int = 0
     failed: bool = False
-    # what every rank agreed on at the last step boundary (see cache.agreement)
+    # what every rank agreed on at the last step boundary that covered this ticket (see cache.agreement)
+    agreed_probed: int = -1
     agreed_arrived: int = 0
     agreed_done: bool = False
     agreed_timed_out: bool = False
+    agreed_vote: int = 0  # 1: every rank expects reading to beat computing
     created: float = field(default_factory=time.monotonic)
     cancel: threading.Event = field(default_factory=threading.Event)
     done: threading.Event = field(default_factory=threading.Event)
@@ -52,6 +67,10 @@ class Prefetch:
 
     def timed_out(self) -> bool:
         return time.monotonic() - self.created > self.timeout
+
+    def finished(self) -> bool:
+        """Nothing is or will be read: given up, or the reader stopped (this rank's view)."""
+        return self.decided and (not self.host_pages or self.done.is_set())
 
     def begin(self) -> bool:
         """Called by the reader before touching the pages: False if already stopped."""
@@ -63,24 +82,25 @@ class Prefetch:
             return True
 
     def stop(self) -> None:
-        """Stops the reader; returns once it no longer writes the pages (at once if it never
-        started, so a queue of slow L3 calls never blocks the caller)."""
+        """Asks the reader to stop after its current chunk; does not wait (the caller must not reuse
+        pages beyond ``agreed_arrived`` until the reader is agreed done)."""
         with self._lock:
             self.cancel.set()
-            started = self._started
-        if started:
-            self.done.wait()
+            if not self._started:
+                self.done.set()
 
-    def run(self, storage: StorageBackend, io: PageIO) -> None:
+    def run(self, storage: StorageBackend, io: PageIO, on_chunk: Callable[[int, float], None]) -> None:
         """Reads the pages in chunks, in order, until all arrived, one is missing, the store fails
-        or ``cancel`` is set; ``done`` is set at the end whatever happened."""
+        or ``cancel`` is set; reports each chunk's pages and seconds; ``done`` is set at the end."""
         try:
             for at in range(0, len(self.keys), CHUNK_PAGES):
                 if self.cancel.is_set():
                     break
                 keys = self.keys[at : at + CHUNK_PAGES]
+                started = time.perf_counter()
                 ok = io.get_into(storage, keys, self.host_pages[at : at + len(keys)])
                 good = next((i for i, x in enumerate(ok) if not x), len(ok))
+                on_chunk(good, time.perf_counter() - started)
                 self.arrived += good
                 if good < len(ok):
                     break

@@ -1,9 +1,15 @@
 """L3 behind the host tier: backups after L2 writes, prefetches before admission, and a circuit
-breaker so a failing store degrades the cache to L1 + L2 instead of failing requests."""
+breaker so a failing store degrades the cache to L1 + L2 instead of failing requests.
+
+Every L3 call runs on the L3 worker, never on the engine thread (a slow store must not stall the
+running batch): a prefetch's first call, asking the store which pages it has, included. The tree,
+the host allocator and every decision that admits a request change only on the engine thread, on
+values all ranks agreed (``docs/architecture.md``, multi-rank agreement)."""
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent import futures
@@ -13,13 +19,16 @@ from dataclasses import dataclass
 from tierserve.cache.agreement import leading_true
 from tierserve.cache.hashing import page_keys, salted_seed
 from tierserve.cache.host_pool import HostKVPool
+from tierserve.cache.options import PrefetchPolicy
 from tierserve.cache.prefetch import Prefetch, PrefetchOptions, prefetch_timeout
 from tierserve.cache.radix_tree import Node, RadixTree
+from tierserve.cache.speed import SpeedModel
 from tierserve.cache.staging import page_io
 from tierserve.cache.storage import StorageBackend
 
 log = logging.getLogger(__name__)
 RETRY_AFTER_S = 5.0
+WINDOW = 24  # prefetches in one step's agreement (5 slots each); the window moves on every step
 
 
 @dataclass
@@ -29,8 +38,8 @@ class _Backup:
 
 
 class StorageTier:
-    """Runs every L3 call on one worker thread; the tree changes only on the engine thread
-    (``finish``, ``on_step``). Host pages a prefetch reserves are capped by the options.
+    """L3 for one HiCache. Host pages that prefetches hold are capped by the options; ``speed``
+    measures L3 reads and prefill for the ``auto`` policy.
 
     Hands the backend the buffer its spans live in (``attach_host_buffer``) before any transfer:
     the host pool itself, or a staging buffer where the layout has no contiguous pages.
@@ -44,12 +53,16 @@ class StorageTier:
         self._host_pages = host_pages
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicache-l3")
         self._backups: list[_Backup] = []
-        self.tickets: list[Prefetch] = []  # running prefetches, oldest first
+        self.tickets: list[Prefetch] = []  # every prefetch not yet retired, oldest first
+        self._window: list[Prefetch] = []  # the tickets of this step's agreement
+        self._cursor = 0
         self._reserved = 0
         self._down_until = 0.0
-        self.failures = 0
-        self.backed_up_pages = 0
-        self.prefetched_pages = 0
+        self._fail_lock = threading.Lock()
+        self.agreed_healthy = True
+        self.speed = SpeedModel()
+        self.failures = self.backed_up_pages = self.prefetched_pages = 0
+        self.decisions = {"wait": 0, "no_wait": 0}
 
     @property
     def busy(self) -> bool:
@@ -58,6 +71,7 @@ class StorageTier:
 
     @property
     def healthy(self) -> bool:
+        """This rank's circuit breaker is closed (decisions use ``agreed_healthy``)."""
         return time.monotonic() >= self._down_until
 
     def close(self) -> None:
@@ -67,30 +81,72 @@ class StorageTier:
     # -- prefetch --------------------------------------------------------------------------------
 
     def start(self, token_ids: Sequence[int], salt: str) -> Prefetch | None:
-        """If the prompt extends beyond L1 + L2 by at least the threshold, asks L3 how much of the
-        rest it has and, if that is at least the threshold too, reserves host pages for it (they
-        may evict L2, so only for pages that exist) and starts reading them in the background."""
+        """A ticket when the prompt extends beyond L1 + L2 by at least the threshold; the L3 worker
+        then asks the store how much of the rest it has. No L3 call here (engine thread)."""
         ps = self.tree.page_size
         local, total = self.tree.cached_pages(token_ids, salt), len(token_ids) // ps
-        if not self.healthy or (total - local) * ps < self.options.threshold_tokens:
+        if not self.agreed_healthy or (total - local) * ps < self.options.threshold_tokens:
             return None
         keys = page_keys(salted_seed(self.tree.seed, salt), token_ids[: total * ps], ps)[local:]
-        try:
-            present = self.storage.batch_exists(keys)  # one cheap call; a down store fails fast
-        except Exception as exc:  # any backend error is a miss
-            self._fail("exists", exc)
-            return None
-        cap = int(self.host.num_pages * self.options.max_reserved_fraction) - self._reserved
-        n = min(present, cap)
-        host_pages = self._reserve(token_ids[: local * ps], salt, n) if n * ps >= self.options.threshold_tokens \
-            else None
-        if host_pages is None:
-            return None
-        ticket = Prefetch(local, keys[:n], host_pages, prefetch_timeout(self.options, n * ps))
-        self._reserved += n
+        ticket = Prefetch(local, keys, prefetch_timeout(self.options, len(keys) * ps), list(token_ids[: local * ps]),
+                          salt)
         self.tickets.append(ticket)
-        self._worker.submit(self._read, ticket)
+        self._worker.submit(self._probe, ticket)
         return ticket
+
+    def _probe(self, ticket: Prefetch) -> None:
+        """L3 worker: how many leading pages the store has (a failure counts as none)."""
+        if ticket.cancel.is_set():
+            ticket.probed = 0
+            return
+        try:
+            ticket.probed = self.storage.batch_exists(ticket.keys)
+        except Exception as exc:  # any backend error is a miss
+            ticket.probed = 0
+            self._fail("exists", exc)
+
+    def ready(self, ticket: Prefetch, policy: PrefetchPolicy) -> bool:
+        """Whether the request may be admitted now, on agreed values only. An unhealthy L3 never
+        holds a request: the wait on L3 is bounded by the breaker and the tickets' timeouts."""
+        if not self.agreed_healthy or policy is PrefetchPolicy.BEST_EFFORT:
+            return True
+        complete = ticket.agreed_done or (ticket.decided and not ticket.host_pages)
+        if policy is PrefetchPolicy.WAIT_COMPLETE:
+            return complete
+        if policy is PrefetchPolicy.AUTO and ticket.decided and not ticket.wait:
+            return True
+        return complete or ticket.agreed_timed_out
+
+    def _decide(self, ticket: Prefetch) -> None:
+        """Engine thread, on the agreed probe: reserve host pages and start reading, or give up."""
+        ticket.decided = True
+        ps = self.tree.page_size
+        cap = int(self.host.num_pages * self.options.max_reserved_fraction) - self._reserved
+        n = min(ticket.agreed_probed, cap)
+        if ticket.consumed or n * ps < self.options.threshold_tokens:
+            return
+        pages = self._reserve(ticket.prefix, ticket.salt, n)
+        if pages is None:
+            return
+        ticket.keys, ticket.host_pages = ticket.keys[:n], pages
+        self._reserved += n
+        self._judge(ticket)
+        self._worker.submit(self._read, ticket)
+
+    def _judge(self, ticket: Prefetch) -> None:
+        """The ``auto`` policy's verdict (agreed: every rank voted in the same step), and how long
+        waiting can be worth it: never longer than computing the pages would take."""
+        page_bytes = self.host.geometry.bytes_per_page
+        verdict = self.speed.verdict(len(ticket.host_pages), page_bytes, self.tree.page_size)
+        ticket.wait = bool(ticket.agreed_vote)
+        elapsed = time.monotonic() - ticket.created
+        ticket.timeout = elapsed + min(self.options.timeout_max, verdict.compute_s)
+        self.decisions["wait" if ticket.wait else "no_wait"] += 1
+
+    def _vote(self, ticket: Prefetch) -> int:
+        """This rank's view of the auto verdict for a probed ticket (1: waiting is worth it)."""
+        n = max(ticket.probed, 0)
+        return int(self.speed.verdict(n, self.host.geometry.bytes_per_page, self.tree.page_size).wait)
 
     def _reserve(self, prefix: Sequence[int], salt: str, n: int) -> list[int] | None:
         """Host pages for ``n`` prefetched pages. Reserving may evict L2, so the local prefix the
@@ -107,38 +163,51 @@ class StorageTier:
     def _read(self, ticket: Prefetch) -> None:
         if not ticket.begin():
             return
-        ticket.run(self.storage, self.io)
+        page_bytes = self.host.geometry.bytes_per_page
+        ticket.run(self.storage, self.io, lambda pages, s: self.speed.record_read(pages * page_bytes, s))
         if ticket.failed:
             self._fail("prefetch", None)
 
     def finish(self, ticket: Prefetch, token_ids: Sequence[int], salt: str) -> int:
-        """Stops the prefetch, hangs what arrived under the local match as host-only nodes and
-        frees the rest of its pages; returns how many pages it contributed."""
-        self._stop(ticket)
+        """The request matches now: hangs what every rank agreed arrived under the local match as
+        host-only nodes (the reader is not waited for); returns how many pages it contributed."""
+        arrived = ticket.agreed_arrived if ticket.host_pages else 0
         ps = self.tree.page_size
         # the match may ask for fewer tokens than the prefetch read (the last token is always computed)
-        arrived = max(0, min(ticket.agreed_arrived, len(token_ids) // ps - ticket.start))
+        arrived = max(0, min(arrived, len(token_ids) // ps - ticket.start))
         found = self.tree.match(token_ids[: (ticket.start + arrived) * ps], salt)
         have = found.num_pages
         skip = have - ticket.start  # pages the tree gained meanwhile; negative if it lost some
         if skip < 0 or arrived <= skip:
-            self.host.allocator.free(ticket.host_pages)
+            self._consume(ticket, [])
             return 0
         keep = ticket.host_pages[skip:arrived]
-        self.host.allocator.free(ticket.host_pages[:skip] + ticket.host_pages[arrived:])
+        self._consume(ticket, keep)
         node = self.tree.add_host_child(found.last_node, token_ids[have * ps : (ticket.start + arrived) * ps], keep)
         node.from_storage = True
         self.prefetched_pages += len(keep)
         return len(keep)
 
     def drop(self, ticket: Prefetch) -> None:
-        self._stop(ticket)
-        self.host.allocator.free(ticket.host_pages)
+        """The request went away before its match."""
+        self._consume(ticket, [])
 
-    def _stop(self, ticket: Prefetch) -> None:
+    def _consume(self, ticket: Prefetch, keep: list[int]) -> None:
+        """Stops the reader (without waiting) and sets aside the pages not kept until it stopped."""
         ticket.stop()
-        self.tickets.remove(ticket)
+        ticket.consumed = True
+        kept = set(keep)
+        ticket.leftover = [p for p in ticket.host_pages if p not in kept]
         self._reserved -= len(ticket.host_pages)
+        self._retire([ticket])
+
+    def _retire(self, tickets: list[Prefetch]) -> None:
+        """Drops consumed tickets that no rank still reads into: their leftover pages are free."""
+        for ticket in tickets:
+            if ticket.consumed and ticket.decided and (ticket.agreed_done or not ticket.host_pages):
+                self.host.allocator.free(ticket.leftover)
+                ticket.leftover = []
+                self.tickets.remove(ticket)
 
     # -- backup ----------------------------------------------------------------------------------
 
@@ -150,25 +219,54 @@ class StorageTier:
         self._backups.append(_Backup(node, self._worker.submit(self._write, keys, host_pages)))
 
     def _write(self, keys: list[bytes], host_pages: list[int]) -> int:
-        skip = self.storage.batch_exists(keys)  # L3 often has a shared prefix already
+        # A put of a stored key is a no-op in stores that say so: no exists call first.
+        skip = 0 if self.storage.put_skips_existing else self.storage.batch_exists(keys)
         return sum(self.io.set_from(self.storage, keys[skip:], host_pages[skip:]))
 
     def wait_backups(self, timeout: float) -> None:
         futures.wait([b.future for b in self._backups], timeout=timeout)
 
-    def local_state(self, max_tickets: int) -> list[int]:
-        """This rank's view, for the agreement: leading backups done, then per ticket (oldest
-        ``max_tickets``, padded) pages arrived, done, and timed out."""
-        values = [leading_true(b.future.done() for b in self._backups)]
-        for i in range(max_tickets):
-            t = self.tickets[i] if i < len(self.tickets) else None
-            values += _ticket_state(t) if t else [0, 0, 0]
+    # -- agreement ---------------------------------------------------------------------------------
+
+    def local_state(self) -> list[int]:
+        """This rank's view, for the agreement: leading backups done, healthy, then for each ticket
+        of this step's window (``WINDOW`` of them, moving on every step so that every prefetch
+        progresses; padded) its ``Prefetch`` state: probed + 1, arrived, done, timed out, vote."""
+        self._window = self._next_window()
+        values = [leading_true(b.future.done() for b in self._backups), int(self.healthy)]
+        for i in range(WINDOW):
+            t = self._window[i] if i < len(self._window) else None
+            values += self._ticket_state(t) if t else [0, 0, 0, 0, 0]
         return values
 
+    def _next_window(self) -> list[Prefetch]:
+        n = len(self.tickets)
+        if n <= WINDOW:
+            return list(self.tickets)
+        start, self._cursor = self._cursor % n, self._cursor + WINDOW
+        return (self.tickets + self.tickets)[start : start + WINDOW]
+
+    def _ticket_state(self, ticket: Prefetch) -> list[int]:
+        """``done`` is read before ``arrived``: the reader stops growing ``arrived`` before it sets
+        ``done``, so a done ticket reports its final count (read the other way round, a reader
+        finishing in between looked done with pages missing)."""
+        done = ticket.finished()
+        vote = self._vote(ticket) if ticket.probed >= 0 else 0
+        return [ticket.probed + 1, ticket.arrived, int(done), int(ticket.timed_out()), vote]
+
     def apply(self, agreed: list[int]) -> None:
-        """Applies the agreed view: finished backups unpin their nodes; tickets learn how far
-        every rank got."""
-        done, per_ticket = agreed[0], agreed[1:]
+        """Applies the agreed view: finished backups unpin their nodes; the window's tickets learn
+        how far every rank got; probed ones are decided; consumed and stopped ones retire."""
+        self._apply_backups(agreed[0])
+        self.agreed_healthy = bool(agreed[1])
+        for t, i in zip(self._window, range(2, len(agreed), 5), strict=False):
+            t.agreed_probed, t.agreed_arrived = agreed[i] - 1, agreed[i + 1]
+            t.agreed_done, t.agreed_timed_out, t.agreed_vote = bool(agreed[i + 2]), bool(agreed[i + 3]), agreed[i + 4]
+            if not t.decided and t.agreed_probed >= 0:
+                self._decide(t)
+        self._retire([t for t in self._window if t in self.tickets])
+
+    def _apply_backups(self, done: int) -> None:
         for b in self._backups[:done]:
             self.tree.unlock(b.node)
             if b.future.exception() is not None:
@@ -176,20 +274,12 @@ class StorageTier:
             else:
                 self.backed_up_pages += b.future.result()
         self._backups = self._backups[done:]
-        for t, i in zip(self.tickets, range(0, len(per_ticket), 3), strict=False):
-            t.agreed_arrived, t.agreed_done, t.agreed_timed_out = per_ticket[i], bool(per_ticket[i + 1]), \
-                bool(per_ticket[i + 2])
 
     def _fail(self, what: str, exc: BaseException | None) -> None:
-        self.failures += 1
-        if self.healthy:
-            log.warning("L3 %s failed (%s); serving from L1 + L2, retrying L3 in %.0f s", what, exc, RETRY_AFTER_S)
-        self._down_until = time.monotonic() + RETRY_AFTER_S
-
-
-def _ticket_state(ticket: Prefetch) -> list[int]:
-    """[arrived, done, timed out]. ``done`` is read before ``arrived``: the reader stops growing
-    ``arrived`` before it sets ``done``, so a done ticket reports its final count (read the other
-    way round, a reader finishing in between looked done with pages missing)."""
-    done = ticket.done.is_set()
-    return [ticket.arrived, int(done), int(ticket.timed_out())]
+        """Any thread: counts the failure and opens the breaker for ``RETRY_AFTER_S``."""
+        with self._fail_lock:
+            self.failures += 1
+            if self.healthy:
+                log.warning("L3 %s failed (%s); serving from L1 + L2, retrying L3 in %.0f s", what, exc,
+                            RETRY_AFTER_S)
+            self._down_until = time.monotonic() + RETRY_AFTER_S

@@ -186,11 +186,14 @@ class Engine:
         self.last_batch_size = len(batch)
         if not batch:
             return []
+        started = time.perf_counter()
         try:
             sampled = self.runner.run(batch)
         except HostLoadError as exc:  # only requests lent the failed copy fail; the rest rerun next step
             self._fail_loads(batch, exc)
             return []
+        prompt_tokens = sum(s.num_tokens for s in batch if s.num_tokens > 1)  # prefill chunks, not decodes
+        self.cache.record_compute(prompt_tokens, time.perf_counter() - started)
         outputs = []
         for scheduled in batch:
             request = scheduled.request

@@ -22,7 +22,11 @@ class StorageBackend(ABC):
     Batch calls take parallel lists. ``batch_get_into`` fills the given tensors in place and
     ``batch_set_from`` reads them; both return per-page success, and a page already stored counts
     as a success of ``batch_set_from`` (pages are immutable under their key).
+    ``put_skips_existing``: storing a page that exists is a cheap no-op in this backend, so
+    backups need not ask ``batch_exists`` first.
     """
+
+    put_skips_existing = False
 
     @abstractmethod
     def batch_exists(self, keys: list[bytes]) -> int:

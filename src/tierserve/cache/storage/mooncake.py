@@ -75,6 +75,8 @@ class MooncakeStorage(StorageBackend):
     All methods may be called from any thread; they are serialised.
     """
 
+    put_skips_existing = True  # a put of a stored key answers at once and keeps the object
+
     def __init__(self, master_server_address: str, *, local_hostname: str = "127.0.0.1", protocol: str = "tcp",
                  device_name: str = "", global_segment_size: int = 256 << 20, local_buffer_size: int = 64 << 20,
                  metadata_server: str = "P2PHANDSHAKE", key_prefix: str = "tierserve/",

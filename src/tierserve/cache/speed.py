@@ -1,0 +1,50 @@
+"""What the ``auto`` prefetch policy decides on: is reading a prefix from L3 faster than computing
+it? Both speeds are measured as the node works (moving averages), so the answer follows the store,
+the network and the model actually in use."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+SMOOTHING = 0.2  # weight of the newest sample in the moving averages
+MIN_PREFILL_TOKENS = 16  # steps with fewer prompt tokens say little about prefill speed
+
+
+@dataclass(frozen=True)
+class Verdict:
+    wait: bool  # reading is expected to be faster than computing
+    compute_s: float  # the expected time to compute the pages instead (inf: not measured yet)
+
+
+class SpeedModel:
+    """L3 read bandwidth (bytes/s, fed by prefetch readers on the L3 worker) and prefill speed
+    (tokens/s, fed by the engine thread). Until a speed is measured it is taken as favourable to
+    waiting: the first reads then measure L3."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.read_bps = 0.0
+        self.prefill_tps = 0.0
+
+    def record_read(self, nbytes: int, seconds: float) -> None:
+        if nbytes > 0 and seconds > 0:
+            with self._lock:
+                self.read_bps = _average(self.read_bps, nbytes / seconds)
+
+    def record_prefill(self, tokens: int, seconds: float) -> None:
+        if tokens >= MIN_PREFILL_TOKENS and seconds > 0:
+            with self._lock:
+                self.prefill_tps = _average(self.prefill_tps, tokens / seconds)
+
+    def verdict(self, num_pages: int, page_bytes: int, page_size: int) -> Verdict:
+        """Whether to wait for ``num_pages`` pages of ``page_bytes`` each (``page_size`` tokens)."""
+        with self._lock:
+            read_bps, prefill_tps = self.read_bps, self.prefill_tps
+        compute_s = num_pages * page_size / prefill_tps if prefill_tps else float("inf")
+        read_s = num_pages * page_bytes / read_bps if read_bps else 0.0
+        return Verdict(read_s < compute_s, compute_s)
+
+
+def _average(old: float, sample: float) -> float:
+    return sample if old == 0 else (1 - SMOOTHING) * old + SMOOTHING * sample

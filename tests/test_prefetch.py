@@ -1,0 +1,117 @@
+"""L3 prefetch: no L3 call on the engine thread, every prefetch progresses however many run, the
+``auto`` policy waits only when reading beats computing, and an unhealthy L3 holds no request."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from test_hicache_machine import PS, SEED, MemoryStorage, keys_of
+
+from tierserve.cache.allocator import PageAllocator
+from tierserve.cache.device_pool import DeviceKVPool, KVGeometry
+from tierserve.cache.hicache import HiCache, HiCacheConfig
+from tierserve.cache.host_pool import HostKVPool, HostLayout
+from tierserve.cache.options import PrefetchPolicy
+from tierserve.cache.prefetch import Prefetch, PrefetchOptions
+from tierserve.cache.storage_tier import WINDOW
+
+OPTIONS = PrefetchOptions(threshold_tokens=PS, max_reserved_fraction=1.0)
+
+
+def _cache(policy: PrefetchPolicy, store: MemoryStorage, host_pages: int = 256) -> HiCache:
+    geometry = KVGeometry(1, 1, 2, PS, torch.float32)
+    host = HostKVPool(geometry, host_pages, HostLayout.PAGE_FIRST_DIRECT)
+    return HiCache(PageAllocator(64), DeviceKVPool(geometry, 64, torch.device("cpu")), host, SEED,
+                   HiCacheConfig(prefetch_policy=policy, prefetch=OPTIONS), storage=store)
+
+
+def _stored(store: MemoryStorage, tokens: list[int]) -> None:
+    for key in keys_of(tokens, ""):
+        store.objects[key] = torch.tensor(0.0)  # copied into a page span by broadcasting
+
+
+def _steps_until(cache: HiCache, done, what: str, deadline_s: float = 10.0) -> None:
+    deadline = time.monotonic() + deadline_s
+    while not done():
+        assert time.monotonic() < deadline, what
+        cache.on_step()
+        time.sleep(0.002)  # poll interval: the L3 worker runs meanwhile
+
+
+def test_every_prefetch_progresses_however_many_run() -> None:
+    store = MemoryStorage()
+    prompts = [[i, i, i, i, i, i, i, i, 9] for i in range(2 * WINDOW + 5)]  # 4 pages each, more than a window
+    for tokens in prompts:
+        _stored(store, tokens[:-1])
+    cache = _cache(PrefetchPolicy.WAIT_COMPLETE, store)
+    tickets = [cache.prefetch(tokens) for tokens in prompts]
+    assert all(isinstance(t, Prefetch) for t in tickets)
+    _steps_until(cache, lambda: all(cache.ready(t) for t in tickets), "every prefetch became ready")
+    assert [t.agreed_arrived for t in tickets] == [4] * len(tickets), "a prefetch beyond the window fell short"
+    for tokens, ticket in zip(prompts, tickets, strict=True):
+        hit = cache.match(tokens[:-1], ticket)
+        assert hit.by_tier == {"storage": 8}
+        for load in hit.loads:
+            load.wait(0)  # as attention does, layer by layer
+        cache.release(tokens, list(hit.pages), hit.num_tokens, hit)
+        cache.on_step()
+    cache.wait_background()
+    assert not cache.storage.tickets
+    cache.close()
+
+
+def test_l3_is_called_only_on_its_worker() -> None:
+    store = MemoryStorage()
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    _stored(store, tokens[:-1])
+    cache = _cache(PrefetchPolicy.WAIT_COMPLETE, store)
+    ticket = cache.prefetch(tokens)
+    _steps_until(cache, lambda: cache.ready(ticket), "the prefetch landed")
+    hit = cache.match(tokens[:-1], ticket)
+    cache.release(tokens, list(hit.pages) + cache.allocator.alloc(1), len(tokens), hit)
+    cache.wait_background()
+    assert store.calls and store.callers == {"hicache-l3_0"}, f"L3 was called from {sorted(store.callers)}"
+    cache.close()
+
+
+def test_auto_waits_only_when_reading_beats_computing() -> None:
+    store = MemoryStorage()
+    slow_compute, fast_compute = [1] * 8 + [9], [2] * 8 + [9]
+    for tokens in (slow_compute, fast_compute):
+        _stored(store, tokens[:-1])
+    cache = _cache(PrefetchPolicy.AUTO, store)
+    speed = cache.storage.speed
+    speed.record_read(1 << 20, 1.0)  # L3 reads 1 MiB/s
+    speed.record_prefill(100, 1.0)  # 100 tokens/s: 4 pages (64 bytes) read far faster than computed
+    waits = cache.prefetch(slow_compute)
+    _steps_until(cache, lambda: waits.decided, "the first prefetch was decided")
+    assert (waits.wait and not cache.ready(waits)) or waits.agreed_done
+    _steps_until(cache, lambda: cache.ready(waits), "it became ready once its pages arrived")
+    assert waits.agreed_arrived == 4
+    for _ in range(30):
+        speed.record_prefill(10**9, 1.0)  # now computing is far faster than reading
+    skips = cache.prefetch(fast_compute)
+    _steps_until(cache, lambda: skips.decided, "the second prefetch was decided")
+    assert not skips.wait and cache.ready(skips), "auto waited although computing is faster"
+    stats = cache.stats()
+    assert stats["l3_prefetch_wait_decisions_total"] == 1 and stats["l3_prefetch_no_wait_decisions_total"] == 1
+    for ticket in (waits, skips):
+        cache.cancel(ticket)
+    cache.wait_background()
+    cache.close()
+
+
+def test_an_unhealthy_l3_holds_no_request() -> None:
+    store = MemoryStorage()
+    tokens = [3] * 8 + [9]
+    _stored(store, tokens[:-1])
+    store.down = True
+    cache = _cache(PrefetchPolicy.WAIT_COMPLETE, store)
+    ticket = cache.prefetch(tokens)
+    _steps_until(cache, lambda: cache.ready(ticket), "the request stopped waiting for a failed L3", 2.0)
+    cache.on_step()  # every rank now knows the breaker is open
+    assert not cache.storage.agreed_healthy and cache.prefetch([4] * 8 + [9]) is None  # no more prefetches
+    cache.cancel(ticket)
+    cache.wait_background()
+    cache.close()
