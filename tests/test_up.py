@@ -20,10 +20,9 @@ from tierserve.cli.main import build_parser
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
-def test_up_serves_chat_and_stops_cleanly_on_ctrl_c() -> None:
-    port = free_port()
-    cmd = [sys.executable, "-m", "tierserve.cli", "up", "--port", str(port), "--max-total-tokens", "2048",
-           "--device", "cpu"]
+def start_up(port: int, *flags: str) -> tuple[subprocess.Popen, list[str]]:
+    """``tierserve up`` with ``flags``, once it printed its banner; its output lines so far."""
+    cmd = [sys.executable, "-m", "tierserve.cli", "up", "--port", str(port), "--device", "cpu", *flags]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
     up = threading.Event()
@@ -35,11 +34,18 @@ def test_up_serves_chat_and_stops_cleanly_on_ctrl_c() -> None:
                 up.set()
 
     threading.Thread(target=read, daemon=True).start()
+    deadline = time.monotonic() + 300
+    while not up.wait(0.2):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError("tierserve up did not come up:\n" + "".join(lines[-40:]))
+    return proc, lines
+
+
+def test_up_serves_chat_and_stops_cleanly_on_ctrl_c() -> None:
+    port = free_port()
+    proc, lines = start_up(port, "--max-total-tokens", "2048")
     try:
-        deadline = time.monotonic() + 300
-        while not up.wait(0.2):
-            assert proc.poll() is None, "".join(lines[-40:])
-            assert time.monotonic() < deadline, "".join(lines[-40:])
         body = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 16,
                 "temperature": 0}
         r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=120)
@@ -56,6 +62,28 @@ def test_up_serves_chat_and_stops_cleanly_on_ctrl_c() -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_prompt_sent_twice_is_served_from_storage_by_the_other_prefill_node_with_the_defaults() -> None:
+    """Round robin sends the second copy to the node that never saw it: with the default prefetch
+    policy it waits for L3, so most of the prompt comes from storage instead of being recomputed
+    (with best_effort, the old default, an idle node took none of it from storage)."""
+    port = free_port()
+    proc, lines = start_up(port, "--prefill-nodes", "2", "--prefill-policy", "round_robin", "--max-total-tokens",
+                           "8192")
+    prompt = [1000 + (i * 37) % 40000 for i in range(2000)]
+    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0}
+    try:
+        usages = [httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=300).json()["usage"]
+                  for _ in range(2)]
+        state = httpx.get(f"http://127.0.0.1:{port}/debug/state", timeout=10).json()
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+    routes = [r["prefill"] for r in state["routes"]][-2:]
+    assert len(set(routes)) == 2, f"both copies went to {routes}"
+    assert usages[0]["cached_tokens_by_tier"]["storage"] == 0
+    assert usages[1]["cached_tokens_by_tier"]["storage"] >= 0.8 * len(prompt), (usages, "".join(lines[-30:]))
 
 
 def test_engine_flags_are_forwarded_to_every_node() -> None:
