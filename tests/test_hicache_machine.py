@@ -196,7 +196,8 @@ class L3Machine(RuleBasedStateMachine):
         self.cache.attach_storage(self.store)
         if not self.threaded:
             self.cache.storage._worker.shutdown()
-            self.cache.storage._worker = self.l3 = StepExecutor()
+            self.cache.storage._reader.shutdown()
+            self.cache.storage._worker = self.cache.storage._reader = self.l3 = StepExecutor()  # one queue
         self.held: list[Held] = []
         self.waiting: list[tuple[list[int], str, Prefetch | None]] = []
         # the reference model: every (salt, full-page prefix) a request computed and released
@@ -516,7 +517,8 @@ class L3Machine(RuleBasedStateMachine):
     @invariant()
     def only_the_l3_worker_calls_l3(self) -> None:
         if self.threaded:
-            assert self.store.callers <= {"hicache-l3_0"}, f"L3 called from {sorted(self.store.callers)}"
+            lanes = {"hicache-l3-backup_0", "hicache-l3-prefetch_0"}
+            assert self.store.callers <= lanes, f"L3 called from {sorted(self.store.callers)}"
 
     @invariant()
     def l3_holds_only_computed_pages(self) -> None:

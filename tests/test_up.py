@@ -14,8 +14,11 @@ import httpx
 import pytest
 from cluster import free_port
 
+from tierserve import launch
+from tierserve.cli import up as cli_up
 from tierserve.cli.flags import engine_config, engine_flags
 from tierserve.cli.main import build_parser
+from tierserve.launch import ClusterPlan
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -93,3 +96,19 @@ def test_engine_flags_are_forwarded_to_every_node() -> None:
     assert flags == ["--page-size", "32", "--max-total-tokens", "2048", "--enable-hierarchical-cache",
                      "--hicache-mem-layout", "page_first"]
     assert build_parser().parse_args(["prefill", *flags]).page_size == 32  # the nodes accept them
+
+
+def test_the_users_l3_extra_config_reaches_the_nodes_with_the_masters_address(monkeypatch) -> None:
+    """``up`` merges ``--hicache-storage-backend-extra-config`` (prefetch settings) into the
+    Mooncake config it gives the nodes, instead of the nodes getting two and keeping the last."""
+    plans: list[ClusterPlan] = []
+    monkeypatch.setattr(launch, "up", lambda plan, announce: plans.append(plan) or 0)
+    args = build_parser().parse_args(["up", "--model", str(Path(__file__)), "--hicache-storage-backend-extra-config",
+                                      '{"prefetch_threshold": 16}'])
+    monkeypatch.setattr(cli_up, "model_dir", lambda _: Path("/m"))
+    assert cli_up.cmd_up(args) == 0
+    plan = plans[0]
+    assert "--hicache-storage-backend-extra-config" not in plan.node_flags
+    node = build_parser().parse_args(["prefill", *plan.node_flags, *launch.l3_flags(plan, 5555)])
+    assert node.hicache_storage_backend_extra_config == {"prefetch_threshold": 16,
+                                                         "master_server_address": "127.0.0.1:5555"}

@@ -26,7 +26,9 @@ START_TIMEOUT_S = 600.0  # a cold machine converts the model and loads it in eve
 
 @dataclass(frozen=True)
 class ClusterPlan:
-    """What to start; ``node_flags`` go to every node (engine and cache flags)."""
+    """What to start; ``node_flags`` go to every node (engine and cache flags). With L3, the nodes
+    get the Mooncake backend with ``l3_config`` (the user's extra config, e.g. prefetch settings)
+    plus the master's address."""
 
     model_dir: Path
     host: str = "127.0.0.1"
@@ -36,6 +38,7 @@ class ClusterPlan:
     with_l3: bool = True
     node_flags: list[str] = field(default_factory=list)
     router_flags: list[str] = field(default_factory=list)
+    l3_config: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -128,9 +131,7 @@ def _start_all(plan: ClusterPlan, cluster: Cluster, stop: threading.Event) -> No
         master = str(Path(sys.executable).parent / "mooncake_master")
         cluster.start("mooncake-master", [master, f"--rpc_port={rpc}", f"--metrics_port={metrics}"])
         _wait(lambda: tcp_open(rpc), "mooncake_master", cluster, stop)
-        l3 = {"master_server_address": f"127.0.0.1:{rpc}"}
-        flags += ["--enable-hierarchical-cache", "--hicache-storage-backend", "mooncake",
-                  "--hicache-storage-backend-extra-config", json.dumps(l3)]
+        flags += l3_flags(plan, rpc)
     nodes = {"prefill": [free_port() for _ in range(plan.prefill_nodes)],
              "decode": [free_port() for _ in range(plan.decode_nodes)]}
     cli = [sys.executable, "-m", "tierserve.cli"]
@@ -145,6 +146,13 @@ def _start_all(plan: ClusterPlan, cluster: Cluster, stop: threading.Event) -> No
     cluster.start("router", [*cli, "router", "--model", str(plan.model_dir), "--host", plan.host,
                              "--port", str(plan.port), *workers, *plan.router_flags])
     _wait(lambda: http_ok(f"http://{plan.host}:{plan.port}/readiness"), "router", cluster, stop)
+
+
+def l3_flags(plan: ClusterPlan, rpc_port: int) -> list[str]:
+    """The nodes' L3 flags: Mooncake behind the master at ``rpc_port``, with the plan's extra config."""
+    l3 = {**plan.l3_config, "master_server_address": f"127.0.0.1:{rpc_port}"}
+    return ["--enable-hierarchical-cache", "--hicache-storage-backend", "mooncake",
+            "--hicache-storage-backend-extra-config", json.dumps(l3)]
 
 
 def _wait(ready: Callable[[], bool], what: str, cluster: Cluster, stop: threading.Event) -> None:

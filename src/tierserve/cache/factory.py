@@ -38,7 +38,7 @@ def hicache_config(options: HiCacheOptions) -> HiCacheConfig:
     """The tier controller's settings; the extra config may override the prefetch thresholds."""
     extra = options.storage_config
     prefetch = PrefetchOptions(
-        threshold_tokens=int(extra.get("prefetch_threshold", 256)),
+        threshold_tokens=int(extra.get("prefetch_threshold", PrefetchOptions.threshold_tokens)),
         timeout_base=float(extra.get("prefetch_timeout_base", 2.0)),
         timeout_per_ki_token=float(extra.get("prefetch_timeout_per_ki_token", 0.1)),
         timeout_max=float(extra.get("prefetch_timeout_max", 30.0)),

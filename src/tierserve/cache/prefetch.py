@@ -20,7 +20,9 @@ class PrefetchOptions:
     """``--hicache-storage-prefetch-policy`` and the timeouts of the ``timeout`` policy
     (``min(timeout_max, timeout_base + timeout_per_ki_token * tokens / 1024)`` seconds)."""
 
-    threshold_tokens: int = 256
+    # Small: the auto policy weighs each prefetch, and a probe is one cheap call off the engine
+    # thread; 256 (SGLang's) lost a tenth of a conversation trace's reuse (benchmarks/RESULTS.md).
+    threshold_tokens: int = 64
     timeout_base: float = 2.0
     timeout_per_ki_token: float = 0.1
     timeout_max: float = 30.0

@@ -5,16 +5,9 @@ the network and the model actually in use."""
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
 
 SMOOTHING = 0.2  # weight of the newest sample in the moving averages
 MIN_PREFILL_TOKENS = 16  # steps with fewer prompt tokens say little about prefill speed
-
-
-@dataclass(frozen=True)
-class Verdict:
-    wait: bool  # reading is expected to be faster than computing
-    compute_s: float  # the expected time to compute the pages instead (inf: not measured yet)
 
 
 class SpeedModel:
@@ -37,13 +30,14 @@ class SpeedModel:
             with self._lock:
                 self.prefill_tps = _average(self.prefill_tps, tokens / seconds)
 
-    def verdict(self, num_pages: int, page_bytes: int, page_size: int) -> Verdict:
-        """Whether to wait for ``num_pages`` pages of ``page_bytes`` each (``page_size`` tokens)."""
+    def worth_waiting(self, num_pages: int, page_bytes: int, page_size: int) -> bool:
+        """Whether reading ``num_pages`` pages of ``page_bytes`` each (``page_size`` tokens) is
+        expected to take less time than computing them."""
         with self._lock:
             read_bps, prefill_tps = self.read_bps, self.prefill_tps
         compute_s = num_pages * page_size / prefill_tps if prefill_tps else float("inf")
         read_s = num_pages * page_bytes / read_bps if read_bps else 0.0
-        return Verdict(read_s < compute_s, compute_s)
+        return read_s < compute_s
 
 
 def _average(old: float, sample: float) -> float:

@@ -1,10 +1,10 @@
 """L3 behind the host tier: backups after L2 writes, prefetches before admission, and a circuit
 breaker so a failing store degrades the cache to L1 + L2 instead of failing requests.
 
-Every L3 call runs on the L3 worker, never on the engine thread (a slow store must not stall the
-running batch): a prefetch's first call, asking the store which pages it has, included. The tree,
-the host allocator and every decision that admits a request change only on the engine thread, on
-values all ranks agreed (``docs/architecture.md``, multi-rank agreement)."""
+Every L3 call runs on an L3 worker (prefetch or backup lane), never on the engine thread (a slow
+store must not stall the running batch), a prefetch's first call (which pages does the store have)
+included. The tree, the host allocator and every decision that admits a request change only on
+the engine thread, on values all ranks agreed (``docs/architecture.md``, multi-rank agreement)."""
 
 from __future__ import annotations
 
@@ -51,7 +51,10 @@ class StorageTier:
         self.io = page_io(host)
         storage.attach_host_buffer(self.io.buffer)
         self._host_pages = host_pages
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicache-l3")
+        # Two lanes: a prefetch (probe, then read) is on a request's critical path and must never
+        # queue behind backups, which pile up under load.
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicache-l3-backup")
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicache-l3-prefetch")
         self._backups: list[_Backup] = []
         self.tickets: list[Prefetch] = []  # every prefetch not yet retired, oldest first
         self._window: list[Prefetch] = []  # the tickets of this step's agreement
@@ -76,6 +79,7 @@ class StorageTier:
 
     def close(self) -> None:
         self._worker.shutdown(wait=True)
+        self._reader.shutdown(wait=True)
         self.storage.close()
 
     # -- prefetch --------------------------------------------------------------------------------
@@ -91,11 +95,11 @@ class StorageTier:
         ticket = Prefetch(local, keys, prefetch_timeout(self.options, len(keys) * ps), list(token_ids[: local * ps]),
                           salt)
         self.tickets.append(ticket)
-        self._worker.submit(self._probe, ticket)
+        self._reader.submit(self._probe, ticket)
         return ticket
 
     def _probe(self, ticket: Prefetch) -> None:
-        """L3 worker: how many leading pages the store has (a failure counts as none)."""
+        """L3 prefetch lane: how many leading pages the store has (a failure counts as none)."""
         if ticket.cancel.is_set():
             ticket.probed = 0
             return
@@ -131,22 +135,19 @@ class StorageTier:
         ticket.keys, ticket.host_pages = ticket.keys[:n], pages
         self._reserved += n
         self._judge(ticket)
-        self._worker.submit(self._read, ticket)
+        self._reader.submit(self._read, ticket)
 
     def _judge(self, ticket: Prefetch) -> None:
-        """The ``auto`` policy's verdict (agreed: every rank voted in the same step), and how long
-        waiting can be worth it: never longer than computing the pages would take."""
-        page_bytes = self.host.geometry.bytes_per_page
-        verdict = self.speed.verdict(len(ticket.host_pages), page_bytes, self.tree.page_size)
+        """The ``auto`` policy's verdict, agreed: every rank voted in the same step. A request that
+        waits does so as under ``timeout`` (the reads are expected to be the faster way, so they
+        normally end first; the timeout only bounds a store that is slower than it looked)."""
         ticket.wait = bool(ticket.agreed_vote)
-        elapsed = time.monotonic() - ticket.created
-        ticket.timeout = elapsed + min(self.options.timeout_max, verdict.compute_s)
         self.decisions["wait" if ticket.wait else "no_wait"] += 1
 
     def _vote(self, ticket: Prefetch) -> int:
         """This rank's view of the auto verdict for a probed ticket (1: waiting is worth it)."""
         n = max(ticket.probed, 0)
-        return int(self.speed.verdict(n, self.host.geometry.bytes_per_page, self.tree.page_size).wait)
+        return int(self.speed.worth_waiting(n, self.host.geometry.bytes_per_page, self.tree.page_size))
 
     def _reserve(self, prefix: Sequence[int], salt: str, n: int) -> list[int] | None:
         """Host pages for ``n`` prefetched pages. Reserving may evict L2, so the local prefix the

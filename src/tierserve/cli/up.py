@@ -4,6 +4,7 @@ the nodes get the engine flags given here, rebuilt from the engine config."""
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
 from tierserve.cli.flags import add_engine_args, add_model_args, engine_config, engine_flags, model_dir
 from tierserve.cli.router import add_policy_args
@@ -31,12 +32,15 @@ def cmd_up(args: argparse.Namespace) -> int:
     if folder is None:
         return 2
     try:
-        node_flags = engine_flags(engine_config(args, folder))
+        config = engine_config(args, folder)
     except ValueError as exc:
         print(f"tierserve: {exc}", file=sys.stderr)
         return 2
+    l3_config = {} if args.no_l3 else config.hicache.storage_config  # merged with the master's address
+    if not args.no_l3:
+        config = replace(config, hicache=replace(config.hicache, storage_config={}))
     plan = ClusterPlan(folder, args.host, args.port, args.prefill_nodes, args.decode_nodes, not args.no_l3,
-                       node_flags, _router_flags(args))
+                       engine_flags(config), _router_flags(args), l3_config)
     return up(plan, lambda base: _announce(args, base))
 
 
