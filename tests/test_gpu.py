@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tierserve.cache.options import HiCacheOptions
+from tierserve.cache.options import HiCacheOptions, IOBackend
 from tierserve.core.sampling import SamplingParams
 from tierserve.engine.config import EngineConfig
 from tierserve.engine.engine import Engine
@@ -28,3 +28,86 @@ def test_cuda_greedy_matches_cpu_and_host_tier_round_trips(tiny_llama: Path) -> 
     assert cuda.generate(prompts, params) == expected
     assert cuda.generate(prompts, params) == expected  # now with device hits
     assert cuda.stats()["kv_pages_used"] == 0
+
+
+def _cuda_engine(model: Path, tmp_path: Path | None = None, **hicache) -> Engine:
+    """CUDA engine whose 96-token L1 the fillers push a prompt out of (to L2, and to L3 when given)."""
+    storage = {"storage_backend": "file", "storage_config": {"path": str(tmp_path), "prefetch_threshold": 16}} \
+        if tmp_path is not None else {}
+    return Engine(EngineConfig(model, device="cuda", dtype="float32", page_size=4, max_total_tokens=96,
+                               enable_hierarchical_cache=True,
+                               hicache=HiCacheOptions(ratio=4.0, **storage, **hicache)))
+
+
+def _target_and_fillers() -> tuple[list[int], list[list[int]]]:
+    gen = torch.Generator().manual_seed(11)
+    return torch.randint(2, 384, (64,), generator=gen).tolist(), \
+        [torch.randint(2, 384, (60,), generator=gen).tolist() for _ in range(3)]
+
+
+PARAMS = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+
+def _expected(model: Path, prompt: list[int]) -> list[int]:
+    plain = Engine(EngineConfig(model, device="cpu", dtype="float32", page_size=4, max_total_tokens=512,
+                                disable_radix_cache=True))
+    return plain.generate([prompt], PARAMS)[0]
+
+
+def test_cuda_l2_round_trips_give_the_cpu_output(tiny_llama: Path) -> None:
+    """L1 -> L2 copies (non_blocking D2H) and L2 -> L1 loads (H2D, layer by layer) on CUDA: the
+    host hit is read only after its copy completed, and the output equals the CPU's."""
+    from engine_helpers import run_one
+
+    target, fillers = _target_and_fillers()
+    for backend in IOBackend:
+        engine = _cuda_engine(tiny_llama, io_backend=backend)
+        run_one(engine, target, PARAMS)
+        for filler in fillers:
+            engine.cache.wait_background()
+            run_one(engine, filler, PARAMS)
+        engine.cache.wait_background()
+        tokens, tiers = run_one(engine, target, PARAMS)
+        assert tokens == _expected(tiny_llama, target) and tiers.get("host", 0) >= 32, (backend, tiers)
+        engine.cache.close()
+
+
+def test_cuda_l3_round_trip_gives_the_cpu_output(tiny_llama: Path, tmp_path: Path) -> None:
+    """Pages copied to L2 and backed up to L3 on CUDA (the backup reads host pages only after the
+    D2H copy landed) come back to another CUDA engine from storage."""
+    from engine_helpers import run_one
+
+    from tierserve.cache.options import PrefetchPolicy
+
+    target, _ = _target_and_fillers()
+    first = _cuda_engine(tiny_llama, tmp_path)
+    run_one(first, target, PARAMS)
+    first.cache.wait_background()
+    second = _cuda_engine(tiny_llama, tmp_path, prefetch_policy=PrefetchPolicy.WAIT_COMPLETE)
+    tokens, tiers = run_one(second, target, PARAMS)
+    assert tokens == _expected(tiny_llama, target) and tiers.get("storage", 0) >= 32, tiers
+    first.cache.close()
+    second.cache.close()
+
+
+def test_cuda_pd_handoff_equals_the_single_engine(long_llama: Path, tmp_path: Path) -> None:
+    """A prefill and a decode node on the GPU: the per-layer handoff waits for each layer's store
+    kernels before the transfer engine reads the pages."""
+    import asyncio
+
+    from cluster import NodeProcess
+    from pd_helpers import CHUNK, MAX_NEW, PAGE, prompts, run_pd
+
+    args = ["--model", str(long_llama), "--device", "cuda", "--dtype", "float32", "--page-size", str(PAGE),
+            "--chunked-prefill-size", str(CHUNK), "--max-total-tokens", "4096"]
+    nodes = [NodeProcess("prefill", args, tmp_path / "p.log"), NodeProcess("decode", args, tmp_path / "d.log")]
+    try:
+        prefill, decode = (n.wait_ready() for n in nodes)
+        batch = prompts(4, seed=3)
+        got = [asyncio.run(run_pd(prefill.address, decode.address, f"gpu-{i}", p))[0] for i, p in enumerate(batch)]
+        cpu = Engine(EngineConfig(long_llama, device="cpu", dtype="float32", page_size=PAGE, chunked_prefill_size=CHUNK,
+                                  max_total_tokens=4096))
+        assert got == cpu.generate(batch, SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True))
+    finally:
+        for node in nodes:
+            node.stop()

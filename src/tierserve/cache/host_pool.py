@@ -17,6 +17,9 @@ pages on one side, whatever the order on the other (per layer when a load asks f
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
 from tierserve.cache.allocator import PageAllocator
@@ -144,12 +147,38 @@ def copy_pages(
     device: DeviceKVPool, host: HostKVPool, device_ids: list[int], host_ids: list[int],
     to_host: bool, backend: IOBackend, layers: range | None = None,
 ) -> None:
-    """Copies pages between L1 and L2 (``layers`` limits it, for overlapped layer-wise loads).
+    """Copies pages between L1 and L2 (``layers`` limits it, for overlapped layer-wise loads);
+    returns once the bytes are in place, also on CUDA (see ``_copy_stream``).
 
     Both backends move every requested layer at once: direct copies each run of pages consecutive
     on both sides in one strided ``copy_``; kernel views both pools page-major over the selected
     layers, so one gather or scatter per run (see ``_gather_scatter``) covers all of them.
     """
+    with _copy_stream(device):
+        _copy(device, host, device_ids, host_ids, to_host, backend, layers)
+
+
+@contextlib.contextmanager
+def _copy_stream(device: DeviceKVPool) -> Iterator[None]:
+    """On CUDA, the copies run on a side stream that first waits for the work already queued on
+    the compute stream (a kernel that wrote KV is done before its pages are read), and the caller
+    gets control back only when they completed: ``non_blocking`` copies return at once, and a host
+    page must not be read (L3 backup) or reused while one still moves it. On CPU: nothing to do."""
+    where = device.buffer.device
+    if where.type != "cuda":
+        yield
+        return
+    stream = torch.cuda.Stream(where)
+    stream.wait_stream(torch.cuda.current_stream(where))
+    with torch.cuda.stream(stream):
+        yield
+    stream.synchronize()
+
+
+def _copy(
+    device: DeviceKVPool, host: HostKVPool, device_ids: list[int], host_ids: list[int],
+    to_host: bool, backend: IOBackend, layers: range | None,
+) -> None:
     if backend is IOBackend.KERNEL:
         d, h = _page_major(device, host, layers)
         if to_host:

@@ -57,7 +57,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         opts = self.options
         handoff = KVHandoff(self.node.peers, dest.transfer_endpoint, self.arena,
                             destination_arena(dest, self.arena.slot_bytes), list(dest.pages), dest.cached_tokens,
-                            len(prompt), opts.fault_rate, opts.fault_delay_s)
+                            len(prompt), opts.fault_rate, opts.fault_delay_s, self.node.engine.device.type == "cuda")
         timeout = request.timeout_seconds or opts.timeout_s
         try:
             first, result = await self._run(request, prompt, params, handoff, timeout)

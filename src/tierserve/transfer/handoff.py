@@ -1,7 +1,9 @@
 """One request's KV handoff from a prefill node into a decode node's reserved pages.
 
 The engine calls ``on_layer`` right after the model wrote a layer's K and V, so a layer's
-transfer runs while the next layers compute. The engine thread only computes the layer's blocks
+transfer runs while the next layers compute. On CUDA "wrote" means "queued the kernels": each
+layer's blocks carry an event recorded then, and the sender waits for it before the transfer
+engine reads the pages. The engine thread only computes the layer's blocks
 and queues them: a sender thread per handoff submits and waits, because the transfer engine can
 block in a call (e.g. the first handshake with a frozen peer), and that must delay only this
 request. The request's pages must not be reused while ``busy()``.
@@ -13,12 +15,19 @@ import itertools
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+
+import torch
 
 from tierserve.transfer.engine import PeerEngines, TransferEngineHandle, TransferError
 from tierserve.transfer.layout import Block, KVArena, layer_blocks, token_runs
 
 _DONE = None  # sentinel in the sender's queue: no more layers
+
+
+def _nothing() -> None:
+    pass
 _handoffs = itertools.count()  # numbers handoffs for deterministic fault injection
 
 
@@ -41,14 +50,15 @@ class KVHandoff:
 
     def __init__(self, engines: PeerEngines, target: str, src: KVArena, dst: KVArena,
                  dst_pages: list[int], dst_start: int, prompt_len: int, fault_rate: float = 0.0,
-                 fault_delay_s: float = 0.0) -> None:
+                 fault_delay_s: float = 0.0, cuda: bool = False) -> None:
         self.engines, self.target, self.src, self.dst = engines, target, src, dst
         self.dst_pages, self.prompt_len = dst_pages, prompt_len
         self._sent = [dst_start] * src.num_layers  # per layer: tokens before this are submitted
         n = next(_handoffs)
         self._inject = int((n + 1) * fault_rate) > int(n * fault_rate)
         self._delay_s = fault_delay_s
-        self._layers: queue.SimpleQueue[list[Block] | None] = queue.SimpleQueue()
+        self._cuda = cuda  # the source pool is on CUDA: blocks wait for their layer's kernels
+        self._layers: queue.SimpleQueue[tuple[Callable[[], None], list[Block]] | None] = queue.SimpleQueue()
         self._finished = threading.Event()
         self._error: str | None = None
         self._bytes = 0
@@ -72,7 +82,7 @@ class KVHandoff:
             self._first_submit = self._first_submit or now
             self._last_submit = now
             runs = token_runs(pages, self.dst_pages, start, end, self.src.page_size)
-            self._layers.put(layer_blocks(self.src, self.dst, runs, layer))
+            self._layers.put((self._written(), layer_blocks(self.src, self.dst, runs, layer)))
         if layer == self.src.num_layers - 1 and end == self.prompt_len:
             self._close_submissions()
 
@@ -101,6 +111,14 @@ class KVHandoff:
             max(0.0, self._last_done - self._first_submit), max(0.0, self._last_done - self._last_submit),
         )
 
+    def _written(self) -> Callable[[], None]:
+        """Engine thread: what the sender calls to wait until the kernels queued so far ran."""
+        if not self._cuda:
+            return _nothing
+        event = torch.cuda.Event()
+        event.record()
+        return event.synchronize
+
     def _close_submissions(self) -> None:
         self._layers.put(_DONE)
 
@@ -111,8 +129,10 @@ class KVHandoff:
     def _send_all(self) -> None:
         """Submits layers as they come and waits for the oldest batch whenever none is queued."""
         inflight: list[int] = []
-        while (blocks := self._layers.get()) is not _DONE:
+        while (item := self._layers.get()) is not _DONE:
+            written, blocks = item
             if self._error is None:
+                written()
                 batch = self._submit(blocks)
                 inflight += [batch] if batch is not None else []
             while inflight and self._layers.empty():
