@@ -4,6 +4,7 @@ I/O backend and write policy, and every page is accounted for afterwards."""
 from __future__ import annotations
 
 import threading
+from concurrent import futures
 from pathlib import Path
 
 import pytest
@@ -299,6 +300,13 @@ def _record_host_copies(monkeypatch) -> list[str]:
     return threads
 
 
+def _step_with_copies_landing(engine: Engine) -> None:
+    """One step, then the copies it started finish (they apply at the next step): a copy faster
+    than a step, whatever the load on the machine running the test."""
+    engine.step()
+    futures.wait([w.future for w in engine.cache._writes], timeout=10)
+
+
 def test_write_back_copies_ahead_of_eviction_in_the_background(tiny_llama: Path, monkeypatch) -> None:
     """While requests run, write-back copies the least recently used L1 pages to L2 on its
     worker once free pages run low, so eviction finds them clean: no copy on the engine thread."""
@@ -311,9 +319,9 @@ def test_write_back_copies_ahead_of_eviction_in_the_background(tiny_llama: Path,
         engine.add_request(f"r{i}", torch.randint(2, 384, (12,), generator=gen).tolist(),
                            SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
         while f"r{i}" in engine.requests:
-            engine.step()
+            _step_with_copies_landing(engine)
     while engine.has_work():
-        engine.step()
+        _step_with_copies_landing(engine)
     stats, threads = engine.stats(), set(copies)
     assert stats["cache_device_evicted_pages_total"] > 0, "the workload should evict written-back pages"
     assert threads == {"hicache-write_0"}, f"L1 -> L2 copies ran on {sorted(threads)}"
