@@ -149,3 +149,36 @@ def test_a_prefetch_never_waits_behind_backups() -> None:
         store.release.set()
     cache.wait_background()
     cache.close()
+
+
+class HangingProbes(MemoryStorage):
+    """A store that hangs instead of failing (no error opens the breaker)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+
+    def batch_exists(self, keys: list[bytes]) -> int:
+        self.release.wait(30)
+        return super().batch_exists(keys)
+
+
+def test_no_policy_waits_past_the_hard_bound_on_a_hung_store() -> None:
+    store = HangingProbes()
+    tokens = [7] * 8 + [9]
+    _stored(store, tokens[:-1])
+    geometry = KVGeometry(1, 1, 2, PS, torch.float32)
+    cache = HiCache(PageAllocator(64), DeviceKVPool(geometry, 64, torch.device("cpu")),
+                    HostKVPool(geometry, 64, HostLayout.PAGE_FIRST_DIRECT), SEED,
+                    HiCacheConfig(prefetch_policy=PrefetchPolicy.WAIT_COMPLETE,
+                                  prefetch=PrefetchOptions(threshold_tokens=PS, timeout_max=0.5)), storage=store)
+    try:
+        ticket = cache.prefetch(tokens)
+        started = time.monotonic()
+        _steps_until(cache, lambda: cache.ready(ticket), "wait_complete gave up on a hung store", 5.0)
+        assert 0.5 <= time.monotonic() - started < 3.0 and cache.storage.agreed_healthy
+        cache.cancel(ticket)
+    finally:
+        store.release.set()
+    cache.wait_background()
+    cache.close()

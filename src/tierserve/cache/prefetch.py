@@ -45,6 +45,7 @@ class Prefetch:
     start: int
     keys: list[bytes]
     timeout: float  # seconds from ``created`` after which the ``timeout`` and ``auto`` policies stop waiting
+    hard_timeout: float = 30.0  # after this no policy waits, ``wait_complete`` included (a hung store)
     prefix: list[int] = field(default_factory=list)  # the prompt tokens before ``start`` (pinned while reserving)
     salt: str = ""
     host_pages: list[int] = field(default_factory=list)
@@ -59,7 +60,7 @@ class Prefetch:
     agreed_probed: int = -1
     agreed_arrived: int = 0
     agreed_done: bool = False
-    agreed_timed_out: bool = False
+    agreed_overdue: int = 0  # the ``overdue`` level every rank reached
     agreed_vote: int = 0  # 1: every rank expects reading to beat computing
     created: float = field(default_factory=time.monotonic)
     cancel: threading.Event = field(default_factory=threading.Event)
@@ -67,8 +68,10 @@ class Prefetch:
     _started: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def timed_out(self) -> bool:
-        return time.monotonic() - self.created > self.timeout
+    def overdue(self) -> int:
+        """0: in time; 1: past ``timeout``; 2: past ``hard_timeout`` as well."""
+        age = time.monotonic() - self.created
+        return int(age > self.timeout) + int(age > self.hard_timeout)
 
     def finished(self) -> bool:
         """Nothing is or will be read: given up, or the reader stopped (this rank's view)."""

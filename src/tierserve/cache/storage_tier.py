@@ -92,8 +92,8 @@ class StorageTier:
         if not self.agreed_healthy or (total - local) * ps < self.options.threshold_tokens:
             return None
         keys = page_keys(salted_seed(self.tree.seed, salt), token_ids[: total * ps], ps)[local:]
-        ticket = Prefetch(local, keys, prefetch_timeout(self.options, len(keys) * ps), list(token_ids[: local * ps]),
-                          salt)
+        ticket = Prefetch(local, keys, prefetch_timeout(self.options, len(keys) * ps), self.options.timeout_max,
+                          list(token_ids[: local * ps]), salt)
         self.tickets.append(ticket)
         self._reader.submit(self._probe, ticket)
         return ticket
@@ -110,16 +110,17 @@ class StorageTier:
             self._fail("exists", exc)
 
     def ready(self, ticket: Prefetch, policy: PrefetchPolicy) -> bool:
-        """Whether the request may be admitted now, on agreed values only. An unhealthy L3 never
-        holds a request: the wait on L3 is bounded by the breaker and the tickets' timeouts."""
-        if not self.agreed_healthy or policy is PrefetchPolicy.BEST_EFFORT:
+        """Whether the request may be admitted now, on agreed values only. No request waits on L3
+        for ever: an unhealthy L3 (breaker open) holds none, and past ``timeout_max`` no policy
+        waits, ``wait_complete`` included."""
+        if not self.agreed_healthy or policy is PrefetchPolicy.BEST_EFFORT or ticket.agreed_overdue >= 2:
             return True
         complete = ticket.agreed_done or (ticket.decided and not ticket.host_pages)
         if policy is PrefetchPolicy.WAIT_COMPLETE:
             return complete
         if policy is PrefetchPolicy.AUTO and ticket.decided and not ticket.wait:
             return True
-        return complete or ticket.agreed_timed_out
+        return complete or ticket.agreed_overdue >= 1
 
     def _decide(self, ticket: Prefetch) -> None:
         """Engine thread, on the agreed probe: reserve host pages and start reading, or give up."""
@@ -232,7 +233,7 @@ class StorageTier:
     def local_state(self) -> list[int]:
         """This rank's view, for the agreement: leading backups done, healthy, then for each ticket
         of this step's window (``WINDOW`` of them, moving on every step so that every prefetch
-        progresses; padded) its ``Prefetch`` state: probed + 1, arrived, done, timed out, vote."""
+        progresses; padded) its ``Prefetch`` state: probed + 1, arrived, done, overdue, vote."""
         self._window = self._next_window()
         values = [leading_true(b.future.done() for b in self._backups), int(self.healthy)]
         for i in range(WINDOW):
@@ -253,7 +254,7 @@ class StorageTier:
         finishing in between looked done with pages missing)."""
         done = ticket.finished()
         vote = self._vote(ticket) if ticket.probed >= 0 else 0
-        return [ticket.probed + 1, ticket.arrived, int(done), int(ticket.timed_out()), vote]
+        return [ticket.probed + 1, ticket.arrived, int(done), ticket.overdue(), vote]
 
     def apply(self, agreed: list[int]) -> None:
         """Applies the agreed view: finished backups unpin their nodes; the window's tickets learn
@@ -262,7 +263,7 @@ class StorageTier:
         self.agreed_healthy = bool(agreed[1])
         for t, i in zip(self._window, range(2, len(agreed), 5), strict=False):
             t.agreed_probed, t.agreed_arrived = agreed[i] - 1, agreed[i + 1]
-            t.agreed_done, t.agreed_timed_out, t.agreed_vote = bool(agreed[i + 2]), bool(agreed[i + 3]), agreed[i + 4]
+            t.agreed_done, t.agreed_overdue, t.agreed_vote = bool(agreed[i + 2]), agreed[i + 3], agreed[i + 4]
             if not t.decided and t.agreed_probed >= 0:
                 self._decide(t)
         self._retire([t for t in self._window if t in self.tickets])
