@@ -80,6 +80,23 @@ def test_custom_template_helpers_match_transformers(builtin_model: Path, tmp_pat
         ours.apply_chat_template([{"role": "bad", "content": "x"}])
 
 
+def test_a_chat_template_saved_as_its_own_file_is_used(builtin_model: Path, tmp_path: Path):
+    """Recent ``transformers`` save the template in ``chat_template.jinja``, not in
+    ``tokenizer_config.json``: /v1/chat/completions answered "no chat template" for such models."""
+    import transformers
+
+    theirs = transformers.AutoTokenizer.from_pretrained(builtin_model)
+    theirs.chat_template = CUSTOM_TEMPLATE
+    theirs.save_pretrained(tmp_path)
+    assert (tmp_path / "chat_template.jinja").is_file()
+    assert "chat_template" not in json.loads((tmp_path / "tokenizer_config.json").read_text())
+    ours, reloaded = TextTokenizer.from_dir(tmp_path), transformers.AutoTokenizer.from_pretrained(tmp_path)
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]
+    for gen in (True, False):
+        expected = reloaded.apply_chat_template(messages, add_generation_prompt=gen, tokenize=False)
+        assert ours.apply_chat_template(messages, add_generation_prompt=gen) == expected
+
+
 def test_template_cannot_escape_sandbox(tokenizer: TextTokenizer):
     evil = TextTokenizer(tokenizer.tokenizer, {"chat_template": "{{ ''.__class__.__mro__ }}"}, frozenset())
     with pytest.raises(ChatTemplateError):

@@ -27,7 +27,8 @@ class ChatTemplateError(ValueError):
 
 
 class TextTokenizer:
-    """A model folder's fast tokenizer plus its ``tokenizer_config.json`` (special tokens, chat template).
+    """A model folder's fast tokenizer plus its ``tokenizer_config.json`` (special tokens, chat
+    template) and ``chat_template.jinja`` (the chat template, as recent ``transformers`` save it).
 
     ``encode`` adds the BOS token only when the config says ``add_bos_token: true`` (or the
     tokenizer's own post-processor adds special tokens), like ``transformers``' ``encode``.
@@ -52,6 +53,9 @@ class TextTokenizer:
         tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
         # tokenizer_config.json wins over the older special_tokens_map.json, as in transformers.
         config = _read_json(folder / "special_tokens_map.json") | _read_json(folder / "tokenizer_config.json")
+        jinja = folder / "chat_template.jinja"  # where recent transformers save it; it wins, as there
+        if jinja.is_file():
+            config["chat_template"] = jinja.read_text(encoding="utf-8")
         eos = _ids(_read_json(folder / "generation_config.json").get("eos_token_id"))
         eos |= _ids(_read_json(folder / "config.json").get("eos_token_id"))
         return cls(tokenizer, config, frozenset(eos))
