@@ -116,3 +116,14 @@ def test_text_stream_stops_and_holds_back(char_tokenizer: Tokenizer) -> None:
     assert all("w" not in p for p in pieces)  # the partial stop string was never emitted
     pieces, ts = _stream(char_tokenizer, "say wow, ok", ["world"])
     assert not ts.stopped and "".join(pieces) == "say wow, ok"
+
+
+def test_text_stream_ending_inside_a_character_gives_the_full_decode(builtin_model) -> None:
+    """Generation that stops inside a multi-byte character: the final text equals
+    ``tokenizer.decode(output_ids)`` (the held-back bytes as U+FFFD), as with ``transformers``."""
+    tok = Tokenizer.from_file(str(builtin_model / "tokenizer.json"))
+    ids = tok.encode("Hi 😀 there").ids
+    cut = next(n for n in range(1, len(ids)) if "\ufffd" in tok.decode(ids[:n]))  # ends inside the emoji
+    ts = TextStream(tok, [], skip_special_tokens=True)
+    text = "".join(ts.push(t) for t in ids[:cut]) + ts.flush()
+    assert text == tok.decode(ids[:cut]) and text.endswith("\ufffd")

@@ -11,12 +11,16 @@ class TextStream:
     still become a stop string so a streaming client never sees part of one.
 
     ``push`` returns the text that is now safe to emit; ``stopped`` tells whether a stop string was
-    found (the text then ends right before it); ``flush`` releases the held-back rest at the end.
+    found (the text then ends right before it); ``flush`` releases the held-back rest at the end:
+    without a stop string the whole text then equals ``tokenizer.decode(ids)``, bytes of a character
+    the generation stopped inside included (as U+FFFD, as ``transformers`` and vLLM give them).
     """
 
     def __init__(self, tokenizer: Tokenizer, stop: list[str], skip_special_tokens: bool) -> None:
         self._tokenizer = tokenizer
+        self._skip_special = skip_special_tokens
         self._decoder = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._ids: list[int] = []
         self._stop = stop
         self._longest_stop = max((len(s) for s in stop), default=0)
         self.text = ""
@@ -24,6 +28,7 @@ class TextStream:
         self.stopped = False
 
     def push(self, token_id: int) -> str:
+        self._ids.append(token_id)
         piece = self._decoder.step(self._tokenizer, token_id) or ""
         if not piece or self.stopped:
             return ""
@@ -34,6 +39,10 @@ class TextStream:
         return self._emit(end)
 
     def flush(self) -> str:
+        if not self.stopped:  # the decoder still holds the bytes of an unfinished character
+            full = self._tokenizer.decode(self._ids, skip_special_tokens=self._skip_special)
+            if full.startswith(self.text):
+                self.text = full
         return self._emit(len(self.text))
 
     def _emit(self, end: int) -> str:
