@@ -154,6 +154,30 @@ def test_errors_have_the_openai_shape_and_status(cluster) -> None:
     assert models["data"][0]["id"] == "SmolLM2-135M-Instruct"
 
 
+OUT_OF_RANGE = [  # each crashed the router with a 500 (protobuf "Value out of range") or was accepted
+    {"seed": -1}, {"seed": 2**64}, {"max_tokens": 2**32}, {"top_k": 2**31}, {"stop_token_ids": [2**40]},
+    {"prompt": [-1, 5]}, {"prompt": [2**32, 5]}, {"prompt": [[5, 6], [2**32]]},
+    {"temperature": 1e39}, {"temperature": float("inf")}, {"temperature": -float("inf")},
+]
+
+
+@pytest.mark.parametrize("fields", OUT_OF_RANGE, ids=str)
+def test_out_of_range_values_get_400_not_500(cluster, fields: dict) -> None:
+    router, _, _ = cluster
+    body = {"prompt": "hi", "max_tokens": 2, **fields}
+    r = httpx.post(f"{router.url}/v1/completions", content=json.dumps(body), timeout=60,
+                   headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("address", ["[::1:5", "a:b:c:1", "127.0.0.1:99999", "host:0", ":80", "[]:80"])
+def test_malformed_worker_addresses_are_refused(cluster, address: str) -> None:
+    router, _, _ = cluster
+    r = httpx.post(f"{router.url}/workers", json={"role": "decode", "address": address}, headers=ADMIN)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "address", r.text
+
+
 def test_client_disconnect_aborts_on_both_nodes(cluster) -> None:
     router, prefill, decode = cluster
     body = {"prompt": PROMPTS[2], "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}

@@ -26,7 +26,7 @@ from tierserve.api.backend import Backend
 from tierserve.api.choices import Choices, Job, make_jobs
 from tierserve.api.metrics import ApiMetrics
 from tierserve.api.tokenizer import ChatTemplateError, TextTokenizer
-from tierserve.core.sampling import InvalidRequestError
+from tierserve.core.sampling import MAX_UINT32, InvalidRequestError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -148,6 +148,8 @@ class _Api:
         ids = self._need_tokenizer().encode(prompt) if isinstance(prompt, str) else prompt
         if not ids:
             raise oa.APIError(400, "the prompt is empty", param="prompt")
+        if min(ids) < 0 or max(ids) > MAX_UINT32:
+            raise oa.APIError(400, "prompt token ids must be in [0, 2^32) (and in the vocabulary)", param="prompt")
         if len(ids) >= self.max_model_len:
             raise oa.APIError(400, f"this model's maximum context length is {self.max_model_len} tokens, "
                                    f"but the prompt has {len(ids)} tokens", param="prompt")

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+# What the control plane can carry (its fields are uint32, int32, uint64 and float32).
+MAX_UINT32, MAX_INT32, MAX_UINT64 = 2**32 - 1, 2**31 - 1, 2**64 - 1
+MAX_FLOAT32 = 3.4028234663852886e38
 
 
 class InvalidRequestError(ValueError):
@@ -40,12 +45,14 @@ class SamplingParams:
 
     def validate(self) -> None:
         checks = [
-            (self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}"),
-            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
+            (1 <= self.max_tokens <= MAX_UINT32, f"max_tokens must be in [1, {MAX_UINT32}], got {self.max_tokens}"),
+            (math.isfinite(self.temperature) and 0 <= self.temperature <= MAX_FLOAT32,
+             f"temperature must be a finite number >= 0, got {self.temperature}"),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
-            (self.top_k >= -1, f"top_k must be -1, 0 (off) or positive, got {self.top_k}"),
+            (-1 <= self.top_k <= MAX_INT32, f"top_k must be -1, 0 (off) or positive (< 2^31), got {self.top_k}"),
+            (self.seed is None or 0 <= self.seed <= MAX_UINT64, f"seed must be in [0, 2^64), got {self.seed}"),
             (all(s for s in self.stop), "stop strings must not be empty"),
-            (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be non-negative"),
+            (all(0 <= t <= MAX_UINT32 for t in self.stop_token_ids), "stop_token_ids must be in [0, 2^32)"),
         ]
         for ok, message in checks:
             if not ok:

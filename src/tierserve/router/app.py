@@ -112,10 +112,20 @@ def _worker_body(raw: bytes) -> tuple[Role, str]:
         role, address = Role(body["role"]), str(body["address"])
     except (ValueError, KeyError, TypeError):
         raise oa.APIError(400, 'the body must be {"role": "prefill" or "decode", "address": "host:port"}') from None
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        raise oa.APIError(400, f'address must be "host:port", not {address!r}', param="address")
+    if not valid_address(address):
+        raise oa.APIError(400, f'address must be "host:port" (IPv6: "[addr]:port", port 1-65535), not {address!r}',
+                          param="address")
     return role, address
+
+
+def valid_address(address: str) -> bool:
+    """``host:port`` with a port in 1-65535; an IPv6 host in brackets (``[::1]:7001``)."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        return False
+    if host.startswith("["):
+        return host.endswith("]") and len(host) > 2
+    return ":" not in host and "]" not in host
 
 
 class _RouterCollector:
