@@ -4,10 +4,12 @@ the nodes get the engine flags given here, rebuilt from the engine config."""
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import replace
 
 from tierserve.cli.flags import add_engine_args, add_model_args, engine_config, engine_flags, model_dir
 from tierserve.cli.router import add_policy_args
+from tierserve.engine.config import EngineConfig
 
 
 def add_up_args(p: argparse.ArgumentParser) -> None:
@@ -24,8 +26,6 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    import sys
-
     from tierserve.launch import ClusterPlan, up
 
     folder = model_dir(args)
@@ -36,12 +36,15 @@ def cmd_up(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"tierserve: {exc}", file=sys.stderr)
         return 2
-    l3_config = {} if args.no_l3 else config.hicache.storage_config  # merged with the master's address
-    if not args.no_l3:
-        config = replace(config, hicache=replace(config.hicache, storage_config={}))
+    config, l3_config = (config, {}) if args.no_l3 else _without_l3_config(config)
     plan = ClusterPlan(folder, args.host, args.port, args.prefill_nodes, args.decode_nodes, not args.no_l3,
                        engine_flags(config), _router_flags(args), l3_config)
     return up(plan, lambda base: _announce(args, base))
+
+
+def _without_l3_config(config: EngineConfig) -> tuple[EngineConfig, dict]:
+    """The user's L3 extra config goes to ``up``, which adds the master's address to it."""
+    return replace(config, hicache=replace(config.hicache, storage_config={})), config.hicache.storage_config
 
 
 def _router_flags(args: argparse.Namespace) -> list[str]:
