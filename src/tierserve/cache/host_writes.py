@@ -3,8 +3,6 @@ landed (or failed) write is applied to nodes that may have been split while it w
 
 from __future__ import annotations
 
-import heapq
-
 from tierserve.cache.radix_tree import Node, RadixTree
 
 # Write-back starts copying the least recently used L1-only nodes to L2 once fewer than this share
@@ -13,29 +11,9 @@ WRITE_BACK_LOW_WATERMARK = 0.25
 
 
 def dirty_lru(tree: RadixTree, num_pages: int) -> list[Node]:
-    """The nodes without an L2 copy among the next ``num_pages`` device pages eviction would take
-    (its order: least recently used unpinned nodes with no device child, then their parents):
-    what write-back should copy now so that the eviction finds them clean."""
-    heap = [(n.last_access, id(n), n) for n in tree.nodes() if _victim(n, set())]
-    heapq.heapify(heap)
-    taken: set[int] = set()
-    dirty: list[Node] = []
-    while heap and num_pages > 0:
-        node = heapq.heappop(heap)[2]
-        taken.add(id(node))
-        num_pages -= node.num_pages
-        if node.host is None and not node.writing:
-            dirty.append(node)
-        parent = node.parent
-        if parent.parent is not None and _victim(parent, taken):
-            heapq.heappush(heap, (parent.last_access, id(parent), parent))
-    return dirty
-
-
-def _victim(node: Node, taken: set[int]) -> bool:
-    """``node`` could be evicted once the ``taken`` nodes are (no device child left, nothing pins it)."""
-    return (node.lock == 0 and node.device is not None and node.loading is None
-            and all(c.device is None or id(c) in taken for c in node.children.values()))
+    """The nodes without an L2 copy (nor one on its way) among the next ``num_pages`` device pages
+    eviction would take: what write-back should copy now so that the eviction finds them clean."""
+    return [n for n in tree.next_device_victims(num_pages) if n.host is None and not n.writing]
 
 
 def end_failed_write(node: Node, num_pages: int) -> None:

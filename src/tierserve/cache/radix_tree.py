@@ -257,6 +257,20 @@ class RadixTree:
                 heapq.heappush(heap, _lru_entry(victim.parent))
         return freed_device, freed_host
 
+    def next_device_victims(self, num_pages: int) -> list[Node]:
+        """The nodes ``evict_device(num_pages)`` would take, in its order, without taking them."""
+        heap = _lru_heap(n for n in self.nodes() if _device_evictable(n))
+        taken: set[int] = set()
+        victims: list[Node] = []
+        while heap and num_pages > 0:
+            node = heapq.heappop(heap)[2]
+            taken.add(id(node))
+            victims.append(node)
+            num_pages -= node.num_pages
+            if node.parent.parent is not None and _device_evictable(node.parent, taken):
+                heapq.heappush(heap, _lru_entry(node.parent))
+        return victims
+
     def evict_host(self, num_pages: int) -> list[int]:
         """Deletes least recently used unpinned host-only leaves until ``num_pages`` host pages are
         found; returns them."""
@@ -347,9 +361,10 @@ def _lru_heap(nodes: Iterator[Node]) -> list[tuple[int, int, Node]]:
     return heap
 
 
-def _device_evictable(node: Node) -> bool:
+def _device_evictable(node: Node, taken: frozenset[int] | set[int] = frozenset()) -> bool:
+    """Unpinned, on L1 and not loading, with no child on L1 except the ``taken`` ones (by id)."""
     return (node.lock == 0 and node.device is not None and (node.loading is None or node.loading.done())
-            and all(c.device is None for c in node.children.values()))
+            and all(c.device is None or id(c) in taken for c in node.children.values()))
 
 
 def _host_evictable(node: Node) -> bool:

@@ -9,7 +9,6 @@ mode, say) is one row here and one field in the config. Defaults come from the c
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import sys
@@ -24,6 +23,7 @@ from tierserve.core.storage import StorageKind
 from tierserve.engine.config import EngineConfig
 
 log = logging.getLogger("tierserve")
+_DEFAULTS = EngineConfig(model_dir=Path())  # the config nobody set a flag of: every flag's default
 SWITCH = None  # ``Flag.parse`` of an on/off flag (``store_true``)
 
 
@@ -105,11 +105,7 @@ def _kind(flag: Flag) -> dict[str, Any]:
 
 
 def _default(path: str) -> Any:
-    head, _, rest = path.partition(".")
-    cls = {"hicache": HiCacheOptions}.get(head, EngineConfig) if rest else EngineConfig
-    name = rest or head
-    field = next(f for f in dataclasses.fields(cls) if f.name == name)
-    return field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
+    return _get(_DEFAULTS, path)
 
 
 def _get(config: EngineConfig, path: str) -> Any:
