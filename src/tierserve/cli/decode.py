@@ -6,8 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tierserve.cli.flags import node_engine_config
-from tierserve.cli.node import add_node_args, node_options
+from tierserve.cli.node import add_node_args, run_role
 
 
 def add_decode_args(p: argparse.ArgumentParser) -> None:
@@ -25,17 +24,14 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
 def cmd_decode(args: argparse.Namespace) -> int:
     from tierserve.decode_node.service import add_decode_service
     from tierserve.engine.reservations import ReservationTerms
-    from tierserve.node.server import run_node
     from tierserve.proto import tierserve_pb2 as pb
 
-    config, problem = node_engine_config(args), _deadline_problem(args)
+    problem = _deadline_problem(args)
     if problem is not None:
         print(f"tierserve: {problem}", file=sys.stderr)
-    if config is None or problem is not None:
         return 2
     terms = ReservationTerms(args.lease_seconds, args.reservation_grace, args.reserve_decode_tokens)
-    run_node(config, node_options(args), pb.ROLE_DECODE, add_decode_service(terms, args.max_lease_seconds))
-    return 0
+    return run_role(args, pb.ROLE_DECODE, add_decode_service(terms, args.max_lease_seconds))
 
 
 def _deadline_problem(args: argparse.Namespace) -> str | None:

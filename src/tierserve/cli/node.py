@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from tierserve.cli.flags import add_engine_args, add_listen_args, add_model_args
+from tierserve.cli.flags import add_engine_args, add_listen_args, add_model_args, node_engine_config
 from tierserve.core.transfer import TransferProtocol
 
 if TYPE_CHECKING:
-    from tierserve.node.server import NodeOptions
+    from tierserve.node.server import AddService, NodeOptions
 
 
 def add_node_args(p: argparse.ArgumentParser) -> None:
@@ -34,3 +34,14 @@ def node_options(args: argparse.Namespace) -> NodeOptions:
                        transfer_protocol=args.transfer_protocol, transfer_devices=args.transfer_device,
                        served_model_name=args.served_model_name, metrics_port=args.metrics_port,
                        kv_events_port=args.kv_events_port)
+
+
+def run_role(args: argparse.Namespace, role: int, add_service: AddService) -> int:
+    """Runs a node of ``role`` (a ``pb.Role``) until SIGINT/SIGTERM; 2 for a usage error."""
+    from tierserve.node.server import run_node
+
+    config = node_engine_config(args)
+    if config is None:
+        return 2
+    run_node(config, node_options(args), role, add_service)
+    return 0

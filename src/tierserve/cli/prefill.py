@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from tierserve.cli.flags import node_engine_config
-from tierserve.cli.node import add_node_args, node_options
+from tierserve.cli.node import add_node_args, run_role
 
 
 def add_prefill_args(p: argparse.ArgumentParser) -> None:
@@ -19,13 +18,8 @@ def add_prefill_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_prefill(args: argparse.Namespace) -> int:
-    from tierserve.node.server import run_node
     from tierserve.prefill_node.service import PrefillOptions, add_prefill_service
     from tierserve.proto import tierserve_pb2 as pb
 
-    config = node_engine_config(args)
-    if config is None:
-        return 2
     options = PrefillOptions(args.handoff_timeout, args.fault_transfer_rate, args.fault_transfer_delay)
-    run_node(config, node_options(args), pb.ROLE_PREFILL, add_prefill_service(options))
-    return 0
+    return run_role(args, pb.ROLE_PREFILL, add_prefill_service(options))
