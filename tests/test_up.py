@@ -3,6 +3,7 @@ model, answers a chat request through it, shows role-prefixed logs, and stops ev
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -111,4 +112,24 @@ def test_the_users_l3_extra_config_reaches_the_nodes_with_the_masters_address(mo
     assert "--hicache-storage-backend-extra-config" not in plan.node_flags
     node = build_parser().parse_args(["prefill", *plan.node_flags, *launch.l3_flags(plan, 5555)])
     assert node.hicache_storage_backend_extra_config == {"prefetch_threshold": 16,
-                                                         "master_server_address": "127.0.0.1:5555"}
+                                                         "master_server_address": "127.0.0.1:5555",
+                                                         "global_segment_size": plan.l3_segment_bytes}
+
+
+def test_up_gives_each_node_a_share_of_the_l3_size_and_the_users_segment_size_wins(monkeypatch) -> None:
+    """The default Mooncake segment (256 MiB) evicted a conversation trace's prefixes before their
+    follow-ups came; ``up`` splits ``--l3-size-gb`` (default: a third of memory) between the nodes."""
+    plans: list[ClusterPlan] = []
+    monkeypatch.setattr(launch, "up", lambda plan, announce: plans.append(plan) or 0)
+    monkeypatch.setattr(cli_up, "model_dir", lambda _: Path("/m"))
+    base = ["up", "--model", "m", "--prefill-nodes", "2", "--decode-nodes", "2"]
+    assert cli_up.cmd_up(build_parser().parse_args([*base, "--l3-size-gb", "8"])) == 0
+    node = build_parser().parse_args(["prefill", *launch.l3_flags(plans[-1], 5555)])
+    assert node.hicache_storage_backend_extra_config["global_segment_size"] == 2_000_000_000
+    assert cli_up.cmd_up(build_parser().parse_args(base)) == 0
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert plans[-1].l3_segment_bytes == memory // 3 // 4
+    own = '{"global_segment_size": 1048576}'
+    assert cli_up.cmd_up(build_parser().parse_args([*base, "--hicache-storage-backend-extra-config", own])) == 0
+    node = build_parser().parse_args(["prefill", *launch.l3_flags(plans[-1], 5555)])
+    assert node.hicache_storage_backend_extra_config["global_segment_size"] == 1048576

@@ -28,7 +28,8 @@ START_TIMEOUT_S = 600.0  # a cold machine converts the model and loads it in eve
 class ClusterPlan:
     """What to start; ``node_flags`` go to every node (engine and cache flags). With L3, the nodes
     get the Mooncake backend with ``l3_config`` (the user's extra config, e.g. prefetch settings)
-    plus the master's address."""
+    plus the master's address, and each contributes ``l3_segment_bytes`` to the shared store
+    unless that config names its own ``global_segment_size``."""
 
     model_dir: Path
     host: str = "127.0.0.1"
@@ -39,6 +40,7 @@ class ClusterPlan:
     node_flags: list[str] = field(default_factory=list)
     router_flags: list[str] = field(default_factory=list)
     l3_config: dict = field(default_factory=dict)
+    l3_segment_bytes: int = 256 << 20
 
 
 @dataclass
@@ -150,7 +152,8 @@ def _start_all(plan: ClusterPlan, cluster: Cluster, stop: threading.Event) -> No
 
 def l3_flags(plan: ClusterPlan, rpc_port: int) -> list[str]:
     """The nodes' L3 flags: Mooncake behind the master at ``rpc_port``, with the plan's extra config."""
-    l3 = {**plan.l3_config, "master_server_address": f"127.0.0.1:{rpc_port}"}
+    l3 = {"global_segment_size": plan.l3_segment_bytes, **plan.l3_config,
+          "master_server_address": f"127.0.0.1:{rpc_port}"}
     return ["--enable-hierarchical-cache", "--hicache-storage-backend", "mooncake",
             "--hicache-storage-backend-extra-config", json.dumps(l3)]
 

@@ -4,6 +4,7 @@ the nodes get the engine flags given here, rebuilt from the engine config."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import replace
 
@@ -19,6 +20,9 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-nodes", type=int, default=1)
     p.add_argument("--decode-nodes", type=int, default=1)
     p.add_argument("--no-l3", action="store_true", help="no mooncake_master: nodes keep L1 (and L2 if asked) only")
+    p.add_argument("--l3-size-gb", type=float, default=None,
+                   help="the L3 store's size in GB, split evenly between the nodes (default: a third of this "
+                        "machine's memory; segments take memory only as they fill)")
     add_policy_args(p)
     p.add_argument("--api-key", help="require 'Authorization: Bearer <key>' on the router's API")
     p.add_argument("--admin-api-key", help="enable the router's /workers admin routes with this key")
@@ -37,9 +41,20 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"tierserve: {exc}", file=sys.stderr)
         return 2
     config, l3_config = (config, {}) if args.no_l3 else _without_l3_config(config)
+    segment = l3_size_bytes(args) // (args.prefill_nodes + args.decode_nodes)
     plan = ClusterPlan(folder, args.host, args.port, args.prefill_nodes, args.decode_nodes, not args.no_l3,
-                       engine_flags(config), _router_flags(args), l3_config)
+                       engine_flags(config), _router_flags(args), l3_config, segment)
     return up(plan, lambda base: _announce(args, base))
+
+
+def l3_size_bytes(args: argparse.Namespace) -> int:
+    """The whole L3 store. Its default is a third of physical memory because the store must hold
+    the working set of backed-up prefixes: Mooncake's own 256 MiB per client evicted a
+    conversation trace's prefixes before their follow-ups came (``benchmarks/RESULTS.md``,
+    conversation trace replay), and a segment is committed only as objects fill it."""
+    if args.l3_size_gb is not None:
+        return int(args.l3_size_gb * 1e9)
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 3
 
 
 def _without_l3_config(config: EngineConfig) -> tuple[EngineConfig, dict]:
@@ -56,7 +71,7 @@ def _router_flags(args: argparse.Namespace) -> list[str]:
 def _announce(args: argparse.Namespace, base: str) -> None:
     auth = f" -H 'Authorization: Bearer {args.api_key}'" if args.api_key else ""
     print(f"\ntierserve is up: {base}/v1  ({args.prefill_nodes} prefill, {args.decode_nodes} decode"
-          f"{', L3 on Mooncake' if not args.no_l3 else ''}; Ctrl+C stops it)\n\n"
+          f"{'' if args.no_l3 else f', L3 on Mooncake: {l3_size_bytes(args) / 1e9:.1f} GB'}; Ctrl+C stops it)\n\n"
           f"curl {base}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\\n"
           """  -d '{"messages": [{"role": "user", "content": "What is the capital of France?"}], """
           """"max_tokens": 32}'\n""", flush=True)
