@@ -1,13 +1,16 @@
 """One request through a prefill/decode pair (``docs/architecture.md``, a request's life):
-Reserve on D, Prefill on P, Generate on D. Any failure releases the reservation at once; the
-caller decides whether to retry on a new pair (only while nothing was streamed). No torch here:
-the router imports this."""
+Reserve on D, Prefill on P, Generate on D. Any failure releases the reservation at once, and so
+does a cancellation of the caller (a client gone, a sibling choice failed, a timeout), even one
+that comes while Reserve is in flight; the caller decides whether to retry on a new pair. No
+torch here: the router imports this."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import AsyncIterator
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import grpc
 
@@ -16,6 +19,12 @@ from tierserve.proto import tierserve_pb2_grpc as pb_grpc
 
 WRITER_STOPPED = "tierserve-writer-stopped"  # a failed Prefill's word on its in-flight batches
 LEASE_MARGIN_S = 2.0  # the prefill leg ends this long before the decode node's lease runs out
+RELEASE_TIMEOUT_S = 5.0
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+# Clean-ups that must outlive a cancelled caller; asyncio keeps only weak references to tasks.
+_background: set[asyncio.Future] = set()
 
 
 class HandoffFailed(RuntimeError):
@@ -55,10 +64,10 @@ async def prefill(pair: Pair, request_id: str, prompt_ids: list[int], sampling: 
     whole leg (it may grant less than asked), P's deadline ends ``LEASE_MARGIN_S`` before that
     lease, and D frees the pages at once only when P confirmed that its last batch ended; any
     other ending makes D quarantine them for its grace period, longer than any transfer."""
-    reserved = await pair.decode.Reserve(pb.ReserveRequest(
+    reserved = await _reserve(pair, pb.ReserveRequest(
         request_id=request_id, prompt_ids=prompt_ids, max_new_tokens=sampling.max_tokens, cache_salt=cache_salt,
         lease_seconds=timeout_s + LEASE_MARGIN_S,
-    ), timeout=timeout_s)
+    ), timeout_s)
     dest = reserved.destination
     deadline = min(timeout_s, reserved.lease_seconds - LEASE_MARGIN_S)
     if deadline <= 0:
@@ -77,6 +86,35 @@ async def prefill(pair: Pair, request_id: str, prompt_ids: list[int], sampling: 
         await release(pair, dest.reservation_id, writer_stopped=False)
         raise
     return Prefilled(dest.reservation_id, response)
+
+
+async def _reserve(pair: Pair, request: pb.ReserveRequest, timeout_s: float) -> pb.ReserveResponse:
+    """Reserve, raising its gRPC error. If our caller is cancelled while the call is in flight, the
+    call itself goes on (D may already hold the pages) and what it reserves is released: P never
+    saw the destination, so nothing can be writing there."""
+    call = in_background(pair.decode.Reserve(request, timeout=timeout_s))
+    try:
+        return await asyncio.shield(call)
+    except asyncio.CancelledError:
+        in_background(_release_reserved(pair, call))
+        raise
+
+
+async def _release_reserved(pair: Pair, call: Awaitable[pb.ReserveResponse]) -> None:
+    try:
+        reserved = await call
+    except Exception:  # no reservation came back (one D makes after our deadline ends with its lease)
+        return
+    await _release(pair, reserved.destination.reservation_id, writer_stopped=True)
+
+
+def in_background(work: Awaitable[T]) -> asyncio.Future[T]:
+    """Runs ``work`` to its end whatever happens to the caller, which may await the future (in
+    ``asyncio.shield`` to leave early without stopping it)."""
+    future = asyncio.ensure_future(work)
+    _background.add(future)
+    future.add_done_callback(_background.discard)
+    return future
 
 
 def writer_stopped(exc: grpc.aio.AioRpcError) -> bool:
@@ -98,7 +136,20 @@ async def generate(pair: Pair, prefilled: Prefilled, sampling: pb.SamplingOption
 
 
 async def release(pair: Pair, reservation_id: str, writer_stopped: bool) -> None:
-    """Best effort: a D that is gone reclaims the pages itself when the lease runs out."""
-    with contextlib.suppress(grpc.aio.AioRpcError):
-        await pair.decode.Release(pb.ReleaseRequest(reservation_id=reservation_id, writer_stopped=writer_stopped),
-                                  timeout=5)
+    """Ends a reservation, or aborts its running generation. Best effort (a D that is gone
+    reclaims the pages itself when the lease runs out), and done even when the caller is
+    cancelled meanwhile."""
+    await asyncio.shield(in_background(_release(pair, reservation_id, writer_stopped)))
+
+
+def release_later(pair: Pair, reservation_id: str, writer_stopped: bool) -> None:
+    """``release`` without waiting for it: for a D that may not answer soon (frozen)."""
+    in_background(_release(pair, reservation_id, writer_stopped))
+
+
+async def _release(pair: Pair, reservation_id: str, writer_stopped: bool) -> None:
+    request = pb.ReleaseRequest(reservation_id=reservation_id, writer_stopped=writer_stopped)
+    try:
+        await pair.decode.Release(request, timeout=RELEASE_TIMEOUT_S)
+    except Exception as exc:  # unreachable, or its channel closed after a drain: the lease ends it
+        log.debug("release of %s failed: %s", reservation_id, exc)
