@@ -195,7 +195,9 @@ def create_app(backend: Backend, tokenizer: TextTokenizer | None, model_name: st
                api_key: str | None = None) -> FastAPI:
     """The HTTP app over a started backend. ``/health``, ``/readiness`` and ``/metrics`` are open;
     every other route needs ``Authorization: Bearer <api_key>`` when ``api_key`` is set. Roles add
-    their own routes (``guarded`` and ``admin_guard`` give the dependencies)."""
+    their own routes (``guarded`` and ``admin_guard`` give the dependencies). Every error answer,
+    an unexpected exception's 500 included, has the OpenAI shape and is counted in
+    ``tierserve_http_errors_total`` by status."""
     api = _Api(backend, tokenizer, model_name, metrics)
     app = FastAPI(title="tierserve", docs_url=None, redoc_url=None)
     guarded = {"dependencies": [Depends(api_key_check(api_key))]}
@@ -227,7 +229,13 @@ def create_app(backend: Backend, tokenizer: TextTokenizer | None, model_name: st
 
     @app.exception_handler(ClientDisconnected)
     async def on_gone(_: Request, __: ClientDisconnected) -> Response:
+        api.metrics.errors.labels("499").inc()  # a request given up before its answer: worth seeing
         return Response(status_code=499)  # nobody reads it; nginx's code for "client closed request"
+
+    @app.exception_handler(Exception)  # a bug: Starlette logs the traceback after this answers
+    async def on_unexpected(_: Request, exc: Exception) -> Response:
+        return error(500, oa.APIError(500, f"internal server error ({type(exc).__name__}); see the server log",
+                                      code="internal_error").body())
 
     return app
 

@@ -25,8 +25,8 @@ class ApiMetrics:
         def histogram(name: str, doc: str) -> Histogram:
             return Histogram(name, doc, buckets=_LATENCY_BUCKETS, registry=r)
 
-        self.requests = Counter("tierserve_requests", "Engine requests ended, by reason", ["finish_reason"],
-                                registry=r)
+        self.requests = Counter("tierserve_requests", "Choices that ran (produced output), by how they ended",
+                                ["finish_reason"], registry=r)
         self.errors = Counter("tierserve_http_errors", "Error responses, by status", ["status"], registry=r)
         self.prompt_tokens = Counter("tierserve_prompt_tokens", "Prompt tokens of ended requests", registry=r)
         self.generation_tokens = Counter("tierserve_generation_tokens", "Generated tokens", registry=r)
@@ -38,16 +38,20 @@ class ApiMetrics:
             r.register(collector)
 
     def request_ended(self, request_id: str, last: RequestOutput | None, failed: bool, started: float) -> None:
-        """Counts an ended engine request (no finished output and no error: aborted) and logs it."""
-        reason = "error" if failed else (last.reason if last is not None else None) or "abort"
-        self.requests.labels(reason).inc()
+        """Counts one choice that ran, by how it ended (no finished output and no error: aborted),
+        and logs it. A choice with no output (``last`` None) never started, or its client saw
+        none of it: it is not a request here, its HTTP response is the error (so a fan-out
+        rejected with 429 counts one HTTP error, not one per choice)."""
         e2e = time.monotonic() - started
-        if last is not None:
-            self.prompt_tokens.inc(last.prompt_tokens)
-            self.generation_tokens.inc(last.completion_tokens)
-            for tier in TIERS:
-                self.cached_tokens.labels(tier).inc(last.cached_by_tier.get(tier, 0))
-            self.e2e.observe(e2e)
+        if last is None:
+            log.debug("request %s ended before any output (failed=%s) after %.3fs", request_id, failed, e2e)
+            return
+        reason = "error" if failed else last.reason or "abort"
+        self.requests.labels(reason).inc()
+        self.prompt_tokens.inc(last.prompt_tokens)
+        self.generation_tokens.inc(last.completion_tokens)
+        for tier in TIERS:
+            self.cached_tokens.labels(tier).inc(last.cached_by_tier.get(tier, 0))
+        self.e2e.observe(e2e)
         log.info("request %s ended: reason=%s prompt=%d completion=%d cached=%d e2e=%.3fs", request_id, reason,
-                 last.prompt_tokens if last else 0, last.completion_tokens if last else 0,
-                 last.cached_tokens if last else 0, e2e)
+                 last.prompt_tokens, last.completion_tokens, last.cached_tokens, e2e)
