@@ -7,6 +7,7 @@ import argparse
 import os
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 from tierserve.cli.flags import add_engine_args, add_model_args, engine_config, engine_flags, model_dir
 from tierserve.cli.router import add_policy_args
@@ -26,25 +27,33 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     add_policy_args(p)
     p.add_argument("--api-key", help="require 'Authorization: Bearer <key>' on the router's API")
     p.add_argument("--admin-api-key", help="enable the router's /workers admin routes with this key")
+    p.add_argument("--state-file", type=Path,
+                   help="keep the children's names, roles, PIDs and ports in this JSON file, rewritten whenever "
+                        "one starts, dies or restarts (for scripts that watch or kill nodes)")
+    p.add_argument("--restart-limit", type=int, default=5,
+                   help="a child that dies this many times within --restart-window stops the whole cluster")
+    p.add_argument("--restart-window", type=float, default=60.0, help="seconds; see --restart-limit")
     add_engine_args(p)
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from tierserve.launch import ClusterPlan, up
+    """Runs ``tierserve up`` until Ctrl-C; 2 for a usage error, 1 if the cluster failed."""
+    from tierserve.launch import ClusterPlan, RestartPolicy, up
 
     folder = model_dir(args)
     if folder is None:
         return 2
     try:
         config = engine_config(args, folder)
+        restart = RestartPolicy(max_deaths=args.restart_limit, window_s=args.restart_window)
     except ValueError as exc:
         print(f"tierserve: {exc}", file=sys.stderr)
         return 2
     config, l3_config = (config, {}) if args.no_l3 else _without_l3_config(config)
     segment = l3_size_bytes(args) // (args.prefill_nodes + args.decode_nodes)
     plan = ClusterPlan(folder, args.host, args.port, args.prefill_nodes, args.decode_nodes, not args.no_l3,
-                       engine_flags(config), _router_flags(args), l3_config, segment)
-    return up(plan, lambda base: _announce(args, base))
+                       engine_flags(config), _router_flags(args), l3_config, segment, args.state_file, restart)
+    return up(plan, lambda base, children: _announce(args, base, children))
 
 
 def l3_size_bytes(args: argparse.Namespace) -> int:
@@ -68,10 +77,13 @@ def _router_flags(args: argparse.Namespace) -> list[str]:
     return [*keys, "--prefill-policy", args.prefill_policy.value, "--decode-policy", args.decode_policy.value]
 
 
-def _announce(args: argparse.Namespace, base: str) -> None:
+def _announce(args: argparse.Namespace, base: str, children: list[str]) -> None:
+    """The banner: the API's URL, one line per child (role, port, metrics URL, PID), a request."""
     auth = f" -H 'Authorization: Bearer {args.api_key}'" if args.api_key else ""
+    state = f"  state file: {args.state_file}\n" if args.state_file else ""
     print(f"\ntierserve is up: {base}/v1  ({args.prefill_nodes} prefill, {args.decode_nodes} decode"
-          f"{'' if args.no_l3 else f', L3 on Mooncake: {l3_size_bytes(args) / 1e9:.1f} GB'}; Ctrl+C stops it)\n\n"
+          f"{'' if args.no_l3 else f', L3 on Mooncake: {l3_size_bytes(args) / 1e9:.1f} GB'}; Ctrl+C stops it; "
+          f"a child that dies is restarted)\n" + "\n".join(children) + f"\n{state}\n"
           f"curl {base}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\\n"
           """  -d '{"messages": [{"role": "user", "content": "What is the capital of France?"}], """
           """"max_tokens": 32}'\n""", flush=True)

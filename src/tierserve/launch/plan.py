@@ -1,0 +1,146 @@
+"""What ``tierserve up`` starts: the plan from the command line, and one ``ChildSpec`` per child
+with every port fixed up front, so a restarted child comes back where the others know it."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+
+from tierserve.launch.probes import free_port
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """A dead child is started again after ``first_delay_s``, doubling with each of its deaths
+    within ``window_s`` up to ``max_delay_s``. ``max_deaths`` deaths of one child within
+    ``window_s`` are a crash loop: ``up`` stops everything."""
+
+    first_delay_s: float = 1.0
+    max_delay_s: float = 30.0
+    max_deaths: int = 5
+    window_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.max_deaths < 1 or self.window_s <= 0 or self.first_delay_s < 0:
+            raise ValueError("a restart policy needs max_deaths >= 1, window_s > 0 and first_delay_s >= 0")
+
+    def delay(self, recent_deaths: int) -> float:
+        """Seconds before the next start of a child that died ``recent_deaths`` (>= 1) times
+        within the window."""
+        return min(self.max_delay_s, self.first_delay_s * 2 ** (recent_deaths - 1))
+
+
+@dataclass(frozen=True)
+class ClusterPlan:
+    """What to start; ``node_flags`` go to every node (engine and cache flags). With L3, the nodes
+    get the Mooncake backend with ``l3_config`` (the user's extra config, e.g. prefetch settings)
+    plus the master's address, and each contributes ``l3_segment_bytes`` to the shared store
+    unless that config names its own ``global_segment_size``. ``state_file``: where ``up`` keeps
+    the children's roles, PIDs and ports as JSON (``launch.state``); None: nowhere."""
+
+    model_dir: Path
+    host: str = "127.0.0.1"
+    port: int = 8000
+    prefill_nodes: int = 1
+    decode_nodes: int = 1
+    with_l3: bool = True
+    node_flags: list[str] = field(default_factory=list)
+    router_flags: list[str] = field(default_factory=list)
+    l3_config: dict = field(default_factory=dict)
+    l3_segment_bytes: int = 256 << 20
+    state_file: Path | None = None
+    restart: RestartPolicy = field(default_factory=RestartPolicy)
+
+    @property
+    def router_url(self) -> str:
+        return f"http://{_reachable(self.host)}:{self.port}"
+
+
+class ChildRole(Enum):
+    MASTER = "mooncake_master"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    ROUTER = "router"
+
+
+@dataclass(frozen=True)
+class Ports:
+    """A child's listening ports (None: it has no such port). The router's metrics are on its
+    HTTP port; the master's RPC port is its own protocol, not gRPC."""
+
+    grpc: int | None = None
+    http: int | None = None
+    metrics: int | None = None
+    rpc: int | None = None
+    kv_events: int | None = None
+
+
+@dataclass(frozen=True)
+class ChildSpec:
+    """One child process: ``argv`` names all its ports, so starting it again after a death
+    brings it back at the same addresses with the same flags. ``role`` None: a process that is
+    no part of a ``tierserve up`` cluster (scripts reuse ``Cluster``)."""
+
+    name: str
+    role: ChildRole | None
+    argv: tuple[str, ...]
+    ports: Ports = Ports()
+    host: str = "127.0.0.1"
+
+    @property
+    def metrics_url(self) -> str | None:
+        return None if self.ports.metrics is None else f"http://{self.host}:{self.ports.metrics}/metrics"
+
+
+def stages(plan: ClusterPlan) -> list[list[ChildSpec]]:
+    """The children in start order, by stage: each stage starts once the one before is ready
+    (master, then the nodes, then the router, which needs a healthy pair)."""
+    master = _master() if plan.with_l3 else None
+    flags = [*plan.node_flags, *(l3_flags(plan, master.ports.rpc) if master else [])]
+    nodes = [_node(plan, role, i, flags) for role, n in ((ChildRole.PREFILL, plan.prefill_nodes),
+                                                         (ChildRole.DECODE, plan.decode_nodes)) for i in range(n)]
+    return [s for s in ([master] if master else [], nodes, [_router(plan, nodes)]) if s]
+
+
+def _cli() -> list[str]:
+    return [sys.executable, "-m", "tierserve.cli"]
+
+
+def _master() -> ChildSpec:
+    ports = Ports(rpc=free_port(), metrics=free_port())
+    binary = str(Path(sys.executable).parent / "mooncake_master")
+    return ChildSpec("mooncake-master", ChildRole.MASTER,
+                     (binary, f"--rpc_port={ports.rpc}", f"--metrics_port={ports.metrics}"), ports)
+
+
+def _node(plan: ClusterPlan, role: ChildRole, index: int, flags: list[str]) -> ChildSpec:
+    """A node with fixed gRPC, metrics and KV-event ports (the router follows KV events for the
+    cache-aware policy; a fixed port lets it reconnect to a restarted node)."""
+    ports = Ports(grpc=free_port(), metrics=free_port(), kv_events=free_port())
+    argv = [*_cli(), role.value, "--model", str(plan.model_dir), "--port", str(ports.grpc),
+            "--metrics-port", str(ports.metrics), "--kv-events-port", str(ports.kv_events), *flags]
+    return ChildSpec(f"{role.value}-{index}", role, tuple(argv), ports)
+
+
+def _router(plan: ClusterPlan, nodes: list[ChildSpec]) -> ChildSpec:
+    workers = [f for n in nodes for f in (f"--{n.role.value}", f"127.0.0.1:{n.ports.grpc}")]
+    argv = [*_cli(), "router", "--model", str(plan.model_dir), "--host", plan.host, "--port", str(plan.port),
+            *workers, *plan.router_flags]
+    ports = Ports(http=plan.port, metrics=plan.port)  # the router serves /metrics beside the API
+    return ChildSpec("router", ChildRole.ROUTER, tuple(argv), ports, _reachable(plan.host))
+
+
+def _reachable(host: str) -> str:
+    """An address to reach a server listening on ``host`` from this machine."""
+    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+
+
+def l3_flags(plan: ClusterPlan, rpc_port: int) -> list[str]:
+    """The nodes' L3 flags: Mooncake behind the master at ``rpc_port``, with the plan's extra config."""
+    l3 = {"global_segment_size": plan.l3_segment_bytes, **plan.l3_config,
+          "master_server_address": f"127.0.0.1:{rpc_port}"}
+    return ["--enable-hierarchical-cache", "--hicache-storage-backend", "mooncake",
+            "--hicache-storage-backend-extra-config", json.dumps(l3)]

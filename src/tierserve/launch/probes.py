@@ -1,0 +1,45 @@
+"""Readiness probes and free ports on loopback. Each probe answers at once (False when nothing
+answers); callers poll them against a deadline."""
+
+from __future__ import annotations
+
+import socket
+import urllib.request
+
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+def free_port() -> int:
+    """A port nothing listens on now (the caller binds it soon after; a race is possible)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tcp_open(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+        return True
+    except OSError:
+        return False
+
+
+def grpc_serving(address: str | int) -> bool:
+    """The gRPC health service at ``host:port`` (or a local port) says SERVING."""
+    import grpc
+
+    target = f"127.0.0.1:{address}" if isinstance(address, int) else address
+    try:
+        with grpc.insecure_channel(target) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1)
+            return reply.status == health_pb2.HealthCheckResponse.SERVING
+    except grpc.RpcError:
+        return False
+
+
+def http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1) as r:
+            return r.status == 200
+    except OSError:
+        return False
