@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,7 @@ from tierserve.cache.options import HiCacheOptions, HostLayout, IOBackend, Prefe
 from tierserve.cache.staging import DirectPageIO, StagedPageIO, page_io
 from tierserve.cache.storage import StorageBackend, create_backend
 from tierserve.cache.storage.file import FileStorage
+from tierserve.core.outputs import RequestOutput
 from tierserve.core.sampling import SamplingParams
 from tierserve.engine.config import EngineConfig
 from tierserve.engine.engine import Engine
@@ -123,22 +126,92 @@ def expected(long_llama: Path) -> list[int]:
     return plain.generate([_prompt()], PARAMS)[0]
 
 
-@pytest.mark.parametrize("policy", list(PrefetchPolicy))
-def test_second_engine_reads_the_first_engines_pages_from_l3(long_llama: Path, tmp_path: Path, expected,
-                                                             policy: PrefetchPolicy) -> None:
-    config = {"path": str(tmp_path / "l3"), "prefetch_threshold": 64}
-    first = _engine(long_llama, "file", config, policy)
+def _fill_l3(model: Path, config: dict, expected: list[int]) -> None:
+    """One engine computes the prompt and backs prompt and answer up to the L3 at ``config``."""
+    first = _engine(model, "file", config)
     assert _run(first, _prompt())[0] == expected
     _settle(first)
     assert first.cache.storage.backed_up_pages == (PROMPT_LEN + PARAMS.max_tokens - 1) // 16  # prompt + answer
-    second = _engine(long_llama, "file", config, policy)  # empty L1 and L2, same L3
+
+
+def _idle_and_accounted(engine: Engine) -> None:
+    _settle(engine)
+    assert engine.stats()["kv_pages_used"] == 0
+    assert engine.cache.host.allocator.num_used == len(engine.cache.tree.host_pages())
+
+
+WAITING_POLICIES = [p for p in PrefetchPolicy if p is not PrefetchPolicy.BEST_EFFORT]
+
+
+@pytest.mark.parametrize("policy", WAITING_POLICIES)
+def test_second_engine_reads_the_first_engines_pages_from_l3(long_llama: Path, tmp_path: Path, expected,
+                                                             policy: PrefetchPolicy) -> None:
+    """Each policy that may hold a request for L3 does so here (the store is fast and idle): the
+    second engine, with empty L1 and L2, takes the prompt from the first engine's L3 pages."""
+    config = {"path": str(tmp_path / "l3"), "prefetch_threshold": 64}
+    _fill_l3(long_llama, config, expected)
+    second = _engine(long_llama, "file", config, policy)
     tokens, tiers = _run(second, _prompt())
     assert tokens == expected
-    if policy is not PrefetchPolicy.BEST_EFFORT:  # best effort may start before pages arrive
-        assert tiers.get("storage", 0) >= 0.9 * PROMPT_LEN, tiers
-    _settle(second)
-    assert second.stats()["kv_pages_used"] == 0
-    assert second.cache.host.allocator.num_used == len(second.cache.tree.host_pages())
+    assert tiers.get("storage", 0) >= 0.9 * PROMPT_LEN, tiers
+    _idle_and_accounted(second)
+
+
+class GatedFileStorage(FileStorage):
+    """The file backend whose probes hang until ``OPEN`` is set: a store slower than any compute."""
+
+    OPEN = threading.Event()
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        super().__init__(config["path"])
+
+    def batch_exists(self, keys: list[bytes]) -> int:
+        GatedFileStorage.OPEN.wait(30)
+        return super().batch_exists(keys)
+
+
+def _step_until_finished(engine: Engine, request_id: str, outputs: list[RequestOutput] | None = None
+                         ) -> tuple[list[int], dict[str, int]]:
+    """Steps until ``request_id`` finishes, after ``outputs`` of earlier steps (``has_work`` stays
+    true while a probe hangs, so ``run_one`` would not stop)."""
+    tokens, tiers, finished = [], {}, False
+    while not finished:
+        for out in outputs if outputs is not None else engine.step():
+            if out.request_id == request_id:
+                tokens, tiers, finished = tokens + out.new_token_ids, out.cached_by_tier, out.finished
+        outputs = None
+    return tokens, tiers
+
+
+def test_best_effort_never_waits_for_l3_and_uses_what_arrived_before_it_ran(long_llama: Path, tmp_path: Path,
+                                                                            expected) -> None:
+    """``best_effort`` admits a request as soon as the scheduler can run it: a store that does not
+    answer holds nobody (the prompt is computed); pages that arrived while the request still
+    waited for a place in the batch are used."""
+    config = {"path": str(tmp_path / "l3"), "prefetch_threshold": 64}
+    _fill_l3(long_llama, config, expected)
+    gated = {**config, "module_path": "test_storage", "class_name": "GatedFileStorage"}
+    hung = _engine(long_llama, "dynamic", gated, PrefetchPolicy.BEST_EFFORT)
+    try:
+        hung.add_request("hung", _prompt(), PARAMS)
+        first = hung.step()
+        assert [r.request_id for r in hung.scheduler.running] == ["hung"], "admitted at the first step"
+        assert _step_until_finished(hung, "hung", first) == (expected, {})  # computed in full
+    finally:
+        GatedFileStorage.OPEN.set()
+    _idle_and_accounted(hung)
+    waits = _engine(long_llama, "file", config, PrefetchPolicy.BEST_EFFORT)
+    waits.add_request("late", _prompt(), PARAMS)
+    ticket = waits.scheduler.waiting[0].prefetch
+    deadline = time.monotonic() + 30
+    while not ticket.agreed_done:  # the step boundaries of a batch too full to take it
+        assert time.monotonic() < deadline, "the prefetch did not land"
+        waits.cache.on_step()
+        time.sleep(0.002)  # poll interval: the L3 reader runs meanwhile
+    tokens, tiers = _step_until_finished(waits, "late")
+    usable = min(ticket.agreed_arrived, (PROMPT_LEN - 1) // 16)  # the last prompt token is always computed
+    assert tokens == expected and tiers.get("storage", 0) == usable * 16 >= 0.9 * PROMPT_LEN, tiers
+    _idle_and_accounted(waits)
 
 
 def _flush_l1_l2(engine: Engine) -> None:
