@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -223,15 +224,22 @@ def test_n_choices_and_prompt_batches(tiny: Server):
 
 # ---- text and chat (built-in model) ----------------------------------------------------------
 
-def test_chat_knows_paris(smol: Server):
-    r = smol.client().chat.completions.create(
+def test_chat_knows_paris_and_a_repeat_is_served_from_the_cache(smol: Server):
+    """Asked twice under a tenant salt of its own (nothing cached before, whatever ran earlier):
+    the first answer computes the whole prompt, the repeat finds every full page of it but the
+    last token's in L1 (the server's page size is 16) and answers the same."""
+    client, salt = smol.client(), f"paris-{uuid.uuid4()}"
+    first, repeat = [client.chat.completions.create(
         model=_model(smol), messages=[{"role": "user", "content": "What is the capital of France?"}],
-        max_tokens=20, temperature=0,
-    )
-    assert "Paris" in r.choices[0].message.content
-    assert r.choices[0].message.role == "assistant"
-    assert r.usage.prompt_tokens > 0 and 0 < r.usage.completion_tokens <= 20
-    assert r.usage.prompt_tokens_details.cached_tokens >= 0
+        max_tokens=20, temperature=0, extra_body={"cache_salt": salt}) for _ in range(2)]
+    assert "Paris" in first.choices[0].message.content
+    assert first.choices[0].message.role == "assistant"
+    assert first.usage.prompt_tokens > 0 and 0 < first.usage.completion_tokens <= 20
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = (first.usage.prompt_tokens - 1) // 16 * 16
+    assert cached > 0 and repeat.usage.prompt_tokens_details.cached_tokens == cached
+    assert repeat.usage.model_extra["cached_tokens_by_tier"] == {"device": cached, "host": 0, "storage": 0}
+    assert repeat.choices[0].message.content == first.choices[0].message.content
 
 
 def test_greedy_stream_equals_non_stream(smol: Server):
