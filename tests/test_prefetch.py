@@ -6,15 +6,17 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 import torch
 from test_hicache_machine import PS, SEED, MemoryStorage, keys_of
 
 from tierserve.cache.allocator import PageAllocator
 from tierserve.cache.device_pool import DeviceKVPool, KVGeometry
+from tierserve.cache.factory import hicache_config
 from tierserve.cache.hicache import HiCache, HiCacheConfig
 from tierserve.cache.host_pool import HostKVPool, HostLayout
-from tierserve.cache.options import PrefetchPolicy
-from tierserve.cache.prefetch import Prefetch, PrefetchOptions
+from tierserve.cache.options import HiCacheOptions, PrefetchPolicy
+from tierserve.cache.prefetch import Prefetch, PrefetchOptions, prefetch_timeout
 from tierserve.cache.storage_tier import WINDOW
 
 OPTIONS = PrefetchOptions(threshold_tokens=PS, max_reserved_fraction=1.0)
@@ -170,6 +172,43 @@ def test_no_policy_waits_past_the_hard_bound_on_a_hung_store() -> None:
         started = time.monotonic()
         _steps_until(cache, lambda: cache.ready(ticket), "wait_complete gave up on a hung store", 5.0)
         assert 0.5 <= time.monotonic() - started < 3.0 and cache.storage.agreed_healthy
+        cache.cancel(ticket)
+    finally:
+        store.release.set()
+    cache.wait_background()
+    cache.close()
+
+
+def test_the_timeout_formula_and_its_overrides() -> None:
+    """``min(timeout_max, timeout_base + timeout_per_ki_token * tokens / 1024)`` seconds, with
+    SGLang's defaults (2 s, 0.1 s per 1,024 tokens, at most 30 s) or the extra config's values."""
+    defaults = PrefetchOptions()
+    values = [prefetch_timeout(defaults, n) for n in (0, 1024, 10240, 287_744, 10**6)]
+    assert values == pytest.approx([2.0, 2.1, 3.0, 30.0, 30.0])
+    extra = {"prefetch_timeout_base": 0.5, "prefetch_timeout_per_ki_token": 1, "prefetch_timeout_max": 4}
+    own = hicache_config(HiCacheOptions(storage_config=extra)).prefetch
+    assert (own.timeout_base, own.timeout_per_ki_token, own.timeout_max) == (0.5, 1.0, 4.0)
+    assert [prefetch_timeout(own, n) for n in (0, 512, 2048, 4096)] == pytest.approx([0.5, 1.0, 2.5, 4.0])
+
+
+def test_timeout_waits_for_a_hung_store_as_long_as_the_formula_says() -> None:
+    """A ticket's timeout counts only the tokens it would read from L3 (those beyond L1 + L2);
+    the ``timeout`` policy holds the request that long, and no longer, for a store that hangs."""
+    store = Hangs("exists")
+    tokens = [8] * 8 + [9]  # 4 pages of 2 tokens, none local
+    _stored(store, tokens[:-1])
+    options = PrefetchOptions(threshold_tokens=PS, timeout_base=0.3, timeout_per_ki_token=0.1 * 1024, timeout_max=10)
+    geometry = KVGeometry(1, 1, 2, PS, torch.float32)
+    cache = HiCache(PageAllocator(64), DeviceKVPool(geometry, 64, torch.device("cpu")),
+                    HostKVPool(geometry, 64, HostLayout.PAGE_FIRST_DIRECT), SEED,
+                    HiCacheConfig(prefetch_policy=PrefetchPolicy.TIMEOUT, prefetch=options), storage=store)
+    try:
+        ticket = cache.prefetch(tokens)
+        assert ticket.timeout == prefetch_timeout(options, 8) == pytest.approx(0.3 + 0.1 * 8)
+        _steps_until(cache, lambda: cache.ready(ticket), "timeout gave up on a hung store", 5.0)
+        waited = time.monotonic() - ticket.created
+        assert ticket.timeout <= waited < ticket.timeout + 1.0, waited
+        assert ticket.agreed_overdue == 1 and cache.storage.agreed_healthy
         cache.cancel(ticket)
     finally:
         store.release.set()
