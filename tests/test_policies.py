@@ -1,0 +1,61 @@
+"""The router's ``random`` and ``power_of_two`` policies (``src/tierserve/router/policies.py``):
+what each picks, over many seeded picks; and every ``PolicyKind`` names its policy."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from tierserve.router.policies import (
+    CacheAware,
+    CachedPrefix,
+    PolicyKind,
+    PowerOfTwo,
+    Random,
+    RoundRobin,
+    make_policy,
+)
+from tierserve.router.registry import Worker, WorkerState
+from tierserve.router.roles import Role
+
+PICKS = 900
+
+
+def _workers(*loads: int) -> list[Worker]:
+    return [Worker(Role.PREFILL, f"10.0.0.{i}:1", channel=None, state=WorkerState.HEALTHY, load=load)
+            for i, load in enumerate(loads)]
+
+
+def _nothing_cached(worker: Worker) -> CachedPrefix:
+    return CachedPrefix()
+
+
+def _counts(policy, workers: list[Worker]) -> list[int]:
+    picks = Counter(policy.pick(workers, _nothing_cached).address for _ in range(PICKS))
+    return [picks[w.address] for w in workers]
+
+
+def test_random_spreads_evenly_whatever_the_load() -> None:
+    workers = _workers(0, 50, 100)
+    counts = _counts(Random(random.Random(1)), workers)
+    assert sum(counts) == PICKS and all(250 <= c <= 350 for c in counts), counts  # 300 each expected
+    assert _counts(Random(random.Random(1)), workers) == counts, "seeded: the same picks"
+    assert Random(random.Random(2)).pick(workers[1:2], _nothing_cached) is workers[1]
+
+
+def test_power_of_two_takes_the_less_loaded_of_two_random_workers() -> None:
+    assert _counts(PowerOfTwo(random.Random(3)), _workers(0, 5)) == [PICKS, 0], "of two, always the lighter"
+    light, middle, heavy = _counts(PowerOfTwo(random.Random(4)), _workers(0, 5, 10))
+    assert heavy == 0, "the most loaded never wins a pair"
+    assert 540 <= light <= 660 and light + middle == PICKS, (light, middle)  # 2/3 of the pairs hold the lightest
+    even = _counts(PowerOfTwo(random.Random(5)), _workers(2, 2, 2))
+    assert all(250 <= c <= 350 for c in even), even  # equal loads: no herding onto one worker
+    assert PowerOfTwo(random.Random(6)).pick(_workers(7), _nothing_cached).address == "10.0.0.0:1"
+
+
+@pytest.mark.parametrize("kind, cls", [(PolicyKind.ROUND_ROBIN, RoundRobin), (PolicyKind.RANDOM, Random),
+                                       (PolicyKind.POWER_OF_TWO, PowerOfTwo), (PolicyKind.CACHE_AWARE, CacheAware)])
+def test_each_kind_makes_its_policy(kind: PolicyKind, cls: type) -> None:
+    assert type(make_policy(kind)) is cls
