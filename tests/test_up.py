@@ -133,3 +133,15 @@ def test_up_gives_each_node_a_share_of_the_l3_size_and_the_users_segment_size_wi
     assert cli_up.cmd_up(build_parser().parse_args([*base, "--hicache-storage-backend-extra-config", own])) == 0
     node = build_parser().parse_args(["prefill", *launch.l3_flags(plans[-1], 5555)])
     assert node.hicache_storage_backend_extra_config["global_segment_size"] == 1048576
+
+
+def test_restart_and_state_file_flags_reach_the_plan(monkeypatch, capsys) -> None:
+    plans: list[ClusterPlan] = []
+    monkeypatch.setattr(launch, "up", lambda plan, announce: plans.append(plan) or 0)
+    monkeypatch.setattr(cli_up, "model_dir", lambda _: Path("/m"))
+    args = ["up", "--state-file", "/tmp/up.json", "--restart-limit", "2", "--restart-window", "30"]
+    assert cli_up.cmd_up(build_parser().parse_args(args)) == 0
+    assert plans[0].state_file == Path("/tmp/up.json")
+    assert (plans[0].restart.max_deaths, plans[0].restart.window_s) == (2, 30.0)
+    assert cli_up.cmd_up(build_parser().parse_args(["up", "--restart-limit", "0"])) == 2
+    assert "max_deaths" in capsys.readouterr().err

@@ -79,11 +79,18 @@ def _router_flags(args: argparse.Namespace) -> list[str]:
 
 def _announce(args: argparse.Namespace, base: str, children: list[str]) -> None:
     """The banner: the API's URL, one line per child (role, port, metrics URL, PID), a request."""
+    state = [f"  state file: {args.state_file}"] if args.state_file else []
+    print("\n".join(["", _headline(args, base), *children, *state, "", _example(args, base)]), flush=True)
+
+
+def _headline(args: argparse.Namespace, base: str) -> str:
+    l3 = "" if args.no_l3 else f", L3 on Mooncake: {l3_size_bytes(args) / 1e9:.1f} GB"
+    return (f"tierserve is up: {base}/v1  ({args.prefill_nodes} prefill, {args.decode_nodes} decode{l3}; "
+            "Ctrl+C stops it; a child that dies is restarted)")
+
+
+def _example(args: argparse.Namespace, base: str) -> str:
     auth = f" -H 'Authorization: Bearer {args.api_key}'" if args.api_key else ""
-    state = f"  state file: {args.state_file}\n" if args.state_file else ""
-    print(f"\ntierserve is up: {base}/v1  ({args.prefill_nodes} prefill, {args.decode_nodes} decode"
-          f"{'' if args.no_l3 else f', L3 on Mooncake: {l3_size_bytes(args) / 1e9:.1f} GB'}; Ctrl+C stops it; "
-          f"a child that dies is restarted)\n" + "\n".join(children) + f"\n{state}\n"
-          f"curl {base}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\\n"
-          """  -d '{"messages": [{"role": "user", "content": "What is the capital of France?"}], """
-          """"max_tokens": 32}'\n""", flush=True)
+    return (f"curl {base}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\\n"
+            """  -d '{"messages": [{"role": "user", "content": "What is the capital of France?"}], """
+            """"max_tokens": 32}'\n""")
