@@ -26,6 +26,7 @@ from tierserve.api.backend import Backend
 from tierserve.api.choices import Choices, Job, make_jobs
 from tierserve.api.metrics import ApiMetrics
 from tierserve.api.tokenizer import ChatTemplateError, TextTokenizer
+from tierserve.core.outputs import FinishReason
 from tierserve.core.sampling import MAX_UINT32, InvalidRequestError
 
 log = logging.getLogger(__name__)
@@ -88,7 +89,7 @@ class _Api:
 
     async def _respond(self, request: Request, jobs: list[Job], fmt: Format, stream: bool | None,
                        include_usage: bool) -> Response:
-        choices = Choices(self.backend, jobs, self.metrics)
+        choices = Choices(self.backend, jobs, self.metrics, buffered=not stream)
         try:
             await _unless_disconnected(request, choices.start())
             if stream:
@@ -158,6 +159,9 @@ class _Api:
 
 async def _sse_events(choices: Choices, fmt: Format, num_choices: int,
                       include_usage: bool) -> AsyncIterator[bytes]:
+    """The stream's events, then ``[DONE]``. A stream that cannot go on (the status line is long
+    sent) ends with an OpenAI-shaped error event and, for every choice not finished, a last
+    chunk with ``finish_reason: "error"`` (``docs/architecture.md``, faults)."""
     try:
         for chunk in fmt.opening_chunks(num_choices):
             yield oa.sse(chunk)
@@ -167,9 +171,18 @@ async def _sse_events(choices: Choices, fmt: Format, num_choices: int,
         if include_usage:
             yield oa.sse(fmt.usage_chunk(choices.usage()))
     except Exception as exc:
-        log.exception("stream failed")
-        yield oa.sse(oa.APIError(400 if isinstance(exc, InvalidRequestError) else 500, str(exc)).body())
+        log.warning("stream failed: %s", exc, exc_info=not isinstance(exc, oa.APIError | InvalidRequestError))
+        yield oa.sse(_stream_error(exc).body())
+        for index in choices.unfinished():
+            yield oa.sse(fmt.chunk(index, "", FinishReason.ERROR.value))
     yield oa.SSE_DONE
+
+
+def _stream_error(exc: Exception) -> oa.APIError:
+    """The error event of a failed stream: the backend's own status and words when it gave them."""
+    if isinstance(exc, oa.APIError):
+        return exc
+    return oa.APIError(400 if isinstance(exc, InvalidRequestError) else 500, str(exc))
 
 
 class _SSEResponse(StreamingResponse):

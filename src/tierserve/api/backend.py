@@ -13,12 +13,19 @@ from tierserve.core.sampling import SamplingParams
 class Backend(Protocol):
     """Where API requests run. ``generate`` yields a request's outputs until the finished one and
     raises ``InvalidRequestError`` (400) or ``APIError`` (its status: 429 overloaded, 503 no
-    healthy worker, ...) when it cannot serve it; closing the iterator early aborts the request."""
+    healthy worker, 502 failed midway, ...) when it cannot serve it or cannot go on; closing the
+    iterator early aborts the request.
+
+    ``buffered``: the caller sends its client nothing before the request finished (a
+    non-streaming response). The backend may then hold outputs back (even yield one output for
+    the whole request) and, as no output can have reached the client, restart a request that
+    failed midway. Without it every output may be with the client as soon as it is yielded, and
+    the backend never takes one back."""
 
     max_model_len: int
 
-    def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, cache_salt: str
-                 ) -> AsyncIterator[RequestOutput]: ...
+    def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, cache_salt: str,
+                 *, buffered: bool = False) -> AsyncIterator[RequestOutput]: ...
 
     def healthy(self) -> bool:
         """The process can serve (``/health``)."""

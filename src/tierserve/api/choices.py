@@ -43,8 +43,9 @@ class Choices:
     """Runs a response's engine requests concurrently, merges their outputs in arrival order and
     keeps each choice's text and last output (for the response body and its usage)."""
 
-    def __init__(self, backend: Backend, jobs: list[Job], metrics: ApiMetrics) -> None:
-        self._backend, self._jobs, self._metrics = backend, jobs, metrics
+    def __init__(self, backend: Backend, jobs: list[Job], metrics: ApiMetrics, buffered: bool) -> None:
+        """``buffered``: the response is sent once every request finished (see ``Backend``)."""
+        self._backend, self._jobs, self._metrics, self._buffered = backend, jobs, metrics, buffered
         self._queue: asyncio.Queue[tuple[int, RequestOutput | Exception]] = asyncio.Queue()
         self._ready: list[tuple[int, RequestOutput | Exception]] = []
         self._text: dict[int, list[str]] = {j.index: [] for j in jobs}
@@ -55,7 +56,8 @@ class Choices:
         started = prev = time.monotonic()
         last, failed = None, False
         try:
-            async for out in self._backend.generate(job.request_id, job.prompt_ids, job.params, job.cache_salt):
+            async for out in self._backend.generate(job.request_id, job.prompt_ids, job.params, job.cache_salt,
+                                                    buffered=self._buffered):
                 if out.new_token_ids:
                     now = time.monotonic()
                     (self._metrics.ttft if last is None else self._metrics.itl).observe(now - prev)
@@ -99,6 +101,10 @@ class Choices:
         """Aborts whatever still runs. Synchronous: it must work inside an already-cancelled task."""
         for task in self._tasks:
             task.cancel()
+
+    def unfinished(self) -> list[int]:
+        """The indexes of the choices whose finished output was not among ``events`` yet."""
+        return [j.index for j in self._jobs if j.index not in self._last or not self._last[j.index].finished]
 
     def results(self) -> list[oa.ChoiceResult]:
         return [oa.ChoiceResult(j.index, "".join(self._text[j.index]), _reason(self._last.get(j.index)))

@@ -32,8 +32,10 @@ class EngineBackend:
         self.loop = loop
         self.max_model_len = loop.engine.max_model_len
 
-    def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, cache_salt: str
-                 ) -> AsyncIterator[RequestOutput]:
+    def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, cache_salt: str,
+                 *, buffered: bool = False) -> AsyncIterator[RequestOutput]:
+        """Outputs as the engine makes them, ``buffered`` or not: one engine has nowhere else to
+        retry, so holding them back would only delay them."""
         return self.loop.generate(request_id, prompt_ids, params, cache_salt=cache_salt)
 
     def healthy(self) -> bool:

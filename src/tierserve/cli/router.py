@@ -36,7 +36,11 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-running-requests", type=int, default=256, help="requests in flight through the router")
     p.add_argument("--max-queued-requests", type=int, default=1024, help="waiting beyond this gets 429")
     p.add_argument("--request-timeout", type=float, default=600.0, help="deadline of a prefill leg, seconds")
-    p.add_argument("--max-retries", type=int, default=2, help="new pairs tried while nothing was streamed")
+    p.add_argument("--max-retries", type=int, default=2, help="new pairs tried while the client has seen nothing")
+    p.add_argument("--stream-idle-timeout", type=positive_seconds, default=30.0,
+                   help="seconds a decode stream may send nothing before it is given up (retried if unseen)")
+    p.add_argument("--worker-drain-timeout", type=positive_seconds, default=600.0,
+                   help="seconds a removed worker's running requests get to finish before its channel closes")
     p.add_argument("--health-check-interval", type=float, default=2.0, help="seconds between worker checks")
     p.add_argument("--service-discovery", action="store_true", help="find workers as Kubernetes pods")
     p.add_argument("--service-discovery-namespace", help="pods' namespace (default: the router's own)")
@@ -44,6 +48,14 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-selector", default="app=tierserve,role=decode", help="label selector of decode pods")
     p.add_argument("--service-discovery-port", type=int, default=50051,
                    help="workers' gRPC port when the pod names no container port 'grpc'")
+
+
+def positive_seconds(text: str) -> float:
+    """An argparse type: a duration above 0 (0 would give every stream up at once)."""
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be above 0 seconds, not {text}")
+    return value
 
 
 def router_config(args: argparse.Namespace, folder: Path) -> RouterConfig:
@@ -55,8 +67,9 @@ def router_config(args: argparse.Namespace, folder: Path) -> RouterConfig:
         context_length=args.context_length, api_key=args.api_key, admin_api_key=args.admin_api_key,
         prefill_policy=args.prefill_policy, decode_policy=args.decode_policy,
         options=RouterOptions(max_running=args.max_running_requests, max_queued=args.max_queued_requests,
-                              timeout_s=args.request_timeout, max_retries=args.max_retries),
-        health_check_interval_s=args.health_check_interval,
+                              timeout_s=args.request_timeout, max_retries=args.max_retries,
+                              stream_idle_timeout_s=args.stream_idle_timeout),
+        health_check_interval_s=args.health_check_interval, drain_timeout_s=args.worker_drain_timeout,
     )
 
 

@@ -10,6 +10,7 @@ class FinishReason(Enum):
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or the context length
     ABORT = "abort"  # cancelled by the caller
+    ERROR = "error"  # failed midway: ends an API stream that cannot go on (engines never report it)
 
 
 @dataclass

@@ -46,6 +46,7 @@ class RouterConfig:
     decode_policy: PolicyKind = PolicyKind.POWER_OF_TWO
     options: RouterOptions = field(default_factory=RouterOptions)
     health_check_interval_s: float = 2.0
+    drain_timeout_s: float = 600.0  # a removed worker's running requests get this long to finish
 
 
 Task = Callable[[Registry], Any]  # a background coroutine function run for the app's lifetime
@@ -87,7 +88,7 @@ def _lifespan(registry: Registry, initial: list[tuple[Role, str]], tasks: list[T
 
 def _add_worker_routes(app: FastAPI, registry: Registry, admin: dict[str, Any]) -> None:
     async def list_workers() -> Response:
-        return JSONResponse({"workers": [w.describe() for w in registry.workers.values()]})
+        return JSONResponse({"workers": [w.describe() for w in registry.listed()]})
 
     async def add_worker(request: Request) -> Response:
         role, address = _worker_body(await request.body())
@@ -138,7 +139,7 @@ class _RouterCollector:
         load = GaugeMetricFamily("tierserve_worker_load", "Router requests on a worker", labels=["role", "worker"])
         healthy = GaugeMetricFamily("tierserve_worker_available", "1 if the worker gets traffic",
                                     labels=["role", "worker"])
-        for w in self.registry.workers.values():
+        for w in self.registry.listed():
             load.add_metric([w.role.value, w.address], w.load)
             healthy.add_metric([w.role.value, w.address], float(w.available))
         yield load
@@ -150,5 +151,5 @@ class _RouterCollector:
 
 def serve_router(config: RouterConfig, host: str, port: int, tasks: list[Task] | None = None,
                  on_ready: Callable[[], None] | None = None) -> None:
-    registry = Registry(check_interval_s=config.health_check_interval_s)
+    registry = Registry(check_interval_s=config.health_check_interval_s, drain_timeout_s=config.drain_timeout_s)
     run_http(create_router_app(config, registry, tasks), host, port, on_ready)

@@ -1,16 +1,17 @@
 """The router's ``Backend``: each request through a prefill/decode pair (``docs/architecture.md``,
-a request's life), with admission control, deadlines, retries on a new pair while nothing was
-streamed, and load counted until the stream ends."""
+a request's life), with admission control, deadlines, an idle deadline on decode streams, retries
+on a new pair while the client has seen nothing, and load counted until the stream ends."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, TypeVar
 
 import grpc
 
@@ -26,6 +27,7 @@ from tierserve.router.registry import Registry, Worker
 from tierserve.router.roles import Role
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 PrefixLookupFactory = Callable[[list[int], str], Callable[[Worker], CachedPrefix]]
 
 
@@ -34,13 +36,24 @@ class RouterOptions:
     max_running: int = 256  # requests in flight through the router
     max_queued: int = 1024  # waiting for a slot; beyond that: 429
     timeout_s: float = 600.0  # a prefill leg's deadline (compute plus KV handoff)
-    max_retries: int = 2  # new pairs tried while nothing was streamed
+    max_retries: int = 2  # new pairs tried while the client has seen nothing
     backoff_s: float = 0.05  # first retry's base delay, doubled each time, with jitter
+    stream_idle_timeout_s: float = 30.0  # a decode stream with no chunk for this long is given up
+
+
+@dataclass(frozen=True)
+class _Request:
+    id: str
+    prompt: list[int]
+    sampling: pb.SamplingOptions
+    salt: str
+    buffered: bool  # the client sees nothing before the end, so a failure midway can still be retried
 
 
 class PDBackend:
     """Requests through prefill/decode pairs. Errors: 400 for what a node says is invalid, 429
-    when the admission queue is full, 503 when no healthy pair exists or every try failed."""
+    when the admission queue is full, 503 when no healthy pair exists or every try failed, 502
+    (decode failed) or 504 (decode silent) once the client got part of a stream."""
 
     def __init__(self, registry: Registry, prefill: Policy, decode: Policy, options: RouterOptions,
                  max_model_len: int, lookup: PrefixLookupFactory | None = None) -> None:
@@ -64,15 +77,19 @@ class PDBackend:
         return self.registry.ready()
 
     async def debug_state(self) -> dict[str, Any]:
-        return {"workers": [w.describe() for w in self.registry.workers.values()], "queued": self._queued,
+        return {"workers": [w.describe() for w in self.registry.listed()], "queued": self._queued,
                 "retries": self.retries, "routes": list(self.routes)}
 
-    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, cache_salt: str
-                       ) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, cache_salt: str,
+                       *, buffered: bool = False) -> AsyncIterator[RequestOutput]:
+        """``buffered``: see ``Backend``; such a request gets one output, when it finished, so a
+        decode node failing midway costs a retry instead of the request."""
         await self._admit()
         try:
-            async for out in self._attempts(request_id, prompt_ids, params, cache_salt):
-                yield out
+            request = _Request(request_id, prompt_ids, to_proto(params), cache_salt, buffered)
+            async with contextlib.aclosing(self._attempts(request)) as outputs:
+                async for out in outputs:
+                    yield out
         finally:
             self._slots.release()
 
@@ -86,31 +103,44 @@ class PDBackend:
         finally:
             self._queued -= 1
 
-    async def _attempts(self, request_id: str, prompt: list[int], params: SamplingParams, salt: str
-                        ) -> AsyncIterator[RequestOutput]:
-        """Tries pairs until one streams. A failed pair uses up a retry; a decode node with no room
-        (a burst) does not: the request waits with backoff, up to its deadline, as in a queue."""
-        sampling, last_error, failures, attempt = to_proto(params), "no attempt", 0, 0
+    async def _attempts(self, request: _Request) -> AsyncIterator[RequestOutput]:
+        """Tries pairs until one serves the request. A failed pair uses up a retry; a decode node
+        with no room (a burst) does not: the request waits with backoff, up to its deadline, as in
+        a queue. Each decision is logged once, with its reason and the pair."""
+        last_error, failures, attempt = "no attempt", 0, 0
         deadline = asyncio.get_running_loop().time() + self.options.timeout_s
         while failures <= self.options.max_retries:
             if attempt:
                 self.retries += 1
                 await asyncio.sleep(self._backoff(attempt, deadline))
             attempt += 1
-            pair = self._pick(prompt, salt)
-            prefill, decode = pair
-            prefill.load, decode.load = prefill.load + 1, decode.load + 1
+            pair = self._pick(request.prompt, request.salt)
             try:
-                stubs, done = await self._prefill(pair, f"{request_id}-{attempt}", prompt, sampling, salt)
-                async for out in self._stream(decode, stubs, done, len(prompt), sampling):
-                    yield out
+                async with contextlib.aclosing(self._attempt(pair, request, attempt)) as outputs:
+                    async for out in outputs:
+                        yield out
                 return
             except _Retry as exc:
                 last_error = str(exc)
                 failures += 0 if exc.busy and asyncio.get_running_loop().time() < deadline else 1
-            finally:
-                prefill.load, decode.load = prefill.load - 1, decode.load - 1
+                _log_retry(request.id, pair, exc, again=failures <= self.options.max_retries)
         raise oa.APIError(503, f"no prefill/decode pair could serve the request: {last_error}", code="unavailable")
+
+    async def _attempt(self, pair: tuple[Worker, Worker], request: _Request, attempt: int
+                       ) -> AsyncIterator[RequestOutput]:
+        """One try on one pair, counted in both workers' load until it ends."""
+        prefill, decode = pair
+        prefill.begin()
+        decode.begin()
+        try:
+            stubs, done = await self._prefill(pair, f"{request.id}-{attempt}", request)
+            outputs = self._stream(decode, stubs, done, request)
+            async with contextlib.aclosing(_merged(outputs) if request.buffered else outputs) as results:
+                async for out in results:
+                    yield out
+        finally:
+            prefill.end()
+            decode.end()
 
     def _backoff(self, attempt: int, deadline: float) -> float:
         """Jittered exponential delay, at most 1 s and never past the deadline."""
@@ -130,12 +160,13 @@ class PDBackend:
         log.debug("route: prefill %s (cached pages %s), decode %s", prefill.address, cached, decode.address)
         return prefill, decode
 
-    async def _prefill(self, pair: tuple[Worker, Worker], rid: str, prompt: list[int], sampling: pb.SamplingOptions,
-                       salt: str) -> tuple[pd_flow.Pair, pd_flow.Prefilled]:
+    async def _prefill(self, pair: tuple[Worker, Worker], rid: str, request: _Request
+                       ) -> tuple[pd_flow.Pair, pd_flow.Prefilled]:
         prefill, decode = pair
         stubs = pd_flow.Pair.connect(prefill.channel, decode.channel)
         try:
-            done = await pd_flow.prefill(stubs, rid, prompt, sampling, salt, self.options.timeout_s)
+            done = await pd_flow.prefill(stubs, rid, request.prompt, request.sampling, request.salt,
+                                         self.options.timeout_s)
         except pd_flow.HandoffFailed as exc:
             self._blame(prefill, exc.code, str(exc))
             raise _Retry(f"prefill on {prefill.address}: {exc}") from exc
@@ -153,34 +184,85 @@ class PDBackend:
         if code is not grpc.StatusCode.RESOURCE_EXHAUSTED:  # a full worker is healthy, just busy
             self.registry.failed(worker, code.name, unreachable=code is grpc.StatusCode.UNAVAILABLE)
 
-    async def _stream(self, decode: Worker, stubs: pd_flow.Pair, done: pd_flow.Prefilled, prompt_len: int,
-                      sampling: pb.SamplingOptions) -> AsyncIterator[RequestOutput]:
-        cache = done.response.cache
-        tiers = {t: getattr(cache, t) for t in TIERS if getattr(cache, t)}
-        streamed = False
+    async def _stream(self, decode: Worker, stubs: pd_flow.Pair, done: pd_flow.Prefilled, request: _Request
+                      ) -> AsyncIterator[RequestOutput]:
+        """D's chunks as outputs. D failing, or sending nothing for ``stream_idle_timeout_s``
+        (frozen, cut off), blames D, cancels the stream (D aborts it and frees its pages) and
+        ends the try: ``_Retry`` while the client has seen nothing, else ``APIError``."""
+        seen = False  # by the client: only an unbuffered request's outputs reach it as they come
+        chunks = _within(pd_flow.generate(stubs, done, request.sampling), self.options.stream_idle_timeout_s)
         try:
-            async for chunk in pd_flow.generate(stubs, done, sampling):
-                streamed = True
-                reason = FinishReason(chunk.finish_reason) if chunk.finished else None
-                yield RequestOutput(
-                    request_id=done.reservation_id, new_token_ids=list(chunk.token_ids), new_text=chunk.text,
-                    finished=chunk.finished, finish_reason=reason,
-                    prompt_tokens=prompt_len, completion_tokens=chunk.completion_tokens,
-                    cached_tokens=cache.cached_tokens, cached_by_tier=tiers,
-                )
+            async with contextlib.aclosing(chunks):
+                async for chunk in chunks:
+                    seen = not request.buffered
+                    yield _output(done, len(request.prompt), chunk)
         except grpc.aio.AioRpcError as exc:
             self.registry.failed(decode, exc.code().name, unreachable=exc.code() is grpc.StatusCode.UNAVAILABLE)
-            if not streamed:  # e.g. the lease ran out or the node died: the client saw nothing yet
-                await pd_flow.release(stubs, done.reservation_id, writer_stopped=True)
-                raise _Retry(f"generate on {decode.address}: {exc.code().name} {exc.details()}") from exc
-            raise oa.APIError(502, f"decode worker {decode.address} failed mid-stream: {exc.details()}") from exc
+            await pd_flow.release(stubs, done.reservation_id, writer_stopped=True)
+            raise _decode_failed(decode, seen, f"failed ({exc.code().name} {exc.details()})", 502) from exc
+        except _Stalled as exc:
+            self.registry.failed(decode, "stream idle", unreachable=True)  # back once a health check passes
+            pd_flow.release_later(stubs, done.reservation_id, writer_stopped=True)  # a frozen D answers late
+            raise _decode_failed(decode, seen, str(exc), 504) from exc
         self.registry.succeeded(decode)
 
 
+def _decode_failed(decode: Worker, seen: bool, what: str, status: int) -> Exception:
+    """A try whose client saw nothing is retried; otherwise the stream ends with the error."""
+    if not seen:
+        return _Retry(f"generate on {decode.address}: {what}")
+    log.warning("decode worker %s %s mid-stream: the stream ends with an error", decode.address, what)
+    return oa.APIError(status, f"decode worker {decode.address} {what} mid-stream", code="decode_failed")
+
+
+def _log_retry(request_id: str, pair: tuple[Worker, Worker], exc: _Retry, again: bool) -> None:
+    """One line per decision; a decode node that is only full is routine (a burst), not a fault."""
+    level = logging.INFO if exc.busy else logging.WARNING
+    log.log(level, "request %s: prefill %s / decode %s: %s; %s", request_id, pair[0].address, pair[1].address, exc,
+            "retrying on a new pair" if again else "giving up")
+
+
+def _output(done: pd_flow.Prefilled, prompt_len: int, chunk: pb.GenerateChunk) -> RequestOutput:
+    cache = done.response.cache
+    return RequestOutput(
+        request_id=done.reservation_id, new_token_ids=list(chunk.token_ids), new_text=chunk.text,
+        finished=chunk.finished, finish_reason=FinishReason(chunk.finish_reason) if chunk.finished else None,
+        prompt_tokens=prompt_len, completion_tokens=chunk.completion_tokens, cached_tokens=cache.cached_tokens,
+        cached_by_tier={t: getattr(cache, t) for t in TIERS if getattr(cache, t)},
+    )
+
+
+async def _merged(outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+    """A try's outputs as one, once it finished (nothing if it yielded none)."""
+    parts = [out async for out in outputs]
+    if parts:
+        yield replace(parts[-1], new_token_ids=[t for p in parts for t in p.new_token_ids],
+                      new_text="".join(p.new_text for p in parts))
+
+
+async def _within(items: AsyncIterator[T], idle_s: float) -> AsyncIterator[T]:
+    """``items`` while each comes within ``idle_s`` of the one before; else raises ``_Stalled``
+    (cancelling the wait closes ``items``, here a gRPC stream, which cancels the call)."""
+    async with contextlib.aclosing(items):
+        while True:
+            try:
+                async with asyncio.timeout(idle_s):
+                    item = await anext(items)
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                raise _Stalled(f"sent nothing for {idle_s:g} s") from None
+            yield item
+
+
 class _Retry(Exception):
-    """This pair failed before anything was streamed: try another. ``busy``: the worker was only
+    """This pair failed before the client saw anything: try another. ``busy``: the worker was only
     full, not broken."""
 
     def __init__(self, message: str, busy: bool = False) -> None:
         super().__init__(message)
         self.busy = busy
+
+
+class _Stalled(Exception):
+    """A decode stream sent nothing for the idle timeout."""

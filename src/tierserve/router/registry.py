@@ -1,5 +1,6 @@
 """The router's workers: where they come from (flags, the admin API, Kubernetes), whether they
-may get traffic (health checks, a circuit breaker, the KV namespace), and their live load."""
+may get traffic (health checks, a circuit breaker, the KV namespace), their live load, and how
+they leave (drained: no new work, running requests finish)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ class WorkerState(Enum):
     HEALTHY = "healthy"
     UNHEALTHY = "unhealthy"  # failed health checks or the circuit breaker is open
     REFUSED = "refused"  # its KV namespace differs from the cluster's (checked again when it comes back)
+    DRAINING = "draining"  # removed: no new work; its channel closes once its requests ended
 
 
 @dataclass
@@ -46,10 +48,33 @@ class Worker:
     failures: int = 0  # consecutive
     open_until: float = 0.0
     reason: str = ""
+    _idle: asyncio.Event = field(default_factory=asyncio.Event, repr=False)  # set while load is 0
+
+    def __post_init__(self) -> None:
+        self._idle.set()
 
     @property
     def available(self) -> bool:
         return self.state is WorkerState.HEALTHY and time.monotonic() >= self.open_until
+
+    def begin(self) -> None:
+        """A request starts using this worker; ``end`` must follow, however it ends."""
+        self.load += 1
+        self._idle.clear()
+
+    def end(self) -> None:
+        self.load -= 1
+        if self.load == 0:
+            self._idle.set()
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Waits until no request uses this worker; False if ``timeout_s`` passed first."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._idle.wait()
+        except TimeoutError:
+            return False
+        return True
 
     def describe(self) -> dict[str, object]:
         return {"role": self.role.value, "address": self.address, "state": self.state.value, "load": self.load,
@@ -63,7 +88,9 @@ class Registry:
 
     breaker: BreakerOptions = field(default_factory=BreakerOptions)
     check_interval_s: float = 2.0
+    drain_timeout_s: float = 600.0  # a removed worker's requests get this long to finish
     workers: dict[tuple[Role, str], Worker] = field(default_factory=dict)
+    draining: dict[Worker, asyncio.Task] = field(default_factory=dict)  # removed, until their requests end
     namespace: str | None = None
     model: str | None = None
     info: pb.NodeInfo | None = None  # of the first accepted worker: page size, context, seed
@@ -77,12 +104,27 @@ class Registry:
         return self.workers[key]
 
     async def remove(self, role: Role, address: str) -> bool:
+        """Drains a worker (False if unknown): from now on it gets no new request, its running
+        ones finish, then its channel closes (when its load reaches 0, or after
+        ``drain_timeout_s``, which cuts what still runs). Returns at once."""
         worker = self.workers.pop((role, address), None)
         if worker is None:
             return False
-        log.info("worker removed: %s %s", role.value, address)
-        await worker.channel.close(grace=None)
+        worker.state = WorkerState.DRAINING
+        log.info("worker removed: %s %s; draining %d requests", role.value, address, worker.load)
+        self.draining[worker] = asyncio.create_task(self._drain(worker), name=f"drain {address}")
         return True
+
+    async def _drain(self, worker: Worker) -> None:
+        if not await worker.wait_idle(self.drain_timeout_s):
+            log.warning("worker %s %s: %d requests still running after the %.0f s drain deadline; cutting them",
+                        worker.role.value, worker.address, worker.load, self.drain_timeout_s)
+        self.draining.pop(worker, None)
+        await worker.channel.close(grace=None)
+
+    def listed(self) -> list[Worker]:
+        """Every worker, draining ones included (for operators)."""
+        return [*self.workers.values(), *self.draining]
 
     def available(self, role: Role) -> list[Worker]:
         return [w for w in self.workers.values() if w.role is role and w.available]
@@ -158,6 +200,8 @@ class Registry:
             await asyncio.sleep(self.check_interval_s)
 
     async def close(self) -> None:
-        for worker in list(self.workers.values()):
+        for task in self.draining.values():
+            task.cancel()
+        for worker in self.listed():
             with contextlib.suppress(Exception):
                 await worker.channel.close(grace=None)
