@@ -1,5 +1,5 @@
 """Shared pieces of the prefill-decode integration tests: node flags, prompts, the reference
-engine and the gRPC calls the router makes."""
+engine, the gRPC calls the router makes and a reader of the router's metrics."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import time
 from pathlib import Path
 
 import grpc
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from tierserve.core.sampling import SamplingParams
 from tierserve.engine.config import EngineConfig
@@ -78,3 +80,12 @@ async def release(decode: str, rid: str, writer_stopped: bool) -> bool:
         reply = await pb_grpc.DecodeServiceStub(channel).Release(
             pb.ReleaseRequest(reservation_id=rid, writer_stopped=writer_stopped))
         return reply.released
+
+
+def metric(router, name: str, **labels: str) -> float:
+    """One sample of a router's (``RouterProcess``) /metrics; 0 while it has not appeared."""
+    for family in text_string_to_metric_families(httpx.get(f"{router.url}/metrics").text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return 0.0

@@ -10,8 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 from cluster import NodeProcess, RouterProcess
-from pd_helpers import DECODE_ARGS, NODE_ARGS, load, wait_for
-from prometheus_client.parser import text_string_to_metric_families
+from pd_helpers import DECODE_ARGS, NODE_ARGS, load, metric, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 SLOTS = 8  # the router runs this many choices at once and queues none: the rest of an n=16 get 429
@@ -38,15 +37,6 @@ def cluster(long_llama: Path, tmp_path_factory) -> Iterator[tuple[RouterProcess,
 def fan_out(router: RouterProcess, n: int) -> httpx.Response:
     body = {"prompt": [2 + i % 300 for i in range(300)], "max_tokens": 4, "temperature": 0, "ignore_eos": True, "n": n}
     return httpx.post(f"{router.url}/v1/completions", json=body, timeout=60)
-
-
-def metric(router: RouterProcess, name: str, **labels: str) -> float:
-    """The value of one sample of the router's /metrics (0 when it has not appeared yet)."""
-    for family in text_string_to_metric_families(httpx.get(f"{router.url}/metrics").text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                return sample.value
-    return 0.0
 
 
 async def _no_reservations(address: str) -> bool:

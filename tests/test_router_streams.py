@@ -15,13 +15,12 @@ from pathlib import Path
 import httpx
 import pytest
 from cluster import NodeProcess, RouterProcess
-from pd_helpers import load, wait_for
-from test_router_fanout import metric
+from pd_helpers import load, metric, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 ARGS = ["--device", "cpu", "--dtype", "float32", "--max-total-tokens", "4096"]
 ADMIN = {"Authorization": "Bearer k"}
-IDLE_S = 2.0  # the routers' --stream-idle-timeout here
+IDLE_S = 3.0  # the routers' --stream-idle-timeout here
 LONG = 150  # tokens: several seconds of decoding on a CPU, a wide window to act in
 
 

@@ -171,11 +171,18 @@ async def _sse_events(choices: Choices, fmt: Format, num_choices: int,
         if include_usage:
             yield oa.sse(fmt.usage_chunk(choices.usage()))
     except Exception as exc:
-        log.warning("stream failed: %s", exc, exc_info=not isinstance(exc, oa.APIError | InvalidRequestError))
+        _log_stream_failure(exc)
         yield oa.sse(_stream_error(exc).body())
         for index in choices.unfinished():
             yield oa.sse(fmt.chunk(index, "", FinishReason.ERROR.value))
     yield oa.SSE_DONE
+
+
+def _log_stream_failure(exc: Exception) -> None:
+    if isinstance(exc, oa.APIError | InvalidRequestError):  # expected: the backend logged its decision
+        log.info("stream ended with an error: %s", exc)
+    else:
+        log.exception("stream failed")
 
 
 def _stream_error(exc: Exception) -> oa.APIError:
