@@ -20,6 +20,7 @@ from tierserve.cli import up as cli_up
 from tierserve.cli.flags import engine_config, engine_flags
 from tierserve.cli.main import build_parser
 from tierserve.launch import ClusterPlan
+from tierserve.launch.plan import stages
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -145,3 +146,19 @@ def test_restart_and_state_file_flags_reach_the_plan(monkeypatch, capsys) -> Non
     assert (plans[0].restart.max_deaths, plans[0].restart.window_s) == (2, 30.0)
     assert cli_up.cmd_up(build_parser().parse_args(["up", "--restart-limit", "0"])) == 2
     assert "max_deaths" in capsys.readouterr().err
+
+
+def test_role_args_reach_only_their_role(monkeypatch) -> None:
+    """``--prefill-args`` and friends are how the reliability campaign injects transfer faults on
+    the prefill nodes alone and shortens the router's stream idle timeout."""
+    plans: list[ClusterPlan] = []
+    monkeypatch.setattr(launch, "up", lambda plan, announce: plans.append(plan) or 0)
+    monkeypatch.setattr(cli_up, "model_dir", lambda _: Path("/m"))
+    args = ["up", "--prefill-args", "--fault-transfer-rate 0.1", "--router-args", "--max-running-requests 7"]
+    assert cli_up.cmd_up(build_parser().parse_args(args)) == 0
+    by_name = {spec.name: spec.argv for stage in stages(plans[0]) for spec in stage}
+    assert by_name["prefill-0"][-2:] == ("--fault-transfer-rate", "0.1")
+    assert "--fault-transfer-rate" not in by_name["decode-0"]
+    assert by_name["router"][-2:] == ("--max-running-requests", "7")
+    prefill = build_parser().parse_args(list(by_name["prefill-0"][3:]))  # past "python -m tierserve.cli"
+    assert prefill.fault_transfer_rate == 0.1

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -33,6 +34,11 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--restart-limit", type=int, default=5,
                    help="a child that dies this many times within --restart-window stops the whole cluster")
     p.add_argument("--restart-window", type=float, default=60.0, help="seconds; see --restart-limit")
+    for role in ("prefill", "decode", "router"):
+        p.add_argument(f"--{role}-args", type=shlex.split, default=[], metavar="'FLAGS'",
+                       help=f"more flags for every {role} (one quoted string), e.g. "
+                            + ("'--fault-transfer-rate 0.1'" if role == "prefill" else
+                               "'--reservation-grace 60'" if role == "decode" else "'--max-running-requests 64'"))
     add_engine_args(p)
 
 
@@ -52,7 +58,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     config, l3_config = (config, {}) if args.no_l3 else _without_l3_config(config)
     segment = l3_size_bytes(args) // (args.prefill_nodes + args.decode_nodes)
     plan = ClusterPlan(folder, args.host, args.port, args.prefill_nodes, args.decode_nodes, not args.no_l3,
-                       engine_flags(config), _router_flags(args), l3_config, segment, args.state_file, restart)
+                       engine_flags(config), [*_router_flags(args), *args.router_args], l3_config, segment,
+                       args.state_file, restart, args.prefill_args, args.decode_args)
     return up(plan, lambda base, children: _announce(args, base, children))
 
 

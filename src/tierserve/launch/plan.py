@@ -53,6 +53,11 @@ class ClusterPlan:
     l3_segment_bytes: int = 256 << 20
     state_file: Path | None = None
     restart: RestartPolicy = field(default_factory=RestartPolicy)
+    prefill_flags: list[str] = field(default_factory=list)  # after ``node_flags``, for prefill nodes only
+    decode_flags: list[str] = field(default_factory=list)
+
+    def role_flags(self, role: ChildRole) -> list[str]:
+        return {ChildRole.PREFILL: self.prefill_flags, ChildRole.DECODE: self.decode_flags}.get(role, [])
 
     @property
     def router_url(self) -> str:
@@ -121,7 +126,8 @@ def _node(plan: ClusterPlan, role: ChildRole, index: int, flags: list[str]) -> C
     cache-aware policy; a fixed port lets it reconnect to a restarted node)."""
     ports = Ports(grpc=free_port(), metrics=free_port(), kv_events=free_port())
     argv = [*_cli(), role.value, "--model", str(plan.model_dir), "--port", str(ports.grpc),
-            "--metrics-port", str(ports.metrics), "--kv-events-port", str(ports.kv_events), *flags]
+            "--metrics-port", str(ports.metrics), "--kv-events-port", str(ports.kv_events), *flags,
+            *plan.role_flags(role)]
     return ChildSpec(f"{role.value}-{index}", role, tuple(argv), ports)
 
 
