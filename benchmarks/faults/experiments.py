@@ -1,0 +1,152 @@
+"""The campaign's experiments. Each sends its load, injects its fault, and returns a ``Row`` of
+counts; ``settle`` then checks that every node gave its pages back."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import httpx
+from faults.bad_inputs import cases, check
+from faults.cluster import Cluster
+from faults.load import Outcome, Request, Result, send, send_all
+from faults.workload import Reference, requests
+
+SETTLE_S = 10.0  # pages must be back this long after an experiment
+
+
+@dataclass
+class Row:
+    name: str
+    sent: int = 0
+    ok: int = 0
+    failed: dict[str, int] = field(default_factory=dict)  # "result status" -> count
+    wrong: int = 0
+    held_pages: dict[str, dict[str, float]] = field(default_factory=dict)  # node -> what it still holds
+    rss_growth_mb: float = 0.0
+    recovery_s: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+Experiment = Callable[[Cluster, Reference], Awaitable[Row]]
+
+
+def tally(row: Row, outcomes: list[Outcome], reference: Reference) -> Row:
+    row.sent += len(outcomes)
+    row.ok += sum(o.result is Result.OK for o in outcomes)
+    failed = Counter(f"{o.result.value} {o.status}" for o in outcomes if o.result is not Result.OK)
+    row.failed = dict(Counter(row.failed) + failed)
+    row.wrong += sum(reference.wrong(o) for o in outcomes)
+    return row
+
+
+async def loaded(cluster: Cluster, reference: Reference, row: Row, wanted: list[Request], concurrency: int,
+                 fault: Callable[[], Awaitable[None]] | None = None, after_s: float = 1.0) -> Row:
+    """Runs ``wanted`` at ``concurrency``; ``fault`` fires ``after_s`` into the load."""
+    await reference.learn(wanted)
+    load = asyncio.create_task(send_all(cluster.url, cluster.model, wanted, concurrency, timeout_s=180))
+    if fault is not None:
+        await asyncio.sleep(after_s)  # the fault must land while requests are in flight
+        await fault()
+    return tally(row, await load, reference)
+
+
+async def soak(cluster: Cluster, reference: Reference) -> Row:
+    return await loaded(cluster, reference, Row("soak: 2,000 requests"), requests(2000, seed=1), 16)
+
+
+def kill_node(role: str, what: str, seed: int) -> Experiment:
+    async def experiment(cluster: Cluster, reference: Reference) -> Row:
+        row, name = Row(f"kill -9 {what} under 32 concurrent"), cluster.first(role)
+        stopped = 0.0
+
+        async def fault() -> None:
+            nonlocal stopped
+            cluster.kill(name, signal.SIGKILL)
+            stopped = time.monotonic()
+            if role == "decode":
+                row.notes.append(f"router stopped using it after {await cluster.unused_after(name):.2f} s")
+
+        row = await loaded(cluster, reference, row, requests(300, seed=seed), 32, fault)
+        row.recovery_s = await cluster.wait_back(name) - stopped
+        return row
+
+    experiment.__name__ = f"kill_{role}"
+    return experiment
+
+
+async def freeze_decode(cluster: Cluster, reference: Reference) -> Row:
+    row, name = Row("SIGSTOP of a decode node for 20 s"), cluster.first("decode")
+
+    async def fault() -> None:
+        cluster.kill(name, signal.SIGSTOP)
+        await asyncio.sleep(20)  # the length of the freeze is the experiment
+        cluster.kill(name, signal.SIGCONT)
+
+    return await loaded(cluster, reference, row, requests(300, seed=7), 16, fault)
+
+
+async def transfer_failures(cluster: Cluster, reference: Reference) -> Row:
+    row = Row(f"{cluster.transfer_fault_rate:.0%} injected transfer failures")
+    return await loaded(cluster, reference, row, requests(1000, seed=8), 16)
+
+
+async def disconnects(cluster: Cluster, reference: Reference) -> Row:
+    row, wanted = Row("100 clients leave mid-stream"), [Request(p, 64, stream=True) for p in _prompts(100, 9)]
+    async with httpx.AsyncClient(base_url=cluster.url, timeout=None) as client:
+        outcomes = await asyncio.gather(*(send(client, cluster.model, r, 120, leave_after_chunks=2) for r in wanted))
+    row.sent = len(outcomes)
+    row.ok = sum(o.result is Result.DISCONNECTED for o in outcomes)  # leaving as planned is success here
+    row.failed = dict(Counter(f"{o.result.value} {o.status}" for o in outcomes if o.result is not Result.DISCONNECTED))
+    return row
+
+
+async def burst(cluster: Cluster, reference: Reference) -> Row:
+    """300 requests at once over the router's admission limits, plus one 300-prompt x n=128 request."""
+    row = await loaded(cluster, reference, Row("burst of 300 + n=128 fan-out"), requests(300, seed=10), 300)
+    fan_out = Request("fan out", 4, n=128)
+    async with httpx.AsyncClient(base_url=cluster.url, timeout=None) as client:
+        body = fan_out.body(cluster.model) | {"prompt": _prompts(300, 11)}
+        reply = await client.post("/v1/completions", json=body, timeout=600)
+    row.sent += 1
+    row.ok += reply.status_code == 200
+    if reply.status_code != 200:
+        key = f"fan-out {reply.status_code}"
+        row.failed[key] = row.failed.get(key, 0) + 1
+    return row
+
+
+async def bad_input(cluster: Cluster, reference: Reference) -> Row:
+    row = Row("bad input")
+    async with httpx.AsyncClient(base_url=cluster.url, timeout=None) as client:
+        verdicts = [await check(client, case, cluster.admin_key) for case in cases(cluster.model, cluster.vocab)]
+    row.sent, row.ok = len(verdicts), sum(v.passed for v in verdicts)
+    row.failed = {f"{v.case.name}: {v.status}{'' if v.shaped else ' (not the error shape)'}": 1
+                  for v in verdicts if not v.passed}
+    row.notes.append(f"{len(verdicts)} bad requests, each answered 4xx in the OpenAI error shape unless listed as "
+                     "failed (1,000 stop strings may also be served), then 20 good ones")
+    return await loaded(cluster, reference, row, requests(20, seed=12), 4)  # and the cluster still serves
+
+
+def _prompts(count: int, seed: int) -> list[str]:
+    return [r.prompt for r in requests(count, seed)]
+
+
+async def settle(cluster: Cluster, row: Row) -> Row:
+    """Waits up to ``SETTLE_S`` for every node to hold no page for a request; records what is
+    still held then (reservations, quarantined or parked pages, running requests)."""
+    deadline = time.monotonic() + SETTLE_S
+    while (held := cluster.held_pages()) and time.monotonic() < deadline:
+        await asyncio.sleep(0.25)  # poll interval
+    row.held_pages = held
+    return row
+
+
+EXPERIMENTS: list[Experiment] = [
+    soak, kill_node("prefill", "a prefill node", 2), kill_node("decode", "a decode node", 3),
+    kill_node("master", "mooncake_master", 4), freeze_decode, disconnects, burst, bad_input,
+]

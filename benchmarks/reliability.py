@@ -1,0 +1,111 @@
+"""The reliability campaign (issue 13): faults and bad input against a whole cluster, counted.
+
+Starts ``tierserve up`` on a tiny random Llama that speaks the built-in model's tokenizer
+(2 prefill, 2 decode, ``mooncake_master``, router) and, beside it, a node without prefix cache
+whose greedy outputs are the reference. Runs the experiments of ``faults.experiments`` one after
+the other on the same cluster (the injected transfer failures on a second cluster whose prefill
+nodes fail that share of their transfers), and after each waits up to 10 s for every node to
+give its pages back. Writes ``benchmarks/RELIABILITY.md``: per experiment, requests sent,
+succeeded, failed (by kind and status), wrong outputs, what nodes still held 10 s after, RSS
+growth of the cluster's processes, recovery time.
+
+    .venv/bin/python benchmarks/reliability.py [--only soak,burst] [--out benchmarks/RELIABILITY.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from faults.cluster import Cluster
+from faults.experiments import EXPERIMENTS, Experiment, Row, loaded, settle, transfer_failures
+from faults.report import write
+from faults.workload import Reference, make_model, requests
+
+from tierserve.launch.probes import free_port, http_ok
+from tierserve.model.fetch import fetch_builtin_model
+
+NODE_FLAGS = ["--device", "cpu", "--max-total-tokens", "8192", "--enable-hierarchical-cache", "--log-level", "warning"]
+ROUTER_ARGS = "--stream-idle-timeout 5 --health-check-interval 0.5"
+TRANSFER_FAULT_RATE = 0.1
+
+
+def start_reference(model: Path, workdir: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "tierserve.cli", "serve", "--model", str(model), "--port", str(port),
+                             "--device", "cpu", "--disable-radix-cache", "--log-level", "warning"],
+                            stdout=(workdir / "reference.log").open("w"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while not http_ok(f"{url}/readiness"):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"the reference node did not start; see {workdir / 'reference.log'}")
+        time.sleep(0.1)  # poll interval
+    return proc, url
+
+
+async def run(cluster: Cluster, reference: Reference, experiments: list[Experiment]) -> list[Row]:
+    """Warms the cluster up first (every node has run the model and filled its pools a little), so
+    RSS growth is an experiment's own."""
+    await loaded(cluster, reference, Row("warm-up"), requests(64, seed=0), 8)
+    rows = []
+    for experiment in experiments:
+        before = cluster.rss_mb()
+        print(f"reliability: {experiment.__name__} ...", flush=True)
+        row = await settle(cluster, await experiment(cluster, reference))
+        row.rss_growth_mb = cluster.rss_mb() - before
+        print(f"reliability: {row}", flush=True)
+        rows.append(row)
+    return rows
+
+
+def with_cluster(model: Path, workdir: Path, reference: Reference, experiments: list[Experiment],
+                 extra: list[str], fault_rate: float) -> list[Row]:
+    workdir.mkdir(parents=True, exist_ok=True)
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    cluster = Cluster(model, workdir, vocab, [*NODE_FLAGS, "--router-args", ROUTER_ARGS, *extra],
+                      fault_rate)
+    try:
+        cluster.wait_ready()
+        return asyncio.run(run(cluster, reference, experiments))
+    finally:
+        cluster.stop()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", help="comma-separated experiment names (default: all)")
+    p.add_argument("--out", type=Path, default=Path(__file__).parent / "RELIABILITY.md")
+    p.add_argument("--workdir", type=Path, help="logs and the tiny model (default: a temporary folder)")
+    args = p.parse_args()
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="tierserve-reliability-"))
+    chosen = [e for e in [*EXPERIMENTS, transfer_failures] if not args.only or e.__name__ in args.only.split(",")]
+    model = make_model(workdir / "tiny-llama", fetch_builtin_model(progress=False))
+    ref_proc, ref_url = start_reference(model, workdir)
+    try:
+        reference = Reference(ref_url, model.name)
+        main_experiments = [e for e in chosen if e is not transfer_failures]
+        rows = with_cluster(model, workdir / "cluster", reference, main_experiments, [], 0.0) \
+            if main_experiments else []
+        if transfer_failures in chosen:
+            faulty = ["--prefill-args", f"--fault-transfer-rate {TRANSFER_FAULT_RATE}"]
+            rows += with_cluster(model, workdir / "faulty", reference, [transfer_failures], faulty, TRANSFER_FAULT_RATE)
+    finally:
+        ref_proc.terminate()
+        ref_proc.wait()
+    command = "    .venv/bin/python benchmarks/reliability.py" + (f" --only {args.only}" if args.only else "")
+    write(args.out, rows, command, [f"Logs: {workdir}"])
+    print(f"reliability: wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
