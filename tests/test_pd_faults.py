@@ -149,3 +149,27 @@ def test_frozen_decode_node_does_not_block_other_requests(long_llama: Path, deco
     finally:
         frozen.stop()
         prefill.stop()
+
+
+def test_a_release_sent_while_the_decode_node_is_frozen_lands_when_it_thaws(decode: NodeProcess, monkeypatch
+                                                                           ) -> None:
+    """A handoff that fails while D is frozen (SIGSTOP) is released while D cannot answer; that
+    release must land when D thaws, or the reservation holds its pages for the whole lease (the
+    router asks for its 600 s deadline): the reliability campaign found 7 such reservations."""
+    monkeypatch.setattr(pd_flow, "RELEASE_TIMEOUT_S", 0.5)
+
+    async def scenario() -> bool:
+        async with grpc.aio.insecure_channel(decode.address) as channel:
+            pair = pd_flow.Pair.connect(channel, channel)  # Release goes to D only
+            reserved = await reserve(decode.address, "frozen-release", prompts(1, seed=31)[0], lease=600)
+            decode.signal(signal.SIGSTOP)
+            try:
+                await pd_flow.release(pair, reserved.destination.reservation_id, writer_stopped=True)
+            finally:
+                decode.signal(signal.SIGCONT)
+            deadline = time.monotonic() + 20
+            while not await pages_back(decode.address) and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)  # poll interval; the retry runs on this loop
+            return await pages_back(decode.address)
+
+    assert asyncio.run(scenario()), "the thawed decode node still holds the released reservation"

@@ -40,7 +40,9 @@ def tally(row: Row, outcomes: list[Outcome], reference: Reference) -> Row:
     row.ok += sum(o.result is Result.OK for o in outcomes)
     failed = Counter(f"{o.result.value} {o.status}" for o in outcomes if o.result is not Result.OK)
     row.failed = dict(Counter(row.failed) + failed)
-    row.wrong += sum(reference.wrong(o) for o in outcomes)
+    wrong = [o for o in outcomes if reference.wrong(o)]
+    row.wrong += sum(reference.wrong(o) for o in wrong)
+    row.notes += [reference.describe(o) for o in wrong[:5]]
     return row
 
 

@@ -75,3 +75,13 @@ class Reference:
             return 0
         want = self.texts.get((outcome.request.prompt, outcome.request.max_tokens))
         return sum(text != want for text in outcome.texts)
+
+    def describe(self, outcome: Outcome) -> str:
+        """Where a wrong outcome's first wrong choice leaves the reference (for the report)."""
+        request = outcome.request
+        want = self.texts.get((request.prompt, request.max_tokens), "")
+        got = next(t for t in outcome.texts if t != want)
+        at = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want)))
+        return (f"wrong output ({'stream' if request.stream else 'plain'}, prompt of {len(request.prompt)} chars "
+                f"ending {request.prompt[-30:]!r}, max_tokens {request.max_tokens}): differs at char {at}: "
+                f"got {got[at:at + 40]!r}, want {want[at:at + 40]!r}")

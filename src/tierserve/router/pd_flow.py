@@ -7,6 +7,7 @@ torch here: the router imports this."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
@@ -19,7 +20,8 @@ from tierserve.proto import tierserve_pb2_grpc as pb_grpc
 
 WRITER_STOPPED = "tierserve-writer-stopped"  # a failed Prefill's word on its in-flight batches
 LEASE_MARGIN_S = 2.0  # the prefill leg ends this long before the decode node's lease runs out
-RELEASE_TIMEOUT_S = 5.0
+RELEASE_TIMEOUT_S = 5.0  # one Release call
+RELEASE_RETRY_S = 120.0  # a Release D did not answer is sent again, with backoff, this long
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -138,8 +140,11 @@ async def generate(pair: Pair, prefilled: Prefilled, sampling: pb.SamplingOption
 async def release(pair: Pair, reservation_id: str, writer_stopped: bool) -> None:
     """Ends a reservation, or aborts its running generation. Best effort (a D that is gone
     reclaims the pages itself when the lease runs out), and done even when the caller is
-    cancelled meanwhile."""
-    await asyncio.shield(in_background(_release(pair, reservation_id, writer_stopped)))
+    cancelled meanwhile. Waits for one call at most: a D that does not answer is asked again in
+    the background."""
+    sent = in_background(_release(pair, reservation_id, writer_stopped))
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(asyncio.shield(sent), RELEASE_TIMEOUT_S)
 
 
 def release_later(pair: Pair, reservation_id: str, writer_stopped: bool) -> None:
@@ -148,8 +153,21 @@ def release_later(pair: Pair, reservation_id: str, writer_stopped: bool) -> None
 
 
 async def _release(pair: Pair, reservation_id: str, writer_stopped: bool) -> None:
+    """Sends Release until D answers: a frozen D (SIGSTOP, a stalled host) drops calls that time out
+    meanwhile, and a reservation nobody releases holds its pages for its whole lease. Stops when D
+    answers (a restarted D answers too: it does not know the id) or after ``RELEASE_RETRY_S``;
+    a D that is gone for good reclaims the pages when the lease runs out."""
     request = pb.ReleaseRequest(reservation_id=reservation_id, writer_stopped=writer_stopped)
-    try:
-        await pair.decode.Release(request, timeout=RELEASE_TIMEOUT_S)
-    except Exception as exc:  # unreachable, or its channel closed after a drain: the lease ends it
-        log.debug("release of %s failed: %s", reservation_id, exc)
+    loop, delay = asyncio.get_running_loop(), 0.25
+    give_up = loop.time() + RELEASE_RETRY_S
+    while True:
+        try:
+            await pair.decode.Release(request, timeout=RELEASE_TIMEOUT_S)
+            return
+        except Exception as exc:  # unreachable, frozen, or its channel closed after a drain
+            if loop.time() + delay > give_up:
+                log.warning("release of %s never reached its decode node: %s", reservation_id, exc)
+                return
+            log.debug("release of %s failed (%s); again in %.2f s", reservation_id, exc, delay)
+        await asyncio.sleep(delay)
+        delay = min(2 * delay, 10.0)
