@@ -9,12 +9,12 @@ import torch
 FAMILIES = ("llama", "qwen2", "qwen3")
 
 
-def _config(family: str, max_position: int = 512):
+def _config(family: str, max_position: int = 512, heads: int = 4, kv_heads: int = 2):
     import transformers
 
     common = dict(
         vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_position,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_position,
         initializer_range=0.2, rms_norm_eps=1e-6, tie_word_embeddings=False,
         bos_token_id=0, eos_token_id=1,
     )
@@ -27,14 +27,17 @@ def _config(family: str, max_position: int = 512):
     raise ValueError(family)
 
 
-def make_tiny_model(family: str, out_dir: Path, seed: int = 0, max_position: int = 512) -> Path:
+def make_tiny_model(family: str, out_dir: Path, seed: int = 0, max_position: int = 512, heads: int = 4,
+                    kv_heads: int = 2) -> Path:
     """Saves a random ``family`` model to ``out_dir`` and returns it. Qwen2's q/k/v biases and
     Qwen3's q/k norms get random non-trivial values (their defaults, zero and one, hide bugs).
-    ``max_position`` is the model's context length (max_position_embeddings)."""
+    ``max_position`` is the model's context length (max_position_embeddings); ``heads`` and
+    ``kv_heads`` its attention and KV heads (Llama and Qwen3 keep head_dim 16, Qwen2 has 64 / heads)."""
     import transformers
 
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(_config(family, max_position), dtype=torch.float32)
+    config = _config(family, max_position, heads, kv_heads)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")):
@@ -43,3 +46,14 @@ def make_tiny_model(family: str, out_dir: Path, seed: int = 0, max_position: int
                 param.uniform_(0.5, 1.5)
     model.save_pretrained(out_dir)
     return out_dir
+
+
+def add_word_tokenizer(model_dir: Path, vocab_size: int = 384) -> Path:
+    """Gives a tiny model a tokenizer whose token i is the word ``w<i>``, so an API that answers in
+    text answers in token ids too: ``decode`` joins the words with spaces, ``encode`` splits them."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(model_dir / "tokenizer.json"))
+    return model_dir

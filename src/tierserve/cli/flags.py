@@ -48,6 +48,10 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("--max-running-requests", "max_running_requests", "requests in the running batch", int),
     Flag("--context-length", "max_model_len", "max prompt + output tokens (default: the model's)", int),
     Flag("--seed", "seed", "random seed", int),
+    # Tensor parallelism: one process per rank (docs/architecture.md, Ranks).
+    Flag("--tp-size", "tp_size", "tensor-parallel ranks (processes) of this node", int),
+    Flag("--base-gpu-id", "base_gpu_id", "CUDA device of rank 0; rank r uses the next r-th", int),
+    Flag("--dist-timeout", "dist_timeout_s", "seconds before a collective between ranks gives up", float),
     Flag("--disable-radix-cache", "disable_radix_cache", "do not reuse KV of shared prompt prefixes", SWITCH),
     # The host tier (L2) and L3, named as in SGLang.
     Flag("--enable-hierarchical-cache", "enable_hierarchical_cache", "add a host-memory tier (L2)", SWITCH),

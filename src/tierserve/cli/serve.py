@@ -1,12 +1,19 @@
 """``tierserve serve``: one engine behind the OpenAI-compatible HTTP API (no router, no
-disaggregation)."""
+disaggregation); with ``--tp-size N`` the engine spans N rank processes, the API on rank 0."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from tierserve.cli.flags import add_api_key_args, add_engine_args, add_listen_args, add_model_args, node_engine_config
+
+if TYPE_CHECKING:
+    from tierserve.engine.config import EngineConfig
+    from tierserve.engine.engine import Engine
+    from tierserve.engine.rank_procs import RankProcesses
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -17,23 +24,64 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_serve(args: argparse.Namespace, on_ready: Callable[[], None] | None = None) -> int:
-    """Loads the engine and serves it until SIGINT/SIGTERM, then stops the engine thread."""
+    """Loads the engine and serves it until SIGINT/SIGTERM, then stops the engine thread (and the
+    other ranks); 2 for a usage error, such as a TP size the model cannot be split over."""
+    config = node_engine_config(args)
+    if config is None or not _fits(config):
+        return 2
+    if config.tp_size == 1:
+        from tierserve.engine.engine import Engine
+
+        _serve(args, Engine(config), on_ready)
+        return 0
+    return _serve_ranks(args, config, on_ready)
+
+
+def _fits(config: EngineConfig) -> bool:
+    """Refuses, before any process starts, a TP size the model's heads or MLP cannot be split over."""
+    from tierserve.core.model_config import ModelConfig
+    from tierserve.model.parallel import TensorParallelError, check_model
+
+    try:
+        check_model(ModelConfig.from_dir(config.model_dir), config.tp_size)
+    except TensorParallelError as exc:
+        print(f"tierserve: --tp-size {config.tp_size} does not fit {config.model_dir.name}: {exc}", file=sys.stderr)
+        return False
+    return True
+
+
+def _serve_ranks(args: argparse.Namespace, config: EngineConfig, on_ready: Callable[[], None] | None) -> int:
+    """Rank 0: starts the other ranks, builds its engine with them, serves; a dead rank ends the process."""
+    from tierserve.engine.engine import Engine
+    from tierserve.engine.rank_procs import RankProcesses
+
+    ranks = RankProcesses(config, args.log_level)
+    try:
+        engine = Engine(config, ranks=ranks.join())
+    except BaseException:
+        ranks.stop(grace_s=0)  # they wait for rank 0, which will never send them anything
+        raise
+    try:
+        _serve(args, engine, on_ready, ranks)
+    finally:
+        ranks.stop()  # the stop message went out: they leave on their own
+    return 0
+
+
+def _serve(args: argparse.Namespace, engine: Engine, on_ready: Callable[[], None] | None,
+           ranks: RankProcesses | None = None) -> None:
     from tierserve.api.engine_backend import create_engine_app
     from tierserve.api.http import run_http
     from tierserve.api.tokenizer import try_load
-    from tierserve.engine.engine import Engine
     from tierserve.engine.loop import EngineLoop
+    from tierserve.engine.step_bus import LeaderBus
 
-    config = node_engine_config(args)
-    if config is None:
-        return 2
-    engine = Engine(config)
-    loop = EngineLoop(engine).start()
+    bus = LeaderBus(engine.ranks, ranks.fail) if ranks is not None else None
+    loop = EngineLoop(engine, bus).start()
     try:
-        app = create_engine_app(loop, try_load(config.model_dir), args.served_model_name or engine.model_config.name,
-                                args.api_key, args.admin_api_key)
+        app = create_engine_app(loop, try_load(engine.config.model_dir),
+                                args.served_model_name or engine.model_config.name, args.api_key, args.admin_api_key)
         run_http(app, args.host, args.port, on_ready)
     finally:
-        loop.stop()
+        loop.stop()  # tells the other ranks to stop
         engine.cache.close()  # stops the L2/L3 workers and closes the L3 client
-    return 0

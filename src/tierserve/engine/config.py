@@ -14,7 +14,9 @@ class EngineConfig:
     """``max_total_tokens`` sizes the KV pool (default: a fraction of free GPU memory on CUDA,
     16384 tokens on CPU). ``max_model_len`` caps prompt plus output (default: the model's).
     ``disable_radix_cache`` turns off reuse of earlier requests' KV for shared prompt prefixes;
-    ``enable_hierarchical_cache`` adds the host-memory tier (L2) behind it."""
+    ``enable_hierarchical_cache`` adds the host-memory tier (L2) behind it. ``tp_size`` ranks (one
+    process each, on devices from ``base_gpu_id`` on CUDA) share the model by tensor parallelism;
+    every collective between them gives up after ``dist_timeout_s`` (docs/architecture.md, Ranks)."""
 
     model_dir: Path
     device: str = "auto"
@@ -29,6 +31,9 @@ class EngineConfig:
     disable_radix_cache: bool = False
     enable_hierarchical_cache: bool = False
     hicache: HiCacheOptions = field(default_factory=HiCacheOptions)
+    tp_size: int = 1
+    base_gpu_id: int = 0
+    dist_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -37,6 +42,21 @@ class EngineConfig:
             raise ValueError("chunked_prefill_size must be at least 1")
         if self.max_running_requests < 1:
             raise ValueError("max_running_requests must be at least 1")
+        self._check_parallel()
+
+    def _check_parallel(self) -> None:
+        if self.tp_size < 1:
+            raise ValueError("tp_size must be at least 1")
+        if self.base_gpu_id < 0:
+            raise ValueError("base_gpu_id must not be negative")
+        if self.dist_timeout_s <= 0:
+            raise ValueError("dist_timeout_s must be positive")
+        if self.tp_size > 1 and ":" in self.device:
+            raise ValueError(f"--device {self.device} names one device; with --tp-size use --device cuda "
+                             "and --base-gpu-id (one device per rank from there)")
+        if self.tp_size > 1 and self.enable_hierarchical_cache:
+            # Each rank would need its own L2 and L3 share, agreed per step: a later stage of issue 14.
+            raise ValueError("--enable-hierarchical-cache does not support --tp-size above 1 yet")
 
     @property
     def cache_kind(self) -> CacheKind:

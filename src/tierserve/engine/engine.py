@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import time
@@ -25,10 +26,12 @@ from tierserve.core.storage import StorageAction, StorageBusyError, StorageKind
 from tierserve.engine.config import EngineConfig
 from tierserve.engine.handoff import Handoff
 from tierserve.engine.model_runner import ModelRunner
+from tierserve.engine.ranks import Ranks, single_rank
 from tierserve.engine.request import FinishReason, Request, RequestOutput, RequestStatus
 from tierserve.engine.reservations import DEFAULT_TERMS, Reservations, ReservationTerms
 from tierserve.engine.scheduler import Scheduler, SchedulerConfig, pages_for
 from tierserve.engine.text_stream import TextStream
+from tierserve.engine.token_share import token_share
 from tierserve.model.identity import model_identity
 from tierserve.model.loader import load_model, resolve_dtype
 from tierserve.model.sampling import skip_draw
@@ -39,27 +42,29 @@ PrefixCacheFactory = Callable[[PageAllocator, DeviceKVPool], PrefixCache]
 CPU_DEFAULT_TOKENS = 16384
 
 
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
 class Engine:
     """Continuous-batching engine over a paged KV pool.
 
     Not thread-safe: one thread calls ``add_request``, ``abort`` and ``step`` (see ``EngineLoop``
     for serving). Every page a request uses returns to the allocator (or the prefix cache) when
     it finishes, is aborted or is preempted.
+
+    ``ranks``: this process's rank of a tensor-parallel node (default: the only one). Every rank
+    builds the same engine over its shard of the model and of the KV pool; fed the same commands in
+    the same order, the ranks keep the same requests, tree and page ids (docs/architecture.md, Ranks).
     """
 
-    def __init__(self, config: EngineConfig, prefix_cache: PrefixCacheFactory | None = None) -> None:
+    def __init__(self, config: EngineConfig, prefix_cache: PrefixCacheFactory | None = None,
+                 ranks: Ranks | None = None) -> None:
         self.config = config
-        self.device = pick_device(config.device)
+        self.ranks = ranks or single_rank(config)
+        if self.ranks.size != config.tp_size:
+            raise ValueError(f"tp_size {config.tp_size} but the engine runs on {self.ranks.size} rank(s)")
+        self.device = self.ranks.device
         torch.manual_seed(config.seed)
         model_dir = Path(config.model_dir)
         self.dtype = resolve_dtype(config.dtype, ModelConfig.from_dir(model_dir), self.device)
-        self.model = load_model(model_dir, self.device, self.dtype)
+        self.model = load_model(model_dir, self.device, self.dtype, self.ranks.tp)
         self.model_config = self.model.config
         self.max_model_len = config.max_model_len or self.model_config.max_position
         if self.max_model_len > self.model_config.max_position:
@@ -67,28 +72,30 @@ class Engine:
                              f"{self.model_config.max_position} positions")
         self.tokenizer = _load_tokenizer(model_dir)
         self.eos_ids = set(self.model_config.eos_token_ids) | _generation_eos(model_dir)
-        self.geometry = KVGeometry(
-            self.model_config.num_layers, self.model_config.num_kv_heads,
-            self.model_config.head_dim, config.page_size, self.dtype,
+        heads = self.ranks.tp.heads(self.model_config.num_heads, self.model_config.num_kv_heads)
+        self.geometry = KVGeometry(  # this rank's KV heads only
+            self.model_config.num_layers, heads.kv_heads, self.model_config.head_dim, config.page_size, self.dtype,
         )
-        self.pool = DeviceKVPool(self.geometry, self._num_pages(), self.device)
+        # Page ids are the same on every rank, so every rank's pool has the smallest rank's page count.
+        self.pool = DeviceKVPool(self.geometry, self.ranks.agree_min(self._num_pages()), self.device)
         self.allocator = PageAllocator(self.pool.num_pages)
-        self.namespace = Namespace(
+        self.namespace = Namespace(  # the model's KV heads, not this rank's: the seed is the same at any TP size
             model_identity(model_dir), str(self.dtype).removeprefix("torch."), config.page_size,
-            self.geometry.num_layers, self.geometry.num_kv_heads, self.geometry.head_dim,
+            self.geometry.num_layers, self.model_config.num_kv_heads, self.geometry.head_dim,
             object_format(config.hicache.mem_layout),
         )
         self.cache = (prefix_cache or self._build_cache)(self.allocator, self.pool)
         sched = SchedulerConfig(config.page_size, config.chunked_prefill_size, config.max_running_requests)
         self.scheduler = Scheduler(sched, self.allocator, self.cache)
-        self.runner = ModelRunner(self.model, self.pool, self.device)
+        self.runner = ModelRunner(self.model, self.pool, self.device, token_share(self.ranks))
         self.reservations = Reservations(self.allocator, self.cache, config.page_size)
         self.requests: dict[str, Request] = {}
         self.failures: list[tuple[str, Exception]] = []
         self.last_batch_size = 0
-        log.info("engine ready: model=%s device=%s dtype=%s kv_pages=%d page_size=%d namespace=%s",
+        self._generate_ids = itertools.count()  # the same on every rank, as ids must be
+        log.info("engine ready: model=%s device=%s dtype=%s kv_pages=%d page_size=%d rank=%d/%d namespace=%s",
                  model_dir.name, self.device, self.dtype, self.pool.num_pages, config.page_size,
-                 self.namespace.digest())
+                 self.ranks.rank, self.ranks.size, self.namespace.digest())
 
     @property
     def capacity_tokens(self) -> int:
@@ -220,7 +227,7 @@ class Engine:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
         """Runs prompts to completion (a convenience for tests and benchmarks); returns output ids."""
-        ids = [f"gen-{i}-{id(prompts)}" for i in range(len(prompts))]
+        ids = [f"gen-{next(self._generate_ids)}" for _ in prompts]
         for rid, prompt in zip(ids, prompts, strict=True):
             self.add_request(rid, prompt, params)
         done: dict[str, list[int]] = {rid: [] for rid in ids}

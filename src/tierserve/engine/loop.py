@@ -11,9 +11,11 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from tierserve.core.sampling import SamplingParams
+from tierserve.engine.commands import AbortRequest, AddRequest, EngineCommand, StartReserved
 from tierserve.engine.engine import Engine
 from tierserve.engine.handoff import Handoff
 from tierserve.engine.request import RequestOutput
+from tierserve.engine.step_bus import SoleBus, StepBus
 
 log = logging.getLogger(__name__)
 STATS_INTERVAL_S = 0.01  # a busy engine republishes its occupancy at most this often
@@ -21,14 +23,8 @@ STATS_INTERVAL_S = 0.01  # a busy engine republishes its occupancy at most this 
 
 @dataclass
 class _Submit:
-    request_id: str
-    start: Callable[[Engine], RequestOutput | None]  # adds the request; may already produce output
+    command: EngineCommand  # adds the request; may already produce output
     sink: Callable[[RequestOutput | BaseException], None]
-
-
-@dataclass
-class _Abort:
-    request_id: str
 
 
 @dataclass
@@ -45,13 +41,18 @@ class EngineLoop:
     event loop. Cancelling the iterator (client gone) aborts the request and frees its pages.
     Other threads read the engine's occupancy through ``stats``, a snapshot the engine thread
     publishes, never the engine's own structures.
+
+    On rank 0 of several, ``bus`` carries every command and step to the other ranks, which apply
+    them in the same order (``follow`` in ``engine/rank_worker.py``). A ``call`` runs on rank 0
+    only, so at several ranks it must not change the engine's requests or cache.
     """
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, bus: StepBus | None = None) -> None:
         self.engine = engine
+        self.bus = bus or SoleBus()
         self._stats = engine.stats()  # the engine thread does not run yet
         self._published = 0.0
-        self._commands: queue.SimpleQueue[_Submit | _Abort | _Call | None] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Submit | AbortRequest | _Call | None] = queue.SimpleQueue()
         self._sinks: dict[str, Callable[[RequestOutput | BaseException], None]] = {}
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
@@ -82,26 +83,23 @@ class EngineLoop:
     ) -> AsyncIterator[RequestOutput]:
         """Yields outputs until the finished one; raises the engine's error for a rejected request.
         ``cache_salt`` and ``handoff`` are those of ``Engine.add_request``."""
-        prompt = list(prompt_ids)
-        return self.stream(request_id, lambda e: e.add_request(request_id, prompt, params, cache_salt, handoff))
+        return self.stream(AddRequest(request_id, tuple(prompt_ids), params, cache_salt, handoff))
 
     def generate_reserved(self, request_id: str, first_token: int, params: SamplingParams
                           ) -> AsyncIterator[RequestOutput]:
         """Like ``generate`` for a reservation whose prompt KV arrived (``Engine.start_reserved``)."""
-        return self.stream(request_id, lambda e: e.start_reserved(request_id, first_token, params))
+        return self.stream(StartReserved(request_id, first_token, params))
 
-    async def stream(
-        self, request_id: str, start: Callable[[Engine], RequestOutput | None]
-    ) -> AsyncIterator[RequestOutput]:
-        """Runs ``start(engine)`` on the engine thread, then yields the request's outputs until
-        the finished one; aborts the request if the caller stops early."""
+    async def stream(self, command: EngineCommand) -> AsyncIterator[RequestOutput]:
+        """Applies ``command`` on the engine thread, then yields its request's outputs until the
+        finished one; aborts the request if the caller stops early."""
         loop = asyncio.get_running_loop()
         results: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
 
         def sink(item: RequestOutput | BaseException) -> None:
             loop.call_soon_threadsafe(results.put_nowait, item)
 
-        self._commands.put(_Submit(request_id, start, sink))
+        self._commands.put(_Submit(command, sink))
         finished = False
         try:
             while not finished:
@@ -112,11 +110,11 @@ class EngineLoop:
                 yield item
         finally:
             if not finished:
-                self._commands.put(_Abort(request_id))
+                self._commands.put(AbortRequest(command.request_id))
 
     def abort(self, request_id: str) -> None:
         """Stops a request from any thread; its stream ends with an aborted output."""
-        self._commands.put(_Abort(request_id))
+        self._commands.put(AbortRequest(request_id))
 
     async def call(self, fn: Callable[[Engine], object]) -> object:
         """Runs ``fn(engine)`` on the engine thread between steps; returns its result or raises."""
@@ -138,13 +136,24 @@ class EngineLoop:
         return await future
 
     def _run(self) -> None:
-        while self._drain(self._wait()):
-            if self.engine.has_work():
-                self._step()
-            self._publish()
+        try:
+            self._turns()
+            self.bus.stop()
+        except BaseException as exc:
+            self.bus.lost(exc)  # several ranks: the node goes down; one rank: the thread ends as before
+            raise
         for rid in list(self._sinks):
             self._deliver(self.engine.abort(rid), rid)
         self._publish(force=True)
+
+    def _turns(self) -> None:
+        """Loop turns until asked to stop: commands, then (told to every rank) whether a step runs."""
+        while self._drain(self._wait()):
+            step = self.engine.has_work()
+            self.bus.publish(step)
+            if step:
+                self._step()
+            self._publish()
 
     def _publish(self, force: bool = False) -> None:
         """Engine thread: a fresh occupancy snapshot, always before waiting idle."""
@@ -153,10 +162,11 @@ class EngineLoop:
             self._stats, self._published = self.engine.stats(), now
 
     def _wait(self) -> float | None:
-        """How long to wait for a command: forever when idle, a moment when the last step could
-        schedule nothing (e.g. every page pinned) so the thread does not spin, else not at all."""
+        """How long to wait for a command: when idle, forever (several ranks: until the bus must
+        speak again), a moment when the last step could schedule nothing (e.g. every page pinned)
+        so the thread does not spin, else not at all."""
         if not self.engine.has_work():
-            return None
+            return self.bus.idle_wait
         return 0.0 if self.engine.last_batch_size else 0.005
 
     def _drain(self, wait: float | None) -> bool:
@@ -170,19 +180,25 @@ class EngineLoop:
             wait = 0
             if command is None:
                 return False
-            if isinstance(command, _Abort):
-                self._deliver(self.engine.abort(command.request_id), command.request_id)
-                continue
             if isinstance(command, _Call):
                 self._call(command)
-                continue
-            try:
-                first = command.start(self.engine)
-            except Exception as exc:
-                command.sink(exc)
-                continue
-            self._sinks[command.request_id] = command.sink
-            self._deliver(first, command.request_id)
+            elif isinstance(command, AbortRequest):
+                self.bus.record(command)
+                self._deliver(command.apply(self.engine), command.request_id)
+            else:
+                self._submit(command)
+
+    def _submit(self, submit: _Submit) -> None:
+        """Applies a new request's command; the other ranks apply it too, failing or not, as here."""
+        request_id = submit.command.request_id
+        try:
+            self.bus.record(submit.command)
+            first = submit.command.apply(self.engine)
+        except Exception as exc:
+            submit.sink(exc)
+            return
+        self._sinks[request_id] = submit.sink
+        self._deliver(first, request_id)
 
     def _call(self, command: _Call) -> None:
         """Runs the call, publishes the occupancy it changed, then answers: a caller that reads
@@ -203,6 +219,7 @@ class EngineLoop:
             for rid in list(self._sinks):
                 self.engine.abort(rid)
                 self._sinks.pop(rid)(exc)
+            self.bus.lost(exc)  # several ranks: one failed step leaves them out of step
             return
         for out in outputs:
             self._deliver(out, out.request_id)

@@ -7,6 +7,7 @@ import torch
 from tierserve.cache.device_pool import DeviceKVPool
 from tierserve.engine.request import Request
 from tierserve.engine.scheduler import Scheduled, pages_for
+from tierserve.engine.token_share import SoleSampler, TokenShare
 from tierserve.model.attention import AttentionBatch, ExtendSpan, LayerHooks
 from tierserve.model.llama import CausalLM
 from tierserve.model.sampling import SamplingBatch, sample
@@ -17,14 +18,17 @@ class ModelRunner:
 
     Prefill chunks go first in the flat batch (each attends on its own), decode tokens last (all
     attend in one padded batched call). Only requests whose last pending token is in this step
-    produce logits and a sampled token.
+    produce logits and a sampled token. With several ranks, ``tokens`` makes every rank return the
+    tokens rank 0 sampled.
     """
 
-    def __init__(self, model: CausalLM, pool: DeviceKVPool, device: torch.device) -> None:
+    def __init__(self, model: CausalLM, pool: DeviceKVPool, device: torch.device,
+                 tokens: TokenShare | None = None) -> None:
         self.model = model
         self.pool = pool
         self.device = device
         self.page_size = pool.page_size
+        self.tokens = tokens or SoleSampler()
 
     @torch.inference_mode()
     def run(self, batch: list[Scheduled], hooks: LayerHooks | None = None) -> dict[str, int]:
@@ -40,11 +44,14 @@ class ModelRunner:
             attn.decode_pages, attn.decode_mask = self._decode_tables(decodes)
         hidden = self.model(self._tensor(ids), self._tensor(positions), attn, self.pool)
         rows, sampled = _rows_to_sample(ordered)
-        if not rows:
-            return {}
-        logits = self.model.logits(hidden[self._tensor(rows)])
-        tokens = sample(logits, _sampling_batch(sampled)).tolist()
+        tokens = self.tokens.share(ordered, len(rows), lambda: self._sample(hidden, rows, sampled))
         return {r.request_id: t for r, t in zip(sampled, tokens, strict=True)}
+
+    def _sample(self, hidden: torch.Tensor, rows: list[int], requests: list[Request]) -> list[int]:
+        if not rows:
+            return []
+        logits = self.model.logits(hidden[self._tensor(rows)])
+        return sample(logits, _sampling_batch(requests)).tolist()
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tierserve.model.parallel import TensorParallel
+from tierserve.model.parallel import HeadShard, TensorParallel
 
 
 class RMSNorm(nn.Module):
@@ -46,38 +46,45 @@ def _attach(param: nn.Parameter, loader, num_shards: int = 1) -> nn.Parameter:
 class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with W's output rows split across ranks; one or more stacked outputs.
 
-    ``output_sizes`` lists the full (unsplit) sizes of the stacked sub-matrices, e.g. the
-    gate and up projections; shard ``i`` of the checkpoint goes into sub-matrix ``i``.
+    Checkpoint shard ``i`` (e.g. the gate, then the up projection) goes into stacked sub-matrix
+    ``i``: this rank holds its rows ``[starts[i], starts[i] + local_sizes[i])``. ``split`` gives
+    each rank an equal block of every output.
     """
 
-    def __init__(self, in_features: int, output_sizes: list[int], bias: bool, tp: TensorParallel) -> None:
+    def __init__(self, in_features: int, local_sizes: list[int], starts: list[int], bias: bool) -> None:
         super().__init__()
-        self.tp = tp
-        self.local_sizes = [tp.shard(n, "output features") for n in output_sizes]
-        out, n = sum(self.local_sizes), len(output_sizes)
+        self.local_sizes, self.starts = local_sizes, starts
+        out, n = sum(local_sizes), len(local_sizes)
         self.weight = _attach(nn.Parameter(torch.empty(out, in_features)), self._load, n)
         self.bias = _attach(nn.Parameter(torch.zeros(out)), self._load, n) if bias else None
+
+    @classmethod
+    def split(cls, in_features: int, output_sizes: list[int], bias: bool, tp: TensorParallel) -> ColumnParallelLinear:
+        """Each stacked output split evenly: rank r holds the r-th of ``tp.size`` equal row blocks."""
+        local = [tp.shard(n, "output features") for n in output_sizes]
+        return cls(in_features, local, [tp.rank * n for n in local], bias)
 
     def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard: int | None = None) -> None:
         index = shard or 0
         size = self.local_sizes[index]
-        start = sum(self.local_sizes[:index])
-        piece = loaded.narrow(0, self.tp.rank * size, size)
-        copy_whole(param.data.narrow(0, start, size), piece)  # type: ignore[arg-type]
+        offset = sum(self.local_sizes[:index])
+        piece = loaded.narrow(0, self.starts[index], size)
+        copy_whole(param.data.narrow(0, offset, size), piece)  # type: ignore[arg-type]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
-    """Q, K and V projections in one matmul; each rank holds its share of query and KV heads."""
+    """Q, K and V projections in one matmul; each rank holds the query and KV heads of its
+    ``HeadShard`` (a replicated KV head is loaded by every rank that shares it)."""
 
     SHARDS: ClassVar[dict[str, int]] = {"q": 0, "k": 1, "v": 2}
 
-    def __init__(
-        self, hidden: int, head_dim: int, heads: int, kv_heads: int, bias: bool, tp: TensorParallel
-    ) -> None:
-        super().__init__(hidden, [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], bias, tp)
+    def __init__(self, hidden: int, head_dim: int, heads: HeadShard, bias: bool) -> None:
+        q, kv = heads.q_heads * head_dim, heads.kv_heads * head_dim
+        q_start, kv_start = heads.q_start * head_dim, heads.kv_start * head_dim
+        super().__init__(hidden, [q, kv, kv], [q_start, kv_start, kv_start], bias)
 
     def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard: int | str | None = None) -> None:
         super()._load(param, loaded, self.SHARDS[shard] if isinstance(shard, str) else shard)
@@ -117,7 +124,7 @@ class GatedMLP(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int, bias: bool, tp: TensorParallel) -> None:
         super().__init__()
-        self.gate_up_proj = ColumnParallelLinear(hidden, [intermediate, intermediate], bias, tp)
+        self.gate_up_proj = ColumnParallelLinear.split(hidden, [intermediate, intermediate], bias, tp)
         self.down_proj = RowParallelLinear(intermediate, hidden, bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

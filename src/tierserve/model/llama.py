@@ -27,12 +27,9 @@ class SelfAttention(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer_id: int, tp: TensorParallel) -> None:
         super().__init__()
-        self.heads = tp.shard(cfg.num_heads, "num_attention_heads")
-        self.kv_heads = tp.shard(cfg.num_kv_heads, "num_key_value_heads")
-        self.head_dim = cfg.head_dim
-        self.qkv_proj = QKVParallelLinear(
-            cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.attention_bias, tp
-        )
+        shard = tp.heads(cfg.num_heads, cfg.num_kv_heads)
+        self.heads, self.kv_heads, self.head_dim = shard.q_heads, shard.kv_heads, cfg.head_dim
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, shard, cfg.attention_bias)
         o_bias = cfg.attention_bias and cfg.family is not ModelFamily.QWEN2  # Qwen2 biases q/k/v only
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, o_bias, tp)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
@@ -65,7 +62,8 @@ class DecoderLayer(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """The whole model. ``forward`` runs a flat batch of tokens and returns final hidden states."""
+    """The whole model, or one tensor-parallel rank's shard of it (``tp``). ``forward`` runs a flat
+    batch of tokens and returns final hidden states, the same on every rank."""
 
     def __init__(self, cfg: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
@@ -74,7 +72,8 @@ class CausalLM(nn.Module):
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position, cfg.rope_scaling)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else ColumnParallelLinear(
+        # Replicated: logits are computed on one rank only (docs/architecture.md, Ranks).
+        self.lm_head = None if cfg.tie_word_embeddings else ColumnParallelLinear.split(
             cfg.hidden_size, [cfg.vocab_size], False, TensorParallel()
         )
         self._head_t: torch.Tensor | None = None  # CPU only: a transposed copy for one-row logits

@@ -1,4 +1,9 @@
-"""Tensor-parallel placement of this process; size 1 until tensor parallelism lands."""
+"""Tensor-parallel placement of one rank: which heads and rows of every parallel layer it holds.
+
+Attention heads are split as SGLang splits them (``docs/architecture.md``, Ranks): each of N ranks
+holds ``num_heads / N`` query heads; ``num_kv_heads / N`` KV heads when N divides them, else (N a
+multiple of ``num_kv_heads``) one KV head that ``N / num_kv_heads`` neighbouring ranks share.
+"""
 
 from __future__ import annotations
 
@@ -6,28 +11,81 @@ from dataclasses import dataclass
 
 import torch
 
+from tierserve.core.model_config import ModelConfig
+
+
+class TensorParallelError(ValueError):
+    """The model cannot be split over this many ranks; the message names the numbers."""
+
+
+@dataclass(frozen=True)
+class HeadShard:
+    """The attention heads one rank holds: query heads ``[q_start, q_start + q_heads)`` and KV heads
+    ``[kv_start, kv_start + kv_heads)`` of the checkpoint."""
+
+    q_start: int
+    q_heads: int
+    kv_start: int
+    kv_heads: int
+
 
 @dataclass(frozen=True)
 class TensorParallel:
     """Which shard of every parallel layer this process holds.
 
-    Layers take this explicitly (no global state) so several ranks can live in one
-    process in tests. ``all_reduce`` sums a row-parallel layer's partial outputs.
+    Layers take this explicitly (no global state) so several ranks can live in one process in
+    tests. ``group`` is the ``torch.distributed`` group the ranks share (None: the default group);
+    ``all_reduce`` sums a row-parallel layer's partial outputs, with no collective at size 1.
     """
 
     rank: int = 0
     size: int = 1
+    group: object | None = None
 
     def shard(self, total: int, what: str) -> int:
         if total % self.size:
-            raise ValueError(f"{what}={total} is not divisible by tensor-parallel size {self.size}")
+            raise TensorParallelError(f"{what}={total} is not divisible by tensor-parallel size {self.size}")
         return total // self.size
+
+    def heads(self, num_heads: int, num_kv_heads: int) -> HeadShard:
+        """This rank's heads; ``TensorParallelError`` when the size fits neither split."""
+        check_heads(num_heads, num_kv_heads, self.size)
+        q_heads = num_heads // self.size
+        if self.size <= num_kv_heads:
+            kv_heads = num_kv_heads // self.size
+            return HeadShard(self.rank * q_heads, q_heads, self.rank * kv_heads, kv_heads)
+        replicas = self.size // num_kv_heads  # ranks sharing one KV head
+        return HeadShard(self.rank * q_heads, q_heads, self.rank // replicas, 1)
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.size == 1:
             return tensor
-        torch.distributed.all_reduce(tensor)
+        torch.distributed.all_reduce(tensor, group=self.group)
         return tensor
 
 
 SINGLE = TensorParallel()
+
+
+def check_heads(num_heads: int, num_kv_heads: int, size: int) -> None:
+    """Raises ``TensorParallelError`` unless ``size`` ranks can split these attention heads."""
+    if size < 1:
+        raise TensorParallelError(f"tensor-parallel size must be at least 1, not {size}")
+    if num_heads % size:
+        raise TensorParallelError(
+            f"tensor-parallel size {size} does not divide the model's {num_heads} attention heads")
+    if size <= num_kv_heads and num_kv_heads % size:
+        raise TensorParallelError(
+            f"tensor-parallel size {size} does not divide the model's {num_kv_heads} KV heads")
+    if size > num_kv_heads and size % num_kv_heads:
+        raise TensorParallelError(
+            f"tensor-parallel size {size} is above the model's {num_kv_heads} KV heads but not a multiple "
+            f"of them, so the KV heads cannot be replicated evenly")
+
+
+def check_model(cfg: ModelConfig, size: int) -> None:
+    """Raises ``TensorParallelError`` unless ``cfg`` can be split over ``size`` ranks (heads and MLP)."""
+    check_heads(cfg.num_heads, cfg.num_kv_heads, size)
+    if cfg.intermediate_size % size:
+        raise TensorParallelError(
+            f"tensor-parallel size {size} does not divide the model's intermediate size {cfg.intermediate_size}")

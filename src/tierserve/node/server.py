@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -57,9 +58,11 @@ AddService = Callable[[grpc.aio.Server, Node], str]  # registers the role's serv
 
 
 def run_node(config: EngineConfig, options: NodeOptions, role: pb.Role, add_service: AddService) -> None:
-    """Builds the node and serves until SIGINT or SIGTERM."""
+    """Builds the node and serves until SIGINT or SIGTERM; exits with status 2 for a node of several
+    ranks, which the prefill and decode roles do not run yet."""
     import uvloop
 
+    _refuse_ranks(config, role)
     engine = Engine(config)
     transfer = TransferEngineHandle(options.transfer_hostname, options.transfer_protocol, options.transfer_devices)
     transfer.register(engine.pool.buffer)  # one arena: every page, every layer
@@ -79,6 +82,17 @@ def run_node(config: EngineConfig, options: NodeOptions, role: pb.Role, add_serv
         if node.kv_events is not None:
             node.kv_events.stop()
         engine.cache.close()  # stops the L2/L3 workers
+
+
+def _refuse_ranks(config: EngineConfig, role: pb.Role) -> None:
+    """Each rank would need its own transfer engine and head range in the KV handoff: a later stage
+    of issue 14. Until then only ``tierserve serve`` runs several ranks."""
+    if config.tp_size > 1:
+        name = pb.Role.Name(role).removeprefix("ROLE_").lower()
+        print(f"tierserve: --tp-size {config.tp_size}: {name} nodes run one rank only for now (the multi-rank "
+              "KV handoff is not built yet); use --tp-size 1, or tierserve serve for tensor parallelism",
+              file=sys.stderr)
+        raise SystemExit(2)
 
 
 async def _serve(node: Node, options: NodeOptions, role: pb.Role, add_service: AddService) -> None:

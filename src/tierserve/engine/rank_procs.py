@@ -1,0 +1,81 @@
+"""Rank 0 starts ranks 1..N-1 of its node as child processes and watches them: one that dies takes
+the node down at once (``docs/architecture.md``, Ranks)."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import signal
+import threading
+from multiprocessing.process import BaseProcess
+
+from tierserve.engine.config import EngineConfig
+from tierserve.engine.rank_worker import run_rank
+from tierserve.engine.ranks import Ranks, RankSpec, join, rendezvous
+
+log = logging.getLogger(__name__)
+STOP_GRACE_S = 10.0  # how long stopped ranks may take to leave before they are killed
+
+
+class RankProcesses:
+    """The other ranks of a node and their watchdog. Start from the main thread (the children's
+    parent-death signal is tied to the thread that started them) and ``stop`` in a ``finally``."""
+
+    def __init__(self, config: EngineConfig, log_level: str) -> None:
+        self.config = config
+        self.store = rendezvous(config.tp_size, config.dist_timeout_s)
+        self.children = [self._spawn(rank, log_level) for rank in range(1, config.tp_size)]
+        self._stopping = threading.Event()
+        threading.Thread(target=self._watch, name="rank-watchdog", daemon=True).start()
+
+    def join(self) -> Ranks:
+        """Rank 0 joins the node's groups (waits for every rank, at most the timeout)."""
+        return join(self._spec(0), self.config, self.store)
+
+    def fail(self, reason: str) -> None:
+        """Takes the node down: kills every other rank and exits this process with status 1."""
+        log.error("stopping the node: %s", reason)
+        self._kill()
+        logging.shutdown()
+        os._exit(1)  # a thread blocked in a collective must not keep the process (and its port) alive
+
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        """After rank 0 sent the stop message (or never will: ``grace_s`` 0): waits for the ranks to
+        leave, then kills the rest."""
+        self._stopping.set()
+        for child in self.children:
+            child.join(grace_s)
+        self._kill()
+
+    def _spec(self, rank: int) -> RankSpec:
+        return RankSpec(rank, self.config.tp_size, self.store.port, self.config.dist_timeout_s)
+
+    def _spawn(self, rank: int, log_level: str) -> BaseProcess:
+        args = (self._spec(rank), self.config, os.getpid(), log_level)
+        child = mp.get_context("spawn").Process(target=run_rank, args=args, name=f"rank-{rank}", daemon=True)
+        child.start()
+        return child
+
+    def _watch(self) -> None:
+        """Waits for the first child to end; unless the node is stopping, that is a dead rank."""
+        ended = multiprocessing.connection.wait([c.sentinel for c in self.children])
+        if self._stopping.is_set():
+            return
+        child = next(c for c in self.children if c.sentinel in ended)
+        child.join()
+        self.fail(f"{child.name} (pid {child.pid}) exited with {_describe(child.exitcode)}")
+
+    def _kill(self) -> None:
+        for child in self.children:
+            if child.is_alive():
+                child.kill()
+        for child in self.children:
+            child.join(5)
+
+
+def _describe(exitcode: int | None) -> str:
+    if exitcode is not None and exitcode < 0:
+        return f"signal {signal.Signals(-exitcode).name}"
+    return f"status {exitcode}"

@@ -1,0 +1,67 @@
+"""Ranks 1..N-1 of a node: each builds the same engine over its shard and applies what rank 0
+broadcasts, step by step, until told to stop (``docs/architecture.md``, Ranks)."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import sys
+
+from tierserve.engine.config import EngineConfig
+from tierserve.engine.engine import Engine
+from tierserve.engine.ranks import RankSpec, join, leave
+from tierserve.engine.step_bus import FollowerBus, StepMessage
+
+log = logging.getLogger(__name__)
+_PR_SET_PDEATHSIG = 1
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s[rank %(rank)s]: %(message)s"
+
+
+def follow(engine: Engine, bus: FollowerBus) -> None:
+    """Applies rank 0's messages until the stop message. Outputs and errors are rank 0's to report:
+    fed the same commands, this rank's engine produced the same ones."""
+    while not (message := bus.receive()).stop:
+        _apply(engine, message)
+
+
+def _apply(engine: Engine, message: StepMessage) -> None:
+    for command in message.commands:
+        with contextlib.suppress(Exception):  # rank 0 answered this request with the same error
+            command.apply(engine)
+    if message.step:
+        engine.step()
+        engine.take_failures()
+
+
+def run_rank(spec: RankSpec, config: EngineConfig, parent_pid: int, log_level: str) -> None:
+    """A rank process's body (``multiprocessing`` spawn target). Exits non-zero on any failure, which
+    rank 0's watchdog turns into the node's exit; dies with rank 0 (parent-death signal)."""
+    _die_with_parent(parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; rank 0 stops us
+    _log_as(spec.rank, log_level)
+    try:
+        ranks = join(spec, config)
+        follow(Engine(config, ranks=ranks), FollowerBus(ranks))
+        leave()
+    except BaseException:
+        log.exception("rank %d failed; the node goes down", spec.rank)
+        logging.shutdown()
+        os._exit(1)  # no interpreter teardown: a collective in another thread must not hold us
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Linux sends this process SIGKILL when rank 0 dies, even by SIGKILL; if rank 0 died before
+    the signal was set, exit now."""
+    with contextlib.suppress(OSError, AttributeError):  # not Linux: rank 0's watchdog still stops us
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def _log_as(rank: int, level: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(LOG_FORMAT.replace("%(rank)s", str(rank))))
+    logging.basicConfig(level=level.upper(), handlers=[handler])

@@ -1,0 +1,117 @@
+"""One rank's place in its node: process groups, device and tensor-parallel shard.
+
+A node of ``tp_size`` N is N processes (``docs/architecture.md``, Ranks). Rank 0 hosts the
+rendezvous store; every rank joins the model's group (NCCL on CUDA, gloo on CPU) and a gloo
+control group for the CPU messages that keep the ranks in step. Every group has a timeout, so no
+rank waits in a collective for ever.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from enum import Enum
+
+import torch
+import torch.distributed as dist
+
+from tierserve.engine.config import EngineConfig
+from tierserve.model.parallel import TensorParallel
+
+HOST = "127.0.0.1"  # all ranks of a node run on one machine
+
+
+class Backend(Enum):
+    """The collective library of the model's group."""
+
+    GLOO = "gloo"
+    NCCL = "nccl"
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """What a rank needs to join its node: its rank, the node's size, the rendezvous store's port
+    on ``HOST`` and the timeout of every collective."""
+
+    rank: int
+    size: int
+    store_port: int
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """One rank's view of its node: its shard (``tp``), its device, and ``control``, the gloo group
+    of CPU messages (None: the default group, itself gloo on CPU)."""
+
+    tp: TensorParallel
+    device: torch.device
+    control: object | None = None
+
+    @property
+    def rank(self) -> int:
+        return self.tp.rank
+
+    @property
+    def size(self) -> int:
+        return self.tp.size
+
+    def agree_min(self, value: int) -> int:
+        """The minimum of ``value`` over all ranks (itself at size 1); every rank must call it."""
+        if self.size == 1:
+            return value
+        tensor = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.control)
+        return int(tensor.item())
+
+
+def pick_device(name: str, rank: int = 0, base_gpu_id: int = 0) -> torch.device:
+    """The device of ``rank``: ``auto`` is CUDA when present; CUDA without an index means the
+    device ``base_gpu_id + rank``, one per rank."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type != "cuda":
+        return device
+    if device.index is not None and (rank or base_gpu_id):
+        raise ValueError(f"--device {name} names one device; use --device cuda --base-gpu-id N with --tp-size")
+    return device if device.index is not None else torch.device("cuda", base_gpu_id + rank)
+
+
+def single_rank(config: EngineConfig) -> Ranks:
+    """The one rank of a node with ``tp_size`` 1: no process group, no collective."""
+    return Ranks(TensorParallel(), pick_device(config.device, 0, config.base_gpu_id))
+
+
+def rendezvous(size: int, timeout_s: float) -> dist.TCPStore:
+    """Rank 0's store, on any free port of ``HOST`` (``store.port``), for the other ranks to join."""
+    return dist.TCPStore(HOST, 0, size, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
+def join(spec: RankSpec, config: EngineConfig, store: dist.Store | None = None) -> Ranks:
+    """Joins the node's groups as ``spec.rank`` (rank 0 passes the store it hosts); returns the rank's
+    view. Blocks until every rank joined or ``spec.timeout_s`` passed."""
+    device = pick_device(config.device, spec.rank, config.base_gpu_id)
+    timeout = timedelta(seconds=spec.timeout_s)
+    if store is None:
+        store = dist.TCPStore(HOST, spec.store_port, spec.size, is_master=False, timeout=timeout)
+    backend = Backend.NCCL if device.type == "cuda" else Backend.GLOO
+    if backend is Backend.NCCL:
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend.value, store=store, rank=spec.rank, world_size=spec.size, timeout=timeout)
+    control = dist.new_group(backend="gloo", timeout=timeout) if backend is Backend.NCCL else None
+    _share_cpu(device, spec.size)
+    return Ranks(TensorParallel(spec.rank, spec.size), device, control)
+
+
+def leave() -> None:
+    """Leaves the node's groups (after the last collective)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _share_cpu(device: torch.device, size: int) -> None:
+    """On CPU the ranks share the cores: each computes with its share, not all of them each."""
+    if device.type == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))

@@ -1,0 +1,121 @@
+"""Rank 0 tells the other ranks of its node what each engine step applies (``docs/architecture.md``,
+Ranks): the commands it took in, in order, and whether a step runs. One broadcast per loop turn
+(two when commands came), over the control group."""
+
+from __future__ import annotations
+
+import logging
+import pickle
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import IntFlag
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from tierserve.engine.commands import AddRequest, EngineCommand
+from tierserve.engine.ranks import Ranks
+
+log = logging.getLogger(__name__)
+KEEPALIVE_S = 1.0  # an idle rank 0 still broadcasts this often, far inside any collective timeout
+
+
+class _Flags(IntFlag):
+    STEP = 1
+    STOP = 2
+
+
+@dataclass(frozen=True)
+class StepMessage:
+    """One loop turn of rank 0: apply ``commands`` in order, then step if ``step``; ``stop`` ends the node."""
+
+    commands: tuple[EngineCommand, ...] = ()
+    step: bool = False
+    stop: bool = False
+
+
+class StepBus(Protocol):
+    """Rank 0's end. ``record`` each command as it is applied, ``publish`` once per loop turn, before
+    its step; ``stop`` ends the other ranks (commands recorded since the last turn are not sent: no step
+    follows them). ``idle_wait`` bounds an idle wait for commands (None: wait for ever); ``lost`` is
+    called when a step or a broadcast failed, after which the ranks may no longer be in step."""
+
+    idle_wait: float | None
+
+    def record(self, command: EngineCommand) -> None: ...
+
+    def publish(self, step: bool) -> None: ...
+
+    def stop(self) -> None: ...
+
+    def lost(self, error: BaseException) -> None: ...
+
+
+class SoleBus:
+    """A node of one rank: nobody to tell, and a failed step loses nothing (the loop goes on)."""
+
+    idle_wait: float | None = None
+
+    def record(self, command: EngineCommand) -> None:
+        pass
+
+    def publish(self, step: bool) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+    def lost(self, error: BaseException) -> None:
+        pass
+
+
+@dataclass
+class LeaderBus:
+    """Rank 0 of several. ``on_lost`` must not return: it takes the whole node down."""
+
+    ranks: Ranks
+    on_lost: Callable[[str], None]
+    idle_wait: float | None = KEEPALIVE_S
+    _pending: list[EngineCommand] = field(default_factory=list)
+
+    def record(self, command: EngineCommand) -> None:
+        if isinstance(command, AddRequest) and command.handoff is not None:  # a process-local object
+            raise ValueError("a KV handoff cannot run on a node of several ranks yet")
+        self._pending.append(command)
+
+    def publish(self, step: bool) -> None:
+        commands, self._pending = tuple(self._pending), []
+        _send(self.ranks, StepMessage(commands, step))
+
+    def stop(self) -> None:
+        _send(self.ranks, StepMessage(stop=True))
+
+    def lost(self, error: BaseException) -> None:
+        self.on_lost(f"rank 0 lost step with the other ranks: {error!r}")
+
+
+@dataclass(frozen=True)
+class FollowerBus:
+    """Ranks 1..N-1: each ``receive`` waits (at most the group's timeout) for rank 0's next message."""
+
+    ranks: Ranks
+
+    def receive(self) -> StepMessage:
+        header = torch.zeros(2, dtype=torch.int64)
+        dist.broadcast(header, src=0, group=self.ranks.control)
+        flags, size = _Flags(int(header[0])), int(header[1])
+        commands: tuple[EngineCommand, ...] = ()
+        if size:
+            payload = torch.empty(size, dtype=torch.uint8)
+            dist.broadcast(payload, src=0, group=self.ranks.control)
+            commands = pickle.loads(payload.numpy().tobytes())
+        return StepMessage(commands, _Flags.STEP in flags, _Flags.STOP in flags)
+
+
+def _send(ranks: Ranks, message: StepMessage) -> None:
+    payload = pickle.dumps(message.commands) if message.commands else b""
+    flags = (_Flags.STEP if message.step else 0) | (_Flags.STOP if message.stop else 0)
+    dist.broadcast(torch.tensor([int(flags), len(payload)], dtype=torch.int64), src=0, group=ranks.control)
+    if payload:
+        dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), src=0, group=ranks.control)

@@ -1,0 +1,96 @@
+"""Rank 0's engine loop tells the other ranks everything that changes its engine: every command it
+applied, in order, once per loop turn, with whether a step follows; a failed step at several ranks
+takes the node down (``docs/architecture.md``, Ranks)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+
+from tierserve.core.sampling import SamplingParams
+from tierserve.engine.commands import AbortRequest, AddRequest, EngineCommand
+from tierserve.engine.config import EngineConfig
+from tierserve.engine.engine import Engine
+from tierserve.engine.loop import EngineLoop
+from tierserve.engine.ranks import Ranks
+from tierserve.engine.step_bus import LeaderBus
+from tierserve.model.parallel import TensorParallel
+
+
+class RecordingBus:
+    """A ``StepBus`` that keeps what it would broadcast."""
+
+    idle_wait: float | None = None
+
+    def __init__(self) -> None:
+        self.pending: list[EngineCommand] = []
+        self.turns: list[tuple[tuple[EngineCommand, ...], bool]] = []
+        self.stopped = False
+        self.errors: list[BaseException] = []
+
+    def record(self, command: EngineCommand) -> None:
+        self.pending.append(command)
+
+    def publish(self, step: bool) -> None:
+        self.turns.append((tuple(self.pending), step))
+        self.pending = []
+
+    def stop(self) -> None:
+        self.stopped = True
+
+    def lost(self, error: BaseException) -> None:
+        self.errors.append(error)
+
+
+async def _run_two(loop: EngineLoop) -> None:
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    async for _ in loop.generate("a", [5, 6, 7], params):
+        pass
+    stream = loop.generate("b", [8, 9], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
+    await anext(stream)
+    await stream.aclose()  # the client goes: an abort
+    await loop.call(lambda engine: None)  # the engine thread took the abort (its queue is FIFO)
+
+
+def test_every_command_is_published_in_order_before_the_step(tiny_llama: Path) -> None:
+    bus = RecordingBus()
+    loop = EngineLoop(Engine(EngineConfig(tiny_llama, dtype="float32", max_total_tokens=512)), bus).start()
+    try:
+        asyncio.run(_run_two(loop))
+    finally:
+        loop.stop()
+    # A command recorded after the last turn may stay unpublished: no step follows it.
+    commands = [c for turn, _ in bus.turns for c in turn] + bus.pending
+    assert [type(c) for c in commands] == [AddRequest, AddRequest, AbortRequest]
+    assert [c.request_id for c in commands] == ["a", "b", "b"]
+    first = next(i for i, (turn, _) in enumerate(bus.turns) if turn)
+    assert bus.turns[first][1]  # the turn that adds "a" steps it
+    assert bus.stopped and not bus.errors
+
+
+def test_a_failed_step_is_reported_to_the_bus(tiny_llama: Path) -> None:
+    bus = RecordingBus()
+    engine = Engine(EngineConfig(tiny_llama, dtype="float32", max_total_tokens=512))
+    engine.runner.run = lambda batch: (_ for _ in ()).throw(RuntimeError("collective timed out"))  # type: ignore
+    loop = EngineLoop(engine, bus).start()
+
+    async def one() -> None:
+        async for _ in loop.generate("a", [5, 6, 7], SamplingParams(max_tokens=2)):
+            pass
+
+    try:
+        with pytest.raises(RuntimeError, match="collective timed out"):
+            asyncio.run(one())
+    finally:
+        loop.stop()
+    assert [str(e) for e in bus.errors] == ["collective timed out"]
+
+
+def test_a_handoff_cannot_cross_ranks() -> None:
+    bus = LeaderBus(Ranks(TensorParallel(0, 2), torch.device("cpu")), on_lost=lambda reason: None)
+    with pytest.raises(ValueError, match="KV handoff"):
+        bus.record(AddRequest("a", (1, 2), SamplingParams(), handoff=object()))  # type: ignore[arg-type]
+    bus.record(AddRequest("b", (1, 2), SamplingParams()))

@@ -1,0 +1,113 @@
+"""A node of several ranks dies whole: a rank killed with SIGKILL mid-request takes the node down
+within 30 s (rank 0 exits non-zero, health stops answering), and no process of it is left; a TP
+size the model cannot be split over is refused before any rank starts."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from tiny_models import add_word_tokenizer, make_tiny_model
+from tp_server import TPServer, descendants, start_server, wait_gone
+
+pytestmark = pytest.mark.integration
+DEATH_DEADLINE_S = 30.0
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    """With a tokenizer: a stream sends text, so its first chunk arrives with the first token."""
+    folder = make_tiny_model("llama", tmp_path_factory.mktemp("tp_llama"), heads=8, kv_heads=4, max_position=4096)
+    return add_word_tokenizer(folder)
+
+
+def _stream_in_background(server: TPServer) -> threading.Event:
+    """Starts a long streaming request; the event is set once its first token arrived."""
+    streaming = threading.Event()
+
+    def run() -> None:
+        body = {"prompt": list(range(2, 60)), "max_tokens": 3000, "ignore_eos": True, "stream": True}
+        try:
+            with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as reply:
+                for _ in reply.iter_lines():
+                    streaming.set()
+        except httpx.HTTPError:
+            pass  # the node died under it: expected
+
+    threading.Thread(target=run, daemon=True).start()
+    return streaming
+
+
+def _rank_pids(server: TPServer, tp_size: int) -> list[int]:
+    """The rank processes (rank 0's children that are not multiprocessing's resource tracker)."""
+    pids = sorted(pid for pid in descendants(server.proc.pid)
+                  if b"resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_bytes())
+    assert len(pids) == tp_size - 1, pids
+    return pids
+
+
+def _wait_exit(proc: subprocess.Popen) -> int:
+    try:
+        return proc.wait(timeout=DEATH_DEADLINE_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise AssertionError(f"rank 0 still running {DEATH_DEADLINE_S} s after a rank died") from None
+
+
+@pytest.mark.parametrize("victim", ["worker", "rank0"])
+def test_a_killed_rank_takes_the_node_down(model: Path, victim: str, tmp_path: Path) -> None:
+    server = start_server(model, 2, tmp_path / "serve.log", "--max-total-tokens", "8192").wait_healthy()
+    processes = descendants(server.proc.pid)
+    (worker,) = _rank_pids(server, 2)
+    try:
+        assert _stream_in_background(server).wait(60), "no token streamed"
+        started = time.monotonic()
+        os.kill(worker if victim == "worker" else server.proc.pid, signal.SIGKILL)
+        status = _wait_exit(server.proc)
+        left = wait_gone(processes, DEATH_DEADLINE_S - (time.monotonic() - started))
+    finally:
+        server.stop()
+    assert status == (1 if victim == "worker" else -signal.SIGKILL), server.log.read_text()[-3000:]
+    assert left == []
+    assert not server.healthy()
+    if victim == "worker":
+        assert "rank-1" in server.log.read_text() and "exited with signal SIGKILL" in server.log.read_text()
+
+
+def test_a_frozen_rank_times_out_and_takes_the_node_down(model: Path, tmp_path: Path) -> None:
+    """SIGSTOP, not death: rank 0 waits in a collective at most --dist-timeout, then the node goes down."""
+    server = start_server(model, 2, tmp_path / "serve.log", "--max-total-tokens", "8192", "--dist-timeout", "3")
+    server.wait_healthy()
+    processes = descendants(server.proc.pid)
+    (worker,) = _rank_pids(server, 2)
+    try:
+        assert _stream_in_background(server).wait(60), "no token streamed"
+        os.kill(worker, signal.SIGSTOP)
+        assert _wait_exit(server.proc) == 1, server.log.read_text()[-3000:]
+        assert wait_gone(processes, 10) == []  # the frozen rank was killed, not left stopped
+    finally:
+        server.stop()
+    assert "lost step with the other ranks" in server.log.read_text()
+
+
+def test_a_tp_size_that_does_not_fit_is_refused(model: Path) -> None:
+    """8 attention heads cannot be split over 3 ranks: usage error, the numbers named, no rank started."""
+    cmd = [sys.executable, "-m", "tierserve.cli", "serve", "--model", str(model), "--tp-size", "3"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "--tp-size 3" in done.stderr and "8 attention heads" in done.stderr
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_node_roles_refuse_several_ranks(model: Path, role: str) -> None:
+    cmd = [sys.executable, "-m", "tierserve.cli", role, "--model", str(model), "--tp-size", "2"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "--tp-size 2" in done.stderr and "one rank only" in done.stderr

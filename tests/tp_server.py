@@ -1,0 +1,96 @@
+"""``tierserve serve --tp-size N`` as real processes, for the tensor-parallel tests: start, wait for
+health against a deadline, list the node's processes, stop."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import openai
+from cluster import stop, wait_until
+
+from tierserve.launch import free_port, http_ok
+
+STARTUP_DEADLINE_S = 120.0
+
+
+@dataclass
+class TPServer:
+    """One node of ``tp_size`` ranks; ``proc`` is rank 0 (HTTP), the other ranks are its children."""
+
+    proc: subprocess.Popen
+    port: int
+    log: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def healthy(self) -> bool:
+        return http_ok(f"{self.url}/health")
+
+    def wait_healthy(self) -> TPServer:
+        wait_until(self.healthy, "tierserve serve", STARTUP_DEADLINE_S, self.proc, self.log)
+        return self
+
+    def stop(self) -> None:
+        stop(self.proc)
+
+
+def start_server(model: Path, tp_size: int, log: Path, *flags: str) -> TPServer:
+    """Starts ``serve`` (not waiting for it): float32, small pages and 16-token prefill chunks, so
+    prompts of a few dozen tokens take several chunks."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "tierserve.cli", "serve", "--model", str(model), "--port", str(port),
+           "--tp-size", str(tp_size), "--dtype", "float32", "--page-size", "4", "--max-total-tokens", "2048",
+           "--chunked-prefill-size", "16", "--quiet-access-log", *flags]
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    return TPServer(proc, port, log)
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below ``pid`` (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # it ended while we read
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def wait_gone(pids: set[int], deadline_s: float) -> list[str]:
+    """Waits until none of ``pids`` runs; returns the command lines of those still running at the deadline."""
+    deadline = time.monotonic() + deadline_s
+    while (left := [pid for pid in pids if alive(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.05)  # poll interval
+    return [_cmdline(pid) for pid in left]
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return f"{pid}: " + Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return f"{pid}: gone"
+
+
+def alive(pid: int) -> bool:
+    """Running (not a zombie waiting for its parent to reap it)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
