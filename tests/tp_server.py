@@ -1,5 +1,5 @@
-"""``tierserve serve --tp-size N`` as real processes, for the tensor-parallel tests: start, wait for
-health against a deadline, list the node's processes, stop."""
+"""``tierserve serve --tp-size N`` as real processes, for the tensor-parallel tests: the reference
+models and answers, start, wait for health against a deadline, list the node's processes, stop."""
 
 from __future__ import annotations
 
@@ -10,11 +10,35 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import openai
+import torch
 from cluster import stop, wait_until
 
 from tierserve.launch import free_port, http_ok
 
 STARTUP_DEADLINE_S = 120.0
+# (attention heads, KV heads): 4 and 8 KV heads split evenly; Qwen3's 2 are fewer than 4 ranks (replicated).
+HEADS = {"llama": (8, 4), "qwen2": (8, 8), "qwen3": (8, 2)}
+PROMPT_LENGTHS = (5, 17, 40, 70)  # the server's prefill chunk is 16 tokens
+NEW_TOKENS = 16
+
+
+def prompts() -> list[list[int]]:
+    """Four random prompts, the longest over four prefill chunks."""
+    gen = torch.Generator().manual_seed(3)
+    return [torch.randint(2, 384, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
+
+
+def hf_greedy(model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
+    """``NEW_TOKENS`` greedy tokens per prompt from ``transformers`` (the reference), EOS ignored."""
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    outs = []
+    for prompt in prompts:
+        ids = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                          max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
+        outs.append(ids[0, len(prompt):].tolist())
+    return outs
 
 
 @dataclass
@@ -94,3 +118,11 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def complete(client: openai.OpenAI, model: str, prompt: list[int]) -> str:
+    """The text of a greedy completion of ``NEW_TOKENS`` (EOS ignored)."""
+    reply = client.completions.create(model=model, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert reply.choices[0].finish_reason == "length"
+    return reply.choices[0].text
