@@ -59,13 +59,16 @@ class RankProcesses:
         return child
 
     def _watch(self) -> None:
-        """Waits for the first child to end; unless the node is stopping, that is a dead rank."""
-        ended = multiprocessing.connection.wait([c.sentinel for c in self.children])
-        if self._stopping.is_set():
-            return
-        child = next(c for c in self.children if c.sentinel in ended)
-        child.join()
-        self.fail(f"{child.name} (pid {child.pid}) exited with {_describe(child.exitcode)}")
+        """Waits for the children to end. Status 0 is a rank that left after the stop message (which
+        may go out before ``stop`` is called); any other end, unless the node is stopping, is a dead rank."""
+        watched = list(self.children)
+        while watched:
+            ended = multiprocessing.connection.wait([c.sentinel for c in watched])
+            for child in [c for c in watched if c.sentinel in ended]:
+                child.join()
+                watched.remove(child)
+                if child.exitcode != 0 and not self._stopping.is_set():
+                    self.fail(f"{child.name} (pid {child.pid}) exited with {_describe(child.exitcode)}")
 
     def _kill(self) -> None:
         for child in self.children:

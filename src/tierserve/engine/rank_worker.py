@@ -17,7 +17,6 @@ from tierserve.engine.step_bus import FollowerBus, StepMessage
 
 log = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s[rank %(rank)s]: %(message)s"
 
 
 def follow(engine: Engine, bus: FollowerBus) -> None:
@@ -63,5 +62,5 @@ def _die_with_parent(parent_pid: int) -> None:
 
 def _log_as(rank: int, level: str) -> None:
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter(LOG_FORMAT.replace("%(rank)s", str(rank))))
+    handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s %(name)s[rank {rank}]: %(message)s"))
     logging.basicConfig(level=level.upper(), handlers=[handler])
