@@ -101,7 +101,10 @@ def test_injected_transfer_failures_fail_cleanly(long_llama: Path, decode: NodeP
             assert exc.code == grpc.StatusCode.ABORTED and "KV handoff failed" in str(exc)
         for got, want in zip(results, expected, strict=True):
             assert isinstance(got, BaseException) or got == want
-        wait_for(lambda: pages_back(decode.address), "the decode node frees every page", 15)
+        # A failed batch may still have blocks on the wire (Mooncake fails a batch at its first
+        # failed block): P must not claim its writer stopped, so D quarantines those pages.
+        assert asyncio.run(load(decode.address)).kv_pages_quarantined > 0
+        wait_for(lambda: pages_back(decode.address), "the decode node frees every page", GRACE_S + 15)
         wait_for(lambda: pages_back(faulty.address), "the prefill node frees every page", 15)
         again = asyncio.run(run_pd(faulty.address, decode.address, "healthy", batch[0]))
         assert again[0] == expected[0]  # the 21st handoff: not one of the injected tenth

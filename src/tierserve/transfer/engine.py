@@ -66,6 +66,7 @@ class TransferEngineHandle:
 
     def wait(self, batch: int) -> bool:
         """Blocks until the batch is in the peer's memory (True) or failed or timed out (False).
+        False comes as soon as one block failed: the batch's other blocks may still be in flight.
         Each id may be waited for once."""
         return self._engine.get_batch_transfer_status([batch]) == 0
 

@@ -61,6 +61,7 @@ class KVHandoff:
         self._layers: queue.SimpleQueue[tuple[Callable[[], None], list[Block]] | None] = queue.SimpleQueue()
         self._finished = threading.Event()
         self._error: str | None = None
+        self._unsettled = False  # a batch failed: some of its blocks may still be on the wire
         self._bytes = 0
         self._engine: TransferEngineHandle | None = None  # acquired by the sender thread on first use
         self._first_submit = self._last_submit = self._last_done = 0.0
@@ -91,8 +92,11 @@ class KVHandoff:
         return not self._finished.is_set()
 
     def wait_stopped(self, timeout: float) -> bool:
-        """Waits up to ``timeout`` seconds for every batch to end; True when none is in flight."""
-        return self._finished.wait(timeout)
+        """Waits up to ``timeout`` seconds for every batch to end; True when no block can land
+        any more. Never True after a failed batch: Mooncake reports a batch failed as soon as one
+        of its blocks failed, while its other blocks may still be writing into the peer, and it
+        has no way to wait for them (``docs/architecture.md``, faults)."""
+        return self._finished.wait(timeout) and not self._unsettled
 
     def cancel(self, reason: str) -> None:
         """Stops submitting (the request was aborted or its deadline passed); what is in flight
@@ -167,4 +171,5 @@ class KVHandoff:
         ok = self._engine.wait(batch)
         self._last_done = time.monotonic()
         if not ok:
+            self._unsettled = True
             self._fail(f"KV transfer to {self.target} failed (peer gone, refused or timed out)")
