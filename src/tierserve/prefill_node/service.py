@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 
 
 WRITER_STOPPED = "tierserve-writer-stopped"  # trailing metadata of a failed Prefill (see tierserve.proto)
+DESTINATION_FAILED = "tierserve-destination-failed"  # "1": the transfer to D failed, not P (see tierserve.proto)
 CONFIRM_STOP_S = 0.5  # a failed Prefill waits this long for its in-flight batches, to confirm they ended
 
 
@@ -85,7 +86,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         if handoff.busy():
             handoff.cancel(message)
         stopped = await asyncio.to_thread(handoff.wait_stopped, CONFIRM_STOP_S)
-        await _abort(context, code, message, stopped)
+        await _abort(context, code, message, stopped, handoff.peer_failed)
 
     async def _compute(self, request: pb.PrefillRequest, prompt: list[int], params: SamplingParams,
                        handoff: KVHandoff) -> RequestOutput | None:
@@ -131,8 +132,10 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         return None
 
 
-async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str, stopped: bool) -> None:
-    await context.abort(code, message, trailing_metadata=((WRITER_STOPPED, "1" if stopped else "0"),))
+async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str, stopped: bool,
+                 destination_failed: bool = False) -> None:
+    await context.abort(code, message, trailing_metadata=((WRITER_STOPPED, "1" if stopped else "0"),
+                                                          (DESTINATION_FAILED, "1" if destination_failed else "0")))
 
 
 def add_prefill_service(options: PrefillOptions) -> AddService:

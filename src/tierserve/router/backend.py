@@ -167,8 +167,8 @@ class PDBackend:
         try:
             done = await pd_flow.prefill(stubs, rid, request.prompt, request.sampling, request.salt,
                                          self.options.timeout_s)
-        except pd_flow.HandoffFailed as exc:
-            self._blame(prefill, exc.code, str(exc))
+        except pd_flow.HandoffFailed as exc:  # a transfer into a dead or frozen D is D's failure, not P's
+            self._blame(decode if exc.destination_failed else prefill, exc.code, str(exc))
             raise _Retry(f"prefill on {prefill.address}: {exc}") from exc
         except grpc.aio.AioRpcError as exc:  # Reserve failed
             self._blame(decode, exc.code(), exc.details() or "")

@@ -19,6 +19,7 @@ from tierserve.proto import tierserve_pb2 as pb
 from tierserve.proto import tierserve_pb2_grpc as pb_grpc
 
 WRITER_STOPPED = "tierserve-writer-stopped"  # a failed Prefill's word on its in-flight batches
+DESTINATION_FAILED = "tierserve-destination-failed"  # a failed Prefill's word that D, not P, failed it
 LEASE_MARGIN_S = 2.0  # the prefill leg ends this long before the decode node's lease runs out
 RELEASE_TIMEOUT_S = 5.0  # one Release call
 RELEASE_RETRY_S = 120.0  # a Release D did not answer is sent again, with backoff, this long
@@ -30,11 +31,13 @@ _background: set[asyncio.Future] = set()
 
 
 class HandoffFailed(RuntimeError):
-    """The prefill leg failed (compute, transfer or deadline); ``code`` is its gRPC status."""
+    """The prefill leg failed (compute, transfer or deadline); ``code`` is its gRPC status;
+    ``destination_failed``: P says the transfer into D failed (D dead, frozen or cut off), so D
+    is to blame, not P."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, destination_failed: bool = False) -> None:
         super().__init__(f"{code.name}: {message}")
-        self.code = code
+        self.code, self.destination_failed = code, destination_failed
 
 
 @dataclass
@@ -83,7 +86,7 @@ async def prefill(pair: Pair, request_id: str, prompt_ids: list[int], sampling: 
         ), timeout=deadline + LEASE_MARGIN_S / 2)
     except grpc.aio.AioRpcError as exc:
         await release(pair, dest.reservation_id, writer_stopped=writer_stopped(exc))
-        raise HandoffFailed(exc.code(), exc.details() or "") from exc
+        raise HandoffFailed(exc.code(), exc.details() or "", destination_failed(exc)) from exc
     except BaseException:  # cancelled by our caller: P's call was cancelled with us, P may still write
         await release(pair, dest.reservation_id, writer_stopped=False)
         raise
@@ -122,8 +125,16 @@ def in_background(work: Awaitable[T]) -> asyncio.Future[T]:
 def writer_stopped(exc: grpc.aio.AioRpcError) -> bool:
     """Whether a failed Prefill confirmed that none of its batches can land any more. A P that
     was unreachable, cut off or did not say so may still be writing."""
-    trailing = exc.trailing_metadata() or ()
-    return any(key == WRITER_STOPPED and value == "1" for key, value in trailing)
+    return _says(exc, WRITER_STOPPED)
+
+
+def destination_failed(exc: grpc.aio.AioRpcError) -> bool:
+    """Whether a failed Prefill says its transfer into D failed."""
+    return _says(exc, DESTINATION_FAILED)
+
+
+def _says(exc: grpc.aio.AioRpcError, key: str) -> bool:
+    return any(k == key and value == "1" for k, value in exc.trailing_metadata() or ())
 
 
 async def generate(pair: Pair, prefilled: Prefilled, sampling: pb.SamplingOptions) -> AsyncIterator[pb.GenerateChunk]:

@@ -62,6 +62,7 @@ class KVHandoff:
         self._finished = threading.Event()
         self._error: str | None = None
         self._unsettled = False  # a batch failed: some of its blocks may still be on the wire
+        self.peer_failed = False  # the transfer into ``target`` failed or hung: the peer's failure, not ours
         self._bytes = 0
         self._engine: TransferEngineHandle | None = None  # acquired by the sender thread on first use
         self._first_submit = self._last_submit = self._last_done = 0.0
@@ -109,6 +110,9 @@ class KVHandoff:
     def result(self, timeout: float) -> HandoffResult:
         """Waits up to ``timeout`` seconds for every layer to arrive; a timeout cancels the handoff."""
         if not self._finished.wait(timeout):
+            # every layer was submitted: only the peer's side was left (a peer frozen from the
+            # start hangs the transfer past Mooncake's own timeouts)
+            self.peer_failed = all(sent >= self.prompt_len for sent in self._sent)
             self.cancel(f"KV handoff to {self.target} did not complete within {timeout:.1f} s")
         return HandoffResult(
             self._error, self._bytes,
@@ -162,6 +166,7 @@ class KVHandoff:
                 self._engine = self.engines.acquire(self.target)
             batch = self._engine.submit(self.target, blocks)
         except TransferError as exc:
+            self.peer_failed = True
             self._fail(str(exc))
             return None
         self._bytes += sum(b[2] for b in blocks)
@@ -171,5 +176,5 @@ class KVHandoff:
         ok = self._engine.wait(batch)
         self._last_done = time.monotonic()
         if not ok:
-            self._unsettled = True
+            self._unsettled = self.peer_failed = True
             self._fail(f"KV transfer to {self.target} failed (peer gone, refused or timed out)")
