@@ -17,6 +17,7 @@ from faults.load import Outcome, Request, Result, send, send_all
 from faults.workload import Reference, requests
 
 SETTLE_S = 10.0  # pages must be back this long after an experiment
+GRACE_S = 40.0  # the decode nodes' --reservation-grace: how long quarantined pages stay
 
 
 @dataclass
@@ -29,6 +30,7 @@ class Row:
     held_pages: dict[str, dict[str, float]] = field(default_factory=dict)  # node -> what it still holds
     rss_growth_mb: float = 0.0
     recovery_s: float | None = None
+    quarantine_freed_s: float | None = None  # when only quarantined pages were held: all freed after this
     notes: list[str] = field(default_factory=list)
 
 
@@ -139,13 +141,23 @@ def _prompts(count: int, seed: int) -> list[str]:
 
 
 async def settle(cluster: Cluster, row: Row) -> Row:
-    """Waits up to ``SETTLE_S`` for every node to hold no page for a request; records what is
-    still held then (reservations, quarantined or parked pages, running requests)."""
-    deadline = time.monotonic() + SETTLE_S
-    while (held := cluster.held_pages()) and time.monotonic() < deadline:
+    """Waits up to ``SETTLE_S`` for every node to hold nothing for a request; records what is
+    still held then. Quarantined pages (a writer that may still land, ``docs/architecture.md``,
+    faults) are bounded by the decode nodes' grace: their end is waited for and timed too."""
+    started = time.monotonic()
+    while (held := cluster.held_pages()) and time.monotonic() - started < SETTLE_S:
         await asyncio.sleep(0.25)  # poll interval
     row.held_pages = held
+    while _only_quarantine(held) and held and time.monotonic() - started < SETTLE_S + GRACE_S:
+        await asyncio.sleep(0.25)  # poll interval
+        held = cluster.held_pages()
+    row.quarantine_freed_s = time.monotonic() - started if _only_quarantine(row.held_pages) and not held else None
     return row
+
+
+def _only_quarantine(held: dict[str, dict[str, float]]) -> bool:
+    """A node's ``pages`` count includes its quarantined ones."""
+    return all(set(h) <= {"pages", "quarantined"} and h.get("pages") == h.get("quarantined") for h in held.values())
 
 
 EXPERIMENTS: list[Experiment] = [

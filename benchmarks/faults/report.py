@@ -13,6 +13,9 @@ from faults.experiments import Row
 def _held(row: Row) -> str:
     if not row.held_pages:
         return "0"
+    if row.quarantine_freed_s is not None:
+        pages = sum(h["quarantined"] for h in row.held_pages.values())
+        return f"0 (+{pages:g} quarantined, all freed {row.quarantine_freed_s:.0f} s after)"
     return "; ".join(f"{node}: {', '.join(f'{k} {v:g}' for k, v in held.items())}"
                      for node, held in sorted(row.held_pages.items()))
 
