@@ -36,6 +36,27 @@ from tierserve.model.fetch import fetch_builtin_model
 NODE_FLAGS = ["--device", "cpu", "--max-total-tokens", "8192", "--enable-hierarchical-cache", "--log-level", "warning"]
 ROUTER_ARGS = "--stream-idle-timeout 5 --health-check-interval 0.5"
 TRANSFER_FAULT_RATE = 0.1
+PREAMBLE = [
+    "The cluster: `tierserve up` with 2 prefill and 2 decode nodes (L1 8,192 tokens, L2, L3 on a real "
+    "`mooncake_master`), the router with `--stream-idle-timeout 5`, all on a 2-layer random Llama that speaks "
+    "the built-in tokenizer, on this machine's CPUs; beside it a node without prefix cache gives the "
+    "reference. Requests are greedy with `ignore_eos`, prompts share 8 long system prompts (cache hits in "
+    "every tier), half of them stream. The transfer-failure experiment runs on a second cluster whose "
+    "prefill nodes fail every tenth handoff (`--prefill-args '--fault-transfer-rate 0.1'`).",
+    "",
+    "- *succeeded*: 200 and `[DONE]` (leaving on purpose counts as success in the disconnect experiment; a "
+    "clean 429 is the fan-out's answer). *wrong outputs*: successful choices whose text differs from the "
+    "reference. *held 10 s after*: what the nodes' metrics still show for requests 10 s after the load "
+    "ended (pages, reservations, parked pages, running or waiting requests). Quarantined pages are listed "
+    "apart: a decode node keeps the pages a failed or unconfirmed handoff wrote into for its grace period "
+    "(40 s), since a late block may still land there (`docs/architecture.md`, faults); the column says when "
+    "they were all free. *recovery*: from the kill until `tierserve up` restarted the process and it serves.",
+    "- Found by this campaign and fixed before this run: a failed transfer batch was taken as ended although "
+    "Mooncake reports a batch failed at its first failed block while the others still write (2 wrong outputs "
+    "in 1,000); a Release sent to a frozen decode node was dropped (7 reservations held for their 600 s "
+    "lease); transfers into a frozen decode node were blamed on the prefill nodes (both breakers opened: 157 "
+    "of 300 requests got 503).",
+]
 
 
 def start_reference(model: Path, workdir: Path) -> tuple[subprocess.Popen, str]:
@@ -102,7 +123,7 @@ def main() -> int:
         ref_proc.terminate()
         ref_proc.wait()
     command = "    .venv/bin/python benchmarks/reliability.py" + (f" --only {args.only}" if args.only else "")
-    write(args.out, rows, command, [f"Logs: {workdir}"])
+    write(args.out, rows, command, [*PREAMBLE, "", f"Logs of this run: `{workdir}`."])
     print(f"reliability: wrote {args.out}")
     return 0
 
