@@ -104,21 +104,29 @@ async def _pages_back(address: str) -> bool:
 
 
 def test_quarantined_pages_are_not_handed_out_during_grace() -> None:
+    """The clock is the caller's (rank 0's on a node of several ranks), so this needs no waiting."""
     allocator = PageAllocator(8)
     reservations = Reservations(allocator, NoPrefixCache(allocator), page_size=4)
     terms = ReservationTerms(lease_s=30.0, grace_s=0.3, headroom_tokens=4)
     first = Request("a", list(range(12)), SamplingParams(max_tokens=4))
-    reservations.reserve(first, 16, terms)
+    reservations.reserve(first, 16, terms, now=100.0)
     pages = set(first.pages)
-    reservations.cancel("a", writer_stopped=False)  # the writer may still be writing into them
+    reservations.cancel("a", writer_stopped=False, now=100.0)  # the writer may still be writing into them
     second = Request("b", list(range(12)), SamplingParams(max_tokens=4))
-    reservations.reserve(second, 16, terms)
+    reservations.reserve(second, 16, terms, now=100.0)
     assert pages.isdisjoint(second.pages) and reservations.quarantined_pages == 4
-    reservations.cancel("b", writer_stopped=True)
+    reservations.cancel("b", writer_stopped=True, now=100.0)
     assert allocator.alloc(5) is None, "quarantined pages stay out of the free list"
-    deadline = time.monotonic() + 5
-    while reservations.quarantined_pages:
-        assert time.monotonic() < deadline, "the grace period ends"
-        time.sleep(0.02)  # poll interval
-        reservations.tick()
+    reservations.tick(100.29)
+    assert reservations.quarantined_pages == 4, "still within the grace"
+    reservations.tick(100.31)
     assert sorted(allocator.alloc(8)) == list(range(8))
+
+
+def test_a_lease_expires_at_the_given_time_only() -> None:
+    allocator = PageAllocator(8)
+    reservations = Reservations(allocator, NoPrefixCache(allocator), page_size=4)
+    reservations.reserve(Request("a", list(range(8)), SamplingParams(max_tokens=4)), 12, ReservationTerms(lease_s=5.0),
+                         now=10.0)
+    assert reservations.tick(14.9) == [] and reservations.tick(15.0) == ["a"]
+    assert reservations.expired_leases == 1 and reservations.quarantined_pages == 3

@@ -28,14 +28,16 @@ class RecordingBus:
     def __init__(self) -> None:
         self.pending: list[EngineCommand] = []
         self.turns: list[tuple[tuple[EngineCommand, ...], bool]] = []
+        self.times: list[float] = []
         self.stopped = False
         self.errors: list[BaseException] = []
 
     def record(self, command: EngineCommand) -> None:
         self.pending.append(command)
 
-    def publish(self, step: bool) -> None:
+    def publish(self, step: bool, now: float) -> None:
         self.turns.append((tuple(self.pending), step))
+        self.times.append(now)
         self.pending = []
 
     def stop(self) -> None:
@@ -69,6 +71,7 @@ def test_every_command_is_published_in_order_before_the_step(tiny_llama: Path) -
     first = next(i for i, (turn, _) in enumerate(bus.turns) if turn)
     assert bus.turns[first][1]  # the turn that adds "a" steps it
     assert bus.stopped and not bus.errors
+    assert bus.times == sorted(bus.times)  # each turn's clock, for the other ranks' lease expiry
 
 
 def test_a_failed_step_is_reported_to_the_bus(tiny_llama: Path) -> None:
@@ -94,3 +97,5 @@ def test_a_handoff_cannot_cross_ranks() -> None:
     with pytest.raises(ValueError, match="KV handoff"):
         bus.record(AddRequest("a", (1, 2), SamplingParams(), handoff=object()))  # type: ignore[arg-type]
     bus.record(AddRequest("b", (1, 2), SamplingParams()))
+    bus.record(AddRequest("c", (1, 2), SamplingParams(), handoff=object(), plan="data"))  # type: ignore[arg-type]
+    assert [c.handoff for c in bus._pending] == [None, None]  # the plan crosses, rank 0's own handoff does not

@@ -3,13 +3,15 @@ the same order (``docs/architecture.md``, Ranks), so they must cross processes (
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Protocol, runtime_checkable
 
 from tierserve.core.sampling import SamplingParams
 from tierserve.engine.engine import Engine
 from tierserve.engine.handoff import Handoff
-from tierserve.engine.request import RequestOutput
+from tierserve.engine.request import Request, RequestOutput
+from tierserve.engine.reservations import DEFAULT_TERMS, ReservationTerms
 
 
 class EngineCommand(Protocol):
@@ -21,15 +23,25 @@ class EngineCommand(Protocol):
     def apply(self, engine: Engine) -> RequestOutput | None: ...
 
 
+class EngineCall(Protocol):
+    """A change to the engine that is not a request's stream (a reservation, a cache flush): rank
+    0 answers the caller with ``apply``'s result; the other ranks apply it too and drop the result."""
+
+    def apply(self, engine: Engine) -> object: ...
+
+
 @dataclass(frozen=True)
 class AddRequest:
-    """``Engine.add_request``. A ``handoff`` is this process's own object: it never crosses ranks."""
+    """``Engine.add_request``. A ``handoff`` is this process's own object: it never crosses ranks;
+    on a node of several ranks ``plan`` (picklable data) is what each rank builds its own handoff
+    from (``RankRole.bind``)."""
 
     request_id: str
     prompt_ids: tuple[int, ...]
     params: SamplingParams
     cache_salt: str = ""
     handoff: Handoff | None = None
+    plan: object | None = None
 
     def apply(self, engine: Engine) -> RequestOutput | None:
         engine.add_request(self.request_id, self.prompt_ids, self.params, self.cache_salt, self.handoff)
@@ -56,3 +68,77 @@ class AbortRequest:
 
     def apply(self, engine: Engine) -> RequestOutput | None:
         return engine.abort(self.request_id)
+
+
+@dataclass(frozen=True)
+class Reserve:
+    """``Engine.reserve`` leased from ``now``, rank 0's clock when the call came: every rank's lease
+    ends at the same step (``docs/architecture.md``, Ranks). Rank 0 answers with the request."""
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    max_new_tokens: int
+    cache_salt: str
+    terms: ReservationTerms = DEFAULT_TERMS
+    now: float = 0.0
+
+    def apply(self, engine: Engine) -> Request:
+        return engine.reserve(self.request_id, self.prompt_ids, self.max_new_tokens, self.cache_salt, self.terms,
+                              self.now)
+
+
+@dataclass(frozen=True)
+class CancelReservation:
+    """``Engine.cancel_reservation`` as of ``now`` (rank 0's clock); answers whether the request was
+    known, as a reservation or as a running generation (which the caller then aborts)."""
+
+    request_id: str
+    writer_stopped: bool
+    now: float = 0.0
+
+    def apply(self, engine: Engine) -> bool:
+        return engine.cancel_reservation(self.request_id, self.writer_stopped, self.now) or \
+            self.request_id in engine.requests
+
+
+@dataclass(frozen=True)
+class FlushCache:
+    """``PrefixCache.flush`` of unpinned L1 and/or L2 pages; answers (device pages, host pages)."""
+
+    device: bool
+    host: bool
+
+    def apply(self, engine: Engine) -> tuple[int, int]:
+        return engine.cache.flush(self.device, self.host)
+
+
+Bind = Callable[[EngineCommand | EngineCall], EngineCommand | EngineCall]
+
+
+class RankRole(Protocol):
+    """What a node role adds to every rank process of its node (picklable: it crosses to ranks
+    1..N-1 at spawn). ``attach`` runs once on every rank, right after its engine is built and in
+    the same order on all (it may run collectives, e.g. to gather each rank's transfer endpoint);
+    it returns ``bind``, which turns a command received from rank 0 into this rank's own (a
+    handoff ``plan`` into this rank's handoff)."""
+
+    def attach(self, engine: Engine) -> Bind: ...
+
+
+@runtime_checkable
+class Shared(Protocol):
+    """A command holding process-local objects: ``shared`` is what the other ranks receive instead."""
+
+    def shared(self) -> EngineCommand | EngineCall: ...
+
+
+def for_other_ranks(command: EngineCommand | EngineCall) -> EngineCommand | EngineCall:
+    """What the other ranks receive for ``command``: without rank 0's own handoff, which they
+    rebuild from its plan; a handoff without a plan cannot be shared."""
+    if isinstance(command, Shared):
+        return command.shared()
+    if not isinstance(command, AddRequest) or command.handoff is None:
+        return command
+    if command.plan is None:
+        raise ValueError("this KV handoff cannot run on a node of several ranks: it has no plan the ranks can share")
+    return replace(command, handoff=None)

@@ -89,6 +89,7 @@ class Engine:
         self.scheduler = Scheduler(sched, self.allocator, self.cache)
         self.runner = ModelRunner(self.model, self.pool, self.device, token_share(self.ranks))
         self.reservations = Reservations(self.allocator, self.cache, config.page_size)
+        self.before_step: list[Callable[[], None]] = []  # e.g. a prefill node's handoff agreement
         self.requests: dict[str, Request] = {}
         self.failures: list[tuple[str, Exception]] = []
         self.last_batch_size = 0
@@ -116,9 +117,10 @@ class Engine:
         self.scheduler.add(request)
 
     def reserve(self, request_id: str, prompt_ids: Sequence[int], max_new_tokens: int, cache_salt: str = "",
-                terms: ReservationTerms = DEFAULT_TERMS) -> Request:
+                terms: ReservationTerms = DEFAULT_TERMS, now: float | None = None) -> Request:
         """Sets pages aside for a prompt another node computes (decode role) on the role's
-        ``terms``; returns the reservation's request (``pages`` is the page table, ``num_computed``
+        ``terms``, leased from ``now`` (default: this process's clock; a node of several ranks passes
+        rank 0's); returns the reservation's request (``pages`` is the page table, ``num_computed``
         the tokens this engine already caches). Raises ``InvalidRequestError`` or ``CapacityError``."""
         prompt = list(prompt_ids)
         params = SamplingParams(max_tokens=max_new_tokens)
@@ -127,7 +129,7 @@ class Engine:
             raise InvalidRequestError(f"request id {request_id!r} is already reserved")
         request = Request(request_id, prompt, params, cache_salt=cache_salt)
         headroom = min(max_new_tokens, terms.headroom_tokens)
-        self.reservations.reserve(request, len(prompt) + max(1, headroom), terms)
+        self.reservations.reserve(request, len(prompt) + max(1, headroom), terms, _clock(now))
         return request
 
     def start_reserved(self, request_id: str, first_token: int, params: SamplingParams) -> RequestOutput:
@@ -145,9 +147,9 @@ class Engine:
         self.scheduler.running.append(request)
         return self._append(request, first_token)
 
-    def cancel_reservation(self, request_id: str, writer_stopped: bool) -> bool:
-        """Ends a reservation that will not run; see ``Reservations.cancel``."""
-        return self.reservations.cancel(request_id, writer_stopped)
+    def cancel_reservation(self, request_id: str, writer_stopped: bool, now: float | None = None) -> bool:
+        """Ends a reservation that will not run; see ``Reservations.cancel`` (``now`` as in ``reserve``)."""
+        return self.reservations.cancel(request_id, writer_stopped, _clock(now))
 
     def _prepare(self, request: Request) -> None:
         params = request.params
@@ -186,9 +188,14 @@ class Engine:
             "handoff_pages_parked": sum(len(p.pages) for p in self.scheduler.parked),
         } | {f"cache_{k}": v for k, v in self.cache.stats().items()}
 
-    def step(self) -> list[RequestOutput]:
-        """Runs one batch; returns an output for every request that got a token or finished."""
-        self.reservations.tick()
+    def step(self, now: float | None = None) -> list[RequestOutput]:
+        """Runs one batch; returns an output for every request that got a token or finished.
+        ``now`` is the step's time for lease expiry (a node of several ranks passes rank 0's, so
+        every rank expires a lease at the same step); ``before_step`` hooks run first, on every
+        rank at the same point (they may run collectives)."""
+        for hook in self.before_step:
+            hook()
+        self.reservations.tick(_clock(now))
         batch = self.scheduler.schedule()
         self.last_batch_size = len(batch)
         if not batch:
@@ -317,6 +324,10 @@ class Engine:
             tokens = int(free * self.config.mem_fraction_static) // self.geometry.bytes_per_token
         tokens = tokens or CPU_DEFAULT_TOKENS
         return max(1, tokens // self.config.page_size)
+
+
+def _clock(now: float | None) -> float:
+    return time.monotonic() if now is None else now
 
 
 def _load_tokenizer(model_dir: Path) -> Tokenizer | None:

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from tierserve.core.sampling import SamplingParams
-from tierserve.engine.commands import AbortRequest, AddRequest, EngineCommand, StartReserved
+from tierserve.engine.commands import AbortRequest, AddRequest, EngineCall, EngineCommand, StartReserved
 from tierserve.engine.engine import Engine
 from tierserve.engine.handoff import Handoff
 from tierserve.engine.request import RequestOutput
@@ -31,6 +31,7 @@ class _Submit:
 class _Call:
     fn: Callable[[Engine], object]
     done: Callable[[object, BaseException | None], None]
+    shared: EngineCall | None = None  # applied by every rank (``fn`` is its ``apply``)
 
 
 class EngineLoop:
@@ -44,7 +45,8 @@ class EngineLoop:
 
     On rank 0 of several, ``bus`` carries every command and step to the other ranks, which apply
     them in the same order (``follow`` in ``engine/rank_worker.py``). A ``call`` runs on rank 0
-    only, so at several ranks it must not change the engine's requests or cache.
+    only, so at several ranks it must not change the engine's requests or cache; ``apply`` runs
+    an ``EngineCall`` on every rank and answers rank 0's result.
     """
 
     def __init__(self, engine: Engine, bus: StepBus | None = None) -> None:
@@ -116,7 +118,11 @@ class EngineLoop:
         """Stops a request from any thread; its stream ends with an aborted output."""
         self._commands.put(AbortRequest(request_id))
 
-    async def call(self, fn: Callable[[Engine], object]) -> object:
+    async def apply(self, command: EngineCall) -> object:
+        """Like ``call`` for a change every rank of the node applies (``EngineCall``)."""
+        return await self.call(command.apply, command)
+
+    async def call(self, fn: Callable[[Engine], object], shared: EngineCall | None = None) -> object:
         """Runs ``fn(engine)`` on the engine thread between steps; returns its result or raises."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future = loop.create_future()
@@ -132,7 +138,7 @@ class EngineLoop:
 
             loop.call_soon_threadsafe(settle)
 
-        self._commands.put(_Call(fn, done))
+        self._commands.put(_Call(fn, done, shared))
         return await future
 
     def _run(self) -> None:
@@ -149,10 +155,10 @@ class EngineLoop:
     def _turns(self) -> None:
         """Loop turns until asked to stop: commands, then (told to every rank) whether a step runs."""
         while self._drain(self._wait()):
-            step = self.engine.has_work()
-            self.bus.publish(step)
+            step, now = self.engine.has_work(), time.monotonic()
+            self.bus.publish(step, now)
             if step:
-                self._step()
+                self._step(now)
             self._publish()
 
     def _publish(self, force: bool = False) -> None:
@@ -204,6 +210,8 @@ class EngineLoop:
         """Runs the call, publishes the occupancy it changed, then answers: a caller that reads
         ``stats`` after its call returned sees the call's effect (e.g. a reservation's pages)."""
         try:
+            if command.shared is not None:
+                self.bus.record(command.shared)  # the other ranks apply it too, failing or not, as here
             result = command.fn(self.engine)
         except Exception as exc:
             command.done(None, exc)
@@ -211,9 +219,9 @@ class EngineLoop:
         self._publish(force=True)
         command.done(result, None)
 
-    def _step(self) -> None:
+    def _step(self, now: float) -> None:
         try:
-            outputs = self.engine.step()
+            outputs = self.engine.step(now)
         except Exception as exc:
             log.exception("engine step failed")
             for rid in list(self._sinks):

@@ -11,6 +11,7 @@ import signal
 import threading
 from multiprocessing.process import BaseProcess
 
+from tierserve.engine.commands import RankRole
 from tierserve.engine.config import EngineConfig
 from tierserve.engine.rank_worker import run_rank
 from tierserve.engine.ranks import Ranks, RankSpec, join, rendezvous
@@ -21,10 +22,11 @@ STOP_GRACE_S = 10.0  # how long stopped ranks may take to leave before they are 
 
 class RankProcesses:
     """The other ranks of a node and their watchdog. Start from the main thread (the children's
-    parent-death signal is tied to the thread that started them) and ``stop`` in a ``finally``."""
+    parent-death signal is tied to the thread that started them) and ``stop`` in a ``finally``.
+    ``role``: what a node role adds to each rank (``RankRole``), None for ``tierserve serve``."""
 
-    def __init__(self, config: EngineConfig, log_level: str) -> None:
-        self.config = config
+    def __init__(self, config: EngineConfig, log_level: str, role: RankRole | None = None) -> None:
+        self.config, self.role = config, role
         self.store = rendezvous(config.tp_size, config.dist_timeout_s)
         self.children = [self._spawn(rank, log_level) for rank in range(1, config.tp_size)]
         self._stopping = threading.Event()
@@ -53,7 +55,7 @@ class RankProcesses:
         return RankSpec(rank, self.config.tp_size, self.store.port, self.config.dist_timeout_s)
 
     def _spawn(self, rank: int, log_level: str) -> BaseProcess:
-        args = (self._spec(rank), self.config, os.getpid(), log_level)
+        args = (self._spec(rank), self.config, os.getpid(), log_level, self.role)
         child = mp.get_context("spawn").Process(target=run_rank, args=args, name=f"rank-{rank}", daemon=True)
         child.start()
         return child

@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 
+from tierserve.engine.commands import Bind, RankRole
 from tierserve.engine.config import EngineConfig
 from tierserve.engine.engine import Engine
 from tierserve.engine.ranks import RankSpec, join, leave
@@ -19,31 +20,37 @@ log = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
 
 
-def follow(engine: Engine, bus: FollowerBus) -> None:
-    """Applies rank 0's messages until the stop message. Outputs and errors are rank 0's to report:
-    fed the same commands, this rank's engine produced the same ones."""
+def follow(engine: Engine, bus: FollowerBus, bind: Bind = lambda command: command) -> None:
+    """Applies rank 0's messages (each command through ``bind``, the role's) until the stop
+    message. Outputs and errors are rank 0's to report: fed the same commands, this rank's engine
+    produced the same ones."""
     while not (message := bus.receive()).stop:
-        _apply(engine, message)
+        _apply(engine, message, bind)
 
 
-def _apply(engine: Engine, message: StepMessage) -> None:
+def _apply(engine: Engine, message: StepMessage, bind: Bind) -> None:
     for command in message.commands:
         with contextlib.suppress(Exception):  # rank 0 answered this request with the same error
-            command.apply(engine)
+            bind(command).apply(engine)
     if message.step:
-        engine.step()
+        engine.step(message.now)  # rank 0's clock: leases expire at the same step on every rank
         engine.take_failures()
 
 
-def run_rank(spec: RankSpec, config: EngineConfig, parent_pid: int, log_level: str) -> None:
+def run_rank(spec: RankSpec, config: EngineConfig, parent_pid: int, log_level: str,
+             role: RankRole | None = None) -> None:
     """A rank process's body (``multiprocessing`` spawn target). Exits non-zero on any failure, which
-    rank 0's watchdog turns into the node's exit; dies with rank 0 (parent-death signal)."""
+    rank 0's watchdog turns into the node's exit; dies with rank 0 (parent-death signal). A node
+    role's ``role`` attaches to the engine before the first message (``RankRole``)."""
     _die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; rank 0 stops us
     _log_as(spec.rank, log_level)
     try:
         ranks = join(spec, config)
-        follow(Engine(config, ranks=ranks), FollowerBus(ranks))
+        engine = Engine(config, ranks=ranks)
+        bind = role.attach(engine) if role is not None else (lambda command: command)
+        follow(engine, FollowerBus(ranks), bind)
+        engine.cache.close()  # as rank 0 does: an L3 client left mounted would be given objects it cannot hold
         leave()
     except BaseException:
         log.exception("rank %d failed; the node goes down", spec.rank)

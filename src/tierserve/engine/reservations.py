@@ -11,7 +11,6 @@ are the decode role's settings (``decode_node``), given with each reservation.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 from tierserve.cache.allocator import PageAllocator
@@ -54,8 +53,9 @@ class Reservations:
     quarantine: list[tuple[float, list[int]]] = field(default_factory=list)  # (free at, pages)
     expired_leases: int = 0
 
-    def reserve(self, request: Request, num_tokens: int, terms: ReservationTerms) -> None:
-        """Matches the prompt's cached prefix and allocates pages for ``num_tokens`` tokens;
+    def reserve(self, request: Request, num_tokens: int, terms: ReservationTerms, now: float) -> None:
+        """Matches the prompt's cached prefix and allocates pages for ``num_tokens`` tokens, leased
+        from ``now`` (rank 0's clock: every rank of a node must expire it at the same step);
         raises ``CapacityError`` (holding nothing) when the pool cannot supply them."""
         prompt = request.prompt_ids
         hit = self.cache.match(prompt[: len(prompt) - 1], None, request.cache_salt)
@@ -68,7 +68,7 @@ class Reservations:
             raise CapacityError(f"no room for {num_tokens} tokens of KV: {self.allocator.num_free} pages free "
                                 f"of {self.allocator.num_pages}")
         request.hit, request.pages, request.num_computed = hit, [*hit.pages, *pages], hit.num_tokens
-        self.active[request.request_id] = Reservation(request, time.monotonic() + terms.lease_s, terms.grace_s)
+        self.active[request.request_id] = Reservation(request, now + terms.lease_s, terms.grace_s)
 
     def take(self, request_id: str) -> Request:
         """Ends the lease: the prompt's KV is in place and the request may run."""
@@ -77,8 +77,9 @@ class Reservations:
             raise KeyError(f"no reservation {request_id!r} (unknown, released or its lease expired)")
         return reservation.request
 
-    def cancel(self, request_id: str, writer_stopped: bool) -> bool:
-        """Gives the pages back; False if the reservation is unknown."""
+    def cancel(self, request_id: str, writer_stopped: bool, now: float) -> bool:
+        """Gives the pages back (unless ``writer_stopped``, fresh pages wait in quarantine until
+        ``now`` plus the grace); False if the reservation is unknown."""
         reservation = self.active.pop(request_id, None)
         if reservation is None:
             return False
@@ -88,17 +89,17 @@ class Reservations:
             self.cache.release(r.prompt_ids, r.pages, r.hit.num_tokens, r.hit)
         else:
             self.cache.release(r.prompt_ids, r.pages[:kept], r.hit.num_tokens, r.hit)
-            self.quarantine.append((time.monotonic() + reservation.grace_s, r.pages[kept:]))
+            self.quarantine.append((now + reservation.grace_s, r.pages[kept:]))
         r.pages, r.hit = [], PrefixHit()
         return True
 
-    def tick(self) -> list[str]:
+    def tick(self, now: float) -> list[str]:
         """Expires leases (their writer may still be running) and frees quarantined pages whose
-        grace period is over; returns the expired reservation ids."""
-        now = time.monotonic()
+        grace period is over, as of ``now`` (rank 0's clock, sent with the step: ranks that read
+        their own clocks could expire a lease at different steps); returns the expired ids."""
         expired = [rid for rid, res in self.active.items() if res.expires_at <= now]
         for rid in expired:
-            self.cancel(rid, writer_stopped=False)
+            self.cancel(rid, False, now)
         self.expired_leases += len(expired)
         for entry in [q for q in self.quarantine if q[0] <= now]:
             self.quarantine.remove(entry)

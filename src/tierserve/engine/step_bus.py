@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from tierserve.engine.commands import AddRequest, EngineCommand
+from tierserve.engine.commands import EngineCall, EngineCommand, for_other_ranks
 from tierserve.engine.ranks import Ranks
 
 log = logging.getLogger(__name__)
@@ -28,24 +28,27 @@ class _Flags(IntFlag):
 
 @dataclass(frozen=True)
 class StepMessage:
-    """One loop turn of rank 0: apply ``commands`` in order, then step if ``step``; ``stop`` ends the node."""
+    """One loop turn of rank 0: apply ``commands`` in order, then step if ``step`` at time ``now``
+    (rank 0's clock, for lease expiry); ``stop`` ends the node."""
 
-    commands: tuple[EngineCommand, ...] = ()
+    commands: tuple[EngineCommand | EngineCall, ...] = ()
     step: bool = False
     stop: bool = False
+    now: float = 0.0
 
 
 class StepBus(Protocol):
     """Rank 0's end. ``record`` each command as it is applied, ``publish`` once per loop turn, before
-    its step; ``stop`` ends the other ranks (commands recorded since the last turn are not sent: no step
-    follows them). ``idle_wait`` bounds an idle wait for commands (None: wait for ever); ``lost`` is
-    called when a step or a broadcast failed, after which the ranks may no longer be in step."""
+    its step, with the time the step uses; ``stop`` ends the other ranks (commands recorded since
+    the last turn are not sent: no step follows them). ``idle_wait`` bounds an idle wait for
+    commands (None: wait for ever); ``lost`` is called when a step or a broadcast failed, after
+    which the ranks may no longer be in step."""
 
     idle_wait: float | None
 
-    def record(self, command: EngineCommand) -> None: ...
+    def record(self, command: EngineCommand | EngineCall) -> None: ...
 
-    def publish(self, step: bool) -> None: ...
+    def publish(self, step: bool, now: float) -> None: ...
 
     def stop(self) -> None: ...
 
@@ -57,10 +60,10 @@ class SoleBus:
 
     idle_wait: float | None = None
 
-    def record(self, command: EngineCommand) -> None:
+    def record(self, command: EngineCommand | EngineCall) -> None:
         pass
 
-    def publish(self, step: bool) -> None:
+    def publish(self, step: bool, now: float) -> None:
         pass
 
     def stop(self) -> None:
@@ -77,16 +80,14 @@ class LeaderBus:
     ranks: Ranks
     on_lost: Callable[[str], None]
     idle_wait: float | None = KEEPALIVE_S
-    _pending: list[EngineCommand] = field(default_factory=list)
+    _pending: list[EngineCommand | EngineCall] = field(default_factory=list)
 
-    def record(self, command: EngineCommand) -> None:
-        if isinstance(command, AddRequest) and command.handoff is not None:  # a process-local object
-            raise ValueError("a KV handoff cannot run on a node of several ranks yet")
-        self._pending.append(command)
+    def record(self, command: EngineCommand | EngineCall) -> None:
+        self._pending.append(for_other_ranks(command))  # raises for what cannot cross processes
 
-    def publish(self, step: bool) -> None:
+    def publish(self, step: bool, now: float) -> None:
         commands, self._pending = tuple(self._pending), []
-        _send(self.ranks, StepMessage(commands, step))
+        _send(self.ranks, StepMessage(commands, step, now=now))
 
     def stop(self) -> None:
         _send(self.ranks, StepMessage(stop=True))
@@ -102,20 +103,21 @@ class FollowerBus:
     ranks: Ranks
 
     def receive(self) -> StepMessage:
-        header = torch.zeros(2, dtype=torch.int64)
+        header = torch.zeros(3, dtype=torch.int64)
         dist.broadcast(header, src=0, group=self.ranks.control)
-        flags, size = _Flags(int(header[0])), int(header[1])
-        commands: tuple[EngineCommand, ...] = ()
+        flags, size, now_ns = _Flags(int(header[0])), int(header[1]), int(header[2])
+        commands: tuple[EngineCommand | EngineCall, ...] = ()
         if size:
             payload = torch.empty(size, dtype=torch.uint8)
             dist.broadcast(payload, src=0, group=self.ranks.control)
             commands = pickle.loads(payload.numpy().tobytes())
-        return StepMessage(commands, _Flags.STEP in flags, _Flags.STOP in flags)
+        return StepMessage(commands, _Flags.STEP in flags, _Flags.STOP in flags, now_ns / 1e9)
 
 
 def _send(ranks: Ranks, message: StepMessage) -> None:
     payload = pickle.dumps(message.commands) if message.commands else b""
     flags = (_Flags.STEP if message.step else 0) | (_Flags.STOP if message.stop else 0)
-    dist.broadcast(torch.tensor([int(flags), len(payload)], dtype=torch.int64), src=0, group=ranks.control)
+    header = [int(flags), len(payload), round(message.now * 1e9)]
+    dist.broadcast(torch.tensor(header, dtype=torch.int64), src=0, group=ranks.control)
     if payload:
         dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), src=0, group=ranks.control)
