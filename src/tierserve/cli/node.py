@@ -33,7 +33,7 @@ def node_options(args: argparse.Namespace) -> NodeOptions:
     return NodeOptions(host=args.host, port=args.port, transfer_hostname=hostname,
                        transfer_protocol=args.transfer_protocol, transfer_devices=args.transfer_device,
                        served_model_name=args.served_model_name, metrics_port=args.metrics_port,
-                       kv_events_port=args.kv_events_port)
+                       kv_events_port=args.kv_events_port, log_level=args.log_level)
 
 
 def run_role(args: argparse.Namespace, role: int, add_service: AddService) -> int:

@@ -8,14 +8,16 @@ policy copies them to L2 and each L2 copy is backed up to L3, all in the backgro
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
 import grpc
 
 from tierserve.core.sampling import InvalidRequestError
+from tierserve.engine.commands import CancelReservation, Reserve
 from tierserve.engine.reservations import DEFAULT_TERMS, CapacityError, ReservationTerms
-from tierserve.node.convert import arena, identity, sampling_params
+from tierserve.node.convert import arena, identity, kv_ranks, sampling_params
 from tierserve.node.server import AddService, Node
 from tierserve.proto import tierserve_pb2 as pb
 from tierserve.proto import tierserve_pb2_grpc as pb_grpc
@@ -31,20 +33,22 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
     def __init__(self, node: Node, terms: ReservationTerms = DEFAULT_TERMS, max_lease_s: float = 900.0) -> None:
         self.node, self.terms, self.max_lease_s = node, terms, max_lease_s
         self.identity, self.arena = identity(node.engine), arena(node.engine)
+        self.ranks = kv_ranks(node.ranks.arenas) if node.ranks is not None else []  # every rank's arena and heads
 
     async def Reserve(self, request: pb.ReserveRequest, context: grpc.aio.ServicerContext) -> pb.ReserveResponse:
         lease = min(request.lease_seconds or self.terms.lease_s, self.max_lease_s)
         rid, terms = request.request_id, replace(self.terms, lease_s=lease)
         prompt, max_new = list(request.prompt_ids), request.max_new_tokens or 16
         try:
-            reserved = await self.node.loop.call(lambda e: e.reserve(rid, prompt, max_new, request.cache_salt, terms))
+            reserve = Reserve(rid, tuple(prompt), max_new, request.cache_salt, terms, time.monotonic())
+            reserved = await self.node.loop.apply(reserve)  # every rank: the same pages
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except CapacityError as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         dest = pb.KVDestination(reservation_id=rid, transfer_endpoint=self.node.transfer.endpoint,
                                 identity=self.identity, base_address=self.arena.base, num_slots=self.arena.num_slots,
-                                pages=reserved.pages, cached_tokens=reserved.num_computed)
+                                pages=reserved.pages, cached_tokens=reserved.num_computed, ranks=self.ranks)
         return pb.ReserveResponse(destination=dest, lease_seconds=terms.lease_s)
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
@@ -65,11 +69,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
 
     async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:
         rid = request.reservation_id
-
-        def release(engine) -> bool:
-            return engine.cancel_reservation(rid, request.writer_stopped) or rid in engine.requests
-
-        released = await self.node.loop.call(release)
+        released = await self.node.loop.apply(CancelReservation(rid, request.writer_stopped, time.monotonic()))
         self.node.loop.abort(rid)  # a running generation ends (aborted) on its stream; else a no-op
         return pb.ReleaseResponse(released=released)
 

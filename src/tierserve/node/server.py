@@ -1,5 +1,6 @@
-"""Starts a node: the engine on its own thread, a transfer engine with the KV pool registered,
-and a gRPC server with the role's service, ``NodeService`` and the standard health service."""
+"""Starts a node: its ranks (one process each; this one is rank 0), the engine on its own thread, a
+transfer engine with the KV pool registered on every rank, and on rank 0 a gRPC server with the
+role's service, ``NodeService`` and the standard health service."""
 
 from __future__ import annotations
 
@@ -14,12 +15,17 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from tierserve.cache.events import KVEventPublisher
+from tierserve.core.model_config import ModelConfig
 from tierserve.core.transfer import TransferProtocol
 from tierserve.engine.config import EngineConfig
 from tierserve.engine.engine import Engine
 from tierserve.engine.loop import EngineLoop
+from tierserve.engine.rank_procs import RankProcesses
+from tierserve.engine.step_bus import LeaderBus
+from tierserve.model.parallel import TensorParallelError, check_model
 from tierserve.node.kv_events import advertised_endpoint, start_kv_events
 from tierserve.node.metrics import NodeMetrics
+from tierserve.node.rank_transfer import NodeRankRole, RankTransfer, Side, TransferOptions
 from tierserve.node.service import NodeServicer
 from tierserve.proto import tierserve_pb2 as pb
 from tierserve.proto import tierserve_pb2_grpc as pb_grpc
@@ -30,21 +36,25 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class NodeOptions:
-    """Where a node listens (gRPC) and how its transfer engine reaches peers."""
+    """Where a node listens (gRPC) and how its transfer engines reach peers."""
 
     host: str = "127.0.0.1"
     port: int = 0  # 0 = any free port (logged)
-    transfer_hostname: str = "127.0.0.1"  # the address peers use for this node's transfer engine
+    transfer_hostname: str = "127.0.0.1"  # the address peers use for this node's transfer engines
     transfer_protocol: TransferProtocol = TransferProtocol.TCP
     transfer_devices: str = ""  # RDMA devices, e.g. "mlx5_0,mlx5_1"
     served_model_name: str | None = None
     metrics_port: int | None = None  # Prometheus /metrics on this port; None = off
     kv_events_port: int | None = None  # ZMQ PUB of KV events on this port (0: any free); None = off
+    log_level: str = "info"  # of ranks 1..N-1
+
+    def transfer(self) -> TransferOptions:
+        return TransferOptions(self.transfer_hostname, self.transfer_protocol, self.transfer_devices)
 
 
 @dataclass
 class Node:
-    """What a role's service needs."""
+    """What a role's service needs. ``ranks``: every rank's transfer side, this rank's own."""
 
     engine: Engine
     loop: EngineLoop
@@ -52,47 +62,65 @@ class Node:
     peers: PeerEngines  # sends (prefill): one engine per destination
     metrics: NodeMetrics
     kv_events: KVEventPublisher | None = None
+    ranks: RankTransfer | None = None
 
 
 AddService = Callable[[grpc.aio.Server, Node], str]  # registers the role's servicer; returns its full name
 
 
 def run_node(config: EngineConfig, options: NodeOptions, role: pb.Role, add_service: AddService) -> None:
-    """Builds the node and serves until SIGINT or SIGTERM; exits with status 2 for a node of several
-    ranks, which the prefill and decode roles do not run yet."""
+    """Builds the node (``config.tp_size`` rank processes, this one rank 0) and serves until SIGINT
+    or SIGTERM; exits with status 2 for a TP size the model cannot be split over, and status 1 when
+    another rank dies (``docs/architecture.md``, Ranks)."""
     import uvloop
 
-    _refuse_ranks(config, role)
-    engine = Engine(config)
-    transfer = TransferEngineHandle(options.transfer_hostname, options.transfer_protocol, options.transfer_devices)
-    transfer.register(engine.pool.buffer)  # one arena: every page, every layer
-    peers = PeerEngines(options.transfer_hostname, options.transfer_protocol, options.transfer_devices,
-                        [engine.pool.buffer])
+    _check_fits(config)
+    side = NodeRankRole(Side.PREFILL if role == pb.ROLE_PREFILL else Side.DECODE, options.transfer())
+    procs = RankProcesses(config, options.log_level, side) if config.tp_size > 1 else None
+    try:
+        engine = Engine(config, ranks=procs.join() if procs else None)
+        ranks = side.start(engine)
+    except BaseException:
+        if procs is not None:
+            procs.stop(grace_s=0)  # they wait for rank 0, which will never send them anything
+        raise
+    node = None
+    try:
+        node = _start(engine, ranks, options, procs)
+        uvloop.run(_serve(node, options, role, add_service))
+    finally:
+        _stop(node, engine, procs)
+
+
+def _start(engine: Engine, ranks: RankTransfer, options: NodeOptions, procs: RankProcesses | None) -> Node:
     kv_events = None
     if options.kv_events_port is not None:  # before the engine thread starts: the tree is its alone then
         kv_events = start_kv_events(engine, f"tcp://{options.host}:{options.kv_events_port}")
-    loop = EngineLoop(engine)
-    node = Node(engine, loop.start(), transfer, peers, NodeMetrics(loop), kv_events)
+    loop = EngineLoop(engine, LeaderBus(engine.ranks, procs.fail) if procs else None)
+    node = Node(engine, loop.start(), ranks.receiver, ranks.peers, NodeMetrics(loop), kv_events, ranks)
     if options.metrics_port is not None:
         node.metrics.serve(options.host, options.metrics_port)
-    try:
-        uvloop.run(_serve(node, options, role, add_service))
-    finally:
+    return node
+
+
+def _stop(node: Node | None, engine: Engine, procs: RankProcesses | None) -> None:
+    """Stops the engine thread (which tells the other ranks to stop), the ranks, the L2/L3 workers."""
+    if node is not None:
         node.loop.stop()
         if node.kv_events is not None:
             node.kv_events.stop()
-        engine.cache.close()  # stops the L2/L3 workers
+    if procs is not None:
+        procs.stop()
+    engine.cache.close()
 
 
-def _refuse_ranks(config: EngineConfig, role: pb.Role) -> None:
-    """Each rank would need its own transfer engine and head range in the KV handoff: a later stage
-    of issue 14. Until then only ``tierserve serve`` runs several ranks."""
-    if config.tp_size > 1:
-        name = pb.Role.Name(role).removeprefix("ROLE_").lower()
-        print(f"tierserve: --tp-size {config.tp_size}: {name} nodes run one rank only for now (the multi-rank "
-              "KV handoff is not built yet); use --tp-size 1, or tierserve serve for tensor parallelism",
-              file=sys.stderr)
-        raise SystemExit(2)
+def _check_fits(config: EngineConfig) -> None:
+    """Refuses, before any process starts, a TP size the model's heads or MLP cannot be split over."""
+    try:
+        check_model(ModelConfig.from_dir(config.model_dir), config.tp_size)
+    except TensorParallelError as exc:
+        print(f"tierserve: --tp-size {config.tp_size} does not fit {config.model_dir.name}: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 async def _serve(node: Node, options: NodeOptions, role: pb.Role, add_service: AddService) -> None:

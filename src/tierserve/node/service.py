@@ -9,6 +9,7 @@ from google.protobuf import json_format, struct_pb2
 
 from tierserve.cache.events import KVEventPublisher
 from tierserve.core.storage import StorageAction, StorageBusyError, StorageKind
+from tierserve.engine.commands import FlushCache
 from tierserve.engine.loop import EngineLoop
 from tierserve.node.convert import identity
 from tierserve.node.kv_events import snapshot_reply, take_snapshot
@@ -27,7 +28,7 @@ class NodeServicer(pb_grpc.NodeServiceServicer):
         return pb.NodeInfo(role=self.role, model=self.model_name, identity=identity(engine),
                            namespace_digest=engine.namespace.digest(), transfer_endpoint=self.transfer_endpoint,
                            max_context_tokens=engine.max_model_len, namespace_seed=engine.namespace.seed(),
-                           kv_events_endpoint=self.kv_events_endpoint)
+                           kv_events_endpoint=self.kv_events_endpoint, tp_size=engine.ranks.size)
 
     async def KVSnapshot(self, request: pb.KVSnapshotRequest, context: grpc.aio.ServicerContext
                          ) -> pb.KVSnapshotReply:
@@ -44,7 +45,7 @@ class NodeServicer(pb_grpc.NodeServiceServicer):
 
     async def FlushCache(self, request: pb.FlushCacheRequest, context: grpc.aio.ServicerContext
                          ) -> pb.FlushCacheResponse:
-        device, host = await self.loop.call(lambda e: e.cache.flush(request.device, request.host))
+        device, host = await self.loop.apply(FlushCache(request.device, request.host))  # on every rank
         return pb.FlushCacheResponse(device_pages=device, host_pages=host)
 
     async def AttachStorage(self, request: pb.StorageAttachRequest, context: grpc.aio.ServicerContext

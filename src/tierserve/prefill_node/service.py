@@ -13,7 +13,10 @@ import grpc
 from tierserve.core.outputs import RequestOutput
 from tierserve.core.sampling import InvalidRequestError, SamplingParams
 from tierserve.core.tiers import CacheTier
-from tierserve.node.convert import arena, destination_arena, identity, identity_mismatch, sampling_params
+from tierserve.engine.commands import AddRequest, EngineCommand
+from tierserve.node.convert import arena, destination_ranks, heads_problem, identity, identity_mismatch, sampling_params
+from tierserve.node.handoffs import AgreedHandoff, HandoffAdd
+from tierserve.node.rank_transfer import HandoffPlan
 from tierserve.node.server import AddService, Node
 from tierserve.proto import tierserve_pb2 as pb
 from tierserve.proto import tierserve_pb2_grpc as pb_grpc
@@ -55,15 +58,13 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             params = replace(sampling_params(request.sampling), max_tokens=1, ignore_eos=True, stop=[])
         except InvalidRequestError as exc:
             await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc), stopped=True)
-        opts = self.options
-        handoff = KVHandoff(self.node.peers, dest.transfer_endpoint, self.arena,
-                            destination_arena(dest, self.arena.slot_bytes), list(dest.pages), dest.cached_tokens,
-                            len(prompt), opts.fault_rate, opts.fault_delay_s, self.node.engine.device.type == "cuda")
-        timeout = request.timeout_seconds or opts.timeout_s
+        handoff, add = self._handoff(request, prompt, params, self._plan(prompt, dest))
+        timeout = request.timeout_seconds or self.options.timeout_s
         try:
-            first, result = await self._run(request, prompt, params, handoff, timeout)
-        except InvalidRequestError as exc:
-            await self._fail(context, handoff, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            first, result = await self._run(add, handoff, timeout)
+        except InvalidRequestError as exc:  # refused on every rank before any KV was computed: nothing sent
+            handoff.cancel(str(exc))
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc), stopped=True)
         except TimeoutError:
             self.metrics.handoffs.labels("deadline").inc()
             await self._fail(context, handoff, grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -73,31 +74,45 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
                 handoff.cancel("the prefill ended before the handoff")
         return await self._answer(context, request.request_id, first, result, handoff)
 
-    async def _run(self, request: pb.PrefillRequest, prompt: list[int], params: SamplingParams, handoff: KVHandoff,
-                   timeout: float) -> tuple[RequestOutput | None, HandoffResult]:
+    def _plan(self, prompt: list[int], dest: pb.KVDestination) -> HandoffPlan:
+        dests = destination_ranks(dest, self.node.ranks.head_bytes)
+        return HandoffPlan(tuple(dests), tuple(dest.pages), dest.cached_tokens, len(prompt))
+
+    def _handoff(self, request: pb.PrefillRequest, prompt: list[int], params: SamplingParams, plan: HandoffPlan
+                 ) -> tuple[KVHandoff | AgreedHandoff, EngineCommand]:
+        """This rank's handoff and the command that adds the request: at several ranks every rank
+        builds its own handoff from the plan and they agree on when all ended (``node/handoffs.py``)."""
+        ranks, opts = self.node.ranks, self.options
+        add = AddRequest(request.request_id, tuple(prompt), params, request.cache_salt)
+        if ranks.board is None:
+            handoff = ranks.handoff(plan, opts.fault_rate, opts.fault_delay_s)
+            return handoff, replace(add, handoff=handoff)
+        agreed = ranks.agreed(plan, opts.fault_rate, opts.fault_delay_s)
+        return agreed, HandoffAdd(replace(add, plan=plan), agreed)
+
+    async def _run(self, add: EngineCommand, handoff: KVHandoff | AgreedHandoff, timeout: float
+                   ) -> tuple[RequestOutput | None, HandoffResult]:
         """Compute, then the rest of the handoff, within ``timeout`` seconds together."""
         deadline = time.monotonic() + timeout
-        first = await asyncio.wait_for(self._compute(request, prompt, params, handoff), timeout)
+        first = await asyncio.wait_for(self._compute(add), timeout)
         return first, await asyncio.to_thread(handoff.result, max(0.0, deadline - time.monotonic()))
 
-    async def _fail(self, context: grpc.aio.ServicerContext, handoff: KVHandoff, code: grpc.StatusCode,
-                    message: str) -> None:
+    async def _fail(self, context: grpc.aio.ServicerContext, handoff: KVHandoff | AgreedHandoff,
+                    code: grpc.StatusCode, message: str) -> None:
         """Stops the handoff, waits a moment for its in-flight batches, and aborts saying whether they ended."""
         if handoff.busy():
             handoff.cancel(message)
         stopped = await asyncio.to_thread(handoff.wait_stopped, CONFIRM_STOP_S)
         await _abort(context, code, message, stopped, handoff.peer_failed)
 
-    async def _compute(self, request: pb.PrefillRequest, prompt: list[int], params: SamplingParams,
-                       handoff: KVHandoff) -> RequestOutput | None:
+    async def _compute(self, add: EngineCommand) -> RequestOutput | None:
         first = None
-        async for out in self.node.loop.generate(request.request_id, prompt, params, cache_salt=request.cache_salt,
-                                                 handoff=handoff):
+        async for out in self.node.loop.stream(add):
             first = out
         return first
 
     async def _answer(self, context: grpc.aio.ServicerContext, request_id: str, first: RequestOutput | None,
-                      result: HandoffResult, handoff: KVHandoff) -> pb.PrefillResponse:
+                      result: HandoffResult, handoff: KVHandoff | AgreedHandoff) -> pb.PrefillResponse:
         if result.error is None and (first is None or not first.new_token_ids):
             result.error = "the prefill was aborted"
         if result.error is not None:
@@ -127,9 +142,8 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             return f"the destination holds {len(dest.pages) * page} tokens, the prompt has {len(prompt)}"
         if dest.cached_tokens >= len(prompt) or dest.cached_tokens % page:
             return f"cached_tokens {dest.cached_tokens} must be a multiple of {page} below the prompt length"
-        if max(dest.pages) * page >= dest.num_slots:
-            return "a destination page lies outside the destination arena"
-        return None
+        dests = destination_ranks(dest, self.node.ranks.head_bytes)
+        return heads_problem(dests, self.identity.num_kv_heads, max(dest.pages))
 
 
 async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str, stopped: bool,

@@ -33,8 +33,22 @@ class KVIdentity(_message.Message):
     head_dim: int
     def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., page_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ...) -> None: ...
 
+class KVRank(_message.Message):
+    __slots__ = ("transfer_endpoint", "base_address", "num_slots", "kv_head_start", "kv_heads")
+    TRANSFER_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    BASE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    KV_HEAD_START_FIELD_NUMBER: _ClassVar[int]
+    KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    transfer_endpoint: str
+    base_address: int
+    num_slots: int
+    kv_head_start: int
+    kv_heads: int
+    def __init__(self, transfer_endpoint: _Optional[str] = ..., base_address: _Optional[int] = ..., num_slots: _Optional[int] = ..., kv_head_start: _Optional[int] = ..., kv_heads: _Optional[int] = ...) -> None: ...
+
 class KVDestination(_message.Message):
-    __slots__ = ("reservation_id", "transfer_endpoint", "identity", "base_address", "num_slots", "pages", "cached_tokens")
+    __slots__ = ("reservation_id", "transfer_endpoint", "identity", "base_address", "num_slots", "pages", "cached_tokens", "ranks")
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     IDENTITY_FIELD_NUMBER: _ClassVar[int]
@@ -42,6 +56,7 @@ class KVDestination(_message.Message):
     NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
     PAGES_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
     reservation_id: str
     transfer_endpoint: str
     identity: KVIdentity
@@ -49,7 +64,8 @@ class KVDestination(_message.Message):
     num_slots: int
     pages: _containers.RepeatedScalarFieldContainer[int]
     cached_tokens: int
-    def __init__(self, reservation_id: _Optional[str] = ..., transfer_endpoint: _Optional[str] = ..., identity: _Optional[_Union[KVIdentity, _Mapping]] = ..., base_address: _Optional[int] = ..., num_slots: _Optional[int] = ..., pages: _Optional[_Iterable[int]] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+    ranks: _containers.RepeatedCompositeFieldContainer[KVRank]
+    def __init__(self, reservation_id: _Optional[str] = ..., transfer_endpoint: _Optional[str] = ..., identity: _Optional[_Union[KVIdentity, _Mapping]] = ..., base_address: _Optional[int] = ..., num_slots: _Optional[int] = ..., pages: _Optional[_Iterable[int]] = ..., cached_tokens: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[KVRank, _Mapping]]] = ...) -> None: ...
 
 class SamplingOptions(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "seed", "max_tokens", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens")
@@ -180,7 +196,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("role", "model", "identity", "namespace_digest", "transfer_endpoint", "max_context_tokens", "kv_events_endpoint", "namespace_seed")
+    __slots__ = ("role", "model", "identity", "namespace_digest", "transfer_endpoint", "max_context_tokens", "kv_events_endpoint", "namespace_seed", "tp_size")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     IDENTITY_FIELD_NUMBER: _ClassVar[int]
@@ -189,6 +205,7 @@ class NodeInfo(_message.Message):
     MAX_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_EVENTS_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_SEED_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     role: Role
     model: str
     identity: KVIdentity
@@ -197,7 +214,8 @@ class NodeInfo(_message.Message):
     max_context_tokens: int
     kv_events_endpoint: str
     namespace_seed: bytes
-    def __init__(self, role: _Optional[_Union[Role, str]] = ..., model: _Optional[str] = ..., identity: _Optional[_Union[KVIdentity, _Mapping]] = ..., namespace_digest: _Optional[str] = ..., transfer_endpoint: _Optional[str] = ..., max_context_tokens: _Optional[int] = ..., kv_events_endpoint: _Optional[str] = ..., namespace_seed: _Optional[bytes] = ...) -> None: ...
+    tp_size: int
+    def __init__(self, role: _Optional[_Union[Role, str]] = ..., model: _Optional[str] = ..., identity: _Optional[_Union[KVIdentity, _Mapping]] = ..., namespace_digest: _Optional[str] = ..., transfer_endpoint: _Optional[str] = ..., max_context_tokens: _Optional[int] = ..., kv_events_endpoint: _Optional[str] = ..., namespace_seed: _Optional[bytes] = ..., tp_size: _Optional[int] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
     __slots__ = ()

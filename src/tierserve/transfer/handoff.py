@@ -1,4 +1,5 @@
-"""One request's KV handoff from a prefill node into a decode node's reserved pages.
+"""One request's KV handoff from a prefill rank into a decode node's reserved pages (of one or
+several decode ranks: one ``Route`` each).
 
 The engine calls ``on_layer`` right after the model wrote a layer's K and V, so a layer's
 transfer runs while the next layers compute. On CUDA "wrote" means "queued the kernels": each
@@ -21,9 +22,10 @@ from dataclasses import dataclass
 import torch
 
 from tierserve.transfer.engine import PeerEngines, TransferEngineHandle, TransferError
-from tierserve.transfer.layout import Block, KVArena, layer_blocks, token_runs
+from tierserve.transfer.layout import Block, KVArena, Route, route_blocks, token_runs
 
 _DONE = None  # sentinel in the sender's queue: no more layers
+_Batch = tuple[str, list[Block]]  # (target, blocks) of one layer
 
 
 def _nothing() -> None:
@@ -41,30 +43,53 @@ class HandoffResult:
     exposed_seconds: float  # last submission (the compute's end) to last completion
 
 
+@dataclass(frozen=True)
+class HandoffState:
+    """One rank's handoff as the ranks of a node agree on it: flags, bytes sent, and the
+    monotonic clock (microseconds, the same on every process of a machine) of its first and last
+    submission and last completion (0: none yet)."""
+
+    finished: bool
+    failed: bool
+    unsettled: bool
+    peer_failed: bool
+    bytes: int
+    first_submit_us: int
+    last_submit_us: int
+    last_done_us: int
+
+
+def _us(seconds: float) -> int:
+    return round(seconds * 1e6)
+
+
 class KVHandoff:
-    """Sends tokens ``[dst_start, prompt_len)`` of every layer from ``src`` pages into ``dst`` pages
-    at ``target``. For fault tests: ``fault_rate`` makes exactly that share of handoffs (every
+    """Sends tokens ``[dst_start, prompt_len)`` of every layer from ``src`` pages into ``dst_pages``
+    along each of ``routes`` (one batch per route and layer; no routes: nothing to send, e.g. a
+    rank whose KV head another rank sends). For fault tests: ``fault_rate`` makes exactly that share of handoffs (every
     1/rate-th) fail for real (one block aimed at an address the peer never registered), and
     ``fault_delay_s`` holds the first batch that long before it is written, as a slow link would:
     a ``cancel`` meanwhile does not stop it, as it cannot stop a batch already on the wire."""
 
-    def __init__(self, engines: PeerEngines, target: str, src: KVArena, dst: KVArena,
-                 dst_pages: list[int], dst_start: int, prompt_len: int, fault_rate: float = 0.0,
-                 fault_delay_s: float = 0.0, cuda: bool = False) -> None:
-        self.engines, self.target, self.src, self.dst = engines, target, src, dst
+    def __init__(self, engines: PeerEngines, routes: list[Route], src: KVArena, dst_pages: list[int],
+                 dst_start: int, prompt_len: int, fault_rate: float = 0.0, fault_delay_s: float = 0.0,
+                 cuda: bool = False) -> None:
+        self.engines, self.routes, self.src = engines, routes, src
+        self.target = ",".join(dict.fromkeys(r.target for r in routes))  # for messages
         self.dst_pages, self.prompt_len = dst_pages, prompt_len
-        self._sent = [dst_start] * src.num_layers  # per layer: tokens before this are submitted
+        start = dst_start if routes else prompt_len
+        self._sent = [start] * src.num_layers  # per layer: tokens before this are submitted
         n = next(_handoffs)
         self._inject = int((n + 1) * fault_rate) > int(n * fault_rate)
         self._delay_s = fault_delay_s
         self._cuda = cuda  # the source pool is on CUDA: blocks wait for their layer's kernels
-        self._layers: queue.SimpleQueue[tuple[Callable[[], None], list[Block]] | None] = queue.SimpleQueue()
+        self._layers: queue.SimpleQueue[tuple[Callable[[], None], list[_Batch]] | None] = queue.SimpleQueue()
         self._finished = threading.Event()
         self._error: str | None = None
         self._unsettled = False  # a batch failed: some of its blocks may still be on the wire
         self.peer_failed = False  # the transfer into ``target`` failed or hung: the peer's failure, not ours
         self._bytes = 0
-        self._engine: TransferEngineHandle | None = None  # acquired by the sender thread on first use
+        self._engines: dict[str, TransferEngineHandle] = {}  # per target, acquired by the sender thread
         self._first_submit = self._last_submit = self._last_done = 0.0
         self._sender = threading.Thread(target=self._send_all, name="kv-handoff", daemon=True)
         self._sender.start()
@@ -84,7 +109,8 @@ class KVHandoff:
             self._first_submit = self._first_submit or now
             self._last_submit = now
             runs = token_runs(pages, self.dst_pages, start, end, self.src.page_size)
-            self._layers.put((self._written(), layer_blocks(self.src, self.dst, runs, layer)))
+            batches = [(r.target, route_blocks(self.src, r, runs, layer)) for r in self.routes]
+            self._layers.put((self._written(), batches))
         if layer == self.src.num_layers - 1 and end == self.prompt_len:
             self._close_submissions()
 
@@ -112,12 +138,23 @@ class KVHandoff:
         if not self._finished.wait(timeout):
             # every layer was submitted: only the peer's side was left (a peer frozen from the
             # start hangs the transfer past Mooncake's own timeouts)
-            self.peer_failed = all(sent >= self.prompt_len for sent in self._sent)
+            self.peer_failed = self.all_submitted()
             self.cancel(f"KV handoff to {self.target} did not complete within {timeout:.1f} s")
         return HandoffResult(
             self._error, self._bytes,
             max(0.0, self._last_done - self._first_submit), max(0.0, self._last_done - self._last_submit),
         )
+
+    def state(self) -> HandoffState:
+        """A snapshot for the other ranks of a node (any thread); ``finished`` is read first, so a
+        finished snapshot holds final values."""
+        finished = not self.busy()
+        return HandoffState(finished, self._error is not None, self._unsettled, self.peer_failed, self._bytes,
+                            _us(self._first_submit), _us(self._last_submit), _us(self._last_done))
+
+    def all_submitted(self) -> bool:
+        """Every layer of the whole prompt was submitted: only the peers' side can be left."""
+        return all(sent >= self.prompt_len for sent in self._sent)
 
     def _written(self) -> Callable[[], None]:
         """Engine thread: what the sender calls to wait until the kernels queued so far ran."""
@@ -136,25 +173,24 @@ class KVHandoff:
 
     def _send_all(self) -> None:
         """Submits layers as they come and waits for the oldest batch whenever none is queued."""
-        inflight: list[int] = []
+        inflight: list[tuple[str, int]] = []
         while (item := self._layers.get()) is not _DONE:
-            written, blocks = item
+            written, batches = item
             if self._error is None:
                 written()
-                batch = self._submit(blocks)
-                inflight += [batch] if batch is not None else []
+                inflight += [(t, b) for t, blocks in batches if (b := self._submit(t, blocks)) is not None]
             while inflight and self._layers.empty():
-                self._wait(inflight.pop(0))
-        for batch in inflight:
-            self._wait(batch)
-        if self._engine is not None:
-            self.engines.release(self.target)
+                self._wait(*inflight.pop(0))
+        for target, batch in inflight:
+            self._wait(target, batch)
+        for target in self._engines:
+            self.engines.release(target)
         self._last_done = self._last_done or time.monotonic()
         if self._error is None and any(s < self.prompt_len for s in self._sent):
             self._error = "KV handoff stopped before the whole prompt was sent"
         self._finished.set()
 
-    def _submit(self, blocks: list[Block]) -> int | None:
+    def _submit(self, target: str, blocks: list[Block]) -> int | None:
         if self._delay_s:
             time.sleep(self._delay_s)  # fault tests only: a batch that lands late
             self._delay_s = 0.0
@@ -162,9 +198,9 @@ class KVHandoff:
             self._inject = False
             blocks = [(blocks[0][0], 64, blocks[0][2]), *blocks[1:]]  # an unregistered address: fails at once
         try:
-            if self._engine is None:
-                self._engine = self.engines.acquire(self.target)
-            batch = self._engine.submit(self.target, blocks)
+            if target not in self._engines:
+                self._engines[target] = self.engines.acquire(target)
+            batch = self._engines[target].submit(target, blocks)
         except TransferError as exc:
             self.peer_failed = True
             self._fail(str(exc))
@@ -172,9 +208,9 @@ class KVHandoff:
         self._bytes += sum(b[2] for b in blocks)
         return batch
 
-    def _wait(self, batch: int) -> None:
-        ok = self._engine.wait(batch)
+    def _wait(self, target: str, batch: int) -> None:
+        ok = self._engines[target].wait(batch)
         self._last_done = time.monotonic()
         if not ok:
             self._unsettled = self.peer_failed = True
-            self._fail(f"KV transfer to {self.target} failed (peer gone, refused or timed out)")
+            self._fail(f"KV transfer to {target} failed (peer gone, refused or timed out)")

@@ -1,18 +1,20 @@
-"""Where a token's K or V lives in a KV arena, and the coalesced block list of a handoff (no
-Mooncake import: the nodes and tests use it without loading the transfer engine)."""
+"""Where a token's K or V lives in a KV arena, which heads of it go to which peer rank, and the
+coalesced block list of a handoff (no Mooncake import: the nodes and tests use it without loading
+the transfer engine)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 Block = tuple[int, int, int]  # (source address, destination address, bytes)
-
+Run = tuple[int, int, int]  # (source slot, destination slot, tokens)
 
 
 @dataclass(frozen=True)
 class KVArena:
     """An arena [num_layers, 2 (K, V), num_slots, kv_heads, head_dim] at ``base`` (the device
-    pool's layout); ``slot_bytes`` is one token's K (or V) in one layer."""
+    pool's layout); ``slot_bytes`` is one token's K (or V) in one layer: every head the arena's
+    rank holds, side by side, so a head sub-range of a slot is one contiguous span."""
 
     base: int
     num_layers: int
@@ -28,12 +30,56 @@ class KVArena:
         return self.num_slots // self.page_size
 
 
-def token_runs(src_pages: list[int], dst_pages: list[int], start: int, end: int, page_size: int
-               ) -> list[tuple[int, int, int]]:
+@dataclass(frozen=True)
+class HeadRange:
+    """KV heads ``[start, start + count)`` of the model."""
+
+    start: int
+    count: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.count
+
+
+@dataclass(frozen=True)
+class RankArena:
+    """One rank of a destination node: its transfer engine, its arena and the model's KV heads it holds."""
+
+    endpoint: str
+    arena: KVArena
+    heads: HeadRange
+
+
+@dataclass(frozen=True)
+class Route:
+    """Part of every token slot that goes to one destination rank: ``nbytes`` from ``src_offset``
+    into a source slot, written at ``dst_offset`` into a slot of ``dst`` at ``target``."""
+
+    target: str
+    dst: KVArena
+    src_offset: int
+    dst_offset: int
+    nbytes: int
+
+
+def plan_routes(held: HeadRange, head_bytes: int, dests: list[RankArena]) -> list[Route]:
+    """Where the heads ``held`` by a source rank go: one route per destination rank holding some of
+    them (several when the destination splits them finer, one part of a slot when it holds more)."""
+    routes = []
+    for dest in dests:
+        lo, hi = max(held.start, dest.heads.start), min(held.end, dest.heads.end)
+        if lo < hi:
+            routes.append(Route(dest.endpoint, dest.arena, (lo - held.start) * head_bytes,
+                                (lo - dest.heads.start) * head_bytes, (hi - lo) * head_bytes))
+    return routes
+
+
+def token_runs(src_pages: list[int], dst_pages: list[int], start: int, end: int, page_size: int) -> list[Run]:
     """Tokens ``[start, end)`` as (source slot, destination slot, tokens) runs that are
     consecutive on both sides: pages allocated together usually are, so a long prompt is a few
     runs rather than one entry per page."""
-    runs: list[tuple[int, int, int]] = []
+    runs: list[Run] = []
     token = start
     while token < end:
         page, offset = divmod(token, page_size)
@@ -47,10 +93,25 @@ def token_runs(src_pages: list[int], dst_pages: list[int], start: int, end: int,
     return runs
 
 
-def layer_blocks(src: KVArena, dst: KVArena, runs: list[tuple[int, int, int]], layer: int) -> list[Block]:
-    """One block per run for K and one for V of ``layer``."""
+def layer_blocks(src: KVArena, dst: KVArena, runs: list[Run], layer: int) -> list[Block]:
+    """One block per run for K and one for V of ``layer`` (whole slots on both sides)."""
     return [
         (src.address(layer, kv, s), dst.address(layer, kv, d), n * src.slot_bytes)
         for kv in (0, 1)
         for s, d, n in runs
+    ]
+
+
+def route_blocks(src: KVArena, route: Route, runs: list[Run], layer: int) -> list[Block]:
+    """``layer``'s blocks along ``route``: coalesced runs when it moves whole slots (the same TP
+    size on both sides), else one block per token, since a head sub-range of consecutive slots is
+    not contiguous in the arena's layout."""
+    if route.nbytes == src.slot_bytes == route.dst.slot_bytes:
+        return layer_blocks(src, route.dst, runs, layer)
+    return [
+        (src.address(layer, kv, s + i) + route.src_offset, route.dst.address(layer, kv, d + i) + route.dst_offset,
+         route.nbytes)
+        for kv in (0, 1)
+        for s, d, n in runs
+        for i in range(n)
     ]

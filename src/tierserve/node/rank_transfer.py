@@ -1,0 +1,131 @@
+"""Each rank's transfer side of a prefill or decode node (``docs/architecture.md``, Ranks): its own
+transfer engine and KV arena, which holds only the rank's KV heads. Every rank starts it right
+after its engine (``NodeRankRole.attach``) and the ranks gather every rank's arena, so rank 0 can
+name them all in a ``KVDestination`` (decode) and every prefill rank knows its heads' routes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+import torch.distributed as dist
+
+from tierserve.core.transfer import TransferProtocol
+from tierserve.engine.commands import AddRequest, Bind, EngineCall, EngineCommand
+from tierserve.engine.engine import Engine
+from tierserve.node.convert import arena
+from tierserve.node.handoffs import AgreedHandoff, HandoffAdd, HandoffBoard
+from tierserve.transfer.engine import PeerEngines, TransferEngineHandle
+from tierserve.transfer.handoff import KVHandoff
+from tierserve.transfer.layout import HeadRange, RankArena, plan_routes
+
+
+class Side(Enum):
+    """Which end of a handoff a node's ranks are: decode ranks receive, prefill ranks send."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@dataclass(frozen=True)
+class TransferOptions:
+    """How a rank's transfer engines reach peers."""
+
+    hostname: str = "127.0.0.1"
+    protocol: TransferProtocol = TransferProtocol.TCP
+    devices: str = ""
+
+
+@dataclass(frozen=True)
+class HandoffPlan:
+    """What every prefill rank builds its own handoff of one request from (it crosses ranks):
+    the destination's ranks, page table, tokens it holds already, and the prompt's length."""
+
+    dests: tuple[RankArena, ...]
+    dst_pages: tuple[int, ...]
+    dst_start: int
+    prompt_len: int
+
+
+@dataclass
+class RankTransfer:
+    """One rank's transfer side: ``receiver`` (decode ranks and rank 0; None on other prefill
+    ranks), ``peers`` for sending, ``arenas`` of every rank in rank order, ``board`` of agreed
+    handoffs (prefill node of several ranks, else None), ``sends``: the heads this rank hands over
+    (None: a replica of a KV head another rank sends)."""
+
+    engine: Engine
+    receiver: TransferEngineHandle | None
+    peers: PeerEngines
+    arenas: list[RankArena]
+    board: HandoffBoard | None
+    sends: HeadRange | None
+
+    @property
+    def head_bytes(self) -> int:
+        g = self.engine.geometry
+        return g.head_dim * g.dtype.itemsize
+
+    def handoff(self, plan: HandoffPlan, fault_rate: float = 0.0, fault_delay_s: float = 0.0) -> KVHandoff:
+        """This rank's sender for ``plan``: its heads, to every destination rank that holds some."""
+        routes = plan_routes(self.sends, self.head_bytes, list(plan.dests)) if self.sends else []
+        return KVHandoff(self.peers, routes, arena(self.engine), list(plan.dst_pages), plan.dst_start,
+                         plan.prompt_len, fault_rate, fault_delay_s, self.engine.device.type == "cuda")
+
+    def agreed(self, plan: HandoffPlan, fault_rate: float = 0.0, fault_delay_s: float = 0.0) -> AgreedHandoff:
+        return AgreedHandoff(self.handoff(plan, fault_rate, fault_delay_s), self.board)
+
+    def bind(self, command: EngineCommand | EngineCall) -> EngineCommand | EngineCall:
+        """A request rank 0 hands over becomes this rank's own handoff of it (``RankRole``)."""
+        if isinstance(command, AddRequest) and isinstance(command.plan, HandoffPlan) and self.board is not None:
+            return HandoffAdd(command, self.agreed(command.plan))
+        return command
+
+
+@dataclass(frozen=True)
+class NodeRankRole:
+    """The ``RankRole`` of prefill and decode nodes (picklable: ranks 1..N-1 get it at spawn)."""
+
+    side: Side
+    options: TransferOptions
+
+    def attach(self, engine: Engine) -> Bind:
+        return self.start(engine).bind
+
+    def start(self, engine: Engine) -> RankTransfer:
+        """Every rank, right after its engine, in the same order: starts the rank's engines and
+        gathers the ranks' arenas (one collective at several ranks)."""
+        o, ranks = self.options, engine.ranks
+        receiver = None
+        if self.side is Side.DECODE or ranks.rank == 0:
+            receiver = TransferEngineHandle(o.hostname, o.protocol, o.devices)
+            receiver.register(engine.pool.buffer)  # one arena: every page, every layer
+        peers = PeerEngines(o.hostname, o.protocol, o.devices, [engine.pool.buffer])
+        held = _held(engine)
+        arenas = _gather(engine, RankArena(receiver.endpoint if receiver else "", arena(engine), held))
+        board = HandoffBoard(ranks) if ranks.size > 1 and self.side is Side.PREFILL else None
+        if board is not None:
+            engine.before_step.append(board.agree)
+        return RankTransfer(engine, receiver, peers, arenas, board, held if _sends(engine) else None)
+
+
+def _held(engine: Engine) -> HeadRange:
+    cfg = engine.model_config
+    shard = engine.ranks.tp.heads(cfg.num_heads, cfg.num_kv_heads)
+    return HeadRange(shard.kv_start, shard.kv_heads)
+
+
+def _sends(engine: Engine) -> bool:
+    """Of the ranks that replicate one KV head (more ranks than KV heads), only the first sends it."""
+    replicas = max(1, engine.ranks.size // engine.model_config.num_kv_heads)
+    return engine.ranks.rank % replicas == 0
+
+
+def _gather(engine: Engine, own: RankArena) -> list[RankArena]:
+    ranks = engine.ranks
+    if ranks.size == 1:
+        return [own]
+    every: list[RankArena | None] = [None] * ranks.size
+    dist.all_gather_object(every, own, group=ranks.control)
+    return [a for a in every if a is not None]
+

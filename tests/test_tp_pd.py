@@ -1,0 +1,110 @@
+"""Prefill and decode nodes of different TP sizes hand KV to each other (issue 14, item 4): real
+node processes (each rank its own transfer engine over TCP), driven through gRPC as the router
+drives them. Outputs equal the single engine; the handoff moves exactly the KV bytes of the
+uncached prompt; a destination that cannot be written is refused with a clear error."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from cluster import NodeProcess
+from pd_helpers import DECODE_ARGS, NODE_ARGS, PAGE, greedy, load, prompts, reference, reserve, run_pd, wait_for
+from tiny_models import make_tiny_model
+
+from tierserve.proto import tierserve_pb2 as pb
+from tierserve.proto import tierserve_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.integration
+TOKEN_BYTES = 2 * 2 * 4 * 16 * 4  # layers x (K, V) x the model's 4 KV heads x head dim x float32
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return make_tiny_model("llama", tmp_path_factory.mktemp("tp_pd_llama"), heads=8, kv_heads=4, max_position=2048)
+
+
+@pytest.fixture(scope="module")
+def nodes(model: Path, tmp_path_factory) -> Iterator[dict[str, NodeProcess]]:
+    """Prefill and decode nodes at TP 1 and 2: "p1", "p2", "d1", "d2"."""
+    logs = tmp_path_factory.mktemp("tp-pd-logs")
+    started = {f"{role[0]}{tp}": NodeProcess(role, ["--model", str(model), *args, "--tp-size", str(tp)],
+                                             logs / f"{role}-{tp}.log")
+               for role, args in (("prefill", NODE_ARGS), ("decode", DECODE_ARGS)) for tp in (1, 2)}
+    try:
+        yield {name: node.wait_ready() for name, node in started.items()}
+    finally:
+        for node in started.values():
+            node.stop()
+
+
+async def _run_all(prefill: str, decode: str, batch: list[list[int]], tag: str
+                   ) -> list[tuple[list[int], pb.PrefillResponse]]:
+    return await asyncio.gather(*(run_pd(prefill, decode, f"{tag}{i}", p) for i, p in enumerate(batch)))
+
+
+@pytest.mark.parametrize(("p", "d"), [("p2", "d1"), ("p1", "d2"), ("p2", "d2")])
+def test_outputs_equal_the_single_engine_across_tp_sizes(model: Path, nodes, p: str, d: str) -> None:
+    batch = prompts(4, seed=int(p[1]) * 10 + int(d[1]))  # fresh prompts: no decode node caches them yet
+    results = asyncio.run(_run_all(nodes[p].address, nodes[d].address, batch, f"{p}{d}-"))
+    assert [tokens for tokens, _ in results] == reference(model, batch)
+    for (_, response), prompt in zip(results, batch, strict=True):
+        assert response.transferred_bytes == len(prompt) * TOKEN_BYTES  # every head of every token, once
+    wait_for(lambda: _idle(nodes[p].address, nodes[d].address), "every page back on both nodes", 10)
+
+
+async def _idle(prefill: str, decode: str) -> bool:
+    p, d = await load(prefill), await load(decode)
+    return p.kv_pages_parked == 0 and d.kv_pages_used == 0 and d.reservations == 0
+
+
+def test_a_decode_cache_hit_at_tp_2_moves_only_the_uncached_tokens(model: Path, nodes) -> None:
+    prompt = prompts(1, seed=11)[0] + list(range(2, 2 + 3 * PAGE))
+    first, r1 = asyncio.run(run_pd(nodes["p2"].address, nodes["d2"].address, "hit-a", prompt))
+    again, r2 = asyncio.run(run_pd(nodes["p1"].address, nodes["d2"].address, "hit-b", prompt))
+    assert first == again == reference(model, [prompt])[0]
+    held = (len(prompt) - 1) // PAGE * PAGE  # whole pages below the last token, kept by D's radix cache
+    assert r1.transferred_bytes == len(prompt) * TOKEN_BYTES
+    assert r2.transferred_bytes == (len(prompt) - held) * TOKEN_BYTES
+
+
+def test_the_destination_names_every_decode_rank(nodes) -> None:
+    dest = asyncio.run(reserve(nodes["d2"].address, "ranks", list(range(2, 40)))).destination
+    assert [(r.kv_head_start, r.kv_heads) for r in dest.ranks] == [(0, 2), (2, 2)]
+    assert len({r.transfer_endpoint for r in dest.ranks}) == 2  # a transfer engine per rank
+    assert dest.transfer_endpoint == dest.ranks[0].transfer_endpoint
+    asyncio.run(_release(nodes["d2"].address, "ranks"))
+
+
+def test_a_destination_missing_heads_is_refused_with_a_clear_error(nodes) -> None:
+    prompt = list(range(2, 40))
+    dest = asyncio.run(reserve(nodes["d2"].address, "half", prompt)).destination
+    del dest.ranks[1]  # as if the decode node had only rank 0: heads 2 and 3 would go nowhere
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        asyncio.run(_prefill(nodes["p2"].address, "half", prompt, dest))
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "hold no copy of KV heads [2, 3]" in refused.value.details()
+    asyncio.run(_release(nodes["d2"].address, "half"))
+
+
+def test_info_reports_the_tp_size(nodes) -> None:
+    assert [asyncio.run(_info(nodes[n].address)).tp_size for n in ("p1", "p2", "d1", "d2")] == [1, 2, 1, 2]
+
+
+async def _prefill(address: str, rid: str, prompt: list[int], dest: pb.KVDestination) -> pb.PrefillResponse:
+    async with grpc.aio.insecure_channel(address) as channel:
+        return await pb_grpc.PrefillServiceStub(channel).Prefill(
+            pb.PrefillRequest(request_id=rid, prompt_ids=prompt, sampling=greedy(), destination=dest))
+
+
+async def _release(address: str, rid: str) -> None:
+    async with grpc.aio.insecure_channel(address) as channel:
+        await pb_grpc.DecodeServiceStub(channel).Release(pb.ReleaseRequest(reservation_id=rid, writer_stopped=True))
+
+
+async def _info(address: str) -> pb.NodeInfo:
+    async with grpc.aio.insecure_channel(address) as channel:
+        return await pb_grpc.NodeServiceStub(channel).Info(pb.InfoRequest())
