@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from tierserve.cache.agreement import Agreement, SingleRank
 from tierserve.cache.allocator import PageAllocator
 from tierserve.cache.base import NoPrefixCache, PrefixCache
 from tierserve.cache.device_pool import DeviceKVPool
@@ -10,21 +11,44 @@ from tierserve.cache.host_pool import HostKVPool
 from tierserve.cache.options import CacheKind, HiCacheOptions
 from tierserve.cache.prefetch import PrefetchOptions
 from tierserve.cache.radix_cache import RadixCache
-from tierserve.cache.storage import create_backend
+from tierserve.cache.shards import KVShard
+from tierserve.cache.storage import StorageBackend, create_backend
+from tierserve.cache.storage.faulty import FaultyStorage, StorageFaults
+
+# Test-only extra-config key: each rank applies its own L3 view, unagreed (ranks then diverge).
+SKIP_AGREEMENT = "unsafe_skip_agreement"
 
 
 def build_cache(kind: CacheKind, allocator: PageAllocator, pool: DeviceKVPool, seed: bytes,
-                options: HiCacheOptions) -> PrefixCache:
+                options: HiCacheOptions, shard: KVShard | None = None,
+                agreement: Agreement | None = None) -> PrefixCache:
     """The cache of ``kind`` over ``pool`` (whose pages ``allocator`` hands out), keyed under the
-    namespace ``seed``; ``options`` configure the host tier and L3 of the hierarchical cache."""
+    namespace ``seed``; ``options`` configure the host tier and L3 of the hierarchical cache.
+
+    Several ranks: ``shard`` is this rank's heads of every page and ``agreement`` the collective
+    over the node's ranks (``docs/architecture.md``, multi-rank agreement); every rank must call
+    this with the same ``kind`` and ``options``, as it runs one collective (L2's page count)."""
     if kind is CacheKind.NONE:
         return NoPrefixCache(allocator)
     if kind is CacheKind.RADIX:
         return RadixCache(allocator, pool.page_size, seed)
+    agreement = agreement or SingleRank()
+    shard = shard or KVShard.whole(pool.geometry.num_kv_heads)
     pinned = pool.buffer.device.type == "cuda"  # pinned host memory: asynchronous device copies
-    host = HostKVPool(pool.geometry, host_pages(options, pool), options.mem_layout, pin_memory=pinned)
-    storage = create_backend(options.storage_backend, options.storage_config) if options.storage_backend else None
-    return HiCache(allocator, pool, host, seed, hicache_config(options), storage)
+    # host page ids are the same on every rank, so every rank's L2 has the smallest rank's count
+    num_host = agreement.min([host_pages(options, pool)])[0]
+    host = HostKVPool(pool.geometry, num_host, options.mem_layout, pin_memory=pinned)
+    storage = _backend(options, shard) if options.storage_backend else None
+    if options.storage_config.get(SKIP_AGREEMENT):  # test-only: shows what the agreement prevents
+        agreement = SingleRank()
+    return HiCache(allocator, pool, host, seed, hicache_config(options), storage, agreement, shard)
+
+
+def _backend(options: HiCacheOptions, shard: KVShard) -> StorageBackend:
+    """The L3 backend, wrapped in the extra config's test faults when they name this rank."""
+    backend = create_backend(options.storage_backend or "", options.storage_config)
+    faults = StorageFaults.from_config(options.storage_config)
+    return FaultyStorage(backend, faults) if shard.rank in faults.ranks else backend
 
 
 def host_pages(options: HiCacheOptions, pool: DeviceKVPool) -> int:

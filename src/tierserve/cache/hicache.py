@@ -15,22 +15,22 @@ from collections.abc import Sequence
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
 
 from tierserve.cache.agreement import Agreement, SingleRank, leading_true
 from tierserve.cache.allocator import PageAllocator
 from tierserve.cache.base import PrefixHit, Snapshot
 from tierserve.cache.device_pool import DeviceKVPool
 from tierserve.cache.events import KVEventListener
+from tierserve.cache.hicache_admin import StorageAdmin
 from tierserve.cache.host_pool import HostKVPool, copy_pages
 from tierserve.cache.host_writes import WRITE_BACK_LOW_WATERMARK, assign_host, dirty_lru, end_failed_write
 from tierserve.cache.loads import LayerwiseLoad, Loads
 from tierserve.cache.options import IOBackend, PrefetchPolicy, WritePolicy
 from tierserve.cache.prefetch import Prefetch, PrefetchOptions
 from tierserve.cache.radix_tree import Match, Node, RadixTree
+from tierserve.cache.shards import KVShard
 from tierserve.cache.storage import StorageBackend
 from tierserve.cache.storage_tier import StorageTier
-from tierserve.core.storage import StorageAction, StorageBusyError
 from tierserve.core.tiers import CacheTier
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ class _Write:
     keys: list[bytes]
 
 
-class HiCache:
+class HiCache(StorageAdmin):
     """The engine's prefix cache over L1, L2 and L3 (the ``cache.base.PrefixCache`` contract).
 
     Page ownership: device pages belong to the device allocator's free list, a request, or the
@@ -64,8 +64,11 @@ class HiCache:
 
     def __init__(self, allocator: PageAllocator, device: DeviceKVPool, host: HostKVPool, seed: bytes,
                  config: HiCacheConfig, storage: StorageBackend | None = None,
-                 agreement: Agreement | None = None) -> None:
+                 agreement: Agreement | None = None, shard: KVShard | None = None) -> None:
+        """``shard``: the heads of every page this rank holds (default: all of the host pool's, one
+        rank); ``agreement``: how the ranks agree on what finished (default: one rank)."""
         self.allocator, self.device, self.host, self.config = allocator, device, host, config
+        self.shard = shard or KVShard.whole(host.geometry.num_kv_heads)
         self.page_size = device.page_size
         self.tree = RadixTree(self.page_size, seed)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicache-write")
@@ -89,6 +92,8 @@ class HiCache:
             self.storage.close()
 
     def flush(self, device: bool, host: bool) -> tuple[int, int]:
+        """Drops unpinned L1 and/or L2 pages, after the copies in flight landed. At several ranks
+        every rank calls it at the same point (an engine call rank 0 sends with the steps)."""
         self.wait_background()  # copies in flight pin their pages
         host_before = self.host.allocator.num_used
         device_pages = self.evict(self.allocator.num_pages) if device else 0  # may drop host copies too
@@ -103,55 +108,11 @@ class HiCache:
     def snapshot(self) -> Snapshot:
         return self.tree.snapshot()
 
-    # -- L3 at run time (admin) ----------------------------------------------------------------
-
-    def storage_admin(self, action: StorageAction, backend: StorageBackend | None = None) -> dict[str, Any]:
-        if action is StorageAction.ATTACH:
-            if backend is None:
-                raise ValueError("attach needs a storage backend")
-            self.attach_storage(backend)
-        elif action is StorageAction.DETACH:
-            self.detach_storage()
-        elif action is StorageAction.CLEAR:
-            self.clear_storage()
-        return self.storage_status()
-
-    def attach_storage(self, storage: StorageBackend) -> None:
-        """Puts ``storage`` behind L2; refused while another backend is attached or L2/L3 work runs."""
-        self._require_idle()
-        if self.storage is not None:
-            raise StorageBusyError("an L3 backend is already attached: detach it first")
-        self.storage = StorageTier(storage, self.host, self.tree, self.config.prefetch, self._host_pages)
-
-    def detach_storage(self) -> None:
-        self._require_idle()
-        if self.storage is None:
-            raise StorageBusyError("no L3 backend is attached")
-        self.storage.close()
-        self.storage = None
-
-    def clear_storage(self) -> None:
-        self._require_idle()
-        if self.storage is None:
-            raise StorageBusyError("no L3 backend is attached")
-        self.storage.storage.clear()
-
-    def storage_status(self) -> dict[str, Any]:
-        if self.storage is None:
-            return {"attached": False}
-        return {"attached": True, "healthy": self.storage.healthy, "failures": self.storage.failures,
-                "backed_up_pages": self.storage.backed_up_pages, "prefetched_pages": self.storage.prefetched_pages,
-                "backend": self.storage.storage.stats()}
-
     @property
     def busy(self) -> bool:
         """Background copies (L1 -> L2 writes, L3 backups or prefetches) are in flight. They are
         applied only at steps, so an engine with nothing else to do keeps stepping meanwhile."""
         return bool(self._writes) or (self.storage is not None and self.storage.busy)
-
-    def _require_idle(self) -> None:
-        if self.busy:
-            raise StorageBusyError("the cache is copying pages between tiers: retry when idle")
 
     # -- the engine hook -------------------------------------------------------------------------
 
@@ -270,10 +231,11 @@ class HiCache:
 
     def wait_background(self, timeout: float = 30.0) -> None:
         """Waits for in-flight L2 writes (and the write-backs their landing starts) and the L3
-        backups they lead to, and applies them (one rank only: it runs ``on_step`` outside the
-        scheduler's rhythm). For tests, benchmarks, flush and shutdown."""
+        backups they lead to, and applies them. For tests, benchmarks, flush and shutdown; at
+        several ranks every rank must call it at the same point: it loops on agreed values only
+        (the writes left and whether every rank is still in time), so all run as many collectives."""
         deadline = time.monotonic() + timeout
-        while self._writes and time.monotonic() < deadline:
+        while self._writes and self.agreement.min([int(time.monotonic() < deadline)])[0]:
             futures.wait([w.future for w in self._writes], timeout=deadline - time.monotonic())
             self.on_step()
         if self.storage is not None:

@@ -8,8 +8,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tierserve.cache.staging import PageIO
-from tierserve.cache.storage import StorageBackend
+from tierserve.cache.shards import Source
 
 log = logging.getLogger(__name__)
 CHUNK_PAGES = 16  # pages per backend call: few calls (they cost per call), quick to cancel
@@ -48,6 +47,7 @@ class Prefetch:
     hard_timeout: float = 30.0  # after this no policy waits, ``wait_complete`` included (a hung store)
     prefix: list[int] = field(default_factory=list)  # the prompt tokens before ``start`` (pinned while reserving)
     salt: str = ""
+    source: Source | None = None  # L3 worker: the objects that hold this rank's heads (set with ``probed``)
     host_pages: list[int] = field(default_factory=list)
     probed: int = -1  # L3 worker: how many leading keys the store has (-1: not asked yet)
     decided: bool = False  # engine thread: read (host pages reserved) or gave up
@@ -94,16 +94,17 @@ class Prefetch:
             if not self._started:
                 self.done.set()
 
-    def run(self, storage: StorageBackend, io: PageIO, on_chunk: Callable[[int, float], None]) -> None:
-        """Reads the pages in chunks, in order, until all arrived, one is missing, the store fails
-        or ``cancel`` is set; reports each chunk's pages and seconds; ``done`` is set at the end."""
+    def run(self, read: Callable[[list[bytes], list[int]], list[bool]], on_chunk: Callable[[int, float], None]) -> None:
+        """Reads the pages in chunks through ``read(page keys, host pages)`` (per-page success), in
+        order, until all arrived, one is missing, the store fails or ``cancel`` is set; reports each
+        chunk's pages and seconds; ``done`` is set at the end."""
         try:
             for at in range(0, len(self.keys), CHUNK_PAGES):
                 if self.cancel.is_set():
                     break
                 keys = self.keys[at : at + CHUNK_PAGES]
                 started = time.perf_counter()
-                ok = io.get_into(storage, keys, self.host_pages[at : at + len(keys)])
+                ok = read(keys, self.host_pages[at : at + len(keys)])
                 good = next((i for i, x in enumerate(ok) if not x), len(ok))
                 on_chunk(good, time.perf_counter() - started)
                 self.arrived += good

@@ -22,6 +22,8 @@ from tierserve.cache.host_pool import HostKVPool
 from tierserve.cache.options import PrefetchPolicy
 from tierserve.cache.prefetch import Prefetch, PrefetchOptions, prefetch_timeout
 from tierserve.cache.radix_tree import Node, RadixTree
+from tierserve.cache.shard_io import ShardIO
+from tierserve.cache.shards import KVShard
 from tierserve.cache.speed import SpeedModel
 from tierserve.cache.staging import page_io
 from tierserve.cache.storage import StorageBackend
@@ -42,13 +44,14 @@ class StorageTier:
     measures L3 reads and prefill for the ``auto`` policy.
 
     Hands the backend the buffer its spans live in (``attach_host_buffer``) before any transfer:
-    the host pool itself, or a staging buffer where the layout has no contiguous pages.
+    the host pool itself, or a staging buffer where the layout has no contiguous pages. ``shard``:
+    this rank's heads of every page, the share of each page it stores and reads (``ShardIO``).
     """
 
     def __init__(self, storage: StorageBackend, host: HostKVPool, tree: RadixTree, options: PrefetchOptions,
-                 host_pages: Callable[[int], list[int] | None]) -> None:
+                 host_pages: Callable[[int], list[int] | None], shard: KVShard) -> None:
         self.storage, self.host, self.tree, self.options = storage, host, tree, options
-        self.io = page_io(host)
+        self.io = ShardIO(host, page_io(host), shard)
         storage.attach_host_buffer(self.io.buffer)
         self._host_pages = host_pages
         # Two lanes: a prefetch (probe, then read) is on a request's critical path and must never
@@ -104,7 +107,8 @@ class StorageTier:
             ticket.probed = 0
             return
         try:
-            ticket.probed = self.storage.batch_exists(ticket.keys)
+            probed, ticket.source = self.io.probe(self.storage, ticket.keys)
+            ticket.probed = probed  # last: the engine thread reads ``source`` once it sees ``probed``
         except Exception as exc:  # any backend error is a miss
             ticket.probed = 0
             self._fail("exists", exc)
@@ -166,7 +170,12 @@ class StorageTier:
         if not ticket.begin():
             return
         page_bytes = self.host.geometry.bytes_per_page
-        ticket.run(self.storage, self.io, lambda pages, s: self.speed.record_read(pages * page_bytes, s))
+        source = ticket.source or self.io.own
+
+        def read(keys: list[bytes], pages: list[int]) -> list[bool]:
+            return self.io.get_into(self.storage, source, keys, pages)
+
+        ticket.run(read, lambda pages, s: self.speed.record_read(pages * page_bytes, s))
         if ticket.failed:
             self._fail("prefetch", None)
 
@@ -214,15 +223,19 @@ class StorageTier:
     # -- backup ----------------------------------------------------------------------------------
 
     def backup(self, node: Node, keys: list[bytes], host_pages: list[int]) -> None:
-        """Writes pages just copied to L2 on to L3; ``node`` is pinned and is unpinned when done."""
-        if not self.healthy:
+        """Writes pages just copied to L2 on to L3; ``node`` is pinned and is unpinned when done.
+        Decided on the agreed health, so every rank queues the same backups (a rank whose own
+        breaker is open skips the write itself, in ``_write``)."""
+        if not self.agreed_healthy:
             self.tree.unlock(node)
             return
         self._backups.append(_Backup(node, self._worker.submit(self._write, keys, host_pages)))
 
     def _write(self, keys: list[bytes], host_pages: list[int]) -> int:
+        if not self.healthy:
+            return 0
         # A put of a stored key is a no-op in stores that say so: no exists call first.
-        skip = 0 if self.storage.put_skips_existing else self.storage.batch_exists(keys)
+        skip = 0 if self.storage.put_skips_existing else self.io.exists(self.storage, keys)
         return sum(self.io.set_from(self.storage, keys[skip:], host_pages[skip:]))
 
     def wait_backups(self, timeout: float) -> None:

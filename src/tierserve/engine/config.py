@@ -54,9 +54,6 @@ class EngineConfig:
         if self.tp_size > 1 and ":" in self.device:
             raise ValueError(f"--device {self.device} names one device; with --tp-size use --device cuda "
                              "and --base-gpu-id (one device per rank from there)")
-        if self.tp_size > 1 and self.enable_hierarchical_cache:
-            # Each rank would need its own L2 and L3 share, agreed per step: a later stage of issue 14.
-            raise ValueError("--enable-hierarchical-cache does not support --tp-size above 1 yet")
 
     @property
     def cache_kind(self) -> CacheKind:

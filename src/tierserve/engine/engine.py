@@ -73,6 +73,7 @@ class Engine:
         self.tokenizer = _load_tokenizer(model_dir)
         self.eos_ids = set(self.model_config.eos_token_ids) | _generation_eos(model_dir)
         heads = self.ranks.tp.heads(self.model_config.num_heads, self.model_config.num_kv_heads)
+        self.kv_shard = self.ranks.kv_shard(heads, self.model_config.num_kv_heads)
         self.geometry = KVGeometry(  # this rank's KV heads only
             self.model_config.num_layers, heads.kv_heads, self.model_config.head_dim, config.page_size, self.dtype,
         )
@@ -309,13 +310,17 @@ class Engine:
         """Runtime L3 control (``PrefixCache.storage_admin``); ``ATTACH`` builds a backend of ``kind``
         from its extra ``config``. All but ``STATUS`` need an idle engine (``StorageBusyError``)."""
         action = StorageAction.parse(action)
+        if action is not StorageAction.STATUS and self.ranks.size > 1:
+            # rank 0 alone runs calls: the other ranks' L3 would differ (a later stage of issue 14)
+            raise StorageBusyError("run-time L3 control is not supported at --tp-size above 1 yet")
         if action is not StorageAction.STATUS and self.has_work():
             raise StorageBusyError("requests are running: retry when the engine is idle")
         backend = create_backend(kind or "", config or {}) if action is StorageAction.ATTACH else None
         return self.cache.storage_admin(action, backend)
 
     def _build_cache(self, allocator: PageAllocator, pool: DeviceKVPool) -> PrefixCache:
-        return build_cache(self.config.cache_kind, allocator, pool, self.namespace.seed(), self.config.hicache)
+        return build_cache(self.config.cache_kind, allocator, pool, self.namespace.seed(), self.config.hicache,
+                           self.kv_shard, self.ranks.agreement())
 
     def _num_pages(self) -> int:
         tokens = self.config.max_total_tokens

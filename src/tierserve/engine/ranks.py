@@ -16,8 +16,10 @@ from enum import Enum
 import torch
 import torch.distributed as dist
 
+from tierserve.cache.agreement import Agreement, CollectiveMin, SingleRank
+from tierserve.cache.shards import HeadRange, KVShard
 from tierserve.engine.config import EngineConfig
-from tierserve.model.parallel import TensorParallel
+from tierserve.model.parallel import HeadShard, TensorParallel
 
 HOST = "127.0.0.1"  # all ranks of a node run on one machine
 
@@ -56,6 +58,16 @@ class Ranks:
     @property
     def size(self) -> int:
         return self.tp.size
+
+    def agreement(self) -> Agreement:
+        """The cache's per-step agreement over the control group (its timeout bounds each call)."""
+        return SingleRank() if self.size == 1 else CollectiveMin(self.control)
+
+    def kv_shard(self, heads: HeadShard, num_kv_heads: int) -> KVShard:
+        """This rank's share of every KV page; of the ranks that replicate one KV head (more ranks
+        than KV heads) only the first writes its L3 objects."""
+        replicas = max(1, self.size // num_kv_heads)
+        return KVShard(HeadRange(heads.kv_start, heads.kv_heads, num_kv_heads), self.rank, self.rank % replicas == 0)
 
     def agree_min(self, value: int) -> int:
         """The minimum of ``value`` over all ranks (itself at size 1); every rank must call it."""

@@ -1,0 +1,105 @@
+"""One rank's L3 objects: it writes its own heads' object of every page and reads its heads from
+whatever objects another TP size wrote (``docs/architecture.md``, L3 across TP sizes).
+
+Where the objects are exactly the rank's range, reads and writes go through the host pool's
+``PageIO`` (zero-copy in the page-first layouts). Otherwise each object lands in a staging buffer
+shaped like it and the rank's heads are copied out of it into the host page: one staging copy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import torch
+
+from tierserve.cache.host_pool import HostKVPool
+from tierserve.cache.options import HostLayout
+from tierserve.cache.shards import HeadRange, KVShard, Source, sources
+from tierserve.cache.staging import STAGING_PAGES, PageIO
+from tierserve.cache.storage import StorageBackend
+
+
+class ShardIO:
+    """The L3 side of one rank's host pool. ``io`` moves whole host pages (its ``buffer`` is what
+    the backend registers); ``shard`` says which heads this rank holds and whether it writes them."""
+
+    def __init__(self, host: HostKVPool, io: PageIO, shard: KVShard) -> None:
+        if host.geometry.num_kv_heads != shard.heads.count:
+            raise ValueError(f"the host pool holds {host.geometry.num_kv_heads} KV heads, the shard "
+                             f"{shard.heads.count}")
+        self.host, self.io, self.shard = host, io, shard
+        self.own = sources(shard.heads)[0]
+        self._staging: dict[int, HostKVPool] = {}  # by object heads, allocated once each
+        self._lock = threading.Lock()
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        return self.io.buffer
+
+    def probe(self, storage: StorageBackend, page_keys: list[bytes]) -> tuple[int, Source]:
+        """How many leading pages the store has for this rank's heads, and where: its own range
+        when all are there, else the source with the longest run (ties: the earlier, cheaper one)."""
+        best, where = -1, self.own
+        for source in sources(self.shard.heads):
+            n = storage.batch_exists(source.keys(page_keys)) // len(source.objects)
+            if n > best:
+                best, where = n, source
+            if best == len(page_keys):
+                break
+        return best, where
+
+    def set_from(self, storage: StorageBackend, page_keys: list[bytes], host_pages: list[int]) -> list[bool]:
+        """Stores this rank's heads of each page; a replica that does not write reports success."""
+        if not self.shard.writes:
+            return [True] * len(page_keys)
+        return self.io.set_from(storage, self.own.keys(page_keys), host_pages)
+
+    def exists(self, storage: StorageBackend, page_keys: list[bytes]) -> int:
+        """Leading pages whose own-range object is stored (a backup skips those)."""
+        return storage.batch_exists(self.own.keys(page_keys))
+
+    def get_into(self, storage: StorageBackend, source: Source, page_keys: list[bytes],
+                 host_pages: list[int]) -> list[bool]:
+        """Reads this rank's heads of each page from ``source``'s objects; per-page success."""
+        if source.direct:
+            return self.io.get_into(storage, source.keys(page_keys), host_pages)
+        with self._lock:
+            per_call = max(1, STAGING_PAGES // len(source.objects))
+            ok: list[bool] = []
+            for at in range(0, len(page_keys), per_call):
+                ok += self._staged(storage, source, page_keys[at : at + per_call], host_pages[at : at + per_call])
+            return ok
+
+    def _staged(self, storage: StorageBackend, source: Source, page_keys: list[bytes],
+                host_pages: list[int]) -> list[bool]:
+        """One backend call into the staging buffer, then this rank's heads out of it."""
+        staging = self._buffer(source.objects[0].count, len(page_keys) * len(source.objects))
+        n = len(source.objects)
+        got = storage.batch_get_into(source.keys(page_keys), [staging.page_span(i) for i in range(len(page_keys) * n)])
+        ok = [all(got[i * n : (i + 1) * n]) for i in range(len(page_keys))]
+        for i, page in enumerate(host_pages):
+            if ok[i]:
+                self._copy_heads(staging, i * n, source.objects, page)
+        return ok
+
+    def _copy_heads(self, staging: HostKVPool, first: int, objects: tuple[HeadRange, ...], page: int) -> None:
+        """Copies the overlap of each object (staging page ``first + j``) with this rank's heads
+        into host page ``page``; views are [L, 2, 1, page_size, heads, head_dim]."""
+        mine = self.shard.heads
+        dst = self.host.run_all_layers(page, 1)
+        for j, obj in enumerate(objects):
+            lo, hi = max(mine.start, obj.start), min(mine.end, obj.end)
+            src = staging.run_all_layers(first + j, 1)
+            dst[..., lo - mine.start : hi - mine.start, :].copy_(src[..., lo - obj.start : hi - obj.start, :])
+
+    def _buffer(self, heads: int, objects: int) -> HostKVPool:
+        """A staging pool of objects of ``heads`` heads in the object byte order (page-first, as
+        ``staging`` writes ``layer_first`` pools); grown, never shrunk."""
+        pool = self._staging.get(heads)
+        if pool is None or pool.num_pages < objects:
+            layout = HostLayout.PAGE_FIRST if self.host.layout is HostLayout.LAYER_FIRST else self.host.layout
+            geometry = dataclasses.replace(self.host.geometry, num_kv_heads=heads)
+            pool = HostKVPool(geometry, max(objects, STAGING_PAGES), layout, pin_memory=self.host.buffer.is_pinned())
+            self._staging[heads] = pool
+        return pool

@@ -1,0 +1,90 @@
+"""Which KV heads of every page a rank holds, and the names of its L3 objects
+(``docs/architecture.md``, L3 across TP sizes).
+
+A page of KV is stored in L3 as one object per head range: the rank holding KV heads
+``[start, start + count)`` of the model's ``total`` writes the object named ``object_key(page key,
+range)``. The whole range keeps the page key itself, so a single-rank node's objects are named as
+before. Ranges are aligned chunks whose size divides ``total`` (that is what every TP size makes),
+so a reader of any TP size finds the objects covering its heads among ``covering`` chunk sizes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class HeadRange:
+    """KV heads ``[start, start + count)`` of a model with ``total`` KV heads."""
+
+    start: int
+    count: int
+    total: int
+
+    def __post_init__(self) -> None:
+        if self.count < 1 or self.start < 0 or self.start + self.count > self.total:
+            raise ValueError(f"heads [{self.start}, {self.start + self.count}) do not fit {self.total} KV heads")
+
+    @property
+    def end(self) -> int:
+        return self.start + self.count
+
+    @property
+    def whole(self) -> bool:
+        return self.count == self.total
+
+
+@dataclass(frozen=True)
+class KVShard:
+    """One rank's share of every page: its ``heads`` and whether it ``writes`` their L3 objects
+    (ranks that replicate a KV head, when the TP size exceeds the KV heads, leave it to the first of
+    them). ``rank`` names the rank for per-rank settings (test faults), never for a decision."""
+
+    heads: HeadRange
+    rank: int = 0
+    writes: bool = True
+
+    @classmethod
+    def whole(cls, num_kv_heads: int) -> KVShard:
+        """The only rank of a node: every head."""
+        return cls(HeadRange(0, num_kv_heads, num_kv_heads))
+
+
+def object_key(page_key: bytes, heads: HeadRange) -> bytes:
+    """The L3 name of ``heads``' share of the page ``page_key``: the page key for the whole range,
+    else a hash of it with the range (so every TP size names the same range alike)."""
+    if heads.whole:
+        return page_key
+    return hashlib.sha256(page_key + b"heads" + struct.pack("<3I", heads.start, heads.count, heads.total)).digest()
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a reader finds its heads of a page: the ``objects`` (aligned chunks of one size) that
+    cover them, in head order. ``direct``: one object that is exactly the reader's range."""
+
+    objects: tuple[HeadRange, ...]
+    direct: bool
+
+    def keys(self, page_keys: list[bytes]) -> list[bytes]:
+        """Object keys page by page, each page's objects in head order."""
+        return [object_key(k, r) for k in page_keys for r in self.objects]
+
+
+def covering(mine: HeadRange, chunk: int) -> Source:
+    """The aligned chunks of ``chunk`` heads that cover ``mine``."""
+    first, last = mine.start // chunk, (mine.end - 1) // chunk
+    objects = tuple(HeadRange(i * chunk, chunk, mine.total) for i in range(first, last + 1))
+    return Source(objects, objects == (mine,))
+
+
+def sources(mine: HeadRange) -> list[Source]:
+    """Every way of reading ``mine``, own range first (zero-copy), then larger chunks (fewer
+    objects), then smaller: one per chunk size that divides the model's KV heads."""
+    sizes = [c for c in range(1, mine.total + 1) if mine.total % c == 0 and c != mine.count]
+    larger = sorted(c for c in sizes if c > mine.count)
+    smaller = sorted((c for c in sizes if c < mine.count), reverse=True)
+    order = [mine.count, *larger, *smaller]
+    return [covering(mine, c) for c in order]

@@ -1,0 +1,71 @@
+"""Test-only L3 faults for one rank: a store that shows fewer pages, fails reads past a count, or
+reads slowly (``docs/architecture.md``, multi-rank agreement). Enabled by the extra config's
+``fault_injection`` object, for the ranks it names; never in production configs."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tierserve.cache.storage.base import StorageBackend
+
+
+@dataclass(frozen=True)
+class StorageFaults:
+    """``exists_cap``: a probe finds at most this many leading objects; ``get_cap``: a read call
+    fails every object after its first ``get_cap``; ``get_delay_s``: each read call sleeps first.
+    ``ranks``: the ranks that suffer them."""
+
+    ranks: tuple[int, ...] = ()
+    exists_cap: int | None = None
+    get_cap: int | None = None
+    get_delay_s: float = 0.0
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> StorageFaults:
+        """From the extra config's ``fault_injection`` object (none: no faults)."""
+        raw = config.get("fault_injection") or {}
+        cap = {k: int(raw[k]) for k in ("exists_cap", "get_cap") if raw.get(k) is not None}
+        return cls(tuple(int(r) for r in raw.get("ranks", ())), get_delay_s=float(raw.get("get_delay_s", 0.0)), **cap)
+
+
+class FaultyStorage(StorageBackend):
+    """``inner`` with ``faults`` applied to its probes and reads; writes pass through."""
+
+    def __init__(self, inner: StorageBackend, faults: StorageFaults) -> None:
+        self.inner, self.faults = inner, faults
+        self.put_skips_existing = inner.put_skips_existing
+
+    def batch_exists(self, keys: list[bytes]) -> int:
+        found = self.inner.batch_exists(keys)
+        return found if self.faults.exists_cap is None else min(found, self.faults.exists_cap)
+
+    def batch_get_into(self, keys: list[bytes], spans: list[torch.Tensor]) -> list[bool]:
+        time.sleep(self.faults.get_delay_s)
+        cap = len(keys) if self.faults.get_cap is None else self.faults.get_cap
+        got = self.inner.batch_get_into(keys[:cap], spans[:cap])
+        return got + [False] * (len(keys) - len(got))
+
+    def batch_set_from(self, keys: list[bytes], spans: list[torch.Tensor]) -> list[bool]:
+        return self.inner.batch_set_from(keys, spans)
+
+    def get(self, key: bytes) -> bytes | None:
+        return self.inner.get(key)
+
+    def set(self, key: bytes, data: bytes) -> bool:
+        return self.inner.set(key, data)
+
+    def clear(self) -> None:
+        self.inner.clear()
+
+    def stats(self) -> dict[str, Any]:
+        return self.inner.stats()
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def attach_host_buffer(self, buffer: torch.Tensor) -> None:
+        self.inner.attach_host_buffer(buffer)

@@ -1,0 +1,83 @@
+"""L3 objects by head range: every TP size reads what any other wrote (``cache.shards``, ``cache.shard_io``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tierserve.cache.device_pool import KVGeometry
+from tierserve.cache.hashing import page_keys
+from tierserve.cache.host_pool import HostKVPool, HostLayout
+from tierserve.cache.shard_io import ShardIO
+from tierserve.cache.shards import HeadRange, KVShard, covering, object_key, sources
+from tierserve.cache.staging import page_io
+from tierserve.cache.storage.file import FileStorage
+
+HEADS = 4
+PAGES = 5
+KEYS = page_keys(b"s" * 32, list(range(PAGES * 2)), 2)
+
+
+def _geometry(heads: int) -> KVGeometry:
+    return KVGeometry(num_layers=2, num_kv_heads=heads, head_dim=3, page_size=2, dtype=torch.float32)
+
+
+def _shard(rank: int, size: int) -> KVShard:
+    count = max(1, HEADS // size)
+    start = rank * count if size <= HEADS else rank // (size // HEADS)
+    return KVShard(HeadRange(start, count, HEADS), rank, size <= HEADS or rank % (size // HEADS) == 0)
+
+
+def _pool(shard: KVShard, layout: HostLayout) -> tuple[HostKVPool, ShardIO]:
+    host = HostKVPool(_geometry(shard.heads.count), PAGES, layout)
+    return host, ShardIO(host, page_io(host), shard)
+
+
+def _reference() -> torch.Tensor:
+    """Every page's KV for all heads, [L, 2, pages, page_size, heads, head_dim]."""
+    return torch.randn(2, 2, PAGES, 2, HEADS, 3, generator=torch.Generator().manual_seed(0))
+
+
+def test_names_and_sources() -> None:
+    whole, half = HeadRange(0, 4, 4), HeadRange(2, 2, 4)
+    assert object_key(KEYS[0], whole) == KEYS[0] and object_key(KEYS[0], half) != KEYS[0]
+    assert [len(s.objects) for s in sources(half)] == [1, 1, 2]  # own, then the whole page, then single heads
+    assert sources(half)[0].direct and not sources(half)[1].direct
+    assert covering(HeadRange(1, 1, 4), 2).objects == (HeadRange(0, 2, 4),)
+    with pytest.raises(ValueError):
+        HeadRange(3, 2, 4)
+
+
+def _write(store: FileStorage, size: int, ref: torch.Tensor, layout: HostLayout) -> None:
+    for rank in range(size):
+        host, io = _pool(_shard(rank, size), layout)
+        h = io.shard.heads
+        host.run_all_layers(0, PAGES).copy_(ref[..., h.start : h.end, :])
+        assert all(io.set_from(store, KEYS, list(range(PAGES))))
+
+
+@pytest.mark.parametrize("layout", [HostLayout.PAGE_FIRST_DIRECT, HostLayout.LAYER_FIRST])
+@pytest.mark.parametrize("writer", [1, 2, 4, 8])
+@pytest.mark.parametrize("reader", [1, 2, 4, 8])
+def test_every_tp_size_reads_every_other(tmp_path: Path, writer: int, reader: int, layout: HostLayout) -> None:
+    store, ref = FileStorage(tmp_path), _reference()
+    _write(store, writer, ref, layout)
+    for rank in range(reader):
+        host, io = _pool(_shard(rank, reader), layout)
+        probed, source = io.probe(store, KEYS)
+        assert probed == PAGES and source.direct == (max(1, HEADS // writer) == io.shard.heads.count)
+        pages = [4, 0, 3, 1, 2]  # any host pages
+        assert all(io.get_into(store, source, KEYS, pages))
+        h = io.shard.heads
+        assert torch.equal(host.run_all_layers(0, PAGES)[:, :, pages], ref[..., h.start : h.end, :])
+
+
+def test_probe_takes_the_longest_run(tmp_path: Path) -> None:
+    store, ref = FileStorage(tmp_path), _reference()
+    _write(store, 1, ref, HostLayout.PAGE_FIRST_DIRECT)
+    _, io = _pool(_shard(0, 2), HostLayout.PAGE_FIRST_DIRECT)
+    assert all(io.set_from(store, KEYS[:2], [0, 1]))  # its own objects cover only 2 pages
+    probed, source = io.probe(store, KEYS)
+    assert probed == PAGES and source.objects == (HeadRange(0, 4, 4),)

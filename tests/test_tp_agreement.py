@@ -1,0 +1,106 @@
+"""Two real ranks (gloo, real ``mooncake_master``) whose L3 views differ: rank 1's store shows
+fewer pages (or its reads fail past a count). With the per-step agreement both ranks read only the
+shorter prefix, end with the same tree and answer as without a cache. With the agreement switched
+off (``TIERSERVE_TEST_SKIP_AGREEMENT=1``, to prove the test can fail) each rank applies its own
+view, the ranks diverge, and this test fails."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from cluster import MasterProcess
+from tiny_models import make_tiny_model
+
+from tierserve.cache.factory import SKIP_AGREEMENT
+from tierserve.cache.options import HiCacheOptions, PrefetchPolicy
+from tierserve.core.sampling import SamplingParams
+from tierserve.engine.config import EngineConfig
+from tierserve.engine.engine import Engine
+from tierserve.engine.ranks import HOST, RankSpec, join, leave
+from tierserve.launch import free_port
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+PAGE = 4
+PROMPT = torch.randint(2, 384, (70,), generator=torch.Generator().manual_seed(5)).tolist()  # 17 full pages
+SHOWN_PAGES = 6  # what rank 1's faulty store admits to, or reads
+TIMEOUT_S = 30.0  # every collective's, and the deadline of each rank's loop
+FAULTS = {"exists": {"ranks": [1], "exists_cap": SHOWN_PAGES}, "reads": {"ranks": [1], "get_cap": SHOWN_PAGES}}
+
+
+def _config(model: Path, master: str, faults: dict | None, skip: bool) -> EngineConfig:
+    l3 = {"master_server_address": master, "global_segment_size": 32 << 20, "local_buffer_size": 8 << 20,
+          "prefetch_threshold": 2 * PAGE, "fault_injection": faults, SKIP_AGREEMENT: skip}
+    hicache = HiCacheOptions(storage_backend="mooncake", storage_config=l3,
+                             prefetch_policy=PrefetchPolicy.WAIT_COMPLETE)
+    return EngineConfig(model, device="cpu", dtype="float32", page_size=PAGE, max_total_tokens=512,
+                        chunked_prefill_size=16, enable_hierarchical_cache=True, hicache=hicache, tp_size=2,
+                        dist_timeout_s=TIMEOUT_S)
+
+
+def _run(engine: Engine, request_id: str) -> tuple[list[int], dict[str, int]]:
+    """Runs the prompt to its end, then steps until the cache's copies landed; every rank steps
+    while any rank has work (one collective per turn), so the ranks take the same steps."""
+    engine.add_request(request_id, PROMPT, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    tokens: list[int] = []
+    tiers: dict[str, int] = {}
+    while engine.ranks.agree_min(-int(engine.has_work())) < 0:
+        for out in engine.step():
+            tokens += out.new_token_ids
+            tiers = out.cached_by_tier or tiers
+    return tokens, tiers
+
+
+def _tree(engine: Engine) -> list[tuple[list[int], bool, bool]]:
+    nodes = engine.cache.tree.nodes()
+    return sorted((list(n.tokens), n.device is not None, n.host is not None) for n in nodes)
+
+
+def _rank(rank: int, port: int, model: str, master: str, faults: dict, skip: bool, out: str) -> None:
+    store = dist.TCPStore(HOST, port, 2, is_master=True, wait_for_workers=False) if rank == 0 else None
+    ranks = join(RankSpec(rank, 2, port, TIMEOUT_S), _config(Path(model), master, None, False), store)
+    writer = Engine(_config(Path(model), master, None, False), ranks=ranks)  # its segment holds the pages
+    cold, _ = _run(writer, "cold")
+    reader = Engine(_config(Path(model), master, faults, skip), ranks=ranks)
+    warm, tiers = _run(reader, "warm")
+    Path(out).write_text(json.dumps({"cold": cold, "warm": warm, "tiers": tiers, "tree": _tree(reader)}))
+    ranks.agree_min(0)  # neither leaves (and drops its store segment) before the other is done
+    for engine in (reader, writer):
+        engine.cache.close()
+    leave()
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return make_tiny_model("llama", tmp_path_factory.mktemp("llama"), heads=8, kv_heads=4)
+
+
+@pytest.mark.parametrize("fault", sorted(FAULTS))
+def test_a_rank_with_a_shorter_l3_view_shortens_every_rank(model: Path, tmp_path: Path, fault: str) -> None:
+    master = MasterProcess(tmp_path / "master.log").start()
+    skip = os.environ.get("TIERSERVE_TEST_SKIP_AGREEMENT") == "1"
+    outs = [tmp_path / f"rank{r}.json" for r in range(2)]
+    ctx, port = mp.get_context("spawn"), free_port()
+    args = [(r, port, str(model), master.address, FAULTS[fault], skip, str(outs[r])) for r in range(2)]
+    procs = [ctx.Process(target=_rank, args=a) for a in args]
+    try:
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=4 * TIMEOUT_S)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        master.kill()
+    assert [p.exitcode for p in procs] == [0, 0], "a rank failed (diverged ranks time out or disagree)"
+    results = [json.loads(o.read_text()) for o in outs]
+    assert results[0]["tree"] == results[1]["tree"]
+    assert results[0]["warm"] == results[0]["cold"] == results[1]["warm"]
+    assert results[0]["tiers"].get("storage") == SHOWN_PAGES * PAGE, results[0]["tiers"]

@@ -1,0 +1,142 @@
+"""HiCache on every rank of ``tierserve serve --tp-size N`` through the OpenAI API, with a real
+``mooncake_master``: at TP=2, answers served from L1, L2 and L3 equal ``transformers``' (no cache);
+L3 pages written at one TP size are read at another (TP 2 -> 1 and 4, TP 1 and 4 -> 2), at least
+90% of the prompt from storage, with the same answer."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from cluster import MasterProcess
+from tiny_models import add_word_tokenizer, make_tiny_model
+from tokenizers import Tokenizer
+from tp_server import NEW_TOKENS, TPServer, hf_greedy, start_server
+
+from tierserve.cache.hashing import Namespace, page_keys
+from tierserve.cache.options import HostLayout, object_format
+from tierserve.cache.shards import HeadRange, object_key
+from tierserve.cache.storage.mooncake import MooncakeStorage
+from tierserve.model.identity import model_identity
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+PAGE = 4  # tp_server's page size
+KV_HEADS = 4  # TP 1, 2 and 4 hold 4, 2 and 1 of them
+PROMPT_TOKENS = 70
+BACKUP_DEADLINE_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    model = make_tiny_model("llama", tmp_path_factory.mktemp("llama"), heads=8, kv_heads=KV_HEADS)
+    return add_word_tokenizer(model)
+
+
+@pytest.fixture(scope="module")
+def asked() -> list[list[int]]:
+    """Eight distinct prompts of ``PROMPT_TOKENS`` (17 full pages), one per use below."""
+    gen = torch.Generator().manual_seed(11)
+    return [torch.randint(2, 384, (PROMPT_TOKENS,), generator=gen).tolist() for _ in range(8)]
+
+
+@pytest.fixture(scope="module")
+def expected(model: Path, asked: list[list[int]]) -> list[list[int]]:
+    return hf_greedy(model, asked)
+
+
+@pytest.fixture
+def master(tmp_path: Path) -> Iterator[MasterProcess]:
+    """A master per test: segments of a node stopped by another test must not receive objects."""
+    master = MasterProcess(tmp_path / "master.log").start()
+    yield master
+    master.kill()
+
+
+def hicache_flags(master: MasterProcess, max_tokens: int = 2048) -> list[str]:
+    l3 = {"master_server_address": master.address, "global_segment_size": 64 << 20, "local_buffer_size": 16 << 20,
+          "prefetch_threshold": 2 * PAGE}
+    return ["--enable-hierarchical-cache", "--hicache-storage-backend", "mooncake",
+            "--hicache-storage-backend-extra-config", json.dumps(l3), "--hicache-storage-prefetch-policy",
+            "wait_complete", "--max-total-tokens", str(max_tokens)]
+
+
+def serve(model: Path, tp_size: int, log: Path, master: MasterProcess, max_tokens: int = 2048) -> TPServer:
+    return start_server(model, tp_size, log, *hicache_flags(master, max_tokens)).wait_healthy()
+
+
+def complete(server: TPServer, model: Path, prompt: list[int]) -> tuple[list[int], dict[str, int]]:
+    """Greedy answer as token ids, and the prompt's cached tokens by tier."""
+    body = {"model": model.name, "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
+    reply = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120).raise_for_status().json()
+    words = Tokenizer.from_file(str(model / "tokenizer.json"))
+    return words.encode(reply["choices"][0]["text"]).ids, reply["usage"]["cached_tokens_by_tier"]
+
+
+def seed(model: Path) -> bytes:
+    """The namespace seed every node of this model uses, whatever its TP size."""
+    return Namespace(model_identity(model), "float32", PAGE, 2, KV_HEADS, 16,
+                     object_format(HostLayout.PAGE_FIRST_DIRECT)).seed()
+
+
+def wait_backed_up(master: MasterProcess, model: Path, tokens: list[int], tp_size: int) -> None:
+    """Polls the store until every object a ``tp_size`` node writes for the prompt's full pages
+    is there (backups run in the background after the answer)."""
+    keys = page_keys(seed(model), tokens[: len(tokens) // PAGE * PAGE], PAGE)
+    count = max(1, KV_HEADS // tp_size)
+    names = [object_key(k, HeadRange(h, count, KV_HEADS)) for k in keys for h in range(0, KV_HEADS, count)]
+    store = MooncakeStorage(master.address, global_segment_size=0, local_buffer_size=16 << 20)
+    try:
+        deadline = time.monotonic() + BACKUP_DEADLINE_S
+        while store.batch_exists(names) < len(names):
+            assert time.monotonic() < deadline, f"TP={tp_size} backups not in L3 after {BACKUP_DEADLINE_S} s"
+            time.sleep(0.1)  # poll interval
+    finally:
+        store.close()
+
+
+def test_tp2_answers_from_l1_l2_and_l3_equal_no_cache(model, asked, expected, master, tmp_path: Path) -> None:
+    # 48 device pages: three other prompts (22 pages each) push the first out of L1 into L2 only
+    writer = serve(model, 2, tmp_path / "writer.log", master, max_tokens=48 * PAGE)
+    try:
+        assert complete(writer, model, asked[0]) == (expected[0], {"device": 0, "host": 0, "storage": 0})
+        answer, tiers = complete(writer, model, asked[0])
+        assert answer == expected[0] and tiers["device"] >= 16 * PAGE, tiers
+        for i in (1, 2, 3):
+            assert complete(writer, model, asked[i])[0] == expected[i]
+        answer, tiers = complete(writer, model, asked[0])
+        assert answer == expected[0] and tiers["host"] > 0, tiers
+        wait_backed_up(master, model, asked[1], 2)
+        reader = serve(model, 2, tmp_path / "reader.log", master)
+        try:
+            answer, tiers = complete(reader, model, asked[1])
+        finally:
+            reader.stop()
+        assert answer == expected[1] and tiers["storage"] >= 0.9 * PROMPT_TOKENS, tiers
+    finally:
+        writer.stop()
+
+
+@pytest.mark.parametrize(("writer_tp", "reader_tps"), [(2, (1, 4)), (1, (2,)), (4, (2,))])
+def test_l3_pages_are_read_across_tp_sizes(model, asked, expected, master, tmp_path: Path, writer_tp: int,
+                                           reader_tps: tuple[int, ...]) -> None:
+    prompt = {2: 4, 1: 5, 4: 6}[writer_tp]  # a prompt of its own: no other test's pages can serve it
+    writer = serve(model, writer_tp, tmp_path / "writer.log", master)
+    try:
+        assert complete(writer, model, asked[prompt])[0] == expected[prompt]
+        wait_backed_up(master, model, asked[prompt], writer_tp)
+        for tp in reader_tps:
+            reader = serve(model, tp, tmp_path / f"reader-{tp}.log", master)
+            try:
+                answer, tiers = complete(reader, model, asked[prompt])
+            finally:
+                reader.stop()
+            assert answer == expected[prompt], (writer_tp, tp)
+            assert tiers["storage"] >= 0.9 * PROMPT_TOKENS, (writer_tp, tp, tiers)
+    finally:
+        writer.stop()
