@@ -21,6 +21,10 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     add_model_args(p, served_name=False)
     p.add_argument("--prefill-nodes", type=int, default=1)
     p.add_argument("--decode-nodes", type=int, default=1)
+    p.add_argument("--prefill-tp-size", type=int, default=1,
+                   help="tensor-parallel ranks (processes; on CUDA one GPU each) of every prefill node")
+    p.add_argument("--decode-tp-size", type=int, default=1,
+                   help="tensor-parallel ranks of every decode node (any pairing with the prefill size works)")
     p.add_argument("--no-l3", action="store_true", help="no mooncake_master: nodes keep L1 (and L2 if asked) only")
     p.add_argument("--l3-size-gb", type=float, default=None,
                    help="the L3 store's size in GB, split evenly between the nodes (default: a third of this "
@@ -52,6 +56,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     try:
         config = engine_config(args, folder)
         restart = RestartPolicy(max_deaths=args.restart_limit, window_s=args.restart_window)
+        _check_tp(args, config)
     except ValueError as exc:
         print(f"tierserve: {exc}", file=sys.stderr)
         return 2
@@ -59,8 +64,30 @@ def cmd_up(args: argparse.Namespace) -> int:
     segment = l3_size_bytes(args) // (args.prefill_nodes + args.decode_nodes)
     plan = ClusterPlan(folder, args.host, args.port, args.prefill_nodes, args.decode_nodes, not args.no_l3,
                        engine_flags(config), [*_router_flags(args), *args.router_args], l3_config, segment,
-                       args.state_file, restart, args.prefill_args, args.decode_args)
+                       args.state_file, restart, args.prefill_args, args.decode_args, args.prefill_tp_size,
+                       args.decode_tp_size)
     return up(plan, lambda base, children: _announce(args, base, children))
+
+
+def _check_tp(args: argparse.Namespace, config: EngineConfig) -> None:
+    """Each role's TP size, checked before any child starts (a node that cannot start would only be
+    restarted until the crash-loop limit): ``ValueError`` saying why."""
+    if config.tp_size != 1:
+        raise ValueError("tierserve up: give the nodes' TP sizes with --prefill-tp-size and --decode-tp-size")
+    for role, size in (("prefill", args.prefill_tp_size), ("decode", args.decode_tp_size)):
+        if size != 1:
+            _check_role_tp(role, size, replace(config, enable_hierarchical_cache=True) if not args.no_l3 else config)
+
+
+def _check_role_tp(role: str, size: int, config: EngineConfig) -> None:
+    from tierserve.core.model_config import ModelConfig
+    from tierserve.model.parallel import TensorParallelError, check_model
+
+    try:
+        replace(config, tp_size=size)  # the config's own checks (e.g. what runs at several ranks yet)
+        check_model(ModelConfig.from_dir(config.model_dir), size)
+    except (TensorParallelError, ValueError) as exc:
+        raise ValueError(f"--{role}-tp-size {size}: {exc}") from None
 
 
 def l3_size_bytes(args: argparse.Namespace) -> int:
@@ -92,8 +119,13 @@ def _announce(args: argparse.Namespace, base: str, children: list[str]) -> None:
 
 def _headline(args: argparse.Namespace, base: str) -> str:
     l3 = "" if args.no_l3 else f", L3 on Mooncake: {l3_size_bytes(args) / 1e9:.1f} GB"
-    return (f"tierserve is up: {base}/v1  ({args.prefill_nodes} prefill, {args.decode_nodes} decode{l3}; "
-            "Ctrl+C stops it; a child that dies is restarted)")
+    return (f"tierserve is up: {base}/v1  ({args.prefill_nodes} prefill{_tp(args.prefill_tp_size)}, "
+            f"{args.decode_nodes} decode{_tp(args.decode_tp_size)}{l3}; Ctrl+C stops it; "
+            "a child that dies is restarted)")
+
+
+def _tp(size: int) -> str:
+    return f" at TP {size}" if size > 1 else ""
 
 
 def _example(args: argparse.Namespace, base: str) -> str:

@@ -39,7 +39,8 @@ class ClusterPlan:
     get the Mooncake backend with ``l3_config`` (the user's extra config, e.g. prefetch settings)
     plus the master's address, and each contributes ``l3_segment_bytes`` to the shared store
     unless that config names its own ``global_segment_size``. ``state_file``: where ``up`` keeps
-    the children's roles, PIDs and ports as JSON (``launch.state``); None: nowhere."""
+    the children's roles, PIDs and ports as JSON (``launch.state``); None: nowhere.
+    ``prefill_tp`` and ``decode_tp``: each node's rank processes (``--tp-size``) per role."""
 
     model_dir: Path
     host: str = "127.0.0.1"
@@ -55,9 +56,14 @@ class ClusterPlan:
     restart: RestartPolicy = field(default_factory=RestartPolicy)
     prefill_flags: list[str] = field(default_factory=list)  # after ``node_flags``, for prefill nodes only
     decode_flags: list[str] = field(default_factory=list)
+    prefill_tp: int = 1
+    decode_tp: int = 1
 
     def role_flags(self, role: ChildRole) -> list[str]:
-        return {ChildRole.PREFILL: self.prefill_flags, ChildRole.DECODE: self.decode_flags}.get(role, [])
+        """A role's own flags: its TP size (when above 1), then the user's ``--<role>-args``."""
+        tp = {ChildRole.PREFILL: self.prefill_tp, ChildRole.DECODE: self.decode_tp}.get(role, 1)
+        own = {ChildRole.PREFILL: self.prefill_flags, ChildRole.DECODE: self.decode_flags}.get(role, [])
+        return [*(["--tp-size", str(tp)] if tp > 1 else []), *own]
 
     @property
     def router_url(self) -> str:
