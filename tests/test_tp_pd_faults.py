@@ -1,0 +1,105 @@
+"""A rank of a prefill or decode node of several ranks, SIGKILLed under load through the router: the
+node exits within 30 s with none of its processes left, and every request (non-streaming, so none
+had been sent anything) is retried on the other pair and answers as the single engine does."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+from cluster import NodeProcess, RouterProcess
+from pd_helpers import DECODE_ARGS, NODE_ARGS, load, wait_for
+from tiny_models import add_word_tokenizer, make_tiny_model
+from tp_server import descendants, wait_gone
+
+from tierserve.core.sampling import SamplingParams
+from tierserve.engine.config import EngineConfig
+from tierserve.engine.engine import Engine
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+DEATH_DEADLINE_S = 30.0
+NEW_TOKENS = 120
+PROMPTS = [[2 + (i * 7 + j) % 380 for j in range(40 + 30 * i)] for i in range(6)]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    """With a tokenizer whose token i is the word ``w<i>``: the answer's text gives its token ids."""
+    folder = make_tiny_model("llama", tmp_path_factory.mktemp("tp_faults"), heads=8, kv_heads=4, max_position=2048)
+    return add_word_tokenizer(folder)
+
+
+def _expected(model: Path) -> list[list[int]]:
+    engine = Engine(EngineConfig(model, device="cpu", dtype="float32", page_size=16, max_total_tokens=4096))
+    return engine.generate(PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True))
+
+
+def _node(role: str, model: Path, log: Path, tp: int) -> NodeProcess:
+    args = DECODE_ARGS if role == "decode" else [*NODE_ARGS, "--chunked-prefill-size", "16"]
+    return NodeProcess(role, ["--model", str(model), *args, "--tp-size", str(tp)], log)
+
+
+def _complete(url: str, prompt: list[int]) -> httpx.Response:
+    body = {"prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=180)
+
+
+def _tokens(response: httpx.Response) -> list[int]:
+    assert response.status_code == 200, response.text
+    return [int(word.removeprefix("w")) for word in response.json()["choices"][0]["text"].split()]
+
+
+def _rank_1(node: NodeProcess) -> int:
+    children = descendants(node.proc.pid)
+    ranks = [p for p in children if b"resource_tracker" not in Path(f"/proc/{p}/cmdline").read_bytes()]
+    assert len(ranks) == 1, ranks
+    return ranks[0]
+
+
+def _wait_exit(proc: subprocess.Popen) -> int:
+    try:
+        return proc.wait(timeout=DEATH_DEADLINE_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise AssertionError(f"the node still runs {DEATH_DEADLINE_S} s after its rank 1 died") from None
+
+
+async def _busy(address: str) -> bool:
+    report = await load(address)
+    return report.running > 0
+
+
+@pytest.mark.parametrize("victim_role", ["decode", "prefill"])
+def test_a_killed_rank_takes_its_node_down_and_the_router_retries(model: Path, tmp_path: Path,
+                                                                   victim_role: str) -> None:
+    other_role = "prefill" if victim_role == "decode" else "decode"
+    victim = _node(victim_role, model, tmp_path / "victim.log", 2)
+    spare = _node(victim_role, model, tmp_path / "spare.log", 1)
+    other = _node(other_role, model, tmp_path / "other.log", 1)
+    nodes = [n.wait_ready() for n in (victim, spare, other)]
+    workers = [f for n in nodes for f in (f"--{n.role}", n.address)]
+    router = RouterProcess(["--model", str(model), *workers, "--health-check-interval", "0.5", "--max-retries", "4",
+                            "--prefill-policy", "round_robin", "--decode-policy", "round_robin"], tmp_path / "r.log")
+    router.wait_ready()
+    processes = descendants(victim.proc.pid)
+    try:
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            futures = [pool.submit(_complete, router.url, p) for p in PROMPTS]
+            wait_for(lambda: _busy(victim.address), "the victim works on a request", 60)
+            killed = time.monotonic()
+            os.kill(_rank_1(victim), signal.SIGKILL)
+            assert _wait_exit(victim.proc) == 1, victim.log.read_text()[-3000:]
+            assert wait_gone(processes, DEATH_DEADLINE_S - (time.monotonic() - killed)) == []
+            answers = [_tokens(f.result(timeout=180)) for f in futures]
+    finally:
+        for proc in (router, *nodes):
+            proc.stop()
+    assert answers == _expected(model)
+    assert "exited with signal SIGKILL" in victim.log.read_text()
+    assert "retrying" in router.log.read_text()
