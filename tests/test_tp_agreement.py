@@ -1,8 +1,8 @@
 """Two real ranks (gloo, real ``mooncake_master``) whose L3 views differ: rank 1's store shows
-fewer pages (or its reads fail past a count). With the per-step agreement both ranks read only the
-shorter prefix, end with the same tree and answer as without a cache. With the agreement switched
-off (``TIERSERVE_TEST_SKIP_AGREEMENT=1``, to prove the test can fail) each rank applies its own
-view, the ranks diverge, and this test fails."""
+fewer pages, its reads fail past a count, or they lag past the prefetch timeout. With the per-step
+agreement both ranks take only the shorter prefix from L3, end with the same tree and answer as
+without a cache. With the agreement switched off (``TIERSERVE_TEST_SKIP_AGREEMENT=1``, to prove the
+test can fail) each rank applies its own view, the ranks diverge, and this test fails."""
 
 from __future__ import annotations
 
@@ -31,14 +31,19 @@ PAGE = 4
 PROMPT = torch.randint(2, 384, (70,), generator=torch.Generator().manual_seed(5)).tolist()  # 17 full pages
 SHOWN_PAGES = 6  # what rank 1's faulty store admits to, or reads
 TIMEOUT_S = 30.0  # every collective's, and the deadline of each rank's loop
-FAULTS = {"exists": {"ranks": [1], "exists_cap": SHOWN_PAGES}, "reads": {"ranks": [1], "get_cap": SHOWN_PAGES}}
+LAG_S = 5.0  # rank 1's delay before each read call: far past the prefetch timeout below
+# fault -> (rank 1's fault, prefetch policy, pages every rank must take from L3)
+FAULTS = {"exists": ({"ranks": [1], "exists_cap": SHOWN_PAGES}, PrefetchPolicy.WAIT_COMPLETE, SHOWN_PAGES),
+          "reads": ({"ranks": [1], "get_cap": SHOWN_PAGES}, PrefetchPolicy.WAIT_COMPLETE, SHOWN_PAGES),
+          "lags": ({"ranks": [1], "get_delay_s": LAG_S}, PrefetchPolicy.TIMEOUT, 0)}
 
 
-def _config(model: Path, master: str, faults: dict | None, skip: bool) -> EngineConfig:
+def _config(model: Path, master: str, faults: dict | None = None, skip: bool = False,
+            policy: PrefetchPolicy = PrefetchPolicy.WAIT_COMPLETE) -> EngineConfig:
     l3 = {"master_server_address": master, "global_segment_size": 32 << 20, "local_buffer_size": 8 << 20,
-          "prefetch_threshold": 2 * PAGE, "fault_injection": faults, SKIP_AGREEMENT: skip}
-    hicache = HiCacheOptions(storage_backend="mooncake", storage_config=l3,
-                             prefetch_policy=PrefetchPolicy.WAIT_COMPLETE)
+          "prefetch_threshold": 2 * PAGE, "prefetch_timeout_base": 0.5, "prefetch_timeout_per_ki_token": 0.0,
+          "fault_injection": faults, SKIP_AGREEMENT: skip}
+    hicache = HiCacheOptions(storage_backend="mooncake", storage_config=l3, prefetch_policy=policy)
     return EngineConfig(model, device="cpu", dtype="float32", page_size=PAGE, max_total_tokens=512,
                         chunked_prefill_size=16, enable_hierarchical_cache=True, hicache=hicache, tp_size=2,
                         dist_timeout_s=TIMEOUT_S)
@@ -62,12 +67,13 @@ def _tree(engine: Engine) -> list[tuple[list[int], bool, bool]]:
     return sorted((list(n.tokens), n.device is not None, n.host is not None) for n in nodes)
 
 
-def _rank(rank: int, port: int, model: str, master: str, faults: dict, skip: bool, out: str) -> None:
+def _rank(rank: int, port: int, model: str, master: str, fault: str, skip: bool, out: str) -> None:
     store = dist.TCPStore(HOST, port, 2, is_master=True, wait_for_workers=False) if rank == 0 else None
-    ranks = join(RankSpec(rank, 2, port, TIMEOUT_S), _config(Path(model), master, None, False), store)
-    writer = Engine(_config(Path(model), master, None, False), ranks=ranks)  # its segment holds the pages
+    ranks = join(RankSpec(rank, 2, port, TIMEOUT_S), _config(Path(model), master), store)
+    writer = Engine(_config(Path(model), master), ranks=ranks)  # its segment holds the pages
     cold, _ = _run(writer, "cold")
-    reader = Engine(_config(Path(model), master, faults, skip), ranks=ranks)
+    faults, policy, _ = FAULTS[fault]
+    reader = Engine(_config(Path(model), master, faults, skip, policy), ranks=ranks)
     warm, tiers = _run(reader, "warm")
     Path(out).write_text(json.dumps({"cold": cold, "warm": warm, "tiers": tiers, "tree": _tree(reader)}))
     ranks.agree_min(0)  # neither leaves (and drops its store segment) before the other is done
@@ -87,7 +93,7 @@ def test_a_rank_with_a_shorter_l3_view_shortens_every_rank(model: Path, tmp_path
     skip = os.environ.get("TIERSERVE_TEST_SKIP_AGREEMENT") == "1"
     outs = [tmp_path / f"rank{r}.json" for r in range(2)]
     ctx, port = mp.get_context("spawn"), free_port()
-    args = [(r, port, str(model), master.address, FAULTS[fault], skip, str(outs[r])) for r in range(2)]
+    args = [(r, port, str(model), master.address, fault, skip, str(outs[r])) for r in range(2)]
     procs = [ctx.Process(target=_rank, args=a) for a in args]
     try:
         for p in procs:
@@ -103,4 +109,4 @@ def test_a_rank_with_a_shorter_l3_view_shortens_every_rank(model: Path, tmp_path
     results = [json.loads(o.read_text()) for o in outs]
     assert results[0]["tree"] == results[1]["tree"]
     assert results[0]["warm"] == results[0]["cold"] == results[1]["warm"]
-    assert results[0]["tiers"].get("storage") == SHOWN_PAGES * PAGE, results[0]["tiers"]
+    assert results[0]["tiers"].get("storage", 0) == FAULTS[fault][2] * PAGE, results[0]["tiers"]
