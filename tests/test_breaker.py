@@ -29,11 +29,15 @@ def clock(monkeypatch) -> Clock:
     return fake
 
 
-def _registry(failures: int = 3, open_s: float = 10.0) -> tuple[Registry, Worker]:
-    """A registry with one healthy decode worker (no channel: the breaker never calls it)."""
+def _registry(failures: int = 3, open_s: float = 10.0, spare: bool = True) -> tuple[Registry, Worker]:
+    """A registry with a healthy decode worker under test and, with ``spare``, a second one (the
+    breaker never ejects the last available worker of a role); no channels: the breaker never
+    calls them."""
     registry = Registry(breaker=BreakerOptions(failures=failures, open_s=open_s))
     worker = Worker(Role.DECODE, "127.0.0.1:1", channel=None, state=WorkerState.HEALTHY)
-    registry.workers[(worker.role, worker.address)] = worker
+    others = [Worker(Role.DECODE, "127.0.0.1:2", channel=None, state=WorkerState.HEALTHY)] if spare else []
+    for w in (worker, *others):
+        registry.workers[(w.role, w.address)] = w
     return registry, worker
 
 
@@ -45,14 +49,14 @@ def test_failures_in_a_row_open_the_breaker_for_open_s_then_it_closes(clock: Clo
     registry, worker = _registry(failures=3, open_s=10.0)
     for _ in range(2):
         registry.failed(worker, "UNAVAILABLE")
-    assert registry.available(Role.DECODE) == [worker], "two failures do not open it"
+    assert worker in registry.available(Role.DECODE), "two failures do not open it"
     registry.failed(worker, "UNAVAILABLE")
-    assert registry.available(Role.DECODE) == [] and not worker.available
+    assert worker not in registry.available(Role.DECODE) and not worker.available
     assert worker.state is WorkerState.HEALTHY and worker.reason == "UNAVAILABLE"  # open, not unhealthy
     clock.now += 9.9
     assert not worker.available, "still open before open_s"
     clock.now += 0.1
-    assert registry.available(Role.DECODE) == [worker], "closed once open_s passed"
+    assert worker in registry.available(Role.DECODE), "closed once open_s passed"
 
 
 def test_a_success_resets_the_count(clock: Clock) -> None:
@@ -84,7 +88,31 @@ def test_an_unreachable_worker_gets_no_traffic_until_a_health_check_passes(clock
     registry.failed(worker, "connection refused", unreachable=True)
     assert worker.state is WorkerState.UNHEALTHY and not registry.ready()
     clock.now += 3600
-    assert registry.available(Role.DECODE) == [], "time alone does not bring it back"
+    assert worker not in registry.available(Role.DECODE), "time alone does not bring it back"
     worker.info = pb.NodeInfo(namespace_digest="ns")
     registry._set_state(worker, serving=True)  # what ``Registry.check`` does on a SERVING answer
-    assert registry.available(Role.DECODE) == [worker] and worker.failures == 0
+    assert worker in registry.available(Role.DECODE) and worker.failures == 0
+
+
+def test_the_last_available_worker_of_a_role_is_never_ejected(clock: Clock) -> None:
+    """With one decode node, an open breaker turns a slow or flaky node into an outage (503 "no
+    healthy decode worker" for open_s): the trace replay got 6 of them from transfer timeouts under
+    load. Like a load balancer's maximum ejection share, the breaker keeps the last one in."""
+    registry, worker = _registry(failures=2, spare=False)
+    for _ in range(5):
+        registry.failed(worker, "ABORTED")
+    assert registry.available(Role.DECODE) == [worker]
+    two, first = _registry(failures=2)
+    second = two.workers[(Role.DECODE, "127.0.0.1:2")]
+    for _ in range(2):
+        two.failed(first, "ABORTED")
+    assert two.available(Role.DECODE) == [second], "the first one is ejected: another remains"
+    for _ in range(3):
+        two.failed(second, "ABORTED")
+    assert two.available(Role.DECODE) == [second], "the second is now the last: it stays"
+
+
+def test_an_unreachable_worker_is_out_even_when_it_is_the_last(clock: Clock) -> None:
+    registry, worker = _registry(spare=False)
+    registry.failed(worker, "UNAVAILABLE", unreachable=True)
+    assert registry.available(Role.DECODE) == []

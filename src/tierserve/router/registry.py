@@ -145,10 +145,22 @@ class Registry:
                         worker.address, reason)
         worker.failures += 1
         if worker.failures >= self.breaker.failures and time.monotonic() >= worker.open_until:
-            worker.open_until = time.monotonic() + self.breaker.open_s
-            worker.reason = reason
-            log.warning("worker %s %s: circuit open for %.0f s after %d failures (%s)", worker.role.value,
-                        worker.address, self.breaker.open_s, worker.failures, reason)
+            self._open(worker, reason)
+
+    def _open(self, worker: Worker, reason: str) -> None:
+        """Opens the breaker, unless ``worker`` is the last available one of its role: ejecting it
+        would turn a flaky node into an outage (every request 503 for ``open_s``), as a load
+        balancer's maximum ejection share prevents. A dead one still goes (``unreachable``)."""
+        if self.available(worker.role) == [worker]:
+            if worker.failures == self.breaker.failures:
+                log.warning("worker %s %s: %d failures (%s), but it is the last available %s worker: it keeps "
+                            "its traffic", worker.role.value, worker.address, worker.failures, reason,
+                            worker.role.value)
+            return
+        worker.open_until = time.monotonic() + self.breaker.open_s
+        worker.reason = reason
+        log.warning("worker %s %s: circuit open for %.0f s after %d failures (%s)", worker.role.value,
+                    worker.address, self.breaker.open_s, worker.failures, reason)
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self.check(w) for w in list(self.workers.values())))
