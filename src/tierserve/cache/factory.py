@@ -45,9 +45,14 @@ def build_cache(kind: CacheKind, allocator: PageAllocator, pool: DeviceKVPool, s
 
 
 def _backend(options: HiCacheOptions, shard: KVShard) -> StorageBackend:
-    """The L3 backend, wrapped in the extra config's test faults when they name this rank."""
-    backend = create_backend(options.storage_backend or "", options.storage_config)
-    faults = StorageFaults.from_config(options.storage_config)
+    """The L3 backend, wrapped in the extra config's test faults when they name this rank. Each
+    rank has its own client: a ``global_segment_size`` given is the node's, split between its ranks
+    (``tierserve up`` sizes L3 per node)."""
+    config = dict(options.storage_config)
+    if "global_segment_size" in config:
+        config["global_segment_size"] = int(config["global_segment_size"]) // shard.ranks
+    backend = create_backend(options.storage_backend or "", config)
+    faults = StorageFaults.from_config(config)
     return FaultyStorage(backend, faults) if shard.rank in faults.ranks else backend
 
 

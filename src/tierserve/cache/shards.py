@@ -40,11 +40,13 @@ class HeadRange:
 class KVShard:
     """One rank's share of every page: its ``heads`` and whether it ``writes`` their L3 objects
     (ranks that replicate a KV head, when the TP size exceeds the KV heads, leave it to the first of
-    them). ``rank`` names the rank for per-rank settings (test faults), never for a decision."""
+    them), among the node's ``ranks``. ``rank`` names the rank for per-rank settings (its share of
+    the node's L3 segment, test faults), never for a cache decision."""
 
     heads: HeadRange
     rank: int = 0
     writes: bool = True
+    ranks: int = 1
 
     @classmethod
     def whole(cls, num_kv_heads: int) -> KVShard:

@@ -67,7 +67,8 @@ class Ranks:
         """This rank's share of every KV page; of the ranks that replicate one KV head (more ranks
         than KV heads) only the first writes its L3 objects."""
         replicas = max(1, self.size // num_kv_heads)
-        return KVShard(HeadRange(heads.kv_start, heads.kv_heads, num_kv_heads), self.rank, self.rank % replicas == 0)
+        writes = self.rank % replicas == 0
+        return KVShard(HeadRange(heads.kv_start, heads.kv_heads, num_kv_heads), self.rank, writes, self.size)
 
     def agree_min(self, value: int) -> int:
         """The minimum of ``value`` over all ranks (itself at size 1); every rank must call it."""
