@@ -81,3 +81,41 @@ def test_probe_takes_the_longest_run(tmp_path: Path) -> None:
     assert all(io.set_from(store, KEYS[:2], [0, 1]))  # its own objects cover only 2 pages
     probed, source = io.probe(store, KEYS)
     assert probed == PAGES and source.objects == (HeadRange(0, 4, 4),)
+
+
+def test_a_rank_shard_and_its_writers() -> None:
+    from tierserve.engine.ranks import Ranks
+    from tierserve.model.parallel import TensorParallel
+
+    def shard(rank: int, size: int) -> KVShard:
+        tp = TensorParallel(rank, size)
+        return Ranks(tp, torch.device("cpu")).kv_shard(tp.heads(8, HEADS), HEADS)
+
+    assert shard(1, 2) == KVShard(HeadRange(2, 2, HEADS), 1, True, 2)
+    assert [(s.heads.start, s.writes) for s in (shard(r, 8) for r in range(8))] == [
+        (0, True), (0, False), (1, True), (1, False), (2, True), (2, False), (3, True), (3, False)]
+
+
+class Recording(FileStorage):
+    """A dynamic backend that keeps the config it was built from."""
+
+    def __init__(self, config: dict) -> None:
+        super().__init__(config["path"])
+        self.config = config
+
+
+def test_each_rank_gets_its_share_of_the_segment_and_its_faults(tmp_path: Path) -> None:
+    from tierserve.cache.factory import _backend
+    from tierserve.cache.options import HiCacheOptions
+    from tierserve.cache.storage.faulty import FaultyStorage
+
+    config = {"module_path": __name__, "class_name": "Recording", "path": str(tmp_path),
+              "global_segment_size": 1000, "fault_injection": {"ranks": [1], "exists_cap": 2}}
+    options = HiCacheOptions(storage_backend="dynamic", storage_config=config)
+    rank0 = _backend(options, KVShard(HeadRange(0, 2, HEADS), 0, True, 2))
+    rank1 = _backend(options, KVShard(HeadRange(2, 2, HEADS), 1, True, 2))
+    assert isinstance(rank0, Recording) and rank0.config["global_segment_size"] == 500
+    assert isinstance(rank1, FaultyStorage) and rank1.faults.exists_cap == 2
+    _, io = _pool(_shard(0, 1), HostLayout.PAGE_FIRST_DIRECT)
+    assert all(io.set_from(rank1, KEYS, list(range(PAGES))))
+    assert rank1.batch_exists(KEYS) == 2 and rank0.batch_exists(KEYS) == PAGES

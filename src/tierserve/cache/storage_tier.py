@@ -108,7 +108,7 @@ class StorageTier:
             return
         try:
             probed, ticket.source = self.io.probe(self.storage, ticket.keys)
-            ticket.probed = probed  # last: the engine thread reads ``source`` once it sees ``probed``
+            ticket.probed = probed  # ``source`` is read only by ``_read``, later on this same lane
         except Exception as exc:  # any backend error is a miss
             ticket.probed = 0
             self._fail("exists", exc)
