@@ -99,3 +99,11 @@ def test_a_handoff_cannot_cross_ranks() -> None:
     bus.record(AddRequest("b", (1, 2), SamplingParams()))
     bus.record(AddRequest("c", (1, 2), SamplingParams(), handoff=object(), plan="data"))  # type: ignore[arg-type]
     assert [c.handoff for c in bus._pending] == [None, None]  # the plan crosses, rank 0's own handoff does not
+
+
+def test_the_step_time_crosses_ranks_exactly() -> None:
+    """Lease expiry compares times: every rank must see rank 0's float, bit for bit."""
+    from tierserve.engine.step_bus import _bits, _float
+
+    for now in (0.0, 12345.678901234567, 1e-300, 987654.3210000001):
+        assert _float(_bits(now)) == now

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import pickle
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import IntFlag
@@ -105,19 +106,27 @@ class FollowerBus:
     def receive(self) -> StepMessage:
         header = torch.zeros(3, dtype=torch.int64)
         dist.broadcast(header, src=0, group=self.ranks.control)
-        flags, size, now_ns = _Flags(int(header[0])), int(header[1]), int(header[2])
+        flags, size, now = _Flags(int(header[0])), int(header[1]), _float(int(header[2]))
         commands: tuple[EngineCommand | EngineCall, ...] = ()
         if size:
             payload = torch.empty(size, dtype=torch.uint8)
             dist.broadcast(payload, src=0, group=self.ranks.control)
             commands = pickle.loads(payload.numpy().tobytes())
-        return StepMessage(commands, _Flags.STEP in flags, _Flags.STOP in flags, now_ns / 1e9)
+        return StepMessage(commands, _Flags.STEP in flags, _Flags.STOP in flags, now)
 
 
 def _send(ranks: Ranks, message: StepMessage) -> None:
     payload = pickle.dumps(message.commands) if message.commands else b""
     flags = (_Flags.STEP if message.step else 0) | (_Flags.STOP if message.stop else 0)
-    header = [int(flags), len(payload), round(message.now * 1e9)]
+    header = [int(flags), len(payload), _bits(message.now)]  # the exact float: every rank compares the same time
     dist.broadcast(torch.tensor(header, dtype=torch.int64), src=0, group=ranks.control)
     if payload:
         dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), src=0, group=ranks.control)
+
+
+def _bits(value: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", value))[0]
+
+
+def _float(bits: int) -> float:
+    return struct.unpack("<d", struct.pack("<q", bits))[0]

@@ -95,18 +95,28 @@ class NodeRankRole:
     def start(self, engine: Engine) -> RankTransfer:
         """Every rank, right after its engine, in the same order: starts the rank's engines and
         gathers the ranks' arenas (one collective at several ranks)."""
-        o, ranks = self.options, engine.ranks
-        receiver = None
-        if self.side is Side.DECODE or ranks.rank == 0:
-            receiver = TransferEngineHandle(o.hostname, o.protocol, o.devices)
-            receiver.register(engine.pool.buffer)  # one arena: every page, every layer
+        o, held = self.options, _held(engine)
+        receiver = self._receiver(engine)
         peers = PeerEngines(o.hostname, o.protocol, o.devices, [engine.pool.buffer])
-        held = _held(engine)
         arenas = _gather(engine, RankArena(receiver.endpoint if receiver else "", arena(engine), held))
-        board = HandoffBoard(ranks) if ranks.size > 1 and self.side is Side.PREFILL else None
-        if board is not None:
-            engine.before_step.append(board.agree)
-        return RankTransfer(engine, receiver, peers, arenas, board, held if _sends(engine) else None)
+        return RankTransfer(engine, receiver, peers, arenas, self._board(engine), held if _sends(engine) else None)
+
+    def _receiver(self, engine: Engine) -> TransferEngineHandle | None:
+        """Decode ranks receive; rank 0 names the node to peers (``NodeInfo``) whatever its role."""
+        if self.side is Side.PREFILL and engine.ranks.rank != 0:
+            return None
+        o = self.options
+        receiver = TransferEngineHandle(o.hostname, o.protocol, o.devices)
+        receiver.register(engine.pool.buffer)  # one arena: every page, every layer
+        return receiver
+
+    def _board(self, engine: Engine) -> HandoffBoard | None:
+        """A prefill node of several ranks agrees on its handoffs at the start of every step."""
+        if engine.ranks.size == 1 or self.side is Side.DECODE:
+            return None
+        board = HandoffBoard(engine.ranks)
+        engine.before_step.append(board.agree)
+        return board
 
 
 def _held(engine: Engine) -> HeadRange:
