@@ -75,7 +75,10 @@ def _rank(rank: int, port: int, model: str, master: str, fault: str, skip: bool,
     faults, policy, _ = FAULTS[fault]
     reader = Engine(_config(Path(model), master, faults, skip, policy), ranks=ranks)
     warm, tiers = _run(reader, "warm")
-    Path(out).write_text(json.dumps({"cold": cold, "warm": warm, "tiers": tiers, "tree": _tree(reader)}))
+    tree = _tree(reader)
+    flushed = reader.cache.flush(True, True)  # every rank at the same point, as the step bus makes them
+    Path(out).write_text(json.dumps({"cold": cold, "warm": warm, "tiers": tiers, "tree": tree, "flushed": flushed,
+                                     "left": _tree(reader)}))
     ranks.agree_min(0)  # neither leaves (and drops its store segment) before the other is done
     for engine in (reader, writer):
         engine.cache.close()
@@ -108,5 +111,6 @@ def test_a_rank_with_a_shorter_l3_view_shortens_every_rank(model: Path, tmp_path
     assert [p.exitcode for p in procs] == [0, 0], "a rank failed (diverged ranks time out or disagree)"
     results = [json.loads(o.read_text()) for o in outs]
     assert results[0]["tree"] == results[1]["tree"]
+    assert results[0]["flushed"] == results[1]["flushed"] and results[0]["left"] == results[1]["left"] == []
     assert results[0]["warm"] == results[0]["cold"] == results[1]["warm"]
     assert results[0]["tiers"].get("storage", 0) == FAULTS[fault][2] * PAGE, results[0]["tiers"]
