@@ -17,6 +17,7 @@ import torch.distributed as dist
 from cluster import MasterProcess
 from tiny_models import make_tiny_model
 
+from tierserve.cache import hicache
 from tierserve.cache.factory import SKIP_AGREEMENT
 from tierserve.cache.options import HiCacheOptions, PrefetchPolicy
 from tierserve.core.sampling import SamplingParams
@@ -26,6 +27,7 @@ from tierserve.engine.ranks import HOST, RankSpec, join, leave
 from tierserve.launch import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
+COPY_PAGES = hicache.copy_pages
 
 PAGE = 4
 PROMPT = torch.randint(2, 384, (70,), generator=torch.Generator().manual_seed(5)).tolist()  # 17 full pages
@@ -51,7 +53,8 @@ def _config(model: Path, master: str, faults: dict | None = None, skip: bool = F
 
 def _run(engine: Engine, request_id: str) -> tuple[list[int], dict[str, int]]:
     """Runs the prompt to its end, then steps until the cache's copies landed; every rank steps
-    while any rank has work (one collective per turn), so the ranks take the same steps."""
+    while any rank has work (one collective per turn), so the ranks take the same steps. A request
+    that failed has tiers ``{"failed": 1}``."""
     engine.add_request(request_id, PROMPT, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     tokens: list[int] = []
     tiers: dict[str, int] = {}
@@ -59,6 +62,7 @@ def _run(engine: Engine, request_id: str) -> tuple[list[int], dict[str, int]]:
         for out in engine.step():
             tokens += out.new_token_ids
             tiers = out.cached_by_tier or tiers
+        tiers = {"failed": 1} if engine.take_failures() else tiers
     return tokens, tiers
 
 
@@ -114,3 +118,52 @@ def test_a_rank_with_a_shorter_l3_view_shortens_every_rank(model: Path, tmp_path
     assert results[0]["flushed"] == results[1]["flushed"] and results[0]["left"] == results[1]["left"] == []
     assert results[0]["warm"] == results[0]["cold"] == results[1]["warm"]
     assert results[0]["tiers"].get("storage", 0) == FAULTS[fault][2] * PAGE, results[0]["tiers"]
+
+
+def _failing_loads(*args: object) -> None:
+    if args[4] is False:  # copy_pages(device, host, device pages, host pages, to_host, ...): an L2 -> L1 load
+        raise RuntimeError("injected L2 -> L1 copy failure")
+    return COPY_PAGES(*args)
+
+
+def _load_rank(rank: int, port: int, model: str, skip: bool, out: str) -> None:
+    store = dist.TCPStore(HOST, port, 2, is_master=True, wait_for_workers=False) if rank == 0 else None
+    config = EngineConfig(Path(model), device="cpu", dtype="float32", page_size=PAGE, max_total_tokens=512,
+                          chunked_prefill_size=16, enable_hierarchical_cache=True, tp_size=2, dist_timeout_s=TIMEOUT_S)
+    engine = Engine(config, ranks=join(RankSpec(rank, 2, port, TIMEOUT_S), config, store))
+    if skip:  # each rank on its own: the failing rank fails alone, mid-step
+        engine._agreed_load_failure = lambda batch: False
+    cold, _ = _run(engine, "cold")  # write-through: its pages reach L2
+    engine.cache.flush(True, False)  # L2 only: the next match loads them into L1
+    if rank == 1:
+        hicache.copy_pages = _failing_loads
+    failed = _run(engine, "failed")
+    hicache.copy_pages = COPY_PAGES
+    trees = [_tree(engine)]
+    warm = _run(engine, "warm")
+    Path(out).write_text(json.dumps({"cold": cold, "failed": failed, "warm": warm, "trees": [*trees, _tree(engine)]}))
+    engine.ranks.agree_min(0)
+    engine.cache.close()
+    leave()
+
+
+def test_an_l2_load_failing_on_one_rank_fails_the_request_on_every_rank(model: Path, tmp_path: Path) -> None:
+    skip = os.environ.get("TIERSERVE_TEST_SKIP_AGREEMENT") == "1"
+    outs = [tmp_path / f"rank{r}.json" for r in range(2)]
+    ctx, port = mp.get_context("spawn"), free_port()
+    procs = [ctx.Process(target=_load_rank, args=(r, port, str(model), skip, str(outs[r]))) for r in range(2)]
+    try:
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=4 * TIMEOUT_S)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+    assert [p.exitcode for p in procs] == [0, 0], "a rank failed (diverged ranks time out or disagree)"
+    results = [json.loads(o.read_text()) for o in outs]
+    assert results[0]["trees"] == results[1]["trees"]
+    for r in results:
+        assert r["failed"] == [[], {"failed": 1}]
+        assert r["warm"][0] == r["cold"] == results[0]["cold"] and r["warm"][1].get("host", 0) > 0, r["warm"]

@@ -17,8 +17,8 @@ from tierserve.cache.base import PrefixCache
 from tierserve.cache.device_pool import DeviceKVPool, KVGeometry
 from tierserve.cache.factory import build_cache
 from tierserve.cache.hashing import Namespace
-from tierserve.cache.loads import HostLoadError
-from tierserve.cache.options import object_format
+from tierserve.cache.loads import HostLoadError, LayerwiseLoad
+from tierserve.cache.options import CacheKind, object_format
 from tierserve.cache.storage import create_backend
 from tierserve.core.model_config import ModelConfig
 from tierserve.core.sampling import InvalidRequestError, SamplingParams
@@ -199,7 +199,7 @@ class Engine:
         self.reservations.tick(_clock(now))
         batch = self.scheduler.schedule()
         self.last_batch_size = len(batch)
-        if not batch:
+        if not batch or self._agreed_load_failure(batch):
             return []
         started = time.perf_counter()
         try:
@@ -226,12 +226,28 @@ class Engine:
 
     def _fail_loads(self, batch: list, exc: HostLoadError) -> None:
         for scheduled in batch:
-            request = scheduled.request
-            if any(load.failed for load in request.hit.loads):
-                log.warning("request %s failed: %s", request.request_id, exc)
-                self.requests.pop(request.request_id, None)
-                self.scheduler.remove(request)
-                self.failures.append((request.request_id, exc))
+            if any(load.failed for load in scheduled.request.hit.loads):
+                self._fail_request(scheduled.request, exc)
+
+    def _fail_request(self, request: Request, exc: Exception) -> None:
+        log.warning("request %s failed: %s", request.request_id, exc)
+        self.requests.pop(request.request_id, None)
+        self.scheduler.remove(request)
+        self.failures.append((request.request_id, exc))
+
+    def _agreed_load_failure(self, batch: list) -> bool:
+        """Several ranks with L2: a prefix's L2 -> L1 load may fail on one rank only, so each rank
+        waits for its batch's loads in full (no layer overlap) and the ranks agree (one collective)
+        on the first request whose load failed on any rank; it fails on every rank, the rest of the
+        batch runs next step (docs/architecture.md, multi-rank agreement). True: that happened."""
+        if self.ranks.size == 1 or self.config.cache_kind is not CacheKind.HIERARCHICAL:
+            return False
+        failed = (i for i, s in enumerate(batch) if any(_load_failed(x) for x in s.request.hit.loads))
+        first = self.ranks.agree_min(next(failed, len(batch)))
+        if first == len(batch):
+            return False
+        self._fail_request(batch[first].request, HostLoadError("loading KV from host memory failed on a rank"))
+        return True
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
         """Runs prompts to completion (a convenience for tests and benchmarks); returns output ids."""
@@ -333,6 +349,15 @@ class Engine:
 
 def _clock(now: float | None) -> float:
     return time.monotonic() if now is None else now
+
+
+def _load_failed(load: LayerwiseLoad) -> bool:
+    """Waits until ``load`` stopped copying; whether it failed."""
+    try:
+        load.wait(-1)
+    except HostLoadError:
+        return True
+    return False
 
 
 def _load_tokenizer(model_dir: Path) -> Tokenizer | None:
