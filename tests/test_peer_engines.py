@@ -50,3 +50,20 @@ def test_a_peer_whose_engine_hangs_in_start_does_not_block_another(peers: PeerEn
     hang.set()
     frozen.join(timeout=30)
     assert not alive, "starting one peer's engine waited on another peer's"
+
+
+def test_the_entries_budget_waits_for_room_and_never_refuses_an_idle_engine() -> None:
+    from tierserve.transfer.engine import EntryBudget
+
+    budget = EntryBudget(limit=100)
+    assert budget.take(5000, block=False)  # alone on the engine: one batch bigger than the limit still goes
+    assert not budget.take(1, block=False)
+    budget.give(5000)
+    assert budget.take(60, block=False) and not budget.take(60, block=False)
+    waiter = threading.Thread(target=budget.take, args=(60, True))
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive()  # no room yet
+    budget.give(60)
+    waiter.join(5)
+    assert not waiter.is_alive() and budget.used == 60

@@ -108,3 +108,12 @@ async def _release(address: str, rid: str) -> None:
 async def _info(address: str) -> pb.NodeInfo:
     async with grpc.aio.insecure_channel(address) as channel:
         return await pb_grpc.NodeServiceStub(channel).Info(pb.InfoRequest())
+
+
+def test_long_prompts_between_tp_sizes_fit_the_transfer_engines_limits(model: Path, nodes) -> None:
+    """Head sub-ranges move one block per token: 1,200-token prompts make 2,400 blocks per layer
+    and rank, above what one Mooncake engine takes in flight, three at once on the same engines."""
+    batch = [[2 + (i * 31 + j * 7) % 380 for j in range(1200)] for i in range(3)]
+    results = asyncio.run(_run_all(nodes["p2"].address, nodes["d1"].address, batch, "long-"))
+    assert [tokens for tokens, _ in results] == reference(model, batch)
+    assert [r.transferred_bytes for _, r in results] == [len(p) * TOKEN_BYTES for p in batch]

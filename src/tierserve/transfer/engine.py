@@ -29,7 +29,7 @@ except ImportError as _exc:  # `import mooncake` alone succeeds even when the en
         f"mooncake-transfer-engine (CUDA hosts), not both, plus the system library libibverbs1: {_exc}"
     ) from _exc
 
-__all__ = ["TransferEngineHandle", "TransferError", "TransferProtocol"]
+__all__ = ["EntryBudget", "PeerEngines", "TransferEngineHandle", "TransferError", "TransferProtocol"]
 
 
 class TransferError(RuntimeError):
@@ -83,11 +83,44 @@ class TransferEngineHandle:
         return self._engine.batch_transfer_sync_write(target, srcs, dsts, lens) == 0
 
 
+MAX_INFLIGHT_ENTRIES = 2048  # blocks in flight on one engine (see EntryBudget)
+
+
+class EntryBudget:
+    """Blocks in flight on one transfer engine, at most ``limit``. Measured (``docs/mooncake.md``):
+    an engine fails every batch in flight once about 2,500 entries are (2,100 passed, 3,000
+    failed), whichever peers they go to; 2,000 each from two engines into one peer passed."""
+
+    def __init__(self, limit: int = MAX_INFLIGHT_ENTRIES) -> None:
+        self.limit, self.used = limit, 0
+        self._cond = threading.Condition()
+
+    def take(self, entries: int, block: bool) -> bool:
+        """Reserves room for ``entries`` (always granted when nothing is in flight); False when
+        there is none and ``block`` is False."""
+        with self._cond:
+            if block:
+                self._cond.wait_for(lambda: self._fits(entries))
+            elif not self._fits(entries):
+                return False
+            self.used += entries
+            return True
+
+    def give(self, entries: int) -> None:
+        with self._cond:
+            self.used -= entries
+            self._cond.notify_all()
+
+    def _fits(self, entries: int) -> bool:
+        return self.used == 0 or self.used + entries <= self.limit
+
+
 @dataclass
 class _Peer:
     lock: threading.Lock = field(default_factory=threading.Lock)  # held while its engine starts
     engine: TransferEngineHandle | None = None
     users: int = 0  # handoffs holding the engine; only an unused engine may be closed
+    budget: EntryBudget = field(default_factory=EntryBudget)
 
 
 class PeerEngines:
@@ -127,6 +160,11 @@ class PeerEngines:
         with self._lock:
             self._peers[target].users -= 1
             self._evict()
+
+    def budget(self, target: str) -> EntryBudget:
+        """The entries budget of ``target``'s engine (between ``acquire`` and ``release``)."""
+        with self._lock:
+            return self._peers[target].budget
 
     def __len__(self) -> int:
         return len(self._peers)

@@ -21,11 +21,13 @@ from dataclasses import dataclass
 
 import torch
 
-from tierserve.transfer.engine import PeerEngines, TransferEngineHandle, TransferError
+from tierserve.transfer.engine import EntryBudget, PeerEngines, TransferEngineHandle, TransferError
 from tierserve.transfer.layout import Block, KVArena, Route, route_blocks, token_runs
 
 _DONE = None  # sentinel in the sender's queue: no more layers
 _Batch = tuple[str, list[Block]]  # (target, blocks) of one layer
+_InFlight = tuple[str, int, int]  # (target, batch id, entries)
+MAX_BATCH_ENTRIES = 1024  # blocks per transfer batch (see _parts)
 
 
 def _nothing() -> None:
@@ -57,6 +59,12 @@ class HandoffState:
     first_submit_us: int
     last_submit_us: int
     last_done_us: int
+
+
+def _parts(blocks: list[Block]) -> list[list[Block]]:
+    """A layer's blocks in batches that fit an engine's ``EntryBudget`` (``docs/mooncake.md``):
+    head sub-ranges between TP sizes make one entry per token."""
+    return [blocks[i:i + MAX_BATCH_ENTRIES] for i in range(0, len(blocks), MAX_BATCH_ENTRIES)]
 
 
 def _us(seconds: float) -> int:
@@ -109,7 +117,8 @@ class KVHandoff:
             self._first_submit = self._first_submit or now
             self._last_submit = now
             runs = token_runs(pages, self.dst_pages, start, end, self.src.page_size)
-            batches = [(r.target, route_blocks(self.src, r, runs, layer)) for r in self.routes]
+            batches = [(r.target, part) for r in self.routes
+                       for part in _parts(route_blocks(self.src, r, runs, layer))]
             self._layers.put((self._written(), batches))
         if layer == self.src.num_layers - 1 and end == self.prompt_len:
             self._close_submissions()
@@ -173,22 +182,49 @@ class KVHandoff:
 
     def _send_all(self) -> None:
         """Submits layers as they come and waits for the oldest batch whenever none is queued."""
-        inflight: list[tuple[str, int]] = []
+        inflight: list[_InFlight] = []
         while (item := self._layers.get()) is not _DONE:
             written, batches = item
             if self._error is None:
                 written()
-                inflight += [(t, b) for t, blocks in batches if (b := self._submit(t, blocks)) is not None]
+                self._submit_all(batches, inflight)
             while inflight and self._layers.empty():
                 self._wait(*inflight.pop(0))
-        for target, batch in inflight:
-            self._wait(target, batch)
+        self._drain(inflight)
         for target in self._engines:
             self.engines.release(target)
         self._last_done = self._last_done or time.monotonic()
         if self._error is None and any(s < self.prompt_len for s in self._sent):
             self._error = "KV handoff stopped before the whole prompt was sent"
         self._finished.set()
+
+    def _submit_all(self, batches: list[_Batch], inflight: list[_InFlight]) -> None:
+        """Submits a layer's batches within each engine's ``EntryBudget``. Before waiting for room
+        it waits for its own batches, which gives their entries back: a sender that waited while
+        holding some could wait on another that waits on it."""
+        for target, blocks in batches:
+            budget = self._budget(target)
+            if budget is None:
+                return
+            if not budget.take(len(blocks), block=False):
+                self._drain(inflight)
+                budget.take(len(blocks), block=True)
+            batch = self._submit(target, blocks)
+            if batch is None:
+                budget.give(len(blocks))
+            else:
+                inflight.append((target, batch, len(blocks)))
+
+    def _budget(self, target: str) -> EntryBudget | None:
+        """The engine to ``target`` (started on first use) and its budget; None if it cannot start."""
+        try:
+            if target not in self._engines:
+                self._engines[target] = self.engines.acquire(target)
+        except TransferError as exc:
+            self.peer_failed = True
+            self._fail(str(exc))
+            return None
+        return self.engines.budget(target)
 
     def _submit(self, target: str, blocks: list[Block]) -> int | None:
         if self._delay_s:
@@ -198,8 +234,6 @@ class KVHandoff:
             self._inject = False
             blocks = [(blocks[0][0], 64, blocks[0][2]), *blocks[1:]]  # an unregistered address: fails at once
         try:
-            if target not in self._engines:
-                self._engines[target] = self.engines.acquire(target)
             batch = self._engines[target].submit(target, blocks)
         except TransferError as exc:
             self.peer_failed = True
@@ -208,8 +242,13 @@ class KVHandoff:
         self._bytes += sum(b[2] for b in blocks)
         return batch
 
-    def _wait(self, target: str, batch: int) -> None:
+    def _drain(self, inflight: list[_InFlight]) -> None:
+        while inflight:
+            self._wait(*inflight.pop(0))
+
+    def _wait(self, target: str, batch: int, entries: int) -> None:
         ok = self._engines[target].wait(batch)
+        self.engines.budget(target).give(entries)
         self._last_done = time.monotonic()
         if not ok:
             self._unsettled = self.peer_failed = True
