@@ -51,7 +51,7 @@ from tierserve.proto import tierserve_pb2 as pb
 from tierserve.proto import tierserve_pb2_grpc as pb_grpc
 from tierserve.transfer.engine import PeerEngines
 from tierserve.transfer.handoff import KVHandoff
-from tierserve.transfer.layout import KVArena, layer_blocks, token_runs
+from tierserve.transfer.layout import KVArena, Route, layer_blocks, token_runs
 
 LEASE_S = 600.0  # a reservation outlives its prefill and all of its wire rounds
 
@@ -103,7 +103,8 @@ class Pair:
         self.src_pages: list[int] = []  # set by the prefill
 
     def handoff(self, cls: type[KVHandoff] = KVHandoff) -> KVHandoff:
-        return cls(self.peers, self.target, self.src, self.dst, list(self.dest.pages), 0, self.num_tokens)
+        whole = Route(self.target, self.dst, 0, 0, self.src.slot_bytes)  # TP 1 -> TP 1: every head of every slot
+        return cls(self.peers, [whole], self.src, list(self.dest.pages), 0, self.num_tokens)
 
 
 def prefill_once(pair: Pair, prompt: list[int], rid: str) -> dict[str, float]:
