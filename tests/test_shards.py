@@ -119,3 +119,30 @@ def test_each_rank_gets_its_share_of_the_segment_and_its_faults(tmp_path: Path) 
     _, io = _pool(_shard(0, 1), HostLayout.PAGE_FIRST_DIRECT)
     assert all(io.set_from(rank1, KEYS, list(range(PAGES))))
     assert rank1.batch_exists(KEYS) == 2 and rank0.batch_exists(KEYS) == PAGES
+
+
+class Counting(FileStorage):
+    """Counts the store's calls."""
+
+    def __init__(self, directory: Path) -> None:
+        super().__init__(directory)
+        self.calls = 0
+
+    def batch_exists(self, keys: list[bytes]) -> int:
+        self.calls += 1
+        return super().batch_exists(keys)
+
+    def exists_each(self, keys: list[bytes]) -> list[bool]:
+        self.calls += 1
+        return [self._path(k).exists() for k in keys]
+
+
+def test_a_fleet_of_one_tp_size_pays_one_extra_probe_call(tmp_path: Path) -> None:
+    store, ref = Counting(tmp_path), _reference()
+    _write(store, 2, ref, HostLayout.PAGE_FIRST_DIRECT)
+    _, io = _pool(_shard(1, 2), HostLayout.PAGE_FIRST_DIRECT)
+    store.calls = 0
+    assert io.probe(store, KEYS) == (PAGES, io.own) and store.calls == 1  # all there: one call
+    longer = KEYS + page_keys(KEYS[-1], [7, 7], 2)  # one page nobody wrote
+    store.calls = 0
+    assert io.probe(store, longer) == (PAGES, io.own) and store.calls == 2

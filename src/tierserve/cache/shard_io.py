@@ -39,15 +39,30 @@ class ShardIO:
 
     def probe(self, storage: StorageBackend, page_keys: list[bytes]) -> tuple[int, Source]:
         """How many leading pages the store has for this rank's heads, and where: its own range
-        when all are there, else the source with the longest run (ties: the earlier, cheaper one)."""
-        best, where = -1, self.own
-        for source in sources(self.shard.heads):
+        when all are there, else the source with the longest run (ties: the earlier, cheaper one).
+        Another TP size's objects are looked for only where they hold the first page the own
+        range lacks (one call for all of them), so a fleet of one TP size pays one extra call."""
+        best, where = storage.batch_exists(self.own.keys(page_keys)), self.own
+        for source in self._extending(storage, page_keys, best):
             n = storage.batch_exists(source.keys(page_keys)) // len(source.objects)
             if n > best:
                 best, where = n, source
             if best == len(page_keys):
                 break
         return best, where
+
+    def _extending(self, storage: StorageBackend, page_keys: list[bytes], have: int) -> list[Source]:
+        """The other sources that hold every object of page ``have`` (none when all pages are in)."""
+        if have >= len(page_keys):
+            return []
+        others = sources(self.shard.heads)[1:]
+        flags = storage.exists_each([k for s in others for k in s.keys(page_keys[have : have + 1])])
+        found, at = [], 0
+        for source in others:
+            if all(flags[at : at + len(source.objects)]):
+                found.append(source)
+            at += len(source.objects)
+        return found
 
     def set_from(self, storage: StorageBackend, page_keys: list[bytes], host_pages: list[int]) -> list[bool]:
         """Stores this rank's heads of each page; a replica that does not write reports success."""

@@ -47,6 +47,10 @@ class StorageBackend(ABC):
     def exists(self, key: bytes) -> bool:
         return self.batch_exists([key]) == 1
 
+    def exists_each(self, keys: list[bytes]) -> list[bool]:
+        """Whether each key is present (not only the leading run); one call where the store allows."""
+        return [self.exists(k) for k in keys]
+
     @abstractmethod
     def clear(self) -> None: ...
 

@@ -43,6 +43,11 @@ class FaultyStorage(StorageBackend):
         found = self.inner.batch_exists(keys)
         return found if self.faults.exists_cap is None else min(found, self.faults.exists_cap)
 
+    def exists_each(self, keys: list[bytes]) -> list[bool]:
+        if self.faults.exists_cap is not None:  # a store that shows fewer pages shows no others either
+            return [False] * len(keys)
+        return self.inner.exists_each(keys)
+
     def batch_get_into(self, keys: list[bytes], spans: list[torch.Tensor]) -> list[bool]:
         time.sleep(self.faults.get_delay_s)
         cap = len(keys) if self.faults.get_cap is None else self.faults.get_cap

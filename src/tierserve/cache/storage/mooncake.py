@@ -170,6 +170,12 @@ class MooncakeStorage(StorageBackend):
         codes = self._checked("exists", lambda s: s.batch_is_exist(names))
         return next((i for i, c in enumerate(codes) if c != 1), len(codes))
 
+    def exists_each(self, keys: list[bytes]) -> list[bool]:
+        if not keys:
+            return []
+        names = self._names(keys)
+        return [c == 1 for c in self._checked("exists", lambda s: s.batch_is_exist(names))]
+
     def batch_get_into(self, keys: list[bytes], spans: list[torch.Tensor]) -> list[bool]:
         if not keys:
             return []
