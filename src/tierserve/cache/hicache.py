@@ -137,7 +137,8 @@ class HiCache(StorageAdmin):
         starts loading into L1 layer by layer (when L1 has no room, only the L1 part is used)."""
         self._finish_prefetch(ticket, token_ids, salt)
         found = self.tree.match(token_ids, salt)
-        pending = [n.loading for n in _path(found.device_node) if n.loading is not None and not n.loading.done()]
+        # ``loading`` is cleared only once every rank agreed the load done: the same list on every rank
+        pending = [n.loading for n in _path(found.device_node) if n.loading is not None]
         node, load = self._pin_and_load(found)
         self._maybe_write_path(node)
         pages = [p for n in reversed(list(_path(node))) for p in n.device]
@@ -240,7 +241,7 @@ class HiCache(StorageAdmin):
             self.on_step()
         if self.storage is not None:
             self.storage.wait_backups(max(0.0, deadline - time.monotonic()))
-            self.on_step()
+        self.on_step()  # also lets loads that landed become evictable
 
     def _apply_writes(self, done: int, ok: int) -> None:
         """The first ``done`` writes finished on every rank, the first ``ok`` of them well."""
@@ -330,6 +331,7 @@ class HiCache(StorageAdmin):
             self.tree.set_device(n, device_pages[start : start + n.num_pages])
             n.loading = load
             start += n.num_pages
+        load.nodes = list(nodes)
         backend = self.config.io_backend
 
         def copy_layer(i: int) -> None:

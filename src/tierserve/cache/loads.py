@@ -35,6 +35,10 @@ class LayerwiseLoad:
     def __init__(self, num_layers: int) -> None:
         self._layers = [threading.Event() for _ in range(num_layers)]
         self.error: BaseException | None = None
+        # the tree nodes it fills: their ``loading`` stays set until every rank agreed it done, so
+        # eviction and later matches, which read it, decide alike on every rank
+        self.nodes: list = []
+        self.landed = False  # every rank agreed it done (set at the same step on every rank)
 
     def run(self, copy_layer: Callable[[int], None]) -> None:
         try:
@@ -108,6 +112,8 @@ class Loads:
         """Applies the agreed view: forgets the first ``done`` loads and, if a load failed on some
         rank, takes its device copies out of the tree on every rank (frees nothing: ``collect``)."""
         dropped = self.running[failed] if failed < len(self.running) else None
+        for load in self.running[:done]:
+            _landed(load)
         if dropped is not None:
             log.warning("L2 -> L1 load failed (%s); its requests fail, its nodes stay host-only", dropped.error)
             self.failures += 1
@@ -138,3 +144,11 @@ class Loads:
         for p in free:
             del self._orphans[p]
         self.allocator.free(free)
+
+
+def _landed(load: LayerwiseLoad) -> None:
+    """Every rank has ``load``'s pages: its nodes stop being ``loading`` (evictable again)."""
+    load.landed = True
+    for node in load.nodes:
+        if node.loading is load:
+            node.loading = None

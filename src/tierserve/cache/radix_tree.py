@@ -362,8 +362,9 @@ def _lru_heap(nodes: Iterator[Node]) -> list[tuple[int, int, Node]]:
 
 
 def _device_evictable(node: Node, taken: frozenset[int] | set[int] = frozenset()) -> bool:
-    """Unpinned, on L1 and not loading, with no child on L1 except the ``taken`` ones (by id)."""
-    return (node.lock == 0 and node.device is not None and (node.loading is None or node.loading.done())
+    """Unpinned, on L1 and not loading (``loading`` is cleared once every rank agreed the load
+    done, so every rank evicts alike), with no child on L1 except the ``taken`` ones (by id)."""
+    return (node.lock == 0 and node.device is not None and node.loading is None
             and all(c.device is None or id(c) in taken for c in node.children.values()))
 
 

@@ -236,11 +236,14 @@ class Engine:
         self.failures.append((request.request_id, exc))
 
     def _agreed_load_failure(self, batch: list) -> bool:
-        """Several ranks with L2: a prefix's L2 -> L1 load may fail on one rank only, so each rank
-        waits for its batch's loads in full (no layer overlap) and the ranks agree (one collective)
-        on the first request whose load failed on any rank; it fails on every rank, the rest of the
-        batch runs next step (docs/architecture.md, multi-rank agreement). True: that happened."""
+        """Several ranks with L2: a prefix's L2 -> L1 load may fail on one rank only, so when the
+        batch holds loads not yet agreed landed (the same on every rank), each rank waits for them
+        in full (no layer overlap) and the ranks agree (one collective) on the first request whose
+        load failed on any rank; it fails on every rank, the rest of the batch runs next step
+        (docs/architecture.md, multi-rank agreement). True: that happened."""
         if self.ranks.size == 1 or self.config.cache_kind is not CacheKind.HIERARCHICAL:
+            return False
+        if all(x.landed for s in batch for x in s.request.hit.loads):
             return False
         failed = (i for i, s in enumerate(batch) if any(_load_failed(x) for x in s.request.hit.loads))
         first = self.ranks.agree_min(next(failed, len(batch)))
