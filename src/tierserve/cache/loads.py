@@ -58,6 +58,10 @@ class LayerwiseLoad:
     def finished(self) -> bool:
         return self._layers[-1].is_set()
 
+    def join(self) -> None:
+        """Blocks until the copy stopped writing its pages (a host memory copy: briefly)."""
+        self._layers[-1].wait()
+
     def done(self) -> bool:
         return self.finished() and self.error is None
 
@@ -123,12 +127,16 @@ class Loads:
     def _drop(self, load: LayerwiseLoad) -> None:
         # Device nodes below a loaded node are dropped too (a device node needs a device parent);
         # they are other loads' nodes, still with their host copies: requests that computed on
-        # garbage cannot exist, since every one of them waited on this load and failed.
+        # garbage cannot exist, since every one of them waited on this load and failed. Each copy
+        # still writing them is waited for here, at a step every rank takes, so that the orphans are
+        # freed at the same step on every rank (a rank's own ``finished()`` would differ).
         for top in [n for n in self.tree.nodes() if n.loading is load]:
             for node in subtree(top):
                 if node.device is None:
                     continue
-                self._orphans.update(dict.fromkeys(node.device, node.loading))
+                if node.loading is not None:
+                    node.loading.join()
+                self._orphans.update(dict.fromkeys(node.device))
                 self.tree.set_device(node, None)
                 node.loading = None
                 if node.host is None:

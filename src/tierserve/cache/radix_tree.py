@@ -37,7 +37,7 @@ class Node:
     hits: int = 0
     last_access: int = field(default_factory=lambda: next(_clock))
     seed: bytes | None = None  # roots only: the (salted) seed their pages' keys chain from
-    loading: Any = None  # the L2 -> L1 load filling ``device`` (has ``done()``); kept after it completes
+    loading: Any = None  # the L2 -> L1 load filling ``device``; cleared once every rank agreed it done
     writing: bool = False  # an L1 -> L2 copy of this node is in flight
     from_storage: bool = False  # host pages prefetched from L3 and not used yet (for the cache report)
 
