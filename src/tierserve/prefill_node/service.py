@@ -14,7 +14,7 @@ from tierserve.core.outputs import RequestOutput
 from tierserve.core.sampling import InvalidRequestError, SamplingParams
 from tierserve.core.tiers import CacheTier
 from tierserve.engine.commands import AddRequest, EngineCommand
-from tierserve.node.convert import arena, destination_ranks, heads_problem, identity, identity_mismatch, sampling_params
+from tierserve.node.convert import destination_ranks, heads_problem, identity, identity_mismatch, sampling_params
 from tierserve.node.handoffs import AgreedHandoff, HandoffAdd
 from tierserve.node.rank_transfer import HandoffPlan
 from tierserve.node.server import AddService, Node
@@ -44,7 +44,7 @@ class PrefillOptions:
 class PrefillServicer(pb_grpc.PrefillServiceServicer):
     def __init__(self, node: Node, options: PrefillOptions = PrefillOptions()) -> None:
         self.node, self.options = node, options
-        self.identity, self.arena = identity(node.engine), arena(node.engine)
+        self.identity = identity(node.engine)
         self.metrics = node.metrics
 
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
