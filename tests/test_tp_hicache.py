@@ -1,7 +1,8 @@
 """HiCache on every rank of ``tierserve serve --tp-size N`` through the OpenAI API, with a real
 ``mooncake_master``: at TP=2, answers served from L1, L2 and L3 equal ``transformers``' (no cache);
 L3 pages written at one TP size are read at another (TP 2 -> 1 and 4, TP 1 and 4 -> 2), at least
-90% of the prompt from storage, with the same answer."""
+90% of the prompt from storage, with the same answer; a rank whose store shows fewer pages shortens
+the node's L3 hit."""
 
 from __future__ import annotations
 
@@ -58,16 +59,17 @@ def master(tmp_path: Path) -> Iterator[MasterProcess]:
     master.kill()
 
 
-def hicache_flags(master: MasterProcess, max_tokens: int = 2048) -> list[str]:
+def hicache_flags(master: MasterProcess, max_tokens: int = 2048, faults: dict | None = None) -> list[str]:
     l3 = {"master_server_address": master.address, "global_segment_size": 64 << 20, "local_buffer_size": 16 << 20,
-          "prefetch_threshold": 2 * PAGE}
+          "prefetch_threshold": 2 * PAGE, "fault_injection": faults}
     return ["--enable-hierarchical-cache", "--hicache-storage-backend", "mooncake",
             "--hicache-storage-backend-extra-config", json.dumps(l3), "--hicache-storage-prefetch-policy",
             "wait_complete", "--max-total-tokens", str(max_tokens)]
 
 
-def serve(model: Path, tp_size: int, log: Path, master: MasterProcess, max_tokens: int = 2048) -> TPServer:
-    return start_server(model, tp_size, log, *hicache_flags(master, max_tokens)).wait_healthy()
+def serve(model: Path, tp_size: int, log: Path, master: MasterProcess, max_tokens: int = 2048,
+          faults: dict | None = None) -> TPServer:
+    return start_server(model, tp_size, log, *hicache_flags(master, max_tokens, faults)).wait_healthy()
 
 
 def complete(server: TPServer, model: Path, prompt: list[int]) -> tuple[list[int], dict[str, int]]:
@@ -138,5 +140,24 @@ def test_l3_pages_are_read_across_tp_sizes(model, asked, expected, master, tmp_p
                 reader.stop()
             assert answer == expected[prompt], (writer_tp, tp)
             assert tiers["storage"] >= 0.9 * PROMPT_TOKENS, (writer_tp, tp, tiers)
+    finally:
+        writer.stop()
+
+
+def test_a_rank_that_sees_fewer_l3_pages_shortens_the_hit_of_the_node(model, asked, expected, master,
+                                                                      tmp_path: Path) -> None:
+    """Rank 1's store shows 6 pages (test fault, its process only): the node takes 6 pages from L3
+    on both ranks and computes the rest, with the answer of no cache."""
+    writer = serve(model, 2, tmp_path / "writer.log", master)
+    try:
+        assert complete(writer, model, asked[7])[0] == expected[7]
+        wait_backed_up(master, model, asked[7], 2)
+        reader = serve(model, 2, tmp_path / "reader.log", master, faults={"ranks": [1], "exists_cap": 6})
+        try:
+            answer, tiers = complete(reader, model, asked[7])
+            again = complete(reader, model, asked[7])[0]  # its tree is whole on both ranks
+        finally:
+            reader.stop()
+        assert answer == again == expected[7] and tiers["storage"] == 6 * PAGE, tiers
     finally:
         writer.stop()
