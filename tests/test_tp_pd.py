@@ -117,3 +117,22 @@ def test_long_prompts_between_tp_sizes_fit_the_transfer_engines_limits(model: Pa
     results = asyncio.run(_run_all(nodes["p2"].address, nodes["d1"].address, batch, "long-"))
     assert [tokens for tokens, _ in results] == reference(model, batch)
     assert [r.transferred_bytes for _, r in results] == [len(p) * TOKEN_BYTES for p in batch]
+
+
+def test_a_kv_head_replicated_on_both_sides_is_sent_once_per_decode_rank(tmp_path: Path) -> None:
+    """One KV head, TP 2 on both sides: both prefill ranks hold it, only the first sends it; both
+    decode ranks hold it, each gets its own copy (so twice the model's bytes arrive)."""
+    model = make_tiny_model("qwen3", tmp_path / "qwen3", heads=4, kv_heads=1, max_position=2048)
+    args = ["--model", str(model), "--tp-size", "2"]
+    prefill = NodeProcess("prefill", [*NODE_ARGS, *args], tmp_path / "p.log")
+    decode = NodeProcess("decode", [*DECODE_ARGS, *args], tmp_path / "d.log")
+    try:
+        prefill.wait_ready(), decode.wait_ready()
+        batch = prompts(3, seed=9)
+        results = asyncio.run(_run_all(prefill.address, decode.address, batch, "replica-"))
+    finally:
+        prefill.stop()
+        decode.stop()
+    assert [tokens for tokens, _ in results] == reference(model, batch)
+    one_head = 2 * 2 * 1 * 16 * 4  # layers x (K, V) x 1 KV head x head dim x float32
+    assert [r.transferred_bytes for _, r in results] == [2 * len(p) * one_head for p in batch]
