@@ -80,9 +80,9 @@ def complete(server: TPServer, model: Path, prompt: list[int]) -> tuple[list[int
     return words.encode(reply["choices"][0]["text"]).ids, reply["usage"]["cached_tokens_by_tier"]
 
 
-def seed(model: Path) -> bytes:
+def seed(model: Path, kv_heads: int = KV_HEADS) -> bytes:
     """The namespace seed every node of this model uses, whatever its TP size."""
-    return Namespace(model_identity(model), "float32", PAGE, 2, KV_HEADS, 16,
+    return Namespace(model_identity(model), "float32", PAGE, 2, kv_heads, 16,
                      object_format(HostLayout.PAGE_FIRST_DIRECT)).seed()
 
 
@@ -91,12 +91,16 @@ def wait_backed_up(master: MasterProcess, model: Path, tokens: list[int], tp_siz
     is there (backups run in the background after the answer)."""
     keys = page_keys(seed(model), tokens[: len(tokens) // PAGE * PAGE], PAGE)
     count = max(1, KV_HEADS // tp_size)
-    names = [object_key(k, HeadRange(h, count, KV_HEADS)) for k in keys for h in range(0, KV_HEADS, count)]
+    wait_in_l3(master, [object_key(k, HeadRange(h, count, KV_HEADS)) for k in keys for h in range(0, KV_HEADS, count)])
+
+
+def wait_in_l3(master: MasterProcess, names: list[bytes]) -> None:
+    """Polls the store until it holds every object of ``names``."""
     store = MooncakeStorage(master.address, global_segment_size=0, local_buffer_size=16 << 20)
     try:
         deadline = time.monotonic() + BACKUP_DEADLINE_S
         while store.batch_exists(names) < len(names):
-            assert time.monotonic() < deadline, f"TP={tp_size} backups not in L3 after {BACKUP_DEADLINE_S} s"
+            assert time.monotonic() < deadline, f"backups not in L3 after {BACKUP_DEADLINE_S} s"
             time.sleep(0.1)  # poll interval
     finally:
         store.close()
@@ -159,5 +163,26 @@ def test_a_rank_that_sees_fewer_l3_pages_shortens_the_hit_of_the_node(model, ask
         finally:
             reader.stop()
         assert answer == again == expected[7] and tiers["storage"] == 6 * PAGE, tiers
+    finally:
+        writer.stop()
+
+
+def test_replicated_kv_heads_are_written_once_and_read_at_tp1(master, tmp_path: Path) -> None:
+    """Qwen3 with 2 KV heads at TP=4: ranks 0 and 2 write heads 0 and 1 (their neighbours replicate
+    them and write nothing); a TP=1 node reads both objects of every page."""
+    qwen3 = add_word_tokenizer(make_tiny_model("qwen3", tmp_path / "qwen3", heads=8, kv_heads=2))
+    prompt = torch.randint(2, 384, (PROMPT_TOKENS,), generator=torch.Generator().manual_seed(12)).tolist()
+    expected = hf_greedy(qwen3, [prompt])[0]
+    writer = serve(qwen3, 4, tmp_path / "writer.log", master)
+    try:
+        assert complete(writer, qwen3, prompt)[0] == expected
+        keys = page_keys(seed(qwen3, 2), prompt[: PROMPT_TOKENS // PAGE * PAGE], PAGE)
+        wait_in_l3(master, [object_key(k, HeadRange(h, 1, 2)) for k in keys for h in (0, 1)])
+        reader = serve(qwen3, 1, tmp_path / "reader.log", master)
+        try:
+            answer, tiers = complete(reader, qwen3, prompt)
+        finally:
+            reader.stop()
+        assert answer == expected and tiers["storage"] >= 0.9 * PROMPT_TOKENS, tiers
     finally:
         writer.stop()
