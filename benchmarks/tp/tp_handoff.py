@@ -13,7 +13,10 @@ their own as in a node. Measured side by side, in rotating order each round:
 - ``P1->D1``, ``P2->D1``, ``P1->D2``, ``P2->D2``: the handoffs;
 - ``raw->D1``, ``raw->D2``: the same number of bytes as one block in one synchronous write of one
   transfer engine into the decode node's rank 0 arena (the engine's best case, as
-  ``benchmarks/transfer.py``'s ``raw``).
+  ``benchmarks/transfer.py``'s ``raw``);
+- ``raw blocks->D1``: the same bytes in blocks of a mixed handoff's size and count (one head
+  sub-range of one token's K or V each), on the raw engine handle with the handoff's batch and
+  in-flight limits: what the transfer engine itself charges for that many entries.
 
 Ratio: raw time / handoff time for the same destination node (the handoff's share of raw
 bandwidth, target >= 0.8). Then, for context, the real path (``--rpc-repeats``): prefill nodes at
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,9 +41,9 @@ from tierserve.node.convert import destination_ranks
 from tierserve.proto import tierserve_pb2 as pb
 from tierserve.proto import tierserve_pb2_grpc as pb_grpc
 from tierserve.router import pd_flow
-from tierserve.transfer.engine import PeerEngines
-from tierserve.transfer.handoff import KVHandoff
-from tierserve.transfer.layout import HeadRange, KVArena, plan_routes, route_blocks, token_runs
+from tierserve.transfer.engine import MAX_INFLIGHT_ENTRIES, PeerEngines
+from tierserve.transfer.handoff import MAX_BATCH_ENTRIES, KVHandoff
+from tierserve.transfer.layout import Block, HeadRange, KVArena, plan_routes, route_blocks, token_runs
 
 LEASE_S = 600.0  # the reservations outlive every round
 SOURCE_SLOTS = 4096
@@ -117,6 +121,36 @@ def raw_once(rank: SourceRank, dest: pb.KVDestination, nbytes: int) -> float:
     return elapsed
 
 
+def small_blocks(rank: SourceRank, dest: pb.KVDestination, nbytes: int, block_bytes: int) -> list[Block]:
+    """``nbytes`` cut into ``block_bytes`` blocks, consecutive on both sides: the entry count and
+    size of a handoff between TP sizes (one head sub-range of one token's K or V per block)."""
+    return [(rank.arena.base + at, dest.base_address + at, block_bytes) for at in range(0, nbytes, block_bytes)]
+
+
+def raw_blocks_once(rank: SourceRank, dest: pb.KVDestination, blocks: list[Block]) -> float:
+    """``blocks`` on the raw engine handle, batches of ``MAX_BATCH_ENTRIES`` and at most
+    ``MAX_INFLIGHT_ENTRIES`` in flight (the handoff's limits), without our sender thread."""
+    target = dest.transfer_endpoint
+    handle = rank.peers.acquire(target)
+    try:
+        start = time.perf_counter()
+        inflight: deque[tuple[int, int]] = deque()
+        ok = True
+        for at in range(0, len(blocks), MAX_BATCH_ENTRIES):
+            part = blocks[at : at + MAX_BATCH_ENTRIES]
+            while inflight and sum(n for _, n in inflight) + len(part) > MAX_INFLIGHT_ENTRIES:
+                ok &= handle.wait(inflight.popleft()[0])
+            inflight.append((handle.submit(target, part), len(part)))
+        while inflight:
+            ok &= handle.wait(inflight.popleft()[0])
+        elapsed = time.perf_counter() - start
+    finally:
+        rank.peers.release(target)
+    if not ok:
+        raise RuntimeError("raw block writes failed")
+    return elapsed
+
+
 def blocks_submitted(ranks: list[SourceRank], dest: pb.KVDestination, shape: ModelShape, tokens: int) -> int:
     """Blocks the handoff submits over all ranks and layers (``route_blocks``): coalesced runs where
     both sides hold the same heads, else one per token, K/V, layer and route."""
@@ -155,12 +189,15 @@ def measure(model: Path, shape: ModelShape, logs: Path, tokens: int, repeats: in
 
 def wire_rounds(sources: dict[int, list[SourceRank]], dests: dict[tuple[int, int], pb.KVDestination],
                 shape: ModelShape, tokens: int, nbytes: int, repeats: int) -> list[dict[str, float]]:
-    names = [f"P{p}->D{d}" for p, d in PAIRINGS] + ["raw->D1", "raw->D2"]
+    names = [f"P{p}->D{d}" for p, d in PAIRINGS] + ["raw->D1", "raw->D2", "raw blocks->D1"]
+    small = small_blocks(sources[1][0], dests[(1, 1)], nbytes, shape.kv_heads // 2 * shape.head_dim * 4)
     rounds = []
     for turn in range(repeats + 1):
         sample: dict[str, float] = {}
         for name in rotated(names, turn):
-            if name.startswith("raw"):
+            if name == "raw blocks->D1":
+                sample[name] = raw_blocks_once(sources[1][0], dests[(1, 1)], small)
+            elif name.startswith("raw"):
                 d = int(name[-1])
                 sample[name] = raw_once(sources[1][0], dests[(1, d)], nbytes)
             else:
@@ -214,6 +251,13 @@ def report(wire: list[dict[str, float]], rpc: list[dict[str, float]], shape: Mod
         ratio = median_ratio(wire, raw, name)
         lines.append(f"| P{p} -> D{d} | {wire[0]['blocks ' + name]:.0f} | {median(wire, name) * 1e3:.1f} "
                      f"| {gb / median(wire, name):.2f} | {median(wire, raw) * 1e3:.1f} | **{ratio:.2f}** |")
+    blocks = len(range(0, nbytes, shape.kv_heads // 2 * shape.head_dim * 4))
+    lines += ["", f"The raw engine with the entries of a mixed handoff ({blocks} blocks of "
+              f"{shape.kv_heads // 2 * shape.head_dim * 4} B into D1, the handoff's batch and in-flight limits): "
+              f"{median(wire, 'raw blocks->D1') * 1e3:.1f} ms, "
+              f"{median(wire, 'raw blocks->D1') / blocks * 1e6:.1f} us per entry; raw / raw with those blocks: "
+              f"{median_ratio(wire, 'raw->D1', 'raw blocks->D1'):.3f}; P2 -> D1 / raw with those blocks: "
+              f"{median_ratio(wire, 'P2->D1', 'raw blocks->D1'):.2f}"]
     if rpc:
         lines += ["", f"The real path, Reserve + Prefill RPC (compute and handoff overlapped), medians of {len(rpc)}:",
                   "", "| pairing | RPC wall (s) | transfer_seconds | exposed_transfer_seconds |",
