@@ -146,3 +146,33 @@ def test_a_fleet_of_one_tp_size_pays_one_extra_probe_call(tmp_path: Path) -> Non
     longer = KEYS + page_keys(KEYS[-1], [7, 7], 2)  # one page nobody wrote
     store.calls = 0
     assert io.probe(store, longer) == (PAGES, io.own) and store.calls == 2
+
+
+class _Registering(FileStorage):
+    """A file store that checks what a zero-copy store (Mooncake) needs: every span it reads into
+    lies in a buffer attached before (else Mooncake registers it inside the read, with a warning)."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.attached: list[tuple[int, int]] = []
+
+    def attach_host_buffer(self, buffer: torch.Tensor) -> None:
+        storage = buffer.untyped_storage()
+        self.attached.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes()))
+
+    def batch_get_into(self, keys: list[bytes], spans: list[torch.Tensor]) -> list[bool]:
+        for span in spans:
+            assert any(lo <= span.data_ptr() < hi for lo, hi in self.attached), "a span outside attached buffers"
+        return super().batch_get_into(keys, spans)
+
+
+def test_a_reader_of_another_tp_size_attaches_its_staging_buffer_before_reading(tmp_path: Path) -> None:
+    store, ref = _Registering(tmp_path), _reference()
+    _write(store, 1, ref, HostLayout.PAGE_FIRST_DIRECT)
+    host, io = _pool(_shard(0, 2), HostLayout.PAGE_FIRST_DIRECT)
+    store.attach_host_buffer(io.buffer)  # what HiCache does with the host pool
+    probed, source = io.probe(store, KEYS)
+    assert probed == PAGES and not source.direct
+    assert all(io.get_into(store, source, KEYS, list(range(PAGES))))
+    h = io.shard.heads
+    assert torch.equal(host.run_all_layers(0, PAGES), ref[..., h.start : h.end, :])

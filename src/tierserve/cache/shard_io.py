@@ -89,7 +89,7 @@ class ShardIO:
     def _staged(self, storage: StorageBackend, source: Source, page_keys: list[bytes],
                 host_pages: list[int]) -> list[bool]:
         """One backend call into the staging buffer, then this rank's heads out of it."""
-        staging = self._buffer(source.objects[0].count, len(page_keys) * len(source.objects))
+        staging = self._buffer(storage, source.objects[0].count, len(page_keys) * len(source.objects))
         n = len(source.objects)
         got = storage.batch_get_into(source.keys(page_keys), [staging.page_span(i) for i in range(len(page_keys) * n)])
         ok = [all(got[i * n : (i + 1) * n]) for i in range(len(page_keys))]
@@ -108,13 +108,16 @@ class ShardIO:
             src = staging.run_all_layers(first + j, 1)
             dst[..., lo - mine.start : hi - mine.start, :].copy_(src[..., lo - obj.start : hi - obj.start, :])
 
-    def _buffer(self, heads: int, objects: int) -> HostKVPool:
+    def _buffer(self, storage: StorageBackend, heads: int, objects: int) -> HostKVPool:
         """A staging pool of objects of ``heads`` heads in the object byte order (page-first, as
-        ``staging`` writes ``layer_first`` pools); grown, never shrunk."""
+        ``staging`` writes ``layer_first`` pools); grown, never shrunk. A new one is attached to
+        ``storage`` at once: a zero-copy store (Mooncake) would otherwise register it inside the
+        first read, on the prefetch's clock."""
         pool = self._staging.get(heads)
         if pool is None or pool.num_pages < objects:
             layout = HostLayout.PAGE_FIRST if self.host.layout is HostLayout.LAYER_FIRST else self.host.layout
             geometry = dataclasses.replace(self.host.geometry, num_kv_heads=heads)
             pool = HostKVPool(geometry, max(objects, STAGING_PAGES), layout, pin_memory=self.host.buffer.is_pinned())
+            storage.attach_host_buffer(pool.buffer)
             self._staging[heads] = pool
         return pool
