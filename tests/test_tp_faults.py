@@ -78,7 +78,8 @@ def test_a_killed_rank_takes_the_node_down(model: Path, victim: str, tmp_path: P
     assert left == []
     assert not server.healthy()
     if victim == "worker":
-        assert "rank-1" in server.log.read_text() and "exited with signal SIGKILL" in server.log.read_text()
+        log = server.log.read_text()  # the watchdog saw the death, or a collective broke on the dead peer first
+        assert "exited with signal SIGKILL" in log or "lost step with the other ranks" in log, log[-3000:]
 
 
 def test_a_frozen_rank_times_out_and_takes_the_node_down(model: Path, tmp_path: Path) -> None:

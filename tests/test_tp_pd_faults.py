@@ -101,5 +101,6 @@ def test_a_killed_rank_takes_its_node_down_and_the_router_retries(model: Path, t
         for proc in (router, *nodes):
             proc.stop()
     assert answers == _expected(model)
-    assert "exited with signal SIGKILL" in victim.log.read_text()
+    log = victim.log.read_text()  # the watchdog saw the death, or a collective broke on the dead peer first
+    assert "exited with signal SIGKILL" in log or "lost step with the other ranks" in log, log[-3000:]
     assert "retrying" in router.log.read_text()
