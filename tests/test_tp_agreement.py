@@ -94,14 +94,11 @@ def model(tmp_path_factory) -> Path:
     return make_tiny_model("llama", tmp_path_factory.mktemp("llama"), heads=8, kv_heads=4)
 
 
-@pytest.mark.parametrize("fault", sorted(FAULTS))
-def test_a_rank_with_a_shorter_l3_view_shortens_every_rank(model: Path, tmp_path: Path, fault: str) -> None:
-    master = MasterProcess(tmp_path / "master.log").start()
-    skip = os.environ.get("TIERSERVE_TEST_SKIP_AGREEMENT") == "1"
-    outs = [tmp_path / f"rank{r}.json" for r in range(2)]
-    ctx, port = mp.get_context("spawn"), free_port()
-    args = [(r, port, str(model), master.address, fault, skip, str(outs[r])) for r in range(2)]
-    procs = [ctx.Process(target=_rank, args=a) for a in args]
+def _run_ranks(target, args: list[tuple]) -> list[int | None]:
+    """Runs one spawned process per rank and returns their exit codes; a rank still running after
+    its deadline is killed (so a hung collective fails the test instead of hanging it)."""
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=target, args=a) for a in args]
     try:
         for p in procs:
             p.start()
@@ -111,8 +108,20 @@ def test_a_rank_with_a_shorter_l3_view_shortens_every_rank(model: Path, tmp_path
         for p in procs:
             if p.is_alive():
                 p.kill()
+    return [p.exitcode for p in procs]
+
+
+@pytest.mark.parametrize("fault", sorted(FAULTS))
+def test_a_rank_with_a_shorter_l3_view_shortens_every_rank(model: Path, tmp_path: Path, fault: str) -> None:
+    master = MasterProcess(tmp_path / "master.log").start()
+    skip = os.environ.get("TIERSERVE_TEST_SKIP_AGREEMENT") == "1"
+    outs = [tmp_path / f"rank{r}.json" for r in range(2)]
+    port = free_port()
+    try:
+        codes = _run_ranks(_rank, [(r, port, str(model), master.address, fault, skip, str(outs[r])) for r in range(2)])
+    finally:
         master.kill()
-    assert [p.exitcode for p in procs] == [0, 0], "a rank failed (diverged ranks time out or disagree)"
+    assert codes == [0, 0], "a rank failed (diverged ranks time out or disagree)"
     results = [json.loads(o.read_text()) for o in outs]
     assert results[0]["tree"] == results[1]["tree"]
     assert results[0]["flushed"] == results[1]["flushed"] and results[0]["left"] == results[1]["left"] == []
@@ -150,18 +159,9 @@ def _load_rank(rank: int, port: int, model: str, skip: bool, out: str) -> None:
 def test_an_l2_load_failing_on_one_rank_fails_the_request_on_every_rank(model: Path, tmp_path: Path) -> None:
     skip = os.environ.get("TIERSERVE_TEST_SKIP_AGREEMENT") == "1"
     outs = [tmp_path / f"rank{r}.json" for r in range(2)]
-    ctx, port = mp.get_context("spawn"), free_port()
-    procs = [ctx.Process(target=_load_rank, args=(r, port, str(model), skip, str(outs[r]))) for r in range(2)]
-    try:
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout=4 * TIMEOUT_S)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-    assert [p.exitcode for p in procs] == [0, 0], "a rank failed (diverged ranks time out or disagree)"
+    port = free_port()
+    codes = _run_ranks(_load_rank, [(r, port, str(model), skip, str(outs[r])) for r in range(2)])
+    assert codes == [0, 0], "a rank failed (diverged ranks time out or disagree)"
     results = [json.loads(o.read_text()) for o in outs]
     assert results[0]["trees"] == results[1]["trees"]
     for r in results:
