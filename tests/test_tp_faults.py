@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 from tiny_models import add_word_tokenizer, make_tiny_model
-from tp_server import TPServer, descendants, start_server, wait_gone
+from tp_server import TPServer, descendants, rank_pids, start_server, wait_exit, wait_gone
 
 pytestmark = pytest.mark.integration
 DEATH_DEADLINE_S = 30.0
@@ -45,32 +45,16 @@ def _stream_in_background(server: TPServer) -> threading.Event:
     return streaming
 
 
-def _rank_pids(server: TPServer, tp_size: int) -> list[int]:
-    """The rank processes (rank 0's children that are not multiprocessing's resource tracker)."""
-    pids = sorted(pid for pid in descendants(server.proc.pid)
-                  if b"resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_bytes())
-    assert len(pids) == tp_size - 1, pids
-    return pids
-
-
-def _wait_exit(proc: subprocess.Popen) -> int:
-    try:
-        return proc.wait(timeout=DEATH_DEADLINE_S)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        raise AssertionError(f"rank 0 still running {DEATH_DEADLINE_S} s after a rank died") from None
-
-
 @pytest.mark.parametrize("victim", ["worker", "rank0"])
 def test_a_killed_rank_takes_the_node_down(model: Path, victim: str, tmp_path: Path) -> None:
     server = start_server(model, 2, tmp_path / "serve.log", "--max-total-tokens", "8192").wait_healthy()
     processes = descendants(server.proc.pid)
-    (worker,) = _rank_pids(server, 2)
+    (worker,) = rank_pids(server.proc.pid, 1)
     try:
         assert _stream_in_background(server).wait(60), "no token streamed"
         started = time.monotonic()
         os.kill(worker if victim == "worker" else server.proc.pid, signal.SIGKILL)
-        status = _wait_exit(server.proc)
+        status = wait_exit(server.proc, DEATH_DEADLINE_S)
         left = wait_gone(processes, DEATH_DEADLINE_S - (time.monotonic() - started))
     finally:
         server.stop()
@@ -87,11 +71,11 @@ def test_a_frozen_rank_times_out_and_takes_the_node_down(model: Path, tmp_path: 
     server = start_server(model, 2, tmp_path / "serve.log", "--max-total-tokens", "8192", "--dist-timeout", "3")
     server.wait_healthy()
     processes = descendants(server.proc.pid)
-    (worker,) = _rank_pids(server, 2)
+    (worker,) = rank_pids(server.proc.pid, 1)
     try:
         assert _stream_in_background(server).wait(60), "no token streamed"
         os.kill(worker, signal.SIGSTOP)
-        assert _wait_exit(server.proc) == 1, server.log.read_text()[-3000:]
+        assert wait_exit(server.proc, DEATH_DEADLINE_S) == 1, server.log.read_text()[-3000:]
         assert wait_gone(processes, 10) == []  # the frozen rank was killed, not left stopped
     finally:
         server.stop()

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -16,7 +15,7 @@ import pytest
 from cluster import NodeProcess, RouterProcess
 from pd_helpers import DECODE_ARGS, NODE_ARGS, load, wait_for
 from tiny_models import add_word_tokenizer, make_tiny_model
-from tp_server import descendants, wait_gone
+from tp_server import descendants, rank_pids, wait_exit, wait_gone
 
 from tierserve.core.sampling import SamplingParams
 from tierserve.engine.config import EngineConfig
@@ -55,21 +54,6 @@ def _tokens(response: httpx.Response) -> list[int]:
     return [int(word.removeprefix("w")) for word in response.json()["choices"][0]["text"].split()]
 
 
-def _rank_1(node: NodeProcess) -> int:
-    children = descendants(node.proc.pid)
-    ranks = [p for p in children if b"resource_tracker" not in Path(f"/proc/{p}/cmdline").read_bytes()]
-    assert len(ranks) == 1, ranks
-    return ranks[0]
-
-
-def _wait_exit(proc: subprocess.Popen) -> int:
-    try:
-        return proc.wait(timeout=DEATH_DEADLINE_S)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        raise AssertionError(f"the node still runs {DEATH_DEADLINE_S} s after its rank 1 died") from None
-
-
 async def _busy(address: str) -> bool:
     report = await load(address)
     return report.running > 0
@@ -93,8 +77,8 @@ def test_a_killed_rank_takes_its_node_down_and_the_router_retries(model: Path, t
             futures = [pool.submit(_complete, router.url, p) for p in PROMPTS]
             wait_for(lambda: _busy(victim.address), "the victim works on a request", 60)
             killed = time.monotonic()
-            os.kill(_rank_1(victim), signal.SIGKILL)
-            assert _wait_exit(victim.proc) == 1, victim.log.read_text()[-3000:]
+            os.kill(rank_pids(victim.proc.pid, 1)[0], signal.SIGKILL)
+            assert wait_exit(victim.proc, DEATH_DEADLINE_S) == 1, victim.log.read_text()[-3000:]
             assert wait_gone(processes, DEATH_DEADLINE_S - (time.monotonic() - killed)) == []
             answers = [_tokens(f.result(timeout=180)) for f in futures]
     finally:

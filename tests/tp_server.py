@@ -126,3 +126,21 @@ def complete(client: openai.OpenAI, model: str, prompt: list[int]) -> str:
                                       extra_body={"ignore_eos": True})
     assert reply.choices[0].finish_reason == "length"
     return reply.choices[0].text
+
+
+def rank_pids(parent: int, expected: int) -> list[int]:
+    """A node's rank processes after rank 0 (its children that are not multiprocessing's resource
+    tracker), sorted; asserts there are ``expected`` of them."""
+    pids = sorted(pid for pid in descendants(parent)
+                  if b"resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_bytes())
+    assert len(pids) == expected, pids
+    return pids
+
+
+def wait_exit(proc: subprocess.Popen, deadline_s: float) -> int:
+    """``proc``'s exit status; kills it and fails if it still runs after ``deadline_s``."""
+    try:
+        return proc.wait(timeout=deadline_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise AssertionError(f"{proc.args[:4]} still running {deadline_s} s after a rank died") from None
