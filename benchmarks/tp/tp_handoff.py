@@ -27,8 +27,10 @@ TP=1 and TP=2 and a Prefill RPC per pairing (compute and handoff overlapped), it
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,7 +43,7 @@ from tierserve.node.convert import destination_ranks
 from tierserve.proto import tierserve_pb2 as pb
 from tierserve.proto import tierserve_pb2_grpc as pb_grpc
 from tierserve.router import pd_flow
-from tierserve.transfer.engine import MAX_INFLIGHT_ENTRIES, PeerEngines
+from tierserve.transfer.engine import MAX_INFLIGHT_ENTRIES, PeerEngines, TransferEngineHandle
 from tierserve.transfer.handoff import MAX_BATCH_ENTRIES, KVHandoff
 from tierserve.transfer.layout import Block, HeadRange, KVArena, plan_routes, route_blocks, token_runs
 
@@ -109,16 +111,23 @@ def handoff_once(ranks: list[SourceRank], dest: pb.KVDestination, shape: ModelSh
 def raw_once(rank: SourceRank, dest: pb.KVDestination, nbytes: int) -> float:
     """``nbytes`` as one block, one synchronous write, into the decode node's rank 0 arena."""
     target = dest.transfer_endpoint
-    handle = rank.peers.acquire(target)
-    try:
+    with _engine(rank, target) as handle:
         start = time.perf_counter()
         ok = handle.write(target, [(rank.arena.base, dest.base_address, nbytes)])
         elapsed = time.perf_counter() - start
-    finally:
-        rank.peers.release(target)
     if not ok:
         raise RuntimeError("raw write failed")
     return elapsed
+
+
+@contextlib.contextmanager
+def _engine(rank: SourceRank, target: str) -> Iterator[TransferEngineHandle]:
+    """The rank's engine for ``target``, held (``PeerEngines``' reference count) while in use."""
+    handle = rank.peers.acquire(target)
+    try:
+        yield handle
+    finally:
+        rank.peers.release(target)
 
 
 def small_blocks(rank: SourceRank, dest: pb.KVDestination, nbytes: int, block_bytes: int) -> list[Block]:
@@ -131,8 +140,7 @@ def raw_blocks_once(rank: SourceRank, dest: pb.KVDestination, blocks: list[Block
     """``blocks`` on the raw engine handle, batches of ``MAX_BATCH_ENTRIES`` and at most
     ``MAX_INFLIGHT_ENTRIES`` in flight (the handoff's limits), without our sender thread."""
     target = dest.transfer_endpoint
-    handle = rank.peers.acquire(target)
-    try:
+    with _engine(rank, target) as handle:
         start = time.perf_counter()
         inflight: deque[tuple[int, int]] = deque()
         ok = True
@@ -144,8 +152,6 @@ def raw_blocks_once(rank: SourceRank, dest: pb.KVDestination, blocks: list[Block
         while inflight:
             ok &= handle.wait(inflight.popleft()[0])
         elapsed = time.perf_counter() - start
-    finally:
-        rank.peers.release(target)
     if not ok:
         raise RuntimeError("raw block writes failed")
     return elapsed
