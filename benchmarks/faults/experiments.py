@@ -42,9 +42,9 @@ def tally(row: Row, outcomes: list[Outcome], reference: Reference) -> Row:
     row.ok += sum(o.result is Result.OK for o in outcomes)
     failed = Counter(f"{o.result.value} {o.status}" for o in outcomes if o.result is not Result.OK)
     row.failed = dict(Counter(row.failed) + failed)
-    wrong = [o for o in outcomes if reference.wrong(o)]
-    row.wrong += sum(reference.wrong(o) for o in wrong)
-    row.notes += [reference.describe(o) for o in wrong[:5]]
+    wrong = {i: n for i, o in enumerate(outcomes) if (n := reference.wrong(o))}
+    row.wrong += sum(wrong.values())
+    row.notes += [reference.describe(outcomes[i]) for i in list(wrong)[:5]]
     return row
 
 
