@@ -95,11 +95,12 @@ class NodeRankRole:
     def start(self, engine: Engine) -> RankTransfer:
         """Every rank, right after its engine, in the same order: starts the rank's engines and
         gathers the ranks' arenas (one collective at several ranks)."""
-        o, held = self.options, _held(engine)
+        shard = engine.kv_shard  # this rank's KV heads; ``writes``: it sends them (first of their replicas)
+        o, held = self.options, HeadRange(shard.heads.start, shard.heads.count)
         receiver = self._receiver(engine)
         peers = PeerEngines(o.hostname, o.protocol, o.devices, [engine.pool.buffer])
         arenas = _gather(engine, RankArena(receiver.endpoint if receiver else "", arena(engine), held))
-        return RankTransfer(engine, receiver, peers, arenas, self._board(engine), held if _sends(engine) else None)
+        return RankTransfer(engine, receiver, peers, arenas, self._board(engine), held if shard.writes else None)
 
     def _receiver(self, engine: Engine) -> TransferEngineHandle | None:
         """Decode ranks receive; rank 0 names the node to peers (``NodeInfo``) whatever its role."""
@@ -117,18 +118,6 @@ class NodeRankRole:
         board = HandoffBoard(engine.ranks)
         engine.before_step.append(board.agree)
         return board
-
-
-def _held(engine: Engine) -> HeadRange:
-    cfg = engine.model_config
-    shard = engine.ranks.tp.heads(cfg.num_heads, cfg.num_kv_heads)
-    return HeadRange(shard.kv_start, shard.kv_heads)
-
-
-def _sends(engine: Engine) -> bool:
-    """Of the ranks that replicate one KV head (more ranks than KV heads), only the first sends it."""
-    replicas = max(1, engine.ranks.size // engine.model_config.num_kv_heads)
-    return engine.ranks.rank % replicas == 0
 
 
 def _gather(engine: Engine, own: RankArena) -> list[RankArena]:
