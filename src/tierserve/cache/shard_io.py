@@ -29,7 +29,7 @@ class ShardIO:
             raise ValueError(f"the host pool holds {host.geometry.num_kv_heads} KV heads, the shard "
                              f"{shard.heads.count}")
         self.host, self.io, self.shard = host, io, shard
-        self.own = sources(shard.heads)[0]
+        self.own, *self._others = sources(shard.heads)  # own range first; the rest only when it lacks pages
         self._staging: dict[int, HostKVPool] = {}  # by object heads, allocated once each
         self._lock = threading.Lock()
 
@@ -55,10 +55,9 @@ class ShardIO:
         """The other sources that hold every object of page ``have`` (none when all pages are in)."""
         if have >= len(page_keys):
             return []
-        others = sources(self.shard.heads)[1:]
-        flags = storage.exists_each([k for s in others for k in s.keys(page_keys[have : have + 1])])
+        flags = storage.exists_each([k for s in self._others for k in s.keys(page_keys[have : have + 1])])
         found, at = [], 0
-        for source in others:
+        for source in self._others:
             if all(flags[at : at + len(source.objects)]):
                 found.append(source)
             at += len(source.objects)
