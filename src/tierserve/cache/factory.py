@@ -68,9 +68,9 @@ def hicache_config(options: HiCacheOptions) -> HiCacheConfig:
     extra = options.storage_config
     prefetch = PrefetchOptions(
         threshold_tokens=int(extra.get("prefetch_threshold", PrefetchOptions.threshold_tokens)),
-        timeout_base=float(extra.get("prefetch_timeout_base", 2.0)),
-        timeout_per_ki_token=float(extra.get("prefetch_timeout_per_ki_token", 0.1)),
-        timeout_max=float(extra.get("prefetch_timeout_max", 30.0)),
+        timeout_base=float(extra.get("prefetch_timeout_base", PrefetchOptions.timeout_base)),
+        timeout_per_ki_token=float(extra.get("prefetch_timeout_per_ki_token", PrefetchOptions.timeout_per_ki_token)),
+        timeout_max=float(extra.get("prefetch_timeout_max", PrefetchOptions.timeout_max)),
     )
     return HiCacheConfig(options.write_policy, options.io_backend, options.write_threshold, options.prefetch_policy,
                          prefetch)
