@@ -20,13 +20,12 @@ from tierserve.node.rank_transfer import HandoffPlan
 from tierserve.node.server import AddService, Node
 from tierserve.proto import tierserve_pb2 as pb
 from tierserve.proto import tierserve_pb2_grpc as pb_grpc
+from tierserve.router.pd_flow import DESTINATION_FAILED, WRITER_STOPPED  # the trailers the router reads
 from tierserve.transfer.handoff import HandoffResult, KVHandoff
 
 log = logging.getLogger(__name__)
 
 
-WRITER_STOPPED = "tierserve-writer-stopped"  # trailing metadata of a failed Prefill (see tierserve.proto)
-DESTINATION_FAILED = "tierserve-destination-failed"  # "1": the transfer to D failed, not P (see tierserve.proto)
 CONFIRM_STOP_S = 0.5  # a failed Prefill waits this long for its in-flight batches, to confirm they ended
 
 
