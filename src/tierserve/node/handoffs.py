@@ -13,7 +13,7 @@ values). ``busy()`` reads only the agreed value, so it may be called between ste
 from __future__ import annotations
 
 import threading
-from dataclasses import astuple, dataclass, fields, replace
+from dataclasses import astuple, dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -23,8 +23,6 @@ from tierserve.engine.engine import Engine
 from tierserve.engine.ranks import Ranks
 from tierserve.engine.request import RequestOutput
 from tierserve.transfer.handoff import HandoffResult, HandoffState, KVHandoff
-
-_FIELDS = len(fields(HandoffState))
 
 
 class HandoffBoard:
