@@ -28,11 +28,11 @@ _DONE = None  # sentinel in the sender's queue: no more layers
 _Batch = tuple[str, list[Block]]  # (target, blocks) of one layer
 _InFlight = tuple[str, int, int]  # (target, batch id, entries)
 MAX_BATCH_ENTRIES = 1024  # blocks per transfer batch (see _parts)
+_handoffs = itertools.count()  # numbers handoffs for deterministic fault injection
 
 
 def _nothing() -> None:
     pass
-_handoffs = itertools.count()  # numbers handoffs for deterministic fault injection
 
 
 @dataclass
