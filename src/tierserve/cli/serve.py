@@ -39,15 +39,12 @@ def cmd_serve(args: argparse.Namespace, on_ready: Callable[[], None] | None = No
 
 def _fits(config: EngineConfig) -> bool:
     """Refuses, before any process starts, a TP size the model's heads or MLP cannot be split over."""
-    from tierserve.core.model_config import ModelConfig
-    from tierserve.model.parallel import TensorParallelError, check_model
+    from tierserve.model.parallel import misfit
 
-    try:
-        check_model(ModelConfig.from_dir(config.model_dir), config.tp_size)
-    except TensorParallelError as exc:
-        print(f"tierserve: --tp-size {config.tp_size} does not fit {config.model_dir.name}: {exc}", file=sys.stderr)
-        return False
-    return True
+    problem = misfit(config.model_dir, config.tp_size)
+    if problem is not None:
+        print(f"tierserve: --tp-size {config.tp_size} does not fit {config.model_dir.name}: {problem}", file=sys.stderr)
+    return problem is None
 
 
 def _serve_ranks(args: argparse.Namespace, config: EngineConfig, on_ready: Callable[[], None] | None) -> int:

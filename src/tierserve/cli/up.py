@@ -80,14 +80,14 @@ def _check_tp(args: argparse.Namespace, config: EngineConfig) -> None:
 
 
 def _check_role_tp(role: str, size: int, config: EngineConfig) -> None:
-    from tierserve.core.model_config import ModelConfig
-    from tierserve.model.parallel import TensorParallelError, check_model
+    from tierserve.model.parallel import misfit
 
     try:
         replace(config, tp_size=size)  # the config's own checks (e.g. what runs at several ranks yet)
-        check_model(ModelConfig.from_dir(config.model_dir), size)
-    except (TensorParallelError, ValueError) as exc:
+    except ValueError as exc:
         raise ValueError(f"--{role}-tp-size {size}: {exc}") from None
+    if (problem := misfit(config.model_dir, size)) is not None:
+        raise ValueError(f"--{role}-tp-size {size}: {problem}")
 
 
 def l3_size_bytes(args: argparse.Namespace) -> int:

@@ -8,6 +8,7 @@ multiple of ``num_kv_heads``) one KV head that ``N / num_kv_heads`` neighbouring
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -89,3 +90,13 @@ def check_model(cfg: ModelConfig, size: int) -> None:
     if cfg.intermediate_size % size:
         raise TensorParallelError(
             f"tensor-parallel size {size} does not divide the model's intermediate size {cfg.intermediate_size}")
+
+
+def misfit(model_dir: Path, size: int) -> str | None:
+    """Why the model in ``model_dir`` cannot be split over ``size`` ranks, or None when it can: the
+    one check ``serve``, the node roles and ``up`` run before starting any process."""
+    try:
+        check_model(ModelConfig.from_dir(model_dir), size)
+    except TensorParallelError as exc:
+        return str(exc)
+    return None

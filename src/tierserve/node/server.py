@@ -15,14 +15,13 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from tierserve.cache.events import KVEventPublisher
-from tierserve.core.model_config import ModelConfig
 from tierserve.core.transfer import TransferProtocol
 from tierserve.engine.config import EngineConfig
 from tierserve.engine.engine import Engine
 from tierserve.engine.loop import EngineLoop
 from tierserve.engine.rank_procs import RankProcesses
 from tierserve.engine.step_bus import LeaderBus
-from tierserve.model.parallel import TensorParallelError, check_model
+from tierserve.model.parallel import misfit
 from tierserve.node.kv_events import advertised_endpoint, start_kv_events
 from tierserve.node.metrics import NodeMetrics
 from tierserve.node.rank_transfer import NodeRankRole, RankTransfer, Side, TransferOptions
@@ -116,11 +115,10 @@ def _stop(node: Node | None, engine: Engine, procs: RankProcesses | None) -> Non
 
 def _check_fits(config: EngineConfig) -> None:
     """Refuses, before any process starts, a TP size the model's heads or MLP cannot be split over."""
-    try:
-        check_model(ModelConfig.from_dir(config.model_dir), config.tp_size)
-    except TensorParallelError as exc:
-        print(f"tierserve: --tp-size {config.tp_size} does not fit {config.model_dir.name}: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
+    problem = misfit(config.model_dir, config.tp_size)
+    if problem is not None:
+        print(f"tierserve: --tp-size {config.tp_size} does not fit {config.model_dir.name}: {problem}", file=sys.stderr)
+        raise SystemExit(2)
 
 
 async def _serve(node: Node, options: NodeOptions, role: pb.Role, add_service: AddService) -> None:
