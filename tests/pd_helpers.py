@@ -43,11 +43,15 @@ def greedy(max_tokens: int = MAX_NEW) -> pb.SamplingOptions:
     return pb.SamplingOptions(max_tokens=max_tokens, temperature=0, ignore_eos=True)
 
 
-async def run_pd(prefill: str, decode: str, rid: str, prompt: list[int], salt: str = ""
+async def run_pd(prefill: str, decode: str, rid: str, prompt: list[int], salt: str = "", source_tp: int | None = None
                  ) -> tuple[list[int], pb.PrefillResponse]:
+    """Reserve, Prefill and Generate as the router does (``source_tp``: what the Reserve names as
+    the prefill node's TP size; None: its real one, from Info, as the router sends it)."""
     async with grpc.aio.insecure_channel(prefill) as p, grpc.aio.insecure_channel(decode) as d:
         pair = pd_flow.Pair.connect(p, d)
-        done = await pd_flow.prefill(pair, rid, prompt, greedy(), salt, timeout_s=60)
+        if source_tp is None:
+            source_tp = (await pb_grpc.NodeServiceStub(p).Info(pb.InfoRequest())).tp_size
+        done = await pd_flow.prefill(pair, rid, prompt, greedy(), salt, timeout_s=60, source_tp=source_tp)
         tokens = [t async for chunk in pd_flow.generate(pair, done, greedy()) for t in chunk.token_ids]
         return tokens, done.response
 

@@ -41,9 +41,10 @@ def nodes(model: Path, tmp_path_factory) -> Iterator[dict[str, NodeProcess]]:
             node.stop()
 
 
-async def _run_all(prefill: str, decode: str, batch: list[list[int]], tag: str
+async def _run_all(prefill: str, decode: str, batch: list[list[int]], tag: str, source_tp: int | None = None
                    ) -> list[tuple[list[int], pb.PrefillResponse]]:
-    return await asyncio.gather(*(run_pd(prefill, decode, f"{tag}{i}", p) for i, p in enumerate(batch)))
+    return await asyncio.gather(*(run_pd(prefill, decode, f"{tag}{i}", p, source_tp=source_tp)
+                                  for i, p in enumerate(batch)))
 
 
 @pytest.mark.parametrize(("p", "d"), [("p2", "d1"), ("p1", "d2"), ("p2", "d2")])
@@ -58,7 +59,7 @@ def test_outputs_equal_the_single_engine_across_tp_sizes(model: Path, nodes, p: 
 
 async def _idle(prefill: str, decode: str) -> bool:
     p, d = await load(prefill), await load(decode)
-    return p.kv_pages_parked == 0 and d.kv_pages_used == 0 and d.reservations == 0
+    return p.kv_pages_parked == 0 and d.kv_pages_used == 0 and d.reservations == 0 and d.staging_bytes_used == 0
 
 
 def test_a_decode_cache_hit_at_tp_2_moves_only_the_uncached_tokens(model: Path, nodes) -> None:
@@ -111,10 +112,11 @@ async def _info(address: str) -> pb.NodeInfo:
 
 
 def test_long_prompts_between_tp_sizes_fit_the_transfer_engines_limits(model: Path, nodes) -> None:
-    """Head sub-ranges move one block per token: 1,200-token prompts make 2,400 blocks per layer
-    and rank, above what one Mooncake engine takes in flight, three at once on the same engines."""
+    """Without staging (a Reserve that does not name the prefill node's TP size) head sub-ranges
+    move one block per token: 1,200-token prompts make 2,400 blocks per layer and rank, above what
+    one Mooncake engine takes in flight, three at once on the same engines."""
     batch = [[2 + (i * 31 + j * 7) % 380 for j in range(1200)] for i in range(3)]
-    results = asyncio.run(_run_all(nodes["p2"].address, nodes["d1"].address, batch, "long-"))
+    results = asyncio.run(_run_all(nodes["p2"].address, nodes["d1"].address, batch, "long-", source_tp=0))
     assert [tokens for tokens, _ in results] == reference(model, batch)
     assert [r.transferred_bytes for _, r in results] == [len(p) * TOKEN_BYTES for p in batch]
 
@@ -136,3 +138,53 @@ def test_a_kv_head_replicated_on_both_sides_is_sent_once_per_decode_rank(tmp_pat
     assert [tokens for tokens, _ in results] == reference(model, batch)
     one_head = 2 * 2 * 1 * 16 * 4  # layers x (K, V) x 1 KV head x head dim x float32
     assert [r.transferred_bytes for _, r in results] == [2 * len(p) * one_head for p in batch]
+
+
+def test_a_decode_rank_stages_what_prefill_ranks_of_fewer_heads_write(nodes) -> None:
+    """D1 reserved for a TP=2 writer offers a staged part per prefill rank's heads (so each writes
+    whole slots of its own, coalesced); the staging goes back when the reservation ends."""
+    dest = asyncio.run(_reserve(nodes["d1"].address, "staged", list(range(2, 40)), source_tp=2)).destination
+    assert [(s.kv_head_start, s.kv_heads, s.tokens) for s in dest.ranks[0].staged] == [(0, 2, 38), (2, 2, 38)]
+    assert asyncio.run(load(nodes["d1"].address)).staging_bytes_used >= 2 * 2 * 38 * 4 * 16 * 4
+    asyncio.run(_release(nodes["d1"].address, "staged"))
+    assert asyncio.run(load(nodes["d1"].address)).staging_bytes_used == 0
+    same = asyncio.run(_reserve(nodes["d2"].address, "same", list(range(2, 40)), source_tp=2)).destination
+    assert [list(r.staged) for r in same.ranks] == [[], []]  # the same split: in place
+    asyncio.run(_release(nodes["d2"].address, "same"))
+
+
+def test_a_prefill_node_of_another_tp_size_than_the_reserve_named_is_refused(nodes) -> None:
+    """D staged for TP=2 writers; a TP=1 prefill node would leave the parts unwritten and D would
+    scatter them over the pages: refused before anything is computed or sent."""
+    prompt = list(range(2, 40))
+    dest = asyncio.run(_reserve(nodes["d1"].address, "wrong-tp", prompt, source_tp=2)).destination
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        asyncio.run(_prefill(nodes["p1"].address, "wrong-tp", prompt, dest))
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "another prefill TP size than this node's 1" in refused.value.details()
+    asyncio.run(_release(nodes["d1"].address, "wrong-tp"))
+
+
+async def _reserve(address: str, rid: str, prompt: list[int], source_tp: int) -> pb.ReserveResponse:
+    async with grpc.aio.insecure_channel(address) as channel:
+        return await pb_grpc.DecodeServiceStub(channel).Reserve(
+            pb.ReserveRequest(request_id=rid, prompt_ids=prompt, max_new_tokens=4, source_tp_size=source_tp))
+
+
+@pytest.mark.slow
+def test_every_decode_rank_scatters_its_staging_at_the_same_offset(model: Path, nodes, tmp_path: Path) -> None:
+    """Prefill TP=4 (one KV head per rank) into decode TP=2: both decode ranks stage two parts,
+    rank 0 names rank 1's from its own offset, and the answers equal the single engine's."""
+    prefill = NodeProcess("prefill", ["--model", str(model), *NODE_ARGS, "--tp-size", "4"], tmp_path / "p4.log")
+    try:
+        prefill.wait_ready()
+        batch = prompts(3, seed=41)
+        results = asyncio.run(_run_all(prefill.address, nodes["d2"].address, batch, "p4d2-"))
+        wait_for(lambda: _idle(prefill.address, nodes["d2"].address), "every page and staging byte back", 10)
+    finally:
+        prefill.stop()
+    assert [tokens for tokens, _ in results] == reference(model, batch)
+    assert [r.transferred_bytes for _, r in results] == [len(p) * TOKEN_BYTES for p in batch]
+    dest = asyncio.run(_reserve(nodes["d2"].address, "p4-parts", list(range(2, 40)), source_tp=4)).destination
+    asyncio.run(_release(nodes["d2"].address, "p4-parts"))
+    assert [[s.kv_head_start for s in r.staged] for r in dest.ranks] == [[0, 1], [2, 3]]

@@ -46,20 +46,24 @@ from tierserve.router import pd_flow
 from tierserve.transfer.engine import MAX_INFLIGHT_ENTRIES, PeerEngines, TransferEngineHandle
 from tierserve.transfer.handoff import MAX_BATCH_ENTRIES, KVHandoff
 from tierserve.transfer.layout import Block, HeadRange, KVArena, plan_routes, route_blocks, token_runs
+from tierserve.transfer.staging import Gatherer, StagingArena, gathers
 
 LEASE_S = 600.0  # the reservations outlive every round
 SOURCE_SLOTS = 4096
+STAGING_BYTES = 64 << 20  # a prefill rank's default (--handoff-staging-mb)
 PAIRINGS = [(1, 1), (2, 1), (1, 2), (2, 2)]
 
 
 @dataclass
 class SourceRank:
-    """One prefill rank: its KV heads' arena and its transfer engines."""
+    """One prefill rank: its KV heads' arena, its staging (as a prefill node's: 64 MiB) and its
+    transfer engines."""
 
     buffer: torch.Tensor
     peers: PeerEngines
     arena: KVArena
     held: HeadRange
+    gatherer: Gatherer
 
 
 def node_args(model: Path, tp: int) -> list[str]:
@@ -73,15 +77,19 @@ def source_ranks(shape: ModelShape, tp: int) -> list[SourceRank]:
     ranks = []
     for r in range(tp):
         buffer = torch.randn(shape.layers, 2, SOURCE_SLOTS, count, shape.head_dim)
-        peers = PeerEngines("127.0.0.1", TransferProtocol.TCP, "", [buffer])
+        staging = StagingArena(STAGING_BYTES)
+        peers = PeerEngines("127.0.0.1", TransferProtocol.TCP, "", [buffer, staging.buffer])
         arena = KVArena(buffer.data_ptr(), shape.layers, SOURCE_SLOTS, slot_bytes, PAGE)
-        ranks.append(SourceRank(buffer, peers, arena, HeadRange(r * count, count)))
+        ranks.append(SourceRank(buffer, peers, arena, HeadRange(r * count, count), Gatherer(staging, buffer, arena)))
     return ranks
 
 
-def reserve(address: str, rid: str, tokens: list[int]) -> pb.KVDestination:
+def reserve(address: str, rid: str, tokens: list[int], source_tp: int) -> pb.KVDestination:
+    """A reservation for a prefill node of ``source_tp`` ranks (the decode node stages their writes
+    where they hold fewer heads than its ranks, as for the router's Reserve)."""
     with grpc.insecure_channel(address) as channel:
-        request = pb.ReserveRequest(request_id=rid, prompt_ids=tokens, max_new_tokens=1, lease_seconds=LEASE_S)
+        request = pb.ReserveRequest(request_id=rid, prompt_ids=tokens, max_new_tokens=1, lease_seconds=LEASE_S,
+                                    source_tp_size=source_tp)
         return pb_grpc.DecodeServiceStub(channel).Reserve(request).destination
 
 
@@ -96,8 +104,8 @@ def handoff_once(ranks: list[SourceRank], dest: pb.KVDestination, shape: ModelSh
     dests = destination_ranks(dest, head_bytes)
     pages = list(range(-(-tokens // PAGE)))
     start = time.perf_counter()
-    handoffs = [KVHandoff(r.peers, plan_routes(r.held, head_bytes, dests), r.arena, list(dest.pages), 0, tokens)
-                for r in ranks]
+    handoffs = [KVHandoff(r.peers, plan_routes(r.held, head_bytes, dests), r.arena, list(dest.pages), 0, tokens,
+                          gatherer=r.gatherer) for r in ranks]
     for layer in range(shape.layers):
         for h in handoffs:
             h.on_layer(layer, pages, tokens)
@@ -158,13 +166,18 @@ def raw_blocks_once(rank: SourceRank, dest: pb.KVDestination, blocks: list[Block
 
 
 def blocks_submitted(ranks: list[SourceRank], dest: pb.KVDestination, shape: ModelShape, tokens: int) -> int:
-    """Blocks the handoff submits over all ranks and layers (``route_blocks``): coalesced runs where
-    both sides hold the same heads, else one per token, K/V, layer and route."""
+    """Blocks the handoff submits over all ranks and layers: one per run of consecutive slots, K/V,
+    layer and route; per token only where a route neither gathers nor is staged (no staging room)."""
     head_bytes = shape.head_dim * 4
     dests = destination_ranks(dest, head_bytes)
-    runs = token_runs(list(range(-(-tokens // PAGE))), list(dest.pages), 0, tokens, PAGE)
-    return sum(len(route_blocks(r.arena, route, runs, layer)) for r in ranks
-               for route in plan_routes(r.held, head_bytes, dests) for layer in range(shape.layers))
+    pages = list(range(-(-tokens // PAGE)))
+    total = 0
+    for r in ranks:
+        for route in plan_routes(r.held, head_bytes, dests):
+            runs = token_runs(pages, pages if route.by_token else list(dest.pages), 0, tokens, PAGE)
+            per_layer = 2 * len(runs) if gathers(r.arena, route) else len(route_blocks(r.arena, route, runs, 0))
+            total += per_layer * shape.layers
+    return total
 
 
 def measure(model: Path, shape: ModelShape, logs: Path, tokens: int, repeats: int, rpc_repeats: int
@@ -177,7 +190,7 @@ def measure(model: Path, shape: ModelShape, logs: Path, tokens: int, repeats: in
             node.wait_ready(180)
         nbytes = tokens * shape.token_bytes
         sources = {p: source_ranks(shape, p) for p in (1, 2)}
-        dests = {(p, d): reserve(decode[d].address, f"wire-{p}{d}", prompt(tokens, 700 + 10 * p + d))
+        dests = {(p, d): reserve(decode[d].address, f"wire-{p}{d}", prompt(tokens, 700 + 10 * p + d), p)
                  for p, d in PAIRINGS}
         try:
             wire = wire_rounds(sources, dests, shape, tokens, nbytes, repeats)
@@ -233,7 +246,7 @@ async def rpc_rounds(prefill: dict[int, NodeProcess], decode: dict[int, NodeProc
                 pair = pd_flow.Pair.connect(pc, dc)
                 start = time.perf_counter()
                 done = await pd_flow.prefill(pair, f"rpc-{turn}-{p}{d}", prompt(tokens, 5000 + turn * 10 + p * 3 + d),
-                                             sampling, timeout_s=120)
+                                             sampling, timeout_s=120, source_tp=p)
                 sample[f"{name} wall"] = time.perf_counter() - start
                 await pd_flow.release(pair, done.reservation_id, writer_stopped=True)
             r = done.response

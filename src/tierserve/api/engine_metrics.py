@@ -16,6 +16,7 @@ _ENGINE_GAUGES = {
     "kv_pages_total": "tierserve_kv_pages_total",
     "reservations": "tierserve_reservations",
     "reservation_pages_quarantined": "tierserve_reservation_pages_quarantined",
+    "reservation_staging_bytes": "tierserve_reservation_staging_bytes",
     "handoff_pages_parked": "tierserve_handoff_pages_parked",
 }
 _ENGINE_COUNTERS = {

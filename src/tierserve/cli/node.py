@@ -21,6 +21,9 @@ def add_node_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transfer-protocol", type=TransferProtocol, default=TransferProtocol.TCP,
                    choices=list(TransferProtocol), metavar="{tcp,rdma}", help="KV transfer engine protocol")
     p.add_argument("--transfer-device", default="", help="RDMA device list for --transfer-protocol rdma")
+    p.add_argument("--handoff-staging-mb", type=int, default=64,
+                   help="per rank: memory beside the KV pool that coalesces handoffs between TP sizes "
+                        "(0: none; such handoffs then send one block per token)")
     p.add_argument("--transfer-hostname", help="address peers use for this node's transfer engine "
                    "(default: --host, or 127.0.0.1 when that is 0.0.0.0)")
     add_engine_args(p)
@@ -32,6 +35,7 @@ def node_options(args: argparse.Namespace) -> NodeOptions:
     hostname = args.transfer_hostname or (args.host if args.host not in ("0.0.0.0", "::") else "127.0.0.1")
     return NodeOptions(host=args.host, port=args.port, transfer_hostname=hostname,
                        transfer_protocol=args.transfer_protocol, transfer_devices=args.transfer_device,
+                       handoff_staging_bytes=max(0, args.handoff_staging_mb) << 20,
                        served_model_name=args.served_model_name, metrics_port=args.metrics_port,
                        kv_events_port=args.kv_events_port, log_level=args.log_level)
 

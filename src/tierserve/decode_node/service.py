@@ -33,14 +33,16 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
     def __init__(self, node: Node, terms: ReservationTerms = DEFAULT_TERMS, max_lease_s: float = 900.0) -> None:
         self.node, self.terms, self.max_lease_s = node, terms, max_lease_s
         self.identity, self.arena = identity(node.engine), arena(node.engine)
-        self.ranks = kv_ranks(node.ranks.arenas) if node.ranks is not None else []  # every rank's arena and heads
+        self.arenas = node.ranks.arenas if node.ranks is not None else []  # every rank's arena and heads
+        self.receive = node.ranks.receive if node.ranks is not None else None  # rank 0's staging
 
     async def Reserve(self, request: pb.ReserveRequest, context: grpc.aio.ServicerContext) -> pb.ReserveResponse:
         lease = min(request.lease_seconds or self.terms.lease_s, self.max_lease_s)
         rid, terms = request.request_id, replace(self.terms, lease_s=lease)
         prompt, max_new = list(request.prompt_ids), request.max_new_tokens or 16
         try:
-            reserve = Reserve(rid, tuple(prompt), max_new, request.cache_salt, terms, time.monotonic())
+            reserve = Reserve(rid, tuple(prompt), max_new, request.cache_salt, terms, time.monotonic(),
+                              request.source_tp_size)
             reserved = await self.node.loop.apply(reserve)  # every rank: the same pages
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -48,8 +50,15 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         dest = pb.KVDestination(reservation_id=rid, transfer_endpoint=self.node.transfer.endpoint,
                                 identity=self.identity, base_address=self.arena.base, num_slots=self.arena.num_slots,
-                                pages=reserved.pages, cached_tokens=reserved.num_computed, ranks=self.ranks)
+                                pages=reserved.pages, cached_tokens=reserved.num_computed, ranks=self._ranks(rid))
         return pb.ReserveResponse(destination=dest, lease_seconds=terms.lease_s)
+
+    def _ranks(self, rid: str) -> list[pb.KVRank]:
+        """Every rank, with the staging the reservation holds on it (at the same offset on every rank)."""
+        if self.receive is None:
+            return kv_ranks(self.arenas)
+        return kv_ranks([replace(a, staged=tuple(self.receive.parts(rid, a.staging_base, a.heads)))
+                         for a in self.arenas])
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[pb.GenerateChunk]:

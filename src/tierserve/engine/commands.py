@@ -81,10 +81,11 @@ class Reserve:
     cache_salt: str
     terms: ReservationTerms = DEFAULT_TERMS
     now: float = 0.0
+    source_tp: int = 0  # the writing prefill node's TP size (0: unknown)
 
     def apply(self, engine: Engine) -> Request:
         return engine.reserve(self.request_id, self.prompt_ids, self.max_new_tokens, self.cache_salt, self.terms,
-                              self.now)
+                              self.now, self.source_tp)
 
 
 @dataclass(frozen=True)

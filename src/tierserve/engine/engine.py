@@ -118,11 +118,12 @@ class Engine:
         self.scheduler.add(request)
 
     def reserve(self, request_id: str, prompt_ids: Sequence[int], max_new_tokens: int, cache_salt: str = "",
-                terms: ReservationTerms = DEFAULT_TERMS, now: float | None = None) -> Request:
+                terms: ReservationTerms = DEFAULT_TERMS, now: float | None = None, source_tp: int = 0) -> Request:
         """Sets pages aside for a prompt another node computes (decode role) on the role's
         ``terms``, leased from ``now`` (default: this process's clock; a node of several ranks passes
         rank 0's); returns the reservation's request (``pages`` is the page table, ``num_computed``
-        the tokens this engine already caches). Raises ``InvalidRequestError`` or ``CapacityError``."""
+        the tokens this engine already caches; ``source_tp``: the writer's TP size, 0 if unknown).
+        Raises ``InvalidRequestError`` or ``CapacityError``."""
         prompt = list(prompt_ids)
         params = SamplingParams(max_tokens=max_new_tokens)
         self._validate(request_id, prompt, params)
@@ -130,7 +131,7 @@ class Engine:
             raise InvalidRequestError(f"request id {request_id!r} is already reserved")
         request = Request(request_id, prompt, params, cache_salt=cache_salt)
         headroom = min(max_new_tokens, terms.headroom_tokens)
-        self.reservations.reserve(request, len(prompt) + max(1, headroom), terms, _clock(now))
+        self.reservations.reserve(request, len(prompt) + max(1, headroom), terms, _clock(now), source_tp)
         return request
 
     def start_reserved(self, request_id: str, first_token: int, params: SamplingParams) -> RequestOutput:
@@ -185,6 +186,7 @@ class Engine:
             "preemptions": self.scheduler.num_preemptions,
             "reservations": len(self.reservations.active),
             "reservation_pages_quarantined": self.reservations.quarantined_pages,
+            "reservation_staging_bytes": self.reservations.staging.used_bytes if self.reservations.staging else 0,
             "reservation_leases_expired": self.reservations.expired_leases,
             "handoff_pages_parked": sum(len(p.pages) for p in self.scheduler.parked),
         } | {f"cache_{k}": v for k, v in self.cache.stats().items()}

@@ -12,6 +12,7 @@ are the decode role's settings (``decode_node``), given with each reservation.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from tierserve.cache.allocator import PageAllocator
 from tierserve.cache.base import PrefixCache, PrefixHit
@@ -37,6 +38,23 @@ class ReservationTerms:
 DEFAULT_TERMS = ReservationTerms()
 
 
+class ReservationStaging(Protocol):
+    """Memory beside the pages where a writer may put a reservation's KV first (a decode rank's
+    ``transfer.receive_staging.ReceiveStaging``): set aside at reserve, scattered into the pages
+    when the request starts, freed (or held for the grace) when it ends otherwise."""
+
+    def stage(self, request_id: str, tokens: int, source_tp: int) -> object | None: ...
+
+    def scatter(self, request_id: str, slots: list[int], start: int) -> None: ...
+
+    def drop(self, request_id: str, free_at: float | None) -> None: ...
+
+    def tick(self, now: float) -> None: ...
+
+    @property
+    def used_bytes(self) -> int: ...
+
+
 @dataclass
 class Reservation:
     request: Request  # prompt, page table and prefix hit; not yet known to the scheduler
@@ -52,11 +70,14 @@ class Reservations:
     active: dict[str, Reservation] = field(default_factory=dict)
     quarantine: list[tuple[float, list[int]]] = field(default_factory=list)  # (free at, pages)
     expired_leases: int = 0
+    staging: ReservationStaging | None = None
 
-    def reserve(self, request: Request, num_tokens: int, terms: ReservationTerms, now: float) -> None:
+    def reserve(self, request: Request, num_tokens: int, terms: ReservationTerms, now: float,
+                source_tp: int = 0) -> None:
         """Matches the prompt's cached prefix and allocates pages for ``num_tokens`` tokens, leased
-        from ``now`` (rank 0's clock: every rank of a node must expire it at the same step);
-        raises ``CapacityError`` (holding nothing) when the pool cannot supply them."""
+        from ``now`` (rank 0's clock: every rank of a node must expire it at the same step), and
+        staging for a writer of ``source_tp`` ranks where that helps; raises ``CapacityError``
+        (holding nothing) when the pool cannot supply them."""
         prompt = request.prompt_ids
         hit = self.cache.match(prompt[: len(prompt) - 1], None, request.cache_salt)
         missing = pages_for(num_tokens, self.page_size) - len(hit.pages)
@@ -69,13 +90,20 @@ class Reservations:
                                 f"of {self.allocator.num_pages}")
         request.hit, request.pages, request.num_computed = hit, [*hit.pages, *pages], hit.num_tokens
         self.active[request.request_id] = Reservation(request, now + terms.lease_s, terms.grace_s)
+        if self.staging is not None:
+            self.staging.stage(request.request_id, len(prompt), source_tp)
 
     def take(self, request_id: str) -> Request:
-        """Ends the lease: the prompt's KV is in place and the request may run."""
+        """Ends the lease: the prompt's KV arrived (moved from staging into the pages) and the request may run."""
         reservation = self.active.pop(request_id, None)
         if reservation is None:
             raise KeyError(f"no reservation {request_id!r} (unknown, released or its lease expired)")
-        return reservation.request
+        r = reservation.request
+        if self.staging is not None:
+            sent = range(r.num_computed, len(r.prompt_ids))
+            self.staging.scatter(request_id, [r.pages[t // self.page_size] * self.page_size + t % self.page_size
+                                              for t in sent], sent.start)
+        return r
 
     def cancel(self, request_id: str, writer_stopped: bool, now: float) -> bool:
         """Gives the pages back (unless ``writer_stopped``, fresh pages wait in quarantine until
@@ -85,6 +113,8 @@ class Reservations:
             return False
         r = reservation.request
         kept = len(r.hit.pages)
+        if self.staging is not None:
+            self.staging.drop(request_id, None if writer_stopped else now + reservation.grace_s)
         if writer_stopped:
             self.cache.release(r.prompt_ids, r.pages, r.hit.num_tokens, r.hit)
         else:
@@ -101,6 +131,8 @@ class Reservations:
         for rid in expired:
             self.cancel(rid, False, now)
         self.expired_leases += len(expired)
+        if self.staging is not None:
+            self.staging.tick(now)
         for entry in [q for q in self.quarantine if q[0] <= now]:
             self.quarantine.remove(entry)
             self.allocator.free(entry[1])

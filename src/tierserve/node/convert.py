@@ -5,10 +5,11 @@ from __future__ import annotations
 from tierserve.engine.engine import Engine
 from tierserve.proto import tierserve_pb2 as pb
 from tierserve.proto.sampling import from_proto as sampling_params
-from tierserve.transfer.layout import HeadRange, KVArena, RankArena
+from tierserve.transfer.layout import HeadRange, KVArena, RankArena, StagedPart
+from tierserve.transfer.receive_staging import staged_heads
 
 __all__ = ["arena", "destination_arena", "destination_ranks", "heads_problem", "identity", "identity_mismatch",
-           "kv_ranks", "sampling_params"]
+           "kv_ranks", "sampling_params", "staging_problem"]
 
 
 def identity(engine: Engine) -> pb.KVIdentity:
@@ -37,9 +38,12 @@ def destination_arena(dest: pb.KVDestination, slot_bytes: int) -> KVArena:
 
 
 def kv_ranks(arenas: list[RankArena]) -> list[pb.KVRank]:
-    """A node's ranks as the ``KVDestination`` names them."""
+    """A node's ranks as the ``KVDestination`` names them (with the staged parts of one request)."""
     return [pb.KVRank(transfer_endpoint=a.endpoint, base_address=a.arena.base, num_slots=a.arena.num_slots,
-                      kv_head_start=a.heads.start, kv_heads=a.heads.count) for a in arenas]
+                      kv_head_start=a.heads.start, kv_heads=a.heads.count,
+                      staged=[pb.KVStagedPart(kv_head_start=s.heads.start, kv_heads=s.heads.count,
+                                              address=s.arena.base, tokens=s.arena.num_slots) for s in a.staged])
+            for a in arenas]
 
 
 def destination_ranks(dest: pb.KVDestination, head_bytes: int) -> list[RankArena]:
@@ -50,8 +54,14 @@ def destination_ranks(dest: pb.KVDestination, head_bytes: int) -> list[RankArena
         whole = KVArena(dest.base_address, i.num_layers, dest.num_slots, i.num_kv_heads * head_bytes, i.page_size)
         return [RankArena(dest.transfer_endpoint, whole, HeadRange(0, i.num_kv_heads))]
     return [RankArena(r.transfer_endpoint, KVArena(r.base_address, i.num_layers, r.num_slots, r.kv_heads * head_bytes,
-                                                   i.page_size), HeadRange(r.kv_head_start, r.kv_heads))
+                                                   i.page_size), HeadRange(r.kv_head_start, r.kv_heads),
+                      tuple(_staged_part(s, i, head_bytes) for s in r.staged))
             for r in dest.ranks]
+
+
+def _staged_part(part: pb.KVStagedPart, i: pb.KVIdentity, head_bytes: int) -> StagedPart:
+    arena = KVArena(part.address, i.num_layers, part.tokens, part.kv_heads * head_bytes, i.page_size)
+    return StagedPart(HeadRange(part.kv_head_start, part.kv_heads), arena)
 
 
 def heads_problem(dests: list[RankArena], num_kv_heads: int, max_page: int) -> str | None:
@@ -75,4 +85,18 @@ def _rank_problem(dest: RankArena, num_kv_heads: int, max_page: int) -> str | No
         return "names no transfer endpoint"
     if (max_page + 1) * dest.arena.page_size > dest.arena.num_slots:
         return "a destination page lies outside its arena"
+    return None
+
+
+def staging_problem(dests: list[RankArena], num_kv_heads: int, tp_size: int, prompt_len: int) -> str | None:
+    """Why this prefill node (``tp_size`` ranks) cannot use the staging the destination offers, or
+    None: it must be exactly for this node's ranks' heads (the decode rank scatters every part it
+    offered, so a part nobody writes would overwrite the pages), each large enough for the prompt."""
+    for rank, dest in enumerate(dests):
+        offered = [s.heads for s in dest.staged]
+        if offered and offered != staged_heads(dest.heads, tp_size, num_kv_heads):
+            return (f"destination rank {rank} staged KV heads {[(h.start, h.count) for h in offered]} for "
+                    f"another prefill TP size than this node's {tp_size}: reserve again naming it")
+        if any(s.arena.num_slots < prompt_len for s in dest.staged):
+            return f"destination rank {rank} staged fewer tokens than the prompt's {prompt_len}"
     return None

@@ -18,6 +18,8 @@ from tierserve.node.handoffs import AgreedHandoff, HandoffAdd, HandoffBoard
 from tierserve.transfer.engine import PeerEngines, TransferEngineHandle
 from tierserve.transfer.handoff import KVHandoff
 from tierserve.transfer.layout import HeadRange, RankArena, plan_routes
+from tierserve.transfer.receive_staging import ReceiveStaging
+from tierserve.transfer.staging import Gatherer, StagingArena
 
 
 class Side(Enum):
@@ -34,6 +36,7 @@ class TransferOptions:
     hostname: str = "127.0.0.1"
     protocol: TransferProtocol = TransferProtocol.TCP
     devices: str = ""
+    staging_bytes: int = 64 << 20  # per rank: coalesces handoffs between TP sizes (transfer/staging.py)
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,8 @@ class RankTransfer:
     arenas: list[RankArena]
     board: HandoffBoard | None
     sends: HeadRange | None
+    gatherer: Gatherer | None = None
+    receive: ReceiveStaging | None = None
 
     @property
     def head_bytes(self) -> int:
@@ -70,7 +75,8 @@ class RankTransfer:
         """This rank's sender for ``plan``: its heads, to every destination rank that holds some."""
         routes = plan_routes(self.sends, self.head_bytes, list(plan.dests)) if self.sends else []
         return KVHandoff(self.peers, routes, arena(self.engine), list(plan.dst_pages), plan.dst_start,
-                         plan.prompt_len, fault_rate, fault_delay_s, self.engine.device.type == "cuda")
+                         plan.prompt_len, fault_rate, fault_delay_s, self.engine.device.type == "cuda",
+                         self.gatherer)
 
     def agreed(self, plan: HandoffPlan, fault_rate: float = 0.0, fault_delay_s: float = 0.0) -> AgreedHandoff:
         return AgreedHandoff(self.handoff(plan, fault_rate, fault_delay_s), self.board)
@@ -97,10 +103,32 @@ class NodeRankRole:
         gathers the ranks' arenas (one collective at several ranks)."""
         shard = engine.kv_shard  # this rank's KV heads; ``writes``: it sends them (first of their replicas)
         o, held = self.options, HeadRange(shard.heads.start, shard.heads.count)
-        receiver = self._receiver(engine)
-        peers = PeerEngines(o.hostname, o.protocol, o.devices, [engine.pool.buffer])
-        arenas = _gather(engine, RankArena(receiver.endpoint if receiver else "", arena(engine), held))
-        return RankTransfer(engine, receiver, peers, arenas, self._board(engine), held if shard.writes else None)
+        receiver, receive = self._receiver(engine), self._receive(engine, held)
+        gatherer = self._gatherer(engine)
+        staged = [gatherer.staging.buffer] if gatherer else []
+        peers = PeerEngines(o.hostname, o.protocol, o.devices, [engine.pool.buffer, *staged])
+        if receiver is not None and receive is not None:
+            receiver.register(receive.staging.buffer)
+        base = receive.staging.base if receive else 0
+        arenas = _gather(engine, RankArena(receiver.endpoint if receiver else "", arena(engine), held, (), base))
+        return RankTransfer(engine, receiver, peers, arenas, self._board(engine), held if shard.writes else None,
+                            gatherer, receive)
+
+    def _receive(self, engine: Engine, held: HeadRange) -> ReceiveStaging | None:
+        """Decode ranks stage writers that hold fewer heads (``transfer/receive_staging.py``)."""
+        if self.side is not Side.DECODE or self.options.staging_bytes <= 0:
+            return None
+        staging = StagingArena(self.options.staging_bytes, engine.pool.buffer.device)
+        receive = ReceiveStaging(staging, engine.pool.buffer, arena(engine), held, engine.model_config.num_kv_heads)
+        engine.reservations.staging = receive
+        return receive
+
+    def _gatherer(self, engine: Engine) -> Gatherer | None:
+        """Prefill ranks stage the heads a destination rank holds fewer of (``transfer/staging.py``)."""
+        if self.side is not Side.PREFILL or self.options.staging_bytes <= 0:
+            return None
+        staging = StagingArena(self.options.staging_bytes, engine.pool.buffer.device)
+        return Gatherer(staging, engine.pool.buffer, arena(engine))
 
     def _receiver(self, engine: Engine) -> TransferEngineHandle | None:
         """Decode ranks receive; rank 0 names the node to peers (``NodeInfo``) whatever its role."""

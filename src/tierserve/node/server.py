@@ -42,13 +42,15 @@ class NodeOptions:
     transfer_hostname: str = "127.0.0.1"  # the address peers use for this node's transfer engines
     transfer_protocol: TransferProtocol = TransferProtocol.TCP
     transfer_devices: str = ""  # RDMA devices, e.g. "mlx5_0,mlx5_1"
+    handoff_staging_bytes: int = 64 << 20  # per rank (transfer/staging.py); 0: none
     served_model_name: str | None = None
     metrics_port: int | None = None  # Prometheus /metrics on this port; None = off
     kv_events_port: int | None = None  # ZMQ PUB of KV events on this port (0: any free); None = off
     log_level: str = "info"  # of ranks 1..N-1
 
     def transfer(self) -> TransferOptions:
-        return TransferOptions(self.transfer_hostname, self.transfer_protocol, self.transfer_devices)
+        return TransferOptions(self.transfer_hostname, self.transfer_protocol, self.transfer_devices,
+                               self.handoff_staging_bytes)
 
 
 @dataclass

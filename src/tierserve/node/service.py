@@ -41,7 +41,8 @@ class NodeServicer(pb_grpc.NodeServiceServicer):
                              kv_pages_used=int(s["kv_pages_used"]), kv_pages_total=int(s["kv_pages_total"]),
                              reservations=int(s["reservations"]),
                              kv_pages_quarantined=int(s["reservation_pages_quarantined"]),
-                             kv_pages_parked=int(s["handoff_pages_parked"]))
+                             kv_pages_parked=int(s["handoff_pages_parked"]),
+                             staging_bytes_used=int(s["reservation_staging_bytes"]))
 
     async def FlushCache(self, request: pb.FlushCacheRequest, context: grpc.aio.ServicerContext
                          ) -> pb.FlushCacheResponse:

@@ -14,7 +14,14 @@ from tierserve.core.outputs import RequestOutput
 from tierserve.core.sampling import InvalidRequestError, SamplingParams
 from tierserve.core.tiers import CacheTier
 from tierserve.engine.commands import AddRequest, EngineCommand
-from tierserve.node.convert import destination_ranks, heads_problem, identity, identity_mismatch, sampling_params
+from tierserve.node.convert import (
+    destination_ranks,
+    heads_problem,
+    identity,
+    identity_mismatch,
+    sampling_params,
+    staging_problem,
+)
 from tierserve.node.handoffs import AgreedHandoff, HandoffAdd
 from tierserve.node.rank_transfer import HandoffPlan
 from tierserve.node.server import AddService, Node
@@ -142,7 +149,8 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         if dest.cached_tokens >= len(prompt) or dest.cached_tokens % page:
             return f"cached_tokens {dest.cached_tokens} must be a multiple of {page} below the prompt length"
         dests = destination_ranks(dest, self.node.ranks.head_bytes)
-        return heads_problem(dests, self.identity.num_kv_heads, max(dest.pages))
+        return heads_problem(dests, self.identity.num_kv_heads, max(dest.pages)) or \
+            staging_problem(dests, self.identity.num_kv_heads, self.node.engine.ranks.size, len(prompt))
 
 
 async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str, stopped: bool,

@@ -34,18 +34,32 @@ class KVIdentity(_message.Message):
     def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., page_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ...) -> None: ...
 
 class KVRank(_message.Message):
-    __slots__ = ("transfer_endpoint", "base_address", "num_slots", "kv_head_start", "kv_heads")
+    __slots__ = ("transfer_endpoint", "base_address", "num_slots", "kv_head_start", "kv_heads", "staged")
     TRANSFER_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     BASE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
     KV_HEAD_START_FIELD_NUMBER: _ClassVar[int]
     KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    STAGED_FIELD_NUMBER: _ClassVar[int]
     transfer_endpoint: str
     base_address: int
     num_slots: int
     kv_head_start: int
     kv_heads: int
-    def __init__(self, transfer_endpoint: _Optional[str] = ..., base_address: _Optional[int] = ..., num_slots: _Optional[int] = ..., kv_head_start: _Optional[int] = ..., kv_heads: _Optional[int] = ...) -> None: ...
+    staged: _containers.RepeatedCompositeFieldContainer[KVStagedPart]
+    def __init__(self, transfer_endpoint: _Optional[str] = ..., base_address: _Optional[int] = ..., num_slots: _Optional[int] = ..., kv_head_start: _Optional[int] = ..., kv_heads: _Optional[int] = ..., staged: _Optional[_Iterable[_Union[KVStagedPart, _Mapping]]] = ...) -> None: ...
+
+class KVStagedPart(_message.Message):
+    __slots__ = ("kv_head_start", "kv_heads", "address", "tokens")
+    KV_HEAD_START_FIELD_NUMBER: _ClassVar[int]
+    KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    kv_head_start: int
+    kv_heads: int
+    address: int
+    tokens: int
+    def __init__(self, kv_head_start: _Optional[int] = ..., kv_heads: _Optional[int] = ..., address: _Optional[int] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class KVDestination(_message.Message):
     __slots__ = ("reservation_id", "transfer_endpoint", "identity", "base_address", "num_slots", "pages", "cached_tokens", "ranks")
@@ -102,18 +116,20 @@ class CacheReport(_message.Message):
     def __init__(self, cached_tokens: _Optional[int] = ..., device: _Optional[int] = ..., host: _Optional[int] = ..., storage: _Optional[int] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_ids", "max_new_tokens", "lease_seconds", "cache_salt")
+    __slots__ = ("request_id", "prompt_ids", "max_new_tokens", "lease_seconds", "cache_salt", "source_tp_size")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     max_new_tokens: int
     lease_seconds: float
     cache_salt: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    source_tp_size: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., cache_salt: _Optional[str] = ..., source_tp_size: _Optional[int] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("destination", "lease_seconds")
@@ -222,7 +238,7 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("running", "waiting", "kv_pages_used", "kv_pages_total", "reservations", "kv_pages_quarantined", "kv_pages_parked")
+    __slots__ = ("running", "waiting", "kv_pages_used", "kv_pages_total", "reservations", "kv_pages_quarantined", "kv_pages_parked", "staging_bytes_used")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_PAGES_USED_FIELD_NUMBER: _ClassVar[int]
@@ -230,6 +246,7 @@ class LoadReport(_message.Message):
     RESERVATIONS_FIELD_NUMBER: _ClassVar[int]
     KV_PAGES_QUARANTINED_FIELD_NUMBER: _ClassVar[int]
     KV_PAGES_PARKED_FIELD_NUMBER: _ClassVar[int]
+    STAGING_BYTES_USED_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     kv_pages_used: int
@@ -237,7 +254,8 @@ class LoadReport(_message.Message):
     reservations: int
     kv_pages_quarantined: int
     kv_pages_parked: int
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_pages_used: _Optional[int] = ..., kv_pages_total: _Optional[int] = ..., reservations: _Optional[int] = ..., kv_pages_quarantined: _Optional[int] = ..., kv_pages_parked: _Optional[int] = ...) -> None: ...
+    staging_bytes_used: int
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_pages_used: _Optional[int] = ..., kv_pages_total: _Optional[int] = ..., reservations: _Optional[int] = ..., kv_pages_quarantined: _Optional[int] = ..., kv_pages_parked: _Optional[int] = ..., staging_bytes_used: _Optional[int] = ...) -> None: ...
 
 class FlushCacheRequest(_message.Message):
     __slots__ = ("device", "host")

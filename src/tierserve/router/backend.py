@@ -166,7 +166,7 @@ class PDBackend:
         stubs = pd_flow.Pair.connect(prefill.channel, decode.channel)
         try:
             done = await pd_flow.prefill(stubs, rid, request.prompt, request.sampling, request.salt,
-                                         self.options.timeout_s)
+                                         self.options.timeout_s, prefill.info.tp_size if prefill.info else 0)
         except pd_flow.HandoffFailed as exc:  # a transfer into a dead or frozen D is D's failure, not P's
             self._blame(decode if exc.destination_failed else prefill, exc.code, str(exc))
             raise _Retry(f"prefill on {prefill.address}: {exc}") from exc

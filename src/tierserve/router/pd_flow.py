@@ -61,9 +61,10 @@ class Prefilled:
 
 
 async def prefill(pair: Pair, request_id: str, prompt_ids: list[int], sampling: pb.SamplingOptions,
-                  cache_salt: str = "", timeout_s: float = 60.0) -> Prefilled:
+                  cache_salt: str = "", timeout_s: float = 60.0, source_tp: int = 0) -> Prefilled:
     """Reserve on D then Prefill on P; releases the reservation on any failure and raises
-    ``HandoffFailed`` or the gRPC error.
+    ``HandoffFailed`` or the gRPC error. ``source_tp``: P's TP size (``NodeInfo.tp_size``; 0 if
+    unknown), so D can stage what P's ranks write when they hold fewer heads than D's.
 
     The deadlines form one chain (``docs/architecture.md``, faults): D grants a lease for the
     whole leg (it may grant less than asked), P's deadline ends ``LEASE_MARGIN_S`` before that
@@ -71,7 +72,7 @@ async def prefill(pair: Pair, request_id: str, prompt_ids: list[int], sampling: 
     other ending makes D quarantine them for its grace period, longer than any transfer."""
     reserved = await _reserve(pair, pb.ReserveRequest(
         request_id=request_id, prompt_ids=prompt_ids, max_new_tokens=sampling.max_tokens, cache_salt=cache_salt,
-        lease_seconds=timeout_s + LEASE_MARGIN_S,
+        lease_seconds=timeout_s + LEASE_MARGIN_S, source_tp_size=source_tp,
     ), timeout_s)
     dest = reserved.destination
     deadline = min(timeout_s, reserved.lease_seconds - LEASE_MARGIN_S)

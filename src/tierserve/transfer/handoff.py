@@ -22,17 +22,30 @@ from dataclasses import dataclass
 import torch
 
 from tierserve.transfer.engine import EntryBudget, PeerEngines, TransferEngineHandle, TransferError
-from tierserve.transfer.layout import Block, KVArena, Route, route_blocks, token_runs
+from tierserve.transfer.layout import Block, KVArena, Route, Run, route_blocks, token_runs
+from tierserve.transfer.staging import Gatherer, Staged, gathers
 
 _DONE = None  # sentinel in the sender's queue: no more layers
-_Batch = tuple[str, list[Block]]  # (target, blocks) of one layer
-_InFlight = tuple[str, int, int]  # (target, batch id, entries)
 MAX_BATCH_ENTRIES = 1024  # blocks per transfer batch (see _parts)
+STAGING_WAIT_S = 5.0  # a gather waits this long for staging room, then sends its blocks in place
 _handoffs = itertools.count()  # numbers handoffs for deterministic fault injection
 
 
 def _nothing() -> None:
     pass
+
+
+@dataclass(frozen=True)
+class _Gather:
+    """Runs of one layer along a route that gathers (``staging.gathers``): staged by the sender."""
+
+    route: Route
+    runs: list[Run]
+    layer: int
+
+
+_Batch = tuple[str, list[Block] | _Gather]  # (target, what to send) of one layer
+_InFlight = tuple[str, int, int, Staged | None]  # (target, batch id, entries, staging it reads)
 
 
 @dataclass
@@ -67,6 +80,21 @@ def _parts(blocks: list[Block]) -> list[list[Block]]:
     return [blocks[i:i + MAX_BATCH_ENTRIES] for i in range(0, len(blocks), MAX_BATCH_ENTRIES)]
 
 
+def _pieces(runs: list[Run], max_tokens: int) -> list[list[Run]]:
+    """``runs`` cut so no piece holds more than ``max_tokens`` tokens or ``MAX_BATCH_ENTRIES / 2`` runs."""
+    pieces: list[list[Run]] = [[]]
+    held = 0
+    for s, d, n in runs:
+        while n:
+            if held == max_tokens or len(pieces[-1]) == MAX_BATCH_ENTRIES // 2:
+                pieces.append([])
+                held = 0
+            take = min(n, max_tokens - held)
+            pieces[-1].append((s, d, take))
+            s, d, n, held = s + take, d + take, n - take, held + take
+    return [p for p in pieces if p]
+
+
 def _us(seconds: float) -> int:
     return round(seconds * 1e6)
 
@@ -74,17 +102,19 @@ def _us(seconds: float) -> int:
 class KVHandoff:
     """Sends tokens ``[dst_start, prompt_len)`` of every layer from ``src`` pages into ``dst_pages``
     along each of ``routes`` (one batch per route and layer; no routes: nothing to send, e.g. a
-    rank whose KV head another rank sends). For fault tests: ``fault_rate`` makes exactly that share of handoffs (every
+    rank whose KV head another rank sends); routes that gather go through ``gatherer``'s staging
+    when one is given (``transfer/staging.py``). For fault tests: ``fault_rate`` makes exactly that share of handoffs (every
     1/rate-th) fail for real (one block aimed at an address the peer never registered), and
     ``fault_delay_s`` holds the first batch that long before it is written, as a slow link would:
     a ``cancel`` meanwhile does not stop it, as it cannot stop a batch already on the wire."""
 
     def __init__(self, engines: PeerEngines, routes: list[Route], src: KVArena, dst_pages: list[int],
                  dst_start: int, prompt_len: int, fault_rate: float = 0.0, fault_delay_s: float = 0.0,
-                 cuda: bool = False) -> None:
-        self.engines, self.routes, self.src = engines, routes, src
+                 cuda: bool = False, gatherer: Gatherer | None = None) -> None:
+        self.engines, self.routes, self.src, self.gatherer = engines, routes, src, gatherer
         self.target = ",".join(dict.fromkeys(r.target for r in routes))  # for messages
         self.dst_pages, self.prompt_len = dst_pages, prompt_len
+        self._positions = list(range(len(dst_pages)))  # "pages" of staging whose slot t is token t
         start = dst_start if routes else prompt_len
         self._sent = [start] * src.num_layers  # per layer: tokens before this are submitted
         n = next(_handoffs)
@@ -116,9 +146,8 @@ class KVHandoff:
             now = time.monotonic()
             self._first_submit = self._first_submit or now
             self._last_submit = now
-            runs = token_runs(pages, self.dst_pages, start, end, self.src.page_size)
-            batches = [(r.target, part) for r in self.routes
-                       for part in _parts(route_blocks(self.src, r, runs, layer))]
+            batches = [batch for r in self.routes for batch in self._batches(r, self._runs(r, pages, start, end),
+                                                                             layer)]
             self._layers.put((self._written(), batches))
         if layer == self.src.num_layers - 1 and end == self.prompt_len:
             self._close_submissions()
@@ -165,6 +194,19 @@ class KVHandoff:
         """Every layer of the whole prompt was submitted: only the peers' side can be left."""
         return all(sent >= self.prompt_len for sent in self._sent)
 
+    def _runs(self, route: Route, pages: list[int], start: int, end: int) -> list[Run]:
+        """Tokens ``[start, end)`` as runs into the page table, or into staging indexed by token."""
+        dst_pages = self._positions if route.by_token else self.dst_pages
+        return token_runs(pages, dst_pages, start, end, self.src.page_size)
+
+    def _batches(self, route: Route, runs: list[Run], layer: int) -> list[_Batch]:
+        """What the sender sends of ``layer`` along ``route``: staged gathers, a quarter of the
+        staging arena at most each, where the route gathers and a ``gatherer`` exists, else blocks."""
+        if self.gatherer is not None and gathers(self.src, route):
+            most = max(1, self.gatherer.staging.capacity // (8 * route.nbytes))
+            return [(route.target, _Gather(route, piece, layer)) for piece in _pieces(runs, most)]
+        return [(route.target, part) for part in _parts(route_blocks(self.src, route, runs, layer))]
+
     def _written(self) -> Callable[[], None]:
         """Engine thread: what the sender calls to wait until the kernels queued so far ran."""
         if not self._cuda:
@@ -202,18 +244,40 @@ class KVHandoff:
         """Submits a layer's batches within each engine's ``EntryBudget``. Before waiting for room
         it waits for its own batches, which gives their entries back: a sender that waited while
         holding some could wait on another that waits on it."""
-        for target, blocks in batches:
+        for target, what in batches:
             budget = self._budget(target)
             if budget is None:
                 return
-            if not budget.take(len(blocks), block=False):
-                self._drain(inflight)
-                budget.take(len(blocks), block=True)
-            batch = self._submit(target, blocks)
-            if batch is None:
-                budget.give(len(blocks))
-            else:
-                inflight.append((target, batch, len(blocks)))
+            for blocks, staged in self._resolved(what, inflight):
+                if not budget.take(len(blocks), block=False):
+                    self._drain(inflight)
+                    budget.take(len(blocks), block=True)
+                batch = self._submit(target, blocks)
+                if batch is None:
+                    budget.give(len(blocks))
+                    self._unstage(staged)
+                else:
+                    inflight.append((target, batch, len(blocks), staged))
+
+    def _resolved(self, what: list[Block] | _Gather, inflight: list[_InFlight]
+                  ) -> list[tuple[list[Block], Staged | None]]:
+        """Blocks to submit, with the staging they read. A gather that finds no room first waits for
+        this handoff's own batches (giving their staging back), then for others' up to
+        ``STAGING_WAIT_S``; after that its runs go in place, one block per token (slow, but correct)."""
+        if not isinstance(what, _Gather):
+            return [(what, None)]
+        assert self.gatherer is not None
+        staged = self.gatherer.stage(what.route, what.runs, what.layer, 0.0)
+        if staged is None:
+            self._drain(inflight)
+            staged = self.gatherer.stage(what.route, what.runs, what.layer, STAGING_WAIT_S)
+        if staged is None:
+            return [(part, None) for part in _parts(route_blocks(self.src, what.route, what.runs, what.layer))]
+        return [(staged[1], staged[0])]
+
+    def _unstage(self, staged: Staged | None) -> None:
+        if staged is not None and self.gatherer is not None:
+            self.gatherer.staging.free(staged.offset, staged.nbytes)
 
     def _budget(self, target: str) -> EntryBudget | None:
         """The engine to ``target`` (started on first use) and its budget; None if it cannot start."""
@@ -246,9 +310,10 @@ class KVHandoff:
         while inflight:
             self._wait(*inflight.pop(0))
 
-    def _wait(self, target: str, batch: int, entries: int) -> None:
+    def _wait(self, target: str, batch: int, entries: int, staged: Staged | None) -> None:
         ok = self._engines[target].wait(batch)
         self.engines.budget(target).give(entries)
+        self._unstage(staged)  # even after a failure: blocks still in flight only read it
         self._last_done = time.monotonic()
         if not ok:
             self._unsettled = self.peer_failed = True

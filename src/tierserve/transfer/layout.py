@@ -43,12 +43,24 @@ class HeadRange:
 
 
 @dataclass(frozen=True)
+class StagedPart:
+    """Staging a destination rank offers for the heads ``heads`` (fewer than it holds): an arena
+    whose slot ``t`` is token ``t`` of the prompt (``transfer/staging.py``)."""
+
+    heads: HeadRange
+    arena: KVArena
+
+
+@dataclass(frozen=True)
 class RankArena:
-    """One rank of a destination node: its transfer engine, its arena and the model's KV heads it holds."""
+    """One rank of a destination node: its transfer engine, its arena, the model's KV heads it
+    holds, and the staging it offers this request (none: every source writes in place)."""
 
     endpoint: str
     arena: KVArena
     heads: HeadRange
+    staged: tuple[StagedPart, ...] = ()
+    staging_base: int = 0  # where the rank's staging arena starts (0: it has none)
 
 
 @dataclass(frozen=True)
@@ -61,15 +73,20 @@ class Route:
     src_offset: int
     dst_offset: int
     nbytes: int
+    by_token: bool = False  # ``dst`` is staging: its slot t is token t, not the page table's slot
 
 
 def plan_routes(held: HeadRange, head_bytes: int, dests: list[RankArena]) -> list[Route]:
     """Where the heads ``held`` by a source rank go: one route per destination rank holding some of
-    them (several when the destination splits them finer, one part of a slot when it holds more)."""
+    them (several when the destination splits them finer, one part of a slot when it holds more:
+    into the staging that rank offers for exactly these heads, if any)."""
     routes = []
     for dest in dests:
         lo, hi = max(held.start, dest.heads.start), min(held.end, dest.heads.end)
-        if lo < hi:
+        staged = next((s for s in dest.staged if s.heads == held), None)
+        if staged is not None:
+            routes.append(Route(dest.endpoint, staged.arena, 0, 0, held.count * head_bytes, by_token=True))
+        elif lo < hi:
             routes.append(Route(dest.endpoint, dest.arena, (lo - held.start) * head_bytes,
                                 (lo - dest.heads.start) * head_bytes, (hi - lo) * head_bytes))
     return routes

@@ -1,0 +1,132 @@
+"""A decode rank's side of coalesced handoffs from prefill ranks that hold fewer KV heads than it
+does (P2 -> D1; ``docs/architecture.md``, Ranks, and ``transfer/staging.py``).
+
+At Reserve, knowing the prefill node's TP size, each decode rank sets aside one region of its
+staging arena per reservation: one part per sending prefill rank whose heads lie strictly inside the
+rank's own, each shaped [layers, 2, tokens, part bytes] with token t at index t. The prefill ranks
+write whole slots of theirs there, one block per run; when the request starts, the rank scatters
+every part into its pages, then frees the region. Ranks run the same commands in the same order and
+the allocation is deterministic, so every rank of a node holds a reservation's region at the same
+offset of its own arena: rank 0 names every rank's parts from its own offset.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tierserve.transfer.layout import HeadRange, KVArena, StagedPart
+from tierserve.transfer.staging import StagingArena, slot_bytes_view
+
+
+def source_ranges(num_kv_heads: int, tp_size: int) -> list[HeadRange]:
+    """The KV heads each sending rank of a node of ``tp_size`` ranks holds (replicas once)."""
+    count = max(1, num_kv_heads // tp_size)
+    return [HeadRange(start, count) for start in range(0, num_kv_heads, count)]
+
+
+def staged_heads(own: HeadRange, source_tp: int, num_kv_heads: int) -> list[HeadRange]:
+    """The source ranks' heads strictly inside ``own``: those ranks write into staging."""
+    if source_tp < 1:
+        return []
+    return [r for r in source_ranges(num_kv_heads, source_tp)
+            if own.start <= r.start and r.end <= own.end and r.count < own.count]
+
+
+@dataclass(frozen=True)
+class Region:
+    """One reservation's staging on a rank: ``nbytes`` at ``offset`` of the arena, for ``tokens``."""
+
+    offset: int
+    nbytes: int
+    tokens: int
+    source_tp: int
+
+
+def parts(region: Region, base: int, own: HeadRange, num_kv_heads: int, layers: int, head_bytes: int,
+          page_size: int) -> list[StagedPart]:
+    """The staged parts of the rank holding ``own`` whose arena starts at ``base``."""
+    out, at = [], base + region.offset
+    for heads in staged_heads(own, region.source_tp, num_kv_heads):
+        arena = KVArena(at, layers, region.tokens, heads.count * head_bytes, page_size)
+        out.append(StagedPart(heads, arena))
+        at += layers * 2 * region.tokens * arena.slot_bytes
+    return out
+
+
+class ReceiveStaging:
+    """One decode rank's staging regions, by reservation; called from the engine's commands only."""
+
+    def __init__(self, staging: StagingArena, pool: torch.Tensor, arena: KVArena, own: HeadRange,
+                 num_kv_heads: int) -> None:
+        self.staging, self.arena, self.own, self.num_kv_heads = staging, arena, own, num_kv_heads
+        self._bytes = slot_bytes_view(pool, arena)
+        self.regions: dict[str, Region] = {}
+        self._quarantine: list[tuple[float, Region]] = []  # (free at, region)
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes held by reservations, quarantined ones included."""
+        return self.staging.capacity - self.staging.free_bytes
+
+    @property
+    def head_bytes(self) -> int:
+        return self.arena.slot_bytes // self.own.count
+
+    def stage(self, request_id: str, tokens: int, source_tp: int) -> Region | None:
+        """Sets a region aside when the source's ranks hold fewer heads than this rank (else, or
+        without room, None: they write in place)."""
+        if not staged_heads(self.own, source_tp, self.num_kv_heads):
+            return None
+        nbytes = self.arena.num_layers * 2 * tokens * self.arena.slot_bytes
+        offset = self.staging.alloc(nbytes)
+        if offset is None:
+            return None
+        self.regions[request_id] = region = Region(offset, nbytes, tokens, source_tp)
+        return region
+
+    def parts(self, request_id: str, base: int, own: HeadRange) -> list[StagedPart]:
+        """The parts of ``request_id``'s region on the rank holding ``own`` at arena ``base``."""
+        region = self.regions.get(request_id)
+        if region is None:
+            return []
+        return parts(region, base, own, self.num_kv_heads, self.arena.num_layers, self.head_bytes,
+                     self.arena.page_size)
+
+    def scatter(self, request_id: str, slots: list[int], start: int) -> None:
+        """Copies tokens ``[start, start + len(slots))`` of every part into ``slots`` of the pool
+        (the prompt arrived), then frees the region."""
+        region = self.regions.pop(request_id, None)
+        if region is None:
+            return
+        index = torch.tensor(slots, dtype=torch.long, device=self._bytes.device)
+        for part in parts(region, 0, self.own, self.num_kv_heads, self.arena.num_layers, self.head_bytes,
+                          self.arena.page_size):
+            self._scatter_part(part, index, start)
+        self.staging.free(region.offset, region.nbytes)
+
+    def drop(self, request_id: str, free_at: float | None) -> None:
+        """The reservation ended without running: frees its region now (``free_at`` None: no
+        writer can still land in it) or once ``tick`` passes ``free_at``."""
+        region = self.regions.pop(request_id, None)
+        if region is None:
+            return
+        if free_at is None:
+            self.staging.free(region.offset, region.nbytes)
+        else:
+            self._quarantine.append((free_at, region))
+
+    def tick(self, now: float) -> None:
+        """Frees quarantined regions whose time came (``now``: rank 0's clock, as every rank ticks)."""
+        due = [q for q in self._quarantine if q[0] <= now]
+        for entry in due:
+            self._quarantine.remove(entry)
+            self.staging.free(entry[1].offset, entry[1].nbytes)
+
+    def _scatter_part(self, part: StagedPart, index: torch.Tensor, start: int) -> None:
+        a = part.arena  # its base is the offset into this rank's staging arena
+        staged = self.staging.view(a.base, a.num_layers * 2 * a.num_slots * a.slot_bytes)
+        rows = staged.view(a.num_layers, 2, a.num_slots, a.slot_bytes)[:, :, start: start + len(index)]
+        column = (part.heads.start - self.own.start) * self.head_bytes
+        self._bytes[:, :, index, column: column + a.slot_bytes] = rows

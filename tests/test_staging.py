@@ -1,0 +1,141 @@
+"""Coalesced handoffs between TP sizes (``transfer/staging.py``, ``transfer/receive_staging.py``): the
+blocks a prefill rank would submit are applied with ``memmove`` between real tensors (the transfer
+engine's job), and every decode rank must then hold exactly its heads of the sent tokens, with one
+block per run of consecutive slots rather than one per token."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+from tierserve.node.convert import staging_problem
+from tierserve.transfer.layout import HeadRange, KVArena, RankArena, plan_routes, route_blocks, token_runs
+from tierserve.transfer.receive_staging import ReceiveStaging, staged_heads
+from tierserve.transfer.staging import Gatherer, StagingArena, gathers
+
+LAYERS, HEADS, DIM, PAGE, PAGES = 2, 4, 3, 4, 8
+HEAD_BYTES = DIM * 4
+SRC_PAGES, DST_PAGES, START, END = [3, 4, 0, 5, 6], [1, 2, 5, 6, 7], 4, 19  # D cached the first page
+
+
+def _split(size: int) -> list[HeadRange]:
+    """Each rank's KV heads as the model splits them (replicated when ranks outnumber heads)."""
+    if size <= HEADS:
+        return [HeadRange(r * (HEADS // size), HEADS // size) for r in range(size)]
+    return [HeadRange(r // (size // HEADS), 1) for r in range(size)]
+
+
+def _pool(heads: int) -> tuple[torch.Tensor, KVArena]:
+    pool = torch.zeros(LAYERS, 2, PAGES * PAGE, heads, DIM)
+    return pool, KVArena(pool.data_ptr(), LAYERS, PAGES * PAGE, heads * HEAD_BYTES, PAGE)
+
+
+def _apply(blocks: list[tuple[int, int, int]]) -> None:
+    for src, dst, n in blocks:
+        ctypes.memmove(dst, src, n)
+
+
+def _expected(full: torch.Tensor, heads: HeadRange) -> torch.Tensor:
+    out = torch.zeros(LAYERS, 2, PAGES * PAGE, heads.count, DIM)
+    for t in range(START, END):
+        s, d = SRC_PAGES[t // PAGE] * PAGE + t % PAGE, DST_PAGES[t // PAGE] * PAGE + t % PAGE
+        out[:, :, d] = full[:, :, s, heads.start:heads.end]
+    return out
+
+
+def _decode(d: int, source_tp: int) -> tuple[list[RankArena], list[torch.Tensor], list[ReceiveStaging]]:
+    """Decode ranks with staging for a writer of ``source_tp`` ranks, reserved as a node would."""
+    dests, pools, receives = [], [], []
+    for heads in _split(d):
+        pool, arena = _pool(heads.count)
+        receive = ReceiveStaging(StagingArena(1 << 20), pool, arena, heads, HEADS)
+        receive.stage("r", END, source_tp)
+        parts = tuple(receive.parts("r", receive.staging.base, heads))
+        dests.append(RankArena(f"d{len(dests)}", arena, heads, parts, receive.staging.base))
+        pools.append(pool)
+        receives.append(receive)
+    return dests, pools, receives
+
+
+def _send(p: int, full: torch.Tensor, dests: list[RankArena]) -> list[int]:
+    """Every sending prefill rank's blocks applied; returns each route's blocks per layer."""
+    counts = []
+    for heads in dict.fromkeys(_split(p)):
+        pool = full[:, :, :, heads.start:heads.end].contiguous()
+        src = KVArena(pool.data_ptr(), LAYERS, PAGES * PAGE, heads.count * HEAD_BYTES, PAGE)
+        gatherer = Gatherer(StagingArena(1 << 20), pool, src)
+        for route in plan_routes(heads, HEAD_BYTES, dests):
+            dst_pages = list(range(len(DST_PAGES))) if route.by_token else DST_PAGES
+            runs = token_runs(SRC_PAGES, dst_pages, START, END, PAGE)
+            for layer in range(LAYERS):
+                if gathers(src, route):
+                    _, blocks = gatherer.stage(route, runs, layer, 0.0)
+                else:
+                    blocks = route_blocks(src, route, runs, layer)
+                _apply(blocks)
+                counts.append(len(blocks))
+    return counts
+
+
+@pytest.mark.parametrize(("p", "d"), [(1, 2), (1, 4), (2, 4), (2, 1), (4, 1), (4, 2), (2, 2), (8, 2), (1, 8)])
+def test_every_decode_rank_gets_exactly_its_heads_in_coalesced_blocks(p: int, d: int) -> None:
+    full = torch.randn(LAYERS, 2, PAGES * PAGE, HEADS, DIM)
+    dests, pools, receives = _decode(d, p)
+    counts = _send(p, full, dests)
+    for heads, pool, receive in zip(_split(d), pools, receives, strict=True):
+        sent = range(START, END)
+        receive.scatter("r", [DST_PAGES[t // PAGE] * PAGE + t % PAGE for t in sent], sent.start)
+        torch.testing.assert_close(pool, _expected(full, heads), rtol=0, atol=0)
+        assert receive.staging.free_bytes == receive.staging.capacity  # the region went back
+    runs = len(token_runs(SRC_PAGES, DST_PAGES, START, END, PAGE))
+    assert max(counts) <= 2 * runs  # K and V per run: never one block per token
+
+
+def test_staging_is_offered_only_to_writers_holding_fewer_heads() -> None:
+    assert staged_heads(HeadRange(0, 4), 2, HEADS) == [HeadRange(0, 2), HeadRange(2, 2)]
+    assert staged_heads(HeadRange(0, 2), 2, HEADS) == []  # the same split: in place
+    assert staged_heads(HeadRange(0, 2), 1, HEADS) == []  # the writer holds more: it gathers
+    assert staged_heads(HeadRange(0, 4), 0, HEADS) == []  # the writer's TP size is unknown
+
+
+def test_a_prefill_node_of_another_tp_size_refuses_the_staging() -> None:
+    """D staged for TP=4 writers; a TP=2 prefill node would leave the parts unwritten, and D would
+    scatter them over its pages: refused before anything is sent."""
+    dests, _, _ = _decode(1, 4)
+    assert staging_problem(dests, HEADS, 4, END) is None
+    problem = staging_problem(dests, HEADS, 2, END)
+    assert problem is not None and "another prefill TP size" in problem
+    assert "fewer tokens" in (staging_problem(dests, HEADS, 4, END + 1) or "")
+
+
+def test_a_region_whose_writer_may_still_run_waits_for_its_grace() -> None:
+    pool, arena = _pool(HEADS)
+    receive = ReceiveStaging(StagingArena(1 << 20), pool, arena, HeadRange(0, HEADS), HEADS)
+    assert receive.stage("late", END, 2) is not None
+    receive.drop("late", free_at=10.0)
+    receive.tick(9.0)
+    assert receive.staging.free_bytes < receive.staging.capacity
+    receive.tick(10.0)
+    assert receive.staging.free_bytes == receive.staging.capacity
+
+
+def test_a_full_arena_stages_nothing_and_the_writer_goes_in_place() -> None:
+    pool, arena = _pool(HEADS)
+    receive = ReceiveStaging(StagingArena(1024), pool, arena, HeadRange(0, HEADS), HEADS)
+    assert receive.stage("big", END, 2) is None
+    assert receive.parts("big", receive.staging.base, HeadRange(0, HEADS)) == []
+
+
+def test_the_arena_hands_out_disjoint_ranges_and_merges_what_comes_back() -> None:
+    arena = StagingArena(4096)
+    a, b, c = (arena.alloc(1000) for _ in range(3))
+    assert (a, b, c) == (0, 1024, 2048)
+    assert arena.alloc(2048) is None and arena.alloc(2048, timeout=0.01) is None
+    arena.free(b, 1000)
+    arena.free(a, 1000)
+    assert arena.alloc(2048) == 0  # a and b merged
+    arena.free(0, 2048)
+    arena.free(c, 1000)
+    assert arena.free_bytes == arena.capacity and arena.alloc(4096) == 0
