@@ -30,6 +30,11 @@ class EngineCall(Protocol):
     def apply(self, engine: Engine) -> object: ...
 
 
+class CollectiveCall:
+    """An ``EngineCall`` whose ``apply`` runs collectives over the node's ranks: rank 0 publishes
+    it on the step bus before applying it (``EngineLoop``), so every rank enters them together."""
+
+
 @dataclass(frozen=True)
 class AddRequest:
     """``Engine.add_request``. A ``handoff`` is this process's own object: it never crosses ranks;
@@ -102,8 +107,9 @@ class CancelReservation:
 
 
 @dataclass(frozen=True)
-class FlushCache:
-    """``PrefixCache.flush`` of unpinned L1 and/or L2 pages; answers (device pages, host pages)."""
+class FlushCache(CollectiveCall):
+    """``PrefixCache.flush`` of unpinned L1 and/or L2 pages; answers (device pages, host pages).
+    Collective: the hierarchical cache agrees with the other ranks on the copies it waits for."""
 
     device: bool
     host: bool
