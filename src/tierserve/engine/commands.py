@@ -4,10 +4,11 @@ the same order (``docs/architecture.md``, Ranks), so they must cross processes (
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
-from typing import Protocol, runtime_checkable
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol, runtime_checkable
 
 from tierserve.core.sampling import SamplingParams
+from tierserve.core.storage import StorageAction, StorageKind
 from tierserve.engine.engine import Engine
 from tierserve.engine.handoff import Handoff
 from tierserve.engine.request import Request, RequestOutput
@@ -116,6 +117,19 @@ class FlushCache(CollectiveCall):
 
     def apply(self, engine: Engine) -> tuple[int, int]:
         return engine.cache.flush(self.device, self.host)
+
+
+@dataclass(frozen=True)
+class StorageControl(CollectiveCall):
+    """``Engine.storage_admin``: run-time L3 attach, detach or clear, on every rank in agreement
+    (``engine/l3_admin.py``); answers rank 0's status, or raises the first rank's failure."""
+
+    action: StorageAction
+    kind: StorageKind | None = None
+    config: dict[str, Any] = field(default_factory=dict)
+
+    def apply(self, engine: Engine) -> dict[str, Any]:
+        return engine.storage_admin(self.action, self.kind, self.config)
 
 
 Bind = Callable[[EngineCommand | EngineCall], EngineCommand | EngineCall]

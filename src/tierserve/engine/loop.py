@@ -9,9 +9,19 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from tierserve.core.sampling import SamplingParams
-from tierserve.engine.commands import AbortRequest, AddRequest, CollectiveCall, EngineCall, EngineCommand, StartReserved
+from tierserve.core.storage import StorageAction, StorageKind
+from tierserve.engine.commands import (
+    AbortRequest,
+    AddRequest,
+    CollectiveCall,
+    EngineCall,
+    EngineCommand,
+    StartReserved,
+    StorageControl,
+)
 from tierserve.engine.engine import Engine
 from tierserve.engine.handoff import Handoff
 from tierserve.engine.request import RequestOutput
@@ -122,6 +132,13 @@ class EngineLoop:
     async def apply(self, command: EngineCall) -> object:
         """Like ``call`` for a change every rank of the node applies (``EngineCall``)."""
         return await self.call(command.apply, command)
+
+    async def storage_admin(self, action: StorageAction, kind: StorageKind | None = None,
+                            config: dict[str, Any] | None = None) -> dict[str, Any]:
+        """``Engine.storage_admin``: a status read on rank 0, any other action on every rank."""
+        if action is StorageAction.STATUS:
+            return await self.call(lambda engine: engine.storage_admin(action))
+        return await self.apply(StorageControl(action, kind, config or {}))
 
     async def call(self, fn: Callable[[Engine], object], shared: EngineCall | None = None) -> object:
         """Runs ``fn(engine)`` on the engine thread between steps; returns its result or raises."""
