@@ -1,16 +1,24 @@
-"""Runtime L3 attach / detach / status / clear: in the engine and through the admin HTTP API."""
+"""Runtime L3 attach / detach / status / clear: in the engine and through the admin HTTP API, at TP 1
+and on every rank of a TP 2 node."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
+from cluster import wait_until
 from engine_helpers import run_one
 from test_server import _start, _stop, _wait_healthy
+from test_tp_hicache import seed as tp_seed
+from tiny_models import add_word_tokenizer, make_tiny_model
+from tp_server import complete, start_server
 
+from tierserve.cache.hashing import page_keys
 from tierserve.cache.options import HiCacheOptions
+from tierserve.cache.shards import HeadRange, object_key
 from tierserve.core.sampling import SamplingParams
 from tierserve.core.storage import StorageBusyError
 from tierserve.engine.config import EngineConfig
@@ -76,3 +84,58 @@ def test_admin_api_is_off_without_a_key(tiny_llama: Path, tmp_path: Path) -> Non
         assert r.status_code == 403 and "--admin-api-key" in r.json()["error"]["message"]
     finally:
         _stop(proc)
+
+
+ADMIN = {"Authorization": "Bearer adm"}
+
+
+def _post(url: str, action: str, extra_config: dict | None = None) -> httpx.Response:
+    body = {"backend": "file", "extra_config": extra_config} if extra_config is not None else None
+    return httpx.post(f"{url}/admin/storage/{action}", headers=ADMIN, json=body, timeout=60)
+
+
+def _when_idle(url: str, action: str) -> httpx.Response:
+    """``action``'s answer once the node is idle (backups of the last answer may still run)."""
+    deadline = time.monotonic() + 30
+    while (reply := _post(url, action)).status_code == 409 and "retry when" in reply.text:
+        assert time.monotonic() < deadline, reply.text
+        time.sleep(0.1)  # poll interval
+    return reply
+
+
+def _tp2_l3_names(model: Path, prompt: list[int]) -> set[str]:
+    """The files both ranks of a TP 2 node write for the prompt's full pages (heads 0-1 and 2-3)."""
+    keys = page_keys(tp_seed(model), prompt[: len(prompt) // 4 * 4], 4)
+    return {f"{object_key(k, HeadRange(h, 2, 4)).hex()}.kv" for k in keys for h in (0, 2)}
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_admin_routes_at_tp2_act_on_every_rank(tmp_path: Path) -> None:
+    """Attach, detach and their failures through ``/admin/storage`` on a node of two ranks: a rank
+    that cannot reach the store fails the whole attach and leaves no rank attached (the next
+    attach, which a rank still attached would refuse, succeeds); once attached both ranks back
+    up their heads; a detach detaches both."""
+    model = add_word_tokenizer(make_tiny_model("llama", tmp_path / "llama", heads=8, kv_heads=4))
+    server = start_server(model, 2, tmp_path / "server.log", "--enable-hierarchical-cache",
+                          "--admin-api-key", "adm").wait_healthy()
+    l3 = {"path": str(tmp_path / "l3")}
+    try:
+        for failing in (1, 0):
+            reply = _post(server.url, "attach", l3 | {"fault_injection": {"ranks": [failing], "unreachable": True}})
+            assert reply.status_code == 502, reply.text
+            assert f"rank {failing}: test fault" in reply.json()["error"]["message"]
+            assert httpx.get(f"{server.url}/admin/storage", headers=ADMIN).json() == {"attached": False}
+        assert _post(server.url, "attach", l3).json()["attached"]
+        reply = _post(server.url, "attach", l3)
+        assert reply.status_code == 409 and "rank 0: an L3 backend is already attached" in reply.text
+        prompt = torch.randint(2, 384, (40,), generator=torch.Generator().manual_seed(5)).tolist()
+        complete(server.client(), model.name, prompt)
+        wanted = _tp2_l3_names(model, prompt)
+        wait_until(lambda: wanted <= {p.name for p in (tmp_path / "l3").iterdir()}, "both ranks' backups", 30)
+        assert _when_idle(server.url, "detach").json() == {"attached": False}
+        reply = _post(server.url, "detach")
+        assert reply.status_code == 409 and "no L3 backend is attached" in reply.text
+        assert _post(server.url, "attach", l3).json()["attached"]  # no rank kept the detached one
+    finally:
+        server.stop()

@@ -19,7 +19,7 @@ from tierserve.api.metrics import ApiMetrics
 from tierserve.api.tokenizer import TextTokenizer
 from tierserve.core.outputs import RequestOutput
 from tierserve.core.sampling import SamplingParams
-from tierserve.core.storage import StorageAction, StorageBusyError, StorageKind
+from tierserve.core.storage import StorageAction, StorageAdminError, StorageBusyError, StorageKind
 
 if TYPE_CHECKING:
     from tierserve.engine.loop import EngineLoop
@@ -58,17 +58,21 @@ def create_engine_app(loop: EngineLoop, tokenizer: TextTokenizer | None, model_n
     admin = admin_guard(admin_api_key)
 
     async def storage_status() -> Response:
-        return JSONResponse(await loop.call(lambda engine: engine.storage_admin(StorageAction.STATUS)))
+        return JSONResponse(await loop.storage_admin(StorageAction.STATUS))
 
     async def storage_action(action: str, request: Request) -> Response:
-        """attach (body: {"backend": NAME, "extra_config": {...}}), detach, clear: idle engine only."""
+        """attach (body: {"backend": NAME, "extra_config": {...}}), detach, clear: idle engine only,
+        on every rank of the node at once; 502 when the store or a rank failed (no rank changed
+        on a failed attach)."""
         verb, (backend, config) = _action(action), _storage_body(await request.body())
         try:
-            status = await loop.call(lambda engine: engine.storage_admin(verb, backend, config))
+            status = await loop.storage_admin(verb, backend, config)
         except StorageBusyError as exc:
             raise oa.APIError(409, str(exc), code="busy") from None
         except ValueError as exc:
             raise oa.APIError(400, str(exc)) from None
+        except StorageAdminError as exc:
+            raise oa.APIError(502, str(exc), code="storage_failed") from None
         return JSONResponse(status)
 
     app.add_api_route("/admin/storage", storage_status, methods=["GET"], **admin)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from tierserve.cache.agreement import Agreement, SingleRank
 from tierserve.cache.allocator import PageAllocator
 from tierserve.cache.base import NoPrefixCache, PrefixCache
@@ -12,8 +14,9 @@ from tierserve.cache.options import CacheKind, HiCacheOptions
 from tierserve.cache.prefetch import PrefetchOptions
 from tierserve.cache.radix_cache import RadixCache
 from tierserve.cache.shards import KVShard
-from tierserve.cache.storage import StorageBackend, create_backend
+from tierserve.cache.storage import StorageBackend, StorageError, create_backend
 from tierserve.cache.storage.faulty import FaultyStorage, StorageFaults
+from tierserve.core.storage import StorageKind
 
 # Test-only extra-config key: each rank applies its own L3 view, unagreed (ranks then diverge).
 SKIP_AGREEMENT = "unsafe_skip_agreement"
@@ -38,22 +41,27 @@ def build_cache(kind: CacheKind, allocator: PageAllocator, pool: DeviceKVPool, s
     # host page ids are the same on every rank, so every rank's L2 has the smallest rank's count
     num_host = agreement.min([host_pages(options, pool)])[0]
     host = HostKVPool(pool.geometry, num_host, options.mem_layout, pin_memory=pinned)
-    storage = _backend(options, shard) if options.storage_backend else None
+    storage = rank_backend(options.storage_backend, options.storage_config, shard) if options.storage_backend \
+        else None
     if options.storage_config.get(SKIP_AGREEMENT):  # test-only: shows what the agreement prevents
         agreement = SingleRank()
     return HiCache(allocator, pool, host, seed, hicache_config(options), storage, agreement, shard)
 
 
-def _backend(options: HiCacheOptions, shard: KVShard) -> StorageBackend:
-    """The L3 backend, wrapped in the extra config's test faults when they name this rank. Each
-    rank has its own client: a ``global_segment_size`` given is the node's, split between its ranks
+def rank_backend(kind: StorageKind | str, extra: dict[str, Any], shard: KVShard) -> StorageBackend:
+    """This rank's L3 backend of ``kind`` from the extra config ``extra`` (at start-up and on a
+    run-time attach), wrapped in the extra config's test faults when they name this rank. Each rank
+    has its own client: a ``global_segment_size`` given is the node's, split between its ranks
     (``tierserve up`` sizes L3 per node)."""
-    config = dict(options.storage_config)
+    config = dict(extra)
     if "global_segment_size" in config:
         config["global_segment_size"] = int(config["global_segment_size"]) // shard.ranks
-    backend = create_backend(options.storage_backend or "", config)
     faults = StorageFaults.from_config(config)
-    return FaultyStorage(backend, faults) if shard.rank in faults.ranks else backend
+    mine = shard.rank in faults.ranks
+    if mine and faults.unreachable:
+        raise StorageError(f"test fault: rank {shard.rank} cannot reach the store")
+    backend = create_backend(kind, config)
+    return FaultyStorage(backend, faults) if mine else backend
 
 
 def host_pages(options: HiCacheOptions, pool: DeviceKVPool) -> int:

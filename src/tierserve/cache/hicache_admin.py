@@ -53,8 +53,8 @@ class StorageAdmin:
         self._require_idle()
         if self.storage is None:
             raise StorageBusyError("no L3 backend is attached")
-        self.storage.close()
-        self.storage = None
+        tier, self.storage = self.storage, None  # detached even if closing the client fails
+        tier.close()
 
     def clear_storage(self) -> None:
         self._require_idle()

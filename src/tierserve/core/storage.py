@@ -49,5 +49,10 @@ class StorageBusyError(RuntimeError):
     """An L3 admin action that needs an idle cache (or another state) was refused."""
 
 
+class StorageAdminError(RuntimeError):
+    """An L3 admin action failed on some rank of the node (the store refused it, a rank failed);
+    the node is left consistent: no rank attached where another is not."""
+
+
 class StorageUnavailableError(ValueError):
     """The cache has no L3 tier to act on (no host tier, so none can be attached)."""

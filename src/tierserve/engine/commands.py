@@ -4,10 +4,11 @@ the same order (``docs/architecture.md``, Ranks), so they must cross processes (
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
-from typing import Protocol, runtime_checkable
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol, runtime_checkable
 
 from tierserve.core.sampling import SamplingParams
+from tierserve.core.storage import StorageAction, StorageKind
 from tierserve.engine.engine import Engine
 from tierserve.engine.handoff import Handoff
 from tierserve.engine.request import Request, RequestOutput
@@ -28,6 +29,11 @@ class EngineCall(Protocol):
     0 answers the caller with ``apply``'s result; the other ranks apply it too and drop the result."""
 
     def apply(self, engine: Engine) -> object: ...
+
+
+class CollectiveCall:
+    """An ``EngineCall`` whose ``apply`` runs collectives over the node's ranks: rank 0 publishes
+    it on the step bus before applying it (``EngineLoop``), so every rank enters them together."""
 
 
 @dataclass(frozen=True)
@@ -103,14 +109,28 @@ class CancelReservation:
 
 
 @dataclass(frozen=True)
-class FlushCache:
-    """``PrefixCache.flush`` of unpinned L1 and/or L2 pages; answers (device pages, host pages)."""
+class FlushCache(CollectiveCall):
+    """``PrefixCache.flush`` of unpinned L1 and/or L2 pages; answers (device pages, host pages).
+    Collective: the hierarchical cache agrees with the other ranks on the copies it waits for."""
 
     device: bool
     host: bool
 
     def apply(self, engine: Engine) -> tuple[int, int]:
         return engine.cache.flush(self.device, self.host)
+
+
+@dataclass(frozen=True)
+class StorageControl(CollectiveCall):
+    """``Engine.storage_admin``: run-time L3 attach, detach or clear, on every rank in agreement
+    (``engine/l3_admin.py``); answers rank 0's status, or raises the first rank's failure."""
+
+    action: StorageAction
+    kind: StorageKind | None = None
+    config: dict[str, Any] = field(default_factory=dict)
+
+    def apply(self, engine: Engine) -> dict[str, Any]:
+        return engine.storage_admin(self.action, self.kind, self.config)
 
 
 Bind = Callable[[EngineCommand | EngineCall], EngineCommand | EngineCall]

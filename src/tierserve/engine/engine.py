@@ -19,10 +19,10 @@ from tierserve.cache.factory import build_cache
 from tierserve.cache.hashing import Namespace
 from tierserve.cache.loads import HostLoadError, LayerwiseLoad
 from tierserve.cache.options import CacheKind, object_format
-from tierserve.cache.storage import create_backend
 from tierserve.core.model_config import ModelConfig
 from tierserve.core.sampling import InvalidRequestError, SamplingParams
-from tierserve.core.storage import StorageAction, StorageBusyError, StorageKind
+from tierserve.core.storage import StorageAction, StorageKind
+from tierserve.engine import l3_admin
 from tierserve.engine.config import EngineConfig
 from tierserve.engine.handoff import Handoff
 from tierserve.engine.model_runner import ModelRunner
@@ -328,16 +328,11 @@ class Engine:
 
     def storage_admin(self, action: StorageAction, kind: StorageKind | None = None,
                       config: dict | None = None) -> dict:
-        """Runtime L3 control (``PrefixCache.storage_admin``); ``ATTACH`` builds a backend of ``kind``
-        from its extra ``config``. All but ``STATUS`` need an idle engine (``StorageBusyError``)."""
-        action = StorageAction.parse(action)
-        if action is not StorageAction.STATUS and self.ranks.size > 1:
-            # rank 0 alone runs calls: the other ranks' L3 would differ (a later stage of issue 14)
-            raise StorageBusyError("run-time L3 control is not supported at --tp-size above 1 yet")
-        if action is not StorageAction.STATUS and self.has_work():
-            raise StorageBusyError("requests are running: retry when the engine is idle")
-        backend = create_backend(kind or "", config or {}) if action is StorageAction.ATTACH else None
-        return self.cache.storage_admin(action, backend)
+        """Runtime L3 control (``PrefixCache.storage_admin``); ``ATTACH`` builds this rank's backend of
+        ``kind`` from its extra ``config``. All but ``STATUS`` need an idle engine (``StorageBusyError``)
+        and, at several ranks, run on every rank at once (``engine/l3_admin.py``): every rank of the
+        node calls this at the same point of its command stream (``StorageControl``)."""
+        return l3_admin.storage_admin(self, StorageAction.parse(action), kind, config or {})
 
     def _build_cache(self, allocator: PageAllocator, pool: DeviceKVPool) -> PrefixCache:
         return build_cache(self.config.cache_kind, allocator, pool, self.namespace.seed(), self.config.hicache,

@@ -9,9 +9,19 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from tierserve.core.sampling import SamplingParams
-from tierserve.engine.commands import AbortRequest, AddRequest, EngineCall, EngineCommand, StartReserved
+from tierserve.core.storage import StorageAction, StorageKind
+from tierserve.engine.commands import (
+    AbortRequest,
+    AddRequest,
+    CollectiveCall,
+    EngineCall,
+    EngineCommand,
+    StartReserved,
+    StorageControl,
+)
 from tierserve.engine.engine import Engine
 from tierserve.engine.handoff import Handoff
 from tierserve.engine.request import RequestOutput
@@ -46,7 +56,8 @@ class EngineLoop:
     On rank 0 of several, ``bus`` carries every command and step to the other ranks, which apply
     them in the same order (``follow`` in ``engine/rank_worker.py``). A ``call`` runs on rank 0
     only, so at several ranks it must not change the engine's requests or cache; ``apply`` runs
-    an ``EngineCall`` on every rank and answers rank 0's result.
+    an ``EngineCall`` on every rank and answers rank 0's result. A ``CollectiveCall`` is sent to
+    the other ranks before rank 0 applies it, so all enter its collectives together.
     """
 
     def __init__(self, engine: Engine, bus: StepBus | None = None) -> None:
@@ -121,6 +132,13 @@ class EngineLoop:
     async def apply(self, command: EngineCall) -> object:
         """Like ``call`` for a change every rank of the node applies (``EngineCall``)."""
         return await self.call(command.apply, command)
+
+    async def storage_admin(self, action: StorageAction, kind: StorageKind | None = None,
+                            config: dict[str, Any] | None = None) -> dict[str, Any]:
+        """``Engine.storage_admin``: a status read on rank 0, any other action on every rank."""
+        if action is StorageAction.STATUS:
+            return await self.call(lambda engine: engine.storage_admin(action))
+        return await self.apply(StorageControl(action, kind, config or {}))
 
     async def call(self, fn: Callable[[Engine], object], shared: EngineCall | None = None) -> object:
         """Runs ``fn(engine)`` on the engine thread between steps; returns its result or raises."""
@@ -212,6 +230,12 @@ class EngineLoop:
         try:
             if command.shared is not None:
                 self.bus.record(command.shared)  # the other ranks apply it too, failing or not, as here
+        except Exception as exc:
+            command.done(None, exc)
+            return
+        if isinstance(command.shared, CollectiveCall):
+            self.bus.publish(False, time.monotonic())  # the other ranks enter its collectives with this one
+        try:
             result = command.fn(self.engine)
         except Exception as exc:
             command.done(None, exc)

@@ -78,6 +78,15 @@ class Ranks:
         dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.control)
         return int(tensor.item())
 
+    def all_gather(self, value: object) -> list[object]:
+        """Every rank's picklable ``value``, by rank (``[value]`` at size 1); every rank must call
+        it. Over the control group, so its timeout bounds the wait for a rank that never comes."""
+        if self.size == 1:
+            return [value]
+        gathered: list[object] = [None] * self.size
+        dist.all_gather_object(gathered, value, group=self.control)
+        return gathered
+
 
 def pick_device(name: str, rank: int = 0, base_gpu_id: int = 0) -> torch.device:
     """The device of ``rank``: ``auto`` is CUDA when present; CUDA without an index means the

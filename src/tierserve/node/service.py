@@ -8,7 +8,7 @@ import grpc
 from google.protobuf import json_format, struct_pb2
 
 from tierserve.cache.events import KVEventPublisher
-from tierserve.core.storage import StorageAction, StorageBusyError, StorageKind
+from tierserve.core.storage import StorageAction, StorageAdminError, StorageBusyError, StorageKind
 from tierserve.engine.commands import FlushCache
 from tierserve.engine.loop import EngineLoop
 from tierserve.node.convert import identity
@@ -68,9 +68,11 @@ class NodeServicer(pb_grpc.NodeServiceServicer):
                        config: dict[str, Any] | None = None) -> pb.StorageStatus:
         try:
             kind = StorageKind.parse(backend) if backend else None
-            status = await self.loop.call(lambda e: e.storage_admin(action, kind, config))
+            status = await self.loop.storage_admin(action, kind, config)
         except StorageBusyError as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except StorageAdminError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except (ValueError, ImportError) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return storage_status(status)

@@ -1,6 +1,6 @@
-"""Test-only L3 faults for one rank: a store that shows fewer pages, fails reads past a count, or
-reads slowly (``docs/architecture.md``, multi-rank agreement). Enabled by the extra config's
-``fault_injection`` object, for the ranks it names; never in production configs."""
+"""Test-only L3 faults for one rank: a store that shows fewer pages, fails reads past a count,
+reads slowly, or cannot be reached at all (``docs/architecture.md``, multi-rank agreement). Enabled
+by the extra config's ``fault_injection`` object, for the ranks it names; never in production configs."""
 
 from __future__ import annotations
 
@@ -16,20 +16,23 @@ from tierserve.cache.storage.base import StorageBackend
 @dataclass(frozen=True)
 class StorageFaults:
     """``exists_cap``: a probe finds at most this many leading objects; ``get_cap``: a read call
-    fails every object after its first ``get_cap``; ``get_delay_s``: each read call sleeps first.
+    fails every object after its first ``get_cap``; ``get_delay_s``: each read call sleeps first;
+    ``unreachable``: creating the backend fails (as a store that refuses the rank's client would).
     ``ranks``: the ranks that suffer them."""
 
     ranks: tuple[int, ...] = ()
     exists_cap: int | None = None
     get_cap: int | None = None
     get_delay_s: float = 0.0
+    unreachable: bool = False
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> StorageFaults:
         """From the extra config's ``fault_injection`` object (none: no faults)."""
         raw = config.get("fault_injection") or {}
         cap = {k: int(raw[k]) for k in ("exists_cap", "get_cap") if raw.get(k) is not None}
-        return cls(tuple(int(r) for r in raw.get("ranks", ())), get_delay_s=float(raw.get("get_delay_s", 0.0)), **cap)
+        return cls(tuple(int(r) for r in raw.get("ranks", ())), get_delay_s=float(raw.get("get_delay_s", 0.0)),
+                   unreachable=bool(raw.get("unreachable", False)), **cap)
 
 
 class FaultyStorage(StorageBackend):
