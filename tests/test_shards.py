@@ -11,7 +11,7 @@ from tierserve.cache.device_pool import KVGeometry
 from tierserve.cache.hashing import page_keys
 from tierserve.cache.host_pool import HostKVPool, HostLayout
 from tierserve.cache.shard_io import ShardIO
-from tierserve.cache.shards import HeadRange, KVShard, covering, object_key, sources
+from tierserve.cache.shards import HeadRange, KVShard, covering, finer_chunks, object_key, sources
 from tierserve.cache.staging import page_io
 from tierserve.cache.storage.file import FileStorage
 
@@ -24,10 +24,11 @@ def _geometry(heads: int) -> KVGeometry:
     return KVGeometry(num_layers=2, num_kv_heads=heads, head_dim=3, page_size=2, dtype=torch.float32)
 
 
-def _shard(rank: int, size: int) -> KVShard:
+def _shard(rank: int, size: int, cluster: tuple[int, ...] = ()) -> KVShard:
     count = max(1, HEADS // size)
     start = rank * count if size <= HEADS else rank // (size // HEADS)
-    return KVShard(HeadRange(start, count, HEADS), rank, size <= HEADS or rank % (size // HEADS) == 0)
+    heads = HeadRange(start, count, HEADS)
+    return KVShard(heads, rank, size <= HEADS or rank % (size // HEADS) == 0, finer=finer_chunks(heads, cluster))
 
 
 def _pool(shard: KVShard, layout: HostLayout) -> tuple[HostKVPool, ShardIO]:
@@ -50,9 +51,9 @@ def test_names_and_sources() -> None:
         HeadRange(3, 2, 4)
 
 
-def _write(store: FileStorage, size: int, ref: torch.Tensor, layout: HostLayout) -> None:
+def _write(store: FileStorage, size: int, ref: torch.Tensor, layout: HostLayout, cluster: tuple[int, ...] = ()) -> None:
     for rank in range(size):
-        host, io = _pool(_shard(rank, size), layout)
+        host, io = _pool(_shard(rank, size, cluster), layout)
         h = io.shard.heads
         host.run_all_layers(0, PAGES).copy_(ref[..., h.start : h.end, :])
         assert all(io.set_from(store, KEYS, list(range(PAGES))))
@@ -72,6 +73,59 @@ def test_every_tp_size_reads_every_other(tmp_path: Path, writer: int, reader: in
         assert all(io.get_into(store, source, KEYS, pages))
         h = io.shard.heads
         assert torch.equal(host.run_all_layers(0, PAGES)[:, :, pages], ref[..., h.start : h.end, :])
+
+
+def test_finer_chunks_are_the_smaller_shares_that_tile_a_range() -> None:
+    from tierserve.cache.factory import cluster_shard
+
+    assert finer_chunks(HeadRange(0, 4, 4), [1, 2, 4, 8]) == (2, 1)  # TP 8 ranks replicate single heads
+    assert finer_chunks(HeadRange(2, 2, 4), [1, 2, 4]) == (1,)
+    assert finer_chunks(HeadRange(0, 4, 4), [1]) == finer_chunks(HeadRange(0, 1, 4), [1, 2, 4]) == ()
+    assert finer_chunks(HeadRange(4, 4, 8), [1, 2, 4]) == (2,)  # the TP=1 share is larger: not written
+    assert cluster_shard(KVShard.whole(4), {"l3_tp_sizes": [1, 2]}).finer == (2,)
+    assert cluster_shard(KVShard.whole(4), {}).finer == ()
+    for bad in ([0], "2", [1.5]):
+        with pytest.raises(ValueError):
+            cluster_shard(KVShard.whole(4), {"l3_tp_sizes": bad})
+
+
+@pytest.mark.parametrize("layout", [HostLayout.PAGE_FIRST_DIRECT, HostLayout.LAYER_FIRST])
+def test_a_writer_told_the_cluster_tp_sizes_stores_their_shares(tmp_path: Path, layout: HostLayout) -> None:
+    """A TP=1 writer told TP sizes 1, 2 and 4 also stores halves and quarters of every page: the
+    TP=2 and TP=4 ranks read them as their own objects (direct, zero-copy), the same bytes."""
+    store, ref = FileStorage(tmp_path), _reference()
+    _write(store, 1, ref, layout, cluster=(1, 2, 4))
+    for size in (1, 2, 4):
+        for rank in range(size):
+            host, io = _pool(_shard(rank, size), layout)
+            probed, source = io.probe(store, KEYS)
+            assert probed == PAGES and source.direct and source == io.own
+            pages = [2, 4, 0, 1, 3]
+            assert all(io.get_into(store, source, KEYS, pages))
+            h = io.shard.heads
+            assert torch.equal(host.run_all_layers(0, PAGES)[:, :, pages], ref[..., h.start : h.end, :])
+
+
+def test_finer_objects_only_for_pages_whose_own_object_stored(tmp_path: Path) -> None:
+    """A page whose own object the store refused gets no finer objects: they would outlive it."""
+    store = Refusing(tmp_path, refuse=KEYS[2])
+    _, writer = _pool(_shard(0, 1, cluster=(2,)), HostLayout.PAGE_FIRST_DIRECT)
+    assert writer.set_from(store, KEYS, list(range(PAGES))) == [True, True, False, True, True]
+    for rank in (0, 1):
+        _, io = _pool(_shard(rank, 2), HostLayout.PAGE_FIRST_DIRECT)
+        assert store.exists_each(io.own.keys(KEYS)) == [True, True, False, True, True]
+
+
+class Refusing(FileStorage):
+    """Refuses to store one key."""
+
+    def __init__(self, directory: Path, refuse: bytes) -> None:
+        super().__init__(directory)
+        self.refuse = refuse
+
+    def batch_set_from(self, keys: list[bytes], spans: list[torch.Tensor]) -> list[bool]:
+        return [k != self.refuse and super(Refusing, self).batch_set_from([k], [s])[0]
+                for k, s in zip(keys, spans, strict=True)]
 
 
 def test_probe_takes_the_longest_run(tmp_path: Path) -> None:

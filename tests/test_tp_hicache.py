@@ -1,8 +1,8 @@
 """HiCache on every rank of ``tierserve serve --tp-size N`` through the OpenAI API, with a real
 ``mooncake_master``: at TP=2, answers served from L1, L2 and L3 equal ``transformers``' (no cache);
 L3 pages written at one TP size are read at another (TP 2 -> 1 and 4, TP 1 and 4 -> 2), at least
-90% of the prompt from storage, with the same answer; a rank whose store shows fewer pages shortens
-the node's L3 hit."""
+90% of the prompt from storage, with the same answer, also from the finer objects a writer told the
+cluster's TP sizes stores; a rank whose store shows fewer pages shortens the node's L3 hit."""
 
 from __future__ import annotations
 
@@ -59,17 +59,19 @@ def master(tmp_path: Path) -> Iterator[MasterProcess]:
     master.kill()
 
 
-def hicache_flags(master: MasterProcess, max_tokens: int = 2048, faults: dict | None = None) -> list[str]:
+def hicache_flags(master: MasterProcess, max_tokens: int = 2048, faults: dict | None = None,
+                  tp_sizes: list[int] | None = None) -> list[str]:
     l3 = {"master_server_address": master.address, "global_segment_size": 64 << 20, "local_buffer_size": 16 << 20,
-          "prefetch_threshold": 2 * PAGE, "fault_injection": faults}
+          "prefetch_threshold": 2 * PAGE, "fault_injection": faults, "l3_tp_sizes": tp_sizes}
     return ["--enable-hierarchical-cache", "--hicache-storage-backend", "mooncake",
             "--hicache-storage-backend-extra-config", json.dumps(l3), "--hicache-storage-prefetch-policy",
             "wait_complete", "--max-total-tokens", str(max_tokens)]
 
 
 def serve(model: Path, tp_size: int, log: Path, master: MasterProcess, max_tokens: int = 2048,
-          faults: dict | None = None) -> TPServer:
-    return start_server(model, tp_size, log, *hicache_flags(master, max_tokens, faults)).wait_healthy()
+          faults: dict | None = None, tp_sizes: list[int] | None = None) -> TPServer:
+    flags = hicache_flags(master, max_tokens, faults, tp_sizes)
+    return start_server(model, tp_size, log, *flags).wait_healthy()
 
 
 def complete(server: TPServer, model: Path, prompt: list[int]) -> tuple[list[int], dict[str, int]]:
@@ -146,6 +148,37 @@ def test_l3_pages_are_read_across_tp_sizes(model, asked, expected, master, tmp_p
             assert tiers["storage"] >= 0.9 * PROMPT_TOKENS, (writer_tp, tp, tiers)
     finally:
         writer.stop()
+
+
+def test_a_tp1_writer_told_the_cluster_tp_sizes_stores_halves_that_tp2_ranks_read(model, asked, expected, master,
+                                                                                    tmp_path: Path) -> None:
+    """A TP=1 node with ``l3_tp_sizes`` [1, 2] stores every page whole and in halves; with the
+    whole objects removed, a TP=2 node still takes the prompt from L3, from the halves alone."""
+    writer = serve(model, 1, tmp_path / "writer.log", master, tp_sizes=[1, 2])
+    try:
+        assert complete(writer, model, asked[3])[0] == expected[3]
+        keys = page_keys(seed(model), asked[3][: PROMPT_TOKENS // PAGE * PAGE], PAGE)
+        wait_in_l3(master, keys + [object_key(k, HeadRange(h, 2, KV_HEADS)) for k in keys for h in (0, 2)])
+        remove_from_l3(master, keys)
+        reader = serve(model, 2, tmp_path / "reader.log", master)
+        try:
+            answer, tiers = complete(reader, model, asked[3])
+        finally:
+            reader.stop()
+        assert answer == expected[3] and tiers["storage"] >= 0.9 * PROMPT_TOKENS, tiers
+    finally:
+        writer.stop()
+
+
+def remove_from_l3(master: MasterProcess, names: list[bytes]) -> None:
+    """Removes objects (the backend has no such call: a cache never removes one page)."""
+    store = MooncakeStorage(master.address, global_segment_size=0, local_buffer_size=16 << 20)
+    try:
+        codes = store._call(lambda s: s.batch_remove([store.prefix + k.hex() for k in names], True))
+        assert all(c == 0 for c in codes), codes
+        assert store.exists_each(names) == [False] * len(names)
+    finally:
+        store.close()
 
 
 def test_a_rank_that_sees_fewer_l3_pages_shortens_the_hit_of_the_node(model, asked, expected, master,

@@ -12,7 +12,8 @@ The model is a random Llama (hidden 512, 4 layers, 8 heads, 4 KV heads of 64, fl
 KV per token) with the word tokenizer of ``tests/tiny_models.py``. Logs go to ``--logs``.
 
     .venv/bin/python benchmarks/tp [--prompt-tokens 1536] [--decode-tokens 64] [--decode-batch 4] \\
-        [--repeats 5] [--l3-repeats 15] [--handoff-repeats 9] [--rpc-repeats 5] [--only serving l3 handoff]
+        [--repeats 5] [--l3-repeats 15] [--l3-write-repeats 5] [--l3-plain] [--handoff-repeats 9] \\
+        [--rpc-repeats 5] [--only serving l3 handoff]
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ def main() -> None:
     parser.add_argument("--decode-batch", type=int, default=4, help="concurrent decode streams")
     parser.add_argument("--repeats", type=int, default=5, help="serving rounds")
     parser.add_argument("--l3-repeats", type=int, default=15)
+    parser.add_argument("--l3-write-repeats", type=int, default=5, help="L3 rounds that also time writes")
+    parser.add_argument("--l3-plain", action="store_true",
+                        help="L3 writers not told the cluster's TP sizes (no half-page objects)")
     parser.add_argument("--handoff-repeats", type=int, default=9)
     parser.add_argument("--rpc-repeats", type=int, default=5, help="Prefill RPC rounds (0: skip)")
     parser.add_argument("--only", nargs="+", choices=["serving", "l3", "handoff"], default=["serving", "l3", "handoff"])
@@ -55,7 +59,8 @@ def main() -> None:
         rounds = tp_serving.measure(model, logs, s_args)
         out += ["", "### 1. Throughput, TP=2 vs TP=1", "", *tp_serving.report(rounds, s_args)]
     if "l3" in args.only:
-        rounds, facts = tp_l3.measure(model, shape, logs, args.prompt_tokens, args.l3_repeats)
+        l3_args = tp_l3.L3Args(args.prompt_tokens, args.l3_repeats, args.l3_write_repeats, args.l3_plain)
+        rounds, facts = tp_l3.measure(model, shape, logs, l3_args)
         out += ["", "### 2. L3 read across TP sizes", "", *tp_l3.report(rounds, facts)]
     if "handoff" in args.only:
         wire, rpc = tp_handoff.measure(model, shape, logs, args.prompt_tokens, args.handoff_repeats, args.rpc_repeats)

@@ -16,10 +16,17 @@ client (no segment of its own), into host pools shaped like a rank's:
 
 Both readers of a prompt end with the same bytes (every KV head of every page), so cross / same
 per page-byte is the ratio of times, same / cross (target >= 0.7).
+
+The writers are told the cluster's TP sizes (extra config ``l3_tp_sizes`` [1, 2]), so the TP=1
+writer also stores every page in halves, which the TP=2 ranks read as their own objects; with
+``plain`` they are not (one object per page and rank: the TP=2 ranks read whole pages and keep
+half). The write rounds time what that costs the TP=1 writer: ``ShardIO.set_from`` of all the
+pages under fresh keys, with and without the halves.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass
@@ -52,8 +59,12 @@ class Reader:
     sources: list[Source]
 
 
-def writer_flags(master: MasterProcess, prompt_tokens: int) -> list[str]:
-    l3 = {"master_server_address": master.address, "global_segment_size": 256 << 20, "local_buffer_size": 32 << 20}
+CLUSTER_TP_SIZES = [1, 2]  # what the writers are told unless plain
+
+
+def writer_flags(master: MasterProcess, prompt_tokens: int, plain: bool) -> list[str]:
+    l3 = {"master_server_address": master.address, "global_segment_size": 256 << 20, "local_buffer_size": 32 << 20,
+          "l3_tp_sizes": [] if plain else CLUSTER_TP_SIZES}
     return ["--enable-hierarchical-cache", "--hicache-storage-backend", "mooncake",
             "--hicache-storage-backend-extra-config", json.dumps(l3), "--max-total-tokens", "8192",
             "--chunked-prefill-size", str(max(prompt_tokens, 512))]
@@ -75,19 +86,20 @@ def wait_stored(store: MooncakeStorage, names: list[bytes]) -> None:
 
 
 def write_prompt(model: Path, shape: ModelShape, master: MasterProcess, store: MooncakeStorage, tp: int,
-                 tokens: list[int], log: Path) -> list[bytes]:
+                 tokens: list[int], log: Path, plain: bool) -> list[bytes]:
     """A ``tp``-rank node computes ``tokens`` and backs its pages up; returns their page keys."""
     import httpx
 
-    node = ServeProcess(model, tp, log, *writer_flags(master, len(tokens)))
+    node = ServeProcess(model, tp, log, *writer_flags(master, len(tokens), plain))
     _NODES.append(node)  # stays up to the end: its segment holds the objects
     node.wait_healthy()
     body = {"model": model.name, "prompt": tokens, "max_tokens": 1, "temperature": 0}
     httpx.post(f"{node.url}/v1/completions", json=body, timeout=600).raise_for_status()
     keys = keys_of(model, shape, tokens)
-    count = shape.kv_heads // tp
-    wait_stored(store, [object_key(k, HeadRange(h, count, shape.kv_heads))
-                        for k in keys for h in range(0, shape.kv_heads, count)])
+    told = [tp] if plain else [t for t in CLUSTER_TP_SIZES if t >= tp]  # its own share, then the finer ones
+    counts = {shape.kv_heads // t for t in told}
+    wait_stored(store, [object_key(k, HeadRange(h, c, shape.kv_heads))
+                        for c in counts for k in keys for h in range(0, shape.kv_heads, c)])
     return keys
 
 
@@ -127,31 +139,53 @@ def read(store: MooncakeStorage, node: Reader, keys: list[bytes]) -> float:
     return time.perf_counter() - start
 
 
+def write(store: MooncakeStorage, io: ShardIO, keys: list[bytes]) -> float:
+    """One backup of every host page of ``io`` under ``keys`` (new names), as ``StorageTier`` does it."""
+    start = time.perf_counter()
+    if not all(io.set_from(store, keys, list(range(len(keys))))):
+        raise RuntimeError("an L3 write failed")
+    return time.perf_counter() - start
+
+
 def whole_pages(node: Reader) -> torch.Tensor:
     """The reader's host pages with every rank's heads side by side: [pages, L, 2, page, heads, dim]."""
     views = [io.host.run_all_layers(0, io.host.num_pages) for io in node.ranks]
     return torch.cat([v.movedim(2, 0) for v in views], dim=-2)
 
 
-def measure(model: Path, shape: ModelShape, logs: Path, prompt_tokens: int, repeats: int
+@dataclass(frozen=True)
+class L3Args:
+    prompt_tokens: int
+    repeats: int
+    write_repeats: int  # rounds that also time writes (each stores 3 pages' worth per page: segments are finite)
+    plain: bool
+
+
+def measure(model: Path, shape: ModelShape, logs: Path, args: L3Args
             ) -> tuple[list[dict[str, float]], dict[str, float]]:
     master = MasterProcess(logs / "mooncake_master.log").start()
     store = None
     try:
         store = MooncakeStorage(master.address, global_segment_size=0, local_buffer_size=32 << 20)
-        written = {tp: write_prompt(model, shape, master, store, tp, prompt(prompt_tokens, 900 + tp), logs /
-                                    f"l3-writer-tp{tp}.log") for tp in (2, 1)}
+        written = {tp: write_prompt(model, shape, master, store, tp, prompt(args.prompt_tokens, 900 + tp), logs /
+                                    f"l3-writer-tp{tp}.log", args.plain) for tp in (2, 1)}
         pages = len(written[1])
         readers = {tp: reader(store, shape, tp, pages) for tp in (1, 2)}
+        plain_io = readers[1].ranks[0]  # holds the TP=1 prompt's pages once read: the TP=1 writer's
+        writers = {"write_whole": plain_io, "write_with_halves": ShardIO(
+            plain_io.host, plain_io.io, dataclasses.replace(plain_io.shard, finer=(shape.kv_heads // 2,)))}
         cases = {"from_tp2_cross": (readers[1], written[2]), "from_tp2_same": (readers[2], written[2]),
                  "from_tp1_cross": (readers[2], written[1]), "from_tp1_same": (readers[1], written[1])}
         rounds = []
-        for turn in range(repeats + 1):
+        for turn in range(args.repeats + 1):
             sample: dict[str, float] = {}
             for name in rotated(list(cases), turn):
                 node, keys = cases[name]
                 sample[f"probe_{name}"] = probe(store, node, keys)
                 sample[name] = read(store, node, keys)
+            for name in rotated(list(writers), turn) if turn <= args.write_repeats else []:
+                fresh = page_keys(f"{name}-{turn}".encode(), list(range(pages * PAGE)), PAGE)
+                sample[name] = write(store, writers[name], fresh)
             if turn == 0:
                 _check_same_bytes(store, readers, written)
             print(f"  L3 {'warm-up' if not turn else f'round {turn}'} (ms): "
@@ -191,8 +225,13 @@ def report(rounds: list[dict[str, float]], facts: dict[str, float]) -> list[str]
                         f"| {gb / median(rounds, key):.2f} | {median(rounds, 'probe_' + key) * 1e3:.2f} |")
     ratios = [f"| **cross / same per page-byte, TP=2 pages** (TP=1 reader vs TP=2 reader) "
               f"| **{median_ratio(rounds, 'from_tp2_same', 'from_tp2_cross'):.2f}** |",
-              f"| cross / same per page-byte, TP=1 pages (TP=2 reader vs TP=1 reader) "
-              f"| {median_ratio(rounds, 'from_tp1_same', 'from_tp1_cross'):.2f} |"]
+              f"| **cross / same per page-byte, TP=1 pages** (TP=2 reader vs TP=1 reader) "
+              f"| **{median_ratio(rounds, 'from_tp1_same', 'from_tp1_cross'):.2f}** |"]
+    timed = [r for r in rounds if "write_whole" in r]
+    if timed:
+        ms = f"{median(timed, 'write_with_halves') * 1e3:.1f} / {median(timed, 'write_whole') * 1e3:.1f}"
+        ratios.append(f"| TP=1 writer, write time with halves / whole only (ms: {ms}; {len(timed)} rounds) "
+                      f"| {median_ratio(timed, 'write_with_halves', 'write_whole'):.2f} |")
     return [f"{facts['pages']:.0f} pages of {PAGE} tokens per prompt ({mib:.1f} MiB of KV); medians of "
             f"{len(rounds)} rounds; ratios: medians of the per-round ratios of read times", "", *rows, "",
             "| ratio | value |", "|---|---:|", *ratios]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from tierserve.cache.agreement import Agreement, SingleRank
@@ -13,13 +14,15 @@ from tierserve.cache.host_pool import HostKVPool
 from tierserve.cache.options import CacheKind, HiCacheOptions
 from tierserve.cache.prefetch import PrefetchOptions
 from tierserve.cache.radix_cache import RadixCache
-from tierserve.cache.shards import KVShard
+from tierserve.cache.shards import KVShard, finer_chunks
 from tierserve.cache.storage import StorageBackend, StorageError, create_backend
 from tierserve.cache.storage.faulty import FaultyStorage, StorageFaults
 from tierserve.core.storage import StorageKind
 
 # Test-only extra-config key: each rank applies its own L3 view, unagreed (ranks then diverge).
 SKIP_AGREEMENT = "unsafe_skip_agreement"
+# Extra-config key: the TP sizes of the nodes sharing this L3 (docs/architecture.md, L3 across TP sizes).
+L3_TP_SIZES = "l3_tp_sizes"
 
 
 def build_cache(kind: CacheKind, allocator: PageAllocator, pool: DeviceKVPool, seed: bytes,
@@ -36,7 +39,7 @@ def build_cache(kind: CacheKind, allocator: PageAllocator, pool: DeviceKVPool, s
     if kind is CacheKind.RADIX:
         return RadixCache(allocator, pool.page_size, seed)
     agreement = agreement or SingleRank()
-    shard = shard or KVShard.whole(pool.geometry.num_kv_heads)
+    shard = cluster_shard(shard or KVShard.whole(pool.geometry.num_kv_heads), options.storage_config)
     pinned = pool.buffer.device.type == "cuda"  # pinned host memory: asynchronous device copies
     # host page ids are the same on every rank, so every rank's L2 has the smallest rank's count
     num_host = agreement.min([host_pages(options, pool)])[0]
@@ -46,6 +49,15 @@ def build_cache(kind: CacheKind, allocator: PageAllocator, pool: DeviceKVPool, s
     if options.storage_config.get(SKIP_AGREEMENT):  # test-only: shows what the agreement prevents
         agreement = SingleRank()
     return HiCache(allocator, pool, host, seed, hicache_config(options), storage, agreement, shard)
+
+
+def cluster_shard(shard: KVShard, config: dict) -> KVShard:
+    """``shard`` with the finer objects it also writes for the ranks of the extra config's
+    ``l3_tp_sizes`` that hold fewer heads (none without the key: one object per page and rank)."""
+    sizes = config.get(L3_TP_SIZES) or []
+    if not isinstance(sizes, list) or not all(isinstance(t, int) for t in sizes):
+        raise ValueError(f"{L3_TP_SIZES} must be a list of TP sizes, not {sizes!r}")
+    return dataclasses.replace(shard, finer=finer_chunks(shard.heads, sizes))
 
 
 def rank_backend(kind: StorageKind | str, extra: dict[str, Any], shard: KVShard) -> StorageBackend:

@@ -4,20 +4,47 @@ whatever objects another TP size wrote (``docs/architecture.md``, L3 across TP s
 Where the objects are exactly the rank's range, reads and writes go through the host pool's
 ``PageIO`` (zero-copy in the page-first layouts). Otherwise each object lands in a staging buffer
 shaped like it and the rank's heads are copied out of it into the host page: one staging copy.
+A writer with ``KVShard.finer`` chunk sizes also copies each of its pages' chunks into staging and
+stores them as their own objects, for the ranks of smaller TP shares to read zero-copy.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
+from collections.abc import Callable, Iterator
 
 import torch
 
 from tierserve.cache.host_pool import HostKVPool
 from tierserve.cache.options import HostLayout
-from tierserve.cache.shards import HeadRange, KVShard, Source, sources
+from tierserve.cache.shards import HeadRange, KVShard, Source, covering, sources
 from tierserve.cache.staging import STAGING_PAGES, PageIO
 from tierserve.cache.storage import StorageBackend
+
+
+class _Staging:
+    """Staging pools of objects of some head count in the object byte order (page-first, as
+    ``staging`` writes ``layer_first`` pools), one per head count, grown, never shrunk; ``lock``
+    guards their contents for one call. A new pool is attached to the store at once: a zero-copy
+    store (Mooncake) would otherwise register it inside the first transfer, on the caller's clock."""
+
+    def __init__(self, host: HostKVPool) -> None:
+        self.host = host
+        self.lock = threading.Lock()
+        self._pools: dict[int, HostKVPool] = {}
+
+    def pool(self, storage: StorageBackend, heads: int, objects: int) -> HostKVPool:
+        """A pool of at least ``objects`` objects of ``heads`` heads, attached to ``storage``."""
+        pool = self._pools.get(heads)
+        if pool is None or pool.num_pages < objects:
+            layout = HostLayout.PAGE_FIRST if self.host.layout is HostLayout.LAYER_FIRST else self.host.layout
+            geometry = dataclasses.replace(self.host.geometry, num_kv_heads=heads)
+            pool = HostKVPool(geometry, max(objects, STAGING_PAGES), layout, pin_memory=self.host.buffer.is_pinned())
+            storage.attach_host_buffer(pool.buffer)
+            self._pools[heads] = pool
+        return pool
 
 
 class ShardIO:
@@ -30,8 +57,9 @@ class ShardIO:
                              f"{shard.heads.count}")
         self.host, self.io, self.shard = host, io, shard
         self.own, *self._others = sources(shard.heads)  # own range first; the rest only when it lacks pages
-        self._staging: dict[int, HostKVPool] = {}  # by object heads, allocated once each
-        self._lock = threading.Lock()
+        self.finer = [covering(shard.heads, c) for c in shard.finer]
+        # reads (prefetch lane) and writes (backup lane) never wait for each other's staging
+        self._reads, self._writes = _Staging(host), _Staging(host)
 
     @property
     def buffer(self) -> torch.Tensor:
@@ -64,10 +92,17 @@ class ShardIO:
         return found
 
     def set_from(self, storage: StorageBackend, page_keys: list[bytes], host_pages: list[int]) -> list[bool]:
-        """Stores this rank's heads of each page; a replica that does not write reports success."""
+        """Stores this rank's heads of each page, then the finer objects of the pages stored; the
+        result is the own objects' (a finer object is a shortcut: without it readers fall back on
+        the own object). A replica that does not write reports success."""
         if not self.shard.writes:
             return [True] * len(page_keys)
-        return self.io.set_from(storage, self.own.keys(page_keys), host_pages)
+        ok = self.io.set_from(storage, self.own.keys(page_keys), host_pages)
+        stored = [(k, p) for k, p, good in zip(page_keys, host_pages, ok, strict=True) if good]
+        for source in self.finer:
+            put = functools.partial(self._put, storage, source)
+            self._in_calls(self._writes, source, stored, put)
+        return ok
 
     def exists(self, storage: StorageBackend, page_keys: list[bytes]) -> int:
         """Leading pages whose own-range object is stored (a backup skips those)."""
@@ -78,45 +113,54 @@ class ShardIO:
         """Reads this rank's heads of each page from ``source``'s objects; per-page success."""
         if source.direct:
             return self.io.get_into(storage, source.keys(page_keys), host_pages)
-        with self._lock:
-            per_call = max(1, STAGING_PAGES // len(source.objects))
-            ok: list[bool] = []
-            for at in range(0, len(page_keys), per_call):
-                ok += self._staged(storage, source, page_keys[at : at + per_call], host_pages[at : at + per_call])
-            return ok
+        pages = list(zip(page_keys, host_pages, strict=True))
+        return self._in_calls(self._reads, source, pages, lambda keys, hosts: self._get(storage, source, keys, hosts))
 
-    def _staged(self, storage: StorageBackend, source: Source, page_keys: list[bytes],
-                host_pages: list[int]) -> list[bool]:
-        """One backend call into the staging buffer, then this rank's heads out of it."""
-        staging = self._buffer(storage, source.objects[0].count, len(page_keys) * len(source.objects))
+    @staticmethod
+    def _in_calls(staging: _Staging, source: Source, pages: list[tuple[bytes, int]],
+                  call: Callable[[list[bytes], list[int]], list[bool]]) -> list[bool]:
+        """Runs ``call(page keys, host pages)`` on as many pages at a time as ``staging`` holds
+        objects of ``source``, under its lock; the per-page results in order."""
+        per_call = max(1, STAGING_PAGES // len(source.objects))
+        ok: list[bool] = []
+        with staging.lock:
+            for at in range(0, len(pages), per_call):
+                chunk = pages[at : at + per_call]
+                ok += call([k for k, _ in chunk], [p for _, p in chunk])
+        return ok
+
+    def _get(self, storage: StorageBackend, source: Source, page_keys: list[bytes],
+             host_pages: list[int]) -> list[bool]:
+        """One backend call into the read staging buffer, then this rank's heads out of it."""
         n = len(source.objects)
+        staging = self._reads.pool(storage, source.objects[0].count, len(page_keys) * n)
         got = storage.batch_get_into(source.keys(page_keys), [staging.page_span(i) for i in range(len(page_keys) * n)])
         ok = [all(got[i * n : (i + 1) * n]) for i in range(len(page_keys))]
         for i, page in enumerate(host_pages):
             if ok[i]:
-                self._copy_heads(staging, i * n, source.objects, page)
+                for host, staged in self._overlaps(staging, i * n, source.objects, page):
+                    host.copy_(staged)
         return ok
 
-    def _copy_heads(self, staging: HostKVPool, first: int, objects: tuple[HeadRange, ...], page: int) -> None:
-        """Copies the overlap of each object (staging page ``first + j``) with this rank's heads
-        into host page ``page``; views are [L, 2, 1, page_size, heads, head_dim]."""
+    def _put(self, storage: StorageBackend, source: Source, page_keys: list[bytes],
+             host_pages: list[int]) -> list[bool]:
+        """This rank's heads of each page into the write staging buffer cut as ``source``'s
+        objects, then one backend call storing them; per-page success."""
+        n = len(source.objects)
+        staging = self._writes.pool(storage, source.objects[0].count, len(page_keys) * n)
+        for i, page in enumerate(host_pages):
+            for host, staged in self._overlaps(staging, i * n, source.objects, page):
+                staged.copy_(host)
+        put = storage.batch_set_from(source.keys(page_keys), [staging.page_span(i) for i in range(len(page_keys) * n)])
+        return [all(put[i * n : (i + 1) * n]) for i in range(len(page_keys))]
+
+    def _overlaps(self, staging: HostKVPool, first: int, objects: tuple[HeadRange, ...],
+                  page: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """For each object (staging page ``first + j``), its overlap with this rank's heads as
+        (host page ``page`` view, staging view), both [L, 2, 1, page_size, heads, head_dim]."""
         mine = self.shard.heads
         dst = self.host.run_all_layers(page, 1)
         for j, obj in enumerate(objects):
             lo, hi = max(mine.start, obj.start), min(mine.end, obj.end)
             src = staging.run_all_layers(first + j, 1)
-            dst[..., lo - mine.start : hi - mine.start, :].copy_(src[..., lo - obj.start : hi - obj.start, :])
-
-    def _buffer(self, storage: StorageBackend, heads: int, objects: int) -> HostKVPool:
-        """A staging pool of objects of ``heads`` heads in the object byte order (page-first, as
-        ``staging`` writes ``layer_first`` pools); grown, never shrunk. A new one is attached to
-        ``storage`` at once: a zero-copy store (Mooncake) would otherwise register it inside the
-        first read, on the prefetch's clock."""
-        pool = self._staging.get(heads)
-        if pool is None or pool.num_pages < objects:
-            layout = HostLayout.PAGE_FIRST if self.host.layout is HostLayout.LAYER_FIRST else self.host.layout
-            geometry = dataclasses.replace(self.host.geometry, num_kv_heads=heads)
-            pool = HostKVPool(geometry, max(objects, STAGING_PAGES), layout, pin_memory=self.host.buffer.is_pinned())
-            storage.attach_host_buffer(pool.buffer)
-            self._staging[heads] = pool
-        return pool
+            yield dst[..., lo - mine.start : hi - mine.start, :], src[..., lo - obj.start : hi - obj.start, :]

@@ -6,12 +6,15 @@ A page of KV is stored in L3 as one object per head range: the rank holding KV h
 range)``. The whole range keeps the page key itself, so a single-rank node's objects are named as
 before. Ranges are aligned chunks whose size divides ``total`` (that is what every TP size makes),
 so a reader of any TP size finds the objects covering its heads among ``covering`` chunk sizes.
+A writer told the TP sizes of the nodes sharing its L3 also stores its range cut into their ranks'
+smaller shares (``finer_chunks``), which those ranks then read as their own.
 """
 
 from __future__ import annotations
 
 import hashlib
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 
@@ -41,12 +44,14 @@ class KVShard:
     """One rank's share of every page: its ``heads`` and whether it ``writes`` their L3 objects
     (ranks that replicate a KV head, when the TP size exceeds the KV heads, leave it to the first of
     them), among the node's ``ranks``. ``rank`` names the rank for per-rank settings (its share of
-    the node's L3 segment, test faults), never for a cache decision."""
+    the node's L3 segment, test faults), never for a cache decision. ``finer``: head counts of the
+    extra objects a writer also stores inside its range, largest first (``finer_chunks``)."""
 
     heads: HeadRange
     rank: int = 0
     writes: bool = True
     ranks: int = 1
+    finer: tuple[int, ...] = ()
 
     @classmethod
     def whole(cls, num_kv_heads: int) -> KVShard:
@@ -90,3 +95,19 @@ def sources(mine: HeadRange) -> list[Source]:
     smaller = sorted((c for c in sizes if c < mine.count), reverse=True)
     order = [mine.count, *larger, *smaller]
     return [covering(mine, c) for c in order]
+
+
+def rank_heads(total: int, tp_size: int) -> int:
+    """KV heads one rank holds at ``tp_size`` (ranks beyond the KV heads each replicate one)."""
+    if tp_size < 1:
+        raise ValueError(f"a TP size is at least 1, not {tp_size}")
+    return max(1, total // tp_size)
+
+
+def finer_chunks(mine: HeadRange, tp_sizes: Iterable[int]) -> tuple[int, ...]:
+    """The rank shares at ``tp_sizes`` smaller than ``mine`` that tile it as aligned chunks,
+    largest first: the objects a writer of ``mine`` stores besides its own so that those ranks
+    read their heads zero-copy instead of fetching ``mine`` whole and dropping the rest."""
+    counts = {rank_heads(mine.total, t) for t in tp_sizes}
+    return tuple(sorted((c for c in counts if c < mine.count and mine.count % c == 0 and mine.total % c == 0),
+                        reverse=True))
