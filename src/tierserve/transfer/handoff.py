@@ -103,8 +103,9 @@ class KVHandoff:
     """Sends tokens ``[dst_start, prompt_len)`` of every layer from ``src`` pages into ``dst_pages``
     along each of ``routes`` (one batch per route and layer; no routes: nothing to send, e.g. a
     rank whose KV head another rank sends); routes that gather go through ``gatherer``'s staging
-    when one is given (``transfer/staging.py``). For fault tests: ``fault_rate`` makes exactly that share of handoffs (every
-    1/rate-th) fail for real (one block aimed at an address the peer never registered), and
+    when one is given (``transfer/staging.py``). For fault tests: ``fault_rate`` makes exactly that
+    share of handoffs (every 1/rate-th) fail for real (one block aimed at an address the peer never
+    registered), and
     ``fault_delay_s`` holds the first batch that long before it is written, as a slow link would:
     a ``cancel`` meanwhile does not stop it, as it cannot stop a batch already on the wire."""
 
