@@ -159,15 +159,13 @@ class Recording(FileStorage):
 
 
 def test_each_rank_gets_its_share_of_the_segment_and_its_faults(tmp_path: Path) -> None:
-    from tierserve.cache.factory import _backend
-    from tierserve.cache.options import HiCacheOptions
+    from tierserve.cache.factory import rank_backend
     from tierserve.cache.storage.faulty import FaultyStorage
 
     config = {"module_path": __name__, "class_name": "Recording", "path": str(tmp_path),
               "global_segment_size": 1000, "fault_injection": {"ranks": [1], "exists_cap": 2}}
-    options = HiCacheOptions(storage_backend="dynamic", storage_config=config)
-    rank0 = _backend(options, KVShard(HeadRange(0, 2, HEADS), 0, True, 2))
-    rank1 = _backend(options, KVShard(HeadRange(2, 2, HEADS), 1, True, 2))
+    rank0 = rank_backend("dynamic", config, KVShard(HeadRange(0, 2, HEADS), 0, True, 2))
+    rank1 = rank_backend("dynamic", config, KVShard(HeadRange(2, 2, HEADS), 1, True, 2))
     assert isinstance(rank0, Recording) and rank0.config["global_segment_size"] == 500
     assert isinstance(rank1, FaultyStorage) and rank1.faults.exists_cap == 2
     _, io = _pool(_shard(0, 1), HostLayout.PAGE_FIRST_DIRECT)

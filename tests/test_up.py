@@ -136,6 +136,21 @@ def test_up_gives_each_node_a_share_of_the_l3_size_and_the_users_segment_size_wi
     assert node.hicache_storage_backend_extra_config["global_segment_size"] == 1048576
 
 
+def test_nodes_of_two_tp_sizes_write_the_l3_objects_of_both(monkeypatch) -> None:
+    """``--prefill-tp-size 2 --decode-tp-size 1``: every node also writes the other size's objects,
+    so a TP=2 rank reads what a TP=1 node wrote zero-copy (``l3_tp_sizes``); one size: nothing extra."""
+    plans: list[ClusterPlan] = []
+    monkeypatch.setattr(launch, "up", lambda plan, announce: plans.append(plan) or 0)
+    monkeypatch.setattr(cli_up, "model_dir", lambda _: Path("/m"))
+    monkeypatch.setattr("tierserve.model.parallel.misfit", lambda model, size: None)  # no model at /m
+    extra = ["--hicache-storage-backend-extra-config"]
+    for args, sizes in ((["--prefill-tp-size", "2"], [1, 2]), ([], None),
+                        (["--decode-tp-size", "4", *extra, '{"l3_tp_sizes": [4]}'], [4])):
+        assert cli_up.cmd_up(build_parser().parse_args(["up", "--model", "m", *args])) == 0
+        node = build_parser().parse_args(["prefill", *launch.l3_flags(plans[-1], 5555)])
+        assert node.hicache_storage_backend_extra_config.get("l3_tp_sizes") == sizes
+
+
 def test_restart_and_state_file_flags_reach_the_plan(monkeypatch, capsys) -> None:
     plans: list[ClusterPlan] = []
     monkeypatch.setattr(launch, "up", lambda plan, announce: plans.append(plan) or 0)
