@@ -13,7 +13,7 @@ WHEELS=(fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic_core==2.50.
         openai==3.57.0 jiter==0.19.0 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 sniffio==1.3.1
         nvidia-cuda-runtime-cu12 mooncake-transfer-engine==0.3.13.post1)
 UNUSED=(libmooncake_pg.so transfer_engine_bench libmooncake_ep_device.so mooncake_client 'pg_*.so' '_ep*.so'
-        libmooncake_pg_device.so store.so mooncake_master)
+        libmooncake_pg_device.so)
 
 bundle() {
     local tmp; tmp=$(mktemp -d)
@@ -25,7 +25,6 @@ bundle() {
     for f in "$tmp"/w/*.whl; do unzip -qo "$f" -d "$tmp/site"; done
     mv "$tmp"/site/nvidia/cuda_runtime/lib/libcudart.so.12 "$tmp/lib/" && rm -rf "$tmp/site/nvidia"
     (cd "$tmp/site/mooncake" && for u in "${UNUSED[@]}"; do rm -f $u; done)
-    rm -f "$tmp"/site/mooncake_transfer_engine.libs/libetcd_wrapper-*.so  # engine.so loads mooncake/'s copy
     for l in libibverbs.so.1 libmlx5.so.1 libnuma.so.1; do
         cp -L "$(ldconfig -p | grep -m1 "$l " | awk '{print $NF}')" "$tmp/lib/"; done
     mkdir -p .gpu && grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude

@@ -10,7 +10,10 @@ import ctypes
 import pytest
 import torch
 
+from tierserve.core.transfer import TransferProtocol
 from tierserve.node.convert import staging_problem
+from tierserve.transfer.engine import PeerEngines, TransferEngineHandle
+from tierserve.transfer.handoff import HandoffResult, KVHandoff
 from tierserve.transfer.layout import HeadRange, KVArena, RankArena, plan_routes, route_blocks, token_runs
 from tierserve.transfer.receive_staging import ReceiveStaging, staged_heads
 from tierserve.transfer.staging import Gatherer, StagingArena, gathers
@@ -139,3 +142,51 @@ def test_the_arena_hands_out_disjoint_ranges_and_merges_what_comes_back() -> Non
     arena.free(0, 2048)
     arena.free(c, 1000)
     assert arena.free_bytes == arena.capacity and arena.alloc(4096) == 0
+
+
+@pytest.fixture(scope="module")
+def receivers() -> list[tuple[TransferEngineHandle, torch.Tensor, KVArena]]:
+    """Two decode ranks (KV heads 0-1 and 2-3), each a real transfer engine with its pool registered."""
+    out = []
+    for _ in range(2):
+        pool, arena = _pool(HEADS // 2)
+        engine = TransferEngineHandle("127.0.0.1", TransferProtocol.TCP, "")
+        engine.register(pool)
+        out.append((engine, pool, arena))
+    return out
+
+
+def _handoff(receivers, full: torch.Tensor, delay_s: float = 0.0, cancel: bool = False
+             ) -> tuple[HandoffResult, StagingArena]:
+    """A TP=1 prefill rank's real handoff into both decode ranks: its routes gather (on this
+    thread, as the engine's); ``cancel``: cancelled once every layer was gathered."""
+    pool, src = _pool(HEADS)
+    pool.copy_(full)
+    staging = StagingArena(1 << 20)
+    peers = PeerEngines("127.0.0.1", TransferProtocol.TCP, "", [pool, staging.buffer])
+    dests = [RankArena(e.endpoint, a, h) for (e, _, a), h in zip(receivers, _split(2), strict=True)]
+    handoff = KVHandoff(peers, plan_routes(HeadRange(0, HEADS), HEAD_BYTES, dests), src, DST_PAGES, START, END,
+                        fault_delay_s=delay_s, gatherer=Gatherer(staging, pool, src))
+    for layer in range(LAYERS):
+        handoff.on_layer(layer, SRC_PAGES, END)
+    if cancel:
+        handoff.cancel("the request was aborted")
+    return handoff.result(30), staging
+
+
+def test_a_real_handoff_gathers_through_staging_and_gives_it_back(receivers) -> None:
+    full = torch.randn(LAYERS, 2, PAGES * PAGE, HEADS, DIM)
+    result, staging = _handoff(receivers, full)
+    assert result.error is None and result.bytes == (END - START) * LAYERS * 2 * HEADS * HEAD_BYTES
+    for (_, pool, _), heads in zip(receivers, _split(2), strict=True):
+        torch.testing.assert_close(pool, _expected(full, heads), rtol=0, atol=0)
+    assert staging.free_bytes == staging.capacity
+
+
+def test_a_cancelled_handoff_gives_back_the_staging_of_what_it_never_sent(receivers) -> None:
+    """Cancelled while its first batch is held (a slow link): the layers gathered but never sent
+    give their staging back too."""
+    full = torch.randn(LAYERS, 2, PAGES * PAGE, HEADS, DIM)
+    result, staging = _handoff(receivers, full, delay_s=0.5, cancel=True)
+    assert result.error == "the request was aborted"
+    assert staging.free_bytes == staging.capacity

@@ -37,11 +37,13 @@ def _nothing() -> None:
 
 @dataclass(frozen=True)
 class _Gather:
-    """Runs of one layer along a route that gathers (``staging.gathers``): staged by the sender."""
+    """Runs of one layer along a route that gathers (``staging.gathers``), with the staging and
+    blocks when the engine thread gathered them already (else the sender gathers)."""
 
     route: Route
     runs: list[Run]
     layer: int
+    staged: tuple[Staged, list[Block]] | None = None
 
 
 _Batch = tuple[str, list[Block] | _Gather]  # (target, what to send) of one layer
@@ -205,8 +207,15 @@ class KVHandoff:
         staging arena at most each, where the route gathers and a ``gatherer`` exists, else blocks."""
         if self.gatherer is not None and gathers(self.src, route):
             most = max(1, self.gatherer.staging.capacity // (8 * route.nbytes))
-            return [(route.target, _Gather(route, piece, layer)) for piece in _pieces(runs, most)]
+            return [(route.target, self._gather_now(route, piece, layer)) for piece in _pieces(runs, most)]
         return [(route.target, part) for part in _parts(route_blocks(self.src, route, runs, layer))]
+
+    def _gather_now(self, route: Route, runs: list[Run], layer: int) -> _Gather:
+        """Gathers on the engine thread, right after the layer's KV was written, when staging has
+        room: the copy then overlaps the sender's transfer of the layer before (on CUDA it is queued
+        before the layer's event, so the sender's wait covers it); else the sender gathers."""
+        assert self.gatherer is not None
+        return _Gather(route, runs, layer, self.gatherer.stage(route, runs, layer, 0.0, sync=False))
 
     def _written(self) -> Callable[[], None]:
         """Engine thread: what the sender calls to wait until the kernels queued so far ran."""
@@ -231,6 +240,8 @@ class KVHandoff:
             if self._error is None:
                 written()
                 self._submit_all(batches, inflight)
+            else:
+                self._discard(batches)
             while inflight and self._layers.empty():
                 self._wait(*inflight.pop(0))
         self._drain(inflight)
@@ -245,9 +256,10 @@ class KVHandoff:
         """Submits a layer's batches within each engine's ``EntryBudget``. Before waiting for room
         it waits for its own batches, which gives their entries back: a sender that waited while
         holding some could wait on another that waits on it."""
-        for target, what in batches:
-            budget = self._budget(target)
-            if budget is None:
+        for i, (target, what) in enumerate(batches):
+            budget = self._budget(target) if self._error is None else None
+            if budget is None:  # failed or cancelled meanwhile: send no more
+                self._discard(batches[i:])
                 return
             for blocks, staged in self._resolved(what, inflight):
                 if not budget.take(len(blocks), block=False):
@@ -267,6 +279,8 @@ class KVHandoff:
         ``STAGING_WAIT_S``; after that its runs go in place, one block per token (slow, but correct)."""
         if not isinstance(what, _Gather):
             return [(what, None)]
+        if what.staged is not None:
+            return [(what.staged[1], what.staged[0])]
         assert self.gatherer is not None
         staged = self.gatherer.stage(what.route, what.runs, what.layer, 0.0)
         if staged is None:
@@ -275,6 +289,12 @@ class KVHandoff:
         if staged is None:
             return [(part, None) for part in _parts(route_blocks(self.src, what.route, what.runs, what.layer))]
         return [(staged[1], staged[0])]
+
+    def _discard(self, batches: list[_Batch]) -> None:
+        """Gives back the staging of batches that will not be sent (the handoff failed)."""
+        for _, what in batches:
+            if isinstance(what, _Gather) and what.staged is not None:
+                self._unstage(what.staged[0])
 
     def _unstage(self, staged: Staged | None) -> None:
         if staged is not None and self.gatherer is not None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from tierserve.transfer.layout import HeadRange, KVArena, StagedPart
-from tierserve.transfer.staging import StagingArena, slot_bytes_view
+from tierserve.transfer.staging import StagingArena, as_words, slot_view, word_size
 
 
 def source_ranges(num_kv_heads: int, tp_size: int) -> list[HeadRange]:
@@ -61,7 +61,7 @@ class ReceiveStaging:
     def __init__(self, staging: StagingArena, pool: torch.Tensor, arena: KVArena, own: HeadRange,
                  num_kv_heads: int) -> None:
         self.staging, self.arena, self.own, self.num_kv_heads = staging, arena, own, num_kv_heads
-        self._bytes = slot_bytes_view(pool, arena)
+        self.pool = pool
         self.regions: dict[str, Region] = {}
         self._quarantine: list[tuple[float, Region]] = []  # (free at, region)
 
@@ -100,7 +100,7 @@ class ReceiveStaging:
         region = self.regions.pop(request_id, None)
         if region is None:
             return
-        index = torch.tensor(slots, dtype=torch.long, device=self._bytes.device)
+        index = torch.tensor(slots, dtype=torch.long, device=self.pool.device)
         for part in parts(region, 0, self.own, self.num_kv_heads, self.arena.num_layers, self.head_bytes,
                           self.arena.page_size):
             self._scatter_part(part, index, start)
@@ -126,7 +126,9 @@ class ReceiveStaging:
 
     def _scatter_part(self, part: StagedPart, index: torch.Tensor, start: int) -> None:
         a = part.arena  # its base is the offset into this rank's staging arena
-        staged = self.staging.view(a.base, a.num_layers * 2 * a.num_slots * a.slot_bytes)
-        rows = staged.view(a.num_layers, 2, a.num_slots, a.slot_bytes)[:, :, start: start + len(index)]
         column = (part.heads.start - self.own.start) * self.head_bytes
-        self._bytes[:, :, index, column: column + a.slot_bytes] = rows
+        word = word_size(self.arena.slot_bytes, column, a.slot_bytes, a.base)
+        staged = as_words(self.staging.view(a.base, a.num_layers * 2 * a.num_slots * a.slot_bytes), word)
+        rows = staged.view(a.num_layers, 2, a.num_slots, a.slot_bytes // word)[:, :, start: start + len(index)]
+        slots = slot_view(self.pool, self.arena, word)
+        slots[:, :, index, column // word: (column + a.slot_bytes) // word] = rows
