@@ -3,10 +3,12 @@ ranks, over gloo) answers greedy requests through the OpenAI API exactly as ``tr
 for Llama, Qwen2 and Qwen3 at PP 2 and TP 2 x PP 2: several concurrent requests (one batch) and
 prompts longer than a prefill chunk; with HiCache on every stage, answers served from L1 and from
 L2 equal those without a cache. A PP size that does not divide the layers, and PP on a prefill
-node, are refused before start."""
+node, are refused before start; a stage that dies takes the node down."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -17,7 +19,19 @@ import pytest
 import torch
 from tiny_models import add_word_tokenizer, make_tiny_model
 from tokenizers import Tokenizer
-from tp_server import HEADS, NEW_TOKENS, TPServer, complete, descendants, hf_greedy, prompts, start_server, wait_gone
+from tp_server import (
+    HEADS,
+    NEW_TOKENS,
+    TPServer,
+    complete,
+    descendants,
+    hf_greedy,
+    prompts,
+    rank_pids,
+    start_server,
+    wait_exit,
+    wait_gone,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -92,6 +106,17 @@ def test_l1_and_l2_hits_answer_as_no_cache(model: Path, tmp_path: Path, tp_size:
         assert answer == want[0] and tiers["host"] > 0, tiers
     finally:
         server.stop()
+
+
+def test_a_dead_last_stage_takes_the_node_down(model: Path, tmp_path: Path) -> None:
+    server = start_server(model, 1, tmp_path / "serve.log", "--pp-size", "2").wait_healthy()
+    try:
+        (last_stage,) = rank_pids(server.proc.pid, 1)
+        os.kill(last_stage, signal.SIGKILL)
+        assert wait_exit(server.proc, 30) == 1
+    finally:
+        server.stop()
+    assert "stopping the node: rank-1" in server.log.read_text()
 
 
 def _refusal(model: Path, role: str, *flags: str) -> subprocess.CompletedProcess:
