@@ -71,7 +71,7 @@ def test_each_rank_loads_its_slice_of_the_checkpoint(tmp_path: Path, family: str
     for rank in range(size):
         tp = TensorParallel(rank, size)
         shard = tp.heads(cfg.num_heads, cfg.num_kv_heads)
-        ours = load_model(model_dir, torch.device("cpu"), torch.float32, tp).layers[1]
+        ours = load_model(model_dir, torch.device("cpu"), torch.float32, tp).layers["1"]
         q, k, v = (ckpt[f"{layer}.self_attn.{n}_proj.weight"] for n in "qkv")
         want_qkv = torch.cat([q[shard.q_start * d:][:shard.q_heads * d], k[shard.kv_start * d:][:shard.kv_heads * d],
                               v[shard.kv_start * d:][:shard.kv_heads * d]])

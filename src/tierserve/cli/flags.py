@@ -50,6 +50,8 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("--seed", "seed", "random seed", int),
     # Tensor parallelism: one process per rank (docs/architecture.md, Ranks).
     Flag("--tp-size", "tp_size", "tensor-parallel ranks (processes) of this node", int),
+    # Pipeline parallelism: stages of contiguous layers, each of --tp-size ranks (docs/architecture.md).
+    Flag("--pp-size", "pp_size", "pipeline stages of this node (serve only)", int),
     Flag("--base-gpu-id", "base_gpu_id", "CUDA device of rank 0; rank r uses the next r-th", int),
     Flag("--dist-timeout", "dist_timeout_s", "seconds before a collective between ranks gives up", float),
     Flag("--disable-radix-cache", "disable_radix_cache", "do not reuse KV of shared prompt prefixes", SWITCH),

@@ -1,5 +1,6 @@
 """``tierserve serve``: one engine behind the OpenAI-compatible HTTP API (no router, no
-disaggregation); with ``--tp-size N`` the engine spans N rank processes, the API on rank 0."""
+disaggregation); with ``--tp-size T --pp-size S`` the engine spans T * S rank processes, the API
+on rank 0."""
 
 from __future__ import annotations
 
@@ -25,11 +26,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_serve(args: argparse.Namespace, on_ready: Callable[[], None] | None = None) -> int:
     """Loads the engine and serves it until SIGINT/SIGTERM, then stops the engine thread (and the
-    other ranks); 2 for a usage error, such as a TP size the model cannot be split over."""
+    other ranks); 2 for a usage error, such as a TP or PP size the model cannot be split over."""
     config = node_engine_config(args)
     if config is None or not _fits(config):
         return 2
-    if config.tp_size == 1:
+    if config.num_ranks == 1:
         from tierserve.engine.engine import Engine
 
         _serve(args, Engine(config), on_ready)
@@ -38,12 +39,15 @@ def cmd_serve(args: argparse.Namespace, on_ready: Callable[[], None] | None = No
 
 
 def _fits(config: EngineConfig) -> bool:
-    """Refuses, before any process starts, a TP size the model's heads or MLP cannot be split over."""
+    """Refuses, before any process starts, a TP size the model's heads or MLP cannot be split over,
+    or a PP size that does not divide its layers."""
     from tierserve.model.parallel import misfit
 
-    problem = misfit(config.model_dir, config.tp_size)
+    problem = misfit(config.model_dir, config.tp_size, config.pp_size)
     if problem is not None:
-        print(f"tierserve: --tp-size {config.tp_size} does not fit {config.model_dir.name}: {problem}", file=sys.stderr)
+        sizes = f"--tp-size {config.tp_size} --pp-size {config.pp_size}" if config.pp_size > 1 \
+            else f"--tp-size {config.tp_size}"
+        print(f"tierserve: {sizes} does not fit {config.model_dir.name}: {problem}", file=sys.stderr)
     return problem is None
 
 

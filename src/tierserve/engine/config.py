@@ -14,9 +14,10 @@ class EngineConfig:
     """``max_total_tokens`` sizes the KV pool (default: a fraction of free GPU memory on CUDA,
     16384 tokens on CPU). ``max_model_len`` caps prompt plus output (default: the model's).
     ``disable_radix_cache`` turns off reuse of earlier requests' KV for shared prompt prefixes;
-    ``enable_hierarchical_cache`` adds the host-memory tier (L2) behind it. ``tp_size`` ranks (one
-    process each, on devices from ``base_gpu_id`` on CUDA) share the model by tensor parallelism;
-    every collective between them gives up after ``dist_timeout_s`` (docs/architecture.md, Ranks)."""
+    ``enable_hierarchical_cache`` adds the host-memory tier (L2) behind it. ``tp_size`` x ``pp_size``
+    ranks (one process each, on devices from ``base_gpu_id`` on CUDA) share the model: ``pp_size``
+    pipeline stages of contiguous layers, each split over ``tp_size`` tensor ranks; every collective
+    between them gives up after ``dist_timeout_s`` (docs/architecture.md, Ranks, Pipeline parallelism)."""
 
     model_dir: Path
     device: str = "auto"
@@ -32,6 +33,7 @@ class EngineConfig:
     enable_hierarchical_cache: bool = False
     hicache: HiCacheOptions = field(default_factory=HiCacheOptions)
     tp_size: int = 1
+    pp_size: int = 1
     base_gpu_id: int = 0
     dist_timeout_s: float = 120.0
 
@@ -47,13 +49,24 @@ class EngineConfig:
     def _check_parallel(self) -> None:
         if self.tp_size < 1:
             raise ValueError("tp_size must be at least 1")
+        if self.pp_size < 1:
+            raise ValueError("pp_size must be at least 1")
+        if self.pp_size > 1 and self.hicache.storage_backend:
+            # An L3 object holds every layer of a page; a stage holds only its own (not built).
+            raise ValueError("an L3 storage backend is not supported with --pp-size above 1 (each stage holds "
+                             "only its layers, and L3 objects hold a page's every layer)")
         if self.base_gpu_id < 0:
             raise ValueError("base_gpu_id must not be negative")
         if self.dist_timeout_s <= 0:
             raise ValueError("dist_timeout_s must be positive")
-        if self.tp_size > 1 and ":" in self.device:
+        if self.num_ranks > 1 and ":" in self.device:
             raise ValueError(f"--device {self.device} names one device; with --tp-size use --device cuda "
                              "and --base-gpu-id (one device per rank from there)")
+
+    @property
+    def num_ranks(self) -> int:
+        """The node's rank processes: every stage's tensor ranks."""
+        return self.tp_size * self.pp_size
 
     @property
     def cache_kind(self) -> CacheKind:

@@ -49,22 +49,24 @@ class Engine:
     for serving). Every page a request uses returns to the allocator (or the prefix cache) when
     it finishes, is aborted or is preempted.
 
-    ``ranks``: this process's rank of a tensor-parallel node (default: the only one). Every rank
-    builds the same engine over its shard of the model and of the KV pool; fed the same commands in
-    the same order, the ranks keep the same requests, tree and page ids (docs/architecture.md, Ranks).
+    ``ranks``: this process's rank of a tensor- or pipeline-parallel node (default: the only one).
+    Every rank builds the same engine over its shard of the model and of the KV pool (its heads of
+    its stage's layers); fed the same commands in the same order, the ranks keep the same requests,
+    tree and page ids (docs/architecture.md, Ranks and Pipeline parallelism).
     """
 
     def __init__(self, config: EngineConfig, prefix_cache: PrefixCacheFactory | None = None,
                  ranks: Ranks | None = None) -> None:
         self.config = config
         self.ranks = ranks or single_rank(config)
-        if self.ranks.size != config.tp_size:
-            raise ValueError(f"tp_size {config.tp_size} but the engine runs on {self.ranks.size} rank(s)")
+        if (self.ranks.tp.size, self.ranks.pp.size) != (config.tp_size, config.pp_size):
+            raise ValueError(f"tp_size {config.tp_size} x pp_size {config.pp_size} but the engine runs on "
+                             f"{self.ranks.tp.size} x {self.ranks.pp.size} rank(s)")
         self.device = self.ranks.device
         torch.manual_seed(config.seed)
         model_dir = Path(config.model_dir)
         self.dtype = resolve_dtype(config.dtype, ModelConfig.from_dir(model_dir), self.device)
-        self.model = load_model(model_dir, self.device, self.dtype, self.ranks.tp)
+        self.model = load_model(model_dir, self.device, self.dtype, self.ranks.tp, self.ranks.pp)
         self.model_config = self.model.config
         self.max_model_len = config.max_model_len or self.model_config.max_position
         if self.max_model_len > self.model_config.max_position:
@@ -74,15 +76,15 @@ class Engine:
         self.eos_ids = set(self.model_config.eos_token_ids) | _generation_eos(model_dir)
         heads = self.ranks.tp.heads(self.model_config.num_heads, self.model_config.num_kv_heads)
         self.kv_shard = self.ranks.kv_shard(heads, self.model_config.num_kv_heads)
-        self.geometry = KVGeometry(  # this rank's KV heads only
-            self.model_config.num_layers, heads.kv_heads, self.model_config.head_dim, config.page_size, self.dtype,
+        self.geometry = KVGeometry(  # this rank's KV heads of its stage's layers only
+            len(self.model.layer_ids), heads.kv_heads, self.model_config.head_dim, config.page_size, self.dtype,
         )
         # Page ids are the same on every rank, so every rank's pool has the smallest rank's page count.
         self.pool = DeviceKVPool(self.geometry, self.ranks.agree_min(self._num_pages()), self.device)
         self.allocator = PageAllocator(self.pool.num_pages)
-        self.namespace = Namespace(  # the model's KV heads, not this rank's: the seed is the same at any TP size
+        self.namespace = Namespace(  # the model's layers and KV heads, not this rank's: the same at any TP/PP size
             model_identity(model_dir), str(self.dtype).removeprefix("torch."), config.page_size,
-            self.geometry.num_layers, self.model_config.num_kv_heads, self.geometry.head_dim,
+            self.model_config.num_layers, self.model_config.num_kv_heads, self.geometry.head_dim,
             object_format(config.hicache.mem_layout),
         )
         self.cache = (prefix_cache or self._build_cache)(self.allocator, self.pool)
@@ -95,9 +97,10 @@ class Engine:
         self.failures: list[tuple[str, Exception]] = []
         self.last_batch_size = 0
         self._generate_ids = itertools.count()  # the same on every rank, as ids must be
-        log.info("engine ready: model=%s device=%s dtype=%s kv_pages=%d page_size=%d rank=%d/%d namespace=%s",
-                 model_dir.name, self.device, self.dtype, self.pool.num_pages, config.page_size,
-                 self.ranks.rank, self.ranks.size, self.namespace.digest())
+        log.info("engine ready: model=%s device=%s dtype=%s kv_pages=%d page_size=%d rank=%d/%d stage=%d/%d "
+                 "layers=%d-%d namespace=%s", model_dir.name, self.device, self.dtype, self.pool.num_pages,
+                 config.page_size, self.ranks.rank, self.ranks.size, self.ranks.pp.stage, self.ranks.pp.size,
+                 self.model.layer_ids.start, self.model.layer_ids.stop - 1, self.namespace.digest())
 
     @property
     def capacity_tokens(self) -> int:

@@ -1,6 +1,7 @@
-"""One rank's place in its node: process groups, device and tensor-parallel shard.
+"""One rank's place in its node: process groups, device, tensor-parallel shard and pipeline stage.
 
-A node of ``tp_size`` N is N processes (``docs/architecture.md``, Ranks). Rank 0 hosts the
+A node of ``tp_size`` T and ``pp_size`` S is T * S processes (``docs/architecture.md``, Ranks and
+Pipeline parallelism); rank ``s * T + t`` is tensor rank t of stage s. Rank 0 hosts the
 rendezvous store; every rank joins the model's group (NCCL on CUDA, gloo on CPU) and a gloo
 control group for the CPU messages that keep the ranks in step. Every group has a timeout, so no
 rank waits in a collective for ever.
@@ -20,6 +21,7 @@ from tierserve.cache.agreement import Agreement, CollectiveMin, SingleRank
 from tierserve.cache.shards import HeadRange, KVShard
 from tierserve.engine.config import EngineConfig
 from tierserve.model.parallel import HeadShard, TensorParallel
+from tierserve.model.pipeline import SOLE, PipelineStage, stage_of
 
 HOST = "127.0.0.1"  # all ranks of a node run on one machine
 
@@ -37,27 +39,34 @@ class RankSpec:
     on ``HOST`` and the timeout of every collective."""
 
     rank: int
-    size: int
+    size: int  # every rank of the node: tp_size * pp_size
     store_port: int
     timeout_s: float
 
 
 @dataclass(frozen=True)
 class Ranks:
-    """One rank's view of its node: its shard (``tp``), its device, and ``control``, the gloo group
-    of CPU messages (None: the default group, itself gloo on CPU)."""
+    """One rank's view of its node: its shard (``tp``), its device, ``control``, the gloo group of
+    CPU messages over every rank (None: the default group, itself gloo on CPU), and its pipeline
+    stage (``pp``). ``rank`` and ``size`` count every rank of the node, all stages."""
 
     tp: TensorParallel
     device: torch.device
     control: object | None = None
+    pp: PipelineStage = SOLE
 
     @property
     def rank(self) -> int:
-        return self.tp.rank
+        return self.pp.stage * self.tp.size + self.tp.rank
 
     @property
     def size(self) -> int:
-        return self.tp.size
+        return self.tp.size * self.pp.size
+
+    @property
+    def sampler(self) -> int:
+        """The rank that computes logits and samples: tensor rank 0 of the last stage."""
+        return (self.pp.size - 1) * self.tp.size
 
     def agreement(self) -> Agreement:
         """The cache's per-step agreement over the control group (its timeout bounds each call)."""
@@ -66,9 +75,9 @@ class Ranks:
     def kv_shard(self, heads: HeadShard, num_kv_heads: int) -> KVShard:
         """This rank's share of every KV page; of the ranks that replicate one KV head (more ranks
         than KV heads) only the first writes its L3 objects."""
-        replicas = max(1, self.size // num_kv_heads)
-        writes = self.rank % replicas == 0
-        return KVShard(HeadRange(heads.kv_start, heads.kv_heads, num_kv_heads), self.rank, writes, self.size)
+        replicas = max(1, self.tp.size // num_kv_heads)
+        writes = self.tp.rank % replicas == 0
+        return KVShard(HeadRange(heads.kv_start, heads.kv_heads, num_kv_heads), self.tp.rank, writes, self.tp.size)
 
     def agree_min(self, value: int) -> int:
         """The minimum of ``value`` over all ranks (itself at size 1); every rank must call it."""
@@ -102,7 +111,7 @@ def pick_device(name: str, rank: int = 0, base_gpu_id: int = 0) -> torch.device:
 
 
 def single_rank(config: EngineConfig) -> Ranks:
-    """The one rank of a node with ``tp_size`` 1: no process group, no collective."""
+    """The one rank of a node with ``tp_size`` and ``pp_size`` 1: no process group, no collective."""
     return Ranks(TensorParallel(), pick_device(config.device, 0, config.base_gpu_id))
 
 
@@ -124,7 +133,19 @@ def join(spec: RankSpec, config: EngineConfig, store: dist.Store | None = None) 
     dist.init_process_group(backend.value, store=store, rank=spec.rank, world_size=spec.size, timeout=timeout)
     control = dist.new_group(backend="gloo", timeout=timeout) if backend is Backend.NCCL else None
     _share_cpu(device, spec.size)
-    return Ranks(TensorParallel(spec.rank, spec.size), device, control)
+    tp_group = _tensor_group(spec.rank, config.tp_size, config.pp_size, timeout)
+    tp = TensorParallel(spec.rank % config.tp_size, config.tp_size, tp_group)
+    return Ranks(tp, device, control, stage_of(spec.rank, config.tp_size, config.pp_size))
+
+
+def _tensor_group(rank: int, tp_size: int, pp_size: int, timeout: timedelta) -> object | None:
+    """The group of this rank's stage, for the tensor-parallel all-reduces: the default group
+    when there is one stage. Every rank creates every stage's group, in stage order (as
+    ``new_group`` requires), and keeps its own."""
+    if pp_size == 1:
+        return None
+    groups = [dist.new_group(list(range(s * tp_size, (s + 1) * tp_size)), timeout=timeout) for s in range(pp_size)]
+    return groups[rank // tp_size]
 
 
 def leave() -> None:

@@ -1,5 +1,6 @@
-"""Every rank appends the same sampled tokens: rank 0 alone computes logits and samples, then
-broadcasts the tokens with a digest of the batch it ran (``docs/architecture.md``, Ranks)."""
+"""Every rank appends the same sampled tokens: one rank alone (``Ranks.sampler``: rank 0, or with
+pipeline stages tensor rank 0 of the last one) computes logits and samples, then broadcasts the
+tokens with a digest of the batch it ran (``docs/architecture.md``, Ranks)."""
 
 from __future__ import annotations
 
@@ -36,29 +37,29 @@ class SoleSampler:
 
 @dataclass(frozen=True)
 class LeaderSampler:
-    """Rank 0 of several: samples and broadcasts ``[digest, tokens...]``, every step (an empty one
-    still checks the digest)."""
+    """The sampling rank of several: samples and broadcasts ``[digest, tokens...]``, every step (an
+    empty one still checks the digest)."""
 
     ranks: Ranks
 
     def share(self, batch: Sequence[Scheduled], count: int, sample: Callable[[], list[int]]) -> list[int]:
         tokens = sample()
         message = torch.tensor([batch_digest(batch), *tokens], dtype=torch.int64)
-        dist.broadcast(message, src=0, group=self.ranks.control)
+        dist.broadcast(message, src=self.ranks.sampler, group=self.ranks.control)
         return tokens
 
 
 @dataclass(frozen=True)
 class FollowerSampler:
-    """Ranks 1..N-1: take rank 0's tokens, after checking that rank 0 ran the batch this rank ran."""
+    """The other ranks: take the sampler's tokens, after checking that it ran the batch this rank ran."""
 
     ranks: Ranks
 
     def share(self, batch: Sequence[Scheduled], count: int, sample: Callable[[], list[int]]) -> list[int]:
         message = torch.empty(count + 1, dtype=torch.int64)
-        dist.broadcast(message, src=0, group=self.ranks.control)
+        dist.broadcast(message, src=self.ranks.sampler, group=self.ranks.control)
         if int(message[0]) != batch_digest(batch):
-            raise RankDivergenceError(f"rank {self.ranks.rank} scheduled another batch than rank 0")
+            raise RankDivergenceError(f"rank {self.ranks.rank} scheduled another batch than rank {self.ranks.sampler}")
         return message[1:].tolist()
 
 
@@ -66,7 +67,7 @@ def token_share(ranks: Ranks) -> TokenShare:
     """The sampler of this rank's place in its node."""
     if ranks.size == 1:
         return SoleSampler()
-    return LeaderSampler(ranks) if ranks.rank == 0 else FollowerSampler(ranks)
+    return LeaderSampler(ranks) if ranks.rank == ranks.sampler else FollowerSampler(ranks)
 
 
 def batch_digest(batch: Sequence[Scheduled]) -> int:

@@ -17,6 +17,7 @@ from tierserve.model.layers import (
     RowParallelLinear,
 )
 from tierserve.model.parallel import TensorParallel
+from tierserve.model.pipeline import SOLE, PipelineStage
 from tierserve.model.rope import RotaryEmbedding
 
 RopeTables = tuple[torch.Tensor, torch.Tensor]
@@ -26,6 +27,7 @@ class SelfAttention(nn.Module):
     """QKV projection, optional per-head q/k norm (Qwen3), rope, paged attention, output projection."""
 
     def __init__(self, cfg: ModelConfig, layer_id: int, tp: TensorParallel) -> None:
+        """``layer_id``: the layer's index in this stage's KV pool (its own layers only)."""
         super().__init__()
         shard = tp.heads(cfg.num_heads, cfg.num_kv_heads)
         self.heads, self.kv_heads, self.head_dim = shard.q_heads, shard.kv_heads, cfg.head_dim
@@ -62,18 +64,24 @@ class DecoderLayer(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """The whole model, or one tensor-parallel rank's shard of it (``tp``). ``forward`` runs a flat
-    batch of tokens and returns final hidden states, the same on every rank."""
+    """The whole model, or one rank's shard of it: its tensor-parallel heads (``tp``) of its pipeline
+    stage's layers (``pp``). ``forward`` runs a flat batch of tokens; at the last stage it returns
+    final hidden states, the same on every tensor rank; at other stages, after sending its output to
+    the next stage, the stage's output. Parameters keep the checkpoint's names (``layers.<i>``)."""
 
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, pp: PipelineStage = SOLE) -> None:
         super().__init__()
-        self.config = cfg
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.config, self.pp = cfg, pp
+        self.layer_ids = pp.layers(cfg.num_layers)
+        # The first stage embeds; the last needs the embedding too when the LM head is tied to it.
+        embeds = pp.first or (pp.last and cfg.tie_word_embeddings)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size) if embeds else None
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position, cfg.rope_scaling)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleDict(
+            {str(i): DecoderLayer(cfg, i - self.layer_ids.start, tp) for i in self.layer_ids})
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if pp.last else None
         # Replicated: logits are computed on one rank only (docs/architecture.md, Ranks).
-        self.lm_head = None if cfg.tie_word_embeddings else ColumnParallelLinear.split(
+        self.lm_head = None if cfg.tie_word_embeddings or not pp.last else ColumnParallelLinear.split(
             cfg.hidden_size, [cfg.vocab_size], False, TensorParallel()
         )
         self._head_t: torch.Tensor | None = None  # CPU only: a transposed copy for one-row logits
@@ -81,11 +89,29 @@ class CausalLM(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch, kv: KVStore
     ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        x = self._stage_input(input_ids)
         rope = self.rope.tables(positions, x.dtype)
-        for layer in self.layers:
+        for layer in self.layers.values():
             x = layer(rope, x, batch, kv)
+        if not self.pp.last:
+            self.pp.send(x)
+            return x
         return self.norm(x)
+
+    def elsewhere(self, name: str) -> bool:
+        """Whether the parameter ``name`` (our naming) is one another pipeline stage holds: a layer
+        outside this stage's range, or the embedding, final norm or head where this stage has none."""
+        head, _, rest = name.partition(".")
+        if head == "layers":
+            layer = rest.partition(".")[0]
+            return layer.isdigit() and int(layer) < self.config.num_layers and layer not in self.layers
+        return head in ("embed_tokens", "norm", "lm_head") and getattr(self, head) is None
+
+    def _stage_input(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.pp.first:
+            return self.embed_tokens(input_ids)
+        dtype = next(iter(self.layers.values())).input_layernorm.weight.dtype  # the stages' common dtype
+        return self.pp.receive(input_ids.shape[0], self.config.hidden_size, dtype, input_ids.device)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [n, vocab] for the given final hidden states."""

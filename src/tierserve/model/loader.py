@@ -13,6 +13,7 @@ from tierserve.core.model_config import ModelConfig
 from tierserve.model.layers import copy_whole
 from tierserve.model.llama import CausalLM
 from tierserve.model.parallel import TensorParallel
+from tierserve.model.pipeline import SOLE, PipelineStage
 
 # checkpoint sub-name -> (our parameter sub-name, shard id of a stacked parameter)
 _STACKED = {
@@ -70,6 +71,8 @@ def load_weights(model: CausalLM, model_dir: Path) -> None:
         name, shard = _target(ckpt_name)
         if name == "lm_head.weight" and model.lm_head is None:
             continue  # tied embeddings: some checkpoints store the copy anyway
+        if name not in params and model.elsewhere(name):
+            continue  # another pipeline stage's layer, embedding or head
         if name not in params:
             raise ValueError(f"{model_dir}: unexpected checkpoint tensor {ckpt_name}")
         param = params[name]
@@ -83,16 +86,18 @@ def load_weights(model: CausalLM, model_dir: Path) -> None:
 
 
 def load_model(
-    model_dir: str | Path, device: torch.device, dtype: torch.dtype, tp: TensorParallel | None = None
+    model_dir: str | Path, device: torch.device, dtype: torch.dtype, tp: TensorParallel | None = None,
+    pp: PipelineStage = SOLE,
 ) -> CausalLM:
-    """The model of ``model_dir`` on ``device`` in ``dtype``, weights loaded, in eval mode."""
+    """The model of ``model_dir`` on ``device`` in ``dtype``, weights loaded, in eval mode: the
+    shard of tensor rank ``tp`` in pipeline stage ``pp`` (default: all of it)."""
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_dir(model_dir)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = CausalLM(cfg, tp or TensorParallel())
+            model = CausalLM(cfg, tp or TensorParallel(), pp)
     finally:
         torch.set_default_dtype(previous)
     load_weights(model, model_dir)

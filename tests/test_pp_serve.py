@@ -1,0 +1,136 @@
+"""``tierserve serve --pp-size S`` (S pipeline stages of contiguous layers, each of ``--tp-size``
+ranks, over gloo) answers greedy requests through the OpenAI API exactly as ``transformers`` does,
+for Llama, Qwen2 and Qwen3 at PP 2 and TP 2 x PP 2: several concurrent requests (one batch) and
+prompts longer than a prefill chunk; with HiCache on every stage, answers served from L1 and from
+L2 equal those without a cache. A PP size that does not divide the layers, and PP on a prefill
+node, are refused before start; a stage that dies takes the node down."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from tiny_models import add_word_tokenizer, make_tiny_model
+from tokenizers import Tokenizer
+from tp_server import (
+    HEADS,
+    NEW_TOKENS,
+    TPServer,
+    complete,
+    descendants,
+    hf_greedy,
+    prompts,
+    rank_pids,
+    start_server,
+    wait_exit,
+    wait_gone,
+)
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+SEED = 1  # at seed 0 the 4-layer Qwen3 repeats a few tokens, which would hide wrong answers
+LAYERS = 4  # two per stage at PP 2: each stage's second layer sits at a pool index other than its id
+PAGE = 4  # tp_server's page size
+L2_PROMPT_TOKENS = 88  # 22 pages: with a 48-page pool, three other prompts push the first out of L1
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    model = make_tiny_model("llama", tmp_path_factory.mktemp("llama"), heads=8, kv_heads=4, layers=LAYERS)
+    return add_word_tokenizer(model)
+
+
+@pytest.fixture(scope="module", params=sorted(HEADS))
+def reference(request, tmp_path_factory) -> tuple[Path, list[list[int]]]:
+    """A tiny model of one family with a word tokenizer, and what ``transformers`` answers greedily."""
+    heads, kv_heads = HEADS[request.param]
+    model = make_tiny_model(request.param, tmp_path_factory.mktemp(request.param), seed=SEED, heads=heads,
+                            kv_heads=kv_heads, layers=LAYERS)
+    add_word_tokenizer(model)
+    tokens = hf_greedy(model, prompts())
+    for answer in tokens:  # a collapsed model would make the comparison meaningless
+        assert len(set(answer)) > 4
+    return model, tokens
+
+
+def _ids(model: Path, texts: list[str]) -> list[list[int]]:
+    words = Tokenizer.from_file(str(model / "tokenizer.json"))
+    return [words.encode(text).ids for text in texts]
+
+
+@pytest.mark.parametrize(("tp_size", "pp_size"), [(1, 2), (2, 2)])
+def test_greedy_outputs_equal_transformers(reference, tmp_path: Path, tp_size: int, pp_size: int) -> None:
+    model, expected = reference
+    server = start_server(model, tp_size, tmp_path / "serve.log", "--pp-size", str(pp_size)).wait_healthy()
+    ranks = descendants(server.proc.pid)
+    try:
+        client = server.client()
+        with ThreadPoolExecutor(len(expected)) as pool:  # concurrent: they share steps
+            texts = list(pool.map(lambda p: complete(client, model.name, p), prompts()))
+    finally:
+        server.stop()
+    assert _ids(model, texts) == expected
+    assert server.proc.returncode == -15, server.log.read_text()[-3000:]
+    assert wait_gone(ranks, 10) == []
+    assert "stage=1/2" in server.log.read_text()  # the ranks really were two stages
+
+
+def _complete(server: TPServer, model: Path, prompt: list[int]) -> tuple[list[int], dict[str, int]]:
+    """Greedy answer as token ids, and the prompt's cached tokens by tier."""
+    body = {"model": model.name, "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
+    reply = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120).raise_for_status().json()
+    return _ids(model, [reply["choices"][0]["text"]])[0], reply["usage"]["cached_tokens_by_tier"]
+
+
+@pytest.mark.parametrize(("tp_size", "pp_size"), [(1, 2), (2, 2)])
+def test_l1_and_l2_hits_answer_as_no_cache(model: Path, tmp_path: Path, tp_size: int, pp_size: int) -> None:
+    gen = torch.Generator().manual_seed(11)
+    asked = [torch.randint(2, 384, (L2_PROMPT_TOKENS,), generator=gen).tolist() for _ in range(4)]
+    want = hf_greedy(model, asked)
+    flags = ["--pp-size", str(pp_size), "--enable-hierarchical-cache", "--max-total-tokens", str(48 * PAGE)]
+    server = start_server(model, tp_size, tmp_path / "serve.log", *flags).wait_healthy()
+    try:
+        assert _complete(server, model, asked[0]) == (want[0], {"device": 0, "host": 0, "storage": 0})
+        answer, tiers = _complete(server, model, asked[0])
+        assert answer == want[0] and tiers["device"] >= 16 * PAGE, tiers
+        for i in (1, 2, 3):
+            assert _complete(server, model, asked[i])[0] == want[i]
+        answer, tiers = _complete(server, model, asked[0])
+        assert answer == want[0] and tiers["host"] > 0, tiers
+    finally:
+        server.stop()
+
+
+def test_a_dead_last_stage_takes_the_node_down(model: Path, tmp_path: Path) -> None:
+    server = start_server(model, 1, tmp_path / "serve.log", "--pp-size", "2").wait_healthy()
+    try:
+        (last_stage,) = rank_pids(server.proc.pid, 1)
+        os.kill(last_stage, signal.SIGKILL)
+        assert wait_exit(server.proc, 30) == 1
+    finally:
+        server.stop()
+    assert "stopping the node: rank-1" in server.log.read_text()
+
+
+def _refusal(model: Path, role: str, *flags: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "tierserve.cli", role, "--model", str(model), "--port", "0", *flags]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+
+
+def test_a_pp_size_that_does_not_divide_the_layers_is_refused(model: Path) -> None:
+    done = _refusal(model, "serve", "--pp-size", "3")
+    assert done.returncode == 2, done.stderr
+    assert "pipeline-parallel size 3 does not divide the model's 4 layers" in done.stderr
+
+
+def test_pp_on_a_prefill_node_is_refused(model: Path) -> None:
+    done = _refusal(model, "prefill", "--pp-size", "2")
+    assert done.returncode == 2, done.stderr
+    assert "--pp-size is not supported on prefill and decode nodes" in done.stderr
