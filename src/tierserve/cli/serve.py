@@ -29,7 +29,7 @@ def cmd_serve(args: argparse.Namespace, on_ready: Callable[[], None] | None = No
     config = node_engine_config(args)
     if config is None or not _fits(config):
         return 2
-    if config.tp_size == 1:
+    if config.world_size == 1:
         from tierserve.engine.engine import Engine
 
         _serve(args, Engine(config), on_ready)

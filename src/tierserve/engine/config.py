@@ -16,7 +16,9 @@ class EngineConfig:
     ``disable_radix_cache`` turns off reuse of earlier requests' KV for shared prompt prefixes;
     ``enable_hierarchical_cache`` adds the host-memory tier (L2) behind it. ``tp_size`` ranks (one
     process each, on devices from ``base_gpu_id`` on CUDA) share the model by tensor parallelism;
-    every collective between them gives up after ``dist_timeout_s`` (docs/architecture.md, Ranks)."""
+    every collective between them gives up after ``dist_timeout_s`` (docs/architecture.md, Ranks).
+    ``cp_size`` ranks share the KV pages by context parallelism, each storing 1/cp_size of them
+    (docs/architecture.md, Context parallelism); not yet with TP, the host tier or the node roles."""
 
     model_dir: Path
     device: str = "auto"
@@ -32,6 +34,7 @@ class EngineConfig:
     enable_hierarchical_cache: bool = False
     hicache: HiCacheOptions = field(default_factory=HiCacheOptions)
     tp_size: int = 1
+    cp_size: int = 1
     base_gpu_id: int = 0
     dist_timeout_s: float = 120.0
 
@@ -47,13 +50,31 @@ class EngineConfig:
     def _check_parallel(self) -> None:
         if self.tp_size < 1:
             raise ValueError("tp_size must be at least 1")
+        self._check_context_parallel()
         if self.base_gpu_id < 0:
             raise ValueError("base_gpu_id must not be negative")
         if self.dist_timeout_s <= 0:
             raise ValueError("dist_timeout_s must be positive")
-        if self.tp_size > 1 and ":" in self.device:
+        if self.world_size > 1 and ":" in self.device:
             raise ValueError(f"--device {self.device} names one device; with --tp-size use --device cuda "
                              "and --base-gpu-id (one device per rank from there)")
+
+    def _check_context_parallel(self) -> None:
+        """What context parallelism does not run with yet, refused before any process starts."""
+        if self.cp_size < 1:
+            raise ValueError("cp_size must be at least 1")
+        if self.cp_size == 1:
+            return
+        if self.tp_size > 1:
+            raise ValueError("--cp-size with --tp-size is not supported yet: use one of them")
+        if self.enable_hierarchical_cache:
+            raise ValueError("--cp-size with --enable-hierarchical-cache is not supported yet (the host tier "
+                             "and L3 do not back up or restore sharded pages)")
+
+    @property
+    def world_size(self) -> int:
+        """The node's rank processes: ``tp_size`` x ``cp_size``."""
+        return self.tp_size * self.cp_size
 
     @property
     def cache_kind(self) -> CacheKind:

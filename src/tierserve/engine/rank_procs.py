@@ -27,8 +27,8 @@ class RankProcesses:
 
     def __init__(self, config: EngineConfig, log_level: str, role: RankRole | None = None) -> None:
         self.config, self.role = config, role
-        self.store = rendezvous(config.tp_size, config.dist_timeout_s)
-        self.children = [self._spawn(rank, log_level) for rank in range(1, config.tp_size)]
+        self.store = rendezvous(config.world_size, config.dist_timeout_s)
+        self.children = [self._spawn(rank, log_level) for rank in range(1, config.world_size)]
         self._stopping = threading.Event()
         threading.Thread(target=self._watch, name="rank-watchdog", daemon=True).start()
 
@@ -52,7 +52,7 @@ class RankProcesses:
         self._kill()
 
     def _spec(self, rank: int) -> RankSpec:
-        return RankSpec(rank, self.config.tp_size, self.store.port, self.config.dist_timeout_s)
+        return RankSpec(rank, self.config.world_size, self.store.port, self.config.dist_timeout_s)
 
     def _spawn(self, rank: int, log_level: str) -> BaseProcess:
         args = (self._spec(rank), self.config, os.getpid(), log_level, self.role)

@@ -1,6 +1,6 @@
 """One rank's place in its node: process groups, device and tensor-parallel shard.
 
-A node of ``tp_size`` N is N processes (``docs/architecture.md``, Ranks). Rank 0 hosts the
+A node of ``tp_size`` x ``cp_size`` N is N processes (``docs/architecture.md``, Ranks). Rank 0 hosts the
 rendezvous store; every rank joins the model's group (NCCL on CUDA, gloo on CPU) and a gloo
 control group for the CPU messages that keep the ranks in step. Every group has a timeout, so no
 rank waits in a collective for ever.
@@ -9,7 +9,7 @@ rank waits in a collective for ever.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from enum import Enum
 
@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from tierserve.cache.agreement import Agreement, CollectiveMin, SingleRank
+from tierserve.cache.cp_pages import PageOwnership
 from tierserve.cache.shards import HeadRange, KVShard
 from tierserve.engine.config import EngineConfig
 from tierserve.model.parallel import HeadShard, TensorParallel
@@ -44,20 +45,22 @@ class RankSpec:
 
 @dataclass(frozen=True)
 class Ranks:
-    """One rank's view of its node: its shard (``tp``), its device, and ``control``, the gloo group
-    of CPU messages (None: the default group, itself gloo on CPU)."""
+    """One rank's view of its node: its shard (``tp``), its device, ``control``, the gloo group
+    of CPU messages (None: the default group, itself gloo on CPU), and its share of the KV pages
+    (``cp``, docs/architecture.md, Context parallelism). ``rank`` and ``size`` are the node's."""
 
     tp: TensorParallel
     device: torch.device
     control: object | None = None
+    cp: PageOwnership = field(default_factory=PageOwnership)
 
     @property
     def rank(self) -> int:
-        return self.tp.rank
+        return self.cp.rank * self.tp.size + self.tp.rank
 
     @property
     def size(self) -> int:
-        return self.tp.size
+        return self.tp.size * self.cp.size
 
     def agreement(self) -> Agreement:
         """The cache's per-step agreement over the control group (its timeout bounds each call)."""
@@ -66,9 +69,9 @@ class Ranks:
     def kv_shard(self, heads: HeadShard, num_kv_heads: int) -> KVShard:
         """This rank's share of every KV page; of the ranks that replicate one KV head (more ranks
         than KV heads) only the first writes its L3 objects."""
-        replicas = max(1, self.size // num_kv_heads)
-        writes = self.rank % replicas == 0
-        return KVShard(HeadRange(heads.kv_start, heads.kv_heads, num_kv_heads), self.rank, writes, self.size)
+        replicas = max(1, self.tp.size // num_kv_heads)
+        writes = self.tp.rank % replicas == 0
+        return KVShard(HeadRange(heads.kv_start, heads.kv_heads, num_kv_heads), self.tp.rank, writes, self.tp.size)
 
     def agree_min(self, value: int) -> int:
         """The minimum of ``value`` over all ranks (itself at size 1); every rank must call it."""
@@ -115,6 +118,7 @@ def join(spec: RankSpec, config: EngineConfig, store: dist.Store | None = None) 
     """Joins the node's groups as ``spec.rank`` (rank 0 passes the store it hosts); returns the rank's
     view. Blocks until every rank joined or ``spec.timeout_s`` passed."""
     device = pick_device(config.device, spec.rank, config.base_gpu_id)
+    tp_rank, cp_rank = spec.rank % config.tp_size, spec.rank // config.tp_size
     timeout = timedelta(seconds=spec.timeout_s)
     if store is None:
         store = dist.TCPStore(HOST, spec.store_port, spec.size, is_master=False, timeout=timeout)
@@ -124,7 +128,8 @@ def join(spec: RankSpec, config: EngineConfig, store: dist.Store | None = None) 
     dist.init_process_group(backend.value, store=store, rank=spec.rank, world_size=spec.size, timeout=timeout)
     control = dist.new_group(backend="gloo", timeout=timeout) if backend is Backend.NCCL else None
     _share_cpu(device, spec.size)
-    return Ranks(TensorParallel(spec.rank, spec.size), device, control)
+    tp = TensorParallel(tp_rank, config.tp_size)
+    return Ranks(tp, device, control, PageOwnership(cp_rank, config.cp_size))
 
 
 def leave() -> None:

@@ -116,7 +116,13 @@ def _stop(node: Node | None, engine: Engine, procs: RankProcesses | None) -> Non
 
 
 def _check_fits(config: EngineConfig) -> None:
-    """Refuses, before any process starts, a TP size the model's heads or MLP cannot be split over."""
+    """Refuses, before any process starts, a TP size the model's heads or MLP cannot be split over,
+    and context parallelism, which prefill and decode nodes do not run yet (docs/architecture.md,
+    Context parallelism)."""
+    if config.cp_size > 1:
+        print("tierserve: --cp-size is not supported on prefill and decode nodes yet (tierserve serve only)",
+              file=sys.stderr)
+        raise SystemExit(2)
     problem = misfit(config.model_dir, config.tp_size)
     if problem is not None:
         print(f"tierserve: --tp-size {config.tp_size} does not fit {config.model_dir.name}: {problem}", file=sys.stderr)
