@@ -79,8 +79,10 @@ class LayerGather:
         self.page_size = pool.page_size
         g, device = pool.geometry, pool.buffer.device
         shape = (plan.num_rows * g.page_size, g.num_kv_heads, g.head_dim)
-        self.buffers = [(torch.empty(shape, dtype=g.dtype, device=device),
-                         torch.empty(shape, dtype=g.dtype, device=device)) for _ in range(BUFFERS)]
+        # zeros, not empty: a decode reads its whole last page and masks what is past its length, and
+        # masking cannot hide a NaN that uninitialised memory may hold (NaN + -inf is NaN)
+        self.buffers = [(torch.zeros(shape, dtype=g.dtype, device=device),
+                         torch.zeros(shape, dtype=g.dtype, device=device)) for _ in range(BUFFERS)]
         mine = plan.senders[own.rank]
         local = [own.local(p) for p in mine] + [0] * (plan.width - len(mine))  # padding rows: never read
         self.send_pages = torch.tensor(local, dtype=torch.int64, device=device)
