@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 
 class PageAccountingError(RuntimeError):
@@ -41,6 +41,11 @@ class PageAllocator:
         for p in pages:
             self._in_use[p] = 1
         return pages
+
+    def alloc_after(self, previous: Sequence[int], n: int) -> list[int] | None:
+        """``alloc(n)`` for a sequence whose pages so far are ``previous``; here any pages do (a CP
+        node's ``ShardedPageAllocator`` continues their owners' rotation)."""
+        return self.alloc(n)
 
     def free(self, pages: Iterable[int]) -> None:
         pages = list(pages)

@@ -8,6 +8,7 @@ from typing import Any
 from tierserve.cache.agreement import Agreement, SingleRank
 from tierserve.cache.allocator import PageAllocator
 from tierserve.cache.base import NoPrefixCache, PrefixCache
+from tierserve.cache.cp_pages import PageOwnership
 from tierserve.cache.device_pool import DeviceKVPool
 from tierserve.cache.hicache import HiCache, HiCacheConfig
 from tierserve.cache.host_pool import HostKVPool
@@ -27,17 +28,18 @@ L3_TP_SIZES = "l3_tp_sizes"
 
 def build_cache(kind: CacheKind, allocator: PageAllocator, pool: DeviceKVPool, seed: bytes,
                 options: HiCacheOptions, shard: KVShard | None = None,
-                agreement: Agreement | None = None) -> PrefixCache:
+                agreement: Agreement | None = None, ownership: PageOwnership | None = None) -> PrefixCache:
     """The cache of ``kind`` over ``pool`` (whose pages ``allocator`` hands out), keyed under the
     namespace ``seed``; ``options`` configure the host tier and L3 of the hierarchical cache.
 
     Several ranks: ``shard`` is this rank's heads of every page and ``agreement`` the collective
     over the node's ranks (``docs/architecture.md``, multi-rank agreement); every rank must call
-    this with the same ``kind`` and ``options``, as it runs one collective (L2's page count)."""
+    this with the same ``kind`` and ``options``, as it runs one collective (L2's page count).
+    ``ownership``: a CP rank's pages (the L1 radix cache only: ``EngineConfig`` refuses the rest)."""
     if kind is CacheKind.NONE:
         return NoPrefixCache(allocator)
     if kind is CacheKind.RADIX:
-        return RadixCache(allocator, pool.page_size, seed)
+        return RadixCache(allocator, pool.page_size, seed, ownership)
     agreement = agreement or SingleRank()
     shard = cluster_shard(shard or KVShard.whole(pool.geometry.num_kv_heads), options.storage_config)
     pinned = pool.buffer.device.type == "cuda"  # pinned host memory: asynchronous device copies

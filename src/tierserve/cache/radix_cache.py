@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 from tierserve.cache.allocator import PageAllocator
 from tierserve.cache.base import PrefixHit, SingleTier, Snapshot
+from tierserve.cache.cp_pages import PageOwnership
 from tierserve.cache.events import KVEventListener
 from tierserve.cache.radix_tree import Node, RadixTree
 from tierserve.core.tiers import CacheTier
@@ -18,14 +19,21 @@ class RadixCache(SingleTier):
     Page ownership: a page is owned by exactly one of the allocator's free list, a request, or
     the tree. ``release`` moves a request's full computed pages into the tree (or frees them when
     the tree already has those tokens) and frees the rest.
+
+    ``ownership``: a CP rank's (``cp_pages``). ``release`` then keeps only the pages that continue
+    the rotation of the tree's path; the others are freed (counted in ``cp_refused_pages_total``)
+    and a later request recomputes them rather than reading them from the wrong owner.
     """
 
-    def __init__(self, allocator: PageAllocator, page_size: int, seed: bytes) -> None:
+    def __init__(self, allocator: PageAllocator, page_size: int, seed: bytes,
+                 ownership: PageOwnership | None = None) -> None:
         self.allocator = allocator
         self.page_size = page_size
         self.tree = RadixTree(page_size, seed)
+        self.ownership = ownership or PageOwnership()
         self.num_cached_pages = 0
         self.evicted_pages = 0
+        self.refused_pages = 0
 
     def match(self, token_ids: Sequence[int], ticket: object | None = None, salt: str = "") -> PrefixHit:
         found = self.tree.match(token_ids, salt)
@@ -35,12 +43,21 @@ class RadixCache(SingleTier):
                          salt=salt)
 
     def release(self, token_ids: Sequence[int], pages: list[int], num_computed: int, hit: PrefixHit) -> None:
-        full = min(num_computed // self.page_size, len(pages))
+        full = self._storable(token_ids, pages[: min(num_computed // self.page_size, len(pages))], hit.salt)
         unused, _ = self.tree.insert(token_ids[: full * self.page_size], pages[:full], hit.salt)
         self.num_cached_pages += full - len(hit.pages) - len(unused)
         self.allocator.free(unused + pages[full:])
         if isinstance(hit.handle, Node):
             self.tree.unlock(hit.handle)
+
+    def _storable(self, token_ids: Sequence[int], pages: list[int], salt: str) -> int:
+        """How many of ``pages`` the tree may take: all of them without CP."""
+        if self.ownership.size == 1:
+            return len(pages)
+        path = self.tree.device_prefix(token_ids[: len(pages) * self.page_size], salt)
+        keep = self.ownership.storable(path, pages)
+        self.refused_pages += len(pages) - keep
+        return keep
 
     def evict(self, num_pages: int) -> int:
         device, host = self.tree.evict_device(num_pages)
@@ -52,7 +69,7 @@ class RadixCache(SingleTier):
         return len(device)
 
     def stats(self) -> dict[str, float]:
-        return {"device_evicted_pages_total": self.evicted_pages}
+        return {"device_evicted_pages_total": self.evicted_pages, "cp_refused_pages_total": self.refused_pages}
 
     def on_step(self) -> None:
         pass

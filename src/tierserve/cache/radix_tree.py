@@ -186,6 +186,19 @@ class RadixTree:
             node = child
         return i
 
+    def device_prefix(self, token_ids: Sequence[int], salt: str = "") -> list[int]:
+        """The L1 pages of the longest page-aligned prefix of ``token_ids`` the tree holds on the
+        device, in order; changes nothing (no split, no touch)."""
+        node, pages, found = self.roots.get(salt), self._pages(token_ids), []
+        while node is not None and len(found) < len(pages):
+            child = node.children.get(pages[len(found)])
+            if child is None or child.device is None:
+                break
+            n = _common_pages(child, pages[len(found):], self.page_size)
+            found += child.device[:n]
+            node = child if n == child.num_pages else None
+        return found
+
     def _add_child(self, parent: Node, pages: list[tuple[int, ...]], device: list[int] | None = None,
                    host: list[int] | None = None) -> Node:
         tokens = tuple(t for page in pages for t in page)

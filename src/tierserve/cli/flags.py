@@ -52,6 +52,8 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("--tp-size", "tp_size", "tensor-parallel ranks (processes) of this node", int),
     # Pipeline parallelism: stages of contiguous layers, each of --tp-size ranks (docs/architecture.md).
     Flag("--pp-size", "pp_size", "pipeline stages of this node (serve only)", int),
+    # Context parallelism: the KV pages sharded over the ranks (docs/architecture.md, Context parallelism).
+    Flag("--cp-size", "cp_size", "context-parallel ranks (processes): each stores 1/N of the KV pages", int),
     Flag("--base-gpu-id", "base_gpu_id", "CUDA device of rank 0; rank r uses the next r-th", int),
     Flag("--dist-timeout", "dist_timeout_s", "seconds before a collective between ranks gives up", float),
     Flag("--disable-radix-cache", "disable_radix_cache", "do not reuse KV of shared prompt prefixes", SWITCH),

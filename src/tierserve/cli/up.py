@@ -76,6 +76,9 @@ def _check_tp(args: argparse.Namespace, config: EngineConfig) -> None:
         raise ValueError("tierserve up: give the nodes' TP sizes with --prefill-tp-size and --decode-tp-size")
     if config.pp_size != 1:
         raise ValueError("tierserve up: --pp-size is not supported on prefill and decode nodes (tierserve serve only)")
+    if config.cp_size != 1:
+        raise ValueError("tierserve up: --cp-size is not supported on prefill and decode nodes yet "
+                         "(tierserve serve only)")
     for role, size in (("prefill", args.prefill_tp_size), ("decode", args.decode_tp_size)):
         if size != 1:
             _check_role_tp(role, size, replace(config, enable_hierarchical_cache=True) if not args.no_l3 else config)

@@ -17,7 +17,9 @@ class EngineConfig:
     ``enable_hierarchical_cache`` adds the host-memory tier (L2) behind it. ``tp_size`` x ``pp_size``
     ranks (one process each, on devices from ``base_gpu_id`` on CUDA) share the model: ``pp_size``
     pipeline stages of contiguous layers, each split over ``tp_size`` tensor ranks; every collective
-    between them gives up after ``dist_timeout_s`` (docs/architecture.md, Ranks, Pipeline parallelism)."""
+    between them gives up after ``dist_timeout_s`` (docs/architecture.md, Ranks, Pipeline parallelism).
+    ``cp_size`` ranks share the KV pages by context parallelism, each storing 1/cp_size of them
+    (docs/architecture.md, Context parallelism); not yet with TP, PP, the host tier or the node roles."""
 
     model_dir: Path
     device: str = "auto"
@@ -34,6 +36,7 @@ class EngineConfig:
     hicache: HiCacheOptions = field(default_factory=HiCacheOptions)
     tp_size: int = 1
     pp_size: int = 1
+    cp_size: int = 1
     base_gpu_id: int = 0
     dist_timeout_s: float = 120.0
 
@@ -55,6 +58,7 @@ class EngineConfig:
             # An L3 object holds every layer of a page; a stage holds only its own (not built).
             raise ValueError("an L3 storage backend is not supported with --pp-size above 1 (each stage holds "
                              "only its layers, and L3 objects hold a page's every layer)")
+        self._check_context_parallel()
         if self.base_gpu_id < 0:
             raise ValueError("base_gpu_id must not be negative")
         if self.dist_timeout_s <= 0:
@@ -63,10 +67,22 @@ class EngineConfig:
             raise ValueError(f"--device {self.device} names one device; with --tp-size use --device cuda "
                              "and --base-gpu-id (one device per rank from there)")
 
+    def _check_context_parallel(self) -> None:
+        """What context parallelism does not run with yet, refused before any process starts."""
+        if self.cp_size < 1:
+            raise ValueError("cp_size must be at least 1")
+        if self.cp_size == 1:
+            return
+        if self.tp_size > 1 or self.pp_size > 1:
+            raise ValueError("--cp-size with --tp-size or --pp-size is not supported yet: use one of them")
+        if self.enable_hierarchical_cache:
+            raise ValueError("--cp-size with --enable-hierarchical-cache is not supported yet (the host tier "
+                             "and L3 do not back up or restore sharded pages)")
+
     @property
     def num_ranks(self) -> int:
-        """The node's rank processes: every stage's tensor ranks."""
-        return self.tp_size * self.pp_size
+        """The node's rank processes: every stage's tensor ranks, or every CP rank's (never both)."""
+        return self.tp_size * self.pp_size * self.cp_size
 
     @property
     def cache_kind(self) -> CacheKind:

@@ -14,6 +14,7 @@ from tokenizers import Tokenizer
 
 from tierserve.cache.allocator import PageAllocator
 from tierserve.cache.base import PrefixCache
+from tierserve.cache.cp_pages import page_allocator
 from tierserve.cache.device_pool import DeviceKVPool, KVGeometry
 from tierserve.cache.factory import build_cache
 from tierserve.cache.hashing import Namespace
@@ -59,9 +60,9 @@ class Engine:
                  ranks: Ranks | None = None) -> None:
         self.config = config
         self.ranks = ranks or single_rank(config)
-        if (self.ranks.tp.size, self.ranks.pp.size) != (config.tp_size, config.pp_size):
-            raise ValueError(f"tp_size {config.tp_size} x pp_size {config.pp_size} but the engine runs on "
-                             f"{self.ranks.tp.size} x {self.ranks.pp.size} rank(s)")
+        if self.ranks.size != config.num_ranks or self.ranks.pp.size != config.pp_size:
+            raise ValueError(f"tp_size {config.tp_size} x pp_size {config.pp_size} x cp_size {config.cp_size} but "
+                             f"the engine runs on {self.ranks.size} rank(s) of {self.ranks.pp.size} stage(s)")
         self.device = self.ranks.device
         torch.manual_seed(config.seed)
         model_dir = Path(config.model_dir)
@@ -81,8 +82,9 @@ class Engine:
         )
         # Page ids are the same on every rank, so every rank's pool has the smallest rank's page count.
         self.pool = DeviceKVPool(self.geometry, self.ranks.agree_min(self._num_pages()), self.device)
-        self.allocator = PageAllocator(self.pool.num_pages)
-        self.namespace = Namespace(  # the model's layers and KV heads, not this rank's: the same at any TP/PP size
+        self.num_pages = self.pool.num_pages * self.ranks.cp.size  # logical: a CP rank stores its share
+        self.allocator = page_allocator(self.ranks.cp, self.pool.num_pages)
+        self.namespace = Namespace(  # the model's layers and KV heads, not this rank's: the same at any TP/PP/CP size
             model_identity(model_dir), str(self.dtype).removeprefix("torch."), config.page_size,
             self.model_config.num_layers, self.model_config.num_kv_heads, self.geometry.head_dim,
             object_format(config.hicache.mem_layout),
@@ -90,7 +92,7 @@ class Engine:
         self.cache = (prefix_cache or self._build_cache)(self.allocator, self.pool)
         sched = SchedulerConfig(config.page_size, config.chunked_prefill_size, config.max_running_requests)
         self.scheduler = Scheduler(sched, self.allocator, self.cache)
-        self.runner = ModelRunner(self.model, self.pool, self.device, token_share(self.ranks))
+        self.runner = ModelRunner(self.model, self.pool, self.device, token_share(self.ranks), self.ranks.cp)
         self.reservations = Reservations(self.allocator, self.cache, config.page_size)
         self.before_step: list[Callable[[], None]] = []  # e.g. a prefill node's handoff agreement
         self.requests: dict[str, Request] = {}
@@ -98,13 +100,13 @@ class Engine:
         self.last_batch_size = 0
         self._generate_ids = itertools.count()  # the same on every rank, as ids must be
         log.info("engine ready: model=%s device=%s dtype=%s kv_pages=%d page_size=%d rank=%d/%d stage=%d/%d "
-                 "layers=%d-%d namespace=%s", model_dir.name, self.device, self.dtype, self.pool.num_pages,
+                 "layers=%d-%d namespace=%s", model_dir.name, self.device, self.dtype, self.num_pages,
                  config.page_size, self.ranks.rank, self.ranks.size, self.ranks.pp.stage, self.ranks.pp.size,
                  self.model.layer_ids.start, self.model.layer_ids.stop - 1, self.namespace.digest())
 
     @property
     def capacity_tokens(self) -> int:
-        return self.pool.num_pages * self.config.page_size
+        return self.num_pages * self.config.page_size
 
     def add_request(
         self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, cache_salt: str = "",
@@ -324,7 +326,7 @@ class Engine:
                 f"this model's maximum context length is {self.max_model_len} tokens, but the request "
                 f"needs {total} ({len(prompt)} prompt + {params.max_tokens} max_tokens)"
             )
-        if pages_for(total, self.config.page_size) > self.pool.num_pages:
+        if pages_for(total, self.config.page_size) > self.num_pages:
             raise InvalidRequestError(
                 f"the request needs {total} tokens of KV cache but the pool holds {self.capacity_tokens}"
             )
@@ -339,7 +341,7 @@ class Engine:
 
     def _build_cache(self, allocator: PageAllocator, pool: DeviceKVPool) -> PrefixCache:
         return build_cache(self.config.cache_kind, allocator, pool, self.namespace.seed(), self.config.hicache,
-                           self.kv_shard, self.ranks.agreement())
+                           self.kv_shard, self.ranks.agreement(), self.ranks.cp)
 
     def _num_pages(self) -> int:
         tokens = self.config.max_total_tokens

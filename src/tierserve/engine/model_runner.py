@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from tierserve.cache.cp_pages import PageOwnership
 from tierserve.cache.device_pool import DeviceKVPool
+from tierserve.engine.cp_gather import LayerGather, plan_rows, renumber
 from tierserve.engine.request import Request
 from tierserve.engine.scheduler import Scheduled, pages_for
 from tierserve.engine.token_share import SoleSampler, TokenShare
@@ -23,12 +25,13 @@ class ModelRunner:
     """
 
     def __init__(self, model: CausalLM, pool: DeviceKVPool, device: torch.device,
-                 tokens: TokenShare | None = None) -> None:
+                 tokens: TokenShare | None = None, cp: PageOwnership | None = None) -> None:
         self.model = model
         self.pool = pool
         self.device = device
         self.page_size = pool.page_size
         self.tokens = tokens or SoleSampler()
+        self.cp = cp or PageOwnership()
 
     @torch.inference_mode()
     def run(self, batch: list[Scheduled], hooks: LayerHooks | None = None) -> dict[str, int]:
@@ -42,10 +45,21 @@ class ModelRunner:
         attn.decode_start = len(ids) - len(decodes)
         if decodes:
             attn.decode_pages, attn.decode_mask = self._decode_tables(decodes)
-        hidden = self.model(self._tensor(ids), self._tensor(positions), attn, self.pool)
+        kv = self._sharded(ordered, attn) if self.cp.size > 1 else self.pool
+        hidden = self.model(self._tensor(ids), self._tensor(positions), attn, kv)
         rows, sampled = _rows_to_sample(ordered)
         tokens = self.tokens.share(ordered, len(rows), lambda: self._sample(hidden, rows, sampled))
         return {r.request_id: t for r, t in zip(sampled, tokens, strict=True)}
+
+    def _sharded(self, ordered: list[Scheduled], attn: AttentionBatch) -> LayerGather:
+        """Context parallelism: renumbers ``attn`` onto a step buffer and starts gathering its prefix
+        pages from their owners (``engine/cp_gather.py``)."""
+        touched = set((attn.out_slots // self.page_size).tolist())
+        plan = plan_rows(self.cp, _prefix_pages(ordered, self.page_size), touched,
+                         self.pool.num_pages * self.cp.size, self.device)
+        slots = renumber(attn, plan.rows)
+        attn.hooks = LayerGather(self.cp, self.pool, plan, slots, attn, attn.hooks)
+        return attn.hooks
 
     def _sample(self, hidden: torch.Tensor, rows: list[int], requests: list[Request]) -> list[int]:
         if not rows:
@@ -112,6 +126,11 @@ def _step_hooks(batch: list[Scheduled]) -> _StepHooks | None:
     loads = [load for s in batch for load in s.request.hit.loads if not load.done()]
     handoffs = [s for s in batch if s.request.handoff is not None]
     return _StepHooks(loads, handoffs) if loads or handoffs else None
+
+
+def _prefix_pages(ordered: list[Scheduled], page_size: int) -> set[int]:
+    """The pages holding tokens computed before this step: what attention reads from their owners."""
+    return {p for s in ordered for p in s.request.pages[: pages_for(s.request.num_computed, page_size)]}
 
 
 def _is_decode(s: Scheduled) -> bool:

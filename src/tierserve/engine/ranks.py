@@ -1,7 +1,8 @@
 """One rank's place in its node: process groups, device, tensor-parallel shard and pipeline stage.
 
-A node of ``tp_size`` T and ``pp_size`` S is T * S processes (``docs/architecture.md``, Ranks and
-Pipeline parallelism); rank ``s * T + t`` is tensor rank t of stage s. Rank 0 hosts the
+A node of ``tp_size`` T and ``pp_size`` S (or ``cp_size`` C, never both) is T * S (T * C) processes
+(``docs/architecture.md``, Ranks, Pipeline and Context parallelism); rank ``s * T + t`` is tensor rank
+t of stage s (of CP rank s). Rank 0 hosts the
 rendezvous store; every rank joins the model's group (NCCL on CUDA, gloo on CPU) and a gloo
 control group for the CPU messages that keep the ranks in step. Every group has a timeout, so no
 rank waits in a collective for ever.
@@ -10,7 +11,7 @@ rank waits in a collective for ever.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from enum import Enum
 
@@ -18,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from tierserve.cache.agreement import Agreement, CollectiveMin, SingleRank
+from tierserve.cache.cp_pages import PageOwnership
 from tierserve.cache.shards import HeadRange, KVShard
 from tierserve.engine.config import EngineConfig
 from tierserve.model.parallel import HeadShard, TensorParallel
@@ -39,7 +41,7 @@ class RankSpec:
     on ``HOST`` and the timeout of every collective."""
 
     rank: int
-    size: int  # every rank of the node: tp_size * pp_size
+    size: int  # every rank of the node: tp_size * pp_size * cp_size
     store_port: int
     timeout_s: float
 
@@ -47,21 +49,23 @@ class RankSpec:
 @dataclass(frozen=True)
 class Ranks:
     """One rank's view of its node: its shard (``tp``), its device, ``control``, the gloo group of
-    CPU messages over every rank (None: the default group, itself gloo on CPU), and its pipeline
-    stage (``pp``). ``rank`` and ``size`` count every rank of the node, all stages."""
+    CPU messages over every rank (None: the default group, itself gloo on CPU), its pipeline stage
+    (``pp``) and its share of the KV pages (``cp``, docs/architecture.md, Context parallelism; a node
+    has stages or CP ranks, never both). ``rank`` and ``size`` count every rank of the node."""
 
     tp: TensorParallel
     device: torch.device
     control: object | None = None
     pp: PipelineStage = SOLE
+    cp: PageOwnership = field(default_factory=PageOwnership)
 
     @property
     def rank(self) -> int:
-        return self.pp.stage * self.tp.size + self.tp.rank
+        return (self.pp.stage + self.cp.rank) * self.tp.size + self.tp.rank  # one of the two is 0
 
     @property
     def size(self) -> int:
-        return self.tp.size * self.pp.size
+        return self.tp.size * self.pp.size * self.cp.size
 
     @property
     def sampler(self) -> int:
@@ -135,7 +139,9 @@ def join(spec: RankSpec, config: EngineConfig, store: dist.Store | None = None) 
     _share_cpu(device, spec.size)
     tp_group = _tensor_group(spec.rank, config.tp_size, config.pp_size, timeout)
     tp = TensorParallel(spec.rank % config.tp_size, config.tp_size, tp_group)
-    return Ranks(tp, device, control, stage_of(spec.rank, config.tp_size, config.pp_size))
+    stage = stage_of(spec.rank, config.tp_size, config.pp_size) if config.pp_size > 1 else SOLE
+    return Ranks(tp, device, control, stage, PageOwnership(spec.rank // config.tp_size, config.cp_size)
+                 if config.cp_size > 1 else PageOwnership())
 
 
 def _tensor_group(rank: int, tp_size: int, pp_size: int, timeout: timedelta) -> object | None:

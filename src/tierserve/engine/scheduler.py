@@ -153,7 +153,9 @@ class Scheduler:
             return True
         if self.allocator.num_free < missing:
             self.cache.evict(missing - self.allocator.num_free)
-        pages = self.allocator.alloc(missing)
+        pages = self.allocator.alloc_after(request.pages, missing)
+        while pages is None and self.cache.evict(missing) > 0:  # CP: the owners it needs may still lack pages
+            pages = self.allocator.alloc_after(request.pages, missing)
         if pages is None:
             return False
         request.pages.extend(pages)

@@ -117,11 +117,13 @@ def _stop(node: Node | None, engine: Engine, procs: RankProcesses | None) -> Non
 
 def _check_fits(config: EngineConfig) -> None:
     """Refuses, before any process starts, a TP size the model's heads or MLP cannot be split over,
-    and pipeline stages (not built for the node roles: each stage would hand off its own layers)."""
-    if config.pp_size != 1:
-        print("tierserve: --pp-size is not supported on prefill and decode nodes (tierserve serve only)",
-              file=sys.stderr)
-        raise SystemExit(2)
+    and pipeline stages or context parallelism, which prefill and decode nodes do not run yet
+    (docs/architecture.md, Pipeline parallelism, Context parallelism)."""
+    for flag, size in (("--pp-size", config.pp_size), ("--cp-size", config.cp_size)):
+        if size != 1:
+            print(f"tierserve: {flag} is not supported on prefill and decode nodes yet (tierserve serve only)",
+                  file=sys.stderr)
+            raise SystemExit(2)
     problem = misfit(config.model_dir, config.tp_size)
     if problem is not None:
         print(f"tierserve: --tp-size {config.tp_size} does not fit {config.model_dir.name}: {problem}", file=sys.stderr)

@@ -1,0 +1,125 @@
+"""Context parallelism's sharded KV pages (``docs/architecture.md``, Context parallelism).
+
+Every rank of a CP node keeps the same radix tree and the same *logical* page ids; a logical page
+is stored by one rank only, its owner. Owner and local slot follow from the id alone (no per-page
+table): ``owner = page % size``, ``local = page // size``. A sequence's pages rotate over the owners
+(its page j belongs to ``(start + j) % size``), so a long prompt spreads evenly over the ranks and
+its new pages continue the rotation of the cached prefix it extends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from tierserve.cache.allocator import PageAccountingError, PageAllocator
+
+
+@dataclass(frozen=True)
+class PageOwnership:
+    """Which logical pages this CP rank (``rank`` of ``size``) stores, and where."""
+
+    rank: int = 0
+    size: int = 1
+
+    def owner(self, page: int) -> int:
+        return page % self.size
+
+    def local(self, page: int) -> int:
+        """The page's slot in its owner's pool."""
+        return page // self.size
+
+    def logical(self, owner: int, local: int) -> int:
+        return local * self.size + owner
+
+    def owns(self, page: int) -> bool:
+        return self.owner(page) == self.rank
+
+    def follows(self, anchor: int, pages: Sequence[int]) -> int:
+        """How many leading ``pages`` continue the rotation of ``anchor``, the page just before them
+        in the sequence (the first owned by the next owner, and so on)."""
+        n = 0
+        while n < len(pages) and self.owner(pages[n]) == (self.owner(anchor) + 1 + n) % self.size:
+            n += 1
+        return n
+
+    def storable(self, tree_path: Sequence[int], pages: Sequence[int]) -> int:
+        """How many leading ``pages`` of a sequence the tree may keep: the ``len(tree_path)`` pages it
+        has already, then those that continue the rotation of its path (of the sequence's own first
+        page where the path is empty). Pages past that would mix two rotations: refused."""
+        if len(pages) <= len(tree_path):
+            return len(pages)
+        if not tree_path:
+            return 1 + self.follows(pages[0], pages[1:])
+        return len(tree_path) + self.follows(tree_path[-1], pages[len(tree_path):])
+
+
+class ShardedPageAllocator:
+    """Logical page ids ``[0, local_pages * size)`` over per-owner free lists; the same interface as
+    ``PageAllocator``. Deterministic (every rank holds the same one and must hand out the same ids).
+
+    ``alloc_after(previous, n)`` continues the rotation of ``previous`` (a sequence's pages so far);
+    a sequence without pages starts at the next owner in turn, so short sequences spread over the
+    owners too. All-or-nothing: None when one of the owners needed lacks free pages.
+    """
+
+    def __init__(self, ownership: PageOwnership, local_pages: int) -> None:
+        if local_pages <= 0:
+            raise ValueError("the KV pool needs at least one page per rank")
+        self.ownership = ownership
+        self.num_pages = local_pages * ownership.size
+        # one stack per owner, low local slots first, as PageAllocator hands out low pages first
+        self._free = [[ownership.logical(o, s) for s in range(local_pages - 1, -1, -1)] for o in range(ownership.size)]
+        self._in_use = bytearray(self.num_pages)
+        self._next_start = 0
+
+    @property
+    def num_free(self) -> int:
+        return sum(len(stack) for stack in self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_pages - self.num_free
+
+    def alloc(self, n: int) -> list[int] | None:
+        return self.alloc_after((), n)
+
+    def alloc_after(self, previous: Sequence[int], n: int) -> list[int] | None:
+        if n <= 0:
+            return []
+        size = self.ownership.size
+        start = self.ownership.owner(previous[-1]) + 1 if previous else self._next_start
+        owners = [(start + j) % size for j in range(n)]
+        if any(owners.count(o) > len(self._free[o]) for o in range(size)):
+            return None
+        if not previous:
+            self._next_start = (self._next_start + 1) % size
+        pages = [self._free[o].pop() for o in owners]
+        for p in pages:
+            self._in_use[p] = 1
+        return pages
+
+    def free(self, pages: Iterable[int]) -> None:
+        pages = list(pages)
+        for p in pages:
+            if not 0 <= p < self.num_pages or not self._in_use[p]:
+                raise PageAccountingError(f"page {p} freed but not allocated")
+            self._in_use[p] = 0
+        for p in reversed(pages):  # so that allocating them again gives the same order
+            self._free[self.ownership.owner(p)].append(p)
+
+    def check(self) -> None:
+        """Raises unless the free lists and the ownership flags describe the same set of pages."""
+        listed = [p for stack in self._free for p in stack]
+        if len(set(listed)) != len(listed):
+            raise PageAccountingError("a page is on a free list twice")
+        if any(self.ownership.owner(p) != o for o, stack in enumerate(self._free) for p in stack):
+            raise PageAccountingError("a page is on another owner's free list")
+        flagged = {p for p in range(self.num_pages) if not self._in_use[p]}
+        if set(listed) != flagged:
+            raise PageAccountingError(f"free lists and ownership disagree on {sorted(set(listed) ^ flagged)[:8]}")
+
+
+def page_allocator(ownership: PageOwnership, local_pages: int) -> PageAllocator | ShardedPageAllocator:
+    """The allocator of a rank whose pool holds ``local_pages``: sharded under CP, plain otherwise."""
+    return PageAllocator(local_pages) if ownership.size == 1 else ShardedPageAllocator(ownership, local_pages)

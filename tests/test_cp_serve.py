@@ -1,0 +1,148 @@
+"""``tierserve serve --cp-size 2`` (two rank processes over gloo, each storing half of the KV pages
+and gathering the cached prefix from the other) answers greedy requests through the OpenAI API
+exactly as ``transformers`` does: a batch of concurrent prompts over several prefill chunks,
+prompts that extend a cached prefix (its rotation continued, so each turn hits the whole previous
+one), and two concurrent prompts whose rotations clash (the second one's pages refused)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+from tiny_models import add_word_tokenizer, make_tiny_model
+from tokenizers import Tokenizer
+from tp_server import HEADS, NEW_TOKENS, TPServer, complete, hf_greedy, prompts, start_server
+
+pytestmark = pytest.mark.integration
+PAGE = 4  # tp_server's page size
+DEADLINE_S = 30.0
+
+
+def _model(family: str, folder: Path) -> Path:
+    heads, kv_heads = HEADS[family]
+    model = make_tiny_model(family, folder, heads=heads, kv_heads=kv_heads)
+    return add_word_tokenizer(model)
+
+
+def _ids(model: Path, texts: list[str]) -> list[list[int]]:
+    words = Tokenizer.from_file(str(model / "tokenizer.json"))
+    return [words.encode(text).ids for text in texts]
+
+
+def _serve(model: Path, log: Path) -> TPServer:
+    return start_server(model, 1, log, "--cp-size", "2").wait_healthy()
+
+
+def _cached(client: openai.OpenAI, model: Path, prompt: list[int]) -> tuple[list[int], int]:
+    """Greedy output ids and the prompt tokens served from the cache."""
+    reply = client.completions.create(model=model.name, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    return _ids(model, [reply.choices[0].text])[0], reply.usage.prompt_tokens_details.cached_tokens
+
+
+def _refused_pages(server: TPServer) -> float:
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    found = re.search(r"^tierserve_cache_cp_refused_pages_total (\S+)$", text, re.MULTILINE)
+    return float(found.group(1)) if found else 0.0
+
+
+def _wait_refused(server: TPServer) -> float:
+    """The refused-pages counter once the engine published a non-zero value (stats lag a step)."""
+    deadline = time.monotonic() + DEADLINE_S
+    while (value := _refused_pages(server)) == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)  # poll interval
+    return value
+
+
+@pytest.mark.parametrize("family", ["llama", pytest.param("qwen2", marks=pytest.mark.slow),
+                                    pytest.param("qwen3", marks=pytest.mark.slow)])
+def test_a_batch_with_chunked_prefill_equals_transformers(family: str, tmp_path: Path) -> None:
+    model = _model(family, tmp_path / family)
+    asked = prompts()  # up to 70 tokens: five 16-token prefill chunks
+    expected = hf_greedy(model, asked)
+    server = _serve(model, tmp_path / "serve.log")
+    try:
+        client = server.client()
+        with ThreadPoolExecutor(len(asked)) as pool:  # concurrent: they share steps
+            texts = list(pool.map(lambda p: complete(client, model.name, p), asked))
+    finally:
+        server.stop()
+    assert _ids(model, texts) == expected, server.log.read_text()[-3000:]
+
+
+def test_turns_extending_a_cached_prefix_hit_all_of_it(tmp_path: Path) -> None:
+    """Each turn is the previous prompt, its answer and new words: its pages continue the previous
+    turn's rotation, so the tree keeps them and the next turn hits every full page of it."""
+    model = _model("llama", tmp_path / "llama")
+    server = _serve(model, tmp_path / "serve.log")
+    gen = torch.Generator().manual_seed(5)
+    try:
+        client = server.client()
+        prompt, previous = torch.randint(2, 384, (30,), generator=gen).tolist(), 0
+        for turn in range(3):
+            out, cached = _cached(client, model, prompt)
+            assert out == hf_greedy(model, [prompt])[0], f"turn {turn}"
+            if previous:
+                assert cached == previous // PAGE * PAGE, f"turn {turn}: {cached} of {previous} cached"
+            previous = len(prompt) + NEW_TOKENS - 1  # the last answer token's KV is never computed
+            prompt = prompt + out + torch.randint(2, 384, (9,), generator=gen).tolist()
+        assert _refused_pages(server) == 0
+    finally:
+        server.stop()
+
+
+def test_a_clashing_rotation_is_refused_and_outputs_stay_correct(tmp_path: Path) -> None:
+    """A and B share a 24-token prefix and run at once, so neither hits the other: each starts its
+    own rotation (fresh sequences take turns). A ends first and its pages go into the tree; B's pages
+    past the prefix would follow A's prefix with the wrong owners: refused. C extends B's prompt and
+    hits only the prefix; every answer equals transformers."""
+    model = _model("llama", tmp_path / "llama")
+    gen = torch.Generator().manual_seed(7)
+    prefix = torch.randint(2, 384, (24,), generator=gen).tolist()
+    a = [*prefix, 11, *torch.randint(2, 384, (11,), generator=gen).tolist()]
+    b = [*prefix, 12, *torch.randint(2, 384, (11,), generator=gen).tolist()]
+    c = b + torch.randint(2, 384, (8,), generator=gen).tolist()
+    expected = hf_greedy(model, [a, b, c])
+    server = _serve(model, tmp_path / "serve.log")
+    try:
+        client = server.client()
+        stream = client.completions.create(model=model.name, prompt=a, max_tokens=NEW_TOKENS, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True})
+        first = next(iter(stream))  # A is admitted and computed before B arrives
+        with ThreadPoolExecutor(1) as pool:
+            b_reply = pool.submit(client.completions.create, model=model.name, prompt=b, max_tokens=2 * NEW_TOKENS,
+                                  temperature=0, extra_body={"ignore_eos": True})
+            a_text = first.choices[0].text + "".join(chunk.choices[0].text for chunk in stream)
+            b_text = b_reply.result().choices[0].text  # 32 tokens: B ends after A, every step shared
+        assert _ids(model, [a_text]) == expected[:1]
+        assert _ids(model, [b_text])[0][:NEW_TOKENS] == expected[1]
+        assert _wait_refused(server) >= 1
+        c_out, c_cached = _cached(client, model, c)
+        assert c_out == expected[2]
+        assert c_cached == len(prefix)  # B's own pages past the prefix were never stored
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize(("command", "flags", "says"), [
+    ("serve", ["--enable-hierarchical-cache"], "--cp-size with --enable-hierarchical-cache is not supported"),
+    ("serve", ["--tp-size", "2"], "--cp-size with --tp-size is not supported"),
+    ("prefill", [], "--cp-size is not supported on prefill and decode nodes"),
+    ("decode", [], "--cp-size is not supported on prefill and decode nodes"),
+])
+def test_what_cp_does_not_run_with_yet_is_refused_at_start(command: str, flags: list[str], says: str,
+                                                            tmp_path: Path) -> None:
+    model = _model("llama", tmp_path / "llama")
+    cmd = [sys.executable, "-m", "tierserve.cli", command, "--model", str(model), "--port", "0", "--cp-size", "2",
+           *flags]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=DEADLINE_S * 4)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert says in done.stderr
