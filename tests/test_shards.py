@@ -11,7 +11,7 @@ from tierserve.cache.device_pool import KVGeometry
 from tierserve.cache.hashing import page_keys
 from tierserve.cache.host_pool import HostKVPool, HostLayout
 from tierserve.cache.shard_io import ShardIO
-from tierserve.cache.shards import HeadRange, KVShard, covering, finer_chunks, object_key, sources
+from tierserve.cache.shards import HeadRange, KVShard, LayerRange, Piece, covering, finer_chunks, object_key, sources
 from tierserve.cache.staging import page_io
 from tierserve.cache.storage.file import FileStorage
 
@@ -42,11 +42,13 @@ def _reference() -> torch.Tensor:
 
 
 def test_names_and_sources() -> None:
-    whole, half = HeadRange(0, 4, 4), HeadRange(2, 2, 4)
+    whole, half, layers = HeadRange(0, 4, 4), HeadRange(2, 2, 4), LayerRange(0, 2, 2)
     assert object_key(KEYS[0], whole) == KEYS[0] and object_key(KEYS[0], half) != KEYS[0]
-    assert [len(s.objects) for s in sources(half)] == [1, 1, 2]  # own, then the whole page, then single heads
-    assert sources(half)[0].direct and not sources(half)[1].direct
-    assert covering(HeadRange(1, 1, 4), 2).objects == (HeadRange(0, 2, 4),)
+    assert object_key(KEYS[0], half, layers) == object_key(KEYS[0], half)  # every layer: named as without stages
+    # own, then the whole page, then single heads; then the same for each layer (2 stages)
+    assert [len(s.objects) for s in sources(Piece(half, layers))] == [1, 1, 2, 2, 2, 4]
+    assert sources(Piece(half, layers))[0].direct and not sources(Piece(half, layers))[1].direct
+    assert covering(Piece(HeadRange(1, 1, 4), layers), 2).objects == (Piece(HeadRange(0, 2, 4), layers),)
     with pytest.raises(ValueError):
         HeadRange(3, 2, 4)
 
@@ -134,7 +136,7 @@ def test_probe_takes_the_longest_run(tmp_path: Path) -> None:
     _, io = _pool(_shard(0, 2), HostLayout.PAGE_FIRST_DIRECT)
     assert all(io.set_from(store, KEYS[:2], [0, 1]))  # its own objects cover only 2 pages
     probed, source = io.probe(store, KEYS)
-    assert probed == PAGES and source.objects == (HeadRange(0, 4, 4),)
+    assert probed == PAGES and source.objects == (Piece(HeadRange(0, 4, 4), LayerRange(0, 2, 2)),)
 
 
 def test_a_rank_shard_and_its_writers() -> None:
@@ -143,9 +145,9 @@ def test_a_rank_shard_and_its_writers() -> None:
 
     def shard(rank: int, size: int) -> KVShard:
         tp = TensorParallel(rank, size)
-        return Ranks(tp, torch.device("cpu")).kv_shard(tp.heads(8, HEADS), HEADS)
+        return Ranks(tp, torch.device("cpu")).kv_shard(tp.heads(8, HEADS), HEADS, 2)
 
-    assert shard(1, 2) == KVShard(HeadRange(2, 2, HEADS), 1, True, 2)
+    assert shard(1, 2) == KVShard(HeadRange(2, 2, HEADS), 1, True, 2, layers=LayerRange(0, 2, 2))
     assert [(s.heads.start, s.writes) for s in (shard(r, 8) for r in range(8))] == [
         (0, True), (0, False), (1, True), (1, False), (2, True), (2, False), (3, True), (3, False)]
 

@@ -1,9 +1,11 @@
-"""One rank's L3 objects: it writes its own heads' object of every page and reads its heads from
-whatever objects another TP size wrote (``docs/architecture.md``, L3 across TP sizes).
+"""One rank's L3 objects: it writes its own heads' (and stage's layers') object of every page and
+reads them from whatever objects another TP or PP size wrote (``docs/architecture.md``, L3 across
+TP sizes, and Pipeline parallelism).
 
 Where the objects are exactly the rank's range, reads and writes go through the host pool's
 ``PageIO`` (zero-copy in the page-first layouts). Otherwise each object lands in a staging buffer
-shaped like it and the rank's heads are copied out of it into the host page: one staging copy.
+shaped like it and the rank's heads of its layers are copied out of it into the host page: one
+staging copy.
 A writer with ``KVShard.finer`` chunk sizes also copies each of its pages' chunks into staging and
 stores them as their own objects, for the ranks of smaller TP shares to read zero-copy.
 """
@@ -19,45 +21,48 @@ import torch
 
 from tierserve.cache.host_pool import HostKVPool
 from tierserve.cache.options import HostLayout
-from tierserve.cache.shards import HeadRange, KVShard, Source, covering, sources
+from tierserve.cache.shards import KVShard, Piece, Source, covering, sources
 from tierserve.cache.staging import STAGING_PAGES, PageIO
 from tierserve.cache.storage import StorageBackend
 
 
 class _Staging:
-    """Staging pools of objects of some head count in the object byte order (page-first, as
-    ``staging`` writes ``layer_first`` pools), one per head count, grown, never shrunk; ``lock``
+    """Staging pools of objects of some head and layer count in the object byte order (page-first,
+    as ``staging`` writes ``layer_first`` pools), one per shape, grown, never shrunk; ``lock``
     guards their contents for one call. A new pool is attached to the store at once: a zero-copy
     store (Mooncake) would otherwise register it inside the first transfer, on the caller's clock."""
 
     def __init__(self, host: HostKVPool) -> None:
         self.host = host
         self.lock = threading.Lock()
-        self._pools: dict[int, HostKVPool] = {}
+        self._pools: dict[tuple[int, int], HostKVPool] = {}
 
-    def pool(self, storage: StorageBackend, heads: int, objects: int) -> HostKVPool:
-        """A pool of at least ``objects`` objects of ``heads`` heads, attached to ``storage``."""
-        pool = self._pools.get(heads)
+    def pool(self, storage: StorageBackend, piece: Piece, objects: int) -> HostKVPool:
+        """A pool of at least ``objects`` objects shaped like ``piece``, attached to ``storage``."""
+        shape = (piece.heads.count, piece.layers.count)
+        pool = self._pools.get(shape)
         if pool is None or pool.num_pages < objects:
             layout = HostLayout.PAGE_FIRST if self.host.layout is HostLayout.LAYER_FIRST else self.host.layout
-            geometry = dataclasses.replace(self.host.geometry, num_kv_heads=heads)
+            geometry = dataclasses.replace(self.host.geometry, num_kv_heads=shape[0], num_layers=shape[1])
             pool = HostKVPool(geometry, max(objects, STAGING_PAGES), layout, pin_memory=self.host.buffer.is_pinned())
             storage.attach_host_buffer(pool.buffer)
-            self._pools[heads] = pool
+            self._pools[shape] = pool
         return pool
 
 
 class ShardIO:
     """The L3 side of one rank's host pool. ``io`` moves whole host pages (its ``buffer`` is what
-    the backend registers); ``shard`` says which heads this rank holds and whether it writes them."""
+    the backend registers); ``shard`` says which heads (and layers) this rank holds and whether it
+    writes them."""
 
     def __init__(self, host: HostKVPool, io: PageIO, shard: KVShard) -> None:
-        if host.geometry.num_kv_heads != shard.heads.count:
-            raise ValueError(f"the host pool holds {host.geometry.num_kv_heads} KV heads, the shard "
-                             f"{shard.heads.count}")
+        self.mine = shard.piece(host.geometry.num_layers)
+        if (host.geometry.num_kv_heads, host.geometry.num_layers) != (shard.heads.count, self.mine.layers.count):
+            raise ValueError(f"the host pool holds {host.geometry.num_kv_heads} KV heads of "
+                             f"{host.geometry.num_layers} layers, the shard {self.mine}")
         self.host, self.io, self.shard = host, io, shard
-        self.own, *self._others = sources(shard.heads)  # own range first; the rest only when it lacks pages
-        self.finer = [covering(shard.heads, c) for c in shard.finer]
+        self.own, *self._others = sources(self.mine)  # own range first; the rest only when it lacks pages
+        self.finer = [covering(self.mine, c) for c in shard.finer]
         # reads (prefetch lane) and writes (backup lane) never wait for each other's staging
         self._reads, self._writes = _Staging(host), _Staging(host)
 
@@ -133,7 +138,7 @@ class ShardIO:
              host_pages: list[int]) -> list[bool]:
         """One backend call into the read staging buffer, then this rank's heads out of it."""
         n = len(source.objects)
-        staging = self._reads.pool(storage, source.objects[0].count, len(page_keys) * n)
+        staging = self._reads.pool(storage, source.objects[0], len(page_keys) * n)
         got = storage.batch_get_into(source.keys(page_keys), [staging.page_span(i) for i in range(len(page_keys) * n)])
         ok = [all(got[i * n : (i + 1) * n]) for i in range(len(page_keys))]
         for i, page in enumerate(host_pages):
@@ -147,20 +152,31 @@ class ShardIO:
         """This rank's heads of each page into the write staging buffer cut as ``source``'s
         objects, then one backend call storing them; per-page success."""
         n = len(source.objects)
-        staging = self._writes.pool(storage, source.objects[0].count, len(page_keys) * n)
+        staging = self._writes.pool(storage, source.objects[0], len(page_keys) * n)
         for i, page in enumerate(host_pages):
             for host, staged in self._overlaps(staging, i * n, source.objects, page):
                 staged.copy_(host)
         put = storage.batch_set_from(source.keys(page_keys), [staging.page_span(i) for i in range(len(page_keys) * n)])
         return [all(put[i * n : (i + 1) * n]) for i in range(len(page_keys))]
 
-    def _overlaps(self, staging: HostKVPool, first: int, objects: tuple[HeadRange, ...],
+    def _overlaps(self, staging: HostKVPool, first: int, objects: tuple[Piece, ...],
                   page: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """For each object (staging page ``first + j``), its overlap with this rank's heads as
-        (host page ``page`` view, staging view), both [L, 2, 1, page_size, heads, head_dim]."""
-        mine = self.shard.heads
+        """For each object (staging page ``first + j``), its overlap with this rank's heads and
+        layers as (host page ``page`` view, staging view), both [layers, 2, 1, page_size, heads,
+        head_dim]; objects that share no layer with this rank yield nothing."""
+        heads, layers = self.mine.heads, self.mine.layers
         dst = self.host.run_all_layers(page, 1)
         for j, obj in enumerate(objects):
-            lo, hi = max(mine.start, obj.start), min(mine.end, obj.end)
+            h0, h1 = max(heads.start, obj.heads.start), min(heads.end, obj.heads.end)
+            l0, l1 = max(layers.start, obj.layers.start), min(layers.end, obj.layers.end)
+            if h0 >= h1 or l0 >= l1:
+                continue
             src = staging.run_all_layers(first + j, 1)
-            yield dst[..., lo - mine.start : hi - mine.start, :], src[..., lo - obj.start : hi - obj.start, :]
+            yield (_cut(dst, l0 - layers.start, l1 - l0, h0 - heads.start, h1 - h0),
+                   _cut(src, l0 - obj.layers.start, l1 - l0, h0 - obj.heads.start, h1 - h0))
+
+
+def _cut(view: torch.Tensor, layer: int, layers: int, head: int, heads: int) -> torch.Tensor:
+    """``layers`` layers from ``layer`` and ``heads`` heads from ``head`` of a
+    [layers, 2, n, page_size, heads, head_dim] view."""
+    return view[layer : layer + layers, ..., head : head + heads, :]

@@ -1,5 +1,5 @@
-"""Which KV heads of every page a rank holds, and the names of its L3 objects
-(``docs/architecture.md``, L3 across TP sizes).
+"""Which KV heads and layers of every page a rank holds, and the names of its L3 objects
+(``docs/architecture.md``, L3 across TP sizes, and across PP sizes).
 
 A page of KV is stored in L3 as one object per head range: the rank holding KV heads
 ``[start, start + count)`` of the model's ``total`` writes the object named ``object_key(page key,
@@ -8,14 +8,23 @@ before. Ranges are aligned chunks whose size divides ``total`` (that is what eve
 so a reader of any TP size finds the objects covering its heads among ``covering`` chunk sizes.
 A writer told the TP sizes of the nodes sharing its L3 also stores its range cut into their ranks'
 smaller shares (``finer_chunks``), which those ranks then read as their own.
+
+Pipeline stages cut the layers the same way: a stage's object holds its ``LayerRange`` of its
+heads (``Piece``), named by both ranges; the whole layer range adds nothing to the name, so a node
+without stages names its objects as before. A reader looks for covering objects among aligned
+layer chunks too (those of up to ``MAX_STAGES`` stages).
 """
 
 from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TypeVar
+
+R = TypeVar("R", bound="HeadRange")
+MAX_STAGES = 8  # layer chunks a reader looks for: those of up to this many pipeline stages
 
 
 @dataclass(frozen=True)
@@ -28,7 +37,8 @@ class HeadRange:
 
     def __post_init__(self) -> None:
         if self.count < 1 or self.start < 0 or self.start + self.count > self.total:
-            raise ValueError(f"heads [{self.start}, {self.start + self.count}) do not fit {self.total} KV heads")
+            raise ValueError(f"[{self.start}, {self.start + self.count}) does not fit {self.total} "
+                             f"{type(self).__name__}")
 
     @property
     def end(self) -> int:
@@ -39,19 +49,41 @@ class HeadRange:
         return self.count == self.total
 
 
+class LayerRange(HeadRange):
+    """Layers ``[start, start + count)`` of a model with ``total`` layers (a pipeline stage's)."""
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One L3 object's share of a page: ``heads`` of ``layers``."""
+
+    heads: HeadRange
+    layers: LayerRange
+
+    @property
+    def whole(self) -> bool:
+        return self.heads.whole and self.layers.whole
+
+
 @dataclass(frozen=True)
 class KVShard:
     """One rank's share of every page: its ``heads`` and whether it ``writes`` their L3 objects
     (ranks that replicate a KV head, when the TP size exceeds the KV heads, leave it to the first of
     them), among the node's ``ranks``. ``rank`` names the rank for per-rank settings (its share of
     the node's L3 segment, test faults), never for a cache decision. ``finer``: head counts of the
-    extra objects a writer also stores inside its range, largest first (``finer_chunks``)."""
+    extra objects a writer also stores inside its range, largest first (``finer_chunks``).
+    ``layers``: the rank's pipeline stage's layers (None: every layer of its pool)."""
 
     heads: HeadRange
     rank: int = 0
     writes: bool = True
     ranks: int = 1
     finer: tuple[int, ...] = ()
+    layers: LayerRange | None = None
+
+    def piece(self, num_layers: int) -> Piece:
+        """What this rank holds of every page, given its pool's ``num_layers``."""
+        return Piece(self.heads, self.layers or LayerRange(0, num_layers, num_layers))
 
     @classmethod
     def whole(cls, num_kv_heads: int) -> KVShard:
@@ -59,12 +91,16 @@ class KVShard:
         return cls(HeadRange(0, num_kv_heads, num_kv_heads))
 
 
-def object_key(page_key: bytes, heads: HeadRange) -> bytes:
-    """The L3 name of ``heads``' share of the page ``page_key``: the page key for the whole range,
-    else a hash of it with the range (so every TP size names the same range alike)."""
-    if heads.whole:
-        return page_key
-    return hashlib.sha256(page_key + b"heads" + struct.pack("<3I", heads.start, heads.count, heads.total)).digest()
+def object_key(page_key: bytes, heads: HeadRange, layers: LayerRange | None = None) -> bytes:
+    """The L3 name of ``heads``' share (of ``layers``; None: every layer) of the page ``page_key``:
+    the page key for the whole page, else a hash of it with the ranges (so every TP and PP size
+    names the same ranges alike; the whole layer range keeps the head range's name)."""
+    key = page_key
+    if not heads.whole:
+        key = hashlib.sha256(key + b"heads" + struct.pack("<3I", heads.start, heads.count, heads.total)).digest()
+    if layers is None or layers.whole:
+        return key
+    return hashlib.sha256(key + b"layers" + struct.pack("<3I", layers.start, layers.count, layers.total)).digest()
 
 
 @dataclass(frozen=True)
@@ -72,29 +108,41 @@ class Source:
     """Where a reader finds its heads of a page: the ``objects`` (aligned chunks of one size) that
     cover them, in head order. ``direct``: one object that is exactly the reader's range."""
 
-    objects: tuple[HeadRange, ...]
+    objects: tuple[Piece, ...]
     direct: bool
 
     def keys(self, page_keys: list[bytes]) -> list[bytes]:
-        """Object keys page by page, each page's objects in head order."""
-        return [object_key(k, r) for k in page_keys for r in self.objects]
+        """Object keys page by page, each page's objects in layer then head order."""
+        return [object_key(k, p.heads, p.layers) for k in page_keys for p in self.objects]
 
 
-def covering(mine: HeadRange, chunk: int) -> Source:
-    """The aligned chunks of ``chunk`` heads that cover ``mine``."""
+def chunks(mine: R, chunk: int) -> list[R]:
+    """The aligned ranges of ``chunk`` that cover ``mine`` (of its type: heads or layers)."""
     first, last = mine.start // chunk, (mine.end - 1) // chunk
-    objects = tuple(HeadRange(i * chunk, chunk, mine.total) for i in range(first, last + 1))
+    return [type(mine)(i * chunk, chunk, mine.total) for i in range(first, last + 1)]
+
+
+def covering(mine: Piece, chunk: int, layer_chunk: int | None = None) -> Source:
+    """The aligned objects of ``chunk`` heads and ``layer_chunk`` layers (default: ``mine``'s)
+    that cover ``mine``, layer-major."""
+    layers = chunks(mine.layers, layer_chunk or mine.layers.count)
+    objects = tuple(Piece(h, la) for la in layers for h in chunks(mine.heads, chunk))
     return Source(objects, objects == (mine,))
 
 
-def sources(mine: HeadRange) -> list[Source]:
-    """Every way of reading ``mine``, own range first (zero-copy), then larger chunks (fewer
-    objects), then smaller: one per chunk size that divides the model's KV heads."""
-    sizes = [c for c in range(1, mine.total + 1) if mine.total % c == 0 and c != mine.count]
-    larger = sorted(c for c in sizes if c > mine.count)
-    smaller = sorted((c for c in sizes if c < mine.count), reverse=True)
-    order = [mine.count, *larger, *smaller]
-    return [covering(mine, c) for c in order]
+def _sizes(mine: HeadRange, allowed: Callable[[int], bool]) -> list[int]:
+    """Chunk sizes dividing ``mine.total`` that ``allowed``: own first, then larger ones (fewer
+    objects), then smaller."""
+    sizes = [c for c in range(1, mine.total + 1) if mine.total % c == 0 and c != mine.count and allowed(c)]
+    return [mine.count, *sorted(c for c in sizes if c > mine.count),
+            *sorted((c for c in sizes if c < mine.count), reverse=True)]
+
+
+def sources(mine: Piece) -> list[Source]:
+    """Every way of reading ``mine``: own range first (zero-copy), then for each layer chunk
+    (own first, then those of up to ``MAX_STAGES`` stages) every head chunk size."""
+    layer_sizes = _sizes(mine.layers, lambda c: mine.layers.total // c <= MAX_STAGES)
+    return [covering(mine, h, la) for la in layer_sizes for h in _sizes(mine.heads, lambda c: True)]
 
 
 def rank_heads(total: int, tp_size: int) -> int:

@@ -54,10 +54,6 @@ class EngineConfig:
             raise ValueError("tp_size must be at least 1")
         if self.pp_size < 1:
             raise ValueError("pp_size must be at least 1")
-        if self.pp_size > 1 and self.hicache.storage_backend:
-            # An L3 object holds every layer of a page; a stage holds only its own (not built).
-            raise ValueError("an L3 storage backend is not supported with --pp-size above 1 (each stage holds "
-                             "only its layers, and L3 objects hold a page's every layer)")
         self._check_context_parallel()
         if self.base_gpu_id < 0:
             raise ValueError("base_gpu_id must not be negative")

@@ -76,7 +76,7 @@ class Engine:
         self.tokenizer = _load_tokenizer(model_dir)
         self.eos_ids = set(self.model_config.eos_token_ids) | _generation_eos(model_dir)
         heads = self.ranks.tp.heads(self.model_config.num_heads, self.model_config.num_kv_heads)
-        self.kv_shard = self.ranks.kv_shard(heads, self.model_config.num_kv_heads)
+        self.kv_shard = self.ranks.kv_shard(heads, self.model_config.num_kv_heads, self.model_config.num_layers)
         self.geometry = KVGeometry(  # this rank's KV heads of its stage's layers only
             len(self.model.layer_ids), heads.kv_heads, self.model_config.head_dim, config.page_size, self.dtype,
         )

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from tierserve.cache.agreement import Agreement, CollectiveMin, SingleRank
 from tierserve.cache.cp_pages import PageOwnership
-from tierserve.cache.shards import HeadRange, KVShard
+from tierserve.cache.shards import HeadRange, KVShard, LayerRange
 from tierserve.engine.config import EngineConfig
 from tierserve.model.parallel import HeadShard, TensorParallel
 from tierserve.model.pipeline import SOLE, PipelineStage, stage_of
@@ -76,12 +76,16 @@ class Ranks:
         """The cache's per-step agreement over the control group (its timeout bounds each call)."""
         return SingleRank() if self.size == 1 else CollectiveMin(self.control)
 
-    def kv_shard(self, heads: HeadShard, num_kv_heads: int) -> KVShard:
-        """This rank's share of every KV page; of the ranks that replicate one KV head (more ranks
-        than KV heads) only the first writes its L3 objects."""
+    def kv_shard(self, heads: HeadShard, num_kv_heads: int, num_layers: int) -> KVShard:
+        """This rank's share of every KV page: its heads of its stage's layers; of the ranks that
+        replicate one KV head (more ranks than KV heads) only the first writes its L3 objects. Its
+        ``rank`` and ``ranks`` count every rank of the node (per-rank L3 settings and faults)."""
         replicas = max(1, self.tp.size // num_kv_heads)
         writes = self.tp.rank % replicas == 0
-        return KVShard(HeadRange(heads.kv_start, heads.kv_heads, num_kv_heads), self.tp.rank, writes, self.tp.size)
+        stage = self.pp.layers(num_layers)
+        layers = LayerRange(stage.start, len(stage), num_layers)
+        return KVShard(HeadRange(heads.kv_start, heads.kv_heads, num_kv_heads), self.rank, writes, self.size,
+                       layers=layers)
 
     def agree_min(self, value: int) -> int:
         """The minimum of ``value`` over all ranks (itself at size 1); every rank must call it."""
