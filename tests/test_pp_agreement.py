@@ -141,7 +141,3 @@ def test_stages_with_transfers_lagging_differently_keep_the_same_tree_every_step
         assert r["extended"][1]["device"] >= 16 * PAGE, r["extended"]
     assert first["extended"][0] == second["extended"][0]
 
-
-def test_an_l3_backend_with_pipeline_stages_is_refused(model: Path) -> None:
-    with pytest.raises(ValueError, match="not supported with --pp-size above 1"):
-        EngineConfig(model, pp_size=2, hicache=HiCacheOptions(storage_backend="mooncake"))

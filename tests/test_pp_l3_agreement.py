@@ -1,0 +1,114 @@
+"""L3 reads that progress differently per pipeline stage: two real stages (gloo), each with its own
+HiCache and L3 client on a real ``mooncake_master``, back a prompt up to L3, drop L1 and L2, and
+serve it again from L3 while stage 1's store shows fewer pages and reads slowly, or fails reads
+past some page (test faults, stage 1 only). Every stage consumes the same agreed acknowledgement
+of how far every stage read (the per-step agreement), so after every step both hold the same tree
+(a digest per step), both take the same shorter prefix from L3 and compute the rest, and answer as
+without a cache. With the agreement switched off (``TIERSERVE_TEST_SKIP_AGREEMENT=1``, to prove the
+test can fail) each stage uses its own reads and this test fails."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from cluster import MasterProcess
+from test_pp_agreement import PAGE, PROMPT, _digest, _run
+from tiny_models import make_tiny_model
+
+from tierserve.cache.factory import SKIP_AGREEMENT
+from tierserve.cache.options import HiCacheOptions, PrefetchPolicy
+from tierserve.engine.config import EngineConfig
+from tierserve.engine.engine import Engine
+from tierserve.engine.ranks import HOST, RankSpec, join, leave
+from tierserve.launch import free_port
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+STAGES = 2
+TIMEOUT_S = 20.0  # every collective's
+# stage 1's store: shows 6 of the prompt's 17 pages and reads slowly, or fails reads past 5 pages
+FAULTS = {"short_and_slow": ({"exists_cap": 6, "get_delay_s": 0.3}, 6), "failing": ({"get_cap": 5}, 5)}
+
+
+def _config(model: Path, master: str, faults: dict, skip: bool) -> EngineConfig:
+    l3 = {"master_server_address": master, "global_segment_size": 64 << 20, "local_buffer_size": 16 << 20,
+          "prefetch_threshold": 2 * PAGE, "fault_injection": {"ranks": [1], **faults}, SKIP_AGREEMENT: skip}
+    policy = PrefetchPolicy.WAIT_COMPLETE
+    options = HiCacheOptions(storage_backend="mooncake", storage_config=l3, prefetch_policy=policy)
+    return EngineConfig(model, device="cpu", dtype="float32", page_size=PAGE, max_total_tokens=512,
+                        chunked_prefill_size=16, enable_hierarchical_cache=True, hicache=options, pp_size=STAGES,
+                        dist_timeout_s=TIMEOUT_S)
+
+
+def _stage(rank: int, port: int, model: str, master: str, faults: dict, skip: bool, out: str) -> None:
+    import json
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore(HOST, port, STAGES, is_master=True, wait_for_workers=False) if rank == 0 else None
+    config = _config(Path(model), master, faults, skip)
+    engine = Engine(config, ranks=join(RankSpec(rank, STAGES, port, TIMEOUT_S), config, store))
+    digests: list[str] = []
+    cold = _run(engine, "cold", PROMPT, digests)  # write-through, then backed up to L3 (steps until done)
+    engine.cache.flush(True, True)  # L1 and L2 (every stage at the same point): the next match reads L3
+    digests.append(_digest(engine))
+    l3 = _run(engine, "l3", PROMPT, digests)
+    again = _run(engine, "again", PROMPT, digests)  # the tree both stages kept serves it
+    Path(out).write_text(json.dumps({"cold": cold, "l3": l3, "again": again, "digests": digests}))
+    engine.ranks.agree_min(0)  # neither leaves before the other is done
+    engine.cache.close()
+    leave()
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return make_tiny_model("llama", tmp_path_factory.mktemp("llama"), heads=8, kv_heads=4, layers=4)
+
+
+@pytest.fixture
+def master(tmp_path: Path) -> Iterator[MasterProcess]:
+    master = MasterProcess(tmp_path / "master.log").start()
+    yield master
+    master.kill()
+
+
+def _run_stages(args: list[tuple]) -> list[int | None]:
+    """One spawned process per stage; their exit codes. A stage still running after its deadline
+    is killed (so a hung collective fails the test instead of hanging it)."""
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_stage, args=a) for a in args]
+    try:
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=8 * TIMEOUT_S)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+    return [p.exitcode for p in procs]
+
+
+@pytest.mark.parametrize("fault", sorted(FAULTS))
+def test_stages_whose_l3_reads_differ_keep_the_same_tree_every_step(model: Path, master: MasterProcess,
+                                                                    tmp_path: Path, fault: str) -> None:
+    import json
+
+    faults, agreed_pages = FAULTS[fault]
+    skip = os.environ.get("TIERSERVE_TEST_SKIP_AGREEMENT") == "1"
+    outs = [tmp_path / f"stage{s}.json" for s in range(STAGES)]
+    port = free_port()
+    codes = _run_stages([(s, port, str(model), master.address, faults, skip, str(outs[s])) for s in range(STAGES)])
+    assert codes == [0, 0], "a stage failed (diverged stages time out or disagree)"
+    first, second = (json.loads(o.read_text()) for o in outs)
+    assert len(first["digests"]) == len(second["digests"])
+    for step, (a, b) in enumerate(zip(first["digests"], second["digests"], strict=True)):
+        assert a == b, f"the stages' trees differ after step {step}"
+    for r in (first, second):
+        assert sum(r["cold"][1].values()) == 0, r["cold"]
+        assert r["l3"][0] == r["cold"][0] and r["l3"][1]["storage"] == agreed_pages * PAGE, r["l3"]
+        assert r["again"][0] == r["cold"][0] and r["again"][1]["device"] >= 16 * PAGE, r["again"]
