@@ -9,12 +9,14 @@ test can fail) each stage uses its own reads and this test fails."""
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 from cluster import MasterProcess
 from test_pp_agreement import PAGE, PROMPT, _digest, _run
 from tiny_models import make_tiny_model
@@ -45,10 +47,6 @@ def _config(model: Path, master: str, faults: dict, skip: bool) -> EngineConfig:
 
 
 def _stage(rank: int, port: int, model: str, master: str, faults: dict, skip: bool, out: str) -> None:
-    import json
-
-    import torch.distributed as dist
-
     store = dist.TCPStore(HOST, port, STAGES, is_master=True, wait_for_workers=False) if rank == 0 else None
     config = _config(Path(model), master, faults, skip)
     engine = Engine(config, ranks=join(RankSpec(rank, STAGES, port, TIMEOUT_S), config, store))
@@ -96,8 +94,6 @@ def _run_stages(args: list[tuple]) -> list[int | None]:
 @pytest.mark.parametrize("fault", sorted(FAULTS))
 def test_stages_whose_l3_reads_differ_keep_the_same_tree_every_step(model: Path, master: MasterProcess,
                                                                     tmp_path: Path, fault: str) -> None:
-    import json
-
     faults, agreed_pages = FAULTS[fault]
     skip = os.environ.get("TIERSERVE_TEST_SKIP_AGREEMENT") == "1"
     outs = [tmp_path / f"stage{s}.json" for s in range(STAGES)]
