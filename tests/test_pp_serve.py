@@ -130,7 +130,9 @@ def test_a_pp_size_that_does_not_divide_the_layers_is_refused(model: Path) -> No
     assert "pipeline-parallel size 3 does not divide the model's 4 layers" in done.stderr
 
 
-def test_pp_on_a_prefill_node_is_refused(model: Path) -> None:
-    done = _refusal(model, "prefill", "--pp-size", "2")
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_node_role_refuses_a_pp_size_that_does_not_divide_the_layers(model: Path, role: str) -> None:
+    done = _refusal(model, role, "--pp-size", "3")
     assert done.returncode == 2, done.stderr
-    assert "--pp-size is not supported on prefill and decode nodes" in done.stderr
+    assert "--tp-size 1 --pp-size 3 does not fit" in done.stderr
+    assert "pipeline-parallel size 3 does not divide the model's 4 layers" in done.stderr

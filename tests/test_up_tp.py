@@ -48,7 +48,7 @@ def test_each_role_gets_its_tp_size(monkeypatch, model: Path) -> None:
 
 @pytest.mark.parametrize(("flags", "message"), [
     (["--no-l3", "--decode-tp-size", "3"], "--decode-tp-size 3: tensor-parallel size 3 does not divide"),
-    (["--no-l3", "--tp-size", "2"], "--prefill-tp-size and --decode-tp-size"),
+    (["--no-l3", "--tp-size", "2"], "--prefill-tp-size, --decode-tp-size"),
 ])
 def test_a_tp_size_that_cannot_run_is_refused_before_any_child_starts(monkeypatch, capsys, model: Path,
                                                                       flags: list[str], message: str) -> None:

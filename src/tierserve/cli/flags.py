@@ -51,7 +51,7 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     # Tensor parallelism: one process per rank (docs/architecture.md, Ranks).
     Flag("--tp-size", "tp_size", "tensor-parallel ranks (processes) of this node", int),
     # Pipeline parallelism: stages of contiguous layers, each of --tp-size ranks (docs/architecture.md).
-    Flag("--pp-size", "pp_size", "pipeline stages of this node (serve only)", int),
+    Flag("--pp-size", "pp_size", "pipeline stages of this node (serve, prefill, decode)", int),
     # Context parallelism: the KV pages sharded over the ranks (docs/architecture.md, Context parallelism).
     Flag("--cp-size", "cp_size", "context-parallel ranks (processes): each stores 1/N of the KV pages", int),
     Flag("--base-gpu-id", "base_gpu_id", "CUDA device of rank 0; rank r uses the next r-th", int),

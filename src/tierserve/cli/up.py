@@ -25,6 +25,10 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
                    help="tensor-parallel ranks (processes; on CUDA one GPU each) of every prefill node")
     p.add_argument("--decode-tp-size", type=int, default=1,
                    help="tensor-parallel ranks of every decode node (any pairing with the prefill size works)")
+    p.add_argument("--prefill-pp-size", type=int, default=1,
+                   help="pipeline stages of every prefill node, each of --prefill-tp-size ranks (needs --no-l3)")
+    p.add_argument("--decode-pp-size", type=int, default=1,
+                   help="pipeline stages of every decode node, each of --decode-tp-size ranks (needs --no-l3)")
     p.add_argument("--no-l3", action="store_true", help="no mooncake_master: nodes keep L1 (and L2 if asked) only")
     p.add_argument("--l3-size-gb", type=float, default=None,
                    help="the L3 store's size in GB, split evenly between the nodes (default: a third of this "
@@ -56,7 +60,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     try:
         config = engine_config(args, folder)
         restart = RestartPolicy(max_deaths=args.restart_limit, window_s=args.restart_window)
-        _check_tp(args, config)
+        _check_sizes(args, config)
     except ValueError as exc:
         print(f"tierserve: {exc}", file=sys.stderr)
         return 2
@@ -65,34 +69,37 @@ def cmd_up(args: argparse.Namespace) -> int:
     plan = ClusterPlan(folder, args.host, args.port, args.prefill_nodes, args.decode_nodes, not args.no_l3,
                        engine_flags(config), [*_router_flags(args), *args.router_args], l3_config, segment,
                        args.state_file, restart, args.prefill_args, args.decode_args, args.prefill_tp_size,
-                       args.decode_tp_size)
+                       args.decode_tp_size, args.prefill_pp_size, args.decode_pp_size)
     return up(plan, lambda base, children: _announce(args, base, children))
 
 
-def _check_tp(args: argparse.Namespace, config: EngineConfig) -> None:
-    """Each role's TP size, checked before any child starts (a node that cannot start would only be
-    restarted until the crash-loop limit): ``ValueError`` saying why."""
-    if config.tp_size != 1:
-        raise ValueError("tierserve up: give the nodes' TP sizes with --prefill-tp-size and --decode-tp-size")
-    if config.pp_size != 1:
-        raise ValueError("tierserve up: --pp-size is not supported on prefill and decode nodes (tierserve serve only)")
+def _check_sizes(args: argparse.Namespace, config: EngineConfig) -> None:
+    """Each role's TP and PP sizes, checked before any child starts (a node that cannot start would
+    only be restarted until the crash-loop limit): ``ValueError`` saying why."""
+    if config.tp_size != 1 or config.pp_size != 1:
+        raise ValueError("tierserve up: give the nodes' sizes with --prefill-tp-size, --decode-tp-size, "
+                         "--prefill-pp-size and --decode-pp-size")
     if config.cp_size != 1:
         raise ValueError("tierserve up: --cp-size is not supported on prefill and decode nodes yet "
                          "(tierserve serve only)")
-    for role, size in (("prefill", args.prefill_tp_size), ("decode", args.decode_tp_size)):
-        if size != 1:
-            _check_role_tp(role, size, replace(config, enable_hierarchical_cache=True) if not args.no_l3 else config)
+    for role, tp, pp in (("prefill", args.prefill_tp_size, args.prefill_pp_size),
+                         ("decode", args.decode_tp_size, args.decode_pp_size)):
+        if pp != 1 and not args.no_l3:  # the nodes get L3 only later, from the plan: the config cannot tell
+            raise ValueError(f"--{role}-pp-size {pp}: L3 is not built with pipeline stages yet: add --no-l3")
+        if tp != 1 or pp != 1:
+            _check_role(role, tp, pp, replace(config, enable_hierarchical_cache=True) if not args.no_l3 else config)
 
 
-def _check_role_tp(role: str, size: int, config: EngineConfig) -> None:
+def _check_role(role: str, tp: int, pp: int, config: EngineConfig) -> None:
     from tierserve.model.parallel import misfit
 
+    flags = f"--{role}-tp-size {tp}" + (f" --{role}-pp-size {pp}" if pp != 1 else "")
     try:
-        replace(config, tp_size=size)  # the config's own checks (e.g. what runs at several ranks yet)
+        replace(config, tp_size=tp, pp_size=pp)  # the config's own checks (e.g. what runs at several ranks yet)
     except ValueError as exc:
-        raise ValueError(f"--{role}-tp-size {size}: {exc}") from None
-    if (problem := misfit(config.model_dir, size)) is not None:
-        raise ValueError(f"--{role}-tp-size {size}: {problem}")
+        raise ValueError(f"{flags}: {exc}") from None
+    if (problem := misfit(config.model_dir, tp, pp)) is not None:
+        raise ValueError(f"{flags}: {problem}")
 
 
 def l3_size_bytes(args: argparse.Namespace) -> int:
@@ -124,13 +131,15 @@ def _announce(args: argparse.Namespace, base: str, children: list[str]) -> None:
 
 def _headline(args: argparse.Namespace, base: str) -> str:
     l3 = "" if args.no_l3 else f", L3 on Mooncake: {l3_size_bytes(args) / 1e9:.1f} GB"
-    return (f"tierserve is up: {base}/v1  ({args.prefill_nodes} prefill{_tp(args.prefill_tp_size)}, "
-            f"{args.decode_nodes} decode{_tp(args.decode_tp_size)}{l3}; Ctrl+C stops it; "
-            "a child that dies is restarted)")
+    return (f"tierserve is up: {base}/v1  ({args.prefill_nodes} prefill"
+            f"{_sizes(args.prefill_tp_size, args.prefill_pp_size)}, {args.decode_nodes} decode"
+            f"{_sizes(args.decode_tp_size, args.decode_pp_size)}{l3}; Ctrl+C stops it; a child that dies is restarted)")
 
 
-def _tp(size: int) -> str:
-    return f" at TP {size}" if size > 1 else ""
+def _sizes(tp: int, pp: int) -> str:
+    """The banner's sizes of a role: ' at TP 2', ' at PP 2', ' at TP 2 x PP 2', or '' at one rank."""
+    parts = [f"{name} {size}" for name, size in (("TP", tp), ("PP", pp)) if size > 1]
+    return f" at {' x '.join(parts)}" if parts else ""
 
 
 def _example(args: argparse.Namespace, base: str) -> str:

@@ -40,7 +40,8 @@ class ClusterPlan:
     plus the master's address, and each contributes ``l3_segment_bytes`` to the shared store
     unless that config names its own ``global_segment_size``. ``state_file``: where ``up`` keeps
     the children's roles, PIDs and ports as JSON (``launch.state``); None: nowhere.
-    ``prefill_tp`` and ``decode_tp``: each node's rank processes (``--tp-size``) per role."""
+    ``prefill_tp`` and ``decode_tp``: each node's rank processes (``--tp-size``) per role, per stage
+    of ``prefill_pp`` and ``decode_pp`` pipeline stages (``--pp-size``)."""
 
     model_dir: Path
     host: str = "127.0.0.1"
@@ -58,12 +59,15 @@ class ClusterPlan:
     decode_flags: list[str] = field(default_factory=list)
     prefill_tp: int = 1
     decode_tp: int = 1
+    prefill_pp: int = 1
+    decode_pp: int = 1
 
     def role_flags(self, role: ChildRole) -> list[str]:
-        """A role's own flags: its TP size (when above 1), then the user's ``--<role>-args``."""
+        """A role's own flags: its TP and PP sizes (when above 1), then the user's ``--<role>-args``."""
         tp = {ChildRole.PREFILL: self.prefill_tp, ChildRole.DECODE: self.decode_tp}.get(role, 1)
+        pp = {ChildRole.PREFILL: self.prefill_pp, ChildRole.DECODE: self.decode_pp}.get(role, 1)
         own = {ChildRole.PREFILL: self.prefill_flags, ChildRole.DECODE: self.decode_flags}.get(role, [])
-        return [*(["--tp-size", str(tp)] if tp > 1 else []), *own]
+        return [*(["--tp-size", str(tp)] if tp > 1 else []), *(["--pp-size", str(pp)] if pp > 1 else []), *own]
 
     @property
     def router_url(self) -> str:

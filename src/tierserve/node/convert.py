@@ -42,7 +42,8 @@ def kv_ranks(arenas: list[RankArena]) -> list[pb.KVRank]:
     return [pb.KVRank(transfer_endpoint=a.endpoint, base_address=a.arena.base, num_slots=a.arena.num_slots,
                       kv_head_start=a.heads.start, kv_heads=a.heads.count,
                       staged=[pb.KVStagedPart(kv_head_start=s.heads.start, kv_heads=s.heads.count,
-                                              address=s.arena.base, tokens=s.arena.num_slots) for s in a.staged])
+                                              address=s.arena.base, tokens=s.arena.num_slots) for s in a.staged],
+                      layer_start=a.first_layer, num_layers=a.arena.num_layers)
             for a in arenas]
 
 
@@ -53,34 +54,55 @@ def destination_ranks(dest: pb.KVDestination, head_bytes: int) -> list[RankArena
     if not dest.ranks:
         whole = KVArena(dest.base_address, i.num_layers, dest.num_slots, i.num_kv_heads * head_bytes, i.page_size)
         return [RankArena(dest.transfer_endpoint, whole, HeadRange(0, i.num_kv_heads))]
-    return [RankArena(r.transfer_endpoint, KVArena(r.base_address, i.num_layers, r.num_slots, r.kv_heads * head_bytes,
-                                                   i.page_size), HeadRange(r.kv_head_start, r.kv_heads),
-                      tuple(_staged_part(s, i, head_bytes) for s in r.staged))
-            for r in dest.ranks]
+    return [_rank_arena(r, i, head_bytes) for r in dest.ranks]
 
 
-def _staged_part(part: pb.KVStagedPart, i: pb.KVIdentity, head_bytes: int) -> StagedPart:
-    arena = KVArena(part.address, i.num_layers, part.tokens, part.kv_heads * head_bytes, i.page_size)
+def _rank_arena(r: pb.KVRank, i: pb.KVIdentity, head_bytes: int) -> RankArena:
+    """A destination rank; ``num_layers`` 0 (a node without stages): every layer of the model."""
+    layers = r.num_layers or i.num_layers
+    arena = KVArena(r.base_address, layers, r.num_slots, r.kv_heads * head_bytes, i.page_size)
+    staged = tuple(_staged_part(s, layers, i.page_size, head_bytes) for s in r.staged)
+    return RankArena(r.transfer_endpoint, arena, HeadRange(r.kv_head_start, r.kv_heads), staged, 0, r.layer_start)
+
+
+def _staged_part(part: pb.KVStagedPart, layers: int, page_size: int, head_bytes: int) -> StagedPart:
+    """Staging is shaped by the layers its rank holds."""
+    arena = KVArena(part.address, layers, part.tokens, part.kv_heads * head_bytes, page_size)
     return StagedPart(HeadRange(part.kv_head_start, part.kv_heads), arena)
 
 
-def heads_problem(dests: list[RankArena], num_kv_heads: int, max_page: int) -> str | None:
+def heads_problem(dests: list[RankArena], num_kv_heads: int, max_page: int, num_layers: int) -> str | None:
     """Why a prefill node cannot write into these destination ranks, as a sentence, or None: every
-    KV head of the model needs a rank that holds it, and every rank the whole page table."""
+    KV head of every layer of the model needs a rank that holds it, and every rank the whole page
+    table."""
     for rank, dest in enumerate(dests):
-        problem = _rank_problem(dest, num_kv_heads, max_page)
+        problem = _rank_problem(dest, num_kv_heads, max_page, num_layers)
         if problem is not None:
             return f"destination rank {rank}: {problem}"
     missing = sorted(set(range(num_kv_heads)) - {h for d in dests for h in range(d.heads.start, d.heads.end)})
     if missing:
         return (f"the destination's {len(dests)} rank(s) hold no copy of KV heads {missing} of {num_kv_heads}: "
                 "this prefill-decode pairing cannot hand the KV over")
+    return _layers_problem(dests, num_kv_heads, num_layers)
+
+
+def _layers_problem(dests: list[RankArena], num_kv_heads: int, num_layers: int) -> str | None:
+    """A KV head some layers of which no destination rank holds (pipeline stages that leave a gap)."""
+    for head in range(num_kv_heads):
+        held = {layer for d in dests if d.heads.start <= head < d.heads.end
+                for layer in range(d.first_layer, d.layers.end)}
+        missing = sorted(set(range(num_layers)) - held)
+        if missing:
+            return (f"none of the destination's {len(dests)} rank(s) holds layers {missing} of {num_layers} "
+                    f"of KV head {head}: this prefill-decode pairing cannot hand the KV over")
     return None
 
 
-def _rank_problem(dest: RankArena, num_kv_heads: int, max_page: int) -> str | None:
+def _rank_problem(dest: RankArena, num_kv_heads: int, max_page: int, num_layers: int) -> str | None:
     if dest.heads.count < 1 or dest.heads.end > num_kv_heads:
         return f"holds KV heads [{dest.heads.start}, {dest.heads.end}) of a model with {num_kv_heads}"
+    if dest.arena.num_layers < 1 or dest.layers.end > num_layers:
+        return f"holds layers [{dest.first_layer}, {dest.layers.end}) of a model with {num_layers}"
     if not dest.endpoint:
         return "names no transfer endpoint"
     if (max_page + 1) * dest.arena.page_size > dest.arena.num_slots:

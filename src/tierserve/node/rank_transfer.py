@@ -1,7 +1,9 @@
 """Each rank's transfer side of a prefill or decode node (``docs/architecture.md``, Ranks): its own
 transfer engine and KV arena, which holds only the rank's KV heads. Every rank starts it right
 after its engine (``NodeRankRole.attach``) and the ranks gather every rank's arena, so rank 0 can
-name them all in a ``KVDestination`` (decode) and every prefill rank knows its heads' routes."""
+name them all in a ``KVDestination`` (decode) and every prefill rank knows its heads' routes. With
+pipeline stages a rank's arena holds its stage's layers only, and says which (``RankArena.first_layer``):
+each prefill rank sends its heads of its layers to the decode ranks holding those layers."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from tierserve.node.convert import arena
 from tierserve.node.handoffs import AgreedHandoff, HandoffAdd, HandoffBoard
 from tierserve.transfer.engine import PeerEngines, TransferEngineHandle
 from tierserve.transfer.handoff import KVHandoff
-from tierserve.transfer.layout import HeadRange, RankArena, plan_routes
+from tierserve.transfer.layout import HeadRange, LayerRange, RankArena, plan_routes
 from tierserve.transfer.receive_staging import ReceiveStaging
 from tierserve.transfer.staging import Gatherer, StagingArena
 
@@ -71,9 +73,15 @@ class RankTransfer:
         g = self.engine.geometry
         return g.head_dim * g.dtype.itemsize
 
+    @property
+    def layers(self) -> LayerRange:
+        """The model's layers this rank's stage holds (its arena's, in order)."""
+        return own_layers(self.engine)
+
     def handoff(self, plan: HandoffPlan, fault_rate: float = 0.0, fault_delay_s: float = 0.0) -> KVHandoff:
-        """This rank's sender for ``plan``: its heads, to every destination rank that holds some."""
-        routes = plan_routes(self.sends, self.head_bytes, list(plan.dests)) if self.sends else []
+        """This rank's sender for ``plan``: its heads of its stage's layers, to every destination
+        rank that holds some of both."""
+        routes = plan_routes(self.sends, self.head_bytes, list(plan.dests), self.layers) if self.sends else []
         return KVHandoff(self.peers, routes, arena(self.engine), list(plan.dst_pages), plan.dst_start,
                          plan.prompt_len, fault_rate, fault_delay_s, self.engine.device.type == "cuda",
                          self.gatherer)
@@ -110,7 +118,8 @@ class NodeRankRole:
         if receiver is not None and receive is not None:
             receiver.register(receive.staging.buffer)
         base = receive.staging.base if receive else 0
-        arenas = _gather(engine, RankArena(receiver.endpoint if receiver else "", arena(engine), held, (), base))
+        own = RankArena(receiver.endpoint if receiver else "", arena(engine), held, (), base, own_layers(engine).start)
+        arenas = _gather(engine, own)
         return RankTransfer(engine, receiver, peers, arenas, self._board(engine), held if shard.writes else None,
                             gatherer, receive)
 
@@ -146,6 +155,12 @@ class NodeRankRole:
         board = HandoffBoard(engine.ranks)
         engine.before_step.append(board.agree)
         return board
+
+
+def own_layers(engine: Engine) -> LayerRange:
+    """The model's layers the engine's stage holds (every layer without stages)."""
+    layers = engine.ranks.pp.layers(engine.model_config.num_layers)
+    return LayerRange(layers.start, len(layers))
 
 
 def _gather(engine: Engine, own: RankArena) -> list[RankArena]:

@@ -70,14 +70,14 @@ AddService = Callable[[grpc.aio.Server, Node], str]  # registers the role's serv
 
 
 def run_node(config: EngineConfig, options: NodeOptions, role: pb.Role, add_service: AddService) -> None:
-    """Builds the node (``config.tp_size`` rank processes, this one rank 0) and serves until SIGINT
-    or SIGTERM; exits with status 2 for a TP size the model cannot be split over, and status 1 when
-    another rank dies (``docs/architecture.md``, Ranks)."""
+    """Builds the node (``config.tp_size`` x ``config.pp_size`` rank processes, this one rank 0) and
+    serves until SIGINT or SIGTERM; exits with status 2 for sizes the model cannot be split over, and
+    status 1 when another rank dies (``docs/architecture.md``, Ranks)."""
     import uvloop
 
     _check_fits(config)
     side = NodeRankRole(Side.PREFILL if role == pb.ROLE_PREFILL else Side.DECODE, options.transfer())
-    procs = RankProcesses(config, options.log_level, side) if config.tp_size > 1 else None
+    procs = RankProcesses(config, options.log_level, side) if config.num_ranks > 1 else None
     try:
         engine = Engine(config, ranks=procs.join() if procs else None)
         ranks = side.start(engine)
@@ -116,17 +116,17 @@ def _stop(node: Node | None, engine: Engine, procs: RankProcesses | None) -> Non
 
 
 def _check_fits(config: EngineConfig) -> None:
-    """Refuses, before any process starts, a TP size the model's heads or MLP cannot be split over,
-    and pipeline stages or context parallelism, which prefill and decode nodes do not run yet
-    (docs/architecture.md, Pipeline parallelism, Context parallelism)."""
-    for flag, size in (("--pp-size", config.pp_size), ("--cp-size", config.cp_size)):
-        if size != 1:
-            print(f"tierserve: {flag} is not supported on prefill and decode nodes yet (tierserve serve only)",
-                  file=sys.stderr)
-            raise SystemExit(2)
-    problem = misfit(config.model_dir, config.tp_size)
+    """Refuses, before any process starts, a TP size the model's heads or MLP cannot be split over, a
+    PP size that does not divide its layers, and context parallelism, which prefill and decode
+    nodes do not run yet (docs/architecture.md, Context parallelism)."""
+    if config.cp_size != 1:
+        print("tierserve: --cp-size is not supported on prefill and decode nodes yet (tierserve serve only)",
+              file=sys.stderr)
+        raise SystemExit(2)
+    problem = misfit(config.model_dir, config.tp_size, config.pp_size)
     if problem is not None:
-        print(f"tierserve: --tp-size {config.tp_size} does not fit {config.model_dir.name}: {problem}", file=sys.stderr)
+        sizes = f"--tp-size {config.tp_size}" + (f" --pp-size {config.pp_size}" if config.pp_size > 1 else "")
+        print(f"tierserve: {sizes} does not fit {config.model_dir.name}: {problem}", file=sys.stderr)
         raise SystemExit(2)
 
 

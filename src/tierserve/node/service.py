@@ -28,7 +28,8 @@ class NodeServicer(pb_grpc.NodeServiceServicer):
         return pb.NodeInfo(role=self.role, model=self.model_name, identity=identity(engine),
                            namespace_digest=engine.namespace.digest(), transfer_endpoint=self.transfer_endpoint,
                            max_context_tokens=engine.max_model_len, namespace_seed=engine.namespace.seed(),
-                           kv_events_endpoint=self.kv_events_endpoint, tp_size=engine.ranks.size)
+                           kv_events_endpoint=self.kv_events_endpoint, tp_size=engine.ranks.tp.size,
+                           pp_size=engine.ranks.pp.size)
 
     async def KVSnapshot(self, request: pb.KVSnapshotRequest, context: grpc.aio.ServicerContext
                          ) -> pb.KVSnapshotReply:

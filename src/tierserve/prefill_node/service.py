@@ -149,8 +149,9 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         if dest.cached_tokens >= len(prompt) or dest.cached_tokens % page:
             return f"cached_tokens {dest.cached_tokens} must be a multiple of {page} below the prompt length"
         dests = destination_ranks(dest, self.node.ranks.head_bytes)
-        return heads_problem(dests, self.identity.num_kv_heads, max(dest.pages)) or \
-            staging_problem(dests, self.identity.num_kv_heads, self.node.engine.ranks.size, len(prompt))
+        i = self.identity
+        return heads_problem(dests, i.num_kv_heads, max(dest.pages), i.num_layers) or \
+            staging_problem(dests, i.num_kv_heads, self.node.engine.ranks.tp.size, len(prompt))
 
 
 async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str, stopped: bool,

@@ -34,20 +34,24 @@ class KVIdentity(_message.Message):
     def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., page_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ...) -> None: ...
 
 class KVRank(_message.Message):
-    __slots__ = ("transfer_endpoint", "base_address", "num_slots", "kv_head_start", "kv_heads", "staged")
+    __slots__ = ("transfer_endpoint", "base_address", "num_slots", "kv_head_start", "kv_heads", "staged", "layer_start", "num_layers")
     TRANSFER_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     BASE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
     KV_HEAD_START_FIELD_NUMBER: _ClassVar[int]
     KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     STAGED_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     transfer_endpoint: str
     base_address: int
     num_slots: int
     kv_head_start: int
     kv_heads: int
     staged: _containers.RepeatedCompositeFieldContainer[KVStagedPart]
-    def __init__(self, transfer_endpoint: _Optional[str] = ..., base_address: _Optional[int] = ..., num_slots: _Optional[int] = ..., kv_head_start: _Optional[int] = ..., kv_heads: _Optional[int] = ..., staged: _Optional[_Iterable[_Union[KVStagedPart, _Mapping]]] = ...) -> None: ...
+    layer_start: int
+    num_layers: int
+    def __init__(self, transfer_endpoint: _Optional[str] = ..., base_address: _Optional[int] = ..., num_slots: _Optional[int] = ..., kv_head_start: _Optional[int] = ..., kv_heads: _Optional[int] = ..., staged: _Optional[_Iterable[_Union[KVStagedPart, _Mapping]]] = ..., layer_start: _Optional[int] = ..., num_layers: _Optional[int] = ...) -> None: ...
 
 class KVStagedPart(_message.Message):
     __slots__ = ("kv_head_start", "kv_heads", "address", "tokens")
@@ -212,7 +216,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("role", "model", "identity", "namespace_digest", "transfer_endpoint", "max_context_tokens", "kv_events_endpoint", "namespace_seed", "tp_size")
+    __slots__ = ("role", "model", "identity", "namespace_digest", "transfer_endpoint", "max_context_tokens", "kv_events_endpoint", "namespace_seed", "tp_size", "pp_size")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     IDENTITY_FIELD_NUMBER: _ClassVar[int]
@@ -222,6 +226,7 @@ class NodeInfo(_message.Message):
     KV_EVENTS_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_SEED_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PP_SIZE_FIELD_NUMBER: _ClassVar[int]
     role: Role
     model: str
     identity: KVIdentity
@@ -231,7 +236,8 @@ class NodeInfo(_message.Message):
     kv_events_endpoint: str
     namespace_seed: bytes
     tp_size: int
-    def __init__(self, role: _Optional[_Union[Role, str]] = ..., model: _Optional[str] = ..., identity: _Optional[_Union[KVIdentity, _Mapping]] = ..., namespace_digest: _Optional[str] = ..., transfer_endpoint: _Optional[str] = ..., max_context_tokens: _Optional[int] = ..., kv_events_endpoint: _Optional[str] = ..., namespace_seed: _Optional[bytes] = ..., tp_size: _Optional[int] = ...) -> None: ...
+    pp_size: int
+    def __init__(self, role: _Optional[_Union[Role, str]] = ..., model: _Optional[str] = ..., identity: _Optional[_Union[KVIdentity, _Mapping]] = ..., namespace_digest: _Optional[str] = ..., transfer_endpoint: _Optional[str] = ..., max_context_tokens: _Optional[int] = ..., kv_events_endpoint: _Optional[str] = ..., namespace_seed: _Optional[bytes] = ..., tp_size: _Optional[int] = ..., pp_size: _Optional[int] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
     __slots__ = ()

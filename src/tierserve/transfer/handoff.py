@@ -149,8 +149,8 @@ class KVHandoff:
             now = time.monotonic()
             self._first_submit = self._first_submit or now
             self._last_submit = now
-            batches = [batch for r in self.routes for batch in self._batches(r, self._runs(r, pages, start, end),
-                                                                             layer)]
+            batches = [batch for r in self.routes if layer in r.layers  # the destination ranks holding it
+                       for batch in self._batches(r, self._runs(r, pages, start, end), layer)]
             self._layers.put((self._written(), batches))
         if layer == self.src.num_layers - 1 and end == self.prompt_len:
             self._close_submissions()

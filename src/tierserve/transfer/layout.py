@@ -43,6 +43,21 @@ class HeadRange:
 
 
 @dataclass(frozen=True)
+class LayerRange:
+    """The model's layers ``[start, start + count)``: what a pipeline stage's arena holds."""
+
+    start: int
+    count: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.count
+
+
+EVERY_LAYER = range(1 << 31)  # a route's source layers when neither side has pipeline stages
+
+
+@dataclass(frozen=True)
 class StagedPart:
     """Staging a destination rank offers for the heads ``heads`` (fewer than it holds): an arena
     whose slot ``t`` is token ``t`` of the prompt (``transfer/staging.py``)."""
@@ -54,19 +69,28 @@ class StagedPart:
 @dataclass(frozen=True)
 class RankArena:
     """One rank of a destination node: its transfer engine, its arena, the model's KV heads it
-    holds, and the staging it offers this request (none: every source writes in place)."""
+    holds, and the staging it offers this request (none: every source writes in place). Its
+    arena's layer i (and its staging's) is the model's layer ``first_layer + i``: a pipeline
+    stage holds only its layers."""
 
     endpoint: str
     arena: KVArena
     heads: HeadRange
     staged: tuple[StagedPart, ...] = ()
     staging_base: int = 0  # where the rank's staging arena starts (0: it has none)
+    first_layer: int = 0
+
+    @property
+    def layers(self) -> LayerRange:
+        return LayerRange(self.first_layer, self.arena.num_layers)
 
 
 @dataclass(frozen=True)
 class Route:
     """Part of every token slot that goes to one destination rank: ``nbytes`` from ``src_offset``
-    into a source slot, written at ``dst_offset`` into a slot of ``dst`` at ``target``."""
+    into a source slot, written at ``dst_offset`` into a slot of ``dst`` at ``target``; only the
+    source's (arena) layers ``layers``, source layer l into destination layer ``l + layer_shift``
+    (pipeline stages on either side hold different layer ranges)."""
 
     target: str
     dst: KVArena
@@ -74,22 +98,42 @@ class Route:
     dst_offset: int
     nbytes: int
     by_token: bool = False  # ``dst`` is staging: its slot t is token t, not the page table's slot
+    layers: range = EVERY_LAYER
+    layer_shift: int = 0
+
+    def dst_layer(self, layer: int) -> int:
+        return layer + self.layer_shift
 
 
-def plan_routes(held: HeadRange, head_bytes: int, dests: list[RankArena]) -> list[Route]:
-    """Where the heads ``held`` by a source rank go: one route per destination rank holding some of
-    them (several when the destination splits them finer, one part of a slot when it holds more:
-    into the staging that rank offers for exactly these heads, if any)."""
+def plan_routes(held: HeadRange, head_bytes: int, dests: list[RankArena], layers: LayerRange | None = None
+                ) -> list[Route]:
+    """Where the heads ``held`` of the model's ``layers`` (None: every layer, on both sides) by a
+    source rank go: one route per destination rank holding some of them (several when the
+    destination splits them finer, one part of a slot when it holds more: into the staging that
+    rank offers for exactly these heads, if any), for the layers both ranks hold."""
     routes = []
     for dest in dests:
+        shared = _shared_layers(layers, dest)
+        if shared is None:
+            continue
         lo, hi = max(held.start, dest.heads.start), min(held.end, dest.heads.end)
         staged = next((s for s in dest.staged if s.heads == held), None)
         if staged is not None:
-            routes.append(Route(dest.endpoint, staged.arena, 0, 0, held.count * head_bytes, by_token=True))
+            routes.append(Route(dest.endpoint, staged.arena, 0, 0, held.count * head_bytes, True, *shared))
         elif lo < hi:
             routes.append(Route(dest.endpoint, dest.arena, (lo - held.start) * head_bytes,
-                                (lo - dest.heads.start) * head_bytes, (hi - lo) * head_bytes))
+                                (lo - dest.heads.start) * head_bytes, (hi - lo) * head_bytes, False, *shared))
     return routes
+
+
+def _shared_layers(layers: LayerRange | None, dest: RankArena) -> tuple[range, int] | None:
+    """The source's arena layers that ``dest`` holds too, and the shift into its arena's; None: none.
+    A source without stages (``layers`` None) holds every layer from 0."""
+    layers = layers or LayerRange(0, len(EVERY_LAYER))
+    lo, hi = max(layers.start, dest.first_layer), min(layers.end, dest.layers.end)
+    if lo >= hi:
+        return None
+    return range(lo - layers.start, hi - layers.start), layers.start - dest.first_layer
 
 
 def token_runs(src_pages: list[int], dst_pages: list[int], start: int, end: int, page_size: int) -> list[Run]:
@@ -110,10 +154,13 @@ def token_runs(src_pages: list[int], dst_pages: list[int], start: int, end: int,
     return runs
 
 
-def layer_blocks(src: KVArena, dst: KVArena, runs: list[Run], layer: int) -> list[Block]:
-    """One block per run for K and one for V of ``layer`` (whole slots on both sides)."""
+def layer_blocks(src: KVArena, dst: KVArena, runs: list[Run], layer: int, dst_layer: int | None = None
+                 ) -> list[Block]:
+    """One block per run for K and one for V of ``layer`` into ``dst_layer`` (default: the same;
+    whole slots on both sides)."""
+    into = layer if dst_layer is None else dst_layer
     return [
-        (src.address(layer, kv, s), dst.address(layer, kv, d), n * src.slot_bytes)
+        (src.address(layer, kv, s), dst.address(into, kv, d), n * src.slot_bytes)
         for kv in (0, 1)
         for s, d, n in runs
     ]
@@ -123,10 +170,11 @@ def route_blocks(src: KVArena, route: Route, runs: list[Run], layer: int) -> lis
     """``layer``'s blocks along ``route``: coalesced runs when it moves whole slots (the same TP
     size on both sides), else one block per token, since a head sub-range of consecutive slots is
     not contiguous in the arena's layout."""
+    into = route.dst_layer(layer)
     if route.nbytes == src.slot_bytes == route.dst.slot_bytes:
-        return layer_blocks(src, route.dst, runs, layer)
+        return layer_blocks(src, route.dst, runs, layer, into)
     return [
-        (src.address(layer, kv, s + i) + route.src_offset, route.dst.address(layer, kv, d + i) + route.dst_offset,
+        (src.address(layer, kv, s + i) + route.src_offset, route.dst.address(into, kv, d + i) + route.dst_offset,
          route.nbytes)
         for kv in (0, 1)
         for s, d, n in runs

@@ -139,6 +139,7 @@ class Gatherer:
         for kv in (0, 1):
             for s, d, n in runs:
                 staged[at // word: (at + n * route.nbytes) // word].view(n, -1).copy_(slots[layer, kv, s: s + n, heads])
-                blocks.append((self.staging.base + at, route.dst.address(layer, kv, d), n * route.nbytes))
+                blocks.append((self.staging.base + at, route.dst.address(route.dst_layer(layer), kv, d),
+                               n * route.nbytes))
                 at += n * route.nbytes
         return blocks

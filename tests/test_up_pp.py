@@ -1,0 +1,63 @@
+"""``tierserve up --prefill-pp-size P --decode-pp-size D``: each role's nodes get ``--pp-size``, a
+size the model or the config cannot run is refused before any child starts, and a real cluster with
+pipeline stages on the prefill side answers through the OpenAI API exactly as the single engine does."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import pytest
+from pd_helpers import reference
+from test_up import start_up
+from test_up_tp import PROMPTS, _completion, _plan
+from tiny_models import add_word_tokenizer, make_tiny_model
+
+from tierserve.cli.main import build_parser
+from tierserve.launch.plan import stages
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    folder = make_tiny_model("llama", tmp_path_factory.mktemp("up_pp"), heads=8, kv_heads=4, layers=4,
+                             max_position=2048)
+    return add_word_tokenizer(folder)
+
+
+def test_each_role_gets_its_pp_size(monkeypatch, model: Path) -> None:
+    status, plans = _plan(monkeypatch, model, "--no-l3", "--prefill-pp-size", "2", "--decode-pp-size", "4",
+                          "--prefill-tp-size", "2")
+    assert status == 0
+    by_name = {spec.name: spec.argv for stage in stages(plans[0]) for spec in stage}
+    prefill = build_parser().parse_args(list(by_name["prefill-0"][3:]))  # past "python -m tierserve.cli"
+    decode = build_parser().parse_args(list(by_name["decode-0"][3:]))
+    assert (prefill.tp_size, prefill.pp_size, decode.tp_size, decode.pp_size) == (2, 2, 1, 4)
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--no-l3", "--decode-pp-size", "3"], "--decode-tp-size 1 --decode-pp-size 3: pipeline-parallel size 3 "
+                                           "does not divide the model's 4 layers"),
+    (["--prefill-pp-size", "2"], "--prefill-pp-size 2: L3 is not built with pipeline stages yet: add --no-l3"),
+    (["--no-l3", "--pp-size", "2"], "--prefill-pp-size and --decode-pp-size"),
+])
+def test_a_pp_size_that_cannot_run_is_refused_before_any_child_starts(monkeypatch, capsys, model: Path,
+                                                                      flags: list[str], message: str) -> None:
+    status, plans = _plan(monkeypatch, model, *flags)
+    assert status == 2 and plans == []
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_up_with_prefill_stages_answers_as_the_single_engine(model: Path) -> None:
+    from cluster import free_port
+
+    port = free_port()
+    proc, lines = start_up(port, "--model", str(model), "--no-l3", "--dtype", "float32", "--max-total-tokens", "2048",
+                           "--prefill-pp-size", "2")
+    try:
+        assert [_completion(port, prompt) for prompt in PROMPTS] == reference(model, PROMPTS)
+        assert "1 prefill at PP 2, 1 decode;" in "".join(lines)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
