@@ -37,7 +37,7 @@ def test_each_role_gets_its_pp_size(monkeypatch, model: Path) -> None:
 @pytest.mark.parametrize(("flags", "message"), [
     (["--no-l3", "--decode-pp-size", "3"], "--decode-tp-size 1 --decode-pp-size 3: pipeline-parallel size 3 "
                                            "does not divide the model's 4 layers"),
-    (["--prefill-pp-size", "2"], "--prefill-pp-size 2: L3 is not built with pipeline stages yet: add --no-l3"),
+    (["--prefill-pp-size", "2"], "--prefill-pp-size 2: L3 with stages is untested on PD nodes: add --no-l3"),
     (["--no-l3", "--pp-size", "2"], "--prefill-pp-size and --decode-pp-size"),
 ])
 def test_a_pp_size_that_cannot_run_is_refused_before_any_child_starts(monkeypatch, capsys, model: Path,

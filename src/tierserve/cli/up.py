@@ -85,7 +85,7 @@ def _check_sizes(args: argparse.Namespace, config: EngineConfig) -> None:
     for role, tp, pp in (("prefill", args.prefill_tp_size, args.prefill_pp_size),
                          ("decode", args.decode_tp_size, args.decode_pp_size)):
         if pp != 1 and not args.no_l3:  # the nodes get L3 only later, from the plan: the config cannot tell
-            raise ValueError(f"--{role}-pp-size {pp}: L3 is not built with pipeline stages yet: add --no-l3")
+            raise ValueError(f"--{role}-pp-size {pp}: L3 with stages is untested on PD nodes: add --no-l3")
         if tp != 1 or pp != 1:
             _check_role(role, tp, pp, replace(config, enable_hierarchical_cache=True) if not args.no_l3 else config)
 
