@@ -133,7 +133,6 @@ def test_a_clashing_rotation_is_refused_and_outputs_stay_correct(tmp_path: Path)
 
 
 @pytest.mark.parametrize(("command", "flags", "says"), [
-    ("serve", ["--enable-hierarchical-cache"], "--cp-size with --enable-hierarchical-cache is not supported"),
     ("serve", ["--tp-size", "2"], "--cp-size with --tp-size or --pp-size is not supported"),
     ("serve", ["--pp-size", "2"], "--cp-size with --tp-size or --pp-size is not supported"),
     ("prefill", [], "--cp-size is not supported on prefill and decode nodes"),

@@ -9,7 +9,7 @@ its new pages continue the rotation of the cached prefix it extends.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from tierserve.cache.allocator import PageAccountingError, PageAllocator
@@ -89,15 +89,25 @@ class ShardedPageAllocator:
             return []
         size = self.ownership.size
         start = self.ownership.owner(previous[-1]) + 1 if previous else self._next_start
-        owners = [(start + j) % size for j in range(n)]
-        if any(owners.count(o) > len(self._free[o]) for o in range(size)):
-            return None
-        if not previous:
+        pages = self.alloc_owners([(start + j) % size for j in range(n)])
+        if pages is not None and not previous:
             self._next_start = (self._next_start + 1) % size
+        return pages
+
+    def alloc_owners(self, owners: Sequence[int]) -> list[int] | None:
+        """One page of each of ``owners``, in order; None (nothing taken) when one of them lacks
+        free pages. A copy between tiers asks for the owners of its source pages, so that every
+        page moves within its owner rank."""
+        if any(owners.count(o) > len(self._free[o]) for o in set(owners)):
+            return None
         pages = [self._free[o].pop() for o in owners]
         for p in pages:
             self._in_use[p] = 1
         return pages
+
+    def num_used_by(self, owner: int) -> int:
+        """Pages of ``owner`` in use: what that rank's own pool holds."""
+        return self.num_pages // self.ownership.size - len(self._free[owner])
 
     def free(self, pages: Iterable[int]) -> None:
         pages = list(pages)
@@ -118,6 +128,30 @@ class ShardedPageAllocator:
         flagged = {p for p in range(self.num_pages) if not self._in_use[p]}
         if set(listed) != flagged:
             raise PageAccountingError(f"free lists and ownership disagree on {sorted(set(listed) ^ flagged)[:8]}")
+
+
+def alloc_like(allocator: PageAllocator | ShardedPageAllocator, pages: Sequence[int]) -> list[int] | None:
+    """As many pages as ``pages``, each with the owner of its counterpart there (any pages at CP 1)."""
+    if isinstance(allocator, ShardedPageAllocator):
+        return allocator.alloc_owners([allocator.ownership.owner(p) for p in pages])
+    return allocator.alloc(len(pages))
+
+
+def alloc_continuing(allocator: PageAllocator | ShardedPageAllocator, previous: Sequence[int],
+                     n: int) -> list[int] | None:
+    """``n`` pages continuing the rotation of ``previous`` (any pages at CP 1)."""
+    if isinstance(allocator, ShardedPageAllocator):
+        return allocator.alloc_after(previous, n)
+    return allocator.alloc(n)
+
+
+def until_fits(alloc: Callable[[], list[int] | None], evict: Callable[[], int]) -> list[int] | None:
+    """``alloc()``, calling ``evict()`` between tries until it succeeds or evicts nothing. Under CP
+    one owner may lack pages while others have free ones, so evicting the shortfall once may not do."""
+    pages = alloc()
+    while pages is None and evict():
+        pages = alloc()
+    return pages
 
 
 def page_allocator(ownership: PageOwnership, local_pages: int) -> PageAllocator | ShardedPageAllocator:

@@ -35,7 +35,8 @@ def build_cache(kind: CacheKind, allocator: PageAllocator, pool: DeviceKVPool, s
     Several ranks: ``shard`` is this rank's heads of every page and ``agreement`` the collective
     over the node's ranks (``docs/architecture.md``, multi-rank agreement); every rank must call
     this with the same ``kind`` and ``options``, as it runs one collective (L2's page count).
-    ``ownership``: a CP rank's pages (the L1 radix cache only: ``EngineConfig`` refuses the rest)."""
+    ``ownership``: a CP rank's pages (its L1 and, in the hierarchical cache, its L2 and L3 copies:
+    each rank's host pool holds the agreed page count of its own pages, ``cache/cp_host.py``)."""
     if kind is CacheKind.NONE:
         return NoPrefixCache(allocator)
     if kind is CacheKind.RADIX:
@@ -45,12 +46,12 @@ def build_cache(kind: CacheKind, allocator: PageAllocator, pool: DeviceKVPool, s
     pinned = pool.buffer.device.type == "cuda"  # pinned host memory: asynchronous device copies
     # host page ids are the same on every rank, so every rank's L2 has the smallest rank's count
     num_host = agreement.min([host_pages(options, pool)])[0]
-    host = HostKVPool(pool.geometry, num_host, options.mem_layout, pin_memory=pinned)
+    host = HostKVPool(pool.geometry, num_host, options.mem_layout, pin_memory=pinned, ownership=ownership)
     storage = rank_backend(options.storage_backend, options.storage_config, shard) if options.storage_backend \
         else None
     if options.storage_config.get(SKIP_AGREEMENT):  # test-only: shows what the agreement prevents
         agreement = SingleRank()
-    return HiCache(allocator, pool, host, seed, hicache_config(options), storage, agreement, shard)
+    return HiCache(allocator, pool, host, seed, hicache_config(options), storage, agreement, shard, ownership)
 
 
 def cluster_shard(shard: KVShard, config: dict) -> KVShard:

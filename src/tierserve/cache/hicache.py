@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from tierserve.cache.agreement import Agreement, SingleRank, leading_true
 from tierserve.cache.allocator import PageAllocator
 from tierserve.cache.base import PrefixHit, Snapshot
+from tierserve.cache.cp_host import owned_pairs
+from tierserve.cache.cp_pages import PageOwnership, alloc_continuing, alloc_like, until_fits
 from tierserve.cache.device_pool import DeviceKVPool
 from tierserve.cache.events import KVEventListener
 from tierserve.cache.hicache_admin import StorageAdmin
@@ -27,6 +29,7 @@ from tierserve.cache.host_writes import WRITE_BACK_LOW_WATERMARK, assign_host, d
 from tierserve.cache.loads import LayerwiseLoad, Loads
 from tierserve.cache.options import IOBackend, PrefetchPolicy, WritePolicy
 from tierserve.cache.prefetch import Prefetch, PrefetchOptions
+from tierserve.cache.radix_cache import cp_storable
 from tierserve.cache.radix_tree import Match, Node, RadixTree
 from tierserve.cache.shards import KVShard
 from tierserve.cache.storage import StorageBackend
@@ -60,14 +63,20 @@ class HiCache(StorageAdmin):
     tree; host pages to the host pool's allocator or the tree (or an in-flight write). After an
     L2 -> L1 load fails (``HostLoadError`` from ``wait``), its device pages leave the tree and belong
     to ``loads`` until the requests holding them are released; those requests must not go on.
+
+    ``ownership``: a CP rank's. Device and host page ids are then logical, each page stored by its
+    owner rank only, and every copy between tiers moves a page within its owner (``cp_host``).
     """
 
     def __init__(self, allocator: PageAllocator, device: DeviceKVPool, host: HostKVPool, seed: bytes,
                  config: HiCacheConfig, storage: StorageBackend | None = None,
-                 agreement: Agreement | None = None, shard: KVShard | None = None) -> None:
+                 agreement: Agreement | None = None, shard: KVShard | None = None,
+                 ownership: PageOwnership | None = None) -> None:
         """``shard``: the heads of every page this rank holds (default: all of the host pool's, one
-        rank); ``agreement``: how the ranks agree on what finished (default: one rank)."""
+        rank); ``agreement``: how the ranks agree on what finished (default: one rank);
+        ``ownership``: which pages this CP rank stores (default: all, no CP)."""
         self.allocator, self.device, self.host, self.config = allocator, device, host, config
+        self.ownership = ownership or PageOwnership()
         self.shard = shard or KVShard.whole(host.geometry.num_kv_heads)
         self.page_size = device.page_size
         self.tree = RadixTree(self.page_size, seed)
@@ -76,6 +85,7 @@ class HiCache(StorageAdmin):
         self._writes: list[_Write] = []
         self.loads = Loads(self.tree, allocator)
         self.counters: Counter[str] = Counter()  # engine thread only
+        self.counters["cp_refused_pages_total"] += 0  # always published, as by the radix cache
         self.agreement = agreement or SingleRank()
         self.storage: StorageTier | None = None
         if storage is not None:
@@ -98,7 +108,7 @@ class HiCache(StorageAdmin):
         host_before = self.host.allocator.num_used
         device_pages = self.evict(self.allocator.num_pages) if device else 0  # may drop host copies too
         if host:
-            self.host.allocator.free(self.tree.evict_host(self.host.num_pages))
+            self.host.allocator.free(self.tree.evict_host(self.host.allocator.num_pages))
         return device_pages, host_before - self.host.allocator.num_used
 
     def set_event_listener(self, listener: KVEventListener) -> bool:
@@ -182,6 +192,7 @@ class HiCache(StorageAdmin):
         (that page's load) or was computed from it; pages the failed load owns are not freed here."""
         self.loads.returned(hit)
         full = min(num_computed // self.page_size, len(pages), self.loads.usable(pages))
+        full = self._storable(token_ids, pages[:full], hit.salt)
         unused, node = self.tree.insert(token_ids[: full * self.page_size], pages[:full], hit.salt)
         self.allocator.free(unused + [p for p in pages[full:] if not self.loads.is_orphan(p)])
         self.loads.collect()
@@ -189,6 +200,12 @@ class HiCache(StorageAdmin):
             self.tree.unlock(hit.handle)
         if self.config.write_policy is WritePolicy.WRITE_THROUGH:
             self._maybe_write_path(node)
+
+    def _storable(self, token_ids: Sequence[int], pages: list[int], salt: str) -> int:
+        """How many of ``pages`` the tree may take (under CP, not a second rotation: counted)."""
+        keep = cp_storable(self.tree, self.ownership, token_ids, pages, salt)
+        self.counters["cp_refused_pages_total"] += len(pages) - keep
+        return keep
 
     def evict(self, num_pages: int) -> int:
         backup = self._write_now if self.config.write_policy is WritePolicy.WRITE_BACK else None
@@ -203,7 +220,8 @@ class HiCache(StorageAdmin):
         page = self.device.geometry.bytes_per_page
         out: dict[str, float] = dict(self.counters)
         out["host_pages_used"] = self.host.allocator.num_used
-        out["host_pages_total"] = self.host.num_pages
+        out["host_pages_total"] = self.host.allocator.num_pages
+        out |= self._rank_host_stats()
         out["l2_write_bytes_total"] = self.counters["l2_write_pages_total"] * page
         out["l2_load_bytes_total"] = self.counters["l2_load_pages_total"] * page
         out["l2_load_failures_total"] = self.loads.failures
@@ -214,6 +232,13 @@ class HiCache(StorageAdmin):
                     "l3_prefetch_no_wait_decisions_total": self.storage.decisions["no_wait"],
                     "l3_failures_total": self.storage.failures, "l3_healthy": float(self.storage.healthy)}
         return out
+
+    def _rank_host_stats(self) -> dict[str, float]:
+        """What this rank's own host pool holds (under CP its share of the logical pages)."""
+        used = self.host.allocator.num_used
+        if self.ownership.size > 1:
+            used = self.host.allocator.num_used_by(self.ownership.rank)
+        return {"host_rank_pages_used": used, "host_rank_pages_total": self.host.num_pages}
 
     def on_step(self) -> None:
         """Agrees with the other ranks (one collective) on what finished, then applies it."""
@@ -273,22 +298,36 @@ class HiCache(StorageAdmin):
             if wanted and n.host is None and n.device is not None and not n.writing and n.loading is None:
                 self._write_async(n)
 
-    def _host_pages(self, n: int) -> list[int] | None:
-        pages = self.host.allocator.alloc(n)
-        if pages is None:
-            self.host.allocator.free(self.tree.evict_host(n - self.host.allocator.num_free))
-            pages = self.host.allocator.alloc(n)
-        return pages
+    def _host_pages_like(self, device_pages: list[int]) -> list[int] | None:
+        """Host pages for copies of ``device_pages``, each of its device page's owner."""
+        return until_fits(lambda: alloc_like(self.host.allocator, device_pages),
+                          lambda: self._evict_host(len(device_pages)))
+
+    def _host_pages_after(self, previous: Sequence[int], n: int) -> list[int] | None:
+        """``n`` host pages continuing the rotation of ``previous`` (an L3 prefetch's)."""
+        return until_fits(lambda: alloc_continuing(self.host.allocator, previous, n), lambda: self._evict_host(n))
+
+    def _evict_host(self, wanted: int) -> int:
+        """Evicts L2 pages towards ``wanted`` free ones (at least one); returns how many went."""
+        evicted = self.tree.evict_host(max(1, wanted - self.host.allocator.num_free))
+        self.host.allocator.free(evicted)
+        return len(evicted)
+
+    def _copy(self, device_pages: list[int], host_pages: list[int], to_host: bool,
+              layers: range | None = None) -> None:
+        """Copies between L1 and L2 the pairs this rank stores (under CP, those it owns)."""
+        if self.ownership.size > 1:
+            device_pages, host_pages = owned_pairs(self.ownership, device_pages, host_pages)
+        copy_pages(self.device, self.host, device_pages, host_pages, to_host, self.config.io_backend, layers)
 
     def _write_async(self, node: Node) -> None:
-        host_pages = self._host_pages(node.num_pages)
+        device_pages = list(node.device)
+        host_pages = self._host_pages_like(device_pages)
         if host_pages is None:
             return  # L2 is full of pinned pages: stay L1-only for now
         node.writing = True
         self.tree.lock(node)
-        device_pages = list(node.device)
-        future = self._worker.submit(_timed, copy_pages, self.device, self.host, device_pages, host_pages, True,
-                                     self.config.io_backend)
+        future = self._worker.submit(_timed, self._copy, device_pages, host_pages, True)
         self._writes.append(_Write(node, host_pages, future, list(node.keys)))
 
     def _write_back_ahead(self) -> None:
@@ -304,10 +343,10 @@ class HiCache(StorageAdmin):
     def _write_now(self, node: Node) -> bool:
         """Write-back's fallback when an L1 victim is still dirty: copies it to L2 on the engine
         thread (counted: a high count means the watermark is too low), then backs it up to L3."""
-        host_pages = self._host_pages(node.num_pages)
+        host_pages = self._host_pages_like(list(node.device))
         if host_pages is None:
             return False
-        copy_pages(self.device, self.host, node.device, host_pages, True, self.config.io_backend)
+        self._copy(list(node.device), host_pages, True)
         self.tree.set_host(node, host_pages)
         self.counters["l2_write_pages_total"] += len(host_pages)
         self.counters["l2_write_back_sync_pages_total"] += len(host_pages)
@@ -319,10 +358,7 @@ class HiCache(StorageAdmin):
     # -- L2 -> L1 ------------------------------------------------------------------------------
 
     def _load(self, nodes: list[Node], host_pages: list[int]) -> LayerwiseLoad | None:
-        device_pages = self.allocator.alloc(len(host_pages))
-        if device_pages is None:
-            self.evict(len(host_pages) - self.allocator.num_free)
-            device_pages = self.allocator.alloc(len(host_pages))
+        device_pages = self._device_pages_like(host_pages)
         if device_pages is None:
             return None
         load = LayerwiseLoad(self.device.geometry.num_layers)
@@ -332,15 +368,21 @@ class HiCache(StorageAdmin):
             n.loading = load
             start += n.num_pages
         load.nodes = list(nodes)
-        backend = self.config.io_backend
 
         def copy_layer(i: int) -> None:
-            copy_pages(self.device, self.host, device_pages, host_pages, False, backend, range(i, i + 1))
+            self._copy(device_pages, host_pages, False, range(i, i + 1))
 
         self._loader.submit(load.run, copy_layer)
         self.loads.started(load)
         self.counters["l2_load_pages_total"] += len(host_pages)
         return load
+
+
+    def _device_pages_like(self, host_pages: list[int]) -> list[int] | None:
+        """Device pages to restore ``host_pages`` into, each of its host page's owner (so that the
+        owner restores it), evicting L1 until they fit or nothing more goes."""
+        return until_fits(lambda: alloc_like(self.allocator, host_pages),
+                          lambda: self.evict(max(1, len(host_pages) - self.allocator.num_free)))
 
 
 def _timed(fn, *args) -> float:

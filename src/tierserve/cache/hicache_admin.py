@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from tierserve.cache.storage import StorageBackend
@@ -11,6 +11,7 @@ from tierserve.cache.storage_tier import StorageTier
 from tierserve.core.storage import StorageAction, StorageBusyError
 
 if TYPE_CHECKING:
+    from tierserve.cache.cp_pages import PageOwnership
     from tierserve.cache.hicache import HiCacheConfig
     from tierserve.cache.host_pool import HostKVPool
     from tierserve.cache.radix_tree import RadixTree
@@ -25,7 +26,8 @@ class StorageAdmin:
     tree: RadixTree
     config: HiCacheConfig
     shard: KVShard
-    _host_pages: Callable[[int], list[int] | None]
+    ownership: PageOwnership
+    _host_pages_after: Callable[[Sequence[int], int], list[int] | None]
 
     @property
     def busy(self) -> bool:
@@ -47,7 +49,8 @@ class StorageAdmin:
         self._require_idle()
         if self.storage is not None:
             raise StorageBusyError("an L3 backend is already attached: detach it first")
-        self.storage = StorageTier(storage, self.host, self.tree, self.config.prefetch, self._host_pages, self.shard)
+        self.storage = StorageTier(storage, self.host, self.tree, self.config.prefetch, self._host_pages_after,
+                                   self.shard, self.ownership)
 
     def detach_storage(self) -> None:
         self._require_idle()

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 
 import torch
 
-from tierserve.cache.allocator import PageAllocator
+from tierserve.cache.cp_pages import PageOwnership, page_allocator
 from tierserve.cache.device_pool import DeviceKVPool, KVGeometry
 from tierserve.cache.options import HostLayout, IOBackend
 
@@ -33,9 +33,12 @@ class HostKVPool:
     """``num_pages`` host pages with their own allocator (strict ownership, ``check()``).
 
     ``pin_memory`` is for CUDA devices: pinned pages copy asynchronously and register with RDMA.
+    ``ownership``: a CP rank's (``cache/cp_host.py``): the buffer holds this rank's ``num_pages``
+    pages and the allocator hands out logical ids over every rank's (``num_pages`` x CP size).
     """
 
-    def __init__(self, geometry: KVGeometry, num_pages: int, layout: HostLayout, pin_memory: bool = False) -> None:
+    def __init__(self, geometry: KVGeometry, num_pages: int, layout: HostLayout, pin_memory: bool = False,
+                 ownership: PageOwnership | None = None) -> None:
         g = geometry
         shapes = {
             HostLayout.LAYER_FIRST: (g.num_layers, 2, num_pages * g.page_size, g.num_kv_heads, g.head_dim),
@@ -46,7 +49,7 @@ class HostKVPool:
         self.layout = layout
         self.num_pages = num_pages
         self.buffer = torch.zeros(shapes[layout], dtype=g.dtype, pin_memory=pin_memory)
-        self.allocator = PageAllocator(num_pages)
+        self.allocator = page_allocator(ownership or PageOwnership(), num_pages)
 
     def pages(self, layer: int, kv: int) -> torch.Tensor:
         """View [pages, page_size, H, D] of one layer's K (kv=0) or V (kv=1); strided for page_first."""

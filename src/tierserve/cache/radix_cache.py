@@ -52,10 +52,7 @@ class RadixCache(SingleTier):
 
     def _storable(self, token_ids: Sequence[int], pages: list[int], salt: str) -> int:
         """How many of ``pages`` the tree may take: all of them without CP."""
-        if self.ownership.size == 1:
-            return len(pages)
-        path = self.tree.device_prefix(token_ids[: len(pages) * self.page_size], salt)
-        keep = self.ownership.storable(path, pages)
+        keep = cp_storable(self.tree, self.ownership, token_ids, pages, salt)
         self.refused_pages += len(pages) - keep
         return keep
 
@@ -80,3 +77,13 @@ class RadixCache(SingleTier):
 
     def snapshot(self) -> Snapshot:
         return self.tree.snapshot()
+
+
+def cp_storable(tree: RadixTree, ownership: PageOwnership, token_ids: Sequence[int], pages: list[int],
+                salt: str) -> int:
+    """How many leading ``pages`` of a released sequence the tree may keep: all without CP, else
+    those that do not start a second rotation on the tree's path (``PageOwnership.storable``)."""
+    if ownership.size == 1:
+        return len(pages)
+    path = tree.device_prefix(token_ids[: len(pages) * tree.page_size], salt)
+    return ownership.storable(path, pages)

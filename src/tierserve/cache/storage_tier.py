@@ -17,12 +17,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from tierserve.cache.agreement import leading_true
+from tierserve.cache.cp_host import rank_io
+from tierserve.cache.cp_pages import PageOwnership
 from tierserve.cache.hashing import page_keys, salted_seed
 from tierserve.cache.host_pool import HostKVPool
 from tierserve.cache.options import PrefetchPolicy
 from tierserve.cache.prefetch import Prefetch, PrefetchOptions, prefetch_timeout
 from tierserve.cache.radix_tree import Node, RadixTree
-from tierserve.cache.shard_io import ShardIO
 from tierserve.cache.shards import KVShard
 from tierserve.cache.speed import SpeedModel
 from tierserve.cache.staging import page_io
@@ -45,13 +46,16 @@ class StorageTier:
 
     Hands the backend the buffer its spans live in (``attach_host_buffer``) before any transfer:
     the host pool itself, or a staging buffer where the layout has no contiguous pages. ``shard``:
-    this rank's heads of every page, the share of each page it stores and reads (``ShardIO``).
+    this rank's heads of every page, the share of each page it stores and reads (``ShardIO``);
+    ``ownership``: a CP rank's, which stores and reads only the pages it owns (``cp_host``).
+    ``host_pages(previous, n)`` reserves ``n`` host pages continuing the rotation of ``previous``.
     """
 
     def __init__(self, storage: StorageBackend, host: HostKVPool, tree: RadixTree, options: PrefetchOptions,
-                 host_pages: Callable[[int], list[int] | None], shard: KVShard) -> None:
+                 host_pages: Callable[[Sequence[int], int], list[int] | None], shard: KVShard,
+                 ownership: PageOwnership | None = None) -> None:
         self.storage, self.host, self.tree, self.options = storage, host, tree, options
-        self.io = ShardIO(host, page_io(host), shard)
+        self.io = rank_io(host, page_io(host), shard, ownership or PageOwnership())
         storage.attach_host_buffer(self.io.buffer)
         self._host_pages = host_pages
         # Two lanes: a prefetch (probe, then read) is on a request's critical path and must never
@@ -130,7 +134,7 @@ class StorageTier:
         """Engine thread, on the agreed probe: reserve host pages and start reading, or give up."""
         ticket.decided = True
         ps = self.tree.page_size
-        cap = int(self.host.num_pages * self.options.max_reserved_fraction) - self._reserved
+        cap = int(self.host.allocator.num_pages * self.options.max_reserved_fraction) - self._reserved
         n = min(ticket.agreed_probed, cap)
         if ticket.consumed or n * ps < self.options.threshold_tokens:
             return
@@ -161,7 +165,7 @@ class StorageTier:
         if anchor is not None:
             self.tree.lock(anchor)
         try:
-            return self._host_pages(n)
+            return self._host_pages(_last_page(anchor), n)
         finally:
             if anchor is not None:
                 self.tree.unlock(anchor)
@@ -298,3 +302,12 @@ class StorageTier:
                 log.warning("L3 %s failed (%s); serving from L1 + L2, retrying L3 in %.0f s", what, exc,
                             RETRY_AFTER_S)
             self._down_until = time.monotonic() + RETRY_AFTER_S
+
+
+def _last_page(node: Node | None) -> list[int]:
+    """The last page of ``node`` (device or host: a page's copies have one owner), whose rotation a
+    prefetch under it continues; none at the root."""
+    if node is None or node.parent is None:
+        return []
+    pages = node.device if node.device is not None else node.host
+    return list(pages[-1:]) if pages else []

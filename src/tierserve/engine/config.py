@@ -19,7 +19,8 @@ class EngineConfig:
     pipeline stages of contiguous layers, each split over ``tp_size`` tensor ranks; every collective
     between them gives up after ``dist_timeout_s`` (docs/architecture.md, Ranks, Pipeline parallelism).
     ``cp_size`` ranks share the KV pages by context parallelism, each storing 1/cp_size of them
-    (docs/architecture.md, Context parallelism); not yet with TP, PP, the host tier or the node roles."""
+    (docs/architecture.md, Context parallelism), also in the host tier and L3; not yet with TP, PP or
+    the node roles."""
 
     model_dir: Path
     device: str = "auto"
@@ -71,9 +72,6 @@ class EngineConfig:
             return
         if self.tp_size > 1 or self.pp_size > 1:
             raise ValueError("--cp-size with --tp-size or --pp-size is not supported yet: use one of them")
-        if self.enable_hierarchical_cache:
-            raise ValueError("--cp-size with --enable-hierarchical-cache is not supported yet (the host tier "
-                             "and L3 do not back up or restore sharded pages)")
 
     @property
     def num_ranks(self) -> int:

@@ -102,12 +102,12 @@ class LayerGather:
         return self.buffers[layer_id % BUFFERS]
 
     def before_attention(self, layer_id: int) -> None:
+        """Waits for layer ``layer_id``'s gather (which waited for its restore, ``_start``), then
+        starts the next layer's."""
         for handle in self.pending.pop(layer_id, []):
             handle.wait()
         if layer_id + 1 < self.num_layers:
             self._start(layer_id + 1)  # into the buffer layer l-1 used: its attention is done
-        if self.inner is not None:
-            self.inner.before_attention(layer_id)
 
     def after_kv_written(self, layer_id: int) -> None:
         """The owner stores the step's new K/V of its pages: the buffer now holds them."""
@@ -118,7 +118,12 @@ class LayerGather:
             self.inner.after_kv_written(layer_id)
 
     def _start(self, layer_id: int) -> None:
-        """Starts gathering layer ``layer_id``'s prefix pages from their owners (asynchronous)."""
+        """Starts gathering layer ``layer_id``'s prefix pages from their owners (asynchronous), once
+        the inner hooks let that layer's attention go: a prefix page restored from L2 by its owner
+        must have the layer in its pool before the owner sends it (HiCache under CP). So the inner
+        ``before_attention(l)`` runs at the start of layer l's gather, while layer l-1 computes."""
+        if self.inner is not None:
+            self.inner.before_attention(layer_id)
         if self.plan.width == 0:
             return
         handles = []
