@@ -142,7 +142,7 @@ def test_nodes_of_two_tp_sizes_write_the_l3_objects_of_both(monkeypatch) -> None
     plans: list[ClusterPlan] = []
     monkeypatch.setattr(launch, "up", lambda plan, announce: plans.append(plan) or 0)
     monkeypatch.setattr(cli_up, "model_dir", lambda _: Path("/m"))
-    monkeypatch.setattr("tierserve.model.parallel.misfit", lambda model, size: None)  # no model at /m
+    monkeypatch.setattr("tierserve.model.parallel.misfit", lambda *_: None)  # no model at /m
     extra = ["--hicache-storage-backend-extra-config"]
     for args, sizes in ((["--prefill-tp-size", "2"], [1, 2]), ([], None),
                         (["--decode-tp-size", "4", *extra, '{"l3_tp_sizes": [4]}'], [4])):
