@@ -135,8 +135,8 @@ def test_a_clashing_rotation_is_refused_and_outputs_stay_correct(tmp_path: Path)
 @pytest.mark.parametrize(("command", "flags", "says"), [
     ("serve", ["--tp-size", "2"], "--cp-size with --tp-size or --pp-size is not supported"),
     ("serve", ["--pp-size", "2"], "--cp-size with --tp-size or --pp-size is not supported"),
-    ("prefill", [], "--cp-size is not supported on prefill and decode nodes"),
-    ("decode", [], "--cp-size is not supported on prefill and decode nodes"),
+    ("prefill", ["--tp-size", "2"], "--cp-size with --tp-size or --pp-size is not supported"),
+    ("decode", [], "--cp-size is not supported on decode nodes"),
 ])
 def test_what_cp_does_not_run_with_yet_is_refused_at_start(command: str, flags: list[str], says: str,
                                                             tmp_path: Path) -> None:

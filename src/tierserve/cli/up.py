@@ -7,7 +7,7 @@ import argparse
 import os
 import shlex
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tierserve.cli.flags import add_engine_args, add_model_args, engine_config, engine_flags, model_dir
@@ -29,6 +29,9 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
                    help="pipeline stages of every prefill node, each of --prefill-tp-size ranks (needs --no-l3)")
     p.add_argument("--decode-pp-size", type=int, default=1,
                    help="pipeline stages of every decode node, each of --decode-tp-size ranks (needs --no-l3)")
+    p.add_argument("--prefill-cp-size", type=int, default=1,
+                   help="context-parallel ranks of every prefill node, each storing 1/N of the KV pages and "
+                        "sending those to the decode node (decode nodes run without CP; not with TP or PP)")
     p.add_argument("--no-l3", action="store_true", help="no mooncake_master: nodes keep L1 (and L2 if asked) only")
     p.add_argument("--l3-size-gb", type=float, default=None,
                    help="the L3 store's size in GB, split evenly between the nodes (default: a third of this "
@@ -69,36 +72,47 @@ def cmd_up(args: argparse.Namespace) -> int:
     plan = ClusterPlan(folder, args.host, args.port, args.prefill_nodes, args.decode_nodes, not args.no_l3,
                        engine_flags(config), [*_router_flags(args), *args.router_args], l3_config, segment,
                        args.state_file, restart, args.prefill_args, args.decode_args, args.prefill_tp_size,
-                       args.decode_tp_size, args.prefill_pp_size, args.decode_pp_size)
+                       args.decode_tp_size, args.prefill_pp_size, args.decode_pp_size, args.prefill_cp_size)
     return up(plan, lambda base, children: _announce(args, base, children))
 
 
 def _check_sizes(args: argparse.Namespace, config: EngineConfig) -> None:
-    """Each role's TP and PP sizes, checked before any child starts (a node that cannot start would
-    only be restarted until the crash-loop limit): ``ValueError`` saying why."""
-    if config.tp_size != 1 or config.pp_size != 1:
+    """Each role's TP, PP and CP sizes, checked before any child starts (a node that cannot start
+    would only be restarted until the crash-loop limit): ``ValueError`` saying why."""
+    if config.tp_size != 1 or config.pp_size != 1 or config.cp_size != 1:
         raise ValueError("tierserve up: give the nodes' sizes with --prefill-tp-size, --decode-tp-size, "
-                         "--prefill-pp-size and --decode-pp-size")
-    if config.cp_size != 1:
-        raise ValueError("tierserve up: --cp-size is not supported on prefill and decode nodes yet "
-                         "(tierserve serve only)")
-    for role, tp, pp in (("prefill", args.prefill_tp_size, args.prefill_pp_size),
-                         ("decode", args.decode_tp_size, args.decode_pp_size)):
-        if pp != 1 and not args.no_l3:  # the nodes get L3 only later, from the plan: the config cannot tell
-            raise ValueError(f"--{role}-pp-size {pp}: L3 with stages is untested on PD nodes: add --no-l3")
-        if tp != 1 or pp != 1:
-            _check_role(role, tp, pp, replace(config, enable_hierarchical_cache=True) if not args.no_l3 else config)
+                         "--prefill-cp-size, --prefill-pp-size and --decode-pp-size")
+    for role, sizes in (("prefill", RoleSizes(args.prefill_tp_size, args.prefill_pp_size, args.prefill_cp_size)),
+                        ("decode", RoleSizes(args.decode_tp_size, args.decode_pp_size))):
+        if sizes.pp != 1 and not args.no_l3:  # the nodes get L3 only later, from the plan: the config cannot tell
+            raise ValueError(f"--{role}-pp-size {sizes.pp}: L3 with stages is untested on PD nodes: add --no-l3")
+        if sizes != RoleSizes():
+            _check_role(role, sizes, replace(config, enable_hierarchical_cache=True) if not args.no_l3 else config)
 
 
-def _check_role(role: str, tp: int, pp: int, config: EngineConfig) -> None:
+@dataclass(frozen=True)
+class RoleSizes:
+    """One role's rank counts: tensor ranks per stage, stages, context-parallel ranks."""
+
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+
+    def flags(self, role: str) -> str:
+        """As given on the command line, e.g. '--prefill-tp-size 1 --prefill-cp-size 2'."""
+        more = [f"--{role}-{name}-size {n}" for name, n in (("pp", self.pp), ("cp", self.cp)) if n != 1]
+        return " ".join([f"--{role}-tp-size {self.tp}", *more])
+
+
+def _check_role(role: str, sizes: RoleSizes, config: EngineConfig) -> None:
     from tierserve.model.parallel import misfit
 
-    flags = f"--{role}-tp-size {tp}" + (f" --{role}-pp-size {pp}" if pp != 1 else "")
-    try:
-        replace(config, tp_size=tp, pp_size=pp)  # the config's own checks (e.g. what runs at several ranks yet)
+    flags = sizes.flags(role)
+    try:  # the config's own checks (e.g. what runs at several ranks yet, CP with TP or PP)
+        replace(config, tp_size=sizes.tp, pp_size=sizes.pp, cp_size=sizes.cp)
     except ValueError as exc:
         raise ValueError(f"{flags}: {exc}") from None
-    if (problem := misfit(config.model_dir, tp, pp)) is not None:
+    if (problem := misfit(config.model_dir, sizes.tp, sizes.pp)) is not None:
         raise ValueError(f"{flags}: {problem}")
 
 
@@ -132,13 +146,13 @@ def _announce(args: argparse.Namespace, base: str, children: list[str]) -> None:
 def _headline(args: argparse.Namespace, base: str) -> str:
     l3 = "" if args.no_l3 else f", L3 on Mooncake: {l3_size_bytes(args) / 1e9:.1f} GB"
     return (f"tierserve is up: {base}/v1  ({args.prefill_nodes} prefill"
-            f"{_sizes(args.prefill_tp_size, args.prefill_pp_size)}, {args.decode_nodes} decode"
+            f"{_sizes(args.prefill_tp_size, args.prefill_pp_size, args.prefill_cp_size)}, {args.decode_nodes} decode"
             f"{_sizes(args.decode_tp_size, args.decode_pp_size)}{l3}; Ctrl+C stops it; a child that dies is restarted)")
 
 
-def _sizes(tp: int, pp: int) -> str:
-    """The banner's sizes of a role: ' at TP 2', ' at PP 2', ' at TP 2 x PP 2', or '' at one rank."""
-    parts = [f"{name} {size}" for name, size in (("TP", tp), ("PP", pp)) if size > 1]
+def _sizes(tp: int, pp: int, cp: int = 1) -> str:
+    """The banner's sizes of a role: ' at TP 2', ' at PP 2', ' at CP 2', ' at TP 2 x PP 2', or '' at one rank."""
+    parts = [f"{name} {size}" for name, size in (("TP", tp), ("PP", pp), ("CP", cp)) if size > 1]
     return f" at {' x '.join(parts)}" if parts else ""
 
 

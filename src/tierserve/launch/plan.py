@@ -41,7 +41,8 @@ class ClusterPlan:
     unless that config names its own ``global_segment_size``. ``state_file``: where ``up`` keeps
     the children's roles, PIDs and ports as JSON (``launch.state``); None: nowhere.
     ``prefill_tp`` and ``decode_tp``: each node's rank processes (``--tp-size``) per role, per stage
-    of ``prefill_pp`` and ``decode_pp`` pipeline stages (``--pp-size``)."""
+    of ``prefill_pp`` and ``decode_pp`` pipeline stages (``--pp-size``); ``prefill_cp``: each prefill
+    node's context-parallel ranks (``--cp-size``; decode nodes run without CP)."""
 
     model_dir: Path
     host: str = "127.0.0.1"
@@ -61,13 +62,17 @@ class ClusterPlan:
     decode_tp: int = 1
     prefill_pp: int = 1
     decode_pp: int = 1
+    prefill_cp: int = 1
 
     def role_flags(self, role: ChildRole) -> list[str]:
-        """A role's own flags: its TP and PP sizes (when above 1), then the user's ``--<role>-args``."""
+        """A role's own flags: its TP, PP and CP sizes (when above 1), then the user's ``--<role>-args``."""
         tp = {ChildRole.PREFILL: self.prefill_tp, ChildRole.DECODE: self.decode_tp}.get(role, 1)
         pp = {ChildRole.PREFILL: self.prefill_pp, ChildRole.DECODE: self.decode_pp}.get(role, 1)
+        cp = self.prefill_cp if role is ChildRole.PREFILL else 1
         own = {ChildRole.PREFILL: self.prefill_flags, ChildRole.DECODE: self.decode_flags}.get(role, [])
-        return [*(["--tp-size", str(tp)] if tp > 1 else []), *(["--pp-size", str(pp)] if pp > 1 else []), *own]
+        sizes = [f for flag, n in (("--tp-size", tp), ("--pp-size", pp), ("--cp-size", cp)) if n > 1
+                 for f in (flag, str(n))]
+        return [*sizes, *own]
 
     @property
     def router_url(self) -> str:

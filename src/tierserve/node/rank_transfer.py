@@ -3,7 +3,8 @@ transfer engine and KV arena, which holds only the rank's KV heads. Every rank s
 after its engine (``NodeRankRole.attach``) and the ranks gather every rank's arena, so rank 0 can
 name them all in a ``KVDestination`` (decode) and every prefill rank knows its heads' routes. With
 pipeline stages a rank's arena holds its stage's layers only, and says which (``RankArena.first_layer``):
-each prefill rank sends its heads of its layers to the decode ranks holding those layers."""
+each prefill rank sends its heads of its layers to the decode ranks holding those layers. With context
+parallelism (prefill nodes only) a rank's arena holds the pages it owns: each CP rank sends those."""
 
 from __future__ import annotations
 
@@ -80,11 +81,11 @@ class RankTransfer:
 
     def handoff(self, plan: HandoffPlan, fault_rate: float = 0.0, fault_delay_s: float = 0.0) -> KVHandoff:
         """This rank's sender for ``plan``: its heads of its stage's layers, to every destination
-        rank that holds some of both."""
+        rank that holds some of both; under context parallelism, of the pages this rank owns."""
         routes = plan_routes(self.sends, self.head_bytes, list(plan.dests), self.layers) if self.sends else []
         return KVHandoff(self.peers, routes, arena(self.engine), list(plan.dst_pages), plan.dst_start,
                          plan.prompt_len, fault_rate, fault_delay_s, self.engine.device.type == "cuda",
-                         self.gatherer)
+                         self.gatherer, self.engine.ranks.cp)
 
     def agreed(self, plan: HandoffPlan, fault_rate: float = 0.0, fault_delay_s: float = 0.0) -> AgreedHandoff:
         return AgreedHandoff(self.handoff(plan, fault_rate, fault_delay_s), self.board)

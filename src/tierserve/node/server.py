@@ -70,12 +70,12 @@ AddService = Callable[[grpc.aio.Server, Node], str]  # registers the role's serv
 
 
 def run_node(config: EngineConfig, options: NodeOptions, role: pb.Role, add_service: AddService) -> None:
-    """Builds the node (``config.tp_size`` x ``config.pp_size`` rank processes, this one rank 0) and
+    """Builds the node (``config.num_ranks`` rank processes: TP x PP, or CP; this one rank 0) and
     serves until SIGINT or SIGTERM; exits with status 2 for sizes the model cannot be split over, and
     status 1 when another rank dies (``docs/architecture.md``, Ranks)."""
     import uvloop
 
-    _check_fits(config)
+    _check_fits(config, role)
     side = NodeRankRole(Side.PREFILL if role == pb.ROLE_PREFILL else Side.DECODE, options.transfer())
     procs = RankProcesses(config, options.log_level, side) if config.num_ranks > 1 else None
     try:
@@ -115,13 +115,14 @@ def _stop(node: Node | None, engine: Engine, procs: RankProcesses | None) -> Non
     engine.cache.close()
 
 
-def _check_fits(config: EngineConfig) -> None:
+def _check_fits(config: EngineConfig, role: pb.Role) -> None:
     """Refuses, before any process starts, a TP size the model's heads or MLP cannot be split over, a
-    PP size that does not divide its layers, and context parallelism, which prefill and decode
-    nodes do not run yet (docs/architecture.md, Context parallelism)."""
-    if config.cp_size != 1:
-        print("tierserve: --cp-size is not supported on prefill and decode nodes yet (tierserve serve only)",
-              file=sys.stderr)
+    PP size that does not divide its layers, and context parallelism on a decode node, which does
+    not run yet (docs/architecture.md, Context parallelism: a CP prefill node hands its KV to a
+    decode node without CP)."""
+    if config.cp_size != 1 and role != pb.ROLE_PREFILL:
+        print("tierserve: --cp-size is not supported on decode nodes (prefill nodes and tierserve serve only): "
+              "a decode node without CP takes the KV of a CP prefill node", file=sys.stderr)
         raise SystemExit(2)
     problem = misfit(config.model_dir, config.tp_size, config.pp_size)
     if problem is not None:

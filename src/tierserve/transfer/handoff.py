@@ -21,8 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
+from tierserve.cache.cp_pages import PageOwnership
 from tierserve.transfer.engine import EntryBudget, PeerEngines, TransferEngineHandle, TransferError
-from tierserve.transfer.layout import Block, KVArena, Route, Run, route_blocks, token_runs
+from tierserve.transfer.layout import Block, KVArena, Route, Run, local_pages, route_blocks, token_runs
 from tierserve.transfer.staging import Gatherer, Staged, gathers
 
 _DONE = None  # sentinel in the sender's queue: no more layers
@@ -105,16 +106,19 @@ class KVHandoff:
     """Sends tokens ``[dst_start, prompt_len)`` of every layer from ``src`` pages into ``dst_pages``
     along each of ``routes`` (one batch per route and layer; no routes: nothing to send, e.g. a
     rank whose KV head another rank sends); routes that gather go through ``gatherer``'s staging
-    when one is given (``transfer/staging.py``). For fault tests: ``fault_rate`` makes exactly that
-    share of handoffs (every 1/rate-th) fail for real (one block aimed at an address the peer never
-    registered), and
-    ``fault_delay_s`` holds the first batch that long before it is written, as a slow link would:
-    a ``cancel`` meanwhile does not stop it, as it cannot stop a batch already on the wire."""
+    when one is given (``transfer/staging.py``). ``pages`` (``on_layer``) are logical: under context
+    parallelism (``owner`` of size above 1) this rank sends only the pages it owns, each from its
+    local slot, into the destination's page of the same position; the other CP ranks send the rest.
+    For fault tests: ``fault_rate`` makes exactly that share of handoffs (every 1/rate-th) fail for
+    real (one block aimed at an address the peer never registered), and ``fault_delay_s`` holds
+    the first batch that long before it is written, as a slow link would: a ``cancel`` meanwhile
+    does not stop it, as it cannot stop a batch already on the wire."""
 
     def __init__(self, engines: PeerEngines, routes: list[Route], src: KVArena, dst_pages: list[int],
                  dst_start: int, prompt_len: int, fault_rate: float = 0.0, fault_delay_s: float = 0.0,
-                 cuda: bool = False, gatherer: Gatherer | None = None) -> None:
+                 cuda: bool = False, gatherer: Gatherer | None = None, owner: PageOwnership | None = None) -> None:
         self.engines, self.routes, self.src, self.gatherer = engines, routes, src, gatherer
+        self.owner = owner
         self.target = ",".join(dict.fromkeys(r.target for r in routes))  # for messages
         self.dst_pages, self.prompt_len = dst_pages, prompt_len
         self._positions = list(range(len(dst_pages)))  # "pages" of staging whose slot t is token t
@@ -200,7 +204,7 @@ class KVHandoff:
     def _runs(self, route: Route, pages: list[int], start: int, end: int) -> list[Run]:
         """Tokens ``[start, end)`` as runs into the page table, or into staging indexed by token."""
         dst_pages = self._positions if route.by_token else self.dst_pages
-        return token_runs(pages, dst_pages, start, end, self.src.page_size)
+        return token_runs(local_pages(self.owner, pages), dst_pages, start, end, self.src.page_size)
 
     def _batches(self, route: Route, runs: list[Run], layer: int) -> list[_Batch]:
         """What the sender sends of ``layer`` along ``route``: staged gathers, a quarter of the

@@ -1,10 +1,13 @@
-"""Where a token's K or V lives in a KV arena, which heads of it go to which peer rank, and the
-coalesced block list of a handoff (no Mooncake import: the nodes and tests use it without loading
-the transfer engine)."""
+"""Where a token's K or V lives in a KV arena (under context parallelism: in its owner's), which
+heads of it go to which peer rank, and the coalesced block list of a handoff (no Mooncake import:
+the nodes and tests use it without loading the transfer engine)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+from tierserve.cache.cp_pages import PageOwnership
 
 Block = tuple[int, int, int]  # (source address, destination address, bytes)
 Run = tuple[int, int, int]  # (source slot, destination slot, tokens)
@@ -136,22 +139,39 @@ def _shared_layers(layers: LayerRange | None, dest: RankArena) -> tuple[range, i
     return range(lo - layers.start, hi - layers.start), layers.start - dest.first_layer
 
 
-def token_runs(src_pages: list[int], dst_pages: list[int], start: int, end: int, page_size: int) -> list[Run]:
+def token_runs(src_pages: Sequence[int | None], dst_pages: Sequence[int], start: int, end: int, page_size: int
+               ) -> list[Run]:
     """Tokens ``[start, end)`` as (source slot, destination slot, tokens) runs that are
     consecutive on both sides: pages allocated together usually are, so a long prompt is a few
-    runs rather than one entry per page."""
+    runs rather than one entry per page. A source page None is not in this source's pool (under
+    context parallelism another rank owns it and sends it): its tokens are left out."""
     runs: list[Run] = []
     token = start
     while token < end:
         page, offset = divmod(token, page_size)
         n = min(page_size - offset, end - token)
-        s, d = src_pages[page] * page_size + offset, dst_pages[page] * page_size + offset
-        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + n)
-        else:
-            runs.append((s, d, n))
+        src = src_pages[page]
+        if src is not None:
+            _extend(runs, src * page_size + offset, dst_pages[page] * page_size + offset, n)
         token += n
     return runs
+
+
+def local_pages(owner: PageOwnership | None, pages: list[int]) -> list[int] | list[int | None]:
+    """Logical ``pages`` as pages of this rank's pool, for ``token_runs``: under context parallelism
+    (``owner`` of size above 1) a page's local slot where this rank owns it, None where another CP
+    rank does (that rank sends it); otherwise the pages themselves."""
+    if owner is None or owner.size == 1:
+        return pages
+    return [owner.local(p) if owner.owns(p) else None for p in pages]
+
+
+def _extend(runs: list[Run], s: int, d: int, n: int) -> None:
+    """Appends the run (s, d, n), merged into the last one when it continues it on both sides."""
+    if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+        runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + n)
+    else:
+        runs.append((s, d, n))
 
 
 def layer_blocks(src: KVArena, dst: KVArena, runs: list[Run], layer: int, dst_layer: int | None = None

@@ -1,0 +1,107 @@
+"""A prefill node with context parallelism hands its KV to decode nodes without it (issue 15, item 5):
+real node processes (each CP rank its own transfer engine over TCP, its pool holding only the pages
+it owns), driven through gRPC as the router drives them. Each CP rank sends the pages it owns, from
+its local slot, into the decode node's pages; outputs equal the single engine; the two ranks
+together move exactly the KV bytes of the uncached prompt (a rank sending every page would move
+twice that); a decode cache hit moves only the rest."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from cluster import NodeProcess
+from pd_helpers import DECODE_ARGS, NODE_ARGS, PAGE, load, prompts, reference, run_pd, wait_for
+from tiny_models import make_tiny_model
+
+from tierserve.proto import tierserve_pb2 as pb
+from tierserve.proto import tierserve_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.integration
+LAYERS = 2
+TOKEN_BYTES = LAYERS * 2 * 4 * 16 * 4  # layers x (K, V) x the model's 4 KV heads x head dim x float32
+SIZES = {"pc2": ("prefill", ["--cp-size", "2"]), "d1": ("decode", []), "dt2": ("decode", ["--tp-size", "2"])}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return make_tiny_model("llama", tmp_path_factory.mktemp("cp_pd_llama"), heads=8, kv_heads=4, layers=LAYERS,
+                           max_position=2048)
+
+
+@pytest.fixture(scope="module")
+def nodes(model: Path, tmp_path_factory) -> Iterator[dict[str, NodeProcess]]:
+    """A prefill node at CP 2 ("pc2"), decode nodes at TP 1 ("d1") and TP 2 ("dt2")."""
+    logs = tmp_path_factory.mktemp("cp-pd-logs")
+    started = {name: NodeProcess(role, ["--model", str(model), *(NODE_ARGS if role == "prefill" else DECODE_ARGS),
+                                        *sizes], logs / f"{name}.log")
+               for name, (role, sizes) in SIZES.items()}
+    try:
+        yield {name: node.wait_ready() for name, node in started.items()}
+    finally:
+        for node in started.values():
+            node.stop()
+
+
+async def _run_all(prefill: str, decode: str, batch: list[list[int]], tag: str
+                   ) -> list[tuple[list[int], pb.PrefillResponse]]:
+    return await asyncio.gather(*(run_pd(prefill, decode, f"{tag}{i}", p) for i, p in enumerate(batch)))
+
+
+async def _idle(prefill: str, decode: str) -> bool:
+    p, d = await load(prefill), await load(decode)
+    return p.kv_pages_parked == 0 and d.kv_pages_used == 0 and d.reservations == 0 and d.staging_bytes_used == 0
+
+
+def _check_pairing(model: Path, prefill: str, decode: str, batch: list[list[int]], tag: str
+                   ) -> list[pb.PrefillResponse]:
+    """The batch through the pair: the single engine's answers, every token's KV sent once (the
+    decode node caches none of it), and every page back on both nodes."""
+    results = asyncio.run(_run_all(prefill, decode, batch, tag))
+    assert [tokens for tokens, _ in results] == reference(model, batch)
+    assert [r.transferred_bytes for _, r in results] == [len(p) * TOKEN_BYTES for p in batch]
+    wait_for(lambda: _idle(prefill, decode), "every page back on both nodes", 10)
+    return [r for _, r in results]
+
+
+@pytest.mark.parametrize("d", ["d1", "dt2"])
+def test_outputs_equal_the_single_engine_from_cp_2(model: Path, nodes, d: str) -> None:
+    """Fresh prompts (one to five chunks: pages of both owners, rotations starting on either)."""
+    _check_pairing(model, nodes["pc2"].address, nodes[d].address, prompts(4, seed=300 + len(d)), f"pc2{d}-")
+
+
+def test_prefill_cache_hits_are_sent_by_their_owners(model: Path, nodes) -> None:
+    """Prompts that extend ones the prefill node holds (served with dt2 before) go to d1, which holds
+    none of them: the prefill node continues each cached prefix's rotation, and each owner sends
+    its cached pages as well as its new ones."""
+    batch = prompts(3, seed=310)
+    _check_pairing(model, nodes["pc2"].address, nodes["dt2"].address, batch, "warm-")
+    longer = [p + list(range(2, 2 + 2 * PAGE + 5)) for p in batch]
+    responses = _check_pairing(model, nodes["pc2"].address, nodes["d1"].address, longer, "longer-")
+    assert [r.cache.cached_tokens for r in responses] == [len(p) // PAGE * PAGE for p in batch]
+
+
+def test_a_decode_cache_hit_moves_only_the_uncached_tokens(model: Path, nodes) -> None:
+    prompt = prompts(1, seed=320)[0] + list(range(2, 2 + 3 * PAGE))
+    first, r1 = asyncio.run(run_pd(nodes["pc2"].address, nodes["d1"].address, "cp-hit-a", prompt))
+    more = prompt + list(range(5, 5 + 2 * PAGE + 3))  # extends it: D keeps the first prompt's whole pages
+    again, r2 = asyncio.run(run_pd(nodes["pc2"].address, nodes["d1"].address, "cp-hit-b", more))
+    assert first == reference(model, [prompt])[0] and again == reference(model, [more])[0]
+    held = len(prompt) // PAGE * PAGE
+    assert r1.transferred_bytes == len(prompt) * TOKEN_BYTES
+    assert r2.transferred_bytes == (len(more) - held) * TOKEN_BYTES
+
+
+def test_info_reports_one_tensor_rank(nodes) -> None:
+    """The router's Reserve names the prefill node's TP size: a CP rank holds every KV head."""
+    info = asyncio.run(_info(nodes["pc2"].address))
+    assert (info.tp_size, info.pp_size) == (1, 1)
+
+
+async def _info(address: str) -> pb.NodeInfo:
+    import grpc
+
+    async with grpc.aio.insecure_channel(address) as channel:
+        return await pb_grpc.NodeServiceStub(channel).Info(pb.InfoRequest())
