@@ -32,8 +32,9 @@ from tierserve.cache.storage import StorageBackend
 log = logging.getLogger(__name__)
 RETRY_AFTER_S = 5.0
 WINDOW = 24  # prefetches in one step's agreement (5 slots each); the window moves on every step
-BACKUP_CALL_PAGES = 1024  # pages per put call: one put of 4096 pages (a 128K-token prompt's share of a CP=2
-# rank) had ~6% of its pages fail at once with TRANSFER_FAIL in Mooncake; 2048 at a time never did
+BACKUP_CALL_PAGES = 1024  # pages per put call: with puts of 4096 pages (a CP=2 rank's half of a 128K-token
+# prompt) 231 of the prompt's 8192 pages failed at once with Mooncake TRANSFER_FAIL; 2048-page puts and
+# 1024-page calls never did (one run each, on 2 CPU cores: the cause inside Mooncake is not established)
 
 
 @dataclass
