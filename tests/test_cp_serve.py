@@ -54,6 +54,21 @@ def _refused_pages(server: TPServer) -> float:
     return float(found.group(1)) if found else 0.0
 
 
+def _gather_clock(server: TPServer) -> dict[str, float]:
+    """The per-layer gather clock's counters on ``/metrics`` (rank 0), by ``{first,later}_{wait,span}``."""
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    found = re.findall(r"^tierserve_cp_gather_(\w+)_seconds_total (\S+)$", text, re.MULTILINE)
+    return {k: float(v) for k, v in found}
+
+
+def _wait_gathered(server: TPServer) -> dict[str, float]:
+    """The gather clock once it counted a later layer's gather (stats lag a step)."""
+    deadline = time.monotonic() + DEADLINE_S
+    while (clock := _gather_clock(server)).get("later_span", 0) == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)  # poll interval
+    return clock
+
+
 def _wait_refused(server: TPServer) -> float:
     """The refused-pages counter once the engine published a non-zero value (stats lag a step)."""
     deadline = time.monotonic() + DEADLINE_S
@@ -95,6 +110,10 @@ def test_turns_extending_a_cached_prefix_hit_all_of_it(tmp_path: Path) -> None:
             previous = len(prompt) + NEW_TOKENS - 1  # the last answer token's KV is never computed
             prompt = prompt + out + torch.randint(2, 384, (9,), generator=gen).tolist()
         assert _refused_pages(server) == 0
+        clock = _wait_gathered(server)  # hits gather their prefix: the exposed share is measured
+        for layer in ("first", "later"):
+            assert 0 <= clock[f"{layer}_wait"] <= clock[f"{layer}_span"], clock
+        assert clock["later_span"] > 0, clock
     finally:
         server.stop()
 

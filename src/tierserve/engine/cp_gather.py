@@ -17,7 +17,8 @@ pages are in flight cannot change what is read (and sends are copied out when th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -38,6 +39,29 @@ class RowPlan:
     width: int
     rows: torch.Tensor
     num_rows: int
+
+
+@dataclass
+class GatherClock:
+    """How much of the per-layer gathers attention waited for (the exposed part), summed over steps:
+    ``waited[k]`` the seconds ``before_attention`` blocked on the gather, ``spans[k]`` the seconds from
+    each gather's start to the end of that wait, for k = ``"first"`` (layer 0, started just before
+    the forward, so nothing overlaps it but the embedding) and ``"later"`` (layers 1.., overlapped
+    with the previous layer's compute). A gather done before its wait adds ~0 to ``waited``; one
+    still running ends during the wait, so ``waited / spans`` is the share left exposed."""
+
+    waited: dict[str, float] = field(default_factory=lambda: {"first": 0.0, "later": 0.0})
+    spans: dict[str, float] = field(default_factory=lambda: {"first": 0.0, "later": 0.0})
+
+    def record(self, layer_id: int, started: float, wait_began: float, wait_ended: float) -> None:
+        kind = "first" if layer_id == 0 else "later"
+        self.waited[kind] += wait_ended - wait_began
+        self.spans[kind] += wait_ended - started
+
+    def stats(self) -> dict[str, float]:
+        """``cp_gather_{first,later}_{wait,span}_seconds_total``: counters for ``/metrics``."""
+        return {f"cp_gather_{k}_{name}_seconds_total": v for name, d in (("wait", self.waited), ("span", self.spans))
+                for k, v in d.items()}
 
 
 def plan_rows(own: PageOwnership, prefix: set[int], touched: set[int], num_pages: int,
@@ -74,8 +98,11 @@ class LayerGather:
     same batch and runs the same collectives (none when no page needs gathering)."""
 
     def __init__(self, own: PageOwnership, pool: DeviceKVPool, plan: RowPlan, slots: torch.Tensor,
-                 batch: AttentionBatch, inner: LayerHooks | None = None, group: object | None = None) -> None:
+                 batch: AttentionBatch, inner: LayerHooks | None = None, group: object | None = None,
+                 clock: GatherClock | None = None) -> None:
         self.own, self.pool, self.plan, self.inner, self.group = own, pool, plan, inner, group
+        self.clock = clock
+        self.started: dict[int, float] = {}  # layer -> when its gather was started
         self.page_size = pool.page_size
         g, device = pool.geometry, pool.buffer.device
         shape = (plan.num_rows * g.page_size, g.num_kv_heads, g.head_dim)
@@ -104,8 +131,12 @@ class LayerGather:
     def before_attention(self, layer_id: int) -> None:
         """Waits for layer ``layer_id``'s gather (which waited for its restore, ``_start``), then
         starts the next layer's."""
-        for handle in self.pending.pop(layer_id, []):
+        handles = self.pending.pop(layer_id, [])
+        wait_began = time.perf_counter()
+        for handle in handles:
             handle.wait()
+        if handles and self.clock is not None:  # two clock reads per layer: nothing next to the gather itself
+            self.clock.record(layer_id, self.started.pop(layer_id), wait_began, time.perf_counter())
         if layer_id + 1 < self.num_layers:
             self._start(layer_id + 1)  # into the buffer layer l-1 used: its attention is done
 
@@ -126,6 +157,7 @@ class LayerGather:
             self.inner.before_attention(layer_id)
         if self.plan.width == 0:
             return
+        self.started[layer_id] = time.perf_counter()
         handles = []
         for pool, buffer in zip(self.pool.layer(layer_id), self.layer(layer_id), strict=True):
             send = pool.view(-1, self.page_size * pool[0].numel()).index_select(0, self.send_pages)

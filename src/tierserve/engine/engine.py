@@ -194,7 +194,11 @@ class Engine:
             "reservation_staging_bytes": self.reservations.staging.used_bytes if self.reservations.staging else 0,
             "reservation_leases_expired": self.reservations.expired_leases,
             "handoff_pages_parked": sum(len(p.pages) for p in self.scheduler.parked),
-        } | {f"cache_{k}": v for k, v in self.cache.stats().items()}
+        } | {f"cache_{k}": v for k, v in self.cache.stats().items()} | self._gather_stats()
+
+    def _gather_stats(self) -> dict[str, float]:
+        """Under CP, this rank's seconds spent waiting for per-layer gathers (``GatherClock``)."""
+        return self.runner.gather_clock.stats() if self.ranks.cp.size > 1 else {}
 
     def step(self, now: float | None = None) -> list[RequestOutput]:
         """Runs one batch; returns an output for every request that got a token or finished.

@@ -6,7 +6,7 @@ import torch
 
 from tierserve.cache.cp_pages import PageOwnership
 from tierserve.cache.device_pool import DeviceKVPool
-from tierserve.engine.cp_gather import LayerGather, plan_rows, renumber
+from tierserve.engine.cp_gather import GatherClock, LayerGather, plan_rows, renumber
 from tierserve.engine.request import Request
 from tierserve.engine.scheduler import Scheduled, pages_for
 from tierserve.engine.token_share import SoleSampler, TokenShare
@@ -32,6 +32,7 @@ class ModelRunner:
         self.page_size = pool.page_size
         self.tokens = tokens or SoleSampler()
         self.cp = cp or PageOwnership()
+        self.gather_clock = GatherClock()  # CP only: the exposed share of the per-layer gathers
 
     @torch.inference_mode()
     def run(self, batch: list[Scheduled], hooks: LayerHooks | None = None) -> dict[str, int]:
@@ -58,7 +59,7 @@ class ModelRunner:
         plan = plan_rows(self.cp, _prefix_pages(ordered, self.page_size), touched,
                          self.pool.num_pages * self.cp.size, self.device)
         slots = renumber(attn, plan.rows)
-        attn.hooks = LayerGather(self.cp, self.pool, plan, slots, attn, attn.hooks)
+        attn.hooks = LayerGather(self.cp, self.pool, plan, slots, attn, attn.hooks, clock=self.gather_clock)
         return attn.hooks
 
     def _sample(self, hidden: torch.Tensor, rows: list[int], requests: list[Request]) -> list[int]:

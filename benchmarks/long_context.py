@@ -1,0 +1,248 @@
+"""Long prompts under context parallelism (issue 15), through the OpenAI API of real
+``tierserve serve --cp-size N`` nodes with HiCache and a real ``mooncake_master``:
+
+1. TTFT of prompts of ``--lengths`` tokens (32K and 128K), uncached (a *writer* node computes a
+   fresh prompt) and from L3 (a *reader* node of the same CP size, which never saw it, reads it once
+   the writer backed it up), CP=1 vs CP=2: all four nodes up at once, the CP sizes in rotating
+   order, one warm-up round at the shortest length, medians of ``--repeats`` rounds. TTFT is the
+   client's time from sending to the first streamed token.
+2. The share of each layer's gather left exposed at CP=2 (``engine/cp_gather.py``): over each
+   timed request, the change of rank 0's ``tierserve_cp_gather_*_seconds_total`` (time attention
+   waited for its layer's gather / time from the gather's start to the end of that wait), layer 0
+   (started just before the forward, nothing to hide it) apart from the later layers (target:
+   under 10%).
+3. Tokens held by L1 and L2 at CP=1 vs CP=2 for the same per-rank budgets (``--budget`` tokens of
+   L1 per rank, L2 twice that), no L3: distinct prompts of ``--fill-tokens`` tokens, twice the CP=2
+   node's L2 in all, then what each node's tiers hold.
+
+The model is ``tests/long_prompts.py``'s tiny Llama (2 layers, hidden 64, 4 heads, 2 KV heads of 16,
+float32: 512 B of KV per token; 132K rope positions), pages of 16 tokens, prefill chunks of 4096.
+
+    .venv/bin/python benchmarks/long_context.py [--lengths 32768 131072] [--repeats 3] \\
+        [--budget 16384] [--fill-tokens 4096] [--only ttft held] [--logs DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))  # the tests' node helpers, reused
+
+from cluster import MasterProcess  # noqa: E402
+from long_prompts import PAGE, l3_flags, long_model, node_flags, start_node, stream, wait_backed_up  # noqa: E402
+from tp_server import TPServer  # noqa: E402
+
+CP_SIZES = (1, 2)
+NEW_TOKENS = 4
+WARM_UP_TOKENS = 2048
+SETTLE_DEADLINE_S = 120.0
+GATHER = re.compile(r"^tierserve_cp_gather_(first|later)_(wait|span)_seconds_total (\S+)$", re.MULTILINE)
+
+
+def prompt(tokens: int, seed: int) -> list[int]:
+    """Random token ids: each seed a prompt no cache holds yet."""
+    return torch.randint(2, 384, (tokens,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def rotated(names: list[int], turn: int) -> list[int]:
+    """``names`` starting at ``turn``, reversed every other cycle (as ``benchmarks/tp`` orders rounds)."""
+    k = turn % len(names)
+    order = names[k:] + names[:k]
+    return order[::-1] if (turn // len(names)) % 2 else order
+
+
+def gauges(server: TPServer) -> dict[str, float]:
+    """Every unlabelled ``tierserve_*`` sample of the node's ``/metrics`` (rank 0's engine)."""
+    text = httpx.get(f"{server.url}/metrics", timeout=30).text
+    return {k: float(v) for k, v in re.findall(r"^(tierserve_\w+) (\S+)$", text, re.MULTILINE)}
+
+
+def gather_clock(server: TPServer) -> dict[str, float]:
+    """``{first,later}_{wait,span}``: the gather clock's seconds so far (empty at CP=1)."""
+    text = httpx.get(f"{server.url}/metrics", timeout=30).text
+    return {f"{k}_{w}": float(v) for k, w, v in GATHER.findall(text)}
+
+
+@dataclass
+class TTFTNodes:
+    """A writer and a reader node per CP size, on one master. A CP=1 node's L1 holds the longest
+    prompt; a CP=2 rank's L1 half of it (the node holds the same tokens)."""
+
+    master: MasterProcess
+    writers: dict[int, TPServer]
+    readers: dict[int, TPServer]
+
+    @classmethod
+    def start(cls, model: Path, logs: Path, longest: int) -> TTFTNodes:
+        master = MasterProcess(logs / "mooncake_master.log").start()
+        nodes = cls(master, {}, {})
+        try:
+            for cp in CP_SIZES:
+                flags = l3_flags(master, longest // cp + 4096)
+                nodes.writers[cp] = start_node(model, cp, logs / f"writer-cp{cp}.log", *flags)
+                nodes.readers[cp] = start_node(model, cp, logs / f"reader-cp{cp}.log", *flags)
+        except BaseException:
+            nodes.stop()
+            raise
+        return nodes
+
+    def stop(self) -> None:
+        for node in [*self.readers.values(), *self.writers.values()]:
+            node.stop()
+        self.master.kill()
+
+
+def timed_pair(nodes: TTFTNodes, model: Path, cp: int, ids: list[int]) -> dict[str, float]:
+    """Uncached TTFT on the writer, then, once backed up, the TTFT from L3 on the reader; with
+    each, at CP=2, the gather clock's change over it. Checks both answers agree and the L3 share."""
+    sample: dict[str, float] = {}
+    computed = _clocked(nodes.writers[cp], model, ids, sample, f"cp{cp}_uncached")
+    wait_backed_up(nodes.master, model, ids)
+    served = _clocked(nodes.readers[cp], model, ids, sample, f"cp{cp}_l3")
+    if computed.tokens != served.tokens or served.tiers["storage"] < 0.95 * len(ids) // PAGE * PAGE:
+        raise RuntimeError(f"CP={cp}, {len(ids)} tokens: answers {computed.tokens} / {served.tokens}, "
+                           f"from L3 {served.tiers}")
+    sample[f"cp{cp}_l3_share"] = served.tiers["storage"] / len(ids)
+    return sample
+
+
+def _clocked(server: TPServer, model: Path, ids: list[int], sample: dict[str, float], name: str):
+    before = gather_clock(server)
+    reply = stream(server, model, ids, NEW_TOKENS)
+    after = gather_clock(server)
+    sample[name] = reply.ttft_s
+    sample |= {f"{name}_gather_{k}": after[k] - before[k] for k in after}
+    return reply
+
+
+def measure_ttft(model: Path, logs: Path, lengths: list[int], repeats: int) -> dict[int, list[dict[str, float]]]:
+    """``{length: rounds}``; a warm-up round of short prompts first (not kept)."""
+    nodes = TTFTNodes.start(model, logs, max(lengths))
+    try:
+        for cp in CP_SIZES:
+            timed_pair(nodes, model, cp, prompt(WARM_UP_TOKENS, 1000 + cp))
+        out: dict[int, list[dict[str, float]]] = {n: [] for n in lengths}
+        for turn in range(repeats):
+            for n in lengths:
+                sample: dict[str, float] = {}
+                for cp in rotated(list(CP_SIZES), turn):
+                    sample |= timed_pair(nodes, model, cp, prompt(n, n + 10 * turn + cp))
+                print(f"  {n} tokens, round {turn + 1}: " + ", ".join(f"{k} {v:.3g}" for k, v in sample.items()
+                                                                    if "gather" not in k), flush=True)
+                out[n].append(sample)
+        return out
+    finally:
+        nodes.stop()
+
+
+def measure_held(model: Path, logs: Path, budget: int, fill_tokens: int) -> dict[int, dict[str, float]]:
+    """What L1 and L2 hold (tokens) once distinct prompts worth twice the CP=2 node's L2 were sent,
+    and their capacity, per CP size; every node with ``budget`` L1 tokens per rank, L2 twice that."""
+    sent = 2 * 2 * budget * max(CP_SIZES)  # twice the CP=2 node's L2
+    held = {}
+    for cp in CP_SIZES:
+        node = start_node(model, cp, logs / f"held-cp{cp}.log", "--enable-hierarchical-cache", "--hicache-ratio",
+                          "2", *node_flags(budget))
+        try:
+            for i in range(sent // fill_tokens):
+                stream(node, model, prompt(fill_tokens, 5000 + i), NEW_TOKENS)
+            held[cp] = _settled(node)
+        finally:
+            node.stop()
+    return held
+
+
+def _settled(node: TPServer) -> dict[str, float]:
+    """The tiers' tokens held and capacity, once no request runs and L2 stopped changing (the
+    write-through copies end after the answers)."""
+    deadline, last = time.monotonic() + SETTLE_DEADLINE_S, None
+    while (g := gauges(node)) != last or g.get("tierserve_num_requests_running", 1):
+        if time.monotonic() > deadline:
+            raise RuntimeError("the node's cache gauges did not settle")
+        last = g
+        time.sleep(1.0)  # the stats are published at most once a second
+    return {"l1": g["tierserve_kv_pages_cached"] * PAGE, "l1_total": g["tierserve_kv_pages_total"] * PAGE,
+            "l2": g["tierserve_cache_host_pages_used"] * PAGE, "l2_total": g["tierserve_cache_host_pages_total"] * PAGE}
+
+
+def med(rounds: list[dict[str, float]], key: str) -> float:
+    return statistics.median(r[key] for r in rounds)
+
+
+def ttft_report(results: dict[int, list[dict[str, float]]]) -> list[str]:
+    rows = ["| prompt tokens | CP | TTFT uncached (s) | TTFT from L3 (s) | uncached / L3 | share from L3 |",
+            "|---:|---:|---:|---:|---:|---:|"]
+    for n, rounds in results.items():
+        for cp in CP_SIZES:
+            un, l3 = f"cp{cp}_uncached", f"cp{cp}_l3"
+            speedup = statistics.median(r[un] / r[l3] for r in rounds)  # per-round ratio, side by side
+            rows.append(f"| {n} | {cp} | {med(rounds, un):.2f} | {med(rounds, l3):.2f} "
+                        f"| {speedup:.1f} | {med(rounds, l3 + '_share'):.3f} |")
+    return rows
+
+
+def gather_report(results: dict[int, list[dict[str, float]]]) -> list[str]:
+    rows = ["| prompt tokens | request at CP=2 | layer 0: waited / span (s) | exposed | later layers: waited / "
+            "span (s) | exposed |", "|---:|---|---:|---:|---:|---:|"]
+    for n, rounds in results.items():
+        for case in ("uncached", "l3"):
+            cells = []
+            for layer in ("first", "later"):
+                key = f"cp2_{case}_gather_{layer}"
+                wait, span = med(rounds, f"{key}_wait"), med(rounds, f"{key}_span")
+                share = statistics.median(r[f"{key}_wait"] / r[f"{key}_span"] for r in rounds if r[f"{key}_span"])
+                cells.append(f"{wait:.3f} / {span:.3f} | {share:.1%}")
+            rows.append(f"| {n} | {case} | {' | '.join(cells)} |")
+    return rows
+
+
+def held_report(held: dict[int, dict[str, float]], budget: int) -> list[str]:
+    rows = ["| CP | L1 tokens held / capacity | L2 tokens held / capacity | per-rank budget (L1, L2) |",
+            "|---:|---:|---:|---|"]
+    for cp, h in held.items():
+        rows.append(f"| {cp} | {h['l1']:.0f} / {h['l1_total']:.0f} | {h['l2']:.0f} / {h['l2_total']:.0f} "
+                    f"| {budget}, {2 * budget} |")
+    ratio = {k: held[2][k] / held[1][k] for k in ("l1", "l2") if held[1][k]}
+    return [*rows, "", "CP=2 / CP=1 tokens held: " + ", ".join(f"{k} {v:.2f}" for k, v in ratio.items())]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[32768, 131072])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--budget", type=int, default=16384, help="L1 tokens per rank for the tokens-held part")
+    parser.add_argument("--fill-tokens", type=int, default=4096)
+    parser.add_argument("--only", nargs="+", choices=["ttft", "held"], default=["ttft", "held"])
+    parser.add_argument("--logs", type=Path, default=None, help="node logs (default: a temporary folder)")
+    args = parser.parse_args()
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    logs = args.logs or Path(tempfile.mkdtemp(prefix="long-context-"))
+    logs.mkdir(parents=True, exist_ok=True)
+    model = long_model(logs / "llama-long")
+    print(f"model {model}; logs in {logs}", flush=True)
+    started, out = time.monotonic(), []
+    if "ttft" in args.only:
+        results = measure_ttft(model, logs, sorted(args.lengths), args.repeats)
+        out += ["", "### TTFT, uncached vs from L3", "", *ttft_report(results),
+                "", "### Per-layer gather left exposed (CP=2, rank 0)", "", *gather_report(results)]
+    if "held" in args.only:
+        held = measure_held(model, logs, args.budget, args.fill_tokens)
+        out += ["", "### Tokens held at the same per-rank budgets", "", *held_report(held, args.budget)]
+    print("\n".join(out))
+    print(f"\n(took {time.monotonic() - started:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
