@@ -53,11 +53,7 @@ class TensorParallel:
         """This rank's heads; ``TensorParallelError`` when the size fits neither split."""
         check_heads(num_heads, num_kv_heads, self.size)
         q_heads = num_heads // self.size
-        if self.size <= num_kv_heads:
-            kv_heads = num_kv_heads // self.size
-            return HeadShard(self.rank * q_heads, q_heads, self.rank * kv_heads, kv_heads)
-        replicas = self.size // num_kv_heads  # ranks sharing one KV head
-        return HeadShard(self.rank * q_heads, q_heads, self.rank // replicas, 1)
+        return HeadShard(self.rank * q_heads, q_heads, *kv_heads_of(self.rank, self.size, num_kv_heads))
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.size == 1:
@@ -67,6 +63,15 @@ class TensorParallel:
 
 
 SINGLE = TensorParallel()
+
+
+def kv_heads_of(rank: int, size: int, num_kv_heads: int) -> tuple[int, int]:
+    """(first, count) of the KV heads rank ``rank`` of ``size`` holds: ``num_kv_heads / size`` each
+    when ``size`` divides them, else one that ``size / num_kv_heads`` neighbouring ranks share."""
+    if size <= num_kv_heads:
+        count = num_kv_heads // size
+        return rank * count, count
+    return rank // (size // num_kv_heads), 1
 
 
 def check_heads(num_heads: int, num_kv_heads: int, size: int) -> None:

@@ -16,14 +16,16 @@ from dataclasses import dataclass
 
 import torch
 
+from tierserve.model.parallel import kv_heads_of
 from tierserve.transfer.layout import HeadRange, KVArena, StagedPart
 from tierserve.transfer.staging import StagingArena, as_words, slot_view, word_size
 
 
 def source_ranges(num_kv_heads: int, tp_size: int) -> list[HeadRange]:
-    """The KV heads each sending rank of a node of ``tp_size`` ranks holds (replicas once)."""
-    count = max(1, num_kv_heads // tp_size)
-    return [HeadRange(start, count) for start in range(0, num_kv_heads, count)]
+    """The KV heads each sending rank of a node of ``tp_size`` ranks holds (replicas once), by the
+    model's own split."""
+    held = dict.fromkeys(kv_heads_of(rank, tp_size, num_kv_heads) for rank in range(tp_size))
+    return [HeadRange(start, count) for start, count in held]
 
 
 def staged_heads(own: HeadRange, source_tp: int, num_kv_heads: int) -> list[HeadRange]:
