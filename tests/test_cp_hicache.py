@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -43,12 +42,6 @@ def asked() -> list[list[int]]:
 def expected(model: Path, asked: list[list[int]]) -> list[list[int]]:
     return hf_greedy(model, asked)
 
-
-@pytest.fixture
-def master(tmp_path: Path) -> Iterator[MasterProcess]:
-    master = MasterProcess(tmp_path / "master.log").start()
-    yield master
-    master.kill()
 
 
 def serve(model: Path, cp_size: int, log: Path, master: MasterProcess, max_tokens: int = 2048) -> TPServer:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -49,12 +48,6 @@ def asked() -> list[list[int]]:
 def expected(model: Path, asked: list[list[int]]) -> list[list[int]]:
     return hf_greedy(model, asked)
 
-
-@pytest.fixture
-def master(tmp_path: Path) -> Iterator[MasterProcess]:
-    master = MasterProcess(tmp_path / "master.log").start()
-    yield master
-    master.kill()
 
 
 def serve(model: Path, pp_size: int, log: Path, master: MasterProcess) -> TPServer:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -66,12 +65,6 @@ def _stage(rank: int, port: int, model: str, master: str, faults: dict, skip: bo
 def model(tmp_path_factory) -> Path:
     return make_tiny_model("llama", tmp_path_factory.mktemp("llama"), heads=8, kv_heads=4, layers=4)
 
-
-@pytest.fixture
-def master(tmp_path: Path) -> Iterator[MasterProcess]:
-    master = MasterProcess(tmp_path / "master.log").start()
-    yield master
-    master.kill()
 
 
 def _run_stages(args: list[tuple]) -> list[int | None]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -50,13 +49,6 @@ def asked() -> list[list[int]]:
 def expected(model: Path, asked: list[list[int]]) -> list[list[int]]:
     return hf_greedy(model, asked)
 
-
-@pytest.fixture
-def master(tmp_path: Path) -> Iterator[MasterProcess]:
-    """A master per test: segments of a node stopped by another test must not receive objects."""
-    master = MasterProcess(tmp_path / "master.log").start()
-    yield master
-    master.kill()
 
 
 def hicache_flags(master: MasterProcess, max_tokens: int = 2048, faults: dict | None = None,
