@@ -45,6 +45,8 @@ class ReservationStaging(Protocol):
 
     def stage(self, request_id: str, tokens: int, source_tp: int) -> object | None: ...
 
+    def holds(self, request_id: str) -> bool: ...
+
     def scatter(self, request_id: str, slots: list[int], start: int) -> None: ...
 
     def drop(self, request_id: str, free_at: float | None) -> None: ...
@@ -99,7 +101,7 @@ class Reservations:
         if reservation is None:
             raise KeyError(f"no reservation {request_id!r} (unknown, released or its lease expired)")
         r = reservation.request
-        if self.staging is not None:
+        if self.staging is not None and self.staging.holds(request_id):  # else no slot list to build
             sent = range(r.num_computed, len(r.prompt_ids))
             self.staging.scatter(request_id, [r.pages[t // self.page_size] * self.page_size + t % self.page_size
                                               for t in sent], sent.start)

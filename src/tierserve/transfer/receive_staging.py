@@ -88,6 +88,10 @@ class ReceiveStaging:
         self.regions[request_id] = region = Region(offset, nbytes, tokens, source_tp)
         return region
 
+    def holds(self, request_id: str) -> bool:
+        """The reservation has a region here (its writers stage; ``scatter`` has work)."""
+        return request_id in self.regions
+
     def parts(self, request_id: str, base: int, own: HeadRange) -> list[StagedPart]:
         """The parts of ``request_id``'s region on the rank holding ``own`` at arena ``base``."""
         region = self.regions.get(request_id)
