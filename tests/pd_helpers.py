@@ -93,3 +93,16 @@ def metric(router, name: str, **labels: str) -> float:
             if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
                 return sample.value
     return 0.0
+
+
+async def run_all(prefill: str, decode: str, batch: list[list[int]], tag: str, source_tp: int | None = None
+                  ) -> list[tuple[list[int], pb.PrefillResponse]]:
+    """``run_pd`` of every prompt of ``batch`` at once (ids ``tag`` + index)."""
+    return await asyncio.gather(*(run_pd(prefill, decode, f"{tag}{i}", p, source_tp=source_tp)
+                                  for i, p in enumerate(batch)))
+
+
+async def idle(prefill: str, decode: str) -> bool:
+    """Both nodes gave every page and staging byte back (nothing parked, used, reserved or staged)."""
+    p, d = await load(prefill), await load(decode)
+    return p.kv_pages_parked == 0 and d.kv_pages_used == 0 and d.reservations == 0 and d.staging_bytes_used == 0

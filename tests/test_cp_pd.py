@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from cluster import NodeProcess
-from pd_helpers import DECODE_ARGS, NODE_ARGS, PAGE, load, prompts, reference, run_pd, wait_for
+from pd_helpers import DECODE_ARGS, NODE_ARGS, PAGE, idle, prompts, reference, run_all, run_pd, wait_for
 from tiny_models import make_tiny_model
 
 from tierserve.proto import tierserve_pb2 as pb
@@ -45,24 +45,14 @@ def nodes(model: Path, tmp_path_factory) -> Iterator[dict[str, NodeProcess]]:
             node.stop()
 
 
-async def _run_all(prefill: str, decode: str, batch: list[list[int]], tag: str
-                   ) -> list[tuple[list[int], pb.PrefillResponse]]:
-    return await asyncio.gather(*(run_pd(prefill, decode, f"{tag}{i}", p) for i, p in enumerate(batch)))
-
-
-async def _idle(prefill: str, decode: str) -> bool:
-    p, d = await load(prefill), await load(decode)
-    return p.kv_pages_parked == 0 and d.kv_pages_used == 0 and d.reservations == 0 and d.staging_bytes_used == 0
-
-
 def _check_pairing(model: Path, prefill: str, decode: str, batch: list[list[int]], tag: str
                    ) -> list[pb.PrefillResponse]:
     """The batch through the pair: the single engine's answers, every token's KV sent once (the
     decode node caches none of it), and every page back on both nodes."""
-    results = asyncio.run(_run_all(prefill, decode, batch, tag))
+    results = asyncio.run(run_all(prefill, decode, batch, tag))
     assert [tokens for tokens, _ in results] == reference(model, batch)
     assert [r.transferred_bytes for _, r in results] == [len(p) * TOKEN_BYTES for p in batch]
-    wait_for(lambda: _idle(prefill, decode), "every page back on both nodes", 10)
+    wait_for(lambda: idle(prefill, decode), "every page back on both nodes", 10)
     return [r for _, r in results]
 
 

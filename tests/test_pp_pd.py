@@ -13,7 +13,19 @@ from pathlib import Path
 import grpc
 import pytest
 from cluster import NodeProcess
-from pd_helpers import DECODE_ARGS, NODE_ARGS, PAGE, greedy, load, prompts, reference, reserve, run_pd, wait_for
+from pd_helpers import (
+    DECODE_ARGS,
+    NODE_ARGS,
+    PAGE,
+    greedy,
+    idle,
+    prompts,
+    reference,
+    reserve,
+    run_all,
+    run_pd,
+    wait_for,
+)
 from tiny_models import make_tiny_model
 
 from tierserve.proto import tierserve_pb2 as pb
@@ -49,24 +61,14 @@ def nodes(model: Path, tmp_path_factory) -> Iterator[dict[str, NodeProcess]]:
             node.stop()
 
 
-async def _run_all(prefill: str, decode: str, batch: list[list[int]], tag: str
-                   ) -> list[tuple[list[int], pb.PrefillResponse]]:
-    return await asyncio.gather(*(run_pd(prefill, decode, f"{tag}{i}", p) for i, p in enumerate(batch)))
-
-
-async def _idle(prefill: str, decode: str) -> bool:
-    p, d = await load(prefill), await load(decode)
-    return p.kv_pages_parked == 0 and d.kv_pages_used == 0 and d.reservations == 0 and d.staging_bytes_used == 0
-
-
 def _check_pairing(model: Path, prefill: str, decode: str, seed: int, tag: str) -> None:
     """Fresh prompts through the pair: the single engine's answers, every head of every layer of
     every token sent once, and every page (and staging byte) back on both nodes."""
     batch = prompts(4, seed=seed)
-    results = asyncio.run(_run_all(prefill, decode, batch, tag))
+    results = asyncio.run(run_all(prefill, decode, batch, tag))
     assert [tokens for tokens, _ in results] == reference(model, batch)
     assert [r.transferred_bytes for _, r in results] == [len(p) * TOKEN_BYTES for p in batch]
-    wait_for(lambda: _idle(prefill, decode), "every page back on both nodes", 10)
+    wait_for(lambda: idle(prefill, decode), "every page back on both nodes", 10)
 
 
 @pytest.mark.parametrize(("p", "d"), [("pp2", "d1"), ("p1", "dp2"), ("pp2", "dp2")])

@@ -12,7 +12,20 @@ from pathlib import Path
 import grpc
 import pytest
 from cluster import NodeProcess
-from pd_helpers import DECODE_ARGS, NODE_ARGS, PAGE, greedy, load, prompts, reference, reserve, run_pd, wait_for
+from pd_helpers import (
+    DECODE_ARGS,
+    NODE_ARGS,
+    PAGE,
+    greedy,
+    idle,
+    load,
+    prompts,
+    reference,
+    reserve,
+    run_all,
+    run_pd,
+    wait_for,
+)
 from tiny_models import make_tiny_model
 
 from tierserve.proto import tierserve_pb2 as pb
@@ -41,25 +54,14 @@ def nodes(model: Path, tmp_path_factory) -> Iterator[dict[str, NodeProcess]]:
             node.stop()
 
 
-async def _run_all(prefill: str, decode: str, batch: list[list[int]], tag: str, source_tp: int | None = None
-                   ) -> list[tuple[list[int], pb.PrefillResponse]]:
-    return await asyncio.gather(*(run_pd(prefill, decode, f"{tag}{i}", p, source_tp=source_tp)
-                                  for i, p in enumerate(batch)))
-
-
 @pytest.mark.parametrize(("p", "d"), [("p2", "d1"), ("p1", "d2"), ("p2", "d2")])
 def test_outputs_equal_the_single_engine_across_tp_sizes(model: Path, nodes, p: str, d: str) -> None:
     batch = prompts(4, seed=int(p[1]) * 10 + int(d[1]))  # fresh prompts: no decode node caches them yet
-    results = asyncio.run(_run_all(nodes[p].address, nodes[d].address, batch, f"{p}{d}-"))
+    results = asyncio.run(run_all(nodes[p].address, nodes[d].address, batch, f"{p}{d}-"))
     assert [tokens for tokens, _ in results] == reference(model, batch)
     for (_, response), prompt in zip(results, batch, strict=True):
         assert response.transferred_bytes == len(prompt) * TOKEN_BYTES  # every head of every token, once
-    wait_for(lambda: _idle(nodes[p].address, nodes[d].address), "every page back on both nodes", 10)
-
-
-async def _idle(prefill: str, decode: str) -> bool:
-    p, d = await load(prefill), await load(decode)
-    return p.kv_pages_parked == 0 and d.kv_pages_used == 0 and d.reservations == 0 and d.staging_bytes_used == 0
+    wait_for(lambda: idle(nodes[p].address, nodes[d].address), "every page back on both nodes", 10)
 
 
 def test_a_decode_cache_hit_at_tp_2_moves_only_the_uncached_tokens(model: Path, nodes) -> None:
@@ -116,7 +118,7 @@ def test_long_prompts_between_tp_sizes_fit_the_transfer_engines_limits(model: Pa
     move one block per token: 1,200-token prompts make 2,400 blocks per layer and rank, above what
     one Mooncake engine takes in flight, three at once on the same engines."""
     batch = [[2 + (i * 31 + j * 7) % 380 for j in range(1200)] for i in range(3)]
-    results = asyncio.run(_run_all(nodes["p2"].address, nodes["d1"].address, batch, "long-", source_tp=0))
+    results = asyncio.run(run_all(nodes["p2"].address, nodes["d1"].address, batch, "long-", source_tp=0))
     assert [tokens for tokens, _ in results] == reference(model, batch)
     assert [r.transferred_bytes for _, r in results] == [len(p) * TOKEN_BYTES for p in batch]
 
@@ -131,7 +133,7 @@ def test_a_kv_head_replicated_on_both_sides_is_sent_once_per_decode_rank(tmp_pat
     try:
         prefill.wait_ready(), decode.wait_ready()
         batch = prompts(3, seed=9)
-        results = asyncio.run(_run_all(prefill.address, decode.address, batch, "replica-"))
+        results = asyncio.run(run_all(prefill.address, decode.address, batch, "replica-"))
     finally:
         prefill.stop()
         decode.stop()
@@ -179,8 +181,8 @@ def test_every_decode_rank_scatters_its_staging_at_the_same_offset(model: Path, 
     try:
         prefill.wait_ready()
         batch = prompts(3, seed=41)
-        results = asyncio.run(_run_all(prefill.address, nodes["d2"].address, batch, "p4d2-"))
-        wait_for(lambda: _idle(prefill.address, nodes["d2"].address), "every page and staging byte back", 10)
+        results = asyncio.run(run_all(prefill.address, nodes["d2"].address, batch, "p4d2-"))
+        wait_for(lambda: idle(prefill.address, nodes["d2"].address), "every page and staging byte back", 10)
     finally:
         prefill.stop()
     assert [tokens for tokens, _ in results] == reference(model, batch)
