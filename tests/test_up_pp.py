@@ -1,6 +1,6 @@
 """``tierserve up --prefill-pp-size P --decode-pp-size D``: each role's nodes get ``--pp-size``, a
 size the model or the config cannot run is refused before any child starts, and a real cluster with
-pipeline stages on the prefill side answers through the OpenAI API exactly as the single engine does."""
+pipeline stages on both sides and L3 answers through the OpenAI API exactly as the single engine does."""
 
 from __future__ import annotations
 
@@ -37,7 +37,6 @@ def test_each_role_gets_its_pp_size(monkeypatch, model: Path) -> None:
 @pytest.mark.parametrize(("flags", "message"), [
     (["--no-l3", "--decode-pp-size", "3"], "--decode-tp-size 1 --decode-pp-size 3: pipeline-parallel size 3 "
                                            "does not divide the model's 4 layers"),
-    (["--prefill-pp-size", "2"], "--prefill-pp-size 2: L3 with stages is untested on PD nodes: add --no-l3"),
     (["--no-l3", "--pp-size", "2"], "--prefill-pp-size and --decode-pp-size"),
 ])
 def test_a_pp_size_that_cannot_run_is_refused_before_any_child_starts(monkeypatch, capsys, model: Path,
@@ -49,15 +48,15 @@ def test_a_pp_size_that_cannot_run_is_refused_before_any_child_starts(monkeypatc
 
 @pytest.mark.integration
 @pytest.mark.slow
-def test_up_with_prefill_stages_answers_as_the_single_engine(model: Path) -> None:
+def test_up_with_stages_and_l3_answers_as_the_single_engine(model: Path) -> None:
     from cluster import free_port
 
     port = free_port()
-    proc, lines = start_up(port, "--model", str(model), "--no-l3", "--dtype", "float32", "--max-total-tokens", "2048",
-                           "--prefill-pp-size", "2")
+    proc, lines = start_up(port, "--model", str(model), "--dtype", "float32", "--max-total-tokens", "2048",
+                           "--prefill-pp-size", "2", "--decode-pp-size", "2")
     try:
         assert [_completion(port, prompt) for prompt in PROMPTS] == reference(model, PROMPTS)
-        assert "1 prefill at PP 2, 1 decode;" in "".join(lines)
+        assert "1 prefill at PP 2, 1 decode at PP 2, L3 on Mooncake" in "".join(lines)
     finally:
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0

@@ -26,9 +26,9 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-tp-size", type=int, default=1,
                    help="tensor-parallel ranks of every decode node (any pairing with the prefill size works)")
     p.add_argument("--prefill-pp-size", type=int, default=1,
-                   help="pipeline stages of every prefill node, each of --prefill-tp-size ranks (needs --no-l3)")
+                   help="pipeline stages of every prefill node, each of --prefill-tp-size ranks")
     p.add_argument("--decode-pp-size", type=int, default=1,
-                   help="pipeline stages of every decode node, each of --decode-tp-size ranks (needs --no-l3)")
+                   help="pipeline stages of every decode node, each of --decode-tp-size ranks")
     p.add_argument("--prefill-cp-size", type=int, default=1,
                    help="context-parallel ranks of every prefill node, each storing 1/N of the KV pages and "
                         "sending those to the decode node (decode nodes run without CP; not with TP or PP)")
@@ -84,8 +84,6 @@ def _check_sizes(args: argparse.Namespace, config: EngineConfig) -> None:
                          "--prefill-cp-size, --prefill-pp-size and --decode-pp-size")
     for role, sizes in (("prefill", RoleSizes(args.prefill_tp_size, args.prefill_pp_size, args.prefill_cp_size)),
                         ("decode", RoleSizes(args.decode_tp_size, args.decode_pp_size))):
-        if sizes.pp != 1 and not args.no_l3:  # the nodes get L3 only later, from the plan: the config cannot tell
-            raise ValueError(f"--{role}-pp-size {sizes.pp}: L3 with stages is untested on PD nodes: add --no-l3")
         if sizes != RoleSizes():
             _check_role(role, sizes, replace(config, enable_hierarchical_cache=True) if not args.no_l3 else config)
 
