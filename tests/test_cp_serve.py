@@ -61,6 +61,13 @@ def _gather_clock(server: TPServer) -> dict[str, float]:
     return {k: float(v) for k, v in found}
 
 
+def _merge_steps(server: TPServer) -> float:
+    """Short steps (decodes) merged instead of gathered, on ``/metrics`` (rank 0)."""
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    found = re.search(r"^tierserve_cp_merge_steps_total (\S+)$", text, re.MULTILINE)
+    return float(found.group(1)) if found else 0.0
+
+
 def _wait_gathered(server: TPServer) -> dict[str, float]:
     """The gather clock once it counted a later layer's gather (stats lag a step)."""
     deadline = time.monotonic() + DEADLINE_S
@@ -114,6 +121,7 @@ def test_turns_extending_a_cached_prefix_hit_all_of_it(tmp_path: Path) -> None:
         for layer in ("first", "later"):
             assert 0 <= clock[f"{layer}_wait"] <= clock[f"{layer}_span"], clock
         assert clock["later_span"] > 0, clock
+        assert _merge_steps(server) >= NEW_TOKENS - 1  # the decodes of a turn merge (engine/cp_merge.py)
     finally:
         server.stop()
 

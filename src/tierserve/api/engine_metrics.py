@@ -35,7 +35,7 @@ class StatsSource(Protocol):
 class EngineCollector:
     """Exports one stats snapshot per scrape: occupancy gauges, and the prefix cache's ``cache_*``
     keys as ``tierserve_cache_*`` (keys ending in ``_total`` are counters); under CP the gather clock's
-    ``cp_gather_*_seconds_total`` as ``tierserve_cp_gather_*_seconds_total``."""
+    ``cp_gather_*_seconds_total`` and the merge clock's ``cp_merge_*_total`` as ``tierserve_cp_*`` counters."""
 
     def __init__(self, engine: StatsSource) -> None:
         self.engine = engine
@@ -46,7 +46,7 @@ class EngineCollector:
                 yield GaugeMetricFamily(_ENGINE_GAUGES[key], key.replace("_", " "), value=value)
             if key in _ENGINE_COUNTERS:
                 yield CounterMetricFamily(_ENGINE_COUNTERS[key], key.replace("_", " "), value=value)
-            if key.startswith("cp_gather_"):  # CP's per-layer gather clock, counters in seconds
+            if key.startswith(("cp_gather_", "cp_merge_")):  # CP's gather and merge clocks: counters
                 yield CounterMetricFamily(f"tierserve_{key.removesuffix('_total')}", key.replace("_", " "), value=value)
             if not key.startswith("cache_"):
                 continue

@@ -197,8 +197,10 @@ class Engine:
         } | {f"cache_{k}": v for k, v in self.cache.stats().items()} | self._gather_stats()
 
     def _gather_stats(self) -> dict[str, float]:
-        """Under CP, this rank's seconds spent waiting for per-layer gathers (``GatherClock``)."""
-        return self.runner.gather_clock.stats() if self.ranks.cp.size > 1 else {}
+        """Under CP, this rank's seconds spent waiting for per-layer gathers (``GatherClock``) and its
+        short steps' merges (``MergeClock``)."""
+        runner = self.runner
+        return runner.gather_clock.stats() | runner.merge_clock.stats() if self.ranks.cp.size > 1 else {}
 
     def step(self, now: float | None = None) -> list[RequestOutput]:
         """Runs one batch; returns an output for every request that got a token or finished.

@@ -7,10 +7,11 @@ import torch
 from tierserve.cache.cp_pages import PageOwnership
 from tierserve.cache.device_pool import DeviceKVPool
 from tierserve.engine.cp_gather import GatherClock, LayerGather, plan_rows, renumber
+from tierserve.engine.cp_merge import MergeClock, MergedAttention, SeqKeys, owned_keys, short_step
 from tierserve.engine.request import Request
 from tierserve.engine.scheduler import Scheduled, pages_for
 from tierserve.engine.token_share import SoleSampler, TokenShare
-from tierserve.model.attention import AttentionBatch, ExtendSpan, LayerHooks
+from tierserve.model.attention import AttentionBatch, ExtendSpan, KVStore, LayerHooks
 from tierserve.model.llama import CausalLM
 from tierserve.model.sampling import SamplingBatch, sample
 
@@ -33,6 +34,7 @@ class ModelRunner:
         self.tokens = tokens or SoleSampler()
         self.cp = cp or PageOwnership()
         self.gather_clock = GatherClock()  # CP only: the exposed share of the per-layer gathers
+        self.merge_clock = MergeClock()  # CP only: short steps merged instead of gathered
 
     @torch.inference_mode()
     def run(self, batch: list[Scheduled], hooks: LayerHooks | None = None) -> dict[str, int]:
@@ -46,11 +48,30 @@ class ModelRunner:
         attn.decode_start = len(ids) - len(decodes)
         if decodes:
             attn.decode_pages, attn.decode_mask = self._decode_tables(decodes)
-        kv = self._sharded(ordered, attn) if self.cp.size > 1 else self.pool
+        kv = self._context_parallel(ordered, attn) if self.cp.size > 1 else self.pool
         hidden = self.model(self._tensor(ids), self._tensor(positions), attn, kv)
         rows, sampled = _rows_to_sample(ordered)
         tokens = self.tokens.share(ordered, len(rows), lambda: self._sample(hidden, rows, sampled))
         return {r.request_id: t for r, t in zip(sampled, tokens, strict=True)}
+
+    def _context_parallel(self, ordered: list[Scheduled], attn: AttentionBatch) -> KVStore:
+        """A short step merges each rank's attention over its own pages (``engine/cp_merge.py``);
+        a longer one gathers the prefix pages from their owners (``engine/cp_gather.py``)."""
+        if not short_step([s.num_tokens for s in ordered], self.page_size):
+            return self._sharded(ordered, attn)
+        keys = owned_keys(self.cp, self._seq_keys(ordered), attn.out_slots, self.page_size, self.device)
+        attn.partial = MergedAttention(self.cp, keys, self.page_size, attn.hooks, clock=self.merge_clock)
+        self.merge_clock.steps += 1
+        return self.pool
+
+    def _seq_keys(self, ordered: list[Scheduled]) -> list[SeqKeys]:
+        seqs, start = [], 0
+        for s in ordered:
+            r = s.request
+            pages = r.pages[: pages_for(r.num_computed + s.num_tokens, self.page_size)]
+            seqs.append(SeqKeys(start, s.num_tokens, r.num_computed, pages))
+            start += s.num_tokens
+        return seqs
 
     def _sharded(self, ordered: list[Scheduled], attn: AttentionBatch) -> LayerGather:
         """Context parallelism: renumbers ``attn`` onto a step buffer and starts gathering its prefix

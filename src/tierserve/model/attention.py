@@ -28,6 +28,15 @@ class LayerHooks(Protocol):
     def after_kv_written(self, layer_id: int) -> None: ...
 
 
+class PartialAttention(Protocol):
+    """Attention computed elsewhere for a step (context parallelism's short steps,
+    ``engine/cp_merge.py``): stores the step's K/V in ``pool`` as it must, signals
+    ``after_kv_written``, and returns [T, heads * dim]."""
+
+    def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               pool: tuple[torch.Tensor, torch.Tensor], scale: float) -> torch.Tensor: ...
+
+
 @dataclass
 class ExtendSpan:
     """One sequence's new tokens in the flat batch (a prompt chunk).
@@ -60,6 +69,7 @@ class AttentionBatch:
     decode_pages: torch.Tensor | None = None
     decode_mask: torch.Tensor | None = None
     hooks: LayerHooks | None = None
+    partial: PartialAttention | None = None
 
 
 class PagedAttention(nn.Module):
@@ -79,6 +89,8 @@ class PagedAttention(nn.Module):
         k_pool, v_pool = kv.layer(self.layer_id)
         if batch.hooks is not None:
             batch.hooks.before_attention(self.layer_id)
+        if batch.partial is not None:
+            return batch.partial.attend(self.layer_id, q, k, v, (k_pool, v_pool), self.scale)
         _store(k_pool, batch.out_slots, k)
         _store(v_pool, batch.out_slots, v)
         if batch.hooks is not None:
