@@ -49,6 +49,7 @@ NEW_TOKENS = 4
 WARM_UP_TOKENS = 2048
 SETTLE_DEADLINE_S = 120.0
 GATHER = re.compile(r"^tierserve_cp_gather_(first|later)_(wait|span)_seconds_total (\S+)$", re.MULTILINE)
+MERGE = re.compile(r"^tierserve_cp_merge_seconds_total (\S+)$", re.MULTILINE)
 
 
 def prompt(tokens: int, seed: int) -> list[int]:
@@ -70,9 +71,11 @@ def gauges(server: TPServer) -> dict[str, float]:
 
 
 def gather_clock(server: TPServer) -> dict[str, float]:
-    """``{first,later}_{wait,span}``: the gather clock's seconds so far (empty at CP=1)."""
+    """``{first,later}_{wait,span}``: the gather clock's seconds so far, and ``merge``: the seconds
+    in merged attention's all-gathers (empty at CP=1)."""
     text = httpx.get(f"{server.url}/metrics", timeout=30).text
-    return {f"{k}_{w}": float(v) for k, w, v in GATHER.findall(text)}
+    merge = MERGE.search(text)
+    return {f"{k}_{w}": float(v) for k, w, v in GATHER.findall(text)} | ({"merge": float(merge[1])} if merge else {})
 
 
 @dataclass
@@ -195,17 +198,22 @@ def ttft_report(results: dict[int, list[dict[str, float]]]) -> list[str]:
 
 def gather_report(results: dict[int, list[dict[str, float]]]) -> list[str]:
     rows = ["| prompt tokens | request at CP=2 | layer 0: waited / span (s) | exposed | later layers: waited / "
-            "span (s) | exposed |", "|---:|---|---:|---:|---:|---:|"]
+            "span (s) | exposed | merge all-gathers (s) |", "|---:|---|---:|---:|---:|---:|---:|"]
     for n, rounds in results.items():
         for case in ("uncached", "l3"):
-            cells = []
-            for layer in ("first", "later"):
-                key = f"cp2_{case}_gather_{layer}"
-                wait, span = med(rounds, f"{key}_wait"), med(rounds, f"{key}_span")
-                share = statistics.median(r[f"{key}_wait"] / r[f"{key}_span"] for r in rounds if r[f"{key}_span"])
-                cells.append(f"{wait:.3f} / {span:.3f} | {share:.1%}")
-            rows.append(f"| {n} | {case} | {' | '.join(cells)} |")
+            cells = [_exposed(rounds, f"cp2_{case}_gather_{layer}") for layer in ("first", "later")]
+            merge = med(rounds, f"cp2_{case}_gather_merge")
+            rows.append(f"| {n} | {case} | {' | '.join(cells)} | {merge:.3f} |")
     return rows
+
+
+def _exposed(rounds: list[dict[str, float]], key: str) -> str:
+    """'waited / span | share' of one kind of gather; 'none' where no request gathered it."""
+    spans = [r for r in rounds if r[f"{key}_span"]]
+    if not spans:
+        return "none | -"
+    share = statistics.median(r[f"{key}_wait"] / r[f"{key}_span"] for r in spans)
+    return f"{med(rounds, f'{key}_wait'):.3f} / {med(rounds, f'{key}_span'):.3f} | {share:.1%}"
 
 
 def held_report(held: dict[int, dict[str, float]], budget: int) -> list[str]:

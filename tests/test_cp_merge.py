@@ -1,14 +1,18 @@
-"""CP's short steps (``engine/cp_merge.py``): attention over the keys each rank owns, merged by
-log-sum-exp, equals causal attention over every key, for decodes and a short extend in one batch,
-with GQA, and where one rank holds no key a query may see (the merge must ignore its zeros)."""
+"""CP's merged attention (``engine/cp_merge.py``, ``engine/cp_partial.py``): attention over the keys
+each rank owns, merged by log-sum-exp, equals causal attention over every key, for decodes and
+extends in one batch, with GQA, and where one rank holds no key a query may see (the merge must
+ignore its zeros); both readers (the padded batch of short steps, the split per sequence of layer 0
+of longer steps, which runs the fused CPU kernel)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 from tierserve.cache.cp_pages import PageOwnership
-from tierserve.engine.cp_merge import SeqKeys, merge_partials, owned_keys, partial_attention, short_step
+from tierserve.engine.cp_merge import own_writes, short_step
+from tierserve.engine.cp_partial import BatchedKeys, SeqKeys, SplitKeys, combine
 
 PAGE, HEADS, KV_HEADS, DIM, CP = 4, 4, 2, 8, 2
 SCALE = DIM**-0.5
@@ -40,37 +44,43 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: SeqKeys) 
     return out[0].transpose(0, 1)
 
 
-def test_merged_partials_equal_attention_over_every_key() -> None:
+@pytest.mark.parametrize("reader", [BatchedKeys, SplitKeys])
+def test_merged_partials_equal_attention_over_every_key(reader: type) -> None:
     gen = torch.Generator().manual_seed(0)
     k_logical, v_logical = _logical_pool(16, gen), _logical_pool(16, gen)
     seqs = [SeqKeys(0, 3, 9, [5, 2, 7]),  # an extend of 3 tokens after 9 cached: positions 9..11
             SeqKeys(3, 1, 0, [8]),  # a first token: only rank 0 (page 8's owner) holds a key it sees
-            SeqKeys(4, 1, 13, [1, 3, 10, 12])]  # a decode at position 13
-    q = torch.randn(5, HEADS, DIM, generator=gen)
-    slots = torch.tensor([7 * PAGE + 1, 7 * PAGE + 2, 7 * PAGE + 3, 8 * PAGE, 12 * PAGE + 1])
+            SeqKeys(4, 1, 13, [1, 3, 10, 12]),  # a decode at position 13
+            SeqKeys(5, 10, 2, [4, 6, 9])]  # a longer extend: positions 2..11, over 2 pages of new tokens
+    q = torch.randn(15, HEADS, DIM, generator=gen)
     outs, lses = [], []
     for rank in range(CP):
         own = PageOwnership(rank, CP)
-        keys = owned_keys(own, seqs, slots, PAGE, torch.device("cpu"))
         pool = (_local_pool(k_logical, own), _local_pool(v_logical, own))
-        out, lse = partial_attention(q, pool, keys, PAGE, SCALE)
+        out, lse = reader(own, seqs, PAGE, torch.device("cpu")).attend(q, pool, SCALE)
         outs.append(out)
         lses.append(lse)
-    merged = merge_partials(torch.stack(outs), torch.stack(lses))
-    for i, seq in enumerate(seqs):
+    merged, _ = combine(torch.stack(outs), torch.stack(lses))
+    for seq in seqs:
         expected = _reference(q, k_logical, v_logical, seq)
-        torch.testing.assert_close(merged[i, : seq.length], expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(merged[seq.start:seq.start + seq.length], expected, rtol=1e-5, atol=1e-5)
 
 
-def test_owned_keys_name_the_new_tokens_this_rank_writes() -> None:
-    seqs = [SeqKeys(0, 2, 6, [4, 5])]
-    slots = torch.tensor([5 * PAGE + 2, 5 * PAGE + 3])  # both on page 5: rank 1's local page 2
-    mine = owned_keys(PageOwnership(1, CP), seqs, slots, PAGE, torch.device("cpu"))
-    theirs = owned_keys(PageOwnership(0, CP), seqs, slots, PAGE, torch.device("cpu"))
-    assert mine.write_rows.tolist() == [0, 1] and mine.write_slots.tolist() == [2 * PAGE + 2, 2 * PAGE + 3]
-    assert theirs.write_rows.tolist() == [] and theirs.pages.tolist() == [[2]]  # page 4 at local 2
+def test_an_average_of_the_partials_is_not_the_attention() -> None:
+    """The weights matter: the test above would catch a merge that ignores the log-sum-exps."""
+    outs, lses = torch.tensor([[[1.0]], [[3.0]]]), torch.tensor([[0.0], [2.0]])
+    merged, lse = combine(outs, lses)
+    assert merged.item() != 2.0 and abs(lse.item() - torch.logsumexp(torch.tensor([0.0, 2.0]), 0).item()) < 1e-6
 
 
-def test_only_steps_of_at_most_a_page_per_sequence_merge() -> None:
+def test_a_rank_writes_the_new_tokens_of_the_pages_it_owns() -> None:
+    slots = torch.tensor([4 * PAGE + 3, 5 * PAGE + 0, 5 * PAGE + 1])  # page 4 is rank 0's, page 5 rank 1's
+    rows, local = own_writes(PageOwnership(1, CP), slots, PAGE)
+    assert rows.tolist() == [1, 2] and local.tolist() == [2 * PAGE, 2 * PAGE + 1]  # page 5 at local 2
+    rows, local = own_writes(PageOwnership(0, CP), slots, PAGE)
+    assert rows.tolist() == [0] and local.tolist() == [2 * PAGE + 3]
+
+
+def test_only_steps_of_at_most_a_page_per_sequence_merge_every_layer() -> None:
     assert short_step([1, 1, PAGE], PAGE)
     assert not short_step([1, PAGE + 1], PAGE)

@@ -10,9 +10,11 @@ the step's new K/V into the buffer and reads the buffer; ``after_kv_written`` co
 of the pages this rank owns into its pool.
 
 Layer l's gather starts while layer l-1 computes (``before_attention(l - 1)``) into the buffer
-layer l-2 used; attention of layer l waits for it. Only tokens before each sequence's
-``num_computed`` are read from gathered rows, so an owner writing layer l's new tokens while its
-pages are in flight cannot change what is read (and sends are copied out when the gather starts).
+layer l-2 used; attention of layer l waits for it. Layer 0, which has no layer before it to hide
+a gather behind, merges instead (``engine/cp_merge.py``; ``first=1``), as do short steps. Only
+tokens before each sequence's ``num_computed`` are read from gathered rows, so an owner writing
+layer l's new tokens while its pages are in flight cannot change what is read (and sends are
+copied out when the gather starts).
 """
 
 from __future__ import annotations
@@ -99,8 +101,9 @@ class LayerGather:
 
     def __init__(self, own: PageOwnership, pool: DeviceKVPool, plan: RowPlan, slots: torch.Tensor,
                  batch: AttentionBatch, inner: LayerHooks | None = None, group: object | None = None,
-                 clock: GatherClock | None = None) -> None:
+                 clock: GatherClock | None = None, first: int = 0) -> None:
         self.own, self.pool, self.plan, self.inner, self.group = own, pool, plan, inner, group
+        self.first = first  # the first gathered layer: those before it merge (engine/cp_merge.py)
         self.clock = clock
         self.started: dict[int, float] = {}  # layer -> when its gather was started
         self.page_size = pool.page_size
@@ -116,7 +119,8 @@ class LayerGather:
         self._own_writes(slots, batch.out_slots)
         self.pending: dict[int, list] = {}
         self.num_layers = g.num_layers
-        self._start(0)
+        if first == 0:
+            self._start(0)
 
     def _own_writes(self, slots: torch.Tensor, buffer_slots: torch.Tensor) -> None:
         """The pool slots of the new tokens whose pages this rank owns, and their buffer slots."""
@@ -129,8 +133,10 @@ class LayerGather:
         return self.buffers[layer_id % BUFFERS]
 
     def before_attention(self, layer_id: int) -> None:
-        """Waits for layer ``layer_id``'s gather (which waited for its restore, ``_start``), then
-        starts the next layer's."""
+        """Waits for layer ``layer_id``'s gather (which waited for its restore, ``_start``; a merged
+        layer waits for its restore only), then starts the next layer's."""
+        if layer_id < self.first and self.inner is not None:
+            self.inner.before_attention(layer_id)
         handles = self.pending.pop(layer_id, [])
         wait_began = time.perf_counter()
         for handle in handles:

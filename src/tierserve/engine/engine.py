@@ -92,7 +92,8 @@ class Engine:
         self.cache = (prefix_cache or self._build_cache)(self.allocator, self.pool)
         sched = SchedulerConfig(config.page_size, config.chunked_prefill_size, config.max_running_requests)
         self.scheduler = Scheduler(sched, self.allocator, self.cache)
-        self.runner = ModelRunner(self.model, self.pool, self.device, token_share(self.ranks), self.ranks.cp)
+        self.runner = ModelRunner(self.model, self.pool, self.device, token_share(self.ranks), self.ranks.cp,
+                                  self.ranks.cp_merge)
         self.reservations = Reservations(self.allocator, self.cache, config.page_size)
         self.before_step: list[Callable[[], None]] = []  # e.g. a prefill node's handoff agreement
         self.requests: dict[str, Request] = {}

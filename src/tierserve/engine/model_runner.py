@@ -7,7 +7,8 @@ import torch
 from tierserve.cache.cp_pages import PageOwnership
 from tierserve.cache.device_pool import DeviceKVPool
 from tierserve.engine.cp_gather import GatherClock, LayerGather, plan_rows, renumber
-from tierserve.engine.cp_merge import MergeClock, MergedAttention, SeqKeys, owned_keys, short_step
+from tierserve.engine.cp_merge import MergeClock, MergedAttention, own_writes, short_step
+from tierserve.engine.cp_partial import BatchedKeys, SeqKeys, SplitKeys
 from tierserve.engine.request import Request
 from tierserve.engine.scheduler import Scheduled, pages_for
 from tierserve.engine.token_share import SoleSampler, TokenShare
@@ -26,13 +27,15 @@ class ModelRunner:
     """
 
     def __init__(self, model: CausalLM, pool: DeviceKVPool, device: torch.device,
-                 tokens: TokenShare | None = None, cp: PageOwnership | None = None) -> None:
+                 tokens: TokenShare | None = None, cp: PageOwnership | None = None,
+                 cp_merge: object | None = None) -> None:
         self.model = model
         self.pool = pool
         self.device = device
         self.page_size = pool.page_size
         self.tokens = tokens or SoleSampler()
         self.cp = cp or PageOwnership()
+        self.cp_merge = cp_merge  # the merged attention's group (None: the default group)
         self.gather_clock = GatherClock()  # CP only: the exposed share of the per-layer gathers
         self.merge_clock = MergeClock()  # CP only: short steps merged instead of gathered
 
@@ -55,14 +58,23 @@ class ModelRunner:
         return {r.request_id: t for r, t in zip(sampled, tokens, strict=True)}
 
     def _context_parallel(self, ordered: list[Scheduled], attn: AttentionBatch) -> KVStore:
-        """A short step merges each rank's attention over its own pages (``engine/cp_merge.py``);
-        a longer one gathers the prefix pages from their owners (``engine/cp_gather.py``)."""
-        if not short_step([s.num_tokens for s in ordered], self.page_size):
-            return self._sharded(ordered, attn)
-        keys = owned_keys(self.cp, self._seq_keys(ordered), attn.out_slots, self.page_size, self.device)
-        attn.partial = MergedAttention(self.cp, keys, self.page_size, attn.hooks, clock=self.merge_clock)
-        self.merge_clock.steps += 1
-        return self.pool
+        """Every layer of a short step merges each rank's attention over its own pages
+        (``engine/cp_merge.py``); a longer step with a cached prefix merges layer 0 and gathers the
+        prefix pages of layers 1.. from their owners (``engine/cp_gather.py``)."""
+        seqs = self._seq_keys(ordered)
+        short = short_step([s.length for s in seqs], self.page_size)
+        if not short and not _prefix_pages(ordered, self.page_size):
+            return self._sharded(ordered, attn)  # nothing cached: nothing to merge or gather
+        reader = (BatchedKeys if short else SplitKeys)(self.cp, seqs, self.page_size, self.device)
+        layers = self.pool.geometry.num_layers if short else 1
+        writes = own_writes(self.cp, attn.out_slots, self.page_size)
+        attn.partial = MergedAttention(self.cp, self.pool, reader, writes, attn.hooks, layers, self.cp_merge,
+                                       self.merge_clock)
+        if short:
+            self.merge_clock.short_steps += 1
+            return self.pool
+        self.merge_clock.first_layer_steps += 1
+        return self._sharded(ordered, attn, first=1)
 
     def _seq_keys(self, ordered: list[Scheduled]) -> list[SeqKeys]:
         seqs, start = [], 0
@@ -73,14 +85,15 @@ class ModelRunner:
             start += s.num_tokens
         return seqs
 
-    def _sharded(self, ordered: list[Scheduled], attn: AttentionBatch) -> LayerGather:
-        """Context parallelism: renumbers ``attn`` onto a step buffer and starts gathering its prefix
-        pages from their owners (``engine/cp_gather.py``)."""
+    def _sharded(self, ordered: list[Scheduled], attn: AttentionBatch, first: int = 0) -> LayerGather:
+        """Context parallelism: renumbers ``attn`` onto a step buffer and gathers its prefix pages
+        from their owners, layer ``first`` on (``engine/cp_gather.py``)."""
         touched = set((attn.out_slots // self.page_size).tolist())
         plan = plan_rows(self.cp, _prefix_pages(ordered, self.page_size), touched,
                          self.pool.num_pages * self.cp.size, self.device)
         slots = renumber(attn, plan.rows)
-        attn.hooks = LayerGather(self.cp, self.pool, plan, slots, attn, attn.hooks, clock=self.gather_clock)
+        attn.hooks = LayerGather(self.cp, self.pool, plan, slots, attn, attn.hooks, clock=self.gather_clock,
+                                 first=first)
         return attn.hooks
 
     def _sample(self, hidden: torch.Tensor, rows: list[int], requests: list[Request]) -> list[int]:

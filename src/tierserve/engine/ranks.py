@@ -58,6 +58,7 @@ class Ranks:
     control: object | None = None
     pp: PipelineStage = SOLE
     cp: PageOwnership = field(default_factory=PageOwnership)
+    cp_merge: object | None = None  # CP: the merged attention's own group, not queued behind gathers
 
     @property
     def rank(self) -> int:
@@ -144,8 +145,9 @@ def join(spec: RankSpec, config: EngineConfig, store: dist.Store | None = None) 
     tp_group = _tensor_group(spec.rank, config.tp_size, config.pp_size, timeout)
     tp = TensorParallel(spec.rank % config.tp_size, config.tp_size, tp_group)
     stage = stage_of(spec.rank, config.tp_size, config.pp_size) if config.pp_size > 1 else SOLE
-    return Ranks(tp, device, control, stage, PageOwnership(spec.rank // config.tp_size, config.cp_size)
-                 if config.cp_size > 1 else PageOwnership())
+    own = PageOwnership(spec.rank // config.tp_size, config.cp_size) if config.cp_size > 1 else PageOwnership()
+    merge = dist.new_group(timeout=timeout) if config.cp_size > 1 else None
+    return Ranks(tp, device, control, stage, own, merge)
 
 
 def _tensor_group(rank: int, tp_size: int, pp_size: int, timeout: timedelta) -> object | None:

@@ -29,12 +29,14 @@ class LayerHooks(Protocol):
 
 
 class PartialAttention(Protocol):
-    """Attention computed elsewhere for a step (context parallelism's short steps,
-    ``engine/cp_merge.py``): stores the step's K/V in ``pool`` as it must, signals
-    ``after_kv_written``, and returns [T, heads * dim]."""
+    """Attention of some layers computed elsewhere (context parallelism's merged attention,
+    ``engine/cp_merge.py``): for a layer it ``covers``, ``attend`` stores the step's K/V where they
+    belong, signals ``after_kv_written`` and returns [T, heads * dim]."""
 
-    def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               pool: tuple[torch.Tensor, torch.Tensor], scale: float) -> torch.Tensor: ...
+    def covers(self, layer_id: int) -> bool: ...
+
+    def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+               ) -> torch.Tensor: ...
 
 
 @dataclass
@@ -60,6 +62,7 @@ class AttentionBatch:
     ``decode_start`` on. ``decode_pages`` [B, P] is each decoding sequence's page table, padded;
     ``decode_mask`` [B, 1, 1, P * page_size] hides padding and slots past the sequence's length.
     Reads gather whole pages: one large row per page is far faster than one row per token.
+    ``partial`` takes over the layers it covers (context parallelism's merged attention).
     """
 
     page_size: int
@@ -89,8 +92,8 @@ class PagedAttention(nn.Module):
         k_pool, v_pool = kv.layer(self.layer_id)
         if batch.hooks is not None:
             batch.hooks.before_attention(self.layer_id)
-        if batch.partial is not None:
-            return batch.partial.attend(self.layer_id, q, k, v, (k_pool, v_pool), self.scale)
+        if batch.partial is not None and batch.partial.covers(self.layer_id):
+            return batch.partial.attend(self.layer_id, q, k, v, self.scale)
         _store(k_pool, batch.out_slots, k)
         _store(v_pool, batch.out_slots, v)
         if batch.hooks is not None:
