@@ -37,8 +37,8 @@ def _ids(model: Path, texts: list[str]) -> list[list[int]]:
     return [words.encode(text).ids for text in texts]
 
 
-def _serve(model: Path, log: Path) -> TPServer:
-    return start_server(model, 1, log, "--cp-size", "2").wait_healthy()
+def _serve(model: Path, log: Path, attention: str = "merge") -> TPServer:
+    return start_server(model, 1, log, "--cp-size", "2", "--cp-attention", attention).wait_healthy()
 
 
 def _cached(client: openai.OpenAI, model: Path, prompt: list[int]) -> tuple[list[int], int]:
@@ -83,13 +83,14 @@ def _wait_refused(server: TPServer) -> float:
     return value
 
 
-@pytest.mark.parametrize("family", ["llama", pytest.param("qwen2", marks=pytest.mark.slow),
-                                    pytest.param("qwen3", marks=pytest.mark.slow)])
-def test_a_batch_with_chunked_prefill_equals_transformers(family: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("family", "attention"), [
+    ("llama", "merge"), ("llama", "gather"), pytest.param("qwen2", "merge", marks=pytest.mark.slow),
+    pytest.param("qwen3", "merge", marks=pytest.mark.slow)])
+def test_a_batch_with_chunked_prefill_equals_transformers(family: str, attention: str, tmp_path: Path) -> None:
     model = _model(family, tmp_path / family)
     asked = prompts()  # up to 70 tokens: five 16-token prefill chunks
     expected = hf_greedy(model, asked)
-    server = _serve(model, tmp_path / "serve.log")
+    server = _serve(model, tmp_path / "serve.log", attention)
     try:
         client = server.client()
         with ThreadPoolExecutor(len(asked)) as pool:  # concurrent: they share steps
@@ -99,11 +100,14 @@ def test_a_batch_with_chunked_prefill_equals_transformers(family: str, tmp_path:
     assert _ids(model, texts) == expected, server.log.read_text()[-3000:]
 
 
-def test_turns_extending_a_cached_prefix_hit_all_of_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize("attention", ["merge", "gather"])
+def test_turns_extending_a_cached_prefix_hit_all_of_it(attention: str, tmp_path: Path) -> None:
     """Each turn is the previous prompt, its answer and new words: its pages continue the previous
-    turn's rotation, so the tree keeps them and the next turn hits every full page of it."""
+    turn's rotation, so the tree keeps them and the next turn hits every full page of it. With
+    ``merge``, decodes merge every layer and chunks after a hit merge layer 0 (no layer 0 gather is
+    left); with ``gather``, every layer of every step gathers (the seed's protocol alone)."""
     model = _model("llama", tmp_path / "llama")
-    server = _serve(model, tmp_path / "serve.log")
+    server = _serve(model, tmp_path / "serve.log", attention)
     gen = torch.Generator().manual_seed(5)
     try:
         client = server.client()
@@ -118,9 +122,13 @@ def test_turns_extending_a_cached_prefix_hit_all_of_it(tmp_path: Path) -> None:
         assert _refused_pages(server) == 0
         clock = _wait_gathered(server)  # hits gather their prefix: the exposed share is measured
         assert 0 <= clock["later_wait"] <= clock["later_span"] and clock["later_span"] > 0, clock
-        assert clock["first_span"] == 0, clock  # layer 0 merges instead (engine/cp_merge.py)
-        merges = _merges(server)  # decodes merge every layer; chunks after a hit merge layer 0
-        assert merges["short"] >= 3 * (NEW_TOKENS - 1) and merges["first_layer"] >= 2, merges
+        merges = _merges(server)
+        if attention == "merge":
+            assert clock["first_span"] == 0, clock
+            assert merges["short"] >= 3 * (NEW_TOKENS - 1) and merges["first_layer"] >= 2, merges
+        else:
+            assert 0 <= clock["first_wait"] <= clock["first_span"] and clock["first_span"] > 0, clock
+            assert merges == {"short": 0, "first_layer": 0}, merges
     finally:
         server.stop()
 

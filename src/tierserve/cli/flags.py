@@ -20,7 +20,7 @@ from typing import Any
 
 from tierserve.cache.options import HiCacheOptions, HostLayout, IOBackend, PrefetchPolicy, WritePolicy
 from tierserve.core.storage import StorageKind
-from tierserve.engine.config import EngineConfig
+from tierserve.engine.config import CPAttention, EngineConfig
 
 log = logging.getLogger("tierserve")
 _DEFAULTS = EngineConfig(model_dir=Path())  # the config nobody set a flag of: every flag's default
@@ -54,6 +54,8 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("--pp-size", "pp_size", "pipeline stages of this node (serve, prefill, decode)", int),
     # Context parallelism: the KV pages sharded over the ranks (docs/architecture.md, Context parallelism).
     Flag("--cp-size", "cp_size", "context-parallel ranks (processes): each stores 1/N of the KV pages", int),
+    Flag("--cp-attention", "cp_attention", "CP: merge (layer 0 and short steps merge, later layers gather) "
+         "or gather (every layer gathers)", CPAttention),
     Flag("--base-gpu-id", "base_gpu_id", "CUDA device of rank 0; rank r uses the next r-th", int),
     Flag("--dist-timeout", "dist_timeout_s", "seconds before a collective between ranks gives up", float),
     Flag("--disable-radix-cache", "disable_radix_cache", "do not reuse KV of shared prompt prefixes", SWITCH),

@@ -4,9 +4,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 
 from tierserve.cache.options import CacheKind, HiCacheOptions
+
+
+class CPAttention(Enum):
+    """How a CP rank's attention reads the pages other ranks own (docs/architecture.md, Context
+    parallelism, merged attention)."""
+
+    MERGE = "merge"  # layer 0 and short steps merge partial attention; layers 1.. of longer steps gather
+    GATHER = "gather"  # every layer of every step gathers the prefix pages (the seed's protocol alone)
 
 
 @dataclass(frozen=True)
@@ -20,7 +29,7 @@ class EngineConfig:
     between them gives up after ``dist_timeout_s`` (docs/architecture.md, Ranks, Pipeline parallelism).
     ``cp_size`` ranks share the KV pages by context parallelism, each storing 1/cp_size of them
     (docs/architecture.md, Context parallelism), also in the host tier and L3; not yet with TP, PP or
-    the node roles."""
+    the decode role; ``cp_attention`` says where attention merges instead of gathering."""
 
     model_dir: Path
     device: str = "auto"
@@ -38,6 +47,7 @@ class EngineConfig:
     tp_size: int = 1
     pp_size: int = 1
     cp_size: int = 1
+    cp_attention: CPAttention = CPAttention.MERGE
     base_gpu_id: int = 0
     dist_timeout_s: float = 120.0
 

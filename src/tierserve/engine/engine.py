@@ -93,7 +93,7 @@ class Engine:
         sched = SchedulerConfig(config.page_size, config.chunked_prefill_size, config.max_running_requests)
         self.scheduler = Scheduler(sched, self.allocator, self.cache)
         self.runner = ModelRunner(self.model, self.pool, self.device, token_share(self.ranks), self.ranks.cp,
-                                  self.ranks.cp_merge)
+                                  self.ranks.cp_merge, config.cp_attention)
         self.reservations = Reservations(self.allocator, self.cache, config.page_size)
         self.before_step: list[Callable[[], None]] = []  # e.g. a prefill node's handoff agreement
         self.requests: dict[str, Request] = {}

@@ -6,6 +6,7 @@ import torch
 
 from tierserve.cache.cp_pages import PageOwnership
 from tierserve.cache.device_pool import DeviceKVPool
+from tierserve.engine.config import CPAttention
 from tierserve.engine.cp_gather import GatherClock, LayerGather, plan_rows, renumber
 from tierserve.engine.cp_merge import MergeClock, MergedAttention, own_writes, short_step
 from tierserve.engine.cp_partial import BatchedKeys, SeqKeys, SplitKeys
@@ -28,7 +29,7 @@ class ModelRunner:
 
     def __init__(self, model: CausalLM, pool: DeviceKVPool, device: torch.device,
                  tokens: TokenShare | None = None, cp: PageOwnership | None = None,
-                 cp_merge: object | None = None) -> None:
+                 cp_merge: object | None = None, cp_attention: CPAttention = CPAttention.MERGE) -> None:
         self.model = model
         self.pool = pool
         self.device = device
@@ -36,6 +37,7 @@ class ModelRunner:
         self.tokens = tokens or SoleSampler()
         self.cp = cp or PageOwnership()
         self.cp_merge = cp_merge  # the merged attention's group (None: the default group)
+        self.cp_attention = cp_attention
         self.gather_clock = GatherClock()  # CP only: the exposed share of the per-layer gathers
         self.merge_clock = MergeClock()  # CP only: short steps merged instead of gathered
 
@@ -63,8 +65,8 @@ class ModelRunner:
         prefix pages of layers 1.. from their owners (``engine/cp_gather.py``)."""
         seqs = self._seq_keys(ordered)
         short = short_step([s.length for s in seqs], self.page_size)
-        if not short and not _prefix_pages(ordered, self.page_size):
-            return self._sharded(ordered, attn)  # nothing cached: nothing to merge or gather
+        if self.cp_attention is CPAttention.GATHER or not (short or _prefix_pages(ordered, self.page_size)):
+            return self._sharded(ordered, attn)  # asked to gather, or nothing cached to merge or gather
         reader = (BatchedKeys if short else SplitKeys)(self.cp, seqs, self.page_size, self.device)
         layers = self.pool.geometry.num_layers if short else 1
         writes = own_writes(self.cp, attn.out_slots, self.page_size)
