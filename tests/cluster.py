@@ -119,3 +119,24 @@ class RouterProcess:
 
     def stop(self) -> None:
         stop(self.proc)
+
+
+class ServeProcess:
+    """``tierserve serve`` in its own process, ready once ``/health`` answers 200."""
+
+    def __init__(self, args: list[str], log: Path) -> None:
+        self.port, self.log = free_port(), log
+        cmd = [sys.executable, "-m", "tierserve.cli", "serve", "--port", str(self.port), "--quiet-access-log", *args]
+        with open(log, "ab") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def wait_ready(self, deadline_s: float = 180.0) -> ServeProcess:
+        wait_until(lambda: http_ok(self.url + "/health"), "serve", deadline_s, self.proc, self.log)
+        return self
+
+    def stop(self) -> None:
+        stop(self.proc)

@@ -2,17 +2,28 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from tierserve.cache.cp_pages import PageOwnership
 from tierserve.cache.device_pool import DeviceKVPool
 from tierserve.engine.cp_gather import GatherClock, LayerGather, plan_rows, renumber
+from tierserve.engine.logprob_rows import PromptRows, StepLogprobs, prompt_logprobs, prompt_rows, sampled_logprobs
 from tierserve.engine.request import Request
 from tierserve.engine.scheduler import Scheduled, pages_for
 from tierserve.engine.token_share import SoleSampler, TokenShare
 from tierserve.model.attention import AttentionBatch, ExtendSpan, LayerHooks
 from tierserve.model.llama import CausalLM
 from tierserve.model.sampling import SamplingBatch, sample
+
+
+@dataclass
+class StepResult:
+    """The token each request that completed its pending tokens sampled, and the step's logprobs."""
+
+    tokens: dict[str, int]
+    logprobs: StepLogprobs
 
 
 class ModelRunner:
@@ -35,8 +46,9 @@ class ModelRunner:
         self.gather_clock = GatherClock()  # CP only: the exposed share of the per-layer gathers
 
     @torch.inference_mode()
-    def run(self, batch: list[Scheduled], hooks: LayerHooks | None = None) -> dict[str, int]:
-        """Returns the sampled token per request id, for requests that completed their pending tokens."""
+    def run(self, batch: list[Scheduled], hooks: LayerHooks | None = None) -> StepResult:
+        """Samples a token for each request that completed its pending tokens; logprobs are
+        computed (on the sampling rank) only for requests that asked."""
         extends = [s for s in batch if not _is_decode(s)]
         decodes = [s for s in batch if _is_decode(s)]
         ordered = extends + decodes
@@ -49,8 +61,9 @@ class ModelRunner:
         kv = self._sharded(ordered, attn) if self.cp.size > 1 else self.pool
         hidden = self.model(self._tensor(ids), self._tensor(positions), attn, kv)
         rows, sampled = _rows_to_sample(ordered)
-        tokens = self.tokens.share(ordered, len(rows), lambda: self._sample(hidden, rows, sampled))
-        return {r.request_id: t for r, t in zip(sampled, tokens, strict=True)}
+        logprobs, prompt = StepLogprobs(), prompt_rows(ordered)
+        tokens = self.tokens.share(ordered, len(rows), lambda: self._sample(hidden, rows, sampled, prompt, logprobs))
+        return StepResult({r.request_id: t for r, t in zip(sampled, tokens, strict=True)}, logprobs)
 
     def _sharded(self, ordered: list[Scheduled], attn: AttentionBatch) -> LayerGather:
         """Context parallelism: renumbers ``attn`` onto a step buffer and starts gathering its prefix
@@ -62,11 +75,16 @@ class ModelRunner:
         attn.hooks = LayerGather(self.cp, self.pool, plan, slots, attn, attn.hooks, clock=self.gather_clock)
         return attn.hooks
 
-    def _sample(self, hidden: torch.Tensor, rows: list[int], requests: list[Request]) -> list[int]:
+    def _sample(self, hidden: torch.Tensor, rows: list[int], requests: list[Request], prompt: list[PromptRows],
+                logprobs: StepLogprobs) -> list[int]:
+        if prompt:
+            logprobs.prompt = prompt_logprobs(hidden, prompt, self.model.logits)
         if not rows:
             return []
         logits = self.model.logits(hidden[self._tensor(rows)])
-        return sample(logits, _sampling_batch(requests)).tolist()
+        tokens = sample(logits, _sampling_batch(requests)).tolist()
+        logprobs.sampled = sampled_logprobs(logits, requests, tokens)
+        return tokens
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)
@@ -154,4 +172,5 @@ def _sampling_batch(requests: list[Request]) -> SamplingBatch:
         top_ps=[r.params.top_p for r in requests],
         top_ks=[r.params.top_k for r in requests],
         generators=[r.generator for r in requests],
+        banned=[r.banned_now() for r in requests],
     )
