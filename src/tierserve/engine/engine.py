@@ -143,7 +143,7 @@ class Engine:
     def start_reserved(self, request_id: str, first_token: int, params: SamplingParams) -> RequestOutput:
         """The prompt's KV is in the reserved pages and ``first_token`` was sampled from it: the
         request joins the running batch; returns the output for the first token."""
-        params.validate()
+        self._check_params(params)
         request = self.reservations.take(request_id)
         request.params = params
         self._prepare(request)
@@ -327,9 +327,7 @@ class Engine:
         )
 
     def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
-        params.validate()
-        if (params.logprobs is not None or params.prompt_logprobs is not None) and self.ranks.sampler != 0:
-            raise InvalidRequestError("logprobs are not supported with pipeline stages yet")
+        self._check_params(params)
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if not prompt:
@@ -347,6 +345,11 @@ class Engine:
             raise InvalidRequestError(
                 f"the request needs {total} tokens of KV cache but the pool holds {self.capacity_tokens}"
             )
+
+    def _check_params(self, params: SamplingParams) -> None:
+        params.validate()
+        if (params.logprobs is not None or params.prompt_logprobs is not None) and self.ranks.sampler != 0:
+            raise InvalidRequestError("logprobs are not supported with pipeline stages yet")
 
     def storage_admin(self, action: StorageAction, kind: StorageKind | None = None,
                       config: dict | None = None) -> dict:
