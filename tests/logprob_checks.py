@@ -69,14 +69,16 @@ def check_completion_logprobs(lp: dict, ids: list[int], scored_from: int, k: int
 def echo_completion(url: str, model_dir: Path, prompt: list[int], k: int = 3, max_tokens: int = 4,
                     **extra) -> dict:
     """An echo + logprobs completion of ``prompt`` (token ids), checked against transformers,
-    streamed and not (the same logprobs); returns the non-streamed response."""
+    streamed and not (the same logprobs); returns the non-streamed response. ``extra`` may hold
+    ``logprob_start_len``: the tokens before it come back unscored."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logprobs": k, "echo": True,
             "ignore_eos": True, "return_tokens_as_token_ids": True, **extra}
     out = post(url, "/v1/completions", body)
     lp = out["choices"][0]["logprobs"]
     ids = ids_of(lp["tokens"])
     assert ids[: len(prompt)] == prompt and len(ids) == len(prompt) + max_tokens
-    check_completion_logprobs(lp, ids, 1, k, _shift(hf_logprobs(model_dir, ids)))
+    start = max(1, extra.get("logprob_start_len") or 1)
+    check_completion_logprobs(lp, ids, start, k, _shift(hf_logprobs(model_dir, ids)))
     chunks = [c["choices"][0] for c in stream(url, "/v1/completions", body) if c["choices"]]
     streamed = {key: [v for c in chunks if c["logprobs"] for v in c["logprobs"][key]]
                 for key in ("tokens", "token_logprobs", "top_logprobs")}

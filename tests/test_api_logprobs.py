@@ -46,6 +46,8 @@ def test_echo_logprobs_match_hf_with_and_without_cache(servers: dict[str, str], 
     assert again["choices"][0]["logprobs"] == first["choices"][0]["logprobs"]
     hit = generated_logprobs(url, tiny_llama, prompt, k=3)
     assert hit["usage"]["prompt_tokens_details"]["cached_tokens"] >= 36
+    late = echo_completion(url, tiny_llama, prompt, k=2, logprob_start_len=30)  # SGLang's extension
+    assert late["usage"]["prompt_tokens_details"]["cached_tokens"] == 28  # pages of 4 before position 29
     generated_logprobs(url, tiny_llama, _prompt(11, 2), k=0)
 
 
@@ -110,6 +112,7 @@ def test_min_tokens_holds_back_stop_strings(servers: dict[str, str]) -> None:
     ("/v1/completions", {"prompt": [1, 2], "min_tokens": 17}),  # above the default max_tokens 16
     ("/v1/completions", {"prompt": [1, 2], "min_tokens": -1}),
     ("/v1/completions", {"prompt": [1, 2], "return_tokens_as_token_ids": "x"}),
+    ("/v1/completions", {"prompt": [1, 2], "logprobs": 1, "echo": True, "logprob_start_len": -1}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "logprobs": True, "top_logprobs": 21}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "logprobs": 3}),

@@ -95,6 +95,21 @@ def test_cache_hits_are_recomputed_for_prompt_logprobs(tiny_llama: Path) -> None
     check_request(tiny_llama, prompt, echo)
 
 
+def test_prompt_logprobs_from_a_start_position_use_the_cache_before_it(tiny_llama: Path) -> None:
+    engine = _engine(tiny_llama)
+    prompt = _prompt(30, seed=6)
+    run(engine, "warm", prompt, SamplingParams(max_tokens=1, temperature=0))
+    outs = run(engine, "late", prompt, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, logprobs=2,
+                                                     prompt_logprobs=2, prompt_logprobs_start=21))
+    assert outs[0].cached_tokens == 20  # pages of 4 up to position 20, whose logits score token 21
+    lps = outs[0].prompt_logprobs
+    assert len(lps) == 30 and lps[:21] == [None] * 21
+    ref = hf_logprobs(tiny_llama, prompt)
+    for i in range(21, 30):
+        assert lps[i].token_id == prompt[i]
+        assert_matches(lps[i], ref[i - 1], 2)
+
+
 def test_batched_with_other_requests_and_k0(tiny_llama: Path) -> None:
     """Requests with and without logprobs in one batch; k = 0 gives the token's logprob alone."""
     engine = _engine(tiny_llama, chunk=16)

@@ -28,6 +28,8 @@ def test_logprobs_through_the_cluster_equal_transformers(builtin_model: Path) ->
         assert hit["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
         again = echo_completion(url, builtin_model, ids, k=4)  # computed again, not served from the cache
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        late = echo_completion(url, builtin_model, ids, k=2, logprob_start_len=len(ids) - 3)
+        assert late["usage"]["prompt_tokens_details"]["cached_tokens"] == (len(ids) - 4) // 16 * 16 > 0
         chat_ids = post(url, "/tokenize", {"messages": [{"role": "user", "content": "Name a color."}]})["tokens"]
         chat_logprobs(url, builtin_model, chat_ids, k=2)
         body = {"prompt": ids, "max_tokens": 6, "temperature": 0, "logprobs": 0, "return_tokens_as_token_ids": True}

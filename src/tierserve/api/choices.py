@@ -142,9 +142,10 @@ def _reason(out: RequestOutput | None) -> str | None:
 
 
 def _entries(job: Job, out: RequestOutput) -> Entries | None:
-    """The output's logprobs in order, echoed prompt first (its first token unscored); None if not asked."""
+    """The output's logprobs in order, echoed prompt first (tokens before the first scored one as bare
+    ids); None if not asked."""
     if job.params.logprobs is None:
         return None
     prompt = out.prompt_logprobs
-    head: Entries = [job.prompt_ids[0], *prompt[1:]] if prompt else []  # type: ignore[list-item]
+    head: Entries = [lp if lp is not None else t for t, lp in zip(job.prompt_ids, prompt or [], strict=False)]
     return head + list(out.logprobs or [])

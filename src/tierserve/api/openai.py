@@ -133,19 +133,31 @@ class _GenerateBody(_Body):
             min_tokens=self.min_tokens or 0,
             logprobs=self.logprob_counts()[0],
             prompt_logprobs=self.logprob_counts()[1],
+            prompt_logprobs_start=self.logprob_start() or 1,
         )
+
+    def logprob_start(self) -> int | None:
+        return None
 
 
 class CompletionRequest(_GenerateBody):
     """``logprobs``: the top alternatives (0-20) per token; with ``echo`` the prompt comes back in
-    front of the text, and with both the prompt's tokens are scored too."""
+    front of the text, and with both the prompt's tokens are scored too: from ``logprob_start_len``
+    on (SGLang's extension; default 1, every token but the first), so the KV before it may come from
+    the prefix cache."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
     echo: bool | None = None
+    logprob_start_len: int | None = None
 
     def logprob_counts(self) -> tuple[int | None, int | None]:
         return self.logprobs, self.logprobs if self.echo else None
+
+    def logprob_start(self) -> int | None:
+        if self.logprob_start_len is not None and self.logprob_start_len < 0:
+            raise InvalidRequestError(f"logprob_start_len must be >= 0, got {self.logprob_start_len}")
+        return self.logprob_start_len
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: text to tokenize or token ids to use as they are."""

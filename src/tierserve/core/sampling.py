@@ -26,8 +26,9 @@ class SamplingParams:
     stop token ids are never sampled and stop strings do not stop (vLLM's ``min_tokens``).
 
     ``logprobs``: each generated token's log-probability plus that many top alternatives (None: no
-    logprobs); ``prompt_logprobs`` the same for every prompt token but the first, which forces the
-    whole prompt to be computed (docs/architecture.md, Logprobs).
+    logprobs); ``prompt_logprobs`` the same for the prompt tokens from ``prompt_logprobs_start`` (at
+    least 1: the first token has none) on, which the engine must compute, not take from the cache
+    (docs/architecture.md, Logprobs).
     """
 
     max_tokens: int = 16
@@ -42,6 +43,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    prompt_logprobs_start: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -67,6 +69,8 @@ class SamplingParams:
             (_count_ok(self.logprobs), f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"),
             (_count_ok(self.prompt_logprobs),
              f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}"),
+            (0 <= self.prompt_logprobs_start <= MAX_UINT32,
+             f"the prompt logprobs' start must be in [0, 2^32), got {self.prompt_logprobs_start}"),
         ]
         for ok, message in checks:
             if not ok:

@@ -60,8 +60,9 @@ class Request:
 
     def __post_init__(self) -> None:
         wanted = self.params.prompt_logprobs is not None
-        self.prompt_logprobs_next = 1 if wanted else len(self.prompt_ids)
-        self.prompt_logprobs = [None] if wanted else []  # the first prompt token has no logprob
+        start = min(max(1, self.params.prompt_logprobs_start), len(self.prompt_ids))  # token 0 has no logprob
+        self.prompt_logprobs_next = start if wanted else len(self.prompt_ids)
+        self.prompt_logprobs = [None] * start if wanted else []
 
     @property
     def num_tokens(self) -> int:

@@ -138,7 +138,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
                                   transfer_seconds=result.transfer_seconds,
                                   exposed_transfer_seconds=result.exposed_seconds,
                                   first_logprob=logprob_to_proto(first.logprobs[0]) if first.logprobs else None,
-                                  prompt_logprobs=[logprob_to_proto(lp) for lp in (first.prompt_logprobs or [])[1:]])
+                                  prompt_logprobs=[logprob_to_proto(lp) for lp in first.prompt_logprobs or [] if lp])
 
     def _check_destination(self, prompt: list[int], dest: pb.KVDestination) -> str | None:
         mismatch = identity_mismatch(self.identity, dest.identity)

@@ -16,6 +16,7 @@ def from_proto(options: pb.SamplingOptions) -> SamplingParams:
         skip_special_tokens=options.skip_special_tokens, min_tokens=options.min_tokens,
         logprobs=options.logprobs if options.HasField("logprobs") else None,
         prompt_logprobs=options.prompt_logprobs if options.HasField("prompt_logprobs") else None,
+        prompt_logprobs_start=options.prompt_logprobs_start,
     )
 
 
@@ -24,7 +25,7 @@ def to_proto(params: SamplingParams) -> pb.SamplingOptions:
         max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
         seed=params.seed, stop=params.stop, stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos,
         skip_special_tokens=params.skip_special_tokens, min_tokens=params.min_tokens, logprobs=params.logprobs,
-        prompt_logprobs=params.prompt_logprobs,
+        prompt_logprobs=params.prompt_logprobs, prompt_logprobs_start=params.prompt_logprobs_start,
     )
 
 

@@ -239,7 +239,7 @@ def _output(done: pd_flow.Prefilled, prompt_len: int, chunk: pb.GenerateChunk, s
         prompt_tokens=prompt_len, completion_tokens=chunk.completion_tokens, cached_tokens=cache.cached_tokens,
         cached_by_tier={t: getattr(cache, t) for t in TIERS if getattr(cache, t)},
         logprobs=_logprobs(done, chunk, first) if sampling.HasField("logprobs") else None,
-        prompt_logprobs=_prompt_logprobs(done) if first and sampling.HasField("prompt_logprobs") else None,
+        prompt_logprobs=_prompt_logprobs(done, prompt_len) if first and sampling.HasField("prompt_logprobs") else None,
     )
 
 
@@ -248,8 +248,10 @@ def _logprobs(done: pd_flow.Prefilled, chunk: pb.GenerateChunk, first: bool) -> 
     return head + [logprob_from_proto(lp) for lp in chunk.logprobs]
 
 
-def _prompt_logprobs(done: pd_flow.Prefilled) -> list[TokenLogprob | None]:
-    return [None, *(logprob_from_proto(lp) for lp in done.response.prompt_logprobs)]
+def _prompt_logprobs(done: pd_flow.Prefilled, prompt_len: int) -> list[TokenLogprob | None]:
+    """P scored the prompt's last tokens: those before them have no logprob."""
+    scored = [logprob_from_proto(lp) for lp in done.response.prompt_logprobs]
+    return [None] * (prompt_len - len(scored)) + scored
 
 
 async def _merged(outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
