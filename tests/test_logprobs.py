@@ -165,3 +165,21 @@ def test_builtin_model_logprobs_match_hf(builtin_model: Path) -> None:
     prompt = engine.tokenizer.encode("The capital of France is Paris, and the capital of Italy is").ids
     check_request(builtin_model, prompt, run(engine, "b", prompt, SamplingParams(
         max_tokens=4, temperature=0, ignore_eos=True, logprobs=K, prompt_logprobs=K)))
+
+
+def test_preempted_requests_report_each_logprob_once_and_right(tiny_llama: Path) -> None:
+    """A pool too small for both requests preempts one mid-generation; recomputed, it neither
+    repeats nor changes a prompt or sampled logprob."""
+    engine = Engine(EngineConfig(tiny_llama, dtype="float32", page_size=4, max_total_tokens=80,
+                                 chunked_prefill_size=8))
+    prompts = {"a": _prompt(30, 11), "b": _prompt(30, 12)}
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=2, prompt_logprobs=2)
+    for rid, p in prompts.items():
+        engine.add_request(rid, p, params)
+    outs: dict[str, list[RequestOutput]] = {rid: [] for rid in prompts}
+    while engine.has_work():
+        for o in engine.step():
+            outs[o.request_id].append(o)
+    assert engine.scheduler.num_preemptions > 0
+    for rid, p in prompts.items():
+        check_request(tiny_llama, p, outs[rid], k=2)
