@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -119,3 +120,46 @@ class RouterProcess:
 
     def stop(self) -> None:
         stop(self.proc)
+
+
+class ServeProcess:
+    """``tierserve serve`` in its own process, ready once ``/health`` answers 200."""
+
+    def __init__(self, args: list[str], log: Path) -> None:
+        self.port, self.log = free_port(), log
+        cmd = [sys.executable, "-m", "tierserve.cli", "serve", "--port", str(self.port), "--quiet-access-log", *args]
+        with open(log, "ab") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def wait_ready(self, deadline_s: float = 180.0) -> ServeProcess:
+        wait_until(lambda: http_ok(self.url + "/health"), "serve", deadline_s, self.proc, self.log)
+        return self
+
+    def stop(self) -> None:
+        stop(self.proc)
+
+
+def start_up(port: int, *flags: str) -> tuple[subprocess.Popen, list[str]]:
+    """``tierserve up`` with ``flags``, once it printed its banner; its output lines so far."""
+    cmd = [sys.executable, "-m", "tierserve.cli", "up", "--port", str(port), "--device", "cpu", *flags]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    up = threading.Event()
+
+    def read() -> None:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("tierserve is up"):
+                up.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    deadline = time.monotonic() + 300
+    while not up.wait(0.2):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError("tierserve up did not come up:\n" + "".join(lines[-40:]))
+    return proc, lines

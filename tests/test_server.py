@@ -167,8 +167,8 @@ def test_unknown_model_is_404(tiny: Server):
         {"prompt": [1, 2], "stop": 5},
         {"prompt": [1, 2], "n": 0},
         {"prompt": [10**9]},  # not in the vocabulary
-        {"prompt": [1, 2], "logprobs": 1},  # not supported: said, not silently dropped
-        {"prompt": [1, 2], "echo": True},
+        {"prompt": [1, 2], "logprobs": 21},
+        {"prompt": [1, 2], "min_tokens": 20},
         {"prompt": "text, but this model has no tokenizer"},
         {"max_tokens": 3},
     ],

@@ -5,15 +5,11 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
-import threading
-import time
 from pathlib import Path
 
 import httpx
 import pytest
-from cluster import free_port
+from cluster import free_port, start_up
 
 from tierserve import launch
 from tierserve.cli import up as cli_up
@@ -23,28 +19,6 @@ from tierserve.launch import ClusterPlan
 from tierserve.launch.plan import stages
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-
-
-def start_up(port: int, *flags: str) -> tuple[subprocess.Popen, list[str]]:
-    """``tierserve up`` with ``flags``, once it printed its banner; its output lines so far."""
-    cmd = [sys.executable, "-m", "tierserve.cli", "up", "--port", str(port), "--device", "cpu", *flags]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: list[str] = []
-    up = threading.Event()
-
-    def read() -> None:
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith("tierserve is up"):
-                up.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    deadline = time.monotonic() + 300
-    while not up.wait(0.2):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError("tierserve up did not come up:\n" + "".join(lines[-40:]))
-    return proc, lines
 
 
 def test_up_serves_chat_and_stops_cleanly_on_ctrl_c() -> None:

@@ -8,8 +8,8 @@ import signal
 from pathlib import Path
 
 import pytest
+from cluster import start_up
 from pd_helpers import reference
-from test_up import start_up
 from test_up_tp import PROMPTS, _completion, _plan
 from tiny_models import add_word_tokenizer, make_tiny_model
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+from cluster import start_up
 from pd_helpers import reference
-from test_up import start_up
 from tiny_models import add_word_tokenizer, make_tiny_model
 
 from tierserve import launch

@@ -24,6 +24,8 @@ from tierserve.api import openai as oa
 from tierserve.api.auth import api_key_check
 from tierserve.api.backend import Backend
 from tierserve.api.choices import Choices, Job, make_jobs
+from tierserve.api.formats import ChatFormat, CompletionFormat, Delta
+from tierserve.api.logprobs import LogprobRenderer, LogprobShape
 from tierserve.api.metrics import ApiMetrics
 from tierserve.api.tokenizer import ChatTemplateError, TextTokenizer
 from tierserve.core.outputs import FinishReason
@@ -31,7 +33,7 @@ from tierserve.core.sampling import MAX_UINT32, InvalidRequestError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-Format = oa.CompletionFormat | oa.ChatFormat
+Format = CompletionFormat | ChatFormat
 
 
 class ClientDisconnected(Exception):
@@ -71,11 +73,13 @@ class _Api:
     async def completions(self, request: Request) -> Response:
         body = oa.parse_body(oa.CompletionRequest, await request.body())
         self._check_model(body.model)
-        prompts = [self._prompt_ids(p) for p in body.prompts()]
+        texts = body.prompts()
+        prompts = [self._prompt_ids(p) for p in texts]
         params = body.sampling_params(oa.DEFAULT_COMPLETION_MAX_TOKENS)
-        fmt = oa.CompletionFormat(self.model_name)
-        return await self._respond(request, make_jobs(fmt.id, prompts, params, body.num_choices, body.cache_salt or ""),
-                                   fmt, body.stream, body.include_usage)
+        fmt = CompletionFormat(self.model_name, self._renderer(LogprobShape.COMPLETION, params.logprobs, body))
+        echoes = [self._text_of(t) for t in texts] if body.echo else None
+        jobs = make_jobs(fmt.id, prompts, params, body.num_choices, body.cache_salt or "", echoes)
+        return await self._respond(request, jobs, fmt, body.stream, body.include_usage)
 
     async def chat(self, request: Request) -> Response:
         body = oa.parse_body(oa.ChatCompletionRequest, await request.body())
@@ -83,7 +87,7 @@ class _Api:
         text = self._render_chat(body.template_messages(), body.add_generation_prompt)
         ids = self._prompt_ids(self._need_tokenizer().encode(text, add_special_tokens=False))
         params = body.sampling_params(default_max_tokens=self.max_model_len - len(ids))
-        fmt = oa.ChatFormat(self.model_name)
+        fmt = ChatFormat(self.model_name, self._renderer(LogprobShape.CHAT, params.logprobs, body))
         return await self._respond(request, make_jobs(fmt.id, [ids], params, body.num_choices, body.cache_salt or ""),
                                    fmt, body.stream, body.include_usage)
 
@@ -128,6 +132,18 @@ class _Api:
     async def debug_state(self) -> dict[str, Any]:
         return await self.backend.debug_state()
 
+    def _renderer(self, shape: LogprobShape, top: int | None, body: oa.CompletionRequest | oa.ChatCompletionRequest,
+                  ) -> LogprobRenderer | None:
+        if top is None:
+            return None
+        return LogprobRenderer(shape, top, self.tokenizer, bool(body.return_tokens_as_token_ids))
+
+    def _text_of(self, prompt: str | list[int]) -> str:
+        """A prompt's text as echoed: as sent, or decoded from its token ids."""
+        if isinstance(prompt, str):
+            return prompt
+        return self.tokenizer.decode(prompt, skip_special_tokens=False) if self.tokenizer is not None else ""
+
     def _check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
             raise oa.APIError(404, f"the model `{name}` does not exist; this server serves `{self.model_name}`",
@@ -165,16 +181,16 @@ async def _sse_events(choices: Choices, fmt: Format, num_choices: int,
     try:
         for chunk in fmt.opening_chunks(num_choices):
             yield oa.sse(chunk)
-        async for index, out in choices.events():
-            if out.new_text or out.finished:
-                yield oa.sse(fmt.chunk(index, out.new_text, out.reason))
+        async for delta in choices.events():
+            if delta.text or delta.finish_reason or delta.entries:
+                yield oa.sse(fmt.chunk(delta))
         if include_usage:
             yield oa.sse(fmt.usage_chunk(choices.usage()))
     except Exception as exc:
         _log_stream_failure(exc)
         yield oa.sse(_stream_error(exc).body())
         for index in choices.unfinished():
-            yield oa.sse(fmt.chunk(index, "", FinishReason.ERROR.value))
+            yield oa.sse(fmt.chunk(Delta(index, "", FinishReason.ERROR.value)))
     yield oa.SSE_DONE
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 
 from tierserve.api import openai as oa
 from tierserve.api.backend import Backend
+from tierserve.api.formats import ChoiceResult, Delta, Entries
 from tierserve.api.metrics import ApiMetrics
 from tierserve.core.outputs import RequestOutput
 from tierserve.core.sampling import SamplingParams
@@ -18,7 +19,8 @@ from tierserve.core.tiers import TIERS
 
 @dataclass
 class Job:
-    """One engine request: choice ``index`` of the response; ``counts_prompt`` for one choice per prompt."""
+    """One engine request: choice ``index`` of the response; ``counts_prompt`` for one choice per
+    prompt; ``echo``: the prompt's text, put in front of the choice's text (None: no echo)."""
 
     index: int
     request_id: str
@@ -26,16 +28,20 @@ class Job:
     params: SamplingParams
     counts_prompt: bool
     cache_salt: str = ""
+    echo: str | None = None
 
 
-def make_jobs(response_id: str, prompts: list[list[int]], params: SamplingParams, n: int, salt: str) -> list[Job]:
-    """``n`` choices per prompt; with a seed, choice ``i`` uses ``seed + i`` so they differ."""
+def make_jobs(response_id: str, prompts: list[list[int]], params: SamplingParams, n: int, salt: str,
+              echoes: list[str] | None = None) -> list[Job]:
+    """``n`` choices per prompt; with a seed, choice ``i`` uses ``seed + i`` so they differ;
+    ``echoes``: each prompt's text to echo."""
     jobs = []
     for p, ids in enumerate(prompts):
         for i in range(n):
             choice_params = params if params.seed is None or i == 0 else replace(params, seed=params.seed + i)
             index = p * n + i
-            jobs.append(Job(index, f"{response_id}-{index}", ids, choice_params, i == 0, salt))
+            echo = echoes[p] if echoes is not None else None
+            jobs.append(Job(index, f"{response_id}-{index}", ids, choice_params, i == 0, salt, echo))
     return jobs
 
 
@@ -49,6 +55,9 @@ class Choices:
         self._queue: asyncio.Queue[tuple[int, RequestOutput | Exception]] = asyncio.Queue()
         self._ready: list[tuple[int, RequestOutput | Exception]] = []
         self._text: dict[int, list[str]] = {j.index: [] for j in jobs}
+        self._length: dict[int, int] = {j.index: 0 for j in jobs}
+        self._entries: dict[int, Entries] = {j.index: [] for j in jobs}
+        self._by_index = {j.index: j for j in jobs}
         self._last: dict[int, RequestOutput] = {}
         self._tasks = [asyncio.create_task(self._pump(job)) for job in jobs]
 
@@ -81,17 +90,26 @@ class Choices:
                 raise item
             started.add(index)
 
-    async def events(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Every output of every request until all finished; raises a request's error."""
+    async def events(self) -> AsyncIterator[Delta]:
+        """What every output of every request adds, until all finished; raises a request's error."""
         pending = len(self._tasks)
         while pending:
             index, item = self._ready.pop(0) if self._ready else await self._queue.get()
             if isinstance(item, Exception):
                 raise item
-            self._text[index].append(item.new_text)
+            delta = self._delta(self._by_index[index], item)
             self._last[index] = item
             pending -= item.finished
-            yield index, item
+            yield delta
+
+    def _delta(self, job: Job, out: RequestOutput) -> Delta:
+        text = out.new_text if job.index in self._last or job.echo is None else job.echo + out.new_text
+        offset = self._length[job.index]
+        self._text[job.index].append(text)
+        self._length[job.index] += len(text)
+        entries = _entries(job, out)
+        self._entries[job.index] += entries or []
+        return Delta(job.index, text, out.reason, entries, offset)
 
     async def run(self) -> None:
         async for _ in self.events():
@@ -106,8 +124,9 @@ class Choices:
         """The indexes of the choices whose finished output was not among ``events`` yet."""
         return [j.index for j in self._jobs if j.index not in self._last or not self._last[j.index].finished]
 
-    def results(self) -> list[oa.ChoiceResult]:
-        return [oa.ChoiceResult(j.index, "".join(self._text[j.index]), _reason(self._last.get(j.index)))
+    def results(self) -> list[ChoiceResult]:
+        return [ChoiceResult(j.index, "".join(self._text[j.index]), _reason(self._last.get(j.index)),
+                             self._entries[j.index] if j.params.logprobs is not None else None)
                 for j in self._jobs]
 
     def usage(self) -> oa.Usage:
@@ -120,3 +139,13 @@ class Choices:
 
 def _reason(out: RequestOutput | None) -> str | None:
     return out.reason if out is not None else None
+
+
+def _entries(job: Job, out: RequestOutput) -> Entries | None:
+    """The output's logprobs in order, echoed prompt first (tokens before the first scored one as bare
+    ids); None if not asked."""
+    if job.params.logprobs is None:
+        return None
+    prompt = out.prompt_logprobs
+    head: Entries = [lp if lp is not None else t for t, lp in zip(job.prompt_ids, prompt or [], strict=False)]
+    return head + list(out.logprobs or [])

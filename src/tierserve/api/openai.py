@@ -8,14 +8,12 @@ ignores fields it does not know. ``null`` means "not given" for every optional f
 from __future__ import annotations
 
 import json
-import time
-import uuid
-from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from tierserve.core.sampling import InvalidRequestError, SamplingParams
+from tierserve.api.logprobs import ChatLogprobs, CompletionLogprobs
+from tierserve.core.sampling import MAX_LOGPROBS, InvalidRequestError, SamplingParams
 from tierserve.core.tiers import TIERS
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -76,8 +74,8 @@ class ChatMessage(_Body):
 
 class _GenerateBody(_Body):
     """Fields shared by completions and chat; vLLM's extensions top_k, stop_token_ids, ignore_eos,
-    skip_special_tokens and cache_salt (a tenant: requests with different salts never share cached
-    KV) are accepted too."""
+    skip_special_tokens, min_tokens, return_tokens_as_token_ids and cache_salt (a tenant: requests
+    with different salts never share cached KV) are accepted too."""
 
     model: str | None = None
     max_tokens: int | None = None
@@ -94,22 +92,13 @@ class _GenerateBody(_Body):
     skip_special_tokens: bool | None = None
     cache_salt: str | None = None
     user: str | None = None
-
-    logprobs: bool | int | None = None
-    top_logprobs: int | None = None
-    echo: bool | None = None
+    min_tokens: int | None = None
+    return_tokens_as_token_ids: bool | None = None
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> _GenerateBody:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options can only be set when stream is true")
-        return self
-
-    @model_validator(mode="after")
-    def _no_logprobs(self) -> _GenerateBody:
-        # Said plainly rather than answered with `"logprobs": null` as if they had been asked for.
-        if self.logprobs or self.top_logprobs or self.echo:
-            raise ValueError("logprobs, top_logprobs and echo are not supported by this server yet")
         return self
 
     @property
@@ -122,6 +111,10 @@ class _GenerateBody(_Body):
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        """(alternatives per generated token, per prompt token); None: not asked."""
+        return None, None
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         """Engine settings; ``default_max_tokens`` applies when the body sets none.
@@ -137,11 +130,34 @@ class _GenerateBody(_Body):
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=bool(self.ignore_eos),
             skip_special_tokens=self.skip_special_tokens is not False,
+            min_tokens=self.min_tokens or 0,
+            logprobs=self.logprob_counts()[0],
+            prompt_logprobs=self.logprob_counts()[1],
+            prompt_logprobs_start=self.logprob_start() or 1,
         )
+
+    def logprob_start(self) -> int | None:
+        return None
 
 
 class CompletionRequest(_GenerateBody):
+    """``logprobs``: the top alternatives (0-20) per token; with ``echo`` the prompt comes back in
+    front of the text, and with both the prompt's tokens are scored too: from ``logprob_start_len``
+    on (SGLang's extension; default 1, every token but the first), so the KV before it may come from
+    the prefix cache."""
+
     prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool | None = None
+    logprob_start_len: int | None = None
+
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        return self.logprobs, self.logprobs if self.echo else None
+
+    def logprob_start(self) -> int | None:
+        if self.logprob_start_len is not None and self.logprob_start_len < 0:
+            raise InvalidRequestError(f"logprob_start_len must be >= 0, got {self.logprob_start_len}")
+        return self.logprob_start_len
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: text to tokenize or token ids to use as they are."""
@@ -158,6 +174,21 @@ class ChatCompletionRequest(_GenerateBody):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs set to true")
+        return self
+
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        if not self.logprobs:
+            return None, None
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise InvalidRequestError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}")
+        return self.top_logprobs or 0, None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -243,7 +274,7 @@ class Usage(BaseModel):
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -266,7 +297,7 @@ class ChatMessageOut(BaseModel):
 class ChatChoice(BaseModel):
     index: int
     message: ChatMessageOut
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -282,7 +313,7 @@ class ChatCompletionResponse(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int
     delta: dict[str, str]  # a dict so absent keys stay absent: {} in the last chunk, as OpenAI sends
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -312,63 +343,6 @@ class TokenizeResponse(BaseModel):
     tokens: list[int]
     count: int
     max_model_len: int
-
-
-@dataclass
-class ChoiceResult:
-    index: int
-    text: str
-    finish_reason: str | None
-
-
-class CompletionFormat:
-    """Builds one ``/v1/completions`` response or its stream chunks (one id and timestamp each)."""
-
-    def __init__(self, model: str) -> None:
-        self.id, self.created, self.model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), model
-
-    def opening_chunks(self, num_choices: int) -> list[BaseModel]:
-        return []
-
-    def chunk(self, index: int, text: str, finish_reason: str | None) -> BaseModel:
-        return self._make([CompletionChoice(index=index, text=text, finish_reason=finish_reason)])
-
-    def usage_chunk(self, usage: Usage) -> BaseModel:
-        return self._make([], usage)
-
-    def response(self, choices: list[ChoiceResult], usage: Usage) -> BaseModel:
-        return self._make([CompletionChoice(index=c.index, text=c.text, finish_reason=c.finish_reason)
-                           for c in choices], usage)
-
-    def _make(self, choices: list[CompletionChoice], usage: Usage | None = None) -> CompletionResponse:
-        return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage)
-
-
-class ChatFormat:
-    """Builds one ``/v1/chat/completions`` response or its stream chunks."""
-
-    def __init__(self, model: str) -> None:
-        self.id, self.created, self.model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model
-
-    def opening_chunks(self, num_choices: int) -> list[BaseModel]:
-        """OpenAI streams start with the role, and empty content, for each choice."""
-        return [self._make([ChatChunkChoice(index=i, delta={"role": "assistant", "content": ""})])
-                for i in range(num_choices)]
-
-    def chunk(self, index: int, text: str, finish_reason: str | None) -> BaseModel:
-        delta = {"content": text} if text else {}
-        return self._make([ChatChunkChoice(index=index, delta=delta, finish_reason=finish_reason)])
-
-    def usage_chunk(self, usage: Usage) -> BaseModel:
-        return self._make([], usage)
-
-    def response(self, choices: list[ChoiceResult], usage: Usage) -> BaseModel:
-        out = [ChatChoice(index=c.index, message=ChatMessageOut(content=c.text), finish_reason=c.finish_reason)
-               for c in choices]
-        return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=out, usage=usage)
-
-    def _make(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
-        return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage)
 
 
 SSE_DONE = b"data: [DONE]\n\n"

@@ -13,12 +13,24 @@ class FinishReason(Enum):
     ERROR = "error"  # failed midway: ends an API stream that cannot go on (engines never report it)
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One token's float32 log-probability under the model's raw distribution (log-softmax of the
+    logits, before temperature and filters: vLLM's default ``raw_logprobs``), with the ``top``
+    alternatives as (token id, logprob), most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass
 class RequestOutput:
     """What one engine step produced for one request: new tokens and text, and the final state.
 
     ``cached_tokens`` counts prompt tokens served from the prefix cache at admission, split by
-    tier in ``cached_by_tier``.
+    tier in ``cached_by_tier``. ``logprobs`` has one entry per new token when the request asked
+    for them; ``prompt_logprobs`` one per prompt token (None for the first), in the first output only.
     """
 
     request_id: str
@@ -31,6 +43,8 @@ class RequestOutput:
     cached_tokens: int = 0
     cached_by_tier: dict[str, int] = field(default_factory=dict)
     error: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def reason(self) -> str | None:

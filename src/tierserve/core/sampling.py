@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 # What the control plane can carry (its fields are uint32, int32, uint64 and float32).
 MAX_UINT32, MAX_INT32, MAX_UINT64 = 2**32 - 1, 2**31 - 1, 2**64 - 1
 MAX_FLOAT32 = 3.4028234663852886e38
+MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs allows
 
 
 class InvalidRequestError(ValueError):
@@ -21,7 +22,13 @@ class SamplingParams:
     ``temperature == 0`` (or ``top_k == 1``) is greedy. ``top_k <= 0`` and ``top_p == 1`` disable
     those filters. ``seed`` makes a request's samples reproducible whatever else is batched with it.
     Stop strings end generation and are not part of the returned text; stop token ids end it too,
-    and so do the model's EOS ids unless ``ignore_eos``.
+    and so do the model's EOS ids unless ``ignore_eos``. Until ``min_tokens`` tokens are out, EOS and
+    stop token ids are never sampled and stop strings do not stop (vLLM's ``min_tokens``).
+
+    ``logprobs``: each generated token's log-probability plus that many top alternatives (None: no
+    logprobs); ``prompt_logprobs`` the same for the prompt tokens from ``prompt_logprobs_start`` (at
+    least 1: the first token has none) on, which the engine must compute, not take from the cache
+    (docs/architecture.md, Logprobs).
     """
 
     max_tokens: int = 16
@@ -33,6 +40,10 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    prompt_logprobs_start: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -53,7 +64,18 @@ class SamplingParams:
             (self.seed is None or 0 <= self.seed <= MAX_UINT64, f"seed must be in [0, 2^64), got {self.seed}"),
             (all(s for s in self.stop), "stop strings must not be empty"),
             (all(0 <= t <= MAX_UINT32 for t in self.stop_token_ids), "stop_token_ids must be in [0, 2^32)"),
+            (0 <= self.min_tokens <= self.max_tokens,
+             f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"),
+            (_count_ok(self.logprobs), f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"),
+            (_count_ok(self.prompt_logprobs),
+             f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}"),
+            (0 <= self.prompt_logprobs_start <= MAX_UINT32,
+             f"the prompt logprobs' start must be in [0, 2^32), got {self.prompt_logprobs_start}"),
         ]
         for ok, message in checks:
             if not ok:
                 raise InvalidRequestError(message)
+
+
+def _count_ok(k: int | None) -> bool:
+    return k is None or 0 <= k <= MAX_LOGPROBS

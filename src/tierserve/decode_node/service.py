@@ -21,6 +21,7 @@ from tierserve.node.convert import arena, identity, kv_ranks, sampling_params
 from tierserve.node.server import AddService, Node
 from tierserve.proto import tierserve_pb2 as pb
 from tierserve.proto import tierserve_pb2_grpc as pb_grpc
+from tierserve.proto.sampling import logprob_to_proto
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +71,8 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         try:
             async for out in stream:
                 yield pb.GenerateChunk(token_ids=out.new_token_ids, text=out.new_text, finished=out.finished,
-                                       finish_reason=out.reason or "", completion_tokens=out.completion_tokens)
+                                       finish_reason=out.reason or "", completion_tokens=out.completion_tokens,
+                                       logprobs=[logprob_to_proto(lp) for lp in out.logprobs or []])
         except KeyError as exc:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0]))
         except InvalidRequestError as exc:

@@ -21,6 +21,7 @@ from tierserve.cache.hashing import Namespace
 from tierserve.cache.loads import HostLoadError, LayerwiseLoad
 from tierserve.cache.options import CacheKind, object_format
 from tierserve.core.model_config import ModelConfig
+from tierserve.core.outputs import TokenLogprob
 from tierserve.core.sampling import InvalidRequestError, SamplingParams
 from tierserve.core.storage import StorageAction, StorageKind
 from tierserve.engine import l3_admin
@@ -143,7 +144,7 @@ class Engine:
     def start_reserved(self, request_id: str, first_token: int, params: SamplingParams) -> RequestOutput:
         """The prompt's KV is in the reserved pages and ``first_token`` was sampled from it: the
         request joins the running batch; returns the output for the first token."""
-        params.validate()
+        self._check_params(params)
         request = self.reservations.take(request_id)
         request.params = params
         self._prepare(request)
@@ -164,7 +165,9 @@ class Engine:
         if params.seed is not None:
             request.generator = torch.Generator(self.device).manual_seed(params.seed)
         if self.tokenizer is not None:
-            request.text = TextStream(self.tokenizer, params.stop, params.skip_special_tokens)
+            request.text = TextStream(self.tokenizer, params.stop, params.skip_special_tokens, params.min_tokens)
+        if params.min_tokens:
+            request.banned = tuple(params.stop_token_ids) + (() if params.ignore_eos else tuple(self.eos_ids))
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stops a waiting or running request and frees its pages; None if it is unknown."""
@@ -217,7 +220,7 @@ class Engine:
             return []
         started = time.perf_counter()
         try:
-            sampled = self.runner.run(batch)
+            result = self.runner.run(batch)
         except HostLoadError as exc:  # only requests lent the failed copy fail; the rest rerun next step
             self._fail_loads(batch, exc)
             return []
@@ -226,10 +229,11 @@ class Engine:
         outputs = []
         for scheduled in batch:
             request = scheduled.request
-            request.num_computed += scheduled.num_tokens
-            token = sampled.get(request.request_id)
+            request.advance(scheduled.num_tokens)
+            request.prompt_logprobs += result.logprobs.prompt.get(request.request_id, [])
+            token = result.tokens.get(request.request_id)
             if token is not None:
-                outputs.append(self._append(request, token))
+                outputs.append(self._append(request, token, result.logprobs.sampled.get(request.request_id)))
         return outputs
 
     def take_failures(self) -> list[tuple[str, Exception]]:
@@ -279,20 +283,22 @@ class Engine:
                 raise exc
         return [done[rid] for rid in ids]
 
-    def _append(self, request: Request, token: int) -> RequestOutput:
+    def _append(self, request: Request, token: int, logprob: TokenLogprob | None = None) -> RequestOutput:
         request.output_ids.append(token)
         text = request.text.push(token) if request.text is not None else ""
         reason = self._finish_reason(request, token)
         if reason is None:
-            return self._output(request, [token], text)
+            return self._output(request, [token], text, logprob)
         if request.text is not None:
             text += request.text.flush()
         self.requests.pop(request.request_id, None)
         self.scheduler.remove(request)
-        return self._finish(request, reason, [token], text)
+        return self._finish(request, reason, [token], text, logprob)
 
     def _finish_reason(self, request: Request, token: int) -> FinishReason | None:
         params = request.params
+        if len(request.output_ids) < params.min_tokens:  # EOS and stop ids were masked; stop strings wait
+            return FinishReason.LENGTH if request.num_tokens >= self.max_model_len else None
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_ids):
             return FinishReason.STOP
         if request.text is not None and request.text.stopped:
@@ -301,11 +307,14 @@ class Engine:
             return FinishReason.LENGTH
         return None
 
-    def _finish(self, request: Request, reason: FinishReason, tokens: list[int], text: str) -> RequestOutput:
+    def _finish(self, request: Request, reason: FinishReason, tokens: list[int], text: str,
+                logprob: TokenLogprob | None = None) -> RequestOutput:
         request.status, request.finish_reason = RequestStatus.FINISHED, reason
-        return self._output(request, tokens, text)
+        return self._output(request, tokens, text, logprob)
 
-    def _output(self, request: Request, tokens: list[int], text: str) -> RequestOutput:
+    def _output(self, request: Request, tokens: list[int], text: str,
+                logprob: TokenLogprob | None = None) -> RequestOutput:
+        first = len(request.output_ids) == 1 and bool(tokens)
         return RequestOutput(
             request_id=request.request_id,
             new_token_ids=tokens,
@@ -316,10 +325,12 @@ class Engine:
             completion_tokens=len(request.output_ids),
             cached_tokens=request.cached_tokens,
             cached_by_tier=dict(request.cached_by_tier),
+            logprobs=[logprob] if logprob is not None else None,
+            prompt_logprobs=list(request.prompt_logprobs) if first and request.prompt_logprobs else None,
         )
 
     def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
-        params.validate()
+        self._check_params(params)
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if not prompt:
@@ -337,6 +348,11 @@ class Engine:
             raise InvalidRequestError(
                 f"the request needs {total} tokens of KV cache but the pool holds {self.capacity_tokens}"
             )
+
+    def _check_params(self, params: SamplingParams) -> None:
+        params.validate()
+        if (params.logprobs is not None or params.prompt_logprobs is not None) and self.ranks.sampler != 0:
+            raise InvalidRequestError("logprobs are not supported with pipeline stages yet")
 
     def storage_admin(self, action: StorageAction, kind: StorageKind | None = None,
                       config: dict | None = None) -> dict:

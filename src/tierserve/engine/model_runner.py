@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from tierserve.cache.cp_pages import PageOwnership
@@ -10,12 +12,21 @@ from tierserve.engine.config import CPAttention
 from tierserve.engine.cp_gather import GatherClock, LayerGather, plan_rows, renumber
 from tierserve.engine.cp_merge import MergeClock, MergedAttention, own_writes, short_step
 from tierserve.engine.cp_partial import BatchedKeys, SeqKeys, SplitKeys
+from tierserve.engine.logprob_rows import PromptRows, StepLogprobs, prompt_logprobs, prompt_rows, sampled_logprobs
 from tierserve.engine.request import Request
 from tierserve.engine.scheduler import Scheduled, pages_for
 from tierserve.engine.token_share import SoleSampler, TokenShare
 from tierserve.model.attention import AttentionBatch, ExtendSpan, KVStore, LayerHooks
 from tierserve.model.llama import CausalLM
 from tierserve.model.sampling import SamplingBatch, sample
+
+
+@dataclass
+class StepResult:
+    """The token each request that completed its pending tokens sampled, and the step's logprobs."""
+
+    tokens: dict[str, int]
+    logprobs: StepLogprobs
 
 
 class ModelRunner:
@@ -42,8 +53,9 @@ class ModelRunner:
         self.merge_clock = MergeClock()  # CP only: short steps merged instead of gathered
 
     @torch.inference_mode()
-    def run(self, batch: list[Scheduled], hooks: LayerHooks | None = None) -> dict[str, int]:
-        """Returns the sampled token per request id, for requests that completed their pending tokens."""
+    def run(self, batch: list[Scheduled], hooks: LayerHooks | None = None) -> StepResult:
+        """Samples a token for each request that completed its pending tokens; logprobs are
+        computed (on the sampling rank) only for requests that asked."""
         extends = [s for s in batch if not _is_decode(s)]
         decodes = [s for s in batch if _is_decode(s)]
         ordered = extends + decodes
@@ -56,8 +68,9 @@ class ModelRunner:
         kv = self._context_parallel(ordered, attn) if self.cp.size > 1 else self.pool
         hidden = self.model(self._tensor(ids), self._tensor(positions), attn, kv)
         rows, sampled = _rows_to_sample(ordered)
-        tokens = self.tokens.share(ordered, len(rows), lambda: self._sample(hidden, rows, sampled))
-        return {r.request_id: t for r, t in zip(sampled, tokens, strict=True)}
+        logprobs, prompt = StepLogprobs(), prompt_rows(ordered)
+        tokens = self.tokens.share(ordered, len(rows), lambda: self._sample(hidden, rows, sampled, prompt, logprobs))
+        return StepResult({r.request_id: t for r, t in zip(sampled, tokens, strict=True)}, logprobs)
 
     def _context_parallel(self, ordered: list[Scheduled], attn: AttentionBatch) -> KVStore:
         """Every layer of a short step merges each rank's attention over its own pages
@@ -98,11 +111,16 @@ class ModelRunner:
                                  first=first)
         return attn.hooks
 
-    def _sample(self, hidden: torch.Tensor, rows: list[int], requests: list[Request]) -> list[int]:
+    def _sample(self, hidden: torch.Tensor, rows: list[int], requests: list[Request], prompt: list[PromptRows],
+                logprobs: StepLogprobs) -> list[int]:
+        if prompt:
+            logprobs.prompt = prompt_logprobs(hidden, prompt, self.model.logits)
         if not rows:
             return []
         logits = self.model.logits(hidden[self._tensor(rows)])
-        return sample(logits, _sampling_batch(requests)).tolist()
+        tokens = sample(logits, _sampling_batch(requests)).tolist()
+        logprobs.sampled = sampled_logprobs(logits, requests, tokens)
+        return tokens
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)
@@ -190,4 +208,5 @@ def _sampling_batch(requests: list[Request]) -> SamplingBatch:
         top_ps=[r.params.top_p for r in requests],
         top_ks=[r.params.top_k for r in requests],
         generators=[r.generator for r in requests],
+        banned=[r.banned_now() for r in requests],
     )

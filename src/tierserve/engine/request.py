@@ -9,7 +9,7 @@ from enum import Enum
 import torch
 
 from tierserve.cache.base import PrefixHit
-from tierserve.core.outputs import FinishReason, RequestOutput
+from tierserve.core.outputs import FinishReason, RequestOutput, TokenLogprob
 from tierserve.core.sampling import SamplingParams
 from tierserve.engine.handoff import Handoff
 from tierserve.engine.text_stream import TextStream
@@ -30,6 +30,10 @@ class Request:
     ``num_computed`` tokens of ``prompt_ids + output_ids`` have KV in ``pages``; the rest (all of
     the prompt at first, then the last sampled token) is fed to the model next. After a
     preemption ``num_computed`` drops to 0 and prompt plus output are recomputed.
+
+    With ``params.prompt_logprobs``, prompt positions from ``prompt_logprobs_next`` on still need
+    their logprob, so their KV must be computed here, not taken from the cache
+    (``cacheable_prefix``); the sampling rank collects the values in ``prompt_logprobs``.
     """
 
     request_id: str
@@ -50,6 +54,15 @@ class Request:
     arrival: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     handoff: Handoff | None = None  # where the prompt's KV goes as it is computed (prefill role)
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    prompt_logprobs_next: int = 0  # set from params: 1, or the prompt length when none are asked
+    banned: tuple[int, ...] = ()  # EOS and stop ids, never sampled before params.min_tokens
+
+    def __post_init__(self) -> None:
+        wanted = self.params.prompt_logprobs is not None
+        start = min(max(1, self.params.prompt_logprobs_start), len(self.prompt_ids))  # token 0 has no logprob
+        self.prompt_logprobs_next = start if wanted else len(self.prompt_ids)
+        self.prompt_logprobs = [None] * start if wanted else []
 
     @property
     def num_tokens(self) -> int:
@@ -67,3 +80,19 @@ class Request:
 
     def tokens_to_compute(self) -> int:
         return self.num_tokens - self.num_computed
+
+    def cacheable_prefix(self) -> int:
+        """Tokens the prefix cache may serve: all but the last (its logits pick the next token), and
+        none from the position whose logits the first missing prompt logprob needs."""
+        return min(self.num_tokens - 1, self.prompt_logprobs_next - 1)
+
+    def advance(self, n: int) -> None:
+        """``n`` more tokens have KV: the prompt logprobs they give are known."""
+        self.num_computed += n
+        last = len(self.prompt_ids) - 1
+        if self.prompt_logprobs_next <= last:
+            self.prompt_logprobs_next = max(self.prompt_logprobs_next, min(self.num_computed, last) + 1)
+
+    def banned_now(self) -> list[int]:
+        """Token ids this request must not sample next."""
+        return list(self.banned) if self.banned and len(self.output_ids) < self.params.min_tokens else []

@@ -130,8 +130,7 @@ class Scheduler:
             budget -= n
 
     def _match(self, request: Request) -> None:
-        # The last token is always computed: its logits pick the next token.
-        hit = self.cache.match(request.token_ids()[: request.num_tokens - 1], request.prefetch, request.cache_salt)
+        hit = self.cache.match(request.token_ids()[: request.cacheable_prefix()], request.prefetch, request.cache_salt)
         request.prefetch = None
         request.hit, request.pages, request.num_computed = hit, list(hit.pages), hit.num_tokens
         if not request.output_ids:  # a recomputation after preemption keeps its first report

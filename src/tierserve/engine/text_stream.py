@@ -14,14 +14,16 @@ class TextStream:
     found (the text then ends right before it); ``flush`` releases the held-back rest at the end:
     without a stop string the whole text then equals ``tokenizer.decode(ids)``, bytes of a character
     the generation stopped inside included (as U+FFFD, as ``transformers`` and vLLM give them).
+    Stop strings are looked for only from the ``min_tokens``-th token on (vLLM's ``min_tokens``).
     """
 
-    def __init__(self, tokenizer: Tokenizer, stop: list[str], skip_special_tokens: bool) -> None:
+    def __init__(self, tokenizer: Tokenizer, stop: list[str], skip_special_tokens: bool, min_tokens: int = 0) -> None:
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
         self._decoder = DecodeStream(skip_special_tokens=skip_special_tokens)
         self._ids: list[int] = []
         self._stop = stop
+        self._min_tokens = min_tokens
         self._longest_stop = max((len(s) for s in stop), default=0)
         self.text = ""
         self._emitted = 0
@@ -34,7 +36,8 @@ class TextStream:
             return ""
         search_from = max(0, len(self.text) - self._longest_stop + 1)
         self.text += piece
-        self._cut_at_stop(search_from)
+        if len(self._ids) >= self._min_tokens:
+            self._cut_at_stop(search_from)
         end = len(self.text) if self.stopped else len(self.text) - self._held_back()
         return self._emit(end)
 

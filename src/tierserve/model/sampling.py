@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -13,13 +13,15 @@ class SamplingBatch:
 
     ``temperatures[i] == 0`` means greedy; ``top_ks[i] <= 0`` and ``top_ps[i] == 1`` mean no filter.
     ``generators[i]`` (or None for the shared default) draws row i's noise, so a seeded request
-    samples the same tokens whatever it is batched with.
+    samples the same tokens whatever it is batched with. ``banned[i]``: token ids row i must not
+    sample (EOS and stop ids before ``min_tokens``); empty lists, the usual case, cost nothing.
     """
 
     temperatures: list[float]
     top_ps: list[float]
     top_ks: list[int]
     generators: list[torch.Generator | None]
+    banned: list[list[int]] = field(default_factory=list)
 
     @property
     def all_greedy(self) -> bool:
@@ -28,6 +30,7 @@ class SamplingBatch:
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Token ids [n] for float32 logits [n, vocab]."""
+    logits = _without_banned(logits, batch.banned)
     greedy = logits.argmax(dim=-1)
     if batch.all_greedy:
         return greedy
@@ -37,6 +40,16 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     sampled = (probs / noise).argmax(dim=-1)  # exponential race == sampling from probs
     is_greedy = torch.tensor([t == 0 for t in batch.temperatures], device=logits.device)
     return torch.where(is_greedy, greedy, sampled)
+
+
+def _without_banned(logits: torch.Tensor, banned: list[list[int]]) -> torch.Tensor:
+    cells = [(row, t) for row, ids in enumerate(banned) for t in ids if t < logits.shape[-1]]
+    if not cells:
+        return logits
+    rows, ids = zip(*cells, strict=True)
+    out = logits.clone()  # the caller's logits stay raw: logprobs are read from them
+    out[list(rows), list(ids)] = float("-inf")
+    return out
 
 
 def _filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -27,6 +27,7 @@ from tierserve.node.rank_transfer import HandoffPlan
 from tierserve.node.server import AddService, Node
 from tierserve.proto import tierserve_pb2 as pb
 from tierserve.proto import tierserve_pb2_grpc as pb_grpc
+from tierserve.proto.sampling import logprob_to_proto
 from tierserve.router.pd_flow import DESTINATION_FAILED, WRITER_STOPPED  # the trailers the router reads
 from tierserve.transfer.handoff import HandoffResult, KVHandoff
 
@@ -61,7 +62,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         if problem is not None:
             await _abort(context, grpc.StatusCode.FAILED_PRECONDITION, problem, stopped=True)
         try:
-            params = replace(sampling_params(request.sampling), max_tokens=1, ignore_eos=True, stop=[])
+            params = _first_token_params(sampling_params(request.sampling))
         except InvalidRequestError as exc:
             await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc), stopped=True)
         handoff, add = self._handoff(request, prompt, params, self._plan(prompt, dest))
@@ -135,7 +136,9 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         cache = pb.CacheReport(cached_tokens=first.cached_tokens, **{t.value: tiers.get(t, 0) for t in CacheTier})
         return pb.PrefillResponse(first_token=first.new_token_ids[0], cache=cache, transferred_bytes=result.bytes,
                                   transfer_seconds=result.transfer_seconds,
-                                  exposed_transfer_seconds=result.exposed_seconds)
+                                  exposed_transfer_seconds=result.exposed_seconds,
+                                  first_logprob=logprob_to_proto(first.logprobs[0]) if first.logprobs else None,
+                                  prompt_logprobs=[logprob_to_proto(lp) for lp in first.prompt_logprobs or [] if lp])
 
     def _check_destination(self, prompt: list[int], dest: pb.KVDestination) -> str | None:
         mismatch = identity_mismatch(self.identity, dest.identity)
@@ -152,6 +155,13 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         i = self.identity
         return heads_problem(dests, i.num_kv_heads, max(dest.pages), i.num_layers) or \
             staging_problem(dests, i.num_kv_heads, self.node.engine.ranks.tp.size, len(prompt))
+
+
+def _first_token_params(params: SamplingParams) -> SamplingParams:
+    """The prefill node samples the first token only: no stop strings; EOS ends nothing here,
+    but stays masked when ``min_tokens`` asks for at least one token."""
+    return replace(params, max_tokens=1, stop=[], min_tokens=min(params.min_tokens, 1),
+                   ignore_eos=params.ignore_eos or not params.min_tokens)
 
 
 async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str, stopped: bool,

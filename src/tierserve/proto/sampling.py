@@ -1,7 +1,8 @@
-"""Sampling settings between ``SamplingParams`` and their protobuf message (torch-free)."""
+"""Sampling settings and token logprobs between their core types and protobuf messages (torch-free)."""
 
 from __future__ import annotations
 
+from tierserve.core.outputs import TokenLogprob
 from tierserve.core.sampling import SamplingParams
 from tierserve.proto import tierserve_pb2 as pb
 
@@ -12,7 +13,10 @@ def from_proto(options: pb.SamplingOptions) -> SamplingParams:
         max_tokens=options.max_tokens or 16, temperature=options.temperature, top_p=options.top_p or 1.0,
         top_k=options.top_k, seed=options.seed if options.HasField("seed") else None, stop=list(options.stop),
         stop_token_ids=list(options.stop_token_ids), ignore_eos=options.ignore_eos,
-        skip_special_tokens=options.skip_special_tokens,
+        skip_special_tokens=options.skip_special_tokens, min_tokens=options.min_tokens,
+        logprobs=options.logprobs if options.HasField("logprobs") else None,
+        prompt_logprobs=options.prompt_logprobs if options.HasField("prompt_logprobs") else None,
+        prompt_logprobs_start=options.prompt_logprobs_start,
     )
 
 
@@ -20,5 +24,16 @@ def to_proto(params: SamplingParams) -> pb.SamplingOptions:
     return pb.SamplingOptions(
         max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
         seed=params.seed, stop=params.stop, stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos,
-        skip_special_tokens=params.skip_special_tokens,
+        skip_special_tokens=params.skip_special_tokens, min_tokens=params.min_tokens, logprobs=params.logprobs,
+        prompt_logprobs=params.prompt_logprobs, prompt_logprobs_start=params.prompt_logprobs_start,
     )
+
+
+def logprob_to_proto(lp: TokenLogprob) -> pb.TokenLogprob:
+    return pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, top_ids=[t for t, _ in lp.top],
+                           top_logprobs=[v for _, v in lp.top])
+
+
+def logprob_from_proto(msg: pb.TokenLogprob) -> TokenLogprob:
+    """Values were float32 on the engine, so the proto's float32 carries them exactly."""
+    return TokenLogprob(msg.token_id, msg.logprob, tuple(zip(msg.top_ids, msg.top_logprobs, strict=True)))

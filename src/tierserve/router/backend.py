@@ -16,11 +16,11 @@ from typing import Any, TypeVar
 import grpc
 
 from tierserve.api import openai as oa
-from tierserve.core.outputs import FinishReason, RequestOutput
+from tierserve.core.outputs import FinishReason, RequestOutput, TokenLogprob
 from tierserve.core.sampling import InvalidRequestError, SamplingParams
 from tierserve.core.tiers import TIERS
 from tierserve.proto import tierserve_pb2 as pb
-from tierserve.proto.sampling import to_proto
+from tierserve.proto.sampling import logprob_from_proto, to_proto
 from tierserve.router import pd_flow
 from tierserve.router.policies import CachedPrefix, Policy
 from tierserve.router.registry import Registry, Worker
@@ -193,9 +193,9 @@ class PDBackend:
         chunks = _within(pd_flow.generate(stubs, done, request.sampling), self.options.stream_idle_timeout_s)
         try:
             async with contextlib.aclosing(chunks):
-                async for chunk in chunks:
+                async for i, chunk in _numbered(chunks):
                     seen = not request.buffered
-                    yield _output(done, len(request.prompt), chunk)
+                    yield _output(done, len(request.prompt), chunk, request.sampling, first=i == 0)
         except grpc.aio.AioRpcError as exc:
             self.registry.failed(decode, exc.code().name, unreachable=exc.code() is grpc.StatusCode.UNAVAILABLE)
             await pd_flow.release(stubs, done.reservation_id, writer_stopped=True)
@@ -222,22 +222,46 @@ def _log_retry(request_id: str, pair: tuple[Worker, Worker], exc: _Retry, again:
             "retrying on a new pair" if again else "giving up")
 
 
-def _output(done: pd_flow.Prefilled, prompt_len: int, chunk: pb.GenerateChunk) -> RequestOutput:
+async def _numbered(items: AsyncIterator[T]) -> AsyncIterator[tuple[int, T]]:
+    i = 0
+    async for item in items:
+        yield i, item
+        i += 1
+
+
+def _output(done: pd_flow.Prefilled, prompt_len: int, chunk: pb.GenerateChunk, sampling: pb.SamplingOptions,
+            first: bool) -> RequestOutput:
+    """D's chunk as an output; the first one (P's first token) gets P's logprobs of it and of the prompt."""
     cache = done.response.cache
     return RequestOutput(
         request_id=done.reservation_id, new_token_ids=list(chunk.token_ids), new_text=chunk.text,
         finished=chunk.finished, finish_reason=FinishReason(chunk.finish_reason) if chunk.finished else None,
         prompt_tokens=prompt_len, completion_tokens=chunk.completion_tokens, cached_tokens=cache.cached_tokens,
         cached_by_tier={t: getattr(cache, t) for t in TIERS if getattr(cache, t)},
+        logprobs=_logprobs(done, chunk, first) if sampling.HasField("logprobs") else None,
+        prompt_logprobs=_prompt_logprobs(done, prompt_len) if first and sampling.HasField("prompt_logprobs") else None,
     )
+
+
+def _logprobs(done: pd_flow.Prefilled, chunk: pb.GenerateChunk, first: bool) -> list[TokenLogprob]:
+    head = [logprob_from_proto(done.response.first_logprob)] if first else []
+    return head + [logprob_from_proto(lp) for lp in chunk.logprobs]
+
+
+def _prompt_logprobs(done: pd_flow.Prefilled, prompt_len: int) -> list[TokenLogprob | None]:
+    """P scored the prompt's last tokens: those before them have no logprob."""
+    scored = [logprob_from_proto(lp) for lp in done.response.prompt_logprobs]
+    return [None] * (prompt_len - len(scored)) + scored
 
 
 async def _merged(outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
     """A try's outputs as one, once it finished (nothing if it yielded none)."""
     parts = [out async for out in outputs]
     if parts:
+        logprobs = [lp for p in parts for lp in p.logprobs or []] if parts[0].logprobs is not None else None
         yield replace(parts[-1], new_token_ids=[t for p in parts for t in p.new_token_ids],
-                      new_text="".join(p.new_text for p in parts))
+                      new_text="".join(p.new_text for p in parts), logprobs=logprobs,
+                      prompt_logprobs=parts[0].prompt_logprobs)
 
 
 async def _within(items: AsyncIterator[T], idle_s: float) -> AsyncIterator[T]:

@@ -1,0 +1,23 @@
+"""Token log-probabilities from logits rows: float32 log-softmax of the raw logits (no temperature,
+no top-k/top-p, no min_tokens mask), vLLM's default ``raw_logprobs`` (docs/architecture.md, Logprobs)."""
+
+from __future__ import annotations
+
+import torch
+
+from tierserve.core.outputs import TokenLogprob
+
+
+def token_logprobs(logits: torch.Tensor, targets: list[int], ks: list[int]) -> list[TokenLogprob]:
+    """For each row i of ``logits`` [n, vocab]: the log-probability of ``targets[i]`` and the
+    ``ks[i]`` most likely tokens with theirs. One log-softmax, one gather and one top-k for all rows."""
+    if not targets:
+        return []
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    picked = torch.tensor(targets, dtype=torch.int64, device=logits.device)
+    chosen = lp.gather(-1, picked[:, None])[:, 0].tolist()
+    k = max(ks)
+    values, ids = (lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long()))
+    values, ids = values.tolist(), ids.tolist()
+    return [TokenLogprob(t, c, tuple(zip(i[:n], v[:n], strict=True)))
+            for t, c, i, v, n in zip(targets, chosen, ids, values, ks, strict=True)]
