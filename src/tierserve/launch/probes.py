@@ -3,6 +3,7 @@ answers); callers poll them against a deadline."""
 
 from __future__ import annotations
 
+import http.client
 import socket
 import urllib.request
 
@@ -38,8 +39,11 @@ def grpc_serving(address: str | int) -> bool:
 
 
 def http_ok(url: str) -> bool:
+    """Whether ``url`` answers 200. Anything else is "not ready", including a port that answers
+    with something other than HTTP (seen in CI: another process briefly held a child's port before
+    it bound it, and the probe's ``BadStatusLine`` killed ``tierserve up``)."""
     try:
         with urllib.request.urlopen(url, timeout=1) as r:
             return r.status == 200
-    except OSError:
+    except (OSError, http.client.HTTPException):
         return False
