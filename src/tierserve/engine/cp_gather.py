@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from tierserve.cache.cp_pages import PageOwnership
 from tierserve.cache.device_pool import DeviceKVPool
+from tierserve.engine.cp_merge import own_writes
 from tierserve.model.attention import AttentionBatch, LayerHooks
 
 BUFFERS = 2  # double buffering: gathering layer l+1 while layer l computes
@@ -124,10 +125,8 @@ class LayerGather:
 
     def _own_writes(self, slots: torch.Tensor, buffer_slots: torch.Tensor) -> None:
         """The pool slots of the new tokens whose pages this rank owns, and their buffer slots."""
-        pages = slots // self.page_size
-        mine = pages % self.own.size == self.own.rank
-        self.pool_slots = (pages[mine] // self.own.size) * self.page_size + slots[mine] % self.page_size
-        self.buffer_slots = buffer_slots[mine]
+        rows, self.pool_slots = own_writes(self.own, slots, self.page_size)
+        self.buffer_slots = buffer_slots[rows]
 
     def layer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.buffers[layer_id % BUFFERS]

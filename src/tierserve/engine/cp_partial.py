@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from tierserve.cache.cp_pages import PageOwnership
+from tierserve.model.attention import gather_pages
 
 QUERY_BLOCK = 256  # queries per score block of the unfused path: bounds [heads, block, keys]
 
@@ -56,7 +57,7 @@ class BatchedKeys:
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, heads, dim] -> out [T, heads, dim] (0 where a query sees no key here), lse [T, heads]
         (-inf there)."""
-        k_all, v_all = (_read_pages(p, self.pages, self.page_size) for p in pool)  # [S, K, kv_heads, dim]
+        k_all, v_all = (gather_pages(p, self.pages, self.page_size) for p in pool)  # [S, K, kv_heads, dim]
         queries = q[self.query_rows]  # [S, Q, heads, dim]
         outs, lses = [], []
         for start in range(0, queries.shape[1], QUERY_BLOCK):
@@ -169,9 +170,3 @@ def _attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sees: torch
     out = torch.matmul(probs.to(v.dtype), v.permute(0, 2, 1, 3).unsqueeze(2))  # [S, KVH, G, Q, D]
     return out.permute(0, 3, 1, 2, 4).reshape(s_, q_len, heads, dim), lse.permute(0, 3, 1, 2).reshape(s_, q_len, heads)
 
-
-def _read_pages(pool: torch.Tensor, pages: torch.Tensor, page_size: int) -> torch.Tensor:
-    """[S, P] local page ids -> [S, P * page_size, kv_heads, dim] copies of those pages."""
-    heads, dim = pool.shape[1], pool.shape[2]
-    rows = pool.view(-1, page_size * heads * dim).index_select(0, pages.reshape(-1))
-    return rows.view(pages.shape[0], pages.shape[1] * page_size, heads, dim)

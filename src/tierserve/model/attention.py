@@ -117,8 +117,8 @@ class PagedAttention(nn.Module):
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
             return o[0].transpose(0, 1)
         kv_len = span.prefix_len + span.length
-        k = _gather_pages(k_pool, span.kv_pages, page_size)[:, :kv_len].transpose(1, 2)
-        v = _gather_pages(v_pool, span.kv_pages, page_size)[:, :kv_len].transpose(1, 2)
+        k = gather_pages(k_pool, span.kv_pages, page_size)[:, :kv_len].transpose(1, 2)
+        v = gather_pages(v_pool, span.kv_pages, page_size)[:, :kv_len].transpose(1, 2)
         q_pos = torch.arange(span.length, device=q.device) + span.prefix_len
         mask = torch.arange(kv_len, device=q.device)[None, :] <= q_pos[:, None]
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True)
@@ -127,8 +127,8 @@ class PagedAttention(nn.Module):
     def _decode(
         self, q: torch.Tensor, batch: AttentionBatch, k_pool: torch.Tensor, v_pool: torch.Tensor
     ) -> torch.Tensor:
-        k = _gather_pages(k_pool, batch.decode_pages, batch.page_size).transpose(1, 2)
-        v = _gather_pages(v_pool, batch.decode_pages, batch.page_size).transpose(1, 2)
+        k = gather_pages(k_pool, batch.decode_pages, batch.page_size).transpose(1, 2)
+        v = gather_pages(v_pool, batch.decode_pages, batch.page_size).transpose(1, 2)
         o = F.scaled_dot_product_attention(
             q.unsqueeze(2), k, v, attn_mask=batch.decode_mask, scale=self.scale, enable_gqa=True
         )
@@ -140,7 +140,7 @@ def _store(pool: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> Non
     pool.view(pool.shape[0], -1).index_copy_(0, slots, values.reshape(values.shape[0], -1))
 
 
-def _gather_pages(pool: torch.Tensor, pages: torch.Tensor, page_size: int) -> torch.Tensor:
+def gather_pages(pool: torch.Tensor, pages: torch.Tensor, page_size: int) -> torch.Tensor:
     """[..., P] page ids -> [prod(...), P * page_size, heads, dim] copies of those pages."""
     heads, dim = pool.shape[1], pool.shape[2]
     rows = pool.view(-1, page_size * heads * dim).index_select(0, pages.reshape(-1))
