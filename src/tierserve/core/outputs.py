@@ -18,7 +18,8 @@ class RequestOutput:
     """What one engine step produced for one request: new tokens and text, and the final state.
 
     ``cached_tokens`` counts prompt tokens served from the prefix cache at admission, split by
-    tier in ``cached_by_tier``.
+    tier in ``cached_by_tier``. With speculative decoding, ``spec_draft_tokens`` draft tokens were
+    proposed for the request so far and ``spec_accepted_tokens`` of them accepted.
     """
 
     request_id: str
@@ -31,6 +32,8 @@ class RequestOutput:
     cached_tokens: int = 0
     cached_by_tier: dict[str, int] = field(default_factory=dict)
     error: str | None = None
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     @property
     def reason(self) -> str | None:

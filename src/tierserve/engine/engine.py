@@ -31,6 +31,7 @@ from tierserve.engine.ranks import Ranks, single_rank
 from tierserve.engine.request import FinishReason, Request, RequestOutput, RequestStatus
 from tierserve.engine.reservations import DEFAULT_TERMS, Reservations, ReservationTerms
 from tierserve.engine.scheduler import Scheduler, SchedulerConfig, pages_for
+from tierserve.engine.speculative import SpecDecoder, draft_bytes_per_token
 from tierserve.engine.text_stream import TextStream
 from tierserve.engine.token_share import token_share
 from tierserve.model.identity import model_identity
@@ -80,6 +81,7 @@ class Engine:
         self.geometry = KVGeometry(  # this rank's KV heads of its stage's layers only
             len(self.model.layer_ids), heads.kv_heads, self.model_config.head_dim, config.page_size, self.dtype,
         )
+        self.draft_bytes = draft_bytes_per_token(config, self.geometry, self.max_model_len)  # checks the draft
         # Page ids are the same on every rank, so every rank's pool has the smallest rank's page count.
         self.pool = DeviceKVPool(self.geometry, self.ranks.agree_min(self._num_pages()), self.device)
         self.num_pages = self.pool.num_pages * self.ranks.cp.size  # logical: a CP rank stores its share
@@ -90,8 +92,9 @@ class Engine:
             object_format(config.hicache.mem_layout),
         )
         self.cache = (prefix_cache or self._build_cache)(self.allocator, self.pool)
+        self.spec = SpecDecoder.of(config, self.model, self.pool)
         sched = SchedulerConfig(config.page_size, config.chunked_prefill_size, config.max_running_requests)
-        self.scheduler = Scheduler(sched, self.allocator, self.cache)
+        self.scheduler = Scheduler(sched, self.allocator, self.cache, self.spec.lookahead if self.spec else None)
         self.runner = ModelRunner(self.model, self.pool, self.device, token_share(self.ranks), self.ranks.cp)
         self.reservations = Reservations(self.allocator, self.cache, config.page_size)
         self.before_step: list[Callable[[], None]] = []  # e.g. a prefill node's handoff agreement
@@ -194,7 +197,8 @@ class Engine:
             "reservation_staging_bytes": self.reservations.staging.used_bytes if self.reservations.staging else 0,
             "reservation_leases_expired": self.reservations.expired_leases,
             "handoff_pages_parked": sum(len(p.pages) for p in self.scheduler.parked),
-        } | {f"cache_{k}": v for k, v in self.cache.stats().items()} | self._gather_stats()
+        } | {f"cache_{k}": v for k, v in self.cache.stats().items()} | self._gather_stats() \
+            | (self.spec.counters.stats() if self.spec is not None else {})
 
     def _gather_stats(self) -> dict[str, float]:
         """Under CP, this rank's seconds spent waiting for per-layer gathers (``GatherClock``)."""
@@ -214,7 +218,7 @@ class Engine:
             return []
         started = time.perf_counter()
         try:
-            sampled = self.runner.run(batch)
+            sampled = self._run(batch)
         except HostLoadError as exc:  # only requests lent the failed copy fail; the rest rerun next step
             self._fail_loads(batch, exc)
             return []
@@ -224,10 +228,33 @@ class Engine:
         for scheduled in batch:
             request = scheduled.request
             request.num_computed += scheduled.num_tokens
-            token = sampled.get(request.request_id)
-            if token is not None:
-                outputs.append(self._append(request, token))
+            tokens = sampled.get(request.request_id)
+            if tokens:
+                outputs.append(self._append_all(request, tokens))
+            if scheduled.draft_tokens and request.status is RequestStatus.RUNNING:
+                self.scheduler.trim(request)
         return outputs
+
+    def _run(self, batch: list) -> dict[str, list[int]]:
+        """The tokens each request of ``batch`` gets this step, in order (several when speculating)."""
+        if self.spec is not None:
+            return self.spec.run(batch)
+        return {rid: [token] for rid, token in self.runner.run(batch).items()}
+
+    def _append_all(self, request: Request, tokens: list[int]) -> RequestOutput:
+        """Appends ``tokens`` until the request finishes; one output for all of them. Every token
+        after the first was fed to the model this step (a verified draft), so it has KV."""
+        out = self._append(request, tokens[0])
+        for token in tokens[1:]:
+            if out.finished:
+                break
+            request.num_computed += 1
+            more = self._append(request, token)
+            out.new_token_ids += more.new_token_ids
+            out.new_text += more.new_text
+            out.finished, out.finish_reason, out.completion_tokens = more.finished, more.finish_reason, \
+                more.completion_tokens
+        return out
 
     def take_failures(self) -> list[tuple[str, Exception]]:
         """Requests that failed alone (e.g. their prefix's host copy could not be loaded) since the
@@ -313,6 +340,8 @@ class Engine:
             completion_tokens=len(request.output_ids),
             cached_tokens=request.cached_tokens,
             cached_by_tier=dict(request.cached_by_tier),
+            spec_draft_tokens=request.spec_draft_tokens,
+            spec_accepted_tokens=request.spec_accepted_tokens,
         )
 
     def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
@@ -351,7 +380,7 @@ class Engine:
         tokens = self.config.max_total_tokens
         if tokens is None and self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
-            tokens = int(free * self.config.mem_fraction_static) // self.geometry.bytes_per_token
+            tokens = int(free * self.config.mem_fraction_static) // (self.geometry.bytes_per_token + self.draft_bytes)
         tokens = tokens or CPU_DEFAULT_TOKENS
         return max(1, tokens // self.config.page_size)
 

@@ -41,7 +41,7 @@ class ModelRunner:
         decodes = [s for s in batch if _is_decode(s)]
         ordered = extends + decodes
         ids, positions, slots = self._flat_tokens(ordered)
-        attn = AttentionBatch(page_size=self.page_size, out_slots=slots, hooks=hooks or _step_hooks(batch))
+        attn = AttentionBatch(page_size=self.page_size, out_slots=slots, hooks=hooks or step_hooks(batch))
         attn.extends = self._extend_spans(extends)
         attn.decode_start = len(ids) - len(decodes)
         if decodes:
@@ -66,7 +66,7 @@ class ModelRunner:
         if not rows:
             return []
         logits = self.model.logits(hidden[self._tensor(rows)])
-        return sample(logits, _sampling_batch(requests)).tolist()
+        return sample(logits, sampling_batch(requests)).tolist()
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)
@@ -123,7 +123,7 @@ class _StepHooks:
             s.request.handoff.on_layer(layer_id, s.request.pages, s.request.num_computed + s.num_tokens)
 
 
-def _step_hooks(batch: list[Scheduled]) -> _StepHooks | None:
+def step_hooks(batch: list[Scheduled]) -> _StepHooks | None:
     loads = [load for s in batch for load in s.request.hit.loads if not load.done()]
     handoffs = [s for s in batch if s.request.handoff is not None]
     return _StepHooks(loads, handoffs) if loads or handoffs else None
@@ -148,7 +148,7 @@ def _rows_to_sample(ordered: list[Scheduled]) -> tuple[list[int], list[Request]]
     return rows, requests
 
 
-def _sampling_batch(requests: list[Request]) -> SamplingBatch:
+def sampling_batch(requests: list[Request]) -> SamplingBatch:
     return SamplingBatch(
         temperatures=[0.0 if r.params.greedy else r.params.temperature for r in requests],
         top_ps=[r.params.top_p for r in requests],
