@@ -4,11 +4,13 @@ flags refused clearly, and the counters in usage and /metrics."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
 from fastapi.testclient import TestClient
+from safetensors.torch import load_file
 from tiny_models import make_noisy_draft, make_tiny_model
 
 from tierserve.api.engine_backend import create_engine_app
@@ -17,7 +19,7 @@ from tierserve.core.sampling import SamplingParams
 from tierserve.engine.config import EngineConfig
 from tierserve.engine.engine import Engine
 from tierserve.engine.loop import EngineLoop
-from tierserve.model.draft import derive_draft
+from tierserve.model.draft import BUILTIN_DRAFT_LAYERS, derive_draft
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
 
@@ -187,3 +189,24 @@ def test_node_roles_refuse_a_draft(tiny_llama: Path, drafts: dict[str, Path], ca
                                       "--speculative-draft-model-path", str(drafts["layer0"])])
     assert args.func(args) == 2
     assert "tierserve serve only" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_builtin_draft_from_model_fetch_is_lossless(builtin_model: Path, tmp_path: Path, capsys) -> None:
+    """``tierserve model fetch --draft`` prints a folder holding the built-in model's chosen layers;
+    speculating with it leaves greedy output unchanged, batched."""
+    args = build_parser().parse_args(["model", "fetch", "--draft", "--cache-dir", str(tmp_path)])
+    assert args.func(args) == 0
+    draft = Path(capsys.readouterr().out.strip().splitlines()[-1])
+    assert json.loads((draft / "config.json").read_text())["num_hidden_layers"] == len(BUILTIN_DRAFT_LAYERS)
+    ours, theirs = load_file(str(draft / "model.safetensors")), load_file(str(builtin_model / "model.safetensors"))
+    last = len(BUILTIN_DRAFT_LAYERS) - 1
+    name = "model.layers.{}.mlp.down_proj.weight"
+    assert torch.equal(ours[name.format(last)], theirs[name.format(BUILTIN_DRAFT_LAYERS[-1])])
+    prompts = [[1, 504, 3458, 282, 4649, 314], [1, 378, 2634, 15205, 17, 216, 216], [1, 33, 30, 34, 30, 35, 30]]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    expected = Engine(EngineConfig(builtin_model, dtype="float32", max_total_tokens=2048)).generate(prompts, params)
+    engine = Engine(EngineConfig(builtin_model, dtype="float32", max_total_tokens=2048,
+                                 speculative_draft_model_path=draft, speculative_num_draft_tokens=4))
+    assert engine.generate(prompts, params) == expected
+    assert engine.spec.counters.draft_tokens > 0
