@@ -210,3 +210,20 @@ def test_builtin_draft_from_model_fetch_is_lossless(builtin_model: Path, tmp_pat
                                  speculative_draft_model_path=draft, speculative_num_draft_tokens=4))
     assert engine.generate(prompts, params) == expected
     assert engine.spec.counters.draft_tokens > 0
+
+
+def test_bench_reads_speculative_usage_into_its_report() -> None:
+    from tierserve.bench.client import _read_usage
+    from tierserve.bench.records import RequestRecord
+    from tierserve.bench.report import Report
+
+    records = [RequestRecord(i, {}, 0.0, ok=True) for i in range(2)]
+    for record, (drafted, accepted) in zip(records, [(10, 4), (6, 0)], strict=True):
+        _read_usage({"prompt_tokens": 5, "completion_tokens": 9,
+                     "speculative": {"draft_tokens": drafted, "accepted_tokens": accepted}}, record)
+    report = Report(records, 1.0, {})
+    assert report.summary()["speculative"] == {"draft_tokens": 16, "accepted_tokens": 4, "acceptance_rate": 0.25}
+    assert "speculative: 25.0% of 16 draft tokens accepted" in report.table()
+    _read_usage({"prompt_tokens": 5, "completion_tokens": 9}, records[0])  # a server without a draft
+    _read_usage({"prompt_tokens": 5, "completion_tokens": 9}, records[1])
+    assert Report(records, 1.0, {}).summary()["speculative"] is None
