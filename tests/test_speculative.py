@@ -183,7 +183,7 @@ def test_bad_speculative_flags_are_refused_at_start(tiny_llama: Path, drafts: di
     assert message in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("role", ["prefill", "decode"])
+@pytest.mark.parametrize("role", ["prefill", "decode", "up"])
 def test_node_roles_refuse_a_draft(tiny_llama: Path, drafts: dict[str, Path], capsys, role: str) -> None:
     args = build_parser().parse_args([role, "--model", str(tiny_llama),
                                       "--speculative-draft-model-path", str(drafts["layer0"])])
