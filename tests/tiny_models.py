@@ -9,11 +9,12 @@ import torch
 FAMILIES = ("llama", "qwen2", "qwen3")
 
 
-def _config(family: str, max_position: int = 512, heads: int = 4, kv_heads: int = 2, layers: int = 2):
+def _config(family: str, max_position: int = 512, heads: int = 4, kv_heads: int = 2, layers: int = 2,
+            vocab_size: int = 384):
     import transformers
 
     common = dict(
-        vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_position,
         initializer_range=0.2, rms_norm_eps=1e-6, tie_word_embeddings=False,
         bos_token_id=0, eos_token_id=1,
@@ -28,16 +29,16 @@ def _config(family: str, max_position: int = 512, heads: int = 4, kv_heads: int 
 
 
 def make_tiny_model(family: str, out_dir: Path, seed: int = 0, max_position: int = 512, heads: int = 4,
-                    kv_heads: int = 2, layers: int = 2) -> Path:
+                    kv_heads: int = 2, layers: int = 2, vocab_size: int = 384) -> Path:
     """Saves a random ``family`` model to ``out_dir`` and returns it. Qwen2's q/k/v biases and
     Qwen3's q/k norms get random non-trivial values (their defaults, zero and one, hide bugs).
     ``max_position`` is the model's context length (max_position_embeddings); ``heads`` and
     ``kv_heads`` its attention and KV heads (Llama and Qwen3 keep head_dim 16, Qwen2 has 64 / heads);
-    ``layers`` its decoder layers."""
+    ``layers`` its decoder layers, ``vocab_size`` its tokens (ids 0 and 1 are BOS and EOS)."""
     import transformers
 
     torch.manual_seed(seed)
-    config = _config(family, max_position, heads, kv_heads, layers)
+    config = _config(family, max_position, heads, kv_heads, layers, vocab_size)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -58,3 +59,24 @@ def add_word_tokenizer(model_dir: Path, vocab_size: int = 384) -> Path:
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer.save(str(model_dir / "tokenizer.json"))
     return model_dir
+
+
+def make_noisy_draft(target_dir: Path, out_dir: Path, scale: float, seed: int = 0) -> Path:
+    """A draft model for ``target_dir``: its weights plus Gaussian noise of ``scale`` times each
+    tensor's standard deviation, so the draft agrees with the target often but not always."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for file in sorted(target_dir.glob("*.safetensors")):
+        for name, t in load_file(str(file)).items():
+            noise = torch.randn(t.shape, generator=gen) * scale * (t.float().std() if t.numel() > 1 else 0)
+            tensors[name] = (t.float() + noise).to(t.dtype)
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    for name in ("config.json", "generation_config.json", "tokenizer.json"):
+        if (target_dir / name).is_file():
+            shutil.copy(target_dir / name, out_dir / name)
+    return out_dir

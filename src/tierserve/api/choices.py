@@ -133,8 +133,10 @@ class Choices:
         outs = [(j, self._last[j.index]) for j in self._jobs if j.index in self._last]
         heads = [o for j, o in outs if j.counts_prompt]  # a prompt counts once however many choices
         by_tier = {t: sum(o.cached_by_tier.get(t, 0) for o in heads) for t in TIERS}
+        drafted = sum(o.spec_draft_tokens for _, o in outs)
+        spec = oa.SpeculativeUsage(draft_tokens=drafted, accepted_tokens=sum(o.spec_accepted_tokens for _, o in outs))
         return oa.Usage.build(sum(o.prompt_tokens for o in heads), sum(o.completion_tokens for _, o in outs),
-                              sum(o.cached_tokens for o in heads), by_tier)
+                              sum(o.cached_tokens for o in heads), by_tier, spec if drafted else None)
 
 
 def _reason(out: RequestOutput | None) -> str | None:

@@ -22,6 +22,9 @@ _ENGINE_GAUGES = {
 _ENGINE_COUNTERS = {
     "preemptions": "tierserve_preemptions",
     "reservation_leases_expired": "tierserve_reservation_leases_expired",
+    "spec_draft_tokens": "tierserve_spec_draft_tokens",
+    "spec_accepted_tokens": "tierserve_spec_accepted_tokens",
+    "spec_verify_steps": "tierserve_spec_verify_steps",
 }
 
 
@@ -35,13 +38,17 @@ class StatsSource(Protocol):
 class EngineCollector:
     """Exports one stats snapshot per scrape: occupancy gauges, and the prefix cache's ``cache_*``
     keys as ``tierserve_cache_*`` (keys ending in ``_total`` are counters); under CP the gather clock's
-    ``cp_gather_*_seconds_total`` and the merge clock's ``cp_merge_*_total`` as ``tierserve_cp_*`` counters."""
+    ``cp_gather_*_seconds_total`` and the merge clock's ``cp_merge_*_total`` as ``tierserve_cp_*`` counters;
+    with speculative decoding the draft counters and, from them, the acceptance rate and tokens per
+    verification step."""
 
     def __init__(self, engine: StatsSource) -> None:
         self.engine = engine
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        for key, value in self.engine.stats().items():
+        stats = self.engine.stats()
+        yield from _speculative(stats)
+        for key, value in stats.items():
             if key in _ENGINE_GAUGES:
                 yield GaugeMetricFamily(_ENGINE_GAUGES[key], key.replace("_", " "), value=value)
             if key in _ENGINE_COUNTERS:
@@ -55,3 +62,16 @@ class EngineCollector:
                 yield CounterMetricFamily(name.removesuffix("_total"), key.replace("_", " "), value=value)
             else:
                 yield GaugeMetricFamily(name, key.replace("_", " "), value=value)
+
+
+def _speculative(stats: dict[str, float]) -> Iterator[GaugeMetricFamily]:
+    """Acceptance rate (accepted / proposed draft tokens) and accepted tokens per verification
+    step (the drafts kept plus the target's own token), since start; nothing without a draft."""
+    steps, drafted = stats.get("spec_verify_steps"), stats.get("spec_draft_tokens")
+    if steps is None or drafted is None:
+        return
+    accepted = stats.get("spec_accepted_tokens", 0)
+    yield GaugeMetricFamily("tierserve_spec_acceptance_rate", "accepted / proposed draft tokens",
+                            value=accepted / drafted if drafted else 0.0)
+    yield GaugeMetricFamily("tierserve_spec_accepted_tokens_per_step", "tokens appended per verification step",
+                            value=(accepted + steps) / steps if steps else 0.0)

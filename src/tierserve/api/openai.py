@@ -255,19 +255,30 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
 
 
+class SpeculativeUsage(BaseModel):
+    """Extension: speculative decoding's draft tokens proposed and accepted for the response."""
+
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
     cached_tokens_by_tier: CachedTokensByTier
+    speculative: SpeculativeUsage | None = Field(default=None, exclude_if=lambda v: v is None)
 
     @classmethod
-    def build(cls, prompt: int, completion: int, cached: int, by_tier: dict[str, int]) -> Usage:
+    def build(cls, prompt: int, completion: int, cached: int, by_tier: dict[str, int],
+              speculative: SpeculativeUsage | None = None) -> Usage:
+        """``speculative``: present only when draft tokens were proposed (a server with a draft model)."""
         tiers = CachedTokensByTier(**{t: by_tier.get(t, 0) for t in TIERS})
         return cls(
             prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
             prompt_tokens_details=PromptTokensDetails(cached_tokens=cached), cached_tokens_by_tier=tiers,
+            speculative=speculative,
         )
 
 

@@ -187,6 +187,9 @@ def _read_usage(usage: dict[str, Any], record: RequestRecord) -> None:
     record.cached_tokens = int(details.get("cached_tokens") or 0)
     tiers = usage.get("cached_tokens_by_tier") or {}
     record.cached_by_tier = {t: int(tiers.get(t) or 0) for t in TIERS}
+    spec = usage.get("speculative") or {}
+    record.draft_tokens = int(spec.get("draft_tokens") or 0)
+    record.accepted_tokens = int(spec.get("accepted_tokens") or 0)
 
 
 def _error_message(text: str) -> str:

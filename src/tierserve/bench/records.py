@@ -54,6 +54,8 @@ class RequestRecord:
     cached_tokens: int = 0
     cached_by_tier: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
     sent_prompt_tokens: int | None = None  # known when the prompt was token ids
+    draft_tokens: int = 0  # speculative decoding (``usage.speculative``): drafts proposed and accepted
+    accepted_tokens: int = 0
     ideal_cached_tokens: int | None = None  # filled after the run, once every prompt is known
     text: str = ""  # the answer; not written to JSON (it can be large, and multiturn needs it only live)
 

@@ -104,6 +104,7 @@ class Report:
             "hit_rate_by_round": self.hit_rate_by_round(),
             "ideal_hit_rate": ideal,
             "efficiency": efficiency(rate, ideal),
+            "speculative": speculative(ok),
         }
 
     def hit_rate_by_round(self) -> dict[int, float | None]:
@@ -152,7 +153,20 @@ def format_table(s: dict[str, Any], meta: dict[str, Any]) -> str:
     lines.append(_ideal_line(s, meta.get("ideal") or {}))
     if s["hit_rate_by_round"]:
         lines.append("by round: " + ", ".join(f"{k}: {_pct(v)}" for k, v in s["hit_rate_by_round"].items()))
+    if s.get("speculative"):
+        spec = s["speculative"]
+        lines.append(f"speculative: {_pct(spec['acceptance_rate'])} of {spec['draft_tokens']} draft tokens accepted")
     return "\n".join(lines)
+
+
+def speculative(records: list[RequestRecord]) -> dict[str, Any] | None:
+    """Draft tokens proposed and accepted over ``records`` and the acceptance rate; None when the
+    server proposed none (no draft model)."""
+    drafted = sum(r.draft_tokens for r in records)
+    if not drafted:
+        return None
+    accepted = sum(r.accepted_tokens for r in records)
+    return {"draft_tokens": drafted, "accepted_tokens": accepted, "acceptance_rate": accepted / drafted}
 
 
 def _ideal_line(s: dict[str, Any], ideal: dict[str, Any]) -> str:

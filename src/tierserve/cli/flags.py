@@ -25,6 +25,8 @@ from tierserve.engine.config import CPAttention, EngineConfig
 log = logging.getLogger("tierserve")
 _DEFAULTS = EngineConfig(model_dir=Path())  # the config nobody set a flag of: every flag's default
 SWITCH = None  # ``Flag.parse`` of an on/off flag (``store_true``)
+SPEC_NODE_REFUSAL = ("--speculative-draft-model-path runs on tierserve serve only for now: prefill and decode "
+                     "nodes do not compute or hand over the draft's KV yet")
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,13 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
          'backend settings, e.g. {"path": "/cache"}, and prefetch_threshold / prefetch_timeout_*', json.loads),
     Flag("--hicache-storage-prefetch-policy", "hicache.prefetch_policy", "when a request stops waiting for L3",
          PrefetchPolicy),
+    # Speculative decoding with a draft model, named as in SGLang (docs/architecture.md, Speculative decoding).
+    Flag("--speculative-draft-model-path", "speculative_draft_model_path",
+         "draft model folder (same vocabulary): turns on speculative decoding (serve only)", Path),
+    Flag("--speculative-num-steps", "speculative_num_steps", "draft tokens proposed per step, in a chain "
+         "(default 3)", int),
+    Flag("--speculative-num-draft-tokens", "speculative_num_draft_tokens",
+         "tokens verified per step: the last accepted one plus the drafts (= steps + 1)", int),
 )
 
 

@@ -28,7 +28,7 @@ def cmd_serve(args: argparse.Namespace, on_ready: Callable[[], None] | None = No
     """Loads the engine and serves it until SIGINT/SIGTERM, then stops the engine thread (and the
     other ranks); 2 for a usage error, such as a TP or PP size the model cannot be split over."""
     config = node_engine_config(args)
-    if config is None or not _fits(config):
+    if config is None or not _fits(config) or not _draft_fits(config):
         return 2
     if config.num_ranks == 1:
         from tierserve.engine.engine import Engine
@@ -49,6 +49,20 @@ def _fits(config: EngineConfig) -> bool:
             else f"--tp-size {config.tp_size}"
         print(f"tierserve: {sizes} does not fit {config.model_dir.name}: {problem}", file=sys.stderr)
     return problem is None
+
+
+def _draft_fits(config: EngineConfig) -> bool:
+    """Refuses, before loading anything, a draft model that cannot draft for the target."""
+    if config.speculative_draft_model_path is None:
+        return True
+    from tierserve.engine.speculative import DraftMismatchError, check_draft
+
+    try:
+        check_draft(config.model_dir, config.speculative_draft_model_path, config.max_model_len)
+    except DraftMismatchError as exc:
+        print(f"tierserve: {exc}", file=sys.stderr)
+        return False
+    return True
 
 
 def _serve_ranks(args: argparse.Namespace, config: EngineConfig, on_ready: Callable[[], None] | None) -> int:

@@ -10,7 +10,14 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from tierserve.cli.flags import add_engine_args, add_model_args, engine_config, engine_flags, model_dir
+from tierserve.cli.flags import (
+    SPEC_NODE_REFUSAL,
+    add_engine_args,
+    add_model_args,
+    engine_config,
+    engine_flags,
+    model_dir,
+)
 from tierserve.cli.router import add_policy_args
 from tierserve.engine.config import EngineConfig
 
@@ -79,6 +86,8 @@ def cmd_up(args: argparse.Namespace) -> int:
 def _check_sizes(args: argparse.Namespace, config: EngineConfig) -> None:
     """Each role's TP, PP and CP sizes, checked before any child starts (a node that cannot start
     would only be restarted until the crash-loop limit): ``ValueError`` saying why."""
+    if config.speculative_draft_model_path is not None:
+        raise ValueError(SPEC_NODE_REFUSAL)
     if config.tp_size != 1 or config.pp_size != 1 or config.cp_size != 1:
         raise ValueError("tierserve up: give the nodes' sizes with --prefill-tp-size, --decode-tp-size, "
                          "--prefill-cp-size, --prefill-pp-size and --decode-pp-size")

@@ -31,6 +31,8 @@ class RequestOutput:
     ``cached_tokens`` counts prompt tokens served from the prefix cache at admission, split by
     tier in ``cached_by_tier``. ``logprobs`` has one entry per new token when the request asked
     for them; ``prompt_logprobs`` one per prompt token (None for the first), in the first output only.
+    With speculative decoding, ``spec_draft_tokens`` draft tokens were proposed for the request so
+    far and ``spec_accepted_tokens`` of them accepted.
     """
 
     request_id: str
@@ -45,6 +47,8 @@ class RequestOutput:
     error: str | None = None
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     @property
     def reason(self) -> str | None:

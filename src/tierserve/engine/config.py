@@ -9,6 +9,8 @@ from pathlib import Path
 
 from tierserve.cache.options import CacheKind, HiCacheOptions
 
+DEFAULT_SPEC_STEPS = 3
+
 
 class CPAttention(Enum):
     """How a CP rank's attention reads the pages other ranks own (docs/architecture.md, Context
@@ -29,7 +31,11 @@ class EngineConfig:
     between them gives up after ``dist_timeout_s`` (docs/architecture.md, Ranks, Pipeline parallelism).
     ``cp_size`` ranks share the KV pages by context parallelism, each storing 1/cp_size of them
     (docs/architecture.md, Context parallelism), also in the host tier and L3; not yet with TP, PP or
-    the decode role; ``cp_attention`` says where attention merges instead of gathering."""
+    the decode role; ``cp_attention`` says where attention merges instead of gathering.
+    ``speculative_draft_model_path`` turns on speculative decoding with that draft
+    model (docs/architecture.md, Speculative decoding): ``speculative_num_steps`` draft tokens are
+    proposed in a chain and verified as ``speculative_num_draft_tokens`` = steps + 1 tokens per step
+    (SGLang's meaning with topk 1; give either, default 3 steps); not with TP, PP or CP."""
 
     model_dir: Path
     device: str = "auto"
@@ -50,6 +56,9 @@ class EngineConfig:
     cp_attention: CPAttention = CPAttention.MERGE
     base_gpu_id: int = 0
     dist_timeout_s: float = 120.0
+    speculative_draft_model_path: Path | None = None
+    speculative_num_steps: int | None = None
+    speculative_num_draft_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -59,6 +68,35 @@ class EngineConfig:
         if self.max_running_requests < 1:
             raise ValueError("max_running_requests must be at least 1")
         self._check_parallel()
+        self._check_speculative()
+
+    def _check_speculative(self) -> None:
+        """Flags that need a draft, step counts that disagree, and what drafts do not run with yet."""
+        steps, tokens = self.speculative_num_steps, self.speculative_num_draft_tokens
+        if self.speculative_draft_model_path is None:
+            if steps is not None or tokens is not None:
+                raise ValueError("--speculative-num-steps/--speculative-num-draft-tokens need "
+                                 "--speculative-draft-model-path")
+            return
+        if (steps is not None and steps < 1) or (tokens is not None and tokens < 2):
+            raise ValueError("speculative decoding needs at least 1 step (2 draft tokens, the first being "
+                             "the last accepted token)")
+        if steps is not None and tokens is not None and tokens != steps + 1:
+            raise ValueError(f"the draft proposes a chain (topk 1): --speculative-num-draft-tokens must be "
+                             f"--speculative-num-steps + 1, not {tokens} with {steps} steps")
+        if self.num_ranks > 1:
+            raise ValueError("--speculative-draft-model-path with --tp-size, --pp-size or --cp-size above 1 is "
+                             "not supported yet: the draft runs on a single engine")
+
+    @property
+    def spec_steps(self) -> int:
+        """Draft tokens proposed per step; 0 without a draft model."""
+        if self.speculative_draft_model_path is None:
+            return 0
+        if self.speculative_num_steps is not None:
+            return self.speculative_num_steps
+        tokens = self.speculative_num_draft_tokens
+        return tokens - 1 if tokens is not None else DEFAULT_SPEC_STEPS
 
     def _check_parallel(self) -> None:
         if self.tp_size < 1:

@@ -21,17 +21,18 @@ from tierserve.cache.hashing import Namespace
 from tierserve.cache.loads import HostLoadError, LayerwiseLoad
 from tierserve.cache.options import CacheKind, object_format
 from tierserve.core.model_config import ModelConfig
-from tierserve.core.outputs import TokenLogprob
 from tierserve.core.sampling import InvalidRequestError, SamplingParams
 from tierserve.core.storage import StorageAction, StorageKind
 from tierserve.engine import l3_admin
+from tierserve.engine.append import Appender, finish
 from tierserve.engine.config import EngineConfig
 from tierserve.engine.handoff import Handoff
-from tierserve.engine.model_runner import ModelRunner
+from tierserve.engine.model_runner import ModelRunner, StepResult
 from tierserve.engine.ranks import Ranks, single_rank
 from tierserve.engine.request import FinishReason, Request, RequestOutput, RequestStatus
 from tierserve.engine.reservations import DEFAULT_TERMS, Reservations, ReservationTerms
 from tierserve.engine.scheduler import Scheduler, SchedulerConfig, pages_for
+from tierserve.engine.speculative import SpecDecoder, draft_bytes_per_token
 from tierserve.engine.text_stream import TextStream
 from tierserve.engine.token_share import token_share
 from tierserve.model.identity import model_identity
@@ -75,12 +76,13 @@ class Engine:
             raise ValueError(f"context length {self.max_model_len} exceeds the model's "
                              f"{self.model_config.max_position} positions")
         self.tokenizer = _load_tokenizer(model_dir)
-        self.eos_ids = set(self.model_config.eos_token_ids) | _generation_eos(model_dir)
+        eos_ids = set(self.model_config.eos_token_ids) | _generation_eos(model_dir)
         heads = self.ranks.tp.heads(self.model_config.num_heads, self.model_config.num_kv_heads)
         self.kv_shard = self.ranks.kv_shard(heads, self.model_config.num_kv_heads, self.model_config.num_layers)
         self.geometry = KVGeometry(  # this rank's KV heads of its stage's layers only
             len(self.model.layer_ids), heads.kv_heads, self.model_config.head_dim, config.page_size, self.dtype,
         )
+        self.draft_bytes = draft_bytes_per_token(config, self.geometry, self.max_model_len)  # checks the draft
         # Page ids are the same on every rank, so every rank's pool has the smallest rank's page count.
         self.pool = DeviceKVPool(self.geometry, self.ranks.agree_min(self._num_pages()), self.device)
         self.num_pages = self.pool.num_pages * self.ranks.cp.size  # logical: a CP rank stores its share
@@ -91,13 +93,15 @@ class Engine:
             object_format(config.hicache.mem_layout),
         )
         self.cache = (prefix_cache or self._build_cache)(self.allocator, self.pool)
+        self.spec = SpecDecoder.of(config, self.model, self.pool)
         sched = SchedulerConfig(config.page_size, config.chunked_prefill_size, config.max_running_requests)
-        self.scheduler = Scheduler(sched, self.allocator, self.cache)
+        self.scheduler = Scheduler(sched, self.allocator, self.cache, self.spec.lookahead if self.spec else None)
         self.runner = ModelRunner(self.model, self.pool, self.device, token_share(self.ranks), self.ranks.cp,
                                   self.ranks.cp_merge, config.cp_attention)
         self.reservations = Reservations(self.allocator, self.cache, config.page_size)
         self.before_step: list[Callable[[], None]] = []  # e.g. a prefill node's handoff agreement
         self.requests: dict[str, Request] = {}
+        self.appender = Appender(eos_ids, self.max_model_len, self.requests, self.scheduler)
         self.failures: list[tuple[str, Exception]] = []
         self.last_batch_size = 0
         self._generate_ids = itertools.count()  # the same on every rank, as ids must be
@@ -105,6 +109,15 @@ class Engine:
                  "layers=%d-%d namespace=%s", model_dir.name, self.device, self.dtype, self.num_pages,
                  config.page_size, self.ranks.rank, self.ranks.size, self.ranks.pp.stage, self.ranks.pp.size,
                  self.model.layer_ids.start, self.model.layer_ids.stop - 1, self.namespace.digest())
+
+    @property
+    def eos_ids(self) -> set[int]:
+        """The token ids that end a request (unless ``ignore_eos``)."""
+        return self.appender.eos_ids
+
+    @eos_ids.setter
+    def eos_ids(self, ids: set[int]) -> None:
+        self.appender.eos_ids = ids
 
     @property
     def capacity_tokens(self) -> int:
@@ -154,7 +167,7 @@ class Engine:
         request.first_token_at = time.monotonic()
         self.requests[request_id] = request
         self.scheduler.running.append(request)
-        return self._append(request, first_token)
+        return self.appender.append(request, first_token)
 
     def cancel_reservation(self, request_id: str, writer_stopped: bool, now: float | None = None) -> bool:
         """Ends a reservation that will not run; see ``Reservations.cancel`` (``now`` as in ``reserve``)."""
@@ -175,7 +188,7 @@ class Engine:
         if request is None:
             return None
         self.scheduler.remove(request)
-        return self._finish(request, FinishReason.ABORT, [], "")
+        return finish(request, FinishReason.ABORT, [], "")
 
     def has_work(self) -> bool:
         """Requests, reservations, or cache copies that finish only through steps."""
@@ -198,7 +211,8 @@ class Engine:
             "reservation_staging_bytes": self.reservations.staging.used_bytes if self.reservations.staging else 0,
             "reservation_leases_expired": self.reservations.expired_leases,
             "handoff_pages_parked": sum(len(p.pages) for p in self.scheduler.parked),
-        } | {f"cache_{k}": v for k, v in self.cache.stats().items()} | self._gather_stats()
+        } | {f"cache_{k}": v for k, v in self.cache.stats().items()} | self._gather_stats() \
+            | (self.spec.counters.stats() if self.spec is not None else {})
 
     def _gather_stats(self) -> dict[str, float]:
         """Under CP, this rank's seconds spent waiting for per-layer gathers (``GatherClock``) and its
@@ -220,7 +234,7 @@ class Engine:
             return []
         started = time.perf_counter()
         try:
-            result = self.runner.run(batch)
+            result = self._run(batch)
         except HostLoadError as exc:  # only requests lent the failed copy fail; the rest rerun next step
             self._fail_loads(batch, exc)
             return []
@@ -229,12 +243,18 @@ class Engine:
         outputs = []
         for scheduled in batch:
             request = scheduled.request
+            rid = request.request_id
             request.advance(scheduled.num_tokens)
-            request.prompt_logprobs += result.logprobs.prompt.get(request.request_id, [])
-            token = result.tokens.get(request.request_id)
-            if token is not None:
-                outputs.append(self._append(request, token, result.logprobs.sampled.get(request.request_id)))
+            request.prompt_logprobs += result.logprobs.prompt.get(rid, [])
+            if rid in result.tokens:
+                outputs.append(self.appender.append_all(request, result.tokens[rid], result.logprobs.sampled.get(rid)))
+            if scheduled.draft_tokens and request.status is RequestStatus.RUNNING:
+                self.scheduler.trim(request)
         return outputs
+
+    def _run(self, batch: list) -> StepResult:
+        """The tokens each request of ``batch`` gets this step, in order (several when speculating)."""
+        return self.spec.run(batch) if self.spec is not None else self.runner.run(batch)
 
     def take_failures(self) -> list[tuple[str, Exception]]:
         """Requests that failed alone (e.g. their prefix's host copy could not be loaded) since the
@@ -283,52 +303,6 @@ class Engine:
                 raise exc
         return [done[rid] for rid in ids]
 
-    def _append(self, request: Request, token: int, logprob: TokenLogprob | None = None) -> RequestOutput:
-        request.output_ids.append(token)
-        text = request.text.push(token) if request.text is not None else ""
-        reason = self._finish_reason(request, token)
-        if reason is None:
-            return self._output(request, [token], text, logprob)
-        if request.text is not None:
-            text += request.text.flush()
-        self.requests.pop(request.request_id, None)
-        self.scheduler.remove(request)
-        return self._finish(request, reason, [token], text, logprob)
-
-    def _finish_reason(self, request: Request, token: int) -> FinishReason | None:
-        params = request.params
-        if len(request.output_ids) < params.min_tokens:  # EOS and stop ids were masked; stop strings wait
-            return FinishReason.LENGTH if request.num_tokens >= self.max_model_len else None
-        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_ids):
-            return FinishReason.STOP
-        if request.text is not None and request.text.stopped:
-            return FinishReason.STOP
-        if len(request.output_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
-            return FinishReason.LENGTH
-        return None
-
-    def _finish(self, request: Request, reason: FinishReason, tokens: list[int], text: str,
-                logprob: TokenLogprob | None = None) -> RequestOutput:
-        request.status, request.finish_reason = RequestStatus.FINISHED, reason
-        return self._output(request, tokens, text, logprob)
-
-    def _output(self, request: Request, tokens: list[int], text: str,
-                logprob: TokenLogprob | None = None) -> RequestOutput:
-        first = len(request.output_ids) == 1 and bool(tokens)
-        return RequestOutput(
-            request_id=request.request_id,
-            new_token_ids=tokens,
-            new_text=text,
-            finished=request.status is RequestStatus.FINISHED,
-            finish_reason=request.finish_reason,
-            prompt_tokens=len(request.prompt_ids),
-            completion_tokens=len(request.output_ids),
-            cached_tokens=request.cached_tokens,
-            cached_by_tier=dict(request.cached_by_tier),
-            logprobs=[logprob] if logprob is not None else None,
-            prompt_logprobs=list(request.prompt_logprobs) if first and request.prompt_logprobs else None,
-        )
-
     def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
         self._check_params(params)
         if request_id in self.requests:
@@ -370,7 +344,7 @@ class Engine:
         tokens = self.config.max_total_tokens
         if tokens is None and self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
-            tokens = int(free * self.config.mem_fraction_static) // self.geometry.bytes_per_token
+            tokens = int(free * self.config.mem_fraction_static) // (self.geometry.bytes_per_token + self.draft_bytes)
         tokens = tokens or CPU_DEFAULT_TOKENS
         return max(1, tokens // self.config.page_size)
 

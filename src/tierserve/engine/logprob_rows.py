@@ -23,9 +23,10 @@ ROWS_PER_SLICE = 256  # bounds the [rows, vocab] float32 logits a long echoed pr
 @dataclass
 class StepLogprobs:
     """The step's logprobs by request id (filled on the sampling rank only): ``sampled`` for the
-    token each request sampled, ``prompt`` for the prompt tokens its chunk completed, in order."""
+    tokens each request got (``StepResult.tokens``), ``prompt`` for the prompt tokens its chunk
+    completed, in order."""
 
-    sampled: dict[str, TokenLogprob] = field(default_factory=dict)
+    sampled: dict[str, list[TokenLogprob]] = field(default_factory=dict)
     prompt: dict[str, list[TokenLogprob]] = field(default_factory=dict)
 
 
@@ -67,11 +68,12 @@ def prompt_logprobs(hidden: torch.Tensor, wanted: list[PromptRows], logits: Logi
     return out
 
 
-def sampled_logprobs(logits: torch.Tensor, requests: list[Request], tokens: list[int]) -> dict[str, TokenLogprob]:
+def sampled_logprobs(logits: torch.Tensor, requests: list[Request], tokens: list[int]
+                     ) -> dict[str, list[TokenLogprob]]:
     """The logprob of each sampled token, for the requests that asked (none: no work at all)."""
     asked = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
     if not asked:
         return {}
     index = torch.tensor(asked, dtype=torch.int64, device=logits.device)
     values = token_logprobs(logits[index], [tokens[i] for i in asked], [requests[i].params.logprobs for i in asked])
-    return {requests[i].request_id: v for i, v in zip(asked, values, strict=True)}
+    return {requests[i].request_id: [v] for i, v in zip(asked, values, strict=True)}

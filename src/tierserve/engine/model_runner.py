@@ -23,9 +23,10 @@ from tierserve.model.sampling import SamplingBatch, sample
 
 @dataclass
 class StepResult:
-    """The token each request that completed its pending tokens sampled, and the step's logprobs."""
+    """The tokens each request that completed its pending tokens gets, in order (one, or with
+    speculative decoding the verified drafts and the target's own), and the step's logprobs."""
 
-    tokens: dict[str, int]
+    tokens: dict[str, list[int]]
     logprobs: StepLogprobs
 
 
@@ -60,7 +61,7 @@ class ModelRunner:
         decodes = [s for s in batch if _is_decode(s)]
         ordered = extends + decodes
         ids, positions, slots = self._flat_tokens(ordered)
-        attn = AttentionBatch(page_size=self.page_size, out_slots=slots, hooks=hooks or _step_hooks(batch))
+        attn = AttentionBatch(page_size=self.page_size, out_slots=slots, hooks=hooks or step_hooks(batch))
         attn.extends = self._extend_spans(extends)
         attn.decode_start = len(ids) - len(decodes)
         if decodes:
@@ -70,7 +71,7 @@ class ModelRunner:
         rows, sampled = _rows_to_sample(ordered)
         logprobs, prompt = StepLogprobs(), prompt_rows(ordered)
         tokens = self.tokens.share(ordered, len(rows), lambda: self._sample(hidden, rows, sampled, prompt, logprobs))
-        return StepResult({r.request_id: t for r, t in zip(sampled, tokens, strict=True)}, logprobs)
+        return StepResult({r.request_id: [t] for r, t in zip(sampled, tokens, strict=True)}, logprobs)
 
     def _context_parallel(self, ordered: list[Scheduled], attn: AttentionBatch) -> KVStore:
         """Every layer of a short step merges each rank's attention over its own pages
@@ -118,7 +119,7 @@ class ModelRunner:
         if not rows:
             return []
         logits = self.model.logits(hidden[self._tensor(rows)])
-        tokens = sample(logits, _sampling_batch(requests)).tolist()
+        tokens = sample(logits, sampling_batch(requests)).tolist()
         logprobs.sampled = sampled_logprobs(logits, requests, tokens)
         return tokens
 
@@ -177,7 +178,7 @@ class _StepHooks:
             s.request.handoff.on_layer(layer_id, s.request.pages, s.request.num_computed + s.num_tokens)
 
 
-def _step_hooks(batch: list[Scheduled]) -> _StepHooks | None:
+def step_hooks(batch: list[Scheduled]) -> _StepHooks | None:
     loads = [load for s in batch for load in s.request.hit.loads if not load.done()]
     handoffs = [s for s in batch if s.request.handoff is not None]
     return _StepHooks(loads, handoffs) if loads or handoffs else None
@@ -202,7 +203,7 @@ def _rows_to_sample(ordered: list[Scheduled]) -> tuple[list[int], list[Request]]
     return rows, requests
 
 
-def _sampling_batch(requests: list[Request]) -> SamplingBatch:
+def sampling_batch(requests: list[Request]) -> SamplingBatch:
     return SamplingBatch(
         temperatures=[0.0 if r.params.greedy else r.params.temperature for r in requests],
         top_ps=[r.params.top_p for r in requests],

@@ -54,6 +54,9 @@ class Request:
     arrival: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     handoff: Handoff | None = None  # where the prompt's KV goes as it is computed (prefill role)
+    draft_computed: int = 0  # speculative decoding: tokens with KV in the draft's pool (same pages)
+    spec_draft_tokens: int = 0  # draft tokens proposed for this request, and accepted
+    spec_accepted_tokens: int = 0
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     prompt_logprobs_next: int = 0  # set from params: 1, or the prompt length when none are asked
     banned: tuple[int, ...] = ()  # EOS and stop ids, never sampled before params.min_tokens

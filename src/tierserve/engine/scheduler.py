@@ -10,6 +10,7 @@ pages are released and it waits again at the head of the queue, to be recomputed
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tierserve.cache.allocator import PageAllocator
@@ -40,10 +41,12 @@ class _Parked:
 
 @dataclass
 class Scheduled:
-    """One request's share of a step: compute ``num_tokens`` tokens starting at ``request.num_computed``."""
+    """One request's share of a step: compute ``num_tokens`` tokens starting at ``request.num_computed``;
+    a decoding request may speculate up to ``draft_tokens`` more (their pages are secured)."""
 
     request: Request
     num_tokens: int
+    draft_tokens: int = 0
 
 
 def pages_for(num_tokens: int, page_size: int) -> int:
@@ -53,8 +56,11 @@ def pages_for(num_tokens: int, page_size: int) -> int:
 class Scheduler:
     """Decides what runs each step; owns the waiting queue, the running list and their pages."""
 
-    def __init__(self, config: SchedulerConfig, allocator: PageAllocator, cache: PrefixCache) -> None:
+    def __init__(self, config: SchedulerConfig, allocator: PageAllocator, cache: PrefixCache,
+                 lookahead: Callable[[Request], int] | None = None) -> None:
+        """``lookahead``: draft tokens a decoding request would speculate (speculative decoding)."""
         self.config = config
+        self.lookahead = lookahead
         self.allocator = allocator
         self.cache = cache
         self.waiting: deque[Request] = deque()
@@ -80,10 +86,23 @@ class Scheduler:
             decoding = request.tokens_to_compute() == 1 and request.num_computed > 0
             n = 1 if decoding else min(request.tokens_to_compute(), budget)
             if n and self._grow(request, n):
-                batch.append(Scheduled(request, n))
+                batch.append(Scheduled(request, n, self._drafts(request) if decoding else 0))
                 budget -= 0 if decoding else n
         self._admit(batch, budget)
         return batch
+
+    def _drafts(self, request: Request) -> int:
+        """Draft tokens ``request`` may speculate this step: pages for them are taken (evicting
+        cached pages if needed) but never by preempting another request."""
+        k = self.lookahead(request) if self.lookahead is not None else 0
+        return k if k and self._take_pages(request, request.num_computed + 1 + k) else 0
+
+    def trim(self, request: Request) -> None:
+        """Frees the pages past ``request``'s computed tokens (those of rejected draft tokens)."""
+        keep = max(pages_for(request.num_computed, self.config.page_size), len(request.hit.pages))
+        if len(request.pages) > keep:
+            self.allocator.free(request.pages[keep:])
+            del request.pages[keep:]
 
     def release(self, request: Request) -> None:
         """Gives the request's pages back (to the prefix cache, which frees what it does not keep);
@@ -133,6 +152,7 @@ class Scheduler:
         hit = self.cache.match(request.token_ids()[: request.cacheable_prefix()], request.prefetch, request.cache_salt)
         request.prefetch = None
         request.hit, request.pages, request.num_computed = hit, list(hit.pages), hit.num_tokens
+        request.draft_computed = 0  # the draft recomputes a cached prefix (docs/architecture.md, Speculative decoding)
         if not request.output_ids:  # a recomputation after preemption keeps its first report
             request.cached_tokens, request.cached_by_tier = hit.num_tokens, dict(hit.by_tier)
 

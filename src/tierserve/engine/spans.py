@@ -1,0 +1,76 @@
+"""One forward pass over free-form token spans: what speculative decoding runs, for the draft's chain
+and for the target's verification, where the tokens fed are not (yet) a request's own tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tierserve.cache.device_pool import DeviceKVPool
+from tierserve.engine.scheduler import pages_for
+from tierserve.model.attention import AttentionBatch, ExtendSpan, LayerHooks
+from tierserve.model.llama import CausalLM
+
+
+@dataclass(frozen=True)
+class Span:
+    """``ids`` at positions ``start, start + 1, ...`` of a sequence whose KV lives in ``pages`` (the
+    page table, page ids of ``pool``); positions before ``start`` are read from the pool."""
+
+    ids: list[int]
+    start: int
+    pages: list[int]
+
+    @property
+    def is_decode(self) -> bool:
+        return len(self.ids) == 1 and self.start > 0
+
+
+def forward(model: CausalLM, pool: DeviceKVPool, spans: list[Span], hooks: LayerHooks | None = None
+            ) -> list[torch.Tensor]:
+    """Writes every span's KV into ``pool`` and returns each span's final hidden states [len(ids),
+    hidden], in the order of ``spans``. Extends attend one by one, single-token decodes in one
+    padded batch (as ``ModelRunner.run``)."""
+    device = pool.buffer.device
+    order = [i for i, s in enumerate(spans) if not s.is_decode] + [i for i, s in enumerate(spans) if s.is_decode]
+    ordered = [spans[i] for i in order]
+    ids = [t for s in ordered for t in s.ids]
+    positions = [s.start + j for s in ordered for j in range(len(s.ids))]
+    pages = [s.pages[p // pool.page_size] for s in ordered for p in range(s.start, s.start + len(s.ids))]
+    pos = _tensor(positions, device)
+    slots = _tensor(pages, device) * pool.page_size + pos % pool.page_size
+    decodes = [s for s in ordered if s.is_decode]
+    attn = AttentionBatch(page_size=pool.page_size, out_slots=slots, hooks=hooks)
+    attn.extends = _extends([s for s in ordered if not s.is_decode], pool.page_size, device)
+    attn.decode_start = len(ids) - len(decodes)
+    if decodes:
+        attn.decode_pages, attn.decode_mask = _decode_tables(decodes, pool.page_size, device)
+    hidden = model(_tensor(ids, device), pos, attn, pool)
+    starts = [0]
+    for s in ordered:
+        starts.append(starts[-1] + len(s.ids))
+    rows = {i: hidden[starts[k]: starts[k + 1]] for k, i in enumerate(order)}
+    return [rows[i] for i in range(len(spans))]
+
+
+def _extends(spans: list[Span], page_size: int, device: torch.device) -> list[ExtendSpan]:
+    out, start = [], 0
+    for s in spans:
+        table = _tensor(s.pages[: pages_for(s.start + len(s.ids), page_size)], device) if s.start else None
+        out.append(ExtendSpan(start, len(s.ids), s.start, table))
+        start += len(s.ids)
+    return out
+
+
+def _decode_tables(decodes: list[Span], page_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    lengths = [s.start + 1 for s in decodes]
+    width = pages_for(max(lengths), page_size)
+    table = [s.pages[:width] + [0] * (width - len(s.pages[:width])) for s in decodes]
+    slots = torch.arange(width * page_size, device=device)
+    mask = slots[None, :] < _tensor(lengths, device)[:, None]
+    return _tensor(table, device), mask[:, None, None, :]
+
+
+def _tensor(values: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64, device=device)
