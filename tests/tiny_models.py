@@ -80,3 +80,23 @@ def make_noisy_draft(target_dir: Path, out_dir: Path, scale: float, seed: int = 
         if (target_dir / name).is_file():
             shutil.copy(target_dir / name, out_dir / name)
     return out_dir
+
+
+def widen_kv_heads(model_dir: Path, factor: int = 2) -> Path:
+    """Rewrites a Llama-family model in place with ``factor`` x its KV heads, each KV head repeated
+    for the query heads that shared it: the same model (same logits), KV rows of another shape (a
+    draft that needs the sidecar layout)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((model_dir / "config.json").read_text())
+    kv, dim = config["num_key_value_heads"], config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    for name, t in tensors.items():
+        if name.endswith(("k_proj.weight", "v_proj.weight", "k_proj.bias", "v_proj.bias")):
+            tensors[name] = t.view(kv, dim, *t.shape[1:]).repeat_interleave(factor, dim=0).flatten(0, 1).contiguous()
+    save_file(tensors, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
+    config["num_key_value_heads"] = kv * factor
+    (model_dir / "config.json").write_text(json.dumps(config))
+    return model_dir

@@ -10,6 +10,7 @@ from tierserve.cache.allocator import PageAllocator
 from tierserve.cache.base import NoPrefixCache, PrefixCache
 from tierserve.cache.cp_pages import PageOwnership
 from tierserve.cache.device_pool import DeviceKVPool
+from tierserve.cache.draft_kv import SidecarKV
 from tierserve.cache.hicache import HiCache, HiCacheConfig
 from tierserve.cache.host_pool import HostKVPool
 from tierserve.cache.options import CacheKind, HiCacheOptions
@@ -28,7 +29,8 @@ L3_TP_SIZES = "l3_tp_sizes"
 
 def build_cache(kind: CacheKind, allocator: PageAllocator, pool: DeviceKVPool, seed: bytes,
                 options: HiCacheOptions, shard: KVShard | None = None,
-                agreement: Agreement | None = None, ownership: PageOwnership | None = None) -> PrefixCache:
+                agreement: Agreement | None = None, ownership: PageOwnership | None = None,
+                draft: DeviceKVPool | None = None) -> PrefixCache:
     """The cache of ``kind`` over ``pool`` (whose pages ``allocator`` hands out), keyed under the
     namespace ``seed``; ``options`` configure the host tier and L3 of the hierarchical cache.
 
@@ -36,7 +38,9 @@ def build_cache(kind: CacheKind, allocator: PageAllocator, pool: DeviceKVPool, s
     over the node's ranks (``docs/architecture.md``, multi-rank agreement); every rank must call
     this with the same ``kind`` and ``options``, as it runs one collective (L2's page count).
     ``ownership``: a CP rank's pages (its L1 and, in the hierarchical cache, its L2 and L3 copies:
-    each rank's host pool holds the agreed page count of its own pages, ``cache/cp_host.py``)."""
+    each rank's host pool holds the agreed page count of its own pages, ``cache/cp_host.py``).
+    ``draft``: a speculative draft's own device pool (the sidecar layout): the hierarchical cache
+    gives it a host pool of L2's page count and copies it with the target's pages."""
     if kind is CacheKind.NONE:
         return NoPrefixCache(allocator)
     if kind is CacheKind.RADIX:
@@ -51,7 +55,8 @@ def build_cache(kind: CacheKind, allocator: PageAllocator, pool: DeviceKVPool, s
         else None
     if options.storage_config.get(SKIP_AGREEMENT):  # test-only: shows what the agreement prevents
         agreement = SingleRank()
-    return HiCache(allocator, pool, host, seed, hicache_config(options), storage, agreement, shard, ownership)
+    sidecar = SidecarKV.beside(draft, host, pinned) if draft is not None else None
+    return HiCache(allocator, pool, host, seed, hicache_config(options), storage, agreement, shard, ownership, sidecar)
 
 
 def cluster_shard(shard: KVShard, config: dict) -> KVShard:

@@ -23,7 +23,9 @@ class Namespace:
     ``model`` identifies the weights (e.g. a digest of the checkpoint), ``salt`` the tenant
     (``cache_salt``): requests with different salts never share cached KV. ``object_format`` is
     the byte order of a page as an L3 object (``page_first`` or ``page_first_direct``): the same
-    tokens stored in another order are other bytes, so they get other keys.
+    tokens stored in another order are other bytes, so they get other keys. ``draft``: with
+    speculative decoding, the draft's identity and layout (its KV is cached with the target's);
+    empty without one, which leaves the seed as it was.
     """
 
     model: str
@@ -34,10 +36,13 @@ class Namespace:
     head_dim: int
     object_format: str = ""
     salt: str = ""
+    draft: str = ""
 
     def seed(self) -> bytes:
         fields = asdict(self)
         salt = fields.pop("salt")
+        if not fields["draft"]:
+            fields.pop("draft")
         return salted_seed(hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).digest(), salt)
 
     def digest(self) -> str:

@@ -22,9 +22,10 @@ from tierserve.cache.base import PrefixHit, Snapshot
 from tierserve.cache.cp_host import owned_pairs
 from tierserve.cache.cp_pages import PageOwnership, alloc_continuing, alloc_like, until_fits
 from tierserve.cache.device_pool import DeviceKVPool
+from tierserve.cache.draft_kv import SidecarKV, copy_planes, load_layers
 from tierserve.cache.events import KVEventListener
 from tierserve.cache.hicache_admin import StorageAdmin
-from tierserve.cache.host_pool import HostKVPool, copy_pages
+from tierserve.cache.host_pool import HostKVPool
 from tierserve.cache.host_writes import WRITE_BACK_LOW_WATERMARK, assign_host, dirty_lru, end_failed_write
 from tierserve.cache.loads import LayerwiseLoad, Loads
 from tierserve.cache.options import IOBackend, PrefetchPolicy, WritePolicy
@@ -71,11 +72,13 @@ class HiCache(StorageAdmin):
     def __init__(self, allocator: PageAllocator, device: DeviceKVPool, host: HostKVPool, seed: bytes,
                  config: HiCacheConfig, storage: StorageBackend | None = None,
                  agreement: Agreement | None = None, shard: KVShard | None = None,
-                 ownership: PageOwnership | None = None) -> None:
+                 ownership: PageOwnership | None = None, sidecar: SidecarKV | None = None) -> None:
         """``shard``: the heads of every page this rank holds (default: all of the host pool's, one
         rank); ``agreement``: how the ranks agree on what finished (default: one rank);
-        ``ownership``: which pages this CP rank stores (default: all, no CP)."""
+        ``ownership``: which pages this CP rank stores (default: all, no CP); ``sidecar``: a
+        speculative draft's pools, copied with the target's pages (``cache/draft_kv.py``)."""
         self.allocator, self.device, self.host, self.config = allocator, device, host, config
+        self.sidecar = sidecar
         self.ownership = ownership or PageOwnership()
         self.shard = shard or KVShard.whole(host.geometry.num_kv_heads)
         self.page_size = device.page_size
@@ -318,7 +321,8 @@ class HiCache(StorageAdmin):
         """Copies between L1 and L2 the pairs this rank stores (under CP, those it owns)."""
         if self.ownership.size > 1:
             device_pages, host_pages = owned_pairs(self.ownership, device_pages, host_pages)
-        copy_pages(self.device, self.host, device_pages, host_pages, to_host, self.config.io_backend, layers)
+        copy_planes(self.device, self.host, self.sidecar, device_pages, host_pages, to_host, self.config.io_backend,
+                    layers)
 
     def _write_async(self, node: Node) -> None:
         device_pages = list(node.device)
@@ -361,7 +365,7 @@ class HiCache(StorageAdmin):
         device_pages = self._device_pages_like(host_pages)
         if device_pages is None:
             return None
-        load = LayerwiseLoad(self.device.geometry.num_layers)
+        load = LayerwiseLoad(load_layers(self.device, self.sidecar))  # its events cover a sidecar's copies
         start = 0
         for n in nodes:
             self.tree.set_device(n, device_pages[start : start + n.num_pages])
@@ -376,7 +380,6 @@ class HiCache(StorageAdmin):
         self.loads.started(load)
         self.counters["l2_load_pages_total"] += len(host_pages)
         return load
-
 
     def _device_pages_like(self, host_pages: list[int]) -> list[int] | None:
         """Device pages to restore ``host_pages`` into, each of its host page's owner (so that the

@@ -12,6 +12,7 @@ from tierserve.core.storage import StorageAction, StorageBusyError
 
 if TYPE_CHECKING:
     from tierserve.cache.cp_pages import PageOwnership
+    from tierserve.cache.draft_kv import SidecarKV
     from tierserve.cache.hicache import HiCacheConfig
     from tierserve.cache.host_pool import HostKVPool
     from tierserve.cache.radix_tree import RadixTree
@@ -22,6 +23,7 @@ class StorageAdmin:
     """The L3 admin half of ``HiCache`` (a mixin over its attributes below)."""
 
     storage: StorageTier | None
+    sidecar: SidecarKV | None
     host: HostKVPool
     tree: RadixTree
     config: HiCacheConfig
@@ -50,7 +52,7 @@ class StorageAdmin:
         if self.storage is not None:
             raise StorageBusyError("an L3 backend is already attached: detach it first")
         self.storage = StorageTier(storage, self.host, self.tree, self.config.prefetch, self._host_pages_after,
-                                   self.shard, self.ownership)
+                                   self.shard, self.ownership, self.sidecar.host if self.sidecar else None)
 
     def detach_storage(self) -> None:
         self._require_idle()

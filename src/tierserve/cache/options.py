@@ -25,6 +25,15 @@ class HostLayout(Enum):
     PAGE_FIRST_DIRECT = "page_first_direct"
 
 
+class DraftLayout(Enum):
+    """Where a speculative draft's KV lives beside the target's (docs/architecture.md, Speculative
+    decoding, draft KV in the cache)."""
+
+    AUTO = "auto"  # packed when the draft's KV rows are shaped like the target's, else sidecar
+    PACKED = "packed"  # the draft's layers follow the target's in one pool: one page, key, object for both
+    SIDECAR = "sidecar"  # the draft's own device and host pools, indexed by the target's page ids
+
+
 class IOBackend(Enum):
     """How L1 <-> L2 copies run: block by block, or one batched gather/scatter per layer."""
 

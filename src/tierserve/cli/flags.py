@@ -18,7 +18,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from tierserve.cache.options import HiCacheOptions, HostLayout, IOBackend, PrefetchPolicy, WritePolicy
+from tierserve.cache.options import DraftLayout, HiCacheOptions, HostLayout, IOBackend, PrefetchPolicy, WritePolicy
 from tierserve.core.storage import StorageKind
 from tierserve.engine.config import CPAttention, EngineConfig
 
@@ -77,11 +77,13 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
          PrefetchPolicy),
     # Speculative decoding with a draft model, named as in SGLang (docs/architecture.md, Speculative decoding).
     Flag("--speculative-draft-model-path", "speculative_draft_model_path",
-         "draft model folder (same vocabulary): turns on speculative decoding (serve only)", Path),
+         "draft model folder (same vocabulary): turns on speculative decoding", Path),
     Flag("--speculative-num-steps", "speculative_num_steps", "draft tokens proposed per step, in a chain "
          "(default 3)", int),
     Flag("--speculative-num-draft-tokens", "speculative_num_draft_tokens",
          "tokens verified per step: the last accepted one plus the drafts (= steps + 1)", int),
+    Flag("--speculative-draft-layout", "speculative_draft_layout", "where the draft's KV is cached: packed with "
+         "the target's pages, a sidecar pool, or auto (packed when the KV rows are shaped alike)", DraftLayout),
 )
 
 

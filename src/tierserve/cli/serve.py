@@ -55,7 +55,7 @@ def _draft_fits(config: EngineConfig) -> bool:
     """Refuses, before loading anything, a draft model that cannot draft for the target."""
     if config.speculative_draft_model_path is None:
         return True
-    from tierserve.engine.speculative import DraftMismatchError, check_draft
+    from tierserve.engine.draft_pools import DraftMismatchError, check_draft
 
     try:
         check_draft(config.model_dir, config.speculative_draft_model_path, config.max_model_len)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 
-from tierserve.cache.options import CacheKind, HiCacheOptions
+from tierserve.cache.options import CacheKind, DraftLayout, HiCacheOptions
 
 DEFAULT_SPEC_STEPS = 3
 
@@ -35,7 +35,8 @@ class EngineConfig:
     ``speculative_draft_model_path`` turns on speculative decoding with that draft
     model (docs/architecture.md, Speculative decoding): ``speculative_num_steps`` draft tokens are
     proposed in a chain and verified as ``speculative_num_draft_tokens`` = steps + 1 tokens per step
-    (SGLang's meaning with topk 1; give either, default 3 steps); not with TP, PP or CP."""
+    (SGLang's meaning with topk 1; give either, default 3 steps); not with TP, PP or CP.
+    ``speculative_draft_layout`` says where the draft's KV is cached (``DraftLayout``)."""
 
     model_dir: Path
     device: str = "auto"
@@ -59,6 +60,7 @@ class EngineConfig:
     speculative_draft_model_path: Path | None = None
     speculative_num_steps: int | None = None
     speculative_num_draft_tokens: int | None = None
+    speculative_draft_layout: DraftLayout = DraftLayout.AUTO
 
     def __post_init__(self) -> None:
         if self.page_size < 1:

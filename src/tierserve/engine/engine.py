@@ -26,13 +26,14 @@ from tierserve.core.storage import StorageAction, StorageKind
 from tierserve.engine import l3_admin
 from tierserve.engine.append import Appender, finish
 from tierserve.engine.config import EngineConfig
+from tierserve.engine.draft_pools import DraftPlan
 from tierserve.engine.handoff import Handoff
 from tierserve.engine.model_runner import ModelRunner, StepResult
 from tierserve.engine.ranks import Ranks, single_rank
 from tierserve.engine.request import FinishReason, Request, RequestOutput, RequestStatus
 from tierserve.engine.reservations import DEFAULT_TERMS, Reservations, ReservationTerms
 from tierserve.engine.scheduler import Scheduler, SchedulerConfig, pages_for
-from tierserve.engine.speculative import SpecDecoder, draft_bytes_per_token
+from tierserve.engine.speculative import SpecDecoder
 from tierserve.engine.text_stream import TextStream
 from tierserve.engine.token_share import token_share
 from tierserve.model.identity import model_identity
@@ -78,22 +79,27 @@ class Engine:
         self.tokenizer = _load_tokenizer(model_dir)
         eos_ids = set(self.model_config.eos_token_ids) | _generation_eos(model_dir)
         heads = self.ranks.tp.heads(self.model_config.num_heads, self.model_config.num_kv_heads)
-        self.kv_shard = self.ranks.kv_shard(heads, self.model_config.num_kv_heads, self.model_config.num_layers)
         self.geometry = KVGeometry(  # this rank's KV heads of its stage's layers only
             len(self.model.layer_ids), heads.kv_heads, self.model_config.head_dim, config.page_size, self.dtype,
         )
-        self.draft_bytes = draft_bytes_per_token(config, self.geometry, self.max_model_len)  # checks the draft
+        self.draft = DraftPlan.of(config, self.geometry, self.max_model_len)  # checks the draft
+        self.draft_bytes = self.draft.geometry.bytes_per_token if self.draft else 0
         # Page ids are the same on every rank, so every rank's pool has the smallest rank's page count.
-        self.pool = DeviceKVPool(self.geometry, self.ranks.agree_min(self._num_pages()), self.device)
+        pool_geometry = self.draft.pool_geometry(self.geometry) if self.draft else self.geometry
+        packed = pool_geometry.num_layers - self.geometry.num_layers  # a packed draft's layers: more of the page
+        self.kv_shard = self.ranks.kv_shard(heads, self.model_config.num_kv_heads, self.model_config.num_layers + packed)
+        self.pool = DeviceKVPool(pool_geometry, self.ranks.agree_min(self._num_pages()), self.device)
+        self.draft_pool = self.draft.sidecar_pool(self.pool.num_pages, self.device) if self.draft else None
         self.num_pages = self.pool.num_pages * self.ranks.cp.size  # logical: a CP rank stores its share
         self.allocator = page_allocator(self.ranks.cp, self.pool.num_pages)
         self.namespace = Namespace(  # the model's layers and KV heads, not this rank's: the same at any TP/PP/CP size
             model_identity(model_dir), str(self.dtype).removeprefix("torch."), config.page_size,
             self.model_config.num_layers, self.model_config.num_kv_heads, self.geometry.head_dim,
-            object_format(config.hicache.mem_layout),
+            object_format(config.hicache.mem_layout), draft=self.draft.identity if self.draft else "",
         )
         self.cache = (prefix_cache or self._build_cache)(self.allocator, self.pool)
-        self.spec = SpecDecoder.of(config, self.model, self.pool)
+        draft_kv = self.draft.store(self.pool, self.draft_pool, self.geometry.num_layers) if self.draft else None
+        self.spec = SpecDecoder.of(config, self.model, self.pool, draft_kv)
         sched = SchedulerConfig(config.page_size, config.chunked_prefill_size, config.max_running_requests)
         self.scheduler = Scheduler(sched, self.allocator, self.cache, self.spec.lookahead if self.spec else None)
         self.runner = ModelRunner(self.model, self.pool, self.device, token_share(self.ranks), self.ranks.cp,
@@ -164,6 +170,7 @@ class Engine:
         if request.generator is not None and not params.greedy:
             skip_draw(request.generator, self.model_config.vocab_size, self.device)  # the prefill drew it
         request.num_computed, request.status = len(request.prompt_ids), RequestStatus.RUNNING
+        request.draft_computed = request.num_computed  # the prefill node sent the draft's KV too
         request.first_token_at = time.monotonic()
         self.requests[request_id] = request
         self.scheduler.running.append(request)
@@ -338,7 +345,7 @@ class Engine:
 
     def _build_cache(self, allocator: PageAllocator, pool: DeviceKVPool) -> PrefixCache:
         return build_cache(self.config.cache_kind, allocator, pool, self.namespace.seed(), self.config.hicache,
-                           self.kv_shard, self.ranks.agreement(), self.ranks.cp)
+                           self.kv_shard, self.ranks.agreement(), self.ranks.cp, self.draft_pool)
 
     def _num_pages(self) -> int:
         tokens = self.config.max_total_tokens

@@ -107,12 +107,17 @@ class Scheduler:
     def release(self, request: Request) -> None:
         """Gives the request's pages back (to the prefix cache, which frees what it does not keep);
         while its handoff may still read them they are parked and given back by a later step."""
-        tokens = request.token_ids()
+        tokens, computed = request.token_ids(), self._cacheable(request)
         if request.handoff is not None and request.handoff.busy():
-            self.parked.append(_Parked(request, tokens, request.pages, request.num_computed, request.hit))
+            self.parked.append(_Parked(request, tokens, request.pages, computed, request.hit))
         else:
-            self.cache.release(tokens, request.pages, request.num_computed, request.hit)
+            self.cache.release(tokens, request.pages, computed, request.hit)
         request.pages, request.hit = [], PrefixHit()
+
+    def _cacheable(self, request: Request) -> int:
+        """Tokens whose KV the cache may keep: with a draft, only those whose draft KV is computed
+        too, so every cached page restores both (docs/architecture.md, Speculative decoding)."""
+        return min(request.num_computed, request.draft_computed) if self.lookahead else request.num_computed
 
     def _unpark(self) -> None:
         for p in [p for p in self.parked if not p.request.handoff.busy()]:
@@ -152,7 +157,7 @@ class Scheduler:
         hit = self.cache.match(request.token_ids()[: request.cacheable_prefix()], request.prefetch, request.cache_salt)
         request.prefetch = None
         request.hit, request.pages, request.num_computed = hit, list(hit.pages), hit.num_tokens
-        request.draft_computed = 0  # the draft recomputes a cached prefix (docs/architecture.md, Speculative decoding)
+        request.draft_computed = hit.num_tokens  # cached pages hold the draft's KV too (``_cacheable``)
         if not request.output_ids:  # a recomputation after preemption keeps its first report
             request.cached_tokens, request.cached_by_tier = hit.num_tokens, dict(hit.by_tier)
 

@@ -4,13 +4,22 @@ and for the target's verification, where the tokens fed are not (yet) a request'
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from tierserve.cache.device_pool import DeviceKVPool
 from tierserve.engine.scheduler import pages_for
-from tierserve.model.attention import AttentionBatch, ExtendSpan, LayerHooks
+from tierserve.model.attention import AttentionBatch, ExtendSpan, KVStore, LayerHooks
 from tierserve.model.llama import CausalLM
+
+
+class PagedKV(KVStore, Protocol):
+    """A KV pool's page size and arena (``DeviceKVPool``, or a packed pool's draft layers)."""
+
+    buffer: torch.Tensor
+
+    @property
+    def page_size(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -27,7 +36,7 @@ class Span:
         return len(self.ids) == 1 and self.start > 0
 
 
-def forward(model: CausalLM, pool: DeviceKVPool, spans: list[Span], hooks: LayerHooks | None = None
+def forward(model: CausalLM, pool: PagedKV, spans: list[Span], hooks: LayerHooks | None = None
             ) -> list[torch.Tensor]:
     """Writes every span's KV into ``pool`` and returns each span's final hidden states [len(ids),
     hidden], in the order of ``spans``. Extends attend one by one, single-token decodes in one

@@ -1,8 +1,9 @@
 """Speculative decoding with a draft model (docs/architecture.md, Speculative decoding).
 
-The draft's KV lives in its own device pool with the target's page count and page size, indexed by
-the same page ids: a request's page table (``Request.pages``) places its draft KV too, so there is
-no second allocator, and whatever frees or keeps a target page frees or keeps its draft page."""
+The draft's KV is indexed by the target's page ids (``engine/draft_pools.py``: more layers of the
+target's pool, or a sidecar pool): a request's page table (``Request.pages``) places its draft KV
+too, so there is no second allocator, and whatever frees, keeps, caches or restores a target page
+does the same to its draft rows."""
 
 from __future__ import annotations
 
@@ -11,53 +12,21 @@ from pathlib import Path
 
 import torch
 
-from tierserve.cache.device_pool import DeviceKVPool, KVGeometry
-from tierserve.core.model_config import ModelConfig
+from tierserve.cache.device_pool import DeviceKVPool
 from tierserve.core.outputs import TokenLogprob
 from tierserve.engine.config import EngineConfig
+from tierserve.engine.draft_pools import DraftKV
 from tierserve.engine.logprob_rows import StepLogprobs, prompt_logprobs, prompt_rows, sampled_logprobs
 from tierserve.engine.model_runner import StepResult, sampling_batch, step_hooks
 from tierserve.engine.request import Request
 from tierserve.engine.scheduler import Scheduled
 from tierserve.engine.spans import Span, forward
+from tierserve.model.attention import LayerHooks
 from tierserve.model.llama import CausalLM
 from tierserve.model.loader import load_model
 from tierserve.model.logprobs import token_logprobs
 from tierserve.model.sampling import sample
 from tierserve.model.spec_sampling import RowSampling, draw, verify
-
-
-class DraftMismatchError(ValueError):
-    """The draft model cannot serve this target (missing folder, other vocabulary, too short)."""
-
-
-def check_draft(target_dir: Path, draft_dir: Path, max_model_len: int | None = None) -> ModelConfig:
-    """The draft's config, or ``DraftMismatchError`` saying why ``draft_dir`` cannot draft for the
-    model in ``target_dir``: drafts are verified token id by token id, so vocabularies must match."""
-    if not (Path(draft_dir) / "config.json").is_file():
-        raise DraftMismatchError(f"--speculative-draft-model-path {draft_dir} is not a model folder (no config.json)")
-    target, draft = ModelConfig.from_dir(Path(target_dir)), ModelConfig.from_dir(Path(draft_dir))
-    if draft.vocab_size != target.vocab_size:
-        raise DraftMismatchError(f"the draft model's vocabulary ({draft.vocab_size} tokens) differs from the "
-                                 f"target's ({target.vocab_size}): drafts could not be verified")
-    needed = max_model_len or target.max_position
-    if draft.max_position < needed:
-        raise DraftMismatchError(f"the draft model has {draft.max_position} positions, the engine needs {needed}")
-    return draft
-
-
-def draft_geometry(draft: ModelConfig, target: KVGeometry) -> KVGeometry:
-    """The draft pool's shape: the draft's layers and heads, the target's page size and dtype."""
-    return KVGeometry(draft.num_layers, draft.num_kv_heads, draft.head_dim, target.page_size, target.dtype)
-
-
-def draft_bytes_per_token(config: EngineConfig, target: KVGeometry, max_model_len: int) -> int:
-    """The draft pool's bytes per token beside ``target``'s (0 without a draft), after
-    ``check_draft``: the KV pool's size on CUDA counts both pools."""
-    if config.speculative_draft_model_path is None:
-        return 0
-    draft = check_draft(config.model_dir, config.speculative_draft_model_path, max_model_len)
-    return draft_geometry(draft, target).bytes_per_token
 
 
 @dataclass
@@ -80,29 +49,25 @@ class SpecDecoder:
     tokens, the tokens to append in order (the engine advances ``num_computed`` by one per token
     after the first, the fed drafts whose KV is now part of the sequence).
 
-    Draft KV: ``Request.draft_computed`` tokens have KV in the draft pool. The draft catches up
-    lazily from there when a request decodes (its prompt, a cached prefix, a recomputation after
-    preemption), at most ``catch_up_tokens`` per step over the batch; a request still behind
-    decodes without drafts that step.
+    Draft KV: ``Request.draft_computed`` tokens have KV in the draft's rows. Every step the draft
+    computes what the target computes (prefill chunks after the target's pass, so a handoff gets
+    the draft's layers after the target's), and a speculating request's pending token before its
+    chain; a prefix restored from the cache brings its draft rows with it.
     """
 
-    def __init__(self, target: CausalLM, pool: DeviceKVPool, draft_dir: Path, steps: int, catch_up_tokens: int,
+    def __init__(self, target: CausalLM, pool: DeviceKVPool, draft_dir: Path, draft_kv: DraftKV, steps: int,
                  dtype: torch.dtype) -> None:
-        self.target, self.pool, self.steps = target, pool, steps
-        self.catch_up_tokens = catch_up_tokens
+        self.target, self.pool, self.steps, self.draft_kv = target, pool, steps, draft_kv
         self.draft = load_model(draft_dir, pool.buffer.device, dtype)
-        geometry = draft_geometry(self.draft.config, pool.geometry)
-        self.draft_pool = DeviceKVPool(geometry, pool.num_pages, pool.buffer.device)  # same page ids
         self.counters = SpecCounters()
 
     @classmethod
-    def of(cls, config: EngineConfig, target: CausalLM, pool: DeviceKVPool) -> SpecDecoder | None:
-        """The engine's decoder for ``config`` (None without a draft model); the draft catches up at
-        most a prefill chunk per step."""
-        if config.speculative_draft_model_path is None:
+    def of(cls, config: EngineConfig, target: CausalLM, pool: DeviceKVPool, draft_kv: DraftKV | None
+           ) -> SpecDecoder | None:
+        """The engine's decoder for ``config`` (None without a draft model)."""
+        if draft_kv is None or config.speculative_draft_model_path is None:
             return None
-        return cls(target, pool, config.speculative_draft_model_path, config.spec_steps, config.chunked_prefill_size,
-                   pool.geometry.dtype)
+        return cls(target, pool, config.speculative_draft_model_path, draft_kv, config.spec_steps, pool.geometry.dtype)
 
     def lookahead(self, request: Request) -> int:
         """Draft tokens worth proposing for ``request`` now: never more than it may still append minus
@@ -115,9 +80,11 @@ class SpecDecoder:
 
     @torch.inference_mode()
     def run(self, batch: list[Scheduled]) -> StepResult:
-        drafts = self._propose([s for s in batch if s.draft_tokens > 0])
+        hooks = step_hooks(batch)
+        drafts = self._propose([s for s in batch if s.draft_tokens > 0], hooks)
         spans = [self._target_span(s, drafts.get(s.request.request_id)) for s in batch]
-        hidden = forward(self.target, self.pool, spans, step_hooks(batch))
+        hidden = forward(self.target, self.pool, spans, hooks)
+        self._sync([s for s in batch if s.draft_tokens == 0], hooks)
         logprobs = StepLogprobs(prompt=self._prompt_logprobs(batch, hidden))
         out = StepResult({}, logprobs)
         plain = [i for i, s in enumerate(batch) if _completes(s) and s.request.request_id not in drafts]
@@ -165,16 +132,15 @@ class SpecDecoder:
             k = request.params.logprobs
             out.logprobs.sampled[request.request_id] = token_logprobs(logits[: len(kept)], kept, [k] * len(kept))
 
-    def _propose(self, spec: list[Scheduled]) -> dict[str, tuple[list[int], list]]:
-        """The draft's chain: per request whose draft KV caught up, (draft tokens, their q rows)."""
-        ready = self._catch_up(spec)
-        proposals: dict[str, tuple[list[int], list]] = {s.request.request_id: ([], []) for s, _ in ready}
-        live = ready
-        for step in range(max((s.draft_tokens for s, _ in ready), default=0)):
+    def _propose(self, spec: list[Scheduled], hooks: LayerHooks | None) -> dict[str, tuple[list[int], list]]:
+        """The draft's chain: per speculating request, (draft tokens, their q rows)."""
+        live = [(s, h[-1:]) for s, h in zip(spec, self._sync(spec, hooks), strict=True)]
+        proposals: dict[str, tuple[list[int], list]] = {s.request.request_id: ([], []) for s in spec}
+        for step in range(max((s.draft_tokens for s in spec), default=0)):
             if step:
                 spans = [self._chain_span(s.request, proposals[s.request.request_id][0]) for s, _ in live]
-                live = [(s, h[-1:]) for (s, _), h in zip(live, forward(self.draft, self.draft_pool, spans),
-                                                         strict=True)]
+                hidden = forward(self.draft, self.draft_kv.kv, spans)
+                live = [(s, h[-1:]) for (s, _), h in zip(live, hidden, strict=True)]
             tokens, dists = draw(self.draft.logits(torch.cat([h for _, h in live])), [_row(s.request) for s, _ in live])
             for (s, _), token, q in zip(live, tokens, dists, strict=True):
                 proposals[s.request.request_id][0].append(token)
@@ -185,22 +151,20 @@ class SpecDecoder:
     def _chain_span(self, request: Request, drafted: list[int]) -> Span:
         return Span([drafted[-1]], request.num_tokens - 1 + len(drafted), request.pages)
 
-    def _catch_up(self, spec: list[Scheduled]) -> list[tuple[Scheduled, torch.Tensor]]:
-        """Feeds the draft each request's tokens it has no KV for yet (within the step's budget);
-        returns the requests now level with the target and the draft's hidden state at their
-        pending token (what the first draft token is drawn from)."""
-        budget, spans, level = self.catch_up_tokens, [], []
-        for s in spec:
+    def _sync(self, batch: list[Scheduled], hooks: LayerHooks | None) -> list[torch.Tensor]:
+        """Feeds the draft each request's tokens it has no KV for, up to the end of what the target
+        computes this step (waiting for restored draft layers, telling handoffs of written ones);
+        returns the draft's hidden states per request (no rows where nothing was fed)."""
+        spans, fed = [], []
+        for s in batch:
             r = s.request
-            take = min(r.num_tokens - r.draft_computed, max(budget, 1))
-            budget -= take
-            spans.append(Span(r.tokens(r.draft_computed, r.draft_computed + take), r.draft_computed, r.pages))
-            r.draft_computed += take
-            level.append(r.draft_computed == r.num_tokens)
-        if not spans:
-            return []
-        hidden = forward(self.draft, self.draft_pool, spans)
-        return [(s, h[-1:]) for s, h, ok in zip(spec, hidden, level, strict=True) if ok]
+            end = r.num_computed + s.num_tokens
+            fed.append(r.draft_computed < end)
+            if fed[-1]:
+                spans.append(Span(r.tokens(r.draft_computed, end), r.draft_computed, r.pages))
+                r.draft_computed = end
+        hidden = iter(forward(self.draft, self.draft_kv.kv, spans, self.draft_kv.hooks(hooks)) if spans else [])
+        return [next(hidden) if f else torch.empty(0) for f in fed]
 
 
 def _completes(s: Scheduled) -> bool:

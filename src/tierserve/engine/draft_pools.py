@@ -1,0 +1,129 @@
+"""Where a speculative draft's KV lives beside the target's (docs/architecture.md, Speculative
+decoding, draft KV in the cache): checked and planned before the engine sizes its pools."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tierserve.cache.device_pool import DeviceKVPool, KVGeometry
+from tierserve.cache.options import DraftLayout
+from tierserve.core.model_config import ModelConfig
+from tierserve.engine.config import EngineConfig
+from tierserve.model.attention import KVStore, LayerHooks
+from tierserve.model.identity import model_identity
+
+
+class DraftMismatchError(ValueError):
+    """The draft model cannot serve this target (missing folder, other vocabulary, too short)."""
+
+
+def check_draft(target_dir: Path, draft_dir: Path, max_model_len: int | None = None) -> ModelConfig:
+    """The draft's config, or ``DraftMismatchError`` saying why ``draft_dir`` cannot draft for the
+    model in ``target_dir``: drafts are verified token id by token id, so vocabularies must match."""
+    if not (Path(draft_dir) / "config.json").is_file():
+        raise DraftMismatchError(f"--speculative-draft-model-path {draft_dir} is not a model folder (no config.json)")
+    target, draft = ModelConfig.from_dir(Path(target_dir)), ModelConfig.from_dir(Path(draft_dir))
+    if draft.vocab_size != target.vocab_size:
+        raise DraftMismatchError(f"the draft model's vocabulary ({draft.vocab_size} tokens) differs from the "
+                                 f"target's ({target.vocab_size}): drafts could not be verified")
+    needed = max_model_len or target.max_position
+    if draft.max_position < needed:
+        raise DraftMismatchError(f"the draft model has {draft.max_position} positions, the engine needs {needed}")
+    return draft
+
+
+def draft_geometry(draft: ModelConfig, target: KVGeometry) -> KVGeometry:
+    """The draft's KV shape: its layers and heads, the target's page size and dtype."""
+    return KVGeometry(draft.num_layers, draft.num_kv_heads, draft.head_dim, target.page_size, target.dtype)
+
+
+def resolve_layout(asked: DraftLayout, target: KVGeometry, draft: KVGeometry) -> DraftLayout:
+    """Packed needs the draft's KV rows shaped like the target's (heads, head size, dtype), so its
+    layers can be more layers of the same pages; ``AUTO`` packs whenever they are."""
+    fits = (draft.num_kv_heads, draft.head_dim, draft.dtype) == (target.num_kv_heads, target.head_dim, target.dtype)
+    if asked is DraftLayout.AUTO:
+        return DraftLayout.PACKED if fits else DraftLayout.SIDECAR
+    if asked is DraftLayout.PACKED and not fits:
+        raise DraftMismatchError(f"--speculative-draft-layout packed needs the draft's KV rows shaped like the "
+                                 f"target's: {draft.num_kv_heads} x {draft.head_dim} vs {target.num_kv_heads} x "
+                                 f"{target.head_dim} ({draft.dtype} vs {target.dtype}); use sidecar or auto")
+    return asked
+
+
+@dataclass(frozen=True)
+class DraftPlan:
+    """The draft's KV ``geometry`` and resolved ``layout``; ``identity`` names both in the cache
+    namespace (the draft's weights, and the layout: packed and sidecar store other bytes)."""
+
+    layout: DraftLayout
+    geometry: KVGeometry
+    identity: str
+
+    @classmethod
+    def of(cls, config: EngineConfig, target: KVGeometry, max_model_len: int) -> DraftPlan | None:
+        """The plan for ``config`` (None without a draft); raises ``DraftMismatchError``."""
+        path = config.speculative_draft_model_path
+        if path is None:
+            return None
+        geometry = draft_geometry(check_draft(config.model_dir, path, max_model_len), target)
+        layout = resolve_layout(config.speculative_draft_layout, target, geometry)
+        return cls(layout, geometry, f"{model_identity(Path(path))}/{layout.value}")
+
+    def pool_geometry(self, target: KVGeometry) -> KVGeometry:
+        """The engine pool's: packed, the target's layers then the draft's."""
+        if self.layout is not DraftLayout.PACKED:
+            return target
+        return dataclasses.replace(target, num_layers=target.num_layers + self.geometry.num_layers)
+
+    def sidecar_pool(self, num_pages: int, device: torch.device) -> DeviceKVPool | None:
+        """The sidecar's device pool, with the target pool's page ids; None when packed."""
+        return DeviceKVPool(self.geometry, num_pages, device) if self.layout is DraftLayout.SIDECAR else None
+
+    def store(self, pool: DeviceKVPool, sidecar: DeviceKVPool | None, target_layers: int) -> DraftKV:
+        kv = sidecar if sidecar is not None else OffsetKV(pool, target_layers)
+        return DraftKV(kv, target_layers)
+
+
+class OffsetKV:
+    """The draft's layers of a packed pool: draft layer i is pool layer ``offset + i``."""
+
+    def __init__(self, pool: DeviceKVPool, offset: int) -> None:
+        self.pool, self.offset, self.buffer = pool, offset, pool.buffer
+
+    @property
+    def page_size(self) -> int:
+        return self.pool.page_size
+
+    def layer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.pool.layer(self.offset + layer_id)
+
+
+class _OffsetHooks:
+    """A step's layer hooks as the draft sees them: its layer i is layer ``offset + i`` of the
+    step's loads (whose events cover the draft's copies) and handoffs (which send its KV)."""
+
+    def __init__(self, inner: LayerHooks, offset: int) -> None:
+        self.inner, self.offset = inner, offset
+
+    def before_attention(self, layer_id: int) -> None:
+        self.inner.before_attention(self.offset + layer_id)
+
+    def after_kv_written(self, layer_id: int) -> None:
+        self.inner.after_kv_written(self.offset + layer_id)
+
+
+@dataclass(frozen=True)
+class DraftKV:
+    """Where the draft model reads and writes its KV (``kv``: a packed pool's draft layers or the
+    sidecar pool, both indexed by the target's page ids); its layer i is layer ``offset + i`` of
+    loads and handoffs."""
+
+    kv: KVStore
+    offset: int
+
+    def hooks(self, inner: LayerHooks | None) -> LayerHooks | None:
+        return _OffsetHooks(inner, self.offset) if inner is not None else None

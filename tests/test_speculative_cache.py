@@ -1,0 +1,171 @@
+"""HiCache with draft state: the draft's KV is restored with the target's prefix from L1, L2 and
+L3, in the packed and the sidecar layout, checked by its effect on the draft's predictions: for
+greedy requests the accepted-draft counts with a cached prefix equal those with no cache, and
+corrupting the restored draft rows changes them (while the output stays the target's)."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_models import make_noisy_draft, widen_kv_heads
+
+from tierserve.cache.base import PrefixHit
+from tierserve.cache.hashing import Namespace
+from tierserve.cache.options import DraftLayout, HiCacheOptions, PrefetchPolicy
+from tierserve.core.sampling import SamplingParams
+from tierserve.engine.config import EngineConfig
+from tierserve.engine.engine import Engine
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+TIERS = ("device", "host", "storage")
+_IDS = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def drafts(tiny_llama: Path, tmp_path_factory) -> dict[DraftLayout, Path]:
+    """A draft that agrees with the tiny llama about half the time, in each layout: its KV rows
+    shaped like the target's (packed) or, the same model with twice the KV heads, not (sidecar)."""
+    root = tmp_path_factory.mktemp("drafts")
+    wide = widen_kv_heads(make_noisy_draft(tiny_llama, root / "wide", 0.03))
+    return {DraftLayout.PACKED: make_noisy_draft(tiny_llama, root / "noisy", 0.03), DraftLayout.SIDECAR: wide}
+
+
+def _prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(21)
+    return [torch.randint(2, 384, (40 + 5 * i,), generator=gen).tolist() for i in range(2)]
+
+
+def _engine(model: Path, draft: Path | None, l3: Path | None = None, cache: bool = True) -> Engine:
+    storage = {"storage_backend": "file", "storage_config": {"path": str(l3), "prefetch_threshold": 16}} if l3 else {}
+    opts = HiCacheOptions(ratio=2.0, prefetch_policy=PrefetchPolicy.WAIT_COMPLETE, **storage)
+    return Engine(EngineConfig(model, dtype="float32", page_size=4, max_total_tokens=1024, chunked_prefill_size=16,
+                               speculative_draft_model_path=draft, enable_hierarchical_cache=cache,
+                               disable_radix_cache=not cache, hicache=opts))
+
+
+def _run(engine: Engine, prompts: list[list[int]]) -> dict[int, dict]:
+    """Each prompt's output ids, accepted draft count and cached tokens by tier, run batched."""
+    ids = {f"p{i}-{next(_IDS)}": i for i in range(len(prompts))}
+    for rid, i in ids.items():
+        engine.add_request(rid, prompts[i], GREEDY)
+    out: dict[int, dict] = {i: {"ids": []} for i in ids.values()}
+    while engine.has_work():
+        for o in engine.step():
+            got = out[ids[o.request_id]]
+            got |= {"ids": got["ids"] + o.new_token_ids, "accepted": o.spec_accepted_tokens,
+                    "tiers": o.cached_by_tier}
+    return out
+
+
+def _draft_rows(engine: Engine) -> list[torch.Tensor]:
+    """The device tensors holding the draft's KV: a packed pool's last layers, or the sidecar pool."""
+    if engine.draft_pool is not None:
+        return [engine.draft_pool.buffer]
+    return [engine.pool.buffer[engine.geometry.num_layers :]]
+
+
+def _scribble(engine: Engine, pages: list[int]) -> None:
+    """Overwrites the draft's K and V rows of ``pages`` with noise."""
+    ps = engine.config.page_size
+    slots = torch.tensor([p * ps + j for p in pages for j in range(ps)])
+    for rows in _draft_rows(engine):
+        rows[:, :, slots] = torch.randn(rows[:, :, slots].shape) * 4
+
+
+@pytest.fixture(scope="module")
+def uncached(tiny_llama: Path, drafts: dict[DraftLayout, Path]) -> dict:
+    """Per layout, every prompt's output and accepted count on an engine without a prefix cache;
+    and the output without speculation."""
+    plain = _run(_engine(tiny_llama, None, cache=False), _prompts())
+    return {"plain": plain} | {layout: _run(_engine(tiny_llama, d, cache=False), _prompts())
+                               for layout, d in drafts.items()}
+
+
+def _restored(engine: Engine, tier: str, prompts: list[list[int]], corrupt: bool) -> dict[int, dict]:
+    """Runs ``prompts`` again with their prefix in ``tier``; ``corrupt``: noise over the draft rows
+    of every restored page once it is in L1, before any draft reads it."""
+    engine.cache.wait_background()
+    if tier == "host":
+        engine.cache.evict(engine.allocator.num_pages)  # only L2 holds the prompts now
+        for rows in _draft_rows(engine):
+            rows.zero_()  # what L1 still held of them is gone: only the L2 copy can restore it
+    if corrupt:
+        match = engine.cache.match
+
+        def corrupted(*args, **kwargs) -> PrefixHit:
+            hit = match(*args, **kwargs)
+            for load in hit.loads:
+                load.join()
+            _scribble(engine, hit.pages)
+            return hit
+
+        engine.cache.match = corrupted
+    return _run(engine, prompts)
+
+
+def _check(got: dict, want: dict, plain: dict, tier: str) -> None:
+    for i, w in want.items():
+        assert got[i]["tiers"].get(tier, 0) >= 32, got[i]["tiers"]
+        assert got[i]["ids"] == w["ids"] == plain[i]["ids"]  # lossless whatever the draft's KV
+    assert sum(w["accepted"] for w in want.values()) > 0
+
+
+@pytest.mark.parametrize("layout", [DraftLayout.PACKED, DraftLayout.SIDECAR])
+@pytest.mark.parametrize("tier", ["device", "host"])
+def test_restored_draft_kv_gives_the_uncached_acceptance(tiny_llama: Path, drafts: dict, uncached: dict,
+                                                         layout: DraftLayout, tier: str) -> None:
+    engine = _engine(tiny_llama, drafts[layout])
+    assert engine.draft.layout is layout
+    first = _run(engine, _prompts())
+    assert {i: o["accepted"] for i, o in first.items()} == {i: o["accepted"] for i, o in uncached[layout].items()}
+    again = _restored(engine, tier, _prompts(), corrupt=False)
+    _check(again, uncached[layout], uncached["plain"], tier)
+    assert [again[i]["accepted"] for i in again] == [uncached[layout][i]["accepted"] for i in again]
+    engine.cache.wait_background()
+    assert engine.allocator.num_used == engine.cache.num_cached_pages
+
+
+@pytest.mark.parametrize("layout", [DraftLayout.PACKED, DraftLayout.SIDECAR])
+def test_restored_draft_kv_from_l3_gives_the_uncached_acceptance(tiny_llama: Path, drafts: dict, uncached: dict,
+                                                                 tmp_path: Path, layout: DraftLayout) -> None:
+    """A second engine (zeroed pools) takes the prefixes from the first one's L3 objects: the
+    draft's rows come with them (packed: in the same object; sidecar: its own object per page)."""
+    first = _engine(tiny_llama, drafts[layout], tmp_path / "l3")
+    _run(first, _prompts())
+    first.cache.wait_background()
+    second = _engine(tiny_llama, drafts[layout], tmp_path / "l3")
+    got = _run(second, _prompts())
+    _check(got, uncached[layout], uncached["plain"], "storage")
+    assert [got[i]["accepted"] for i in got] == [uncached[layout][i]["accepted"] for i in got]
+
+
+@pytest.mark.parametrize("layout", [DraftLayout.PACKED, DraftLayout.SIDECAR])
+@pytest.mark.parametrize("tier", TIERS)
+def test_corrupted_draft_kv_changes_acceptance_not_output(tiny_llama: Path, drafts: dict, uncached: dict,
+                                                          tmp_path: Path, layout: DraftLayout, tier: str) -> None:
+    """The draft really reads the restored rows: noise over them changes the accepted counts
+    (verification keeps the output the target's)."""
+    engine = _engine(tiny_llama, drafts[layout], tmp_path / "l3")
+    _run(engine, _prompts())
+    if tier == "storage":
+        engine.cache.wait_background()
+        engine = _engine(tiny_llama, drafts[layout], tmp_path / "l3")
+    got = _restored(engine, tier, _prompts(), corrupt=True)
+    _check(got, uncached[layout], uncached["plain"], tier)
+    assert [got[i]["accepted"] for i in got] != [uncached[layout][i]["accepted"] for i in got]
+
+
+def test_namespace_names_the_draft_and_its_layout(tiny_llama: Path, drafts: dict) -> None:
+    """Pages cached with a draft's rows never mix with pages of another draft, layout or none."""
+    seeds = {_engine(tiny_llama, None).namespace.seed()}
+    seeds |= {_engine(tiny_llama, d).namespace.seed() for d in drafts.values()}
+    forced = Engine(EngineConfig(tiny_llama, dtype="float32", page_size=4, max_total_tokens=256,
+                                 speculative_draft_model_path=drafts[DraftLayout.PACKED],
+                                 speculative_draft_layout=DraftLayout.SIDECAR))
+    assert forced.draft.layout is DraftLayout.SIDECAR
+    seeds.add(forced.namespace.seed())
+    assert len(seeds) == 4
+    assert Namespace("m", "float32", 4, 2, 2, 16).seed() == Namespace("m", "float32", 4, 2, 2, 16, draft="").seed()
