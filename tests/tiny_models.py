@@ -91,7 +91,8 @@ def widen_kv_heads(model_dir: Path, factor: int = 2) -> Path:
     from safetensors.torch import load_file, save_file
 
     config = json.loads((model_dir / "config.json").read_text())
-    kv, dim = config["num_key_value_heads"], config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    kv = config["num_key_value_heads"]
+    dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     tensors = load_file(str(model_dir / "model.safetensors"))
     for name, t in tensors.items():
         if name.endswith(("k_proj.weight", "v_proj.weight", "k_proj.bias", "v_proj.bias")):
