@@ -124,6 +124,7 @@ def test_restored_draft_kv_gives_the_uncached_acceptance(tiny_llama: Path, draft
     again = _restored(engine, tier, _prompts(), corrupt=False)
     _check(again, uncached[layout], uncached["plain"], tier)
     assert [again[i]["accepted"] for i in again] == [uncached[layout][i]["accepted"] for i in again]
+    assert engine.spec.counters.prompt_catch_up_tokens == 0  # the draft recomputed nothing it was given
     engine.cache.wait_background()
     assert engine.allocator.num_used == engine.cache.num_cached_pages
 
@@ -140,6 +141,7 @@ def test_restored_draft_kv_from_l3_gives_the_uncached_acceptance(tiny_llama: Pat
     got = _run(second, _prompts())
     _check(got, uncached[layout], uncached["plain"], "storage")
     assert [got[i]["accepted"] for i in got] == [uncached[layout][i]["accepted"] for i in got]
+    assert second.spec.counters.prompt_catch_up_tokens == 0
 
 
 @pytest.mark.parametrize("layout", [DraftLayout.PACKED, DraftLayout.SIDECAR])

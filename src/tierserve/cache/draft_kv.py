@@ -18,8 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from tierserve.cache.device_pool import DeviceKVPool
-from tierserve.cache.host_pool import HostKVPool, copy_pages
-from tierserve.cache.options import IOBackend
+from tierserve.cache.host_pool import HostKVPool
 from tierserve.cache.shards import Source
 from tierserve.cache.staging import page_io
 from tierserve.cache.storage import StorageBackend
@@ -43,16 +42,17 @@ def load_layers(target: DeviceKVPool, sidecar: SidecarKV | None) -> int:
     return target.geometry.num_layers + (sidecar.device.geometry.num_layers if sidecar else 0)
 
 
-def copy_planes(target: DeviceKVPool, host: HostKVPool, sidecar: SidecarKV | None, device_ids: list[int],
-                host_ids: list[int], to_host: bool, backend: IOBackend, layers: range | None = None) -> None:
-    """``copy_pages`` of the target's pages and, with a sidecar, the draft's same pages; ``layers``
-    in load numbering (``load_layers``), all of both when None."""
+def planes(target: DeviceKVPool, host: HostKVPool, sidecar: SidecarKV | None, layers: range | None = None
+           ) -> list[tuple[DeviceKVPool, HostKVPool, range | None]]:
+    """The (device pool, host pool, layers) copies that move ``layers`` of a page in load numbering
+    (``load_layers``; all of both when None): the target's, and the sidecar draft's same pages."""
     n = target.geometry.num_layers
+    out = []
     if layers is None or layers.start < n:
-        copy_pages(target, host, device_ids, host_ids, to_host, backend, layers)
+        out.append((target, host, layers))
     if sidecar is not None and (layers is None or layers.start >= n):
-        draft = None if layers is None else range(layers.start - n, layers.stop - n)
-        copy_pages(sidecar.device, sidecar.host, device_ids, host_ids, to_host, backend, draft)
+        out.append((sidecar.device, sidecar.host, None if layers is None else range(layers.start - n, layers.stop - n)))
+    return out
 
 
 def draft_key(page_key: bytes) -> bytes:

@@ -22,10 +22,10 @@ from tierserve.cache.base import PrefixHit, Snapshot
 from tierserve.cache.cp_host import owned_pairs
 from tierserve.cache.cp_pages import PageOwnership, alloc_continuing, alloc_like, until_fits
 from tierserve.cache.device_pool import DeviceKVPool
-from tierserve.cache.draft_kv import SidecarKV, copy_planes, load_layers
+from tierserve.cache.draft_kv import SidecarKV, load_layers, planes
 from tierserve.cache.events import KVEventListener
 from tierserve.cache.hicache_admin import StorageAdmin
-from tierserve.cache.host_pool import HostKVPool
+from tierserve.cache.host_pool import HostKVPool, copy_pages
 from tierserve.cache.host_writes import WRITE_BACK_LOW_WATERMARK, assign_host, dirty_lru, end_failed_write
 from tierserve.cache.loads import LayerwiseLoad, Loads
 from tierserve.cache.options import IOBackend, PrefetchPolicy, WritePolicy
@@ -321,8 +321,8 @@ class HiCache(StorageAdmin):
         """Copies between L1 and L2 the pairs this rank stores (under CP, those it owns)."""
         if self.ownership.size > 1:
             device_pages, host_pages = owned_pairs(self.ownership, device_pages, host_pages)
-        copy_planes(self.device, self.host, self.sidecar, device_pages, host_pages, to_host, self.config.io_backend,
-                    layers)
+        for device, host, selected in planes(self.device, self.host, self.sidecar, layers):  # a sidecar's too
+            copy_pages(device, host, device_pages, host_pages, to_host, self.config.io_backend, selected)
 
     def _write_async(self, node: Node) -> None:
         device_pages = list(node.device)

@@ -25,9 +25,6 @@ from tierserve.engine.config import CPAttention, EngineConfig
 log = logging.getLogger("tierserve")
 _DEFAULTS = EngineConfig(model_dir=Path())  # the config nobody set a flag of: every flag's default
 SWITCH = None  # ``Flag.parse`` of an on/off flag (``store_true``)
-SPEC_NODE_REFUSAL = ("--speculative-draft-model-path runs on tierserve serve only for now: prefill and decode "
-                     "nodes do not compute or hand over the draft's KV yet")
-
 
 @dataclass(frozen=True)
 class Flag:

@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import TYPE_CHECKING
 
-from tierserve.cli.flags import SPEC_NODE_REFUSAL, add_engine_args, add_listen_args, add_model_args, node_engine_config
+from tierserve.cli.flags import add_engine_args, add_listen_args, add_model_args, node_engine_config
 from tierserve.core.transfer import TransferProtocol
 
 if TYPE_CHECKING:
@@ -49,7 +49,10 @@ def run_role(args: argparse.Namespace, role: int, add_service: AddService) -> in
     if config is None:
         return 2
     if config.speculative_draft_model_path is not None:
-        print(f"tierserve: {SPEC_NODE_REFUSAL}", file=sys.stderr)
-        return 2
+        from tierserve.engine.draft_pools import node_draft_problem
+
+        if (problem := node_draft_problem(config)) is not None:
+            print(f"tierserve: {problem}", file=sys.stderr)
+            return 2
     run_node(config, node_options(args), role, add_service)
     return 0

@@ -72,7 +72,9 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             async for out in stream:
                 yield pb.GenerateChunk(token_ids=out.new_token_ids, text=out.new_text, finished=out.finished,
                                        finish_reason=out.reason or "", completion_tokens=out.completion_tokens,
-                                       logprobs=[logprob_to_proto(lp) for lp in out.logprobs or []])
+                                       logprobs=[logprob_to_proto(lp) for lp in out.logprobs or []],
+                                       spec_draft_tokens=out.spec_draft_tokens,
+                                       spec_accepted_tokens=out.spec_accepted_tokens)
         except KeyError as exc:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0]))
         except InvalidRequestError as exc:

@@ -54,6 +54,25 @@ def resolve_layout(asked: DraftLayout, target: KVGeometry, draft: KVGeometry) ->
     return asked
 
 
+def node_draft_problem(config: EngineConfig) -> str | None:
+    """Why a prefill or decode node cannot run ``config``'s draft, or None (also None without one):
+    a PD handoff sends a packed draft's layers with the target's; a sidecar pool it does not send."""
+    path = config.speculative_draft_model_path
+    if path is None:
+        return None
+    try:
+        draft = check_draft(config.model_dir, path, config.max_model_len)
+        target = ModelConfig.from_dir(config.model_dir)
+        shape = [KVGeometry(c.num_layers, c.num_kv_heads, c.head_dim, 1, torch.float32) for c in (target, draft)]
+        layout = resolve_layout(config.speculative_draft_layout, *shape)
+    except DraftMismatchError as exc:
+        return str(exc)
+    if layout is not DraftLayout.PACKED:
+        return ("prefill and decode nodes hand over a packed draft's KV only: a sidecar draft (KV rows shaped unlike "
+                "the target's, or --speculative-draft-layout sidecar) runs on tierserve serve only for now")
+    return None
+
+
 @dataclass(frozen=True)
 class DraftPlan:
     """The draft's KV ``geometry`` and resolved ``layout``; ``identity`` names both in the cache

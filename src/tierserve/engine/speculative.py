@@ -31,15 +31,18 @@ from tierserve.model.spec_sampling import RowSampling, draw, verify
 
 @dataclass
 class SpecCounters:
-    """Totals since start: draft tokens proposed and accepted, and verifications that had drafts."""
+    """Totals since start: draft tokens proposed and accepted, verifications that had drafts, and
+    prompt catch-up tokens: prompt positions the draft computed after the target had (none while
+    every cached, restored or handed-over prefix brings its draft KV; the prefix where it does not)."""
 
     draft_tokens: int = 0
     accepted_tokens: int = 0
     verify_steps: int = 0
+    prompt_catch_up_tokens: int = 0
 
     def stats(self) -> dict[str, float]:
         return {"spec_draft_tokens": self.draft_tokens, "spec_accepted_tokens": self.accepted_tokens,
-                "spec_verify_steps": self.verify_steps}
+                "spec_verify_steps": self.verify_steps, "spec_prompt_catch_up_tokens": self.prompt_catch_up_tokens}
 
 
 class SpecDecoder:
@@ -160,6 +163,7 @@ class SpecDecoder:
             r = s.request
             end = r.num_computed + s.num_tokens
             fed.append(r.draft_computed < end)
+            self.counters.prompt_catch_up_tokens += max(0, min(r.num_computed, len(r.prompt_ids)) - r.draft_computed)
             if fed[-1]:
                 spans.append(Span(r.tokens(r.draft_computed, end), r.draft_computed, r.pages))
                 r.draft_computed = end

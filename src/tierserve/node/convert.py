@@ -13,8 +13,13 @@ __all__ = ["arena", "destination_arena", "destination_ranks", "heads_problem", "
 
 
 def identity(engine: Engine) -> pb.KVIdentity:
+    """What two nodes must share to exchange KV. With a packed draft (docs/architecture.md,
+    Speculative decoding, PD) its layers are more layers of every page and the model names the
+    draft too, so a node with another draft, or none, is refused."""
     ns = engine.namespace
-    return pb.KVIdentity(model=ns.model, dtype=ns.kv_dtype, page_size=ns.page_size, num_layers=ns.num_layers,
+    packed = engine.pool.geometry.num_layers - engine.geometry.num_layers
+    model = f"{ns.model}+draft:{ns.draft}" if ns.draft else ns.model
+    return pb.KVIdentity(model=model, dtype=ns.kv_dtype, page_size=ns.page_size, num_layers=ns.num_layers + packed,
                          num_kv_heads=ns.num_kv_heads, head_dim=ns.head_dim)
 
 
@@ -26,8 +31,8 @@ def identity_mismatch(mine: pb.KVIdentity, theirs: pb.KVIdentity) -> str | None:
 
 
 def arena(engine: Engine) -> KVArena:
-    """The engine's device pool as a transfer arena."""
-    pool, g = engine.pool, engine.geometry
+    """The engine's device pool as a transfer arena (a packed draft's layers included)."""
+    pool, g = engine.pool, engine.pool.geometry
     return KVArena(pool.buffer.data_ptr(), g.num_layers, pool.num_pages * g.page_size,
                    g.num_kv_heads * g.head_dim * g.dtype.itemsize, g.page_size)
 

@@ -159,9 +159,10 @@ class NodeRankRole:
 
 
 def own_layers(engine: Engine) -> LayerRange:
-    """The model's layers the engine's stage holds (every layer without stages)."""
+    """The model's layers the engine's stage holds (every layer without stages; a packed draft's
+    layers follow the target's, as in its pool)."""
     layers = engine.ranks.pp.layers(engine.model_config.num_layers)
-    return LayerRange(layers.start, len(layers))
+    return LayerRange(layers.start, len(layers) + engine.pool.geometry.num_layers - engine.geometry.num_layers)
 
 
 def _gather(engine: Engine, own: RankArena) -> list[RankArena]:

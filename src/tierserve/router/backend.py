@@ -240,6 +240,7 @@ def _output(done: pd_flow.Prefilled, prompt_len: int, chunk: pb.GenerateChunk, s
         cached_by_tier={t: getattr(cache, t) for t in TIERS if getattr(cache, t)},
         logprobs=_logprobs(done, chunk, first) if sampling.HasField("logprobs") else None,
         prompt_logprobs=_prompt_logprobs(done, prompt_len) if first and sampling.HasField("prompt_logprobs") else None,
+        spec_draft_tokens=chunk.spec_draft_tokens, spec_accepted_tokens=chunk.spec_accepted_tokens,
     )
 
 
