@@ -12,9 +12,12 @@ import pytest
 import torch
 from tiny_models import make_noisy_draft, widen_kv_heads
 
+from tierserve.cache import hicache as hicache_module
 from tierserve.cache.base import PrefixHit
 from tierserve.cache.hashing import Namespace
+from tierserve.cache.loads import HostLoadError
 from tierserve.cache.options import DraftLayout, HiCacheOptions, PrefetchPolicy
+from tierserve.cli.main import build_parser
 from tierserve.core.sampling import SamplingParams
 from tierserve.engine.config import EngineConfig
 from tierserve.engine.engine import Engine
@@ -171,3 +174,40 @@ def test_namespace_names_the_draft_and_its_layout(tiny_llama: Path, drafts: dict
     seeds.add(forced.namespace.seed())
     assert len(seeds) == 4
     assert Namespace("m", "float32", 4, 2, 2, 16).seed() == Namespace("m", "float32", 4, 2, 2, 16, draft="").seed()
+
+
+def test_a_failed_draft_copy_fails_the_load_like_a_target_one(tiny_llama: Path, drafts: dict, uncached: dict,
+                                                              monkeypatch) -> None:
+    """A sidecar's L2 -> L1 copy is part of the load: when it fails, the requests lent the load fail
+    alone (as when a target copy fails), nothing is left allocated, and the next try is right."""
+    engine = _engine(tiny_llama, drafts[DraftLayout.SIDECAR])
+    _run(engine, _prompts())
+    engine.cache.wait_background()
+    engine.cache.evict(engine.allocator.num_pages)
+    real = hicache_module.copy_pages
+
+    def failing(device, host, device_ids, host_ids, to_host, backend, layers=None) -> None:
+        if device is engine.draft_pool and not to_host:
+            raise OSError("injected draft L2 -> L1 failure")
+        real(device, host, device_ids, host_ids, to_host, backend, layers)
+
+    monkeypatch.setattr(hicache_module, "copy_pages", failing)
+    engine.add_request("doomed", _prompts()[0], GREEDY)
+    failures = []
+    while engine.has_work():
+        engine.step()
+        failures += engine.take_failures()
+    assert [(rid, type(exc)) for rid, exc in failures] == [("doomed", HostLoadError)]
+    engine.cache.wait_background()
+    assert engine.allocator.num_used == engine.cache.num_cached_pages
+    monkeypatch.undo()
+    got = _run(engine, _prompts()[:1])
+    assert got[0]["ids"] == uncached["plain"][0]["ids"]
+    assert got[0]["accepted"] == uncached[DraftLayout.SIDECAR][0]["accepted"]
+
+
+def test_serve_refuses_a_packed_layout_the_draft_does_not_fit(tiny_llama: Path, drafts: dict, capsys) -> None:
+    args = build_parser().parse_args(["serve", "--model", str(tiny_llama), "--speculative-draft-model-path",
+                                      str(drafts[DraftLayout.SIDECAR]), "--speculative-draft-layout", "packed"])
+    assert args.func(args) == 2
+    assert "packed needs the draft's KV rows shaped like the target's" in capsys.readouterr().err

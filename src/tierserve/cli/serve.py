@@ -55,12 +55,10 @@ def _draft_fits(config: EngineConfig) -> bool:
     """Refuses, before loading anything, a draft model that cannot draft for the target."""
     if config.speculative_draft_model_path is None:
         return True
-    from tierserve.engine.draft_pools import DraftMismatchError, check_draft
+    from tierserve.engine.draft_pools import draft_problem
 
-    try:
-        check_draft(config.model_dir, config.speculative_draft_model_path, config.max_model_len)
-    except DraftMismatchError as exc:
-        print(f"tierserve: {exc}", file=sys.stderr)
+    if (problem := draft_problem(config)) is not None:
+        print(f"tierserve: {problem}", file=sys.stderr)
         return False
     return True
 

@@ -54,9 +54,10 @@ def resolve_layout(asked: DraftLayout, target: KVGeometry, draft: KVGeometry) ->
     return asked
 
 
-def node_draft_problem(config: EngineConfig) -> str | None:
-    """Why a prefill or decode node cannot run ``config``'s draft, or None (also None without one):
-    a PD handoff sends a packed draft's layers with the target's; a sidecar pool it does not send."""
+def draft_problem(config: EngineConfig, handed_over: bool = False) -> str | None:
+    """Why ``config``'s draft cannot run, or None (also without one), read from the model folders
+    before anything loads. ``handed_over``: a prefill or decode node, whose PD handoff sends a packed
+    draft's layers with the target's but not a sidecar pool."""
     path = config.speculative_draft_model_path
     if path is None:
         return None
@@ -67,7 +68,7 @@ def node_draft_problem(config: EngineConfig) -> str | None:
         layout = resolve_layout(config.speculative_draft_layout, *shape)
     except DraftMismatchError as exc:
         return str(exc)
-    if layout is not DraftLayout.PACKED:
+    if handed_over and layout is not DraftLayout.PACKED:
         return ("prefill and decode nodes hand over a packed draft's KV only: a sidecar draft (KV rows shaped unlike "
                 "the target's, or --speculative-draft-layout sidecar) runs on tierserve serve only for now")
     return None
