@@ -179,7 +179,10 @@ def test_namespace_names_the_draft_and_its_layout(tiny_llama: Path, drafts: dict
 def test_a_failed_draft_copy_fails_the_load_like_a_target_one(tiny_llama: Path, drafts: dict, uncached: dict,
                                                               monkeypatch) -> None:
     """A sidecar's L2 -> L1 copy is part of the load: when it fails, the requests lent the load fail
-    alone (as when a target copy fails), nothing is left allocated, and the next try is right."""
+    alone (as when a target copy fails; a speculating request in the same step goes on unharmed),
+    nothing is left allocated, and the next try is right."""
+    companion = [(5 * i) % 380 + 2 for i in range(30)]
+    want = _run(_engine(tiny_llama, drafts[DraftLayout.SIDECAR], cache=False), [companion])[0]
     engine = _engine(tiny_llama, drafts[DraftLayout.SIDECAR])
     _run(engine, _prompts())
     engine.cache.wait_background()
@@ -192,12 +195,17 @@ def test_a_failed_draft_copy_fails_the_load_like_a_target_one(tiny_llama: Path, 
         real(device, host, device_ids, host_ids, to_host, backend, layers)
 
     monkeypatch.setattr(hicache_module, "copy_pages", failing)
-    engine.add_request("doomed", _prompts()[0], GREEDY)
-    failures = []
+    engine.add_request("companion", companion, GREEDY)
+    failures, ids, accepted, added = [], [], 0, False
     while engine.has_work():
-        engine.step()
+        if engine.spec.counters.verify_steps and not added:
+            engine.add_request("doomed", _prompts()[0], GREEDY)  # once the companion speculates
+            added = True
+        for out in engine.step():
+            ids, accepted = ids + out.new_token_ids, out.spec_accepted_tokens
         failures += engine.take_failures()
     assert [(rid, type(exc)) for rid, exc in failures] == [("doomed", HostLoadError)]
+    assert (ids, accepted) == (want["ids"], want["accepted"])
     engine.cache.wait_background()
     assert engine.allocator.num_used == engine.cache.num_cached_pages
     monkeypatch.undo()

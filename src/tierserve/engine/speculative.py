@@ -155,20 +155,22 @@ class SpecDecoder:
         return Span([drafted[-1]], request.num_tokens - 1 + len(drafted), request.pages)
 
     def _sync(self, batch: list[Scheduled], hooks: LayerHooks | None) -> list[torch.Tensor]:
-        """Feeds the draft each request's tokens it has no KV for, up to the end of what the target
-        computes this step (waiting for restored draft layers, telling handoffs of written ones);
-        returns the draft's hidden states per request (no rows where nothing was fed)."""
-        spans, fed = [], []
+        """Feeds the draft each request's tokens of this step and any before them it has no KV for
+        (waiting for restored draft layers, telling handoffs of written ones); returns the draft's
+        hidden states per request. ``draft_computed`` moves only once the pass ran: a step that
+        fails (a failed L2 load) leaves it where the KV is, and the step's rerun feeds its tokens again."""
+        if not batch:
+            return []
+        spans = []
         for s in batch:
             r = s.request
-            end = r.num_computed + s.num_tokens
-            fed.append(r.draft_computed < end)
-            self.counters.prompt_catch_up_tokens += max(0, min(r.num_computed, len(r.prompt_ids)) - r.draft_computed)
-            if fed[-1]:
-                spans.append(Span(r.tokens(r.draft_computed, end), r.draft_computed, r.pages))
-                r.draft_computed = end
-        hidden = iter(forward(self.draft, self.draft_kv.kv, spans, self.draft_kv.hooks(hooks)) if spans else [])
-        return [next(hidden) if f else torch.empty(0) for f in fed]
+            start = min(r.draft_computed, r.num_computed)
+            self.counters.prompt_catch_up_tokens += max(0, min(r.num_computed, len(r.prompt_ids)) - start)
+            spans.append(Span(r.tokens(start, r.num_computed + s.num_tokens), start, r.pages))
+        hidden = forward(self.draft, self.draft_kv.kv, spans, self.draft_kv.hooks(hooks))
+        for s in batch:
+            s.request.draft_computed = s.request.num_computed + s.num_tokens
+        return hidden
 
 
 def _completes(s: Scheduled) -> bool:
