@@ -219,3 +219,16 @@ def test_serve_refuses_a_packed_layout_the_draft_does_not_fit(tiny_llama: Path, 
                                       str(drafts[DraftLayout.SIDECAR]), "--speculative-draft-layout", "packed"])
     assert args.func(args) == 2
     assert "packed needs the draft's KV rows shaped like the target's" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("layout", [DraftLayout.PACKED, DraftLayout.SIDECAR])
+def test_l2_size_counts_the_draft_rows(tiny_llama: Path, drafts: dict, layout: DraftLayout) -> None:
+    """``--hicache-size`` bounds L2's bytes, the draft's rows included, in either layout."""
+    opts = HiCacheOptions(size_gb=2**20 / 2**30)  # 1 MiB
+    engine = Engine(EngineConfig(tiny_llama, dtype="float32", page_size=4, max_total_tokens=256,
+                                 enable_hierarchical_cache=True, hicache=opts,
+                                 speculative_draft_model_path=drafts[layout]))
+    sidecar = engine.cache.sidecar
+    held = engine.cache.host.buffer.nbytes + (sidecar.host.buffer.nbytes if sidecar else 0)
+    page = engine.pool.geometry.bytes_per_page + (engine.draft_pool.geometry.bytes_per_page if sidecar else 0)
+    assert 2**20 - page < held <= 2**20

@@ -49,7 +49,7 @@ def build_cache(kind: CacheKind, allocator: PageAllocator, pool: DeviceKVPool, s
     shard = cluster_shard(shard or KVShard.whole(pool.geometry.num_kv_heads), options.storage_config)
     pinned = pool.buffer.device.type == "cuda"  # pinned host memory: asynchronous device copies
     # host page ids are the same on every rank, so every rank's L2 has the smallest rank's count
-    num_host = agreement.min([host_pages(options, pool)])[0]
+    num_host = agreement.min([host_pages(options, pool, draft)])[0]
     host = HostKVPool(pool.geometry, num_host, options.mem_layout, pin_memory=pinned, ownership=ownership)
     storage = rank_backend(options.storage_backend, options.storage_config, shard) if options.storage_backend \
         else None
@@ -84,10 +84,12 @@ def rank_backend(kind: StorageKind | str, extra: dict[str, Any], shard: KVShard)
     return FaultyStorage(backend, faults) if mine else backend
 
 
-def host_pages(options: HiCacheOptions, pool: DeviceKVPool) -> int:
-    """L2 size in pages: ``size_gb`` when given, else ``ratio`` x the device pool."""
+def host_pages(options: HiCacheOptions, pool: DeviceKVPool, draft: DeviceKVPool | None = None) -> int:
+    """L2 size in pages: ``size_gb`` when given (a sidecar ``draft``'s host pages count in it),
+    else ``ratio`` x the device pool."""
     if options.size_gb is not None:
-        return max(1, int(options.size_gb * 2**30) // pool.geometry.bytes_per_page)
+        page = pool.geometry.bytes_per_page + (draft.geometry.bytes_per_page if draft is not None else 0)
+        return max(1, int(options.size_gb * 2**30) // page)
     return max(1, int(pool.num_pages * options.ratio))
 
 
