@@ -84,10 +84,10 @@ class Engine:
         )
         self.draft = DraftPlan.of(config, self.geometry, self.max_model_len)  # checks the draft
         self.draft_bytes = self.draft.geometry.bytes_per_token if self.draft else 0
-        # Page ids are the same on every rank, so every rank's pool has the smallest rank's page count.
         pool_geometry = self.draft.pool_geometry(self.geometry) if self.draft else self.geometry
         layers = self.model_config.num_layers + pool_geometry.num_layers - self.geometry.num_layers  # + packed draft's
         self.kv_shard = self.ranks.kv_shard(heads, self.model_config.num_kv_heads, layers)
+        # Page ids are the same on every rank, so every rank's pool has the smallest rank's page count.
         self.pool = DeviceKVPool(pool_geometry, self.ranks.agree_min(self._num_pages()), self.device)
         self.draft_pool = self.draft.sidecar_pool(self.pool.num_pages, self.device) if self.draft else None
         self.num_pages = self.pool.num_pages * self.ranks.cp.size  # logical: a CP rank stores its share
