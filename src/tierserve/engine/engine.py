@@ -36,7 +36,6 @@ from tierserve.engine.text_stream import TextStream
 from tierserve.engine.token_share import token_share
 from tierserve.model.identity import model_identity
 from tierserve.model.loader import load_model, resolve_dtype
-from tierserve.model.sampling import skip_draw
 
 log = logging.getLogger(__name__)
 
@@ -148,8 +147,6 @@ class Engine:
         request = self.reservations.take(request_id)
         request.params = params
         self._prepare(request)
-        if request.generator is not None and not params.greedy:
-            skip_draw(request.generator, self.model_config.vocab_size, self.device)  # the prefill drew it
         request.num_computed, request.status = len(request.prompt_ids), RequestStatus.RUNNING
         request.first_token_at = time.monotonic()
         self.requests[request_id] = request
@@ -162,8 +159,6 @@ class Engine:
 
     def _prepare(self, request: Request) -> None:
         params = request.params
-        if params.seed is not None:
-            request.generator = torch.Generator(self.device).manual_seed(params.seed)
         if self.tokenizer is not None:
             request.text = TextStream(self.tokenizer, params.stop, params.skip_special_tokens, params.min_tokens)
         if params.min_tokens:
