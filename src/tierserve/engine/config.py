@@ -29,7 +29,10 @@ class EngineConfig:
     between them gives up after ``dist_timeout_s`` (docs/architecture.md, Ranks, Pipeline parallelism).
     ``cp_size`` ranks share the KV pages by context parallelism, each storing 1/cp_size of them
     (docs/architecture.md, Context parallelism), also in the host tier and L3; not yet with TP, PP or
-    the decode role; ``cp_attention`` says where attention merges instead of gathering."""
+    the decode role; ``cp_attention`` says where attention merges instead of gathering.
+    ``offload_generated``: running requests hand each page they fill to the prefix cache at once,
+    so the hierarchical cache copies it on to L2 and L3 while they run (decode nodes: continuous
+    offload, docs/architecture.md, The cache)."""
 
     model_dir: Path
     device: str = "auto"
@@ -50,6 +53,7 @@ class EngineConfig:
     cp_attention: CPAttention = CPAttention.MERGE
     base_gpu_id: int = 0
     dist_timeout_s: float = 120.0
+    offload_generated: bool = False
 
     def __post_init__(self) -> None:
         if self.page_size < 1:

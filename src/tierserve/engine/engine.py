@@ -229,6 +229,8 @@ class Engine:
             token = result.tokens.get(request.request_id)
             if token is not None:
                 outputs.append(self._append(request, token, result.logprobs.sampled.get(request.request_id)))
+        if self.config.offload_generated:
+            self.scheduler.checkpoint()
         return outputs
 
     def take_failures(self) -> list[tuple[str, Exception]]:
