@@ -136,3 +136,23 @@ def test_text_stream_ending_inside_a_character_gives_the_full_decode(builtin_mod
     ts = TextStream(tok, [], skip_special_tokens=True)
     text = "".join(ts.push(t) for t in ids[:cut]) + ts.flush()
     assert text == tok.decode(ids[:cut]) and text.endswith("\ufffd")
+
+
+@pytest.mark.parametrize("seam", range(1, 12))
+def test_a_primed_text_stream_continues_the_text_of_the_one_it_replaces(char_tokenizer: Tokenizer,
+                                                                       seam: int) -> None:
+    """A migration cuts the stream after ``seam`` tokens: what the first stream emitted plus what a
+    stream primed with those tokens emits is what one stream emits, the stop string across the
+    seam and the text held back at the seam included."""
+    ids = char_tokenizer.encode("say wow, world. bye").ids
+    whole, _ = _stream(char_tokenizer, "say wow, world. bye", ["world."])
+    first = TextStream(char_tokenizer, ["world."], skip_special_tokens=True)
+    before = "".join(first.push(t) for t in ids[:seam])
+    second = TextStream(char_tokenizer, ["world."], skip_special_tokens=True)
+    second.prime(ids[:seam])
+    after = []
+    for t in ids[seam:]:
+        after.append(second.push(t))
+        if second.stopped:
+            break
+    assert second.stopped and before + "".join(after) + second.flush() == "".join(whole) == "say wow, "

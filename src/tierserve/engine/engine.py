@@ -140,13 +140,17 @@ class Engine:
         self.reservations.reserve(request, len(prompt) + max(1, headroom), terms, _clock(now), source_tp)
         return request
 
-    def start_reserved(self, request_id: str, first_token: int, params: SamplingParams) -> RequestOutput:
+    def start_reserved(self, request_id: str, first_token: int, params: SamplingParams,
+                       resumed: int = 0) -> RequestOutput:
         """The prompt's KV is in the reserved pages and ``first_token`` was sampled from it: the
-        request joins the running batch; returns the output for the first token."""
+        request joins the running batch; returns the output for the first token. ``resumed``: the
+        prompt's last tokens were generated elsewhere (a migration), and the text continues theirs."""
         self._check_params(params)
         request = self.reservations.take(request_id)
         request.params = params
         self._prepare(request)
+        if resumed and request.text is not None:
+            request.text.prime(request.prompt_ids[-resumed:])
         request.num_computed, request.status = len(request.prompt_ids), RequestStatus.RUNNING
         request.first_token_at = time.monotonic()
         self.requests[request_id] = request
