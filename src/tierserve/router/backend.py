@@ -204,7 +204,8 @@ class PDBackend:
                     yield _output(done, len(request.prompt), chunk, request.sampling, first=i == 0)
         except grpc.aio.AioRpcError as exc:
             self.registry.failed(decode, exc.code().name, unreachable=exc.code() is grpc.StatusCode.UNAVAILABLE)
-            await pd_flow.release(stubs, done.reservation_id, writer_stopped=True)
+            # not awaited: a dead or stopping D answers late or never, and the request moves on now
+            pd_flow.release_later(stubs, done.reservation_id, writer_stopped=True)
             reason = LostReason.DRAINING if draining(exc) else LostReason.FAILED
             raise _decode_failed(decode, produced, f"{reason.value} ({exc.code().name} {exc.details()})", 502,
                                  reason) from exc
