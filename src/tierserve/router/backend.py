@@ -38,7 +38,7 @@ class RouterOptions:
     max_running: int = 256  # requests in flight through the router
     max_queued: int = 1024  # waiting for a slot; beyond that: 429
     timeout_s: float = 600.0  # a prefill leg's deadline (compute plus KV handoff)
-    max_retries: int = 2  # new pairs tried while the client has seen nothing
+    max_retries: int = 2  # new pairs tried while a try produced nothing
     backoff_s: float = 0.05  # first retry's base delay, doubled each time, with jitter
     stream_idle_timeout_s: float = 30.0  # a decode stream with no chunk for this long is given up
     max_migrations: int = 2  # times a request that produced tokens continues on another pair
@@ -223,7 +223,6 @@ def _decode_failed(decode: Worker, produced: bool, what: str, status: int, reaso
         return _Retry(f"generate on {decode.address}: {what}")
     error = oa.APIError(status, f"decode worker {decode.address} {what} mid-stream", code="decode_failed")
     return DecodeLost(decode.address, reason, error)
-
 
 
 def _log_retry(request_id: str, pair: tuple[Worker, Worker], exc: _Retry, again: bool) -> None:
