@@ -48,15 +48,17 @@ def shared(words: Path, tmp_path_factory) -> Iterator[tuple[MasterProcess, NodeP
 
 
 @pytest.fixture()
-def victim(words: Path, shared, tmp_path: Path) -> Iterator[tuple[NodeProcess, RouterProcess]]:
-    """A decode node and a router that knows it alone (the spare joins just before the fault)."""
+def victim(words: Path, shared, tmp_path: Path, request) -> Iterator[tuple[NodeProcess, RouterProcess]]:
+    """A decode node and a router that knows it alone (the spare joins just before the fault);
+    indirect parameters: more router flags."""
     master, prefill, _ = shared
     node = NodeProcess("decode", ["--model", str(words), *ARGS, *l3_args(master.address, 0)], tmp_path / "victim.log")
     router = None
     try:
         node.wait_ready()
         router = RouterProcess(["--model", str(words), "--prefill", prefill.address, "--decode", node.address,
-                                "--admin-api-key", "k", "--health-check-interval", "0.5"],
+                                "--admin-api-key", "k", "--health-check-interval", "0.5",
+                                *getattr(request, "param", [])],
                                tmp_path / "router.log").wait_ready()
         yield node, router
     finally:
@@ -78,9 +80,9 @@ def body(prompt: list[int], stream: bool, **sampling) -> dict:
 
 
 def fault_midway(router: RouterProcess, spare: NodeProcess, victim: NodeProcess, streams: list[Stream],
-                 sig: int) -> None:
+                 sig: int, fails: bool = False) -> None:
     """Starts ``streams``, waits until each streaming one got ``CUT`` tokens, adds the spare,
-    sends ``sig`` to the victim and waits for every answer."""
+    sends ``sig`` to the victim and waits for every answer (``fails``: none may complete)."""
     threads = start_all(router.url, streams)
     wait_streaming(streams, CUT)
     added = httpx.post(f"{router.url}/workers", json={"role": "decode", "address": spare.address}, headers=ADMIN)
@@ -88,6 +90,8 @@ def fault_midway(router: RouterProcess, spare: NodeProcess, victim: NodeProcess,
     victim.signal(sig)
     for thread in threads:
         thread.join(180)
+    if fails:
+        return
     assert all(s.status == 200 and not s.errors and s.finish_reason == "length" for s in streams), \
         [(s.status, s.errors, s.finish_reason) for s in streams]
 
@@ -144,3 +148,18 @@ def test_seeded_sampling_survives_a_migration_streamed_or_not(words: Path, share
                                                       ignore_eos=True))
     assert [s.tokens for s in streams] == expected
     assert migrated(router)["migrations"] == 6
+
+
+@pytest.mark.parametrize("victim", [["--max-migrations", "0"]], indirect=True)
+def test_max_migrations_zero_ends_the_streams_with_an_error(words: Path, shared, victim) -> None:
+    """``--max-migrations 0``: a stream whose decode node dies ends with the error event and
+    ``finish_reason: "error"`` even with a healthy spare; a non-streaming request gets a 502."""
+    _, _, spare = shared
+    node, router = victim
+    streams = [Stream(body(p, stream=i == 0)) for i, p in enumerate(prompts(2, PROMPT, seed=3))]
+    fault_midway(router, spare, node, streams, signal.SIGKILL, fails=True)
+    assert streams[0].status == 200 and streams[0].finish_reason == "error", streams[0]
+    assert [e["code"] for e in streams[0].errors] == ["decode_failed"]
+    assert streams[1].status == 502
+    state = migrated(router)
+    assert state["migrations"] == 0 and state["migrations_given_up"] == 2
