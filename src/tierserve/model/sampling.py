@@ -78,9 +78,14 @@ def _exponential_noise(probs: torch.Tensor, seeds: list[int | None], positions: 
     noise = torch.empty_like(probs).exponential_()
     for row, (seed, position) in enumerate(zip(seeds, positions, strict=True)):
         if seed is not None:
-            gen = torch.Generator(probs.device).manual_seed(position_seed(seed, position))
-            noise[row].exponential_(generator=gen)
+            noise[row].exponential_(generator=position_generator(seed, position, probs.device))
     return noise
+
+
+def position_generator(seed: int, position: int, device: torch.device) -> torch.Generator:
+    """The generator of a seeded request's draws for the token at ``position`` (every draw that
+    decides that token: sampling here, a speculative verification's too)."""
+    return torch.Generator(device).manual_seed(position_seed(seed, position))
 
 
 def position_seed(seed: int, position: int) -> int:
