@@ -74,6 +74,8 @@ def test_generated_pages_reach_l3_while_running_and_another_engine_continues(tin
     first.cache.wait_background()  # the copies in flight land (no new token meanwhile)
     history = _prompt() + so_far
     assert first.scheduler.running, "the request still runs"
+    held = -(-(len(history) - 1) // PAGE)  # every page with KV; the checkpointed ones are pinned tree pages
+    assert first.stats()["kv_pages_used"] >= held and first.stats()["kv_pages_cached"] == 0
     assert _in_l3(first, tmp_path, history[:-1]) == (len(history) - 1) // PAGE  # the last token has no KV yet
     assert first.cache.stats()["offload_checkpoint_pages_total"] >= (len(history) - 1) // PAGE
     second = _engine(tiny_llama, tmp_path)

@@ -95,7 +95,8 @@ class HiCache(StorageAdmin):
 
     @property
     def num_cached_pages(self) -> int:
-        return self.tree.num_device_pages
+        """Unpinned L1 pages (what a running request or a copy pins counts as used)."""
+        return self.tree.num_device_pages - self.tree.num_pinned_device_pages
 
     def close(self) -> None:
         self._worker.shutdown(wait=True)
