@@ -160,7 +160,7 @@ def test_a_stream_from_a_frozen_decode_node_ends_after_the_idle_timeout_and_its_
     wait_for(lambda: _idle(frozen.address), "the thawed decode node frees the stream's pages", 30)
 
 
-def test_a_non_streaming_request_on_a_frozen_decode_node_is_retried_on_another_pair(cluster_factory) -> None:
+def test_a_non_streaming_request_on_a_frozen_decode_node_continues_on_another_pair(cluster_factory) -> None:
     cluster = cluster_factory(2, "--stream-idle-timeout", str(IDLE_S))
     thread, replies = post_in_thread(cluster.router)
     frozen = cluster.running_decode()
@@ -169,6 +169,8 @@ def test_a_non_streaming_request_on_a_frozen_decode_node_is_retried_on_another_p
         thread.join(60)
         assert replies and replies[0].status_code == 200, replies[0].text if replies else "no answer in 60 s"
         assert replies[0].json()["usage"]["completion_tokens"] == LONG
+        state = httpx.get(f"{cluster.router.url}/debug/state").json()
+        assert state["migrations_by_reason"]["silent"] == 1, state  # it stopped answering: migrated
     finally:
         frozen.signal(signal.SIGCONT)
     wait_for(lambda: _idle(frozen.address), "the thawed decode node frees the abandoned try's pages", 30)
