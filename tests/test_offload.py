@@ -13,7 +13,7 @@ from engine_helpers import run_one
 
 from tierserve.cache import generated
 from tierserve.cache.hashing import page_keys
-from tierserve.cache.options import HiCacheOptions, PrefetchPolicy
+from tierserve.cache.options import HiCacheOptions, PrefetchPolicy, WritePolicy
 from tierserve.cache.storage.file import FileStorage
 from tierserve.core.sampling import SamplingParams
 from tierserve.engine.config import EngineConfig
@@ -28,8 +28,9 @@ def _prompt(seed: int = 4, n: int = PROMPT_LEN) -> list[int]:
     return torch.randint(2, 384, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _engine(model: Path, l3: Path, offload: bool = True, tokens: int = 1024) -> Engine:
-    opts = HiCacheOptions(ratio=4.0, storage_backend="file",
+def _engine(model: Path, l3: Path, offload: bool = True, tokens: int = 1024,
+            policy: WritePolicy = WritePolicy.WRITE_THROUGH) -> Engine:
+    opts = HiCacheOptions(ratio=4.0, storage_backend="file", write_policy=policy,
                           storage_config={"path": str(l3), "prefetch_threshold": 2 * PAGE},
                           prefetch_policy=PrefetchPolicy.WAIT_COMPLETE)
     return Engine(EngineConfig(model, dtype="float32", page_size=PAGE, max_total_tokens=tokens,
@@ -63,12 +64,14 @@ def expected(tiny_llama: Path) -> list[int]:
     return plain.generate([_prompt()], GREEDY)[0]
 
 
+@pytest.mark.parametrize("policy", list(WritePolicy))
 def test_generated_pages_reach_l3_while_running_and_another_engine_continues(tiny_llama: Path, tmp_path: Path,
-                                                                            expected: list[int]) -> None:
+                                                                            expected: list[int],
+                                                                            policy: WritePolicy) -> None:
     """After 90 tokens (of 120) every full page of prompt + output that has KV is in L3 while the
-    request still runs; a second engine (empty L1 and L2) given prompt + those tokens takes >= 90%
-    of them from L3 and generates the rest of the uninterrupted run."""
-    first = _engine(tiny_llama, tmp_path)
+    request still runs, whatever the write policy; a second engine (empty L1 and L2) given prompt +
+    those tokens takes >= 90% of them from L3 and generates the rest of the uninterrupted run."""
+    first = _engine(tiny_llama, tmp_path, policy=policy)
     first.add_request("long", _prompt(), GREEDY)
     so_far = _step_until(first, "long", 90)
     first.cache.wait_background()  # the copies in flight land (no new token meanwhile)

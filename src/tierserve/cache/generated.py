@@ -4,9 +4,10 @@ them to L2 and on to L3 under the keys that continue its prompt's chain, while i
 pinned. A later request whose prompt is this one's prompt plus the tokens generated so far (a
 migration's re-prefill, a chat's next turn) hits them, in any tier, even if this node dies.
 
-Bounded: with ``QUEUE_CAP`` copies (L1 -> L2 writes plus L3 backups) in flight, a checkpoint adds
-its pages to the tree but starts no copy; the next checkpoint or the release copies what is still
-missing on the path. Nothing here waits: decoding never slows for a copy."""
+Every write policy: a checkpoint copies its path whatever the policy says of other nodes. Bounded:
+with ``QUEUE_CAP`` copies (L1 -> L2 writes plus L3 backups) in flight, a checkpoint adds its pages to
+the tree but starts no copy; the next checkpoint copies what is still missing on the path (the
+release too, under ``write_through``). Nothing here waits: decoding never slows for a copy."""
 
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from tierserve.cache.base import PrefixHit
-from tierserve.cache.options import WritePolicy
 from tierserve.cache.radix_tree import Node
 
 if TYPE_CHECKING:
@@ -50,14 +50,13 @@ def checkpoint(cache: HiCache, token_ids: Sequence[int], pages: list[int], num_c
 
 
 def _copy(cache: HiCache, node: Node, new_pages: int) -> None:
-    """Starts the L1 -> L2 copies the write policy wants on ``node``'s path, unless the queue is full."""
-    if cache.config.write_policy is not WritePolicy.WRITE_THROUGH:
-        return  # the other policies copy on hits or before eviction, as for any node
+    """Starts the L1 -> L2 copies of every node on ``node``'s path still without one, whatever the
+    write policy (the point is that the pages outlive this node), unless the queue is full."""
     if cache.copies_in_flight >= QUEUE_CAP:
         cache.counters["offload_deferred_pages_total"] += new_pages
         return
     cache.counters["offload_checkpoint_pages_total"] += new_pages
-    cache.write_path(node)
+    cache.write_path(node, every=True)
 
 
 def _path_pages(node: Node) -> list[int]:

@@ -300,13 +300,14 @@ class HiCache(StorageAdmin):
         """L1 -> L2 writes and L3 backups not yet applied (the same count on every rank)."""
         return len(self._writes) + (self.storage.backups_in_flight if self.storage is not None else 0)
 
-    def write_path(self, node: Node) -> None:
-        """Copies to L2 the nodes on ``node``'s path that the write policy says should be there."""
+    def write_path(self, node: Node, every: bool = False) -> None:
+        """Copies to L2 the nodes on ``node``'s path that the write policy says should be there
+        (``every``: all of them, whatever the policy: continuous offload)."""
         policy = self.config.write_policy
-        if policy is WritePolicy.WRITE_BACK:
+        if policy is WritePolicy.WRITE_BACK and not every:
             return
         for n in _path(node):
-            wanted = policy is WritePolicy.WRITE_THROUGH or n.hits >= self.config.write_threshold
+            wanted = every or policy is WritePolicy.WRITE_THROUGH or n.hits >= self.config.write_threshold
             if wanted and n.host is None and n.device is not None and not n.writing and n.loading is None:
                 self._write_async(n)
 
