@@ -1,6 +1,6 @@
 """Continuous offload of generated KV (docs/architecture.md, The cache, continuous offload): a
-request still running hands its full pages to the tree as they fill, so the write policy copies
-them to L2 and on to L3 under the keys that continue its prompt's chain, while it keeps them
+request still running hands its full pages to the tree as they fill, which copies them to L2 and
+on to L3 under the keys that continue its prompt's chain, while it keeps them
 pinned. A later request whose prompt is this one's prompt plus the tokens generated so far (a
 migration's re-prefill, a chat's next turn) hits them, in any tier, even if this node dies.
 
@@ -28,9 +28,8 @@ def checkpoint(cache: HiCache, token_ids: Sequence[int], pages: list[int], num_c
     """Puts the full pages of ``token_ids[:num_computed]`` (held in ``pages``) in the tree and
     returns the hit that now lends them back, pinned, in place of ``hit`` (unpinned here); None
     when nothing changed (no new full page, a load under the hit not yet agreed landed, or a CP
-    rank). Pages
-    the tree already held are swapped for the tree's (the hit's) and freed, so the caller's page
-    table must become ``hit.pages + pages[len(hit.pages):]``."""
+    rank). Pages the tree already held are swapped for the tree's (the hit's) and freed, so the
+    caller's page table must become ``hit.pages + pages[len(hit.pages):]``."""
     if cache.ownership.size > 1:
         return None  # a CP rank's pages join the tree only through release, which keeps the rotation
     ps = cache.page_size
