@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from tierserve.cache.allocator import PageAllocator
 from tierserve.cache.device_pool import DeviceKVPool, KVGeometry
@@ -341,6 +341,21 @@ class L3Machine(RuleBasedStateMachine):
             self.computed.add((held.salt, tuple(held.tokens[: j * PS])))
         self.computed_keys.update(keys)
 
+    @precondition(lambda self: self.held)
+    @rule(data=st.data())
+    def checkpoint(self, data) -> None:
+        """Continuous offload: a running request's full pages join the tree; it keeps them, pinned."""
+        held = self.held[_pick(data, self.held)]
+        hit = self.cache.checkpoint(held.tokens, held.pages, len(held.tokens), held.hit)
+        if hit is None:
+            return
+        assert hit.num_tokens == len(held.tokens) // PS * PS and len(hit.pages) > len(held.hit.pages)
+        held.pages[: len(hit.pages)], held.hit = hit.pages, hit
+        keys = keys_of(held.tokens, held.salt)[: len(hit.pages)]
+        for j in range(1, len(keys) + 1):
+            self.computed.add((held.salt, tuple(held.tokens[: j * PS])))
+        self.computed_keys.update(keys)
+
     @rule(data=st.data())
     def serve(self, data) -> None:
         """A whole request: arrive, let its prefetch land, admit (every page that arrived is in
@@ -489,6 +504,8 @@ class L3Machine(RuleBasedStateMachine):
             assert id(top) in roots
         for node in tree.nodes():
             assert node.lock == expected[id(node)], "a lock count differs from the pins held"
+        pinned = sum(len(n.device) for n in tree.nodes() if n.lock and n.device is not None)
+        assert tree.num_pinned_device_pages == pinned, "the tree miscounts its pinned L1 pages"
 
     @invariant()
     def tree_matches_the_reference(self) -> None:

@@ -78,7 +78,8 @@ def _p_value(counts: dict[tuple[int, ...], int], exact: dict[tuple[int, ...], fl
 
 def _accept_always(drafts, dists, logits, row) -> list[int]:
     """A biased verifier: keeps every draft and adds the target's bonus token."""
-    return [*drafts, int(torch.multinomial(probs(logits[-1:], row)[0], 1, generator=row.generator))]
+    generator = row.generator(len(drafts), logits.device)
+    return [*drafts, int(torch.multinomial(probs(logits[-1:], row)[0], 1, generator=generator))]
 
 
 @pytest.mark.slow

@@ -59,7 +59,8 @@ def test_rope_matches_transformers(scaling) -> None:
 
 
 def _batch(n: int, **kw) -> SamplingBatch:
-    defaults = {"temperatures": [1.0] * n, "top_ps": [1.0] * n, "top_ks": [0] * n, "generators": [None] * n}
+    defaults = {"temperatures": [1.0] * n, "top_ps": [1.0] * n, "top_ks": [0] * n, "seeds": [None] * n,
+                "positions": [0] * n}
     return SamplingBatch(**(defaults | kw))
 
 
@@ -81,12 +82,20 @@ def test_sampler_greedy_and_filters() -> None:
 
 def test_sampler_seeded_rows_ignore_neighbours() -> None:
     logits = torch.randn(3, 50)
-    gens = [torch.Generator().manual_seed(5), None, None]
-    first = sample(logits, _batch(3, generators=gens))[0]
-    gens = [torch.Generator().manual_seed(5), None, None]
+    first = sample(logits, _batch(3, seeds=[5, None, None]))[0]
     torch.manual_seed(123)
-    again = sample(logits, _batch(3, generators=gens))[0]
+    again = sample(logits, _batch(3, seeds=[5, None, None]))[0]
     assert first == again
+
+
+def test_seeded_draws_depend_on_seed_and_position_only() -> None:
+    """A seeded row's token is a function of (seed, position): the same pair draws the same token
+    in any row, and over many positions or seeds the draws differ."""
+    logits = torch.zeros(1, 1000)  # uniform: the token is the noise's argmax alone
+    at = [sample(logits, _batch(1, seeds=[5], positions=[p])).item() for p in range(8)]
+    assert len(set(at)) > 4
+    assert sample(logits.repeat(3, 1), _batch(3, seeds=[9, 5, 5], positions=[0, 3, 3])).tolist()[1:] == [at[3]] * 2
+    assert len({sample(logits, _batch(1, seeds=[s], positions=[3])).item() for s in range(8)}) > 4
 
 
 @pytest.fixture(scope="module")
@@ -127,3 +136,23 @@ def test_text_stream_ending_inside_a_character_gives_the_full_decode(builtin_mod
     ts = TextStream(tok, [], skip_special_tokens=True)
     text = "".join(ts.push(t) for t in ids[:cut]) + ts.flush()
     assert text == tok.decode(ids[:cut]) and text.endswith("\ufffd")
+
+
+@pytest.mark.parametrize("seam", range(1, 12))
+def test_a_primed_text_stream_continues_the_text_of_the_one_it_replaces(char_tokenizer: Tokenizer,
+                                                                       seam: int) -> None:
+    """A migration cuts the stream after ``seam`` tokens: what the first stream emitted plus what a
+    stream primed with those tokens emits is what one stream emits, the stop string across the
+    seam and the text held back at the seam included."""
+    ids = char_tokenizer.encode("say wow, world. bye").ids
+    whole, _ = _stream(char_tokenizer, "say wow, world. bye", ["world."])
+    first = TextStream(char_tokenizer, ["world."], skip_special_tokens=True)
+    before = "".join(first.push(t) for t in ids[:seam])
+    second = TextStream(char_tokenizer, ["world."], skip_special_tokens=True)
+    second.prime(ids[:seam])
+    after = []
+    for t in ids[seam:]:
+        after.append(second.push(t))
+        if second.stopped:
+            break
+    assert second.stopped and before + "".join(after) + second.flush() == "".join(whole) == "say wow, "

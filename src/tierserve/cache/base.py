@@ -88,6 +88,14 @@ class PrefixCache(Protocol):
         ``token_ids`` hold valid KV; unpins ``hit``."""
         ...
 
+    def checkpoint(self, token_ids: Sequence[int], pages: list[int], num_computed: int,
+                   hit: PrefixHit) -> PrefixHit | None:
+        """A running request's full computed pages join the cache now (and its slower tiers, as
+        the write policy says) while it keeps using them: returns the pinned hit that replaces
+        ``hit`` (the request's page table becomes ``hit.pages`` then its own later pages), or None
+        when nothing changed. Only the hierarchical cache does it (continuous offload)."""
+        ...
+
     def evict(self, num_pages: int) -> int:
         """Frees up to ``num_pages`` unpinned pages to the allocator; returns how many it freed."""
         ...
@@ -160,6 +168,10 @@ class SingleTier:
 
     def evict(self, num_pages: int) -> int:
         return 0
+
+    def checkpoint(self, token_ids: Sequence[int], pages: list[int], num_computed: int,
+                   hit: PrefixHit) -> PrefixHit | None:
+        return None  # no slower tier to offload to: pages join the cache at release
 
     def flush(self, device: bool, host: bool) -> tuple[int, int]:
         return (self.evict(sys.maxsize) if device else 0), 0

@@ -24,6 +24,7 @@ from tierserve.cache.cp_pages import PageOwnership, alloc_continuing, alloc_like
 from tierserve.cache.device_pool import DeviceKVPool
 from tierserve.cache.draft_kv import SidecarKV, load_layers, planes
 from tierserve.cache.events import KVEventListener
+from tierserve.cache.generated import checkpoint
 from tierserve.cache.hicache_admin import StorageAdmin
 from tierserve.cache.host_pool import HostKVPool, copy_pages
 from tierserve.cache.host_writes import WRITE_BACK_LOW_WATERMARK, assign_host, dirty_lru, end_failed_write
@@ -88,7 +89,8 @@ class HiCache(StorageAdmin):
         self._writes: list[_Write] = []
         self.loads = Loads(self.tree, allocator)
         self.counters: Counter[str] = Counter()  # engine thread only
-        self.counters["cp_refused_pages_total"] += 0  # always published, as by the radix cache
+        for name in ("cp_refused_pages_total", "offload_checkpoint_pages_total", "offload_deferred_pages_total"):
+            self.counters[name] += 0  # always published
         self.agreement = agreement or SingleRank()
         self.storage: StorageTier | None = None
         if storage is not None:
@@ -96,7 +98,8 @@ class HiCache(StorageAdmin):
 
     @property
     def num_cached_pages(self) -> int:
-        return self.tree.num_device_pages
+        """Unpinned L1 pages (what a running request or a copy pins counts as used)."""
+        return self.tree.num_device_pages - self.tree.num_pinned_device_pages
 
     def close(self) -> None:
         self._worker.shutdown(wait=True)
@@ -153,7 +156,7 @@ class HiCache(StorageAdmin):
         # ``loading`` is cleared only once every rank agreed the load done: the same list on every rank
         pending = [n.loading for n in _path(found.device_node) if n.loading is not None]
         node, load = self._pin_and_load(found)
-        self._maybe_write_path(node)
+        self.write_path(node)
         pages = [p for n in reversed(list(_path(node))) for p in n.device]
         loads = pending + ([load] if load is not None else [])
         hit = PrefixHit(len(pages) * self.page_size, pages, self._tiers(found, load, len(pages)), handle=node,
@@ -202,7 +205,11 @@ class HiCache(StorageAdmin):
         if isinstance(hit.handle, Node):
             self.tree.unlock(hit.handle)
         if self.config.write_policy is WritePolicy.WRITE_THROUGH:
-            self._maybe_write_path(node)
+            self.write_path(node)
+
+    def checkpoint(self, token_ids: Sequence[int], pages: list[int], num_computed: int,
+                   hit: PrefixHit) -> PrefixHit | None:
+        return checkpoint(self, token_ids, pages, num_computed, hit)  # cache/generated.py
 
     def _storable(self, token_ids: Sequence[int], pages: list[int], salt: str) -> int:
         """How many of ``pages`` the tree may take (under CP, not a second rotation: counted)."""
@@ -291,13 +298,19 @@ class HiCache(StorageAdmin):
 
     # -- L1 -> L2 ------------------------------------------------------------------------------
 
-    def _maybe_write_path(self, node: Node) -> None:
-        """Copies to L2 the nodes on ``node``'s path that the write policy says should be there."""
+    @property
+    def copies_in_flight(self) -> int:
+        """L1 -> L2 writes and L3 backups not yet applied (the same count on every rank)."""
+        return len(self._writes) + (self.storage.backups_in_flight if self.storage is not None else 0)
+
+    def write_path(self, node: Node, every: bool = False) -> None:
+        """Copies to L2 the nodes on ``node``'s path that the write policy says should be there
+        (``every``: all of them, whatever the policy: continuous offload)."""
         policy = self.config.write_policy
-        if policy is WritePolicy.WRITE_BACK:
+        if policy is WritePolicy.WRITE_BACK and not every:
             return
         for n in _path(node):
-            wanted = policy is WritePolicy.WRITE_THROUGH or n.hits >= self.config.write_threshold
+            wanted = every or policy is WritePolicy.WRITE_THROUGH or n.hits >= self.config.write_threshold
             if wanted and n.host is None and n.device is not None and not n.writing and n.loading is None:
                 self._write_async(n)
 

@@ -76,6 +76,7 @@ class RadixTree:
         self.seed = seed
         self.listener = listener  # None: no events, no cost beyond one test per change
         self.num_device_pages = 0  # kept as pages come and go, so counting them never walks the tree
+        self.num_pinned_device_pages = 0  # of those, in pinned nodes (requests, copies): not evictable now
         self.roots: dict[str, Node] = {}
         self.root = self._root("")
 
@@ -166,7 +167,9 @@ class RadixTree:
         if pages is not None and len(pages) != node.num_pages:
             raise ValueError(f"radix tree: {len(pages)} {medium} pages for a node of {node.num_pages}")
         if medium == DEVICE:
-            self.num_device_pages += len(pages or []) - len(node.device or [])
+            change = len(pages or []) - len(node.device or [])
+            self.num_device_pages += change
+            self.num_pinned_device_pages += change if node.lock else 0
             node.device = pages
         else:
             node.host = pages
@@ -237,6 +240,8 @@ class RadixTree:
     def lock(self, node: Node) -> None:
         """Pins ``node`` and its ancestors (a request or transfer relies on the whole path)."""
         for n in _path(node):
+            if n.lock == 0:
+                self.num_pinned_device_pages += len(n.device or [])
             n.lock += 1
 
     def unlock(self, node: Node) -> None:
@@ -244,6 +249,8 @@ class RadixTree:
             if n.lock <= 0:
                 raise RuntimeError("radix tree: unlock of an unlocked node")
             n.lock -= 1
+            if n.lock == 0:
+                self.num_pinned_device_pages -= len(n.device or [])
 
     # -- eviction ------------------------------------------------------------------------------
 

@@ -87,6 +87,10 @@ class StorageTier:
         return bool(self._backups or self.tickets)
 
     @property
+    def backups_in_flight(self) -> int:
+        return len(self._backups)
+
+    @property
     def healthy(self) -> bool:
         """This rank's circuit breaker is closed (decisions use ``agreed_healthy``)."""
         return time.monotonic() >= self._down_until

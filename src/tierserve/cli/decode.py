@@ -31,7 +31,7 @@ def cmd_decode(args: argparse.Namespace) -> int:
         print(f"tierserve: {problem}", file=sys.stderr)
         return 2
     terms = ReservationTerms(args.lease_seconds, args.reservation_grace, args.reserve_decode_tokens)
-    return run_role(args, pb.ROLE_DECODE, add_decode_service(terms, args.max_lease_seconds))
+    return run_role(args, pb.ROLE_DECODE, add_decode_service(terms, args.max_lease_seconds), offload_generated=True)
 
 
 def _deadline_problem(args: argparse.Namespace) -> str | None:

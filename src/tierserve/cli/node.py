@@ -41,8 +41,11 @@ def node_options(args: argparse.Namespace) -> NodeOptions:
                        kv_events_port=args.kv_events_port, log_level=args.log_level)
 
 
-def run_role(args: argparse.Namespace, role: int, add_service: AddService) -> int:
-    """Runs a node of ``role`` (a ``pb.Role``) until SIGINT/SIGTERM; 2 for a usage error."""
+def run_role(args: argparse.Namespace, role: int, add_service: AddService, offload_generated: bool = False) -> int:
+    """Runs a node of ``role`` (a ``pb.Role``) until SIGINT/SIGTERM; 2 for a usage error.
+    ``offload_generated``: the engine's continuous offload (``EngineConfig``), for decode nodes."""
+    from dataclasses import replace
+
     from tierserve.node.server import run_node
 
     config = node_engine_config(args)
@@ -54,5 +57,5 @@ def run_role(args: argparse.Namespace, role: int, add_service: AddService) -> in
         if (problem := draft_problem(config, handed_over=True)) is not None:
             print(f"tierserve: {problem}", file=sys.stderr)
             return 2
-    run_node(config, node_options(args), role, add_service)
+    run_node(replace(config, offload_generated=offload_generated), node_options(args), role, add_service)
     return 0

@@ -37,6 +37,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queued-requests", type=int, default=1024, help="waiting beyond this gets 429")
     p.add_argument("--request-timeout", type=float, default=600.0, help="deadline of a prefill leg, seconds")
     p.add_argument("--max-retries", type=int, default=2, help="new pairs tried while the client has seen nothing")
+    p.add_argument("--max-migrations", type=int, default=2,
+                   help="times a request whose decode node failed, went silent or drained mid-stream continues "
+                        "on another pair (0: its stream ends with an error)")
     p.add_argument("--stream-idle-timeout", type=positive_seconds, default=30.0,
                    help="seconds a decode stream may send nothing before it is given up (retried if unseen)")
     p.add_argument("--worker-drain-timeout", type=positive_seconds, default=600.0,
@@ -68,7 +71,7 @@ def router_config(args: argparse.Namespace, folder: Path) -> RouterConfig:
         prefill_policy=args.prefill_policy, decode_policy=args.decode_policy,
         options=RouterOptions(max_running=args.max_running_requests, max_queued=args.max_queued_requests,
                               timeout_s=args.request_timeout, max_retries=args.max_retries,
-                              stream_idle_timeout_s=args.stream_idle_timeout),
+                              stream_idle_timeout_s=args.stream_idle_timeout, max_migrations=args.max_migrations),
         health_check_interval_s=args.health_check_interval, drain_timeout_s=args.worker_drain_timeout,
     )
 

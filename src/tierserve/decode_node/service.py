@@ -1,12 +1,18 @@
 """``DecodeService``: reserve pages for a prompt a prefill node computes, then generate from them.
 
-Offload to L3 needs no code here: with the hierarchical cache and a storage backend, a finished
-request's pages (prompt and answer) go into the tree under the prompt's chained keys, the write
-policy copies them to L2 and each L2 copy is backed up to L3, all in the background.
+Offload to L3 needs no code here: with the hierarchical cache and a storage backend, each page a
+running request fills (continuous offload, ``EngineConfig.offload_generated``) and at the end the
+rest of its pages go into the tree under the prompt's chained keys, the write policy copies them to
+L2 and each L2 copy is backed up to L3, all in the background.
+
+Drain (SIGTERM, docs/architecture.md, Migration): new reservations and generations are refused
+(``UNAVAILABLE``), running ones stop, their pages reach L3, then their streams end with
+``UNAVAILABLE`` and the trailer ``DRAINING``, so the router continues them elsewhere.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -14,14 +20,16 @@ from dataclasses import replace
 
 import grpc
 
+from tierserve.core.outputs import FinishReason
 from tierserve.core.sampling import InvalidRequestError
-from tierserve.engine.commands import CancelReservation, Reserve
+from tierserve.engine.commands import CancelReservation, FlushCache, Reserve
 from tierserve.engine.reservations import DEFAULT_TERMS, CapacityError, ReservationTerms
 from tierserve.node.convert import arena, identity, kv_ranks, sampling_params
 from tierserve.node.server import AddService, Node
 from tierserve.proto import tierserve_pb2 as pb
 from tierserve.proto import tierserve_pb2_grpc as pb_grpc
 from tierserve.proto.sampling import logprob_to_proto
+from tierserve.router.pd_flow import DRAINING  # the trailer the router reads
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +44,13 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         self.identity, self.arena = identity(node.engine), arena(node.engine)
         self.arenas = node.ranks.arenas if node.ranks is not None else []  # every rank's arena and heads
         self.receive = node.ranks.receive if node.ranks is not None else None  # rank 0's staging
+        self.running: set[str] = set()  # reservation ids of the generations streaming now
+        self.draining, self._handed_back = False, asyncio.Event()
+        node.drain.append(self.drain)
 
     async def Reserve(self, request: pb.ReserveRequest, context: grpc.aio.ServicerContext) -> pb.ReserveResponse:
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the decode node is draining")
         lease = min(request.lease_seconds or self.terms.lease_s, self.max_lease_s)
         rid, terms = request.request_id, replace(self.terms, lease_s=lease)
         prompt, max_new = list(request.prompt_ids), request.max_new_tokens or 16
@@ -67,9 +80,17 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             params = sampling_params(request.sampling)
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        stream = self.node.loop.generate_reserved(request.reservation_id, request.first_token, params)
+        if self.draining:
+            await self._hand_back(context)
+        stream = self.node.loop.generate_reserved(request.reservation_id, request.first_token, params,
+                                                  request.resumed_tokens)
+        self.running.add(request.reservation_id)
         try:
             async for out in stream:
+                if self.draining and out.finish_reason is FinishReason.ABORT:
+                    await self._hand_back(context)
+                if self.draining and not out.finished:  # started as the drain began, after its aborts
+                    self.node.loop.abort(request.reservation_id)
                 yield pb.GenerateChunk(token_ids=out.new_token_ids, text=out.new_text, finished=out.finished,
                                        finish_reason=out.reason or "", completion_tokens=out.completion_tokens,
                                        logprobs=[logprob_to_proto(lp) for lp in out.logprobs or []],
@@ -79,6 +100,27 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0]))
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        finally:
+            self.running.discard(request.reservation_id)
+
+    async def drain(self) -> None:
+        """SIGTERM: refuses new work, stops every running generation (its pages go to the cache,
+        which copies them on to L3), waits until the copies in flight landed, then lets the
+        streams end with the ``DRAINING`` trailer."""
+        self.draining = True
+        running = list(self.running)
+        log.info("draining: handing %d running request(s) back to the router", len(running))
+        for rid in running:
+            self.node.loop.abort(rid)
+        try:  # queued after the aborts, so it waits for the copies their releases start
+            await self.node.loop.apply(FlushCache(device=False, host=False))
+        finally:
+            self._handed_back.set()
+
+    async def _hand_back(self, context: grpc.aio.ServicerContext) -> None:
+        await self._handed_back.wait()
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "the decode node is draining",
+                            trailing_metadata=((DRAINING, "1"),))
 
     async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:
         rid = request.reservation_id

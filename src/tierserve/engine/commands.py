@@ -61,9 +61,10 @@ class StartReserved:
     request_id: str
     first_token: int
     params: SamplingParams
+    resumed: int = 0  # the prompt's last tokens another engine generated (a migration)
 
     def apply(self, engine: Engine) -> RequestOutput | None:
-        return engine.start_reserved(self.request_id, self.first_token, self.params)
+        return engine.start_reserved(self.request_id, self.first_token, self.params, self.resumed)
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,10 @@ class EngineConfig:
     model (docs/architecture.md, Speculative decoding): ``speculative_num_steps`` draft tokens are
     proposed in a chain and verified as ``speculative_num_draft_tokens`` = steps + 1 tokens per step
     (SGLang's meaning with topk 1; give either, default 3 steps); not with TP, PP or CP.
-    ``speculative_draft_layout`` says where the draft's KV is cached (``DraftLayout``)."""
+    ``speculative_draft_layout`` says where the draft's KV is cached (``DraftLayout``).
+    ``offload_generated``: running requests hand each page they fill to the prefix cache at once,
+    so the hierarchical cache copies it on to L2 and L3 while they run (decode nodes: continuous
+    offload, docs/architecture.md, The cache)."""
 
     model_dir: Path
     device: str = "auto"
@@ -61,6 +64,7 @@ class EngineConfig:
     speculative_num_steps: int | None = None
     speculative_num_draft_tokens: int | None = None
     speculative_draft_layout: DraftLayout = DraftLayout.AUTO
+    offload_generated: bool = False
 
     def __post_init__(self) -> None:
         if self.page_size < 1:

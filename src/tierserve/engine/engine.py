@@ -38,7 +38,6 @@ from tierserve.engine.text_stream import TextStream
 from tierserve.engine.token_share import token_share
 from tierserve.model.identity import model_identity
 from tierserve.model.loader import load_model, resolve_dtype
-from tierserve.model.sampling import skip_draw
 
 log = logging.getLogger(__name__)
 
@@ -160,15 +159,17 @@ class Engine:
         self.reservations.reserve(request, len(prompt) + max(1, headroom), terms, _clock(now), source_tp)
         return request
 
-    def start_reserved(self, request_id: str, first_token: int, params: SamplingParams) -> RequestOutput:
+    def start_reserved(self, request_id: str, first_token: int, params: SamplingParams,
+                       resumed: int = 0) -> RequestOutput:
         """The prompt's KV is in the reserved pages and ``first_token`` was sampled from it: the
-        request joins the running batch; returns the output for the first token."""
+        request joins the running batch; returns the output for the first token. ``resumed``: the
+        prompt's last tokens were generated elsewhere (a migration), and the text continues theirs."""
         self._check_params(params)
         request = self.reservations.take(request_id)
         request.params = params
         self._prepare(request)
-        if request.generator is not None and not params.greedy:
-            skip_draw(request.generator, self.model_config.vocab_size, self.device)  # the prefill drew it
+        if resumed and request.text is not None:
+            request.text.prime(request.prompt_ids[-resumed:])
         request.num_computed, request.status = len(request.prompt_ids), RequestStatus.RUNNING
         request.draft_computed = request.num_computed  # the prefill node sent the draft's KV too
         request.first_token_at = time.monotonic()
@@ -182,8 +183,6 @@ class Engine:
 
     def _prepare(self, request: Request) -> None:
         params = request.params
-        if params.seed is not None:
-            request.generator = torch.Generator(self.device).manual_seed(params.seed)
         if self.tokenizer is not None:
             request.text = TextStream(self.tokenizer, params.stop, params.skip_special_tokens, params.min_tokens)
         if params.min_tokens:
@@ -257,6 +256,8 @@ class Engine:
                 outputs.append(self.appender.append_all(request, result.tokens[rid], result.logprobs.sampled.get(rid)))
             if scheduled.draft_tokens and request.status is RequestStatus.RUNNING:
                 self.scheduler.trim(request)
+        if self.config.offload_generated:
+            self.scheduler.checkpoint()
         return outputs
 
     def _run(self, batch: list) -> StepResult:

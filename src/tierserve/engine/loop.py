@@ -98,10 +98,10 @@ class EngineLoop:
         ``cache_salt`` and ``handoff`` are those of ``Engine.add_request``."""
         return self.stream(AddRequest(request_id, tuple(prompt_ids), params, cache_salt, handoff))
 
-    def generate_reserved(self, request_id: str, first_token: int, params: SamplingParams
+    def generate_reserved(self, request_id: str, first_token: int, params: SamplingParams, resumed: int = 0
                           ) -> AsyncIterator[RequestOutput]:
         """Like ``generate`` for a reservation whose prompt KV arrived (``Engine.start_reserved``)."""
-        return self.stream(StartReserved(request_id, first_token, params))
+        return self.stream(StartReserved(request_id, first_token, params, resumed))
 
     async def stream(self, command: EngineCommand) -> AsyncIterator[RequestOutput]:
         """Applies ``command`` on the engine thread, then yields its request's outputs until the

@@ -208,6 +208,7 @@ def sampling_batch(requests: list[Request]) -> SamplingBatch:
         temperatures=[0.0 if r.params.greedy else r.params.temperature for r in requests],
         top_ps=[r.params.top_p for r in requests],
         top_ks=[r.params.top_k for r in requests],
-        generators=[r.generator for r in requests],
+        seeds=[r.params.seed for r in requests],
+        positions=[r.num_tokens for r in requests],  # the sampled token's index in prompt + output
         banned=[r.banned_now() for r in requests],
     )

@@ -6,8 +6,6 @@ import time
 from dataclasses import dataclass, field
 from enum import Enum
 
-import torch
-
 from tierserve.cache.base import PrefixHit
 from tierserve.core.outputs import FinishReason, RequestOutput, TokenLogprob
 from tierserve.core.sampling import SamplingParams
@@ -49,7 +47,6 @@ class Request:
     cached_by_tier: dict[str, int] = field(default_factory=dict)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
-    generator: torch.Generator | None = None
     text: TextStream | None = None
     arrival: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None

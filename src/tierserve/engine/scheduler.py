@@ -134,6 +134,19 @@ class Scheduler:
         request.prefetch = None
         self.release(request)
 
+    def checkpoint(self) -> None:
+        """Continuous offload: every running request that generated a token and filled a page
+        since its last checkpoint hands its full pages to the cache (``PrefixCache.checkpoint``),
+        which lends them back; the page table reads the cache's pages from then on."""
+        ps = self.config.page_size
+        for r in self.running:
+            computed = self._cacheable(r)
+            if r.output_ids and computed // ps > len(r.hit.pages):
+                hit = self.cache.checkpoint(r.token_ids(), r.pages, computed, r.hit)
+                if hit is not None:
+                    r.pages[: len(hit.pages)] = hit.pages
+                    r.hit = hit
+
     def _admit(self, batch: list[Scheduled], budget: int) -> None:
         """Admits waiting requests in arrival order, passing over those still prefetching."""
         for request in list(self.waiting):

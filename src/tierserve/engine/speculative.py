@@ -144,7 +144,8 @@ class SpecDecoder:
                 spans = [self._chain_span(s.request, proposals[s.request.request_id][0]) for s, _ in live]
                 hidden = forward(self.draft, self.draft_kv.kv, spans)
                 live = [(s, h[-1:]) for (s, _), h in zip(live, hidden, strict=True)]
-            tokens, dists = draw(self.draft.logits(torch.cat([h for _, h in live])), [_row(s.request) for s, _ in live])
+            rows = [_row(s.request) for s, _ in live]
+            tokens, dists = draw(self.draft.logits(torch.cat([h for _, h in live])), rows, step)
             for (s, _), token, q in zip(live, tokens, dists, strict=True):
                 proposals[s.request.request_id][0].append(token)
                 proposals[s.request.request_id][1].append(q)
@@ -179,5 +180,5 @@ def _completes(s: Scheduled) -> bool:
 
 def _row(request: Request) -> RowSampling:
     p = request.params
-    return RowSampling(0.0 if p.greedy else p.temperature, p.top_p, p.top_k, request.generator)
+    return RowSampling(0.0 if p.greedy else p.temperature, p.top_p, p.top_k, p.seed, request.num_tokens)
 

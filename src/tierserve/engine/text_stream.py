@@ -27,7 +27,18 @@ class TextStream:
         self._longest_stop = max((len(s) for s in stop), default=0)
         self.text = ""
         self._emitted = 0
+        self._primed = 0
         self.stopped = False
+
+    def prime(self, ids: list[int]) -> None:
+        """Continues the text another engine generated from ``ids`` (a migrated request): it counts
+        as emitted, except a tail that could still start a stop string, which that engine held back
+        as this one would have; stop strings are then found across the seam."""
+        for token_id in ids:
+            self._ids.append(token_id)
+            self.text += self._decoder.step(self._tokenizer, token_id) or ""
+        self._primed = len(ids)
+        self._emitted = len(self.text) - self._held_back()
 
     def push(self, token_id: int) -> str:
         self._ids.append(token_id)
@@ -36,7 +47,7 @@ class TextStream:
             return ""
         search_from = max(0, len(self.text) - self._longest_stop + 1)
         self.text += piece
-        if len(self._ids) >= self._min_tokens:
+        if len(self._ids) - self._primed >= self._min_tokens:
             self._cut_at_stop(search_from)
         end = len(self.text) if self.stopped else len(self.text) - self._held_back()
         return self._emit(end)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 
 import torch
@@ -12,15 +13,20 @@ class SamplingBatch:
     """Per-row settings for the rows of a logits matrix.
 
     ``temperatures[i] == 0`` means greedy; ``top_ks[i] <= 0`` and ``top_ps[i] == 1`` mean no filter.
-    ``generators[i]`` (or None for the shared default) draws row i's noise, so a seeded request
-    samples the same tokens whatever it is batched with. ``banned[i]``: token ids row i must not
+    A seeded row (``seeds[i]`` not None) draws its noise from a generator seeded by ``(seeds[i],
+    positions[i])``, the position of the token it samples in its sequence: the draw depends on
+    nothing else, so a seeded request samples the same tokens whatever it is batched with and
+    whichever engine samples its next token (the prefill node its first, a decode node the rest, another
+    decode node after a migration: docs/architecture.md, Migration). Unseeded rows share the default
+    generator. ``banned[i]``: token ids row i must not
     sample (EOS and stop ids before ``min_tokens``); empty lists, the usual case, cost nothing.
     """
 
     temperatures: list[float]
     top_ps: list[float]
     top_ks: list[int]
-    generators: list[torch.Generator | None]
+    seeds: list[int | None]
+    positions: list[int]
     banned: list[list[int]] = field(default_factory=list)
 
     @property
@@ -36,7 +42,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         return greedy
     temps = torch.tensor([t if t > 0 else 1.0 for t in batch.temperatures], device=logits.device)
     probs = _filtered_probs(logits / temps[:, None], batch)
-    noise = _exponential_noise(probs, batch.generators)
+    noise = _exponential_noise(probs, batch.seeds, batch.positions)
     sampled = (probs / noise).argmax(dim=-1)  # exponential race == sampling from probs
     is_greedy = torch.tensor([t == 0 for t in batch.temperatures], device=logits.device)
     return torch.where(is_greedy, greedy, sampled)
@@ -68,15 +74,22 @@ def _filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return torch.zeros_like(sorted_probs).scatter_(-1, order, sorted_probs)
 
 
-def _exponential_noise(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+def _exponential_noise(probs: torch.Tensor, seeds: list[int | None], positions: list[int]) -> torch.Tensor:
     noise = torch.empty_like(probs).exponential_()
-    for row, gen in enumerate(generators):
-        if gen is not None:
-            noise[row].exponential_(generator=gen)
+    for row, (seed, position) in enumerate(zip(seeds, positions, strict=True)):
+        if seed is not None:
+            noise[row].exponential_(generator=position_generator(seed, position, probs.device))
     return noise
 
 
-def skip_draw(generator: torch.Generator, vocab_size: int, device: torch.device) -> None:
-    """Advances a request's generator past one sampling step, as ``sample`` would: a request that
-    continues on another engine then draws the same noise as it would have here."""
-    torch.empty(vocab_size, device=device).exponential_(generator=generator)
+def position_generator(seed: int, position: int, device: torch.device) -> torch.Generator:
+    """The generator of a seeded request's draws for the token at ``position`` (every draw that
+    decides that token: sampling here, a speculative verification's too)."""
+    return torch.Generator(device).manual_seed(position_seed(seed, position))
+
+
+def position_seed(seed: int, position: int) -> int:
+    """The generator seed of a request's draw at ``position``: a hash, so neighbouring (seed,
+    position) pairs give unrelated streams."""
+    digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1  # manual_seed takes up to 2^64 - 1; keep it positive

@@ -8,8 +8,8 @@ import asyncio
 import logging
 import signal
 import sys
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -55,7 +55,8 @@ class NodeOptions:
 
 @dataclass
 class Node:
-    """What a role's service needs. ``ranks``: every rank's transfer side, this rank's own."""
+    """What a role's service needs. ``ranks``: every rank's transfer side, this rank's own;
+    ``drain``: what the role's service does on SIGTERM before the server stops (decode: migrate)."""
 
     engine: Engine
     loop: EngineLoop
@@ -64,6 +65,7 @@ class Node:
     metrics: NodeMetrics
     kv_events: KVEventPublisher | None = None
     ranks: RankTransfer | None = None
+    drain: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
 
 
 AddService = Callable[[grpc.aio.Server, Node], str]  # registers the role's servicer; returns its full name
@@ -154,4 +156,6 @@ async def _serve(node: Node, options: NodeOptions, role: pb.Role, add_service: A
     await stop.wait()
     log.info("stopping: refusing new work, draining for up to 5 s")
     await health_servicer.enter_graceful_shutdown()
+    for drain in node.drain:
+        await drain()
     await server.stop(grace=5)

@@ -147,6 +147,13 @@ class _RouterCollector:
         yield GaugeMetricFamily("tierserve_router_queued_requests", "Requests waiting for a slot",
                                 value=self.backend.queued)
         yield CounterMetricFamily("tierserve_router_retries", "Retries on a new pair", value=self.backend.retries)
+        migrations = CounterMetricFamily("tierserve_router_migrations", "Requests continued on another decode "
+                                         "node after theirs failed, went silent or drained", labels=["reason"])
+        for reason, n in self.backend.migrations.by_reason.items():
+            migrations.add_metric([reason], n)
+        yield migrations
+        yield CounterMetricFamily("tierserve_router_migrations_given_up", "Requests past --max-migrations",
+                                  value=self.backend.migrations.given_up)
 
 
 def serve_router(config: RouterConfig, host: str, port: int, tasks: list[Task] | None = None,

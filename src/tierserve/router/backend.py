@@ -1,6 +1,7 @@
 """The router's ``Backend``: each request through a prefill/decode pair (``docs/architecture.md``,
 a request's life), with admission control, deadlines, an idle deadline on decode streams, retries
-on a new pair while the client has seen nothing, and load counted until the stream ends."""
+on a new pair while the request produced nothing, migration to another pair once it did
+(``router/migration.py``), and load counted until the stream ends."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from tierserve.core.tiers import TIERS
 from tierserve.proto import tierserve_pb2 as pb
 from tierserve.proto.sampling import logprob_from_proto, to_proto
 from tierserve.router import pd_flow
+from tierserve.router.migration import DecodeLost, LostReason, Migrations, draining, migrating
 from tierserve.router.policies import CachedPrefix, Policy
 from tierserve.router.registry import Registry, Worker
 from tierserve.router.roles import Role
@@ -36,9 +38,10 @@ class RouterOptions:
     max_running: int = 256  # requests in flight through the router
     max_queued: int = 1024  # waiting for a slot; beyond that: 429
     timeout_s: float = 600.0  # a prefill leg's deadline (compute plus KV handoff)
-    max_retries: int = 2  # new pairs tried while the client has seen nothing
+    max_retries: int = 2  # new pairs tried while a try produced nothing
     backoff_s: float = 0.05  # first retry's base delay, doubled each time, with jitter
     stream_idle_timeout_s: float = 30.0  # a decode stream with no chunk for this long is given up
+    max_migrations: int = 2  # times a request that produced tokens continues on another pair
 
 
 @dataclass(frozen=True)
@@ -47,13 +50,14 @@ class _Request:
     prompt: list[int]
     sampling: pb.SamplingOptions
     salt: str
-    buffered: bool  # the client sees nothing before the end, so a failure midway can still be retried
+    buffered: bool  # the client sees nothing before the end (one merged output)
+    resumed: int = 0  # the prompt's last tokens this request generated before a migration
 
 
 class PDBackend:
     """Requests through prefill/decode pairs. Errors: 400 for what a node says is invalid, 429
     when the admission queue is full, 503 when no healthy pair exists or every try failed, 502
-    (decode failed) or 504 (decode silent) once the client got part of a stream."""
+    (decode failed) or 504 (decode silent) once a request that produced tokens may not migrate again."""
 
     def __init__(self, registry: Registry, prefill: Policy, decode: Policy, options: RouterOptions,
                  max_model_len: int, lookup: PrefixLookupFactory | None = None) -> None:
@@ -63,6 +67,7 @@ class PDBackend:
         self._slots = asyncio.Semaphore(options.max_running)
         self._queued = 0
         self.retries = 0
+        self.migrations = Migrations()
         self.routes: deque[dict[str, object]] = deque(maxlen=256)  # recent decisions, for operators and tests
 
     @property
@@ -78,16 +83,17 @@ class PDBackend:
 
     async def debug_state(self) -> dict[str, Any]:
         return {"workers": [w.describe() for w in self.registry.listed()], "queued": self._queued,
-                "retries": self.retries, "routes": list(self.routes)}
+                "retries": self.retries, "routes": list(self.routes)} | self.migrations.state()
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, cache_salt: str,
                        *, buffered: bool = False) -> AsyncIterator[RequestOutput]:
-        """``buffered``: see ``Backend``; such a request gets one output, when it finished, so a
-        decode node failing midway costs a retry instead of the request."""
+        """``buffered``: see ``Backend``; such a request gets one output, when it finished (after
+        any migrations)."""
         await self._admit()
         try:
             request = _Request(request_id, prompt_ids, to_proto(params), cache_salt, buffered)
-            async with contextlib.aclosing(self._attempts(request)) as outputs:
+            tries = migrating(self._attempts, request, self.options.max_migrations, self.migrations)
+            async with contextlib.aclosing(_merged(tries) if buffered else tries) as outputs:
                 async for out in outputs:
                     yield out
         finally:
@@ -134,8 +140,7 @@ class PDBackend:
         decode.begin()
         try:
             stubs, done = await self._prefill(pair, f"{request.id}-{attempt}", request)
-            outputs = self._stream(decode, stubs, done, request)
-            async with contextlib.aclosing(_merged(outputs) if request.buffered else outputs) as results:
+            async with contextlib.aclosing(self._stream(decode, stubs, done, request)) as results:
                 async for out in results:
                     yield out
         finally:
@@ -186,33 +191,38 @@ class PDBackend:
 
     async def _stream(self, decode: Worker, stubs: pd_flow.Pair, done: pd_flow.Prefilled, request: _Request
                       ) -> AsyncIterator[RequestOutput]:
-        """D's chunks as outputs. D failing, or sending nothing for ``stream_idle_timeout_s``
-        (frozen, cut off), blames D, cancels the stream (D aborts it and frees its pages) and
-        ends the try: ``_Retry`` while the client has seen nothing, else ``APIError``."""
-        seen = False  # by the client: only an unbuffered request's outputs reach it as they come
-        chunks = _within(pd_flow.generate(stubs, done, request.sampling), self.options.stream_idle_timeout_s)
+        """D's chunks as outputs. D failing, draining, or sending nothing for
+        ``stream_idle_timeout_s`` (frozen, cut off), blames D, cancels the stream (D aborts it and
+        frees its pages) and ends the try: ``_Retry`` while it produced nothing, else ``DecodeLost``."""
+        produced = False
+        chunks = _within(pd_flow.generate(stubs, done, request.sampling, request.resumed),
+                         self.options.stream_idle_timeout_s)
         try:
             async with contextlib.aclosing(chunks):
                 async for i, chunk in _numbered(chunks):
-                    seen = not request.buffered
+                    produced = True
                     yield _output(done, len(request.prompt), chunk, request.sampling, first=i == 0)
         except grpc.aio.AioRpcError as exc:
             self.registry.failed(decode, exc.code().name, unreachable=exc.code() is grpc.StatusCode.UNAVAILABLE)
-            await pd_flow.release(stubs, done.reservation_id, writer_stopped=True)
-            raise _decode_failed(decode, seen, f"failed ({exc.code().name} {exc.details()})", 502) from exc
+            # not awaited: a dead or stopping D answers late or never, and the request moves on now
+            pd_flow.release_later(stubs, done.reservation_id, writer_stopped=True)
+            reason = LostReason.DRAINING if draining(exc) else LostReason.FAILED
+            raise _decode_failed(decode, produced, f"{reason.value} ({exc.code().name} {exc.details()})", 502,
+                                 reason) from exc
         except _Stalled as exc:
             self.registry.failed(decode, "stream idle", unreachable=True)  # back once a health check passes
             pd_flow.release_later(stubs, done.reservation_id, writer_stopped=True)  # a frozen D answers late
-            raise _decode_failed(decode, seen, str(exc), 504) from exc
+            raise _decode_failed(decode, produced, str(exc), 504, LostReason.SILENT) from exc
         self.registry.succeeded(decode)
 
 
-def _decode_failed(decode: Worker, seen: bool, what: str, status: int) -> Exception:
-    """A try whose client saw nothing is retried; otherwise the stream ends with the error."""
-    if not seen:
+def _decode_failed(decode: Worker, produced: bool, what: str, status: int, reason: LostReason) -> Exception:
+    """A try that produced nothing is retried; otherwise the request migrates (``DecodeLost``,
+    carrying the error its client gets if it may not)."""
+    if not produced:
         return _Retry(f"generate on {decode.address}: {what}")
-    log.warning("decode worker %s %s mid-stream: the stream ends with an error", decode.address, what)
-    return oa.APIError(status, f"decode worker {decode.address} {what} mid-stream", code="decode_failed")
+    error = oa.APIError(status, f"decode worker {decode.address} {what} mid-stream", code="decode_failed")
+    return DecodeLost(decode.address, reason, error)
 
 
 def _log_retry(request_id: str, pair: tuple[Worker, Worker], exc: _Retry, again: bool) -> None:

@@ -20,6 +20,7 @@ from tierserve.proto import tierserve_pb2_grpc as pb_grpc
 
 WRITER_STOPPED = "tierserve-writer-stopped"  # a failed Prefill's word on its in-flight batches
 DESTINATION_FAILED = "tierserve-destination-failed"  # a failed Prefill's word that D, not P, failed it
+DRAINING = "tierserve-draining"  # a Generate's word that D ends it because D drains (router/migration.py)
 LEASE_MARGIN_S = 2.0  # the prefill leg ends this long before the decode node's lease runs out
 RELEASE_TIMEOUT_S = 5.0  # one Release call
 RELEASE_RETRY_S = 120.0  # a Release D did not answer is sent again, with backoff, this long
@@ -138,10 +139,13 @@ def _says(exc: grpc.aio.AioRpcError, key: str) -> bool:
     return any(k == key and value == "1" for k, value in exc.trailing_metadata() or ())
 
 
-async def generate(pair: Pair, prefilled: Prefilled, sampling: pb.SamplingOptions) -> AsyncIterator[pb.GenerateChunk]:
-    """Streams D's chunks; leaving early cancels the stream, which aborts the request on D."""
+async def generate(pair: Pair, prefilled: Prefilled, sampling: pb.SamplingOptions, resumed: int = 0
+                   ) -> AsyncIterator[pb.GenerateChunk]:
+    """Streams D's chunks; leaving early cancels the stream, which aborts the request on D.
+    ``resumed``: the prompt's last tokens were generated (a migration)."""
     call = pair.decode.Generate(pb.GenerateRequest(
-        reservation_id=prefilled.reservation_id, first_token=prefilled.response.first_token, sampling=sampling))
+        reservation_id=prefilled.reservation_id, first_token=prefilled.response.first_token, sampling=sampling,
+        resumed_tokens=resumed))
     try:
         async for chunk in call:
             yield chunk

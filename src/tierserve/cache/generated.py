@@ -1,0 +1,67 @@
+"""Continuous offload of generated KV (docs/architecture.md, The cache, continuous offload): a
+request still running hands its full pages to the tree as they fill, which copies them to L2 and
+on to L3 under the keys that continue its prompt's chain, while it keeps them
+pinned. A later request whose prompt is this one's prompt plus the tokens generated so far (a
+migration's re-prefill, a chat's next turn) hits them, in any tier, even if this node dies.
+
+Every write policy: a checkpoint copies its path whatever the policy says of other nodes. Bounded:
+with ``QUEUE_CAP`` copies (L1 -> L2 writes plus L3 backups) in flight, a checkpoint adds its pages to
+the tree but starts no copy; the next checkpoint copies what is still missing on the path (the
+release too, under ``write_through``). Nothing here waits: decoding never slows for a copy."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from tierserve.cache.base import PrefixHit
+from tierserve.cache.radix_tree import Node
+
+if TYPE_CHECKING:
+    from tierserve.cache.hicache import HiCache
+
+QUEUE_CAP = 64  # copies in flight beyond which a checkpoint copies nothing (its pages wait in L1)
+
+
+def checkpoint(cache: HiCache, token_ids: Sequence[int], pages: list[int], num_computed: int,
+               hit: PrefixHit) -> PrefixHit | None:
+    """Puts the full pages of ``token_ids[:num_computed]`` (held in ``pages``) in the tree and
+    returns the hit that now lends them back, pinned, in place of ``hit`` (unpinned here); None
+    when nothing changed (no new full page, a load under the hit not yet agreed landed, or a CP
+    rank). Pages the tree already held are swapped for the tree's (the hit's) and freed, so the
+    caller's page table must become ``hit.pages + pages[len(hit.pages):]``."""
+    if cache.ownership.size > 1:
+        return None  # a CP rank's pages join the tree only through release, which keeps the rotation
+    ps = cache.page_size
+    full = min(num_computed // ps, len(pages), cache.loads.usable(pages))
+    if full <= len(hit.pages) or not all(load.landed for load in hit.loads):
+        return None
+    unused, node = cache.tree.insert(token_ids[: full * ps], pages[:full], hit.salt)
+    cache.tree.lock(node)
+    if isinstance(hit.handle, Node):
+        cache.tree.unlock(hit.handle)
+    cache.loads.returned(hit)
+    cache.allocator.free(unused)  # this request's copies of pages the tree had: it reads the tree's now
+    lent = PrefixHit(full * ps, _path_pages(node), dict(hit.by_tier), handle=node, salt=hit.salt)
+    cache.loads.lent(lent)
+    _copy(cache, node, full - len(hit.pages))
+    return lent
+
+
+def _copy(cache: HiCache, node: Node, new_pages: int) -> None:
+    """Starts the L1 -> L2 copies of every node on ``node``'s path still without one, whatever the
+    write policy (the point is that the pages outlive this node), unless the queue is full."""
+    if cache.copies_in_flight >= QUEUE_CAP:
+        cache.counters["offload_deferred_pages_total"] += new_pages
+        return
+    cache.counters["offload_checkpoint_pages_total"] += new_pages
+    cache.write_path(node, every=True)
+
+
+def _path_pages(node: Node) -> list[int]:
+    """The device pages from the root down to ``node`` (each node on an inserted path has them)."""
+    nodes = []
+    while node.parent is not None:
+        nodes.append(node)
+        node = node.parent
+    return [p for n in reversed(nodes) for p in n.device]
