@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tierserve.cli.flags import add_api_key_args, add_listen_args, add_model_args, model_dir
+from tierserve.cli.flags import add_api_key_args, add_listen_args, add_model_args, model_dir, tenant_keys
 
 if TYPE_CHECKING:
     from tierserve.router.app import RouterConfig, Task
@@ -64,7 +65,7 @@ def router_config(args: argparse.Namespace, folder: Path) -> RouterConfig:
 
     return RouterConfig(
         model_dir=folder, prefill=args.prefill, decode=args.decode, served_model_name=args.served_model_name,
-        context_length=args.context_length, api_key=args.api_key, admin_api_key=args.admin_api_key,
+        context_length=args.context_length, keys=tenant_keys(args), admin_api_key=args.admin_api_key,
         prefill_policy=args.prefill_policy, decode_policy=args.decode_policy,
         options=RouterOptions(max_running=args.max_running_requests, max_queued=args.max_queued_requests,
                               timeout_s=args.request_timeout, max_retries=args.max_retries,
@@ -79,7 +80,12 @@ def cmd_router(args: argparse.Namespace, on_ready: Callable[[], None] | None = N
     folder = model_dir(args)
     if folder is None:
         return 2
-    serve_router(router_config(args, folder), args.host, args.port, _discovery_tasks(args), on_ready)
+    try:
+        config = router_config(args, folder)
+    except ValueError as exc:
+        print(f"tierserve: {exc}", file=sys.stderr)
+        return 2
+    serve_router(config, args.host, args.port, _discovery_tasks(args), on_ready)
     return 0
 
 

@@ -22,6 +22,7 @@ from tierserve.api.app import create_app
 from tierserve.api.auth import admin_guard
 from tierserve.api.http import run_http
 from tierserve.api.metrics import ApiMetrics
+from tierserve.api.tenants import TenantKeys
 from tierserve.api.tokenizer import try_load
 from tierserve.core.model_config import ModelConfig
 from tierserve.router.backend import PDBackend, RouterOptions
@@ -40,7 +41,7 @@ class RouterConfig:
     decode: list[str] = field(default_factory=list)
     served_model_name: str | None = None
     context_length: int | None = None
-    api_key: str | None = None
+    keys: TenantKeys | None = None  # API keys naming tenants (None: an open API)
     admin_api_key: str | None = None
     prefill_policy: PolicyKind = PolicyKind.CACHE_AWARE
     decode_policy: PolicyKind = PolicyKind.POWER_OF_TWO
@@ -59,7 +60,7 @@ def create_router_app(config: RouterConfig, registry: Registry, tasks: list[Task
                         config.options, config.context_length or model.max_position, caches.lookup)
     name = config.served_model_name or config.model_dir.name
     app = create_app(backend, try_load(config.model_dir), name, ApiMetrics(_RouterCollector(registry, backend)),
-                     config.api_key)
+                     config.keys)
     _add_worker_routes(app, registry, admin_guard(config.admin_api_key))
     initial = [(Role.PREFILL, a) for a in config.prefill] + [(Role.DECODE, a) for a in config.decode]
     app.router.lifespan_context = _lifespan(registry, initial, [Registry.run_checks, caches.run, *(tasks or [])])
