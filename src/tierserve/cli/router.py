@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tierserve.cli.flags import add_api_key_args, add_listen_args, add_model_args, model_dir, tenant_keys
+from tierserve.cli.node import add_node_token_args
 
 if TYPE_CHECKING:
     from tierserve.router.app import RouterConfig, Task
@@ -34,6 +35,7 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context-length", type=int, help="max prompt + output tokens (default: the model's)")
     add_api_key_args(p, "the /workers admin routes")
     add_policy_args(p)
+    add_node_token_args(p)
     p.add_argument("--max-running-requests", type=int, default=256, help="requests in flight through the router")
     p.add_argument("--max-queued-requests", type=int, default=1024, help="waiting beyond this gets 429")
     p.add_argument("--request-timeout", type=float, default=600.0, help="deadline of a prefill leg, seconds")
@@ -60,6 +62,7 @@ def positive_seconds(text: str) -> float:
 
 
 def router_config(args: argparse.Namespace, folder: Path) -> RouterConfig:
+    from tierserve.core.node_auth import read_token
     from tierserve.router.app import RouterConfig
     from tierserve.router.backend import RouterOptions
 
@@ -71,6 +74,7 @@ def router_config(args: argparse.Namespace, folder: Path) -> RouterConfig:
                               timeout_s=args.request_timeout, max_retries=args.max_retries,
                               stream_idle_timeout_s=args.stream_idle_timeout),
         health_check_interval_s=args.health_check_interval, drain_timeout_s=args.worker_drain_timeout,
+        node_token=read_token(args.node_token, args.node_token_file),
     )
 
 

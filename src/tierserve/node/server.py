@@ -15,6 +15,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from tierserve.cache.events import KVEventPublisher
+from tierserve.core.node_auth import server_interceptors
 from tierserve.core.transfer import TransferProtocol
 from tierserve.engine.config import EngineConfig
 from tierserve.engine.engine import Engine
@@ -47,6 +48,7 @@ class NodeOptions:
     metrics_port: int | None = None  # Prometheus /metrics on this port; None = off
     kv_events_port: int | None = None  # ZMQ PUB of KV events on this port (0: any free); None = off
     log_level: str = "info"  # of ranks 1..N-1
+    node_token: str | None = None  # every RPC but health must carry it (core/node_auth.py); None: open
 
     def transfer(self) -> TransferOptions:
         return TransferOptions(self.transfer_hostname, self.transfer_protocol, self.transfer_devices,
@@ -132,7 +134,7 @@ def _check_fits(config: EngineConfig, role: pb.Role) -> None:
 
 
 async def _serve(node: Node, options: NodeOptions, role: pb.Role, add_service: AddService) -> None:
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)], interceptors=server_interceptors(options.node_token))
     service_name = add_service(server, node)
     model_name = options.served_model_name or node.engine.config.model_dir.name
     events = advertised_endpoint(node.kv_events.endpoint, options.transfer_hostname) if node.kv_events else ""

@@ -48,6 +48,7 @@ class RouterConfig:
     options: RouterOptions = field(default_factory=RouterOptions)
     health_check_interval_s: float = 2.0
     drain_timeout_s: float = 600.0  # a removed worker's running requests get this long to finish
+    node_token: str | None = None  # sent on every call to the nodes (core/node_auth.py)
 
 
 Task = Callable[[Registry], Any]  # a background coroutine function run for the app's lifetime
@@ -152,5 +153,6 @@ class _RouterCollector:
 
 def serve_router(config: RouterConfig, host: str, port: int, tasks: list[Task] | None = None,
                  on_ready: Callable[[], None] | None = None) -> None:
-    registry = Registry(check_interval_s=config.health_check_interval_s, drain_timeout_s=config.drain_timeout_s)
+    registry = Registry(check_interval_s=config.health_check_interval_s, drain_timeout_s=config.drain_timeout_s,
+                        node_token=config.node_token)
     run_http(create_router_app(config, registry, tasks), host, port, on_ready)
