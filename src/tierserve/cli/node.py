@@ -37,10 +37,14 @@ def add_node_token_args(p: argparse.ArgumentParser) -> None:
     token.add_argument("--node-token", help="shared secret every node RPC carries (prefer the file or "
                                             "$TIERSERVE_NODE_TOKEN: an argument shows in ps)")
     token.add_argument("--node-token-file", type=Path, help="file holding the node token (a Kubernetes secret)")
+    p.add_argument("--tls-cert", type=Path, help="PEM certificate: a node's to serve TLS, the router's for mutual TLS")
+    p.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
+    p.add_argument("--tls-ca", type=Path, help="PEM CA: nodes require client certificates it signed (mutual "
+                                               "TLS); the router verifies nodes against it")
 
 
 def node_options(args: argparse.Namespace) -> NodeOptions:
-    from tierserve.core.node_auth import read_token
+    from tierserve.core.node_auth import TLSFiles, read_token
     from tierserve.node.server import NodeOptions
 
     hostname = args.transfer_hostname or (args.host if args.host not in ("0.0.0.0", "::") else "127.0.0.1")
@@ -49,7 +53,8 @@ def node_options(args: argparse.Namespace) -> NodeOptions:
                        handoff_staging_bytes=max(0, args.handoff_staging_mb) << 20,
                        served_model_name=args.served_model_name, metrics_port=args.metrics_port,
                        kv_events_port=args.kv_events_port, log_level=args.log_level,
-                       node_token=read_token(args.node_token, args.node_token_file))
+                       node_token=read_token(args.node_token, args.node_token_file),
+                       tls=TLSFiles.of(args.tls_cert, args.tls_key, args.tls_ca))
 
 
 def run_role(args: argparse.Namespace, role: int, add_service: AddService) -> int:

@@ -62,7 +62,7 @@ def positive_seconds(text: str) -> float:
 
 
 def router_config(args: argparse.Namespace, folder: Path) -> RouterConfig:
-    from tierserve.core.node_auth import read_token
+    from tierserve.core.node_auth import TLSFiles, read_token
     from tierserve.router.app import RouterConfig
     from tierserve.router.backend import RouterOptions
 
@@ -75,6 +75,7 @@ def router_config(args: argparse.Namespace, folder: Path) -> RouterConfig:
                               stream_idle_timeout_s=args.stream_idle_timeout),
         health_check_interval_s=args.health_check_interval, drain_timeout_s=args.worker_drain_timeout,
         node_token=read_token(args.node_token, args.node_token_file),
+        tls=TLSFiles.of(args.tls_cert, args.tls_key, args.tls_ca),
     )
 
 

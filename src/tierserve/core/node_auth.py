@@ -8,6 +8,7 @@ from __future__ import annotations
 import hmac
 import os
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +91,45 @@ class _UnaryStream(grpc.aio.UnaryStreamClientInterceptor):
 def client_interceptors(token: str | None) -> list[grpc.aio.ClientInterceptor] | None:
     """What an aio channel to the nodes needs to send ``token`` on every call (None: nothing)."""
     return None if token is None else [_UnaryUnary(token), _UnaryStream(token)]
+
+
+@dataclass(frozen=True)
+class TLSFiles:
+    """PEM files of ``--tls-cert``, ``--tls-key``, ``--tls-ca``. A node serves TLS with its
+    certificate and, given a CA, requires callers' certificates signed by it (mutual TLS); the
+    router verifies nodes against the CA and presents its own certificate when it has one."""
+
+    cert: Path | None = None
+    key: Path | None = None
+    ca: Path | None = None
+
+    @classmethod
+    def of(cls, cert: Path | None, key: Path | None, ca: Path | None) -> TLSFiles | None:
+        """``None`` when no flag was given; ``ValueError`` for a certificate without its key."""
+        if (cert is None) != (key is None):
+            raise ValueError("--tls-cert and --tls-key go together")
+        return None if cert is None and ca is None else cls(cert, key, ca)
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        if self.cert is None or self.key is None:
+            raise ValueError("a node serving TLS needs --tls-cert and --tls-key")
+        return grpc.ssl_server_credentials([(self.key.read_bytes(), self.cert.read_bytes())],
+                                           root_certificates=_read(self.ca), require_client_auth=self.ca is not None)
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(_read(self.ca), _read(self.key), _read(self.cert))
+
+
+def _read(path: Path | None) -> bytes | None:
+    return None if path is None else path.read_bytes()
+
+
+def node_channel(address: str, token: str | None, tls: TLSFiles | None) -> grpc.aio.Channel:
+    """An aio channel to a node: TLS when ``tls`` is set, the token on every call when set."""
+    interceptors = client_interceptors(token)
+    if tls is None:
+        return grpc.aio.insecure_channel(address, interceptors=interceptors)
+    return grpc.aio.secure_channel(address, tls.channel_credentials(), interceptors=interceptors)
 
 
 def server_interceptors(token: str | None) -> list[grpc.aio.ServerInterceptor]:

@@ -15,7 +15,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from tierserve.cache.events import KVEventPublisher
-from tierserve.core.node_auth import server_interceptors
+from tierserve.core.node_auth import TLSFiles, server_interceptors
 from tierserve.core.transfer import TransferProtocol
 from tierserve.engine.config import EngineConfig
 from tierserve.engine.engine import Engine
@@ -49,6 +49,7 @@ class NodeOptions:
     kv_events_port: int | None = None  # ZMQ PUB of KV events on this port (0: any free); None = off
     log_level: str = "info"  # of ranks 1..N-1
     node_token: str | None = None  # every RPC but health must carry it (core/node_auth.py); None: open
+    tls: TLSFiles | None = None  # serve TLS (mutual with a CA); None: plaintext
 
     def transfer(self) -> TransferOptions:
         return TransferOptions(self.transfer_hostname, self.transfer_protocol, self.transfer_devices,
@@ -142,7 +143,9 @@ async def _serve(node: Node, options: NodeOptions, role: pb.Role, add_service: A
         NodeServicer(node.loop, role, node.transfer.endpoint, model_name, node.kv_events, events), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = server.add_insecure_port(f"{options.host}:{options.port}")
+    address = f"{options.host}:{options.port}"
+    port = server.add_secure_port(address, options.tls.server_credentials()) if options.tls is not None \
+        else server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"cannot listen on {options.host}:{options.port}")
     await server.start()

@@ -25,6 +25,7 @@ from tierserve.api.metrics import ApiMetrics
 from tierserve.api.tenants import TenantKeys
 from tierserve.api.tokenizer import try_load
 from tierserve.core.model_config import ModelConfig
+from tierserve.core.node_auth import TLSFiles
 from tierserve.router.backend import PDBackend, RouterOptions
 from tierserve.router.cache_view import CacheView
 from tierserve.router.policies import PolicyKind, make_policy
@@ -49,6 +50,7 @@ class RouterConfig:
     health_check_interval_s: float = 2.0
     drain_timeout_s: float = 600.0  # a removed worker's running requests get this long to finish
     node_token: str | None = None  # sent on every call to the nodes (core/node_auth.py)
+    tls: TLSFiles | None = None  # TLS to the nodes: their CA, and this router's certificate for mutual TLS
 
 
 Task = Callable[[Registry], Any]  # a background coroutine function run for the app's lifetime
@@ -154,5 +156,5 @@ class _RouterCollector:
 def serve_router(config: RouterConfig, host: str, port: int, tasks: list[Task] | None = None,
                  on_ready: Callable[[], None] | None = None) -> None:
     registry = Registry(check_interval_s=config.health_check_interval_s, drain_timeout_s=config.drain_timeout_s,
-                        node_token=config.node_token)
+                        node_token=config.node_token, tls=config.tls)
     run_http(create_router_app(config, registry, tasks), host, port, on_ready)
