@@ -50,5 +50,7 @@ class Trailers:
     def write(self, slot: int, digest: bytes) -> None:
         self.buffer[slot] = torch.from_numpy(np.frombuffer(digest, dtype=np.uint8).copy())
 
-    def read(self, slot: int) -> bytes:
-        return self.buffer[slot].numpy().tobytes()
+    def read_all(self, n: int) -> list[bytes]:
+        """The first ``n`` slots' trailers (one copy for the batch, not one per page)."""
+        raw = self.buffer[:n].numpy().tobytes()
+        return [raw[i * DIGEST_BYTES : (i + 1) * DIGEST_BYTES] for i in range(n)]

@@ -249,8 +249,9 @@ class MooncakeStorage(StorageBackend):
             codes = self._checked("get", lambda s: s.batch_get_into_multi_buffers(names, *parts))
             codes = [self._sized(n, c, span.nbytes + DIGEST_BYTES) for n, c, span in zip(names, codes, spans,
                                                                                         strict=True)]
-            ok = [self._intact(i, name, span, code) for i, (name, span, code) in enumerate(zip(names, spans, codes,
-                                                                                                  strict=True))]
+            trailers = self._trailers.read_all(len(names))
+            ok = [self._intact(trailers[i], name, span, code)
+                  for i, (name, span, code) in enumerate(zip(names, spans, codes, strict=True))]
         self._drop([n for n, good, c in zip(names, ok, codes, strict=True) if not good and _present(c)])
         return self._count_hits(ok)
 
@@ -266,11 +267,11 @@ class MooncakeStorage(StorageBackend):
             return WRONG_SIZE
         return code
 
-    def _intact(self, slot: int, name: str, span: torch.Tensor, code: int) -> bool:
-        """Whether the object read into ``span`` and trailer ``slot`` is this page's, byte for byte."""
+    def _intact(self, trailer: bytes, name: str, span: torch.Tensor, code: int) -> bool:
+        """Whether the object read into ``span`` and ``trailer`` is this page's, byte for byte."""
         if not _present(code):
             return False  # a plain miss: not stored, evicted, or a dead peer's
-        if code == span.nbytes + DIGEST_BYTES and page_digest(name.encode(), span) == self._trailers.read(slot):
+        if code == span.nbytes + DIGEST_BYTES and page_digest(name.encode(), span) == trailer:
             return True
         self.integrity_failures += 1
         return False
