@@ -15,6 +15,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from tierserve.cache.events import KVEventPublisher
+from tierserve.core.kv_events_auth import CurveKeys
 from tierserve.core.node_auth import TLSFiles, server_interceptors
 from tierserve.core.transfer import TransferProtocol
 from tierserve.engine.config import EngineConfig
@@ -99,7 +100,8 @@ def run_node(config: EngineConfig, options: NodeOptions, role: pb.Role, add_serv
 def _start(engine: Engine, ranks: RankTransfer, options: NodeOptions, procs: RankProcesses | None) -> Node:
     kv_events = None
     if options.kv_events_port is not None:  # before the engine thread starts: the tree is its alone then
-        kv_events = start_kv_events(engine, f"tcp://{options.host}:{options.kv_events_port}")
+        curve = CurveKeys.from_token(options.node_token) if options.node_token else None
+        kv_events = start_kv_events(engine, f"tcp://{options.host}:{options.kv_events_port}", curve=curve)
     loop = EngineLoop(engine, LeaderBus(engine.ranks, procs.fail) if procs else None)
     node = Node(engine, loop.start(), ranks.receiver, ranks.peers, NodeMetrics(loop), kv_events, ranks)
     if options.metrics_port is not None:
