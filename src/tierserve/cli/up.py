@@ -10,7 +10,7 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from tierserve.cli.flags import add_engine_args, add_model_args, engine_config, engine_flags, model_dir
+from tierserve.cli.flags import add_engine_args, add_model_args, engine_config, engine_flags, model_dir, tenant_keys
 from tierserve.cli.router import add_policy_args
 from tierserve.engine.config import EngineConfig
 
@@ -37,7 +37,9 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
                    help="the L3 store's size in GB, split evenly between the nodes (default: a third of this "
                         "machine's memory; segments take memory only as they fill)")
     add_policy_args(p)
-    p.add_argument("--api-key", help="require 'Authorization: Bearer <key>' on the router's API")
+    keys = p.add_mutually_exclusive_group()
+    keys.add_argument("--api-key", help="require 'Authorization: Bearer <key>' on the router's API")
+    keys.add_argument("--api-keys", type=Path, metavar="FILE", help="the router's tenants' API keys (see router)")
     p.add_argument("--admin-api-key", help="enable the router's /workers admin routes with this key")
     p.add_argument("--state-file", type=Path,
                    help="keep the children's names, roles, PIDs and ports in this JSON file, rewritten whenever "
@@ -64,6 +66,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         config = engine_config(args, folder)
         restart = RestartPolicy(max_deaths=args.restart_limit, window_s=args.restart_window)
         _check_sizes(args, config)
+        tenant_keys(args)  # a bad key file fails here, not in a router restarted until the crash limit
     except ValueError as exc:
         print(f"tierserve: {exc}", file=sys.stderr)
         return 2
@@ -130,8 +133,9 @@ def _without_l3_config(config: EngineConfig) -> tuple[EngineConfig, dict]:
 
 
 def _router_flags(args: argparse.Namespace) -> list[str]:
-    keys = [f for flag, value in (("--api-key", args.api_key), ("--admin-api-key", args.admin_api_key))
-            if value for f in (flag, value)]
+    file = args.api_keys and args.api_keys.resolve()  # the router may run elsewhere than here
+    keys = [str(f) for flag, value in (("--api-key", args.api_key), ("--api-keys", file),
+                                       ("--admin-api-key", args.admin_api_key)) if value for f in (flag, value)]
     return [*keys, "--prefill-policy", args.prefill_policy.value, "--decode-policy", args.decode_policy.value]
 
 

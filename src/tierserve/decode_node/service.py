@@ -14,6 +14,7 @@ from dataclasses import replace
 
 import grpc
 
+from tierserve.cache.hashing import tenant_salt
 from tierserve.core.sampling import InvalidRequestError
 from tierserve.engine.commands import CancelReservation, Reserve
 from tierserve.engine.reservations import DEFAULT_TERMS, CapacityError, ReservationTerms
@@ -42,7 +43,8 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         rid, terms = request.request_id, replace(self.terms, lease_s=lease)
         prompt, max_new = list(request.prompt_ids), request.max_new_tokens or 16
         try:
-            reserve = Reserve(rid, tuple(prompt), max_new, request.cache_salt, terms, time.monotonic(),
+            salt = tenant_salt(request.tenant, request.cache_salt)
+            reserve = Reserve(rid, tuple(prompt), max_new, salt, terms, time.monotonic(),
                               request.source_tp_size)
             reserved = await self.node.loop.apply(reserve)  # every rank: the same pages
         except InvalidRequestError as exc:

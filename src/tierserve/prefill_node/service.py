@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 
 import grpc
 
+from tierserve.cache.hashing import tenant_salt
 from tierserve.core.outputs import RequestOutput
 from tierserve.core.sampling import InvalidRequestError, SamplingParams
 from tierserve.core.tiers import CacheTier
@@ -90,7 +91,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         """This rank's handoff and the command that adds the request: at several ranks every rank
         builds its own handoff from the plan and they agree on when all ended (``node/handoffs.py``)."""
         ranks, opts = self.node.ranks, self.options
-        add = AddRequest(request.request_id, tuple(prompt), params, request.cache_salt)
+        add = AddRequest(request.request_id, tuple(prompt), params, tenant_salt(request.tenant, request.cache_salt))
         if ranks.board is None:
             handoff = ranks.handoff(plan, opts.fault_rate, opts.fault_delay_s)
             return handoff, replace(add, handoff=handoff)

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 import grpc
 
 from tierserve.api import openai as oa
+from tierserve.cache.hashing import tenant_salt
 from tierserve.core.outputs import FinishReason, RequestOutput, TokenLogprob
 from tierserve.core.sampling import InvalidRequestError, SamplingParams
 from tierserve.core.tiers import TIERS
@@ -47,6 +48,7 @@ class _Request:
     prompt: list[int]
     sampling: pb.SamplingOptions
     salt: str
+    tenant: str  # the API key's: with the salt it decides the cache namespace, on the nodes too
     buffered: bool  # the client sees nothing before the end, so a failure midway can still be retried
 
 
@@ -81,12 +83,12 @@ class PDBackend:
                 "retries": self.retries, "routes": list(self.routes)}
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, cache_salt: str,
-                       *, buffered: bool = False) -> AsyncIterator[RequestOutput]:
+                       *, tenant: str = "", buffered: bool = False) -> AsyncIterator[RequestOutput]:
         """``buffered``: see ``Backend``; such a request gets one output, when it finished, so a
         decode node failing midway costs a retry instead of the request."""
         await self._admit()
         try:
-            request = _Request(request_id, prompt_ids, to_proto(params), cache_salt, buffered)
+            request = _Request(request_id, prompt_ids, to_proto(params), cache_salt, tenant, buffered)
             async with contextlib.aclosing(self._attempts(request)) as outputs:
                 async for out in outputs:
                     yield out
@@ -114,7 +116,7 @@ class PDBackend:
                 self.retries += 1
                 await asyncio.sleep(self._backoff(attempt, deadline))
             attempt += 1
-            pair = self._pick(request.prompt, request.salt)
+            pair = self._pick(request.prompt, tenant_salt(request.tenant, request.salt))
             try:
                 async with contextlib.aclosing(self._attempt(pair, request, attempt)) as outputs:
                     async for out in outputs:
@@ -166,7 +168,8 @@ class PDBackend:
         stubs = pd_flow.Pair.connect(prefill.channel, decode.channel)
         try:
             done = await pd_flow.prefill(stubs, rid, request.prompt, request.sampling, request.salt,
-                                         self.options.timeout_s, prefill.info.tp_size if prefill.info else 0)
+                                         self.options.timeout_s, prefill.info.tp_size if prefill.info else 0,
+                                         request.tenant)
         except pd_flow.HandoffFailed as exc:  # a transfer into a dead or frozen D is D's failure, not P's
             self._blame(decode if exc.destination_failed else prefill, exc.code, str(exc))
             raise _Retry(f"prefill on {prefill.address}: {exc}") from exc
