@@ -117,8 +117,15 @@ def test_unknown_keys_401_and_admin_routes_refuse_tenant_keys(server: str) -> No
     for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "Bearer adm"}):
         r = httpx.post(f"{server}/v1/completions", json={"prompt": [1, 2]}, headers=headers, timeout=10)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
-    assert httpx.get(f"{server}/admin/storage", headers={"Authorization": "Bearer key-a"}).status_code == 401
-    assert httpx.get(f"{server}/admin/storage", headers={"Authorization": "Bearer adm"}).status_code == 200
+    for route in ("/admin/storage", "/debug/state"):  # /debug/state shows every tenant's requests
+        assert _get(server, route, "key-a").status_code == 403, route
+        assert _get(server, route, None).status_code == 401 and _get(server, route, "nope").status_code == 401
+        assert _get(server, route, "adm").status_code == 200, route
+    assert _get(server, "/debug/state", "adm").json()["running"] == 0
+
+
+def _get(url: str, route: str, key: str | None) -> httpx.Response:
+    return httpx.get(f"{url}{route}", headers={"Authorization": f"Bearer {key}"} if key else {}, timeout=10)
 
 
 @pytest.mark.integration
@@ -159,8 +166,8 @@ def test_through_up_tenants_share_no_pages_and_no_routing_signal(tmp_path: Path)
 
     (tmp_path / "keys.json").write_text(json.dumps(KEYS))
     port = free_port()
-    proc, _ = start_up(port, "--api-keys", str(tmp_path / "keys.json"), "--prefill-nodes", "2",
-                           "--max-total-tokens", "4096")
+    proc, _ = start_up(port, "--api-keys", str(tmp_path / "keys.json"), "--admin-api-key", "adm",
+                       "--prefill-nodes", "2", "--max-total-tokens", "4096")
     url, prompt = f"http://127.0.0.1:{port}", [1000 + (i * 37) % 40000 for i in range(256)]
 
     def seen_by_router() -> bool:
@@ -173,11 +180,12 @@ def test_through_up_tenants_share_no_pages_and_no_routing_signal(tmp_path: Path)
         assert cached(complete(url, "key-a", prompt=prompt))[0] >= 192
         assert cached(complete(url, "key-b", prompt=prompt)) == (0, {"device": 0, "host": 0, "storage": 0})
         assert _last_route(url)["prefill_cached_pages"] == [0, 0]
-        assert httpx.get(f"{url}/workers", headers={"Authorization": "Bearer key-a"}).status_code in (401, 403)
+        for route in ("/workers", "/debug/state"):  # admin routes: a tenant key is refused, the admin key opens
+            assert _get(url, route, "key-a").status_code == 403 and _get(url, route, "adm").status_code == 200
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=60)
 
 
 def _last_route(url: str) -> dict:
-    return httpx.get(f"{url}/debug/state", headers={"Authorization": "Bearer key-a"}, timeout=10).json()["routes"][-1]
+    return _get(url, "/debug/state", "adm").json()["routes"][-1]

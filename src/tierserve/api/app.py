@@ -21,7 +21,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tierserve.api import openai as oa
-from tierserve.api.auth import request_tenant, tenant_check
+from tierserve.api.auth import debug_guard, request_tenant, tenant_check
 from tierserve.api.backend import Backend
 from tierserve.api.choices import Choices, Job, make_jobs
 from tierserve.api.formats import ChatFormat, CompletionFormat, Delta
@@ -243,10 +243,11 @@ def _json(model: BaseModel) -> Response:
 
 
 def create_app(backend: Backend, tokenizer: TextTokenizer | None, model_name: str, metrics: ApiMetrics,
-               keys: TenantKeys | None = None) -> FastAPI:
+               keys: TenantKeys | None = None, admin_api_key: str | None = None) -> FastAPI:
     """The HTTP app over a started backend. ``/health``, ``/readiness`` and ``/metrics`` are open;
     every other route needs ``Authorization: Bearer <key>`` with one of ``keys`` when set, the key
-    naming the request's tenant (its cache namespace and its limits, ``api/tenants.py``). Roles add
+    naming the request's tenant (its cache namespace and its limits, ``api/tenants.py``), except
+    ``/debug/state``, an admin route (``debug_guard``: the admin key, never a tenant's). Roles add
     their own routes (``guarded`` and ``admin_guard`` give the dependencies). Every error answer,
     an unexpected exception's 500 included, has the OpenAI shape and is counted in
     ``tierserve_http_errors_total`` by status."""
@@ -257,7 +258,7 @@ def create_app(backend: Backend, tokenizer: TextTokenizer | None, model_name: st
     app.add_api_route("/v1/chat/completions", api.chat, methods=["POST"], **guarded)
     app.add_api_route("/v1/models", api.models, methods=["GET"], **guarded)
     app.add_api_route("/tokenize", api.tokenize, methods=["POST"], **guarded)
-    app.add_api_route("/debug/state", api.debug_state, methods=["GET"], **guarded)
+    app.add_api_route("/debug/state", api.debug_state, methods=["GET"], **debug_guard(admin_api_key, keys))
     app.add_api_route("/health", api.health, methods=["GET"])
     app.add_api_route("/readiness", api.readiness, methods=["GET"])
     app.add_api_route("/metrics", lambda: Response(generate_latest(metrics.registry),

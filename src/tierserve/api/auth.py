@@ -53,10 +53,17 @@ def api_key_check(api_key: str | None) -> Callable[[Request], Coroutine[Any, Any
     return check
 
 
-def admin_guard(admin_key: str | None) -> dict[str, Any]:
+def admin_guard(admin_key: str | None, keys: TenantKeys | None = None) -> dict[str, Any]:
     """Route options for admin routes: off (403) without a key, else that key as a bearer token.
-    A tenant's key never opens them (``check_admin_key`` refuses an admin key that is one)."""
-    return {"dependencies": [Depends(_admin_auth(admin_key))]}
+    A tenant's key never opens them: 403 (``check_admin_key`` also refuses an admin key that is one)."""
+    return {"dependencies": [Depends(_admin_auth(admin_key, keys))]}
+
+
+def debug_guard(admin_key: str | None, keys: TenantKeys | None) -> dict[str, Any]:
+    """Route options for ``/debug/state``, which shows every tenant's routes and occupancy: an admin
+    route as soon as the server has API keys or an admin key. A server with neither has no tenants
+    to separate (every client is already anyone), so it stays open there, as tests and demos use it."""
+    return {} if admin_key is None and keys is None else admin_guard(admin_key, keys)
 
 
 def check_admin_key(admin_key: str | None, keys: TenantKeys | None) -> None:
@@ -65,12 +72,14 @@ def check_admin_key(admin_key: str | None, keys: TenantKeys | None) -> None:
         raise ValueError("the admin API key must not be one of the tenants' API keys")
 
 
-def _admin_auth(admin_key: str | None) -> Callable[[Request], Coroutine[Any, Any, None]]:
+def _admin_auth(admin_key: str | None, keys: TenantKeys | None) -> Callable[[Request], Coroutine[Any, Any, None]]:
     check_key = api_key_check(admin_key)
 
     async def check(request: Request) -> None:
         if admin_key is None:
             raise oa.APIError(403, "the admin API is off: start the server with --admin-api-key")
+        if keys is not None and keys.holds(bearer(request) or ""):
+            raise oa.APIError(403, "a tenant's API key does not open admin routes", code="forbidden")
         await check_key(request)
 
     return check

@@ -57,8 +57,8 @@ def create_engine_app(loop: EngineLoop, tokenizer: TextTokenizer | None, model_n
     (L3 status, attach, detach, clear) behind ``admin_api_key``; API keys name tenants (``keys``)."""
     check_admin_key(admin_api_key, keys)
     metrics = ApiMetrics(EngineCollector(loop))
-    app = create_app(EngineBackend(loop), tokenizer, model_name, metrics, keys)
-    admin = admin_guard(admin_api_key)
+    app = create_app(EngineBackend(loop), tokenizer, model_name, metrics, keys, admin_api_key)
+    admin = admin_guard(admin_api_key, keys)
 
     async def storage_status() -> Response:
         return JSONResponse(await loop.storage_admin(StorageAction.STATUS))

@@ -63,8 +63,8 @@ def create_router_app(config: RouterConfig, registry: Registry, tasks: list[Task
                         config.options, config.context_length or model.max_position, caches.lookup)
     name = config.served_model_name or config.model_dir.name
     app = create_app(backend, try_load(config.model_dir), name, ApiMetrics(_RouterCollector(registry, backend)),
-                     config.keys)
-    _add_worker_routes(app, registry, admin_guard(config.admin_api_key))
+                     config.keys, config.admin_api_key)
+    _add_worker_routes(app, registry, admin_guard(config.admin_api_key, config.keys))
     initial = [(Role.PREFILL, a) for a in config.prefill] + [(Role.DECODE, a) for a in config.decode]
     app.router.lifespan_context = _lifespan(registry, initial, [Registry.run_checks, caches.run, *(tasks or [])])
     return app
