@@ -9,6 +9,10 @@ float32; 16 tokens: 720 KiB a page). Each repetition puts fresh keys with both c
 them back with both, alternating which goes first; medians of ``--repeats``.
 
     .venv/bin/python benchmarks/integrity.py [--pages 64] [--repeats 15]
+    .venv/bin/python benchmarks/integrity.py --handoff [--tokens 2048] [--repeats 15]
+
+``--handoff`` measures the PD handoff's digests instead (``--handoff-integrity``,
+``benchmarks/handoff_integrity.py``): a handoff with and without them, against its bandwidth.
 """
 
 from __future__ import annotations
@@ -65,7 +69,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pages", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--handoff", action="store_true", help="the PD handoff's digests instead of L3 reads")
+    parser.add_argument("--tokens", type=int, default=2048, help="with --handoff: the prompt's length")
     args = parser.parse_args()
+    if args.handoff:
+        from handoff_integrity import measure_handoff
+
+        measure_handoff(args.tokens, args.repeats)
+        return
     data = memoryview(torch.randn(PAGE_BYTES * args.pages // 4).numpy()).cast("B")
     print("| digest | GB/s (one core) |\n|---|---|")
     for name in ("xxh3_128", "blake2b", "crc32"):

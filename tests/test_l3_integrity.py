@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -96,3 +97,38 @@ def test_an_engine_recomputes_corrupted_pages_and_answers_as_without_a_cache(
     failures = second.cache.storage.storage.stats()["integrity_failures"]
     assert failures >= 1 and tiers.get("storage", 0) == 0, (failures, tiers)
     assert second.cache.stats()["l3_integrity_failures_total"] == failures  # /metrics: tierserve_cache_l3_...
+
+
+FILE_PAGES = 50  # per round in the file backend: 200 corruptions
+
+
+def _corrupt_file(kind: str, path: Path, other: bytes, page: torch.Tensor, rng: random.Random) -> None:
+    data = path.read_bytes()
+    if kind == "flip":
+        path.write_bytes(_flip(rng, data))
+    elif kind == "truncate":
+        path.write_bytes(data[: rng.randrange(1, len(data))])
+    elif kind == "swap":  # another key's intact file, trailer and all
+        path.write_bytes(other)
+    else:  # written without trailers, in another layout
+        path.write_bytes(page.reshape(16, -1).t().contiguous().numpy().tobytes())
+
+
+def test_the_file_backend_counts_each_corrupted_file_as_a_miss(tmp_path: Path) -> None:
+    store = create_backend("file", {"path": str(tmp_path)})
+    pages, into = torch.randn(FILE_PAGES, 256), torch.zeros(FILE_PAGES, 256)
+    keys = [i.to_bytes(32, "little") for i in range(FILE_PAGES)]
+    rng = random.Random(18)
+    for round_, kind in enumerate(("flip", "truncate", "swap", "layout")):
+        assert store.batch_set_from(keys, list(pages)) == [True] * FILE_PAGES
+        assert store.batch_get_into(keys, list(into)) == [True] * FILE_PAGES and torch.equal(into, pages)
+        paths = [tmp_path / f"{k.hex()}.kv" for k in keys]
+        files = [p.read_bytes() for p in paths]
+        for i, path in enumerate(paths):
+            _corrupt_file(kind, path, files[i ^ 1], pages[i], rng)
+        assert store.batch_get_into(keys, list(into)) == [False] * FILE_PAGES, kind  # not one accepted
+        assert store.stats()["integrity_failures"] == FILE_PAGES * (round_ + 1), kind
+        assert store.exists_each(keys) == [False] * FILE_PAGES  # deleted: the next backup writes them again
+    assert store.set(b"k", b"bytes") and store.get(b"k") == b"bytes"
+    (tmp_path / f"{b'k'.hex()}.kv").write_bytes(b"bytes")  # no trailer
+    assert store.get(b"k") is None and store.stats()["integrity_failures"] == 4 * FILE_PAGES + 1

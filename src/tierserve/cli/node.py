@@ -37,6 +37,9 @@ def add_node_token_args(p: argparse.ArgumentParser) -> None:
     token.add_argument("--node-token", help="shared secret every node RPC carries (prefer the file or "
                                             "$TIERSERVE_NODE_TOKEN: an argument shows in ps)")
     token.add_argument("--node-token-file", type=Path, help="file holding the node token (a Kubernetes secret)")
+    p.add_argument("--handoff-integrity", action="store_true",
+                   help="digest the KV handed from prefill to decode, per request and layer: prefill nodes "
+                        "send the digests, decode nodes check them (a mismatch fails the request); both need it")
     p.add_argument("--tls-cert", type=Path, help="PEM certificate: a node's to serve TLS, the router's for mutual TLS")
     p.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
     p.add_argument("--tls-ca", type=Path, help="PEM CA: nodes require client certificates it signed (mutual "
@@ -54,7 +57,8 @@ def node_options(args: argparse.Namespace) -> NodeOptions:
                        served_model_name=args.served_model_name, metrics_port=args.metrics_port,
                        kv_events_port=args.kv_events_port, log_level=args.log_level,
                        node_token=read_token(args.node_token, args.node_token_file),
-                       tls=TLSFiles.of(args.tls_cert, args.tls_key, args.tls_ca))
+                       tls=TLSFiles.of(args.tls_cert, args.tls_key, args.tls_ca),
+                       handoff_integrity=args.handoff_integrity)
 
 
 def run_role(args: argparse.Namespace, role: int, add_service: AddService) -> int:

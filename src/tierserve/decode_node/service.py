@@ -17,12 +17,14 @@ import grpc
 from tierserve.cache.hashing import tenant_salt
 from tierserve.core.sampling import InvalidRequestError
 from tierserve.engine.commands import CancelReservation, Reserve
+from tierserve.engine.handoff import HandoffCheckError
 from tierserve.engine.reservations import DEFAULT_TERMS, CapacityError, ReservationTerms
 from tierserve.node.convert import arena, identity, kv_ranks, sampling_params
 from tierserve.node.server import AddService, Node
 from tierserve.proto import tierserve_pb2 as pb
 from tierserve.proto import tierserve_pb2_grpc as pb_grpc
 from tierserve.proto.sampling import logprob_to_proto
+from tierserve.transfer.receive_check import ReceiveCheck
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +36,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
 
     def __init__(self, node: Node, terms: ReservationTerms = DEFAULT_TERMS, max_lease_s: float = 900.0) -> None:
         self.node, self.terms, self.max_lease_s = node, terms, max_lease_s
+        self.integrity = node.ranks is not None and node.ranks.integrity  # --handoff-integrity: digests required
         self.identity, self.arena = identity(node.engine), arena(node.engine)
         self.arenas = node.ranks.arenas if node.ranks is not None else []  # every rank's arena and heads
         self.receive = node.ranks.receive if node.ranks is not None else None  # rank 0's staging
@@ -69,7 +72,10 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             params = sampling_params(request.sampling)
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        stream = self.node.loop.generate_reserved(request.reservation_id, request.first_token, params)
+        check = self._check(request)
+        if isinstance(check, str):
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, check)
+        stream = self.node.loop.generate_reserved(request.reservation_id, request.first_token, params, check)
         try:
             async for out in stream:
                 yield pb.GenerateChunk(token_ids=out.new_token_ids, text=out.new_text, finished=out.finished,
@@ -79,6 +85,20 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0]))
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except HandoffCheckError as exc:
+            self.node.metrics.handoff_integrity_failures.inc()
+            log.warning("request %s: %s: refused, its pages freed", request.reservation_id, exc)
+            await context.abort(grpc.StatusCode.DATA_LOSS, str(exc))
+
+    def _check(self, request: pb.GenerateRequest) -> ReceiveCheck | str | None:
+        """The digests' check of the KV that arrived (``--handoff-integrity``); a message when this
+        node requires digests and the request has none."""
+        if request.kv_digests:
+            return ReceiveCheck(tuple(request.kv_digests))
+        if self.integrity:
+            return "this decode node checks KV digests (--handoff-integrity) and the request has none: " \
+                   "start the prefill node with --handoff-integrity too"
+        return None
 
     async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:
         rid = request.reservation_id

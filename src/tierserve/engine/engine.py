@@ -26,7 +26,7 @@ from tierserve.core.sampling import InvalidRequestError, SamplingParams
 from tierserve.core.storage import StorageAction, StorageKind
 from tierserve.engine import l3_admin
 from tierserve.engine.config import EngineConfig
-from tierserve.engine.handoff import Handoff
+from tierserve.engine.handoff import Handoff, HandoffCheckError, KVCheck
 from tierserve.engine.model_runner import ModelRunner
 from tierserve.engine.ranks import Ranks, single_rank
 from tierserve.engine.request import FinishReason, Request, RequestOutput, RequestStatus
@@ -141,11 +141,18 @@ class Engine:
         self.reservations.reserve(request, len(prompt) + max(1, headroom), terms, _clock(now), source_tp)
         return request
 
-    def start_reserved(self, request_id: str, first_token: int, params: SamplingParams) -> RequestOutput:
+    def start_reserved(self, request_id: str, first_token: int, params: SamplingParams,
+                       check: KVCheck | None = None) -> RequestOutput:
         """The prompt's KV is in the reserved pages and ``first_token`` was sampled from it: the
-        request joins the running batch; returns the output for the first token."""
+        request joins the running batch; returns the output for the first token. ``check`` (the
+        handoff's digests, ``--handoff-integrity``) may refuse the KV that arrived: the pages are
+        then freed, none cached, and ``HandoffCheckError`` raised."""
         self._check_params(params)
         request = self.reservations.take(request_id)
+        problem = check(self, request) if check is not None else None
+        if problem is not None:
+            self.cache.release(request.prompt_ids, request.pages, request.num_computed, request.hit)
+            raise HandoffCheckError(problem)
         request.params = params
         self._prepare(request)
         if request.generator is not None and not params.greedy:

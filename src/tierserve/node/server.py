@@ -51,10 +51,11 @@ class NodeOptions:
     log_level: str = "info"  # of ranks 1..N-1
     node_token: str | None = None  # every RPC but health must carry it (core/node_auth.py); None: open
     tls: TLSFiles | None = None  # serve TLS (mutual with a CA); None: plaintext
+    handoff_integrity: bool = False  # digests of handed-over KV (transfer/digest.py): sent, or checked
 
     def transfer(self) -> TransferOptions:
         return TransferOptions(self.transfer_hostname, self.transfer_protocol, self.transfer_devices,
-                               self.handoff_staging_bytes)
+                               self.handoff_staging_bytes, self.handoff_integrity)
 
 
 @dataclass

@@ -200,7 +200,8 @@ class PDBackend:
                     seen = not request.buffered
                     yield _output(done, len(request.prompt), chunk, request.sampling, first=i == 0)
         except grpc.aio.AioRpcError as exc:
-            self.registry.failed(decode, exc.code().name, unreachable=exc.code() is grpc.StatusCode.UNAVAILABLE)
+            if exc.code() is not grpc.StatusCode.DATA_LOSS:  # KV that failed its digests: the pair's, retried
+                self.registry.failed(decode, exc.code().name, unreachable=exc.code() is grpc.StatusCode.UNAVAILABLE)
             await pd_flow.release(stubs, done.reservation_id, writer_stopped=True)
             raise _decode_failed(decode, seen, f"failed ({exc.code().name} {exc.details()})", 502) from exc
         except _Stalled as exc:

@@ -142,7 +142,8 @@ def _says(exc: grpc.aio.AioRpcError, key: str) -> bool:
 async def generate(pair: Pair, prefilled: Prefilled, sampling: pb.SamplingOptions) -> AsyncIterator[pb.GenerateChunk]:
     """Streams D's chunks; leaving early cancels the stream, which aborts the request on D."""
     call = pair.decode.Generate(pb.GenerateRequest(
-        reservation_id=prefilled.reservation_id, first_token=prefilled.response.first_token, sampling=sampling))
+        reservation_id=prefilled.reservation_id, first_token=prefilled.response.first_token, sampling=sampling,
+        kv_digests=prefilled.response.kv_digests))
     try:
         async for chunk in call:
             yield chunk
