@@ -14,7 +14,9 @@ it guards against corruption and mix-ups, not against a writer who forges object
 
 from __future__ import annotations
 
-import threading
+import queue
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -37,12 +39,25 @@ def bytes_digest(name: bytes, data: bytes | memoryview) -> bytes:
 
 
 class Trailers:
-    """A registered buffer of ``slots`` trailers, lent to one batch call at a time (``lock``)."""
+    """A registered buffer of ``slots`` trailers in ``lanes`` of ``lane_slots``, each lent to one
+    batch call at a time: two calls in flight (a prefetch reads its next chunk while it checks
+    this one's digests, ``cache/prefetch.py``) each have their own."""
 
-    def __init__(self, slots: int = 4096) -> None:
+    def __init__(self, slots: int = 4096, lanes: int = 2) -> None:
         self.buffer = torch.zeros((slots, DIGEST_BYTES), dtype=torch.uint8)
-        self.slots = slots
-        self.lock = threading.Lock()
+        self.lane_slots = slots // lanes
+        self._free: queue.SimpleQueue[int] = queue.SimpleQueue()
+        for lane in range(lanes):
+            self._free.put(lane * self.lane_slots)
+
+    @contextmanager
+    def lend(self) -> Iterator[int]:
+        """A lane's first slot, for one batch call of at most ``lane_slots`` objects (waits for one)."""
+        base = self._free.get()
+        try:
+            yield base
+        finally:
+            self._free.put(base)
 
     def address(self, slot: int) -> int:
         return self.buffer.data_ptr() + slot * DIGEST_BYTES
@@ -50,7 +65,7 @@ class Trailers:
     def write(self, slot: int, digest: bytes) -> None:
         self.buffer[slot] = torch.from_numpy(np.frombuffer(digest, dtype=np.uint8).copy())
 
-    def read_all(self, n: int) -> list[bytes]:
-        """The first ``n`` slots' trailers (one copy for the batch, not one per page)."""
-        raw = self.buffer[:n].numpy().tobytes()
+    def read(self, base: int, n: int) -> list[bytes]:
+        """Slots ``base .. base + n``'s trailers (one copy for the batch, not one per page)."""
+        raw = self.buffer[base : base + n].numpy().tobytes()
         return [raw[i * DIGEST_BYTES : (i + 1) * DIGEST_BYTES] for i in range(n)]

@@ -226,30 +226,30 @@ class MooncakeStorage(StorageBackend):
     def _chunked(self, call: Callable[[list[bytes], list[torch.Tensor]], list[bool]], keys: list[bytes],
                  spans: list[torch.Tensor]) -> list[bool]:
         """``call`` over batches of at most one trailer buffer's slots."""
-        step = self._trailers.slots
+        step = self._trailers.lane_slots
         return [ok for i in range(0, len(keys), step) for ok in call(keys[i : i + step], spans[i : i + step])]
 
-    def _parts(self, ptrs: list[int], sizes: list[int]) -> tuple[list[list[int]], list[list[int]]]:
-        """Each object as two buffers: its page in place, then its trailer's slot."""
-        return ([[p, self._trailers.address(i)] for i, p in enumerate(ptrs)],
+    def _parts(self, ptrs: list[int], sizes: list[int], base: int) -> tuple[list[list[int]], list[list[int]]]:
+        """Each object as two buffers: its page in place, then its trailer's slot (from ``base``)."""
+        return ([[p, self._trailers.address(base + i)] for i, p in enumerate(ptrs)],
                 [[n, DIGEST_BYTES] for n in sizes])
 
     def _put_checked(self, keys: list[bytes], spans: list[torch.Tensor]) -> list[bool]:
         names, (ptrs, sizes) = self._names(keys), self._locate(spans)
-        with self._trailers.lock:
+        with self._trailers.lend() as base:
             for i, (name, span) in enumerate(zip(names, spans, strict=True)):
-                self._trailers.write(i, page_digest(name.encode(), span))
-            parts = self._parts(ptrs, sizes)
+                self._trailers.write(base + i, page_digest(name.encode(), span))
+            parts = self._parts(ptrs, sizes, base)
             return self._count_puts(self._checked("put", lambda s: s.batch_put_from_multi_buffers(names, *parts)))
 
     def _get_checked(self, keys: list[bytes], spans: list[torch.Tensor]) -> list[bool]:
         names, (ptrs, sizes) = self._names(keys), self._locate(spans)
-        with self._trailers.lock:
-            parts = self._parts(ptrs, sizes)
+        with self._trailers.lend() as base:
+            parts = self._parts(ptrs, sizes, base)
             codes = self._checked("get", lambda s: s.batch_get_into_multi_buffers(names, *parts))
             codes = [self._sized(n, c, span.nbytes + DIGEST_BYTES) for n, c, span in zip(names, codes, spans,
                                                                                         strict=True)]
-            trailers = self._trailers.read_all(len(names))
+            trailers = self._trailers.read(base, len(names))
             ok = [self._intact(trailers[i], name, span, code)
                   for i, (name, span, code) in enumerate(zip(names, spans, codes, strict=True))]
         self._drop([n for n, good, c in zip(names, ok, codes, strict=True) if not good and _present(c)])
