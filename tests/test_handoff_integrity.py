@@ -18,7 +18,7 @@ from pd_helpers import DECODE_ARGS, NODE_ARGS, idle, prompts, reference, run_pd,
 from prometheus_client.parser import text_string_to_metric_families
 from tiny_models import make_tiny_model
 
-from tierserve.transfer.digest import MASK, DigestWeights, layer_digest, slots_of
+from tierserve.transfer.digest import MASK, DigestWeights, layer_digest, slots_of, token_sums
 
 HEADS, DIM = 4, 16
 
@@ -50,6 +50,14 @@ def test_the_digest_adds_up_over_any_split_and_changes_with_any_fault() -> None:
     other_layer = layer_digest(kv, DigestWeights(HEADS, DIM * 4, torch.device("cpu")), 4, slots, positions,
                                (0, HEADS, 0)).item() & MASK
     assert other_layer != whole
+
+
+def test_the_cuda_formula_equals_the_cpu_one_mod_2_32() -> None:
+    """CUDA has no integer matmul: its product-and-sum must agree with the CPU's int32 matvec."""
+    x = torch.randint(-2**31, 2**31 - 1, (2, 40, 24), dtype=torch.int32)
+    a = torch.randint(-2**31, 2**31 - 1, (2, 24), dtype=torch.int32) | 1
+    cuda_way = (x * a.unsqueeze(1)).sum(dim=(0, 2), dtype=torch.int64)
+    assert ((token_sums(x, a) - cuda_way) & MASK).eq(0).all()
 
 
 @pytest.fixture(scope="module")

@@ -88,7 +88,7 @@ def layer_digest(layer_kv: torch.Tensor, weights: DigestWeights, layer: int, slo
     x = _gathered(layer_kv[:, :, lo:lo + count], slots).view(torch.int32).flatten(2)  # [2, T, h x words]
     a = weights.heads(layer)[:, model_lo:model_lo + count].flatten(1)
     b = positions if isinstance(positions, torch.Tensor) else weights.positions(positions)
-    return (_per_token(x, a) * b).sum()
+    return (token_sums(x, a) * b).sum()
 
 
 def _gathered(kv: torch.Tensor, slots: np.ndarray) -> torch.Tensor:
@@ -99,7 +99,7 @@ def _gathered(kv: torch.Tensor, slots: np.ndarray) -> torch.Tensor:
     return kv.index_select(1, torch.from_numpy(slots).to(kv.device))
 
 
-def _per_token(x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+def token_sums(x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     """Per token, the sum over K and V of ``x @ a`` (int64, only its value mod 2^32 counts). On CPU
     an int32 matrix-vector product (it wraps mod 2^32: all the digest keeps); CUDA has no integer
     matmul, so a product and a sum there (its reductions are fast)."""
