@@ -130,3 +130,35 @@ def test_mutual_tls_refuses_a_client_without_a_certificate_and_serves_the_router
 async def _call_info(address: str, tls: TLSFiles | None) -> pb.NodeInfo:
     async with node_channel(address, TOKEN, tls) as channel:
         return await pb_grpc.NodeServiceStub(channel).Info(pb.InfoRequest(), timeout=5)
+
+
+def test_up_with_tls_serves_end_to_end_and_its_nodes_refuse_plaintext(tmp_path: Path) -> None:
+    """``up --tls``: the certificates are made in --tls-dir, the nodes serve mutual TLS only, the
+    router reaches them with its client certificate, and a request is answered end to end."""
+    import json
+    import signal
+
+    from cluster import free_port, start_up
+
+    from tierserve.launch.probes import grpc_serving
+    from tierserve.launch.tls import cluster_tls
+
+    port, state = free_port(), tmp_path / "up.json"
+    proc, lines = start_up(port, "--tls", "--tls-dir", str(tmp_path / "certs"), "--no-l3", "--state-file", str(state),
+                           "--max-total-tokens", "2048")
+    try:
+        body = {"prompt": [1, 2, 3, 4], "max_tokens": 4, "temperature": 0}
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
+        assert any("mutual TLS" in line for line in lines)
+        tls = cluster_tls(tmp_path / "certs")  # made by up: reused as they are
+        nodes = [c for c in json.loads(state.read_text())["children"] if c["grpc_port"]]
+        assert len(nodes) == 2
+        for node in nodes:
+            address = f"127.0.0.1:{node['grpc_port']}"
+            assert grpc_serving(address, tls.client())
+            assert not grpc_serving(address)  # plaintext
+            assert not grpc_serving(address, TLSFiles(ca=tls.folder / "ca.pem"))  # no client certificate
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)

@@ -94,7 +94,7 @@ def ready(spec: ChildSpec) -> bool:
         return tcp_open(spec.ports.rpc)
     if spec.role is ChildRole.ROUTER:
         return http_ok(f"http://{spec.host}:{spec.ports.http}/readiness")
-    return grpc_serving(f"{spec.host}:{spec.ports.grpc}")
+    return grpc_serving(f"{spec.host}:{spec.ports.grpc}", spec.tls)
 
 
 def _wait(spec: ChildSpec, cluster: Cluster, stop: threading.Event) -> None:
