@@ -46,6 +46,9 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     keys.add_argument("--api-key", help="require 'Authorization: Bearer <key>' on the router's API")
     keys.add_argument("--api-keys", type=Path, metavar="FILE", help="the router's tenants' API keys (see router)")
     p.add_argument("--admin-api-key", help="enable the router's /workers admin routes with this key")
+    p.add_argument("--handoff-integrity", action="store_true",
+                   help="digest the KV handed from prefill to decode per request and layer, checked by the "
+                        "decode node (both roles get the flag; see prefill --help)")
     p.add_argument("--tls", action="store_true",
                    help="node gRPC over mutual TLS: nodes serve it, the router presents a client certificate "
                         "(certificates from --tls-dir, made there with openssl where missing)")
@@ -82,10 +85,12 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"tierserve: {exc}", file=sys.stderr)
         return 2
     config, l3_config = (config, {}) if args.no_l3 else _without_l3_config(config)
+    integrity = ["--handoff-integrity"] if args.handoff_integrity else []
     segment = l3_size_bytes(args) // (args.prefill_nodes + args.decode_nodes)
     plan = ClusterPlan(folder, args.host, args.port, args.prefill_nodes, args.decode_nodes, not args.no_l3,
                        engine_flags(config), [*_router_flags(args), *args.router_args], l3_config, segment,
-                       args.state_file, restart, args.prefill_args, args.decode_args, args.prefill_tp_size,
+                       args.state_file, restart, [*integrity, *args.prefill_args], [*integrity, *args.decode_args],
+                       args.prefill_tp_size,
                        args.decode_tp_size, args.prefill_pp_size, args.decode_pp_size, args.prefill_cp_size, tls)
     return up(plan, lambda base, children: _announce(args, base, children, tls))
 
