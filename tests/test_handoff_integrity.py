@@ -144,3 +144,36 @@ def test_digests_add_up_across_ranks_on_both_sides(tmp_path: Path) -> None:
         prefill.stop()
         for d in decodes:
             d.stop()
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_through_the_router_a_corrupted_handoff_is_retried_and_answers_right(long_llama: Path, decode: NodeProcess,
+                                                                              tmp_path: Path) -> None:
+    """Every second handoff is corrupted: the router retries each refused one on a new try (the
+    decode node not marked failed), so every request answers the reference's tokens."""
+    from cluster import RouterProcess
+    from logprob_checks import ids_of
+
+    prefill = NodeProcess("prefill", ["--model", str(long_llama), *NODE_ARGS, "--handoff-integrity",
+                                      "--fault-transfer-corrupt-rate", "0.5"], tmp_path / "p.log")
+    batch = [p + [5] * 40 for p in prompts(4, seed=23)]
+    expected = reference(long_llama, batch)
+    try:
+        prefill.wait_ready()
+        router = RouterProcess(["--model", str(long_llama), "--prefill", prefill.address, "--decode", decode.address],
+                               tmp_path / "r.log").wait_ready()
+        before = _failures(decode)
+        try:
+            for prompt, want in zip(batch, expected, strict=True):
+                body = {"prompt": prompt, "max_tokens": len(want), "temperature": 0, "ignore_eos": True,
+                        "logprobs": 0, "return_tokens_as_token_ids": True}
+                r = httpx.post(f"{router.url}/v1/completions", json=body, timeout=120)
+                assert r.status_code == 200, r.text
+                assert ids_of(r.json()["choices"][0]["logprobs"]["tokens"]) == want
+            assert _failures(decode) - before == 3  # handoffs 1, 3 and 5 of 7
+            assert httpx.get(f"{router.url}/debug/state", timeout=10).json()["retries"] == 3
+        finally:
+            router.stop()
+    finally:
+        prefill.stop()
