@@ -14,10 +14,12 @@ import httpx
 import pytest
 import torch
 from cluster import NodeProcess, free_port
-from pd_helpers import DECODE_ARGS, NODE_ARGS, idle, prompts, reference, run_pd, wait_for
+from pd_helpers import DECODE_ARGS, NODE_ARGS, greedy, idle, prompts, reference, release, reserve, run_pd, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 from tiny_models import make_tiny_model
 
+from tierserve.proto import tierserve_pb2 as pb
+from tierserve.proto import tierserve_pb2_grpc as pb_grpc
 from tierserve.transfer.digest import MASK, DigestWeights, layer_digest, slots_of, token_sums
 
 HEADS, DIM = 4, 16
@@ -76,6 +78,22 @@ def _failures(node: NodeProcess) -> float:
     text = httpx.get(f"http://127.0.0.1:{node.metrics_port}/metrics", timeout=10).text  # type: ignore[attr-defined]
     samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
     return next((s.value for s in samples if s.name == "tierserve_handoff_integrity_failures_total"), 0.0)
+
+
+async def _generate_without_digests(decode: str) -> grpc.StatusCode:
+    """A decode node with ``--handoff-integrity`` refuses a Generate that carries no digests."""
+    await reserve(decode, "bare", list(range(2, 40)))
+    try:
+        async with grpc.aio.insecure_channel(decode) as channel:
+            call = pb_grpc.DecodeServiceStub(channel).Generate(pb.GenerateRequest(
+                reservation_id="bare", first_token=3, sampling=greedy()))
+            async for _ in call:
+                return grpc.StatusCode.OK
+    except grpc.aio.AioRpcError as exc:
+        return exc.code()
+    finally:
+        assert await release(decode, "bare", writer_stopped=True)
+    return grpc.StatusCode.OK
 
 
 async def _outcomes(prefill: str, decode: str, batch: list[list[int]], tag: str) -> list:
@@ -140,6 +158,7 @@ def test_digests_add_up_across_ranks_on_both_sides(tmp_path: Path) -> None:
         assert outcomes[0] == expected[0] and outcomes[2] == expected[2]
         codes = [isinstance(o, grpc.aio.AioRpcError) and o.code() for o in outcomes[1::2]]
         assert codes == [grpc.StatusCode.DATA_LOSS] * 2, outcomes
+        assert asyncio.run(_generate_without_digests(decodes[0].address)) is grpc.StatusCode.FAILED_PRECONDITION
     finally:
         prefill.stop()
         for d in decodes:
