@@ -30,6 +30,7 @@ from tierserve.cache.events import (
 )
 from tierserve.cache.hashing import page_keys
 from tierserve.cache.radix_tree import RadixTree
+from tierserve.core.kv_events_auth import CurveKeys
 from tierserve.node.kv_events import advertised_endpoint, snapshot_reply, take_snapshot
 from tierserve.router.kv_index import KVEventSubscriber, KVIndex, prompt_keys
 
@@ -344,3 +345,36 @@ def test_engine_hicache_events_add_up_to_the_snapshot(tiny_llama) -> None:
         _state(index, "w", tree)
     device, host = index.counts("w")
     assert device > 0 and host > 0
+
+
+def test_with_a_node_token_only_its_holders_can_follow_the_events() -> None:
+    """CURVE keys derived from the token: a subscriber with another token's keys, or none, never
+    completes a handshake, so it gets no snapshot request and no event (``core/kv_events_auth.py``)."""
+    async def main() -> None:
+        recorder = _LossyRecorder()
+        tree = RadixTree(PS, SEED, listener=recorder)
+        keys = CurveKeys.from_token("t0k3n")
+        publisher = KVEventPublisher(recorder, "tcp://127.0.0.1:0", interval_s=0.002, curve=keys).start()
+        asked: list[str] = []
+
+        async def snapshot(worker: str) -> tuple[int, list[tuple[bytes, str]]]:
+            asked.append(worker)
+            return recorder.flush(), tree.snapshot()
+
+        subs = {name: KVEventSubscriber(snapshot, retry_s=0.01, curve=curve) for name, curve in
+                (("holder", keys), ("other", CurveKeys.from_token("guess")), ("plain", None))}
+        for name, sub in subs.items():
+            sub.add(name, publisher.endpoint)
+        tree.insert([1, 2, 3, 4], [0, 1])
+        page = page_keys(SEED, [1, 2, 3, 4], PS)
+        await _until(lambda: subs["holder"].index.is_synced("holder") and subs["holder"].index.match(
+            "holder", page) == (2, 0))
+        tree.insert([1, 2, 3, 4, 5, 6], [0, 1, 2])
+        await _until(lambda: subs["holder"].index.match("holder", page_keys(SEED, [1, 2, 3, 4, 5, 6], PS)) == (3, 0))
+        assert asked == ["holder"]
+        assert not subs["other"].index.is_synced("other") and not subs["plain"].index.is_synced("plain")
+        for sub in subs.values():
+            await sub.close()
+        publisher.stop()
+
+    asyncio.run(asyncio.wait_for(main(), 15))

@@ -19,6 +19,7 @@ from tiny_models import make_tiny_model
 from tierserve.cache import storage_tier
 from tierserve.cache.options import HiCacheOptions, HostLayout, PrefetchPolicy
 from tierserve.cache.storage import StorageError, create_backend
+from tierserve.cache.storage.integrity import Trailers
 
 # Through our module, which sets Mooncake's environment defaults before Mooncake loads. A plain
 # import: `make test` installs Mooncake, so a failure here is a broken setup, not a reason to skip.
@@ -77,7 +78,7 @@ def test_round_trip_through_a_real_master(mooncake_master: MasterProcess, closin
     assert store.batch_set_from(keys[:1], [pool[9]]) == [True]  # stored already: keeps the old bytes
     assert store.batch_get_into(keys[:1], [pool[8]]) == [True] and torch.equal(pool[8], pool[0])
     assert store.set(b"x" * 32, b"abc") and store.get(b"x" * 32) == b"abc" and store.get(b"y" * 32) is None
-    assert store.stats()["registered_buffers"] == 1 and store.stats()["hits"] == 5
+    assert store.stats()["registered_buffers"] == 2 and store.stats()["hits"] == 5  # the pool, the trailers
     store.clear()
     assert store.batch_exists(keys) == 0 and store.get(b"x" * 32) is None
     store.close()
@@ -197,10 +198,14 @@ def _settle(engine: Engine) -> None:
     engine.cache.wait_background()
 
 
+TRAILERS = Trailers().buffer.nbytes  # cache/storage/integrity.py
+
+
 def _registered_once(engine: Engine) -> bool:
-    """The host pool is registered with Mooncake as one buffer, never page by page."""
+    """The host pool is registered with Mooncake as one buffer, never page by page (plus the
+    integrity trailers' buffer)."""
     stats = engine.cache.storage.storage.stats()
-    return stats["registered_buffers"] == 1 and stats["registered_bytes"] == engine.cache.host.buffer.nbytes
+    return stats["registered_buffers"] == 2 and stats["registered_bytes"] == engine.cache.host.buffer.nbytes + TRAILERS
 
 
 def test_second_engine_reads_the_first_engines_pages_from_mooncake(long_llama: Path, plain, mooncake_master,
@@ -231,7 +236,7 @@ def test_layer_first_pages_go_through_mooncake_via_the_registered_staging_buffer
     assert tokens == plain(prompt) and tiers.get("storage", 0) >= 0.9 * 400, tiers
     for engine in (first, second):  # only the small staging buffer is registered, never the pool
         stats, staging = engine.cache.storage.storage.stats(), engine.cache.storage.io.buffer
-        assert stats["registered_buffers"] == 1 and stats["registered_bytes"] == staging.nbytes
+        assert stats["registered_buffers"] == 2 and stats["registered_bytes"] == staging.nbytes + TRAILERS
         assert staging.nbytes < engine.cache.host.buffer.nbytes
 
 

@@ -48,7 +48,7 @@ def test_prefill_killed_mid_request_is_retried_on_another_node(long_llama: Path,
         thread.join(120)
         assert responses and responses[0].status_code == 200, responses[0].text if responses else "no answer"
         assert responses[0].json()["usage"]["completion_tokens"] == 12
-        assert httpx.get(f"{router.url}/debug/state").json()["retries"] >= 1
+        assert httpx.get(f"{router.url}/debug/state", headers=ADMIN).json()["retries"] >= 1
         wait_for(lambda: _clean(decode.address), "the decode node frees the dead attempt's pages", 20)
     finally:
         for proc in (router, victim, spare, decode):

@@ -169,7 +169,7 @@ def test_a_non_streaming_request_on_a_frozen_decode_node_continues_on_another_pa
         thread.join(60)
         assert replies and replies[0].status_code == 200, replies[0].text if replies else "no answer in 60 s"
         assert replies[0].json()["usage"]["completion_tokens"] == LONG
-        state = httpx.get(f"{cluster.router.url}/debug/state").json()
+        state = httpx.get(f"{cluster.router.url}/debug/state", headers={"Authorization": "Bearer k"}).json()
         assert state["migrations_by_reason"]["silent"] == 1, state  # it stopped answering: migrated
     finally:
         frozen.signal(signal.SIGCONT)

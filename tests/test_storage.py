@@ -20,6 +20,7 @@ from tierserve.cache.options import HiCacheOptions, HostLayout, IOBackend, Prefe
 from tierserve.cache.staging import DirectPageIO, StagedPageIO, page_io
 from tierserve.cache.storage import StorageBackend, create_backend
 from tierserve.cache.storage.file import FileStorage
+from tierserve.cache.storage.integrity import DIGEST_BYTES
 from tierserve.core.outputs import RequestOutput
 from tierserve.core.sampling import SamplingParams
 from tierserve.engine.config import EngineConfig
@@ -29,7 +30,7 @@ PARAMS = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
 
 def test_file_backend_round_trip_and_quota(tmp_path: Path) -> None:
-    store = FileStorage(tmp_path, quota_bytes=3 * 64)
+    store = FileStorage(tmp_path, quota_bytes=3 * (64 + DIGEST_BYTES))  # three pages, each with its trailer
     keys = [bytes([i]) * 32 for i in range(4)]
     spans = [torch.full((16,), float(i)) for i in range(4)]  # 64 bytes each
     assert store.batch_set_from(keys[:2], spans[:2]) == [True, True]

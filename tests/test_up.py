@@ -151,3 +151,18 @@ def test_role_args_reach_only_their_role(monkeypatch) -> None:
     assert by_name["router"][-2:] == ("--max-running-requests", "7")
     prefill = build_parser().parse_args(list(by_name["prefill-0"][3:]))  # past "python -m tierserve.cli"
     assert prefill.fault_transfer_rate == 0.1
+
+
+def test_handoff_integrity_and_tls_reach_both_node_roles_and_tls_the_router(monkeypatch, tmp_path: Path) -> None:
+    plans: list[ClusterPlan] = []
+    monkeypatch.setattr(launch, "up", lambda plan, announce: plans.append(plan) or 0)
+    monkeypatch.setattr(cli_up, "model_dir", lambda _: Path("/m"))
+    args = ["up", "--handoff-integrity", "--tls", "--tls-dir", str(tmp_path)]
+    assert cli_up.cmd_up(build_parser().parse_args(args)) == 0
+    by_name = {spec.name: spec.argv for stage in stages(plans[0]) for spec in stage}
+    for node in ("prefill-0", "decode-0"):
+        parsed = build_parser().parse_args(list(by_name[node][3:]))  # past "python -m tierserve.cli"
+        assert parsed.handoff_integrity and parsed.tls_ca == tmp_path / "ca.pem" and parsed.tls_cert.exists()
+    router = build_parser().parse_args(list(by_name["router"][3:]))
+    assert router.tls_cert == tmp_path / "client.pem" and router.tls_ca == tmp_path / "ca.pem"
+    assert cli_up.cmd_up(build_parser().parse_args(["up", "--tls-dir", str(tmp_path)])) == 2  # needs --tls

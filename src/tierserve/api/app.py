@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any, TypeVar
 
 from fastapi import Depends, FastAPI, Request
@@ -21,12 +21,13 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tierserve.api import openai as oa
-from tierserve.api.auth import api_key_check
+from tierserve.api.auth import debug_guard, request_tenant, tenant_check
 from tierserve.api.backend import Backend
 from tierserve.api.choices import Choices, Job, make_jobs
 from tierserve.api.formats import ChatFormat, CompletionFormat, Delta
 from tierserve.api.logprobs import LogprobRenderer, LogprobShape
 from tierserve.api.metrics import ApiMetrics
+from tierserve.api.tenants import TenantKeys, TenantLimiter
 from tierserve.api.tokenizer import ChatTemplateError, TextTokenizer
 from tierserve.core.outputs import FinishReason
 from tierserve.core.sampling import MAX_UINT32, InvalidRequestError
@@ -69,6 +70,7 @@ class _Api:
         self.max_model_len: int = backend.max_model_len
         self.metrics = metrics
         self.created = int(time.time())
+        self.limiter = TenantLimiter()
 
     async def completions(self, request: Request) -> Response:
         body = oa.parse_body(oa.CompletionRequest, await request.body())
@@ -78,7 +80,8 @@ class _Api:
         params = body.sampling_params(oa.DEFAULT_COMPLETION_MAX_TOKENS)
         fmt = CompletionFormat(self.model_name, self._renderer(LogprobShape.COMPLETION, params.logprobs, body))
         echoes = [self._text_of(t) for t in texts] if body.echo else None
-        jobs = make_jobs(fmt.id, prompts, params, body.num_choices, body.cache_salt or "", echoes)
+        jobs = make_jobs(fmt.id, prompts, params, body.num_choices, body.cache_salt or "", echoes,
+                         _tenant_name(request))
         return await self._respond(request, jobs, fmt, body.stream, body.include_usage)
 
     async def chat(self, request: Request) -> Response:
@@ -88,20 +91,26 @@ class _Api:
         ids = self._prompt_ids(self._need_tokenizer().encode(text, add_special_tokens=False))
         params = body.sampling_params(default_max_tokens=self.max_model_len - len(ids))
         fmt = ChatFormat(self.model_name, self._renderer(LogprobShape.CHAT, params.logprobs, body))
-        return await self._respond(request, make_jobs(fmt.id, [ids], params, body.num_choices, body.cache_salt or ""),
-                                   fmt, body.stream, body.include_usage)
+        jobs = make_jobs(fmt.id, [ids], params, body.num_choices, body.cache_salt or "", tenant=_tenant_name(request))
+        return await self._respond(request, jobs, fmt, body.stream, body.include_usage)
 
     async def _respond(self, request: Request, jobs: list[Job], fmt: Format, stream: bool | None,
                        include_usage: bool) -> Response:
+        """Runs the jobs once their tenant is admitted (429 over its limits); the tenant's slot is
+        held until the response ends, a stream's included."""
+        tenant = request_tenant(request)
+        release = self.limiter.admit(tenant) if tenant is not None else lambda: None
         choices = Choices(self.backend, jobs, self.metrics, buffered=not stream)
         try:
             await _unless_disconnected(request, choices.start())
             if stream:
-                return _SSEResponse(_sse_events(choices, fmt, len(jobs), include_usage), choices)
+                return _SSEResponse(_sse_events(choices, fmt, len(jobs), include_usage), choices, release)
             await _unless_disconnected(request, choices.run())
         except BaseException:
             choices.cancel()
+            release()
             raise
+        release()
         return _json(fmt.response(choices.results(), choices.usage()))
 
     async def tokenize(self, request: Request) -> Response:
@@ -173,6 +182,11 @@ class _Api:
         return ids
 
 
+def _tenant_name(request: Request) -> str:
+    tenant = request_tenant(request)
+    return "" if tenant is None else tenant.name
+
+
 async def _sse_events(choices: Choices, fmt: Format, num_choices: int,
                       include_usage: bool) -> AsyncIterator[bytes]:
     """The stream's events, then ``[DONE]``. A stream that cannot go on (the status line is long
@@ -212,15 +226,16 @@ class _SSEResponse(StreamingResponse):
     """An event stream that aborts its engine requests however it ends: finished, failed, or the
     client gone (even before the first event, when the body generator never started)."""
 
-    def __init__(self, events: AsyncIterator[bytes], choices: Choices) -> None:
+    def __init__(self, events: AsyncIterator[bytes], choices: Choices, release: Callable[[], None]) -> None:
         super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        self._choices = choices
+        self._choices, self._release = choices, release
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             self._choices.cancel()
+            self._release()
 
 
 def _json(model: BaseModel) -> Response:
@@ -228,20 +243,22 @@ def _json(model: BaseModel) -> Response:
 
 
 def create_app(backend: Backend, tokenizer: TextTokenizer | None, model_name: str, metrics: ApiMetrics,
-               api_key: str | None = None) -> FastAPI:
+               keys: TenantKeys | None = None, admin_api_key: str | None = None) -> FastAPI:
     """The HTTP app over a started backend. ``/health``, ``/readiness`` and ``/metrics`` are open;
-    every other route needs ``Authorization: Bearer <api_key>`` when ``api_key`` is set. Roles add
+    every other route needs ``Authorization: Bearer <key>`` with one of ``keys`` when set, the key
+    naming the request's tenant (its cache namespace and its limits, ``api/tenants.py``), except
+    ``/debug/state``, an admin route (``debug_guard``: the admin key, never a tenant's). Roles add
     their own routes (``guarded`` and ``admin_guard`` give the dependencies). Every error answer,
     an unexpected exception's 500 included, has the OpenAI shape and is counted in
     ``tierserve_http_errors_total`` by status."""
     api = _Api(backend, tokenizer, model_name, metrics)
     app = FastAPI(title="tierserve", docs_url=None, redoc_url=None)
-    guarded = {"dependencies": [Depends(api_key_check(api_key))]}
+    guarded = {"dependencies": [Depends(tenant_check(keys))]}
     app.add_api_route("/v1/completions", api.completions, methods=["POST"], **guarded)
     app.add_api_route("/v1/chat/completions", api.chat, methods=["POST"], **guarded)
     app.add_api_route("/v1/models", api.models, methods=["GET"], **guarded)
     app.add_api_route("/tokenize", api.tokenize, methods=["POST"], **guarded)
-    app.add_api_route("/debug/state", api.debug_state, methods=["GET"], **guarded)
+    app.add_api_route("/debug/state", api.debug_state, methods=["GET"], **debug_guard(admin_api_key, keys))
     app.add_api_route("/health", api.health, methods=["GET"])
     app.add_api_route("/readiness", api.readiness, methods=["GET"])
     app.add_api_route("/metrics", lambda: Response(generate_latest(metrics.registry),
@@ -253,7 +270,9 @@ def create_app(backend: Backend, tokenizer: TextTokenizer | None, model_name: st
 
     @app.exception_handler(oa.APIError)
     async def on_api_error(_: Request, exc: oa.APIError) -> Response:
-        return error(exc.status, exc.body())
+        response = error(exc.status, exc.body())
+        response.headers.update(exc.headers)
+        return response
 
     @app.exception_handler(InvalidRequestError)  # the engine's or SamplingParams' verdict on the input
     async def on_invalid(_: Request, exc: InvalidRequestError) -> Response:

@@ -20,12 +20,15 @@ class Backend(Protocol):
     non-streaming response). The backend may then hold outputs back (even yield one output for
     the whole request) and, as no output can have reached the client, restart a request that
     failed midway. Without it every output may be with the client as soon as it is yielded, and
-    the backend never takes one back."""
+    the backend never takes one back.
+
+    ``tenant``: the API key's tenant; requests of different tenants never share cached KV, whatever
+    their ``cache_salt`` (``cache.hashing.tenant_salt``)."""
 
     max_model_len: int
 
     def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, cache_salt: str,
-                 *, buffered: bool = False) -> AsyncIterator[RequestOutput]: ...
+                 *, tenant: str = "", buffered: bool = False) -> AsyncIterator[RequestOutput]: ...
 
     def healthy(self) -> bool:
         """The process can serve (``/health``)."""

@@ -29,19 +29,20 @@ class Job:
     counts_prompt: bool
     cache_salt: str = ""
     echo: str | None = None
+    tenant: str = ""  # the API key's tenant: it, not the client, decides the cache namespace
 
 
 def make_jobs(response_id: str, prompts: list[list[int]], params: SamplingParams, n: int, salt: str,
-              echoes: list[str] | None = None) -> list[Job]:
+              echoes: list[str] | None = None, tenant: str = "") -> list[Job]:
     """``n`` choices per prompt; with a seed, choice ``i`` uses ``seed + i`` so they differ;
-    ``echoes``: each prompt's text to echo."""
+    ``echoes``: each prompt's text to echo; ``tenant``: the API key's tenant."""
     jobs = []
     for p, ids in enumerate(prompts):
         for i in range(n):
             choice_params = params if params.seed is None or i == 0 else replace(params, seed=params.seed + i)
             index = p * n + i
             echo = echoes[p] if echoes is not None else None
-            jobs.append(Job(index, f"{response_id}-{index}", ids, choice_params, i == 0, salt, echo))
+            jobs.append(Job(index, f"{response_id}-{index}", ids, choice_params, i == 0, salt, echo, tenant))
     return jobs
 
 
@@ -66,7 +67,7 @@ class Choices:
         last, failed = None, False
         try:
             async for out in self._backend.generate(job.request_id, job.prompt_ids, job.params, job.cache_salt,
-                                                    buffered=self._buffered):
+                                                    tenant=job.tenant, buffered=self._buffered):
                 if out.new_token_ids:
                     now = time.monotonic()
                     (self._metrics.ttft if last is None else self._metrics.itl).observe(now - prev)

@@ -13,10 +13,12 @@ from fastapi.responses import JSONResponse, Response
 
 from tierserve.api import openai as oa
 from tierserve.api.app import create_app
-from tierserve.api.auth import admin_guard
+from tierserve.api.auth import admin_guard, check_admin_key
 from tierserve.api.engine_metrics import EngineCollector
 from tierserve.api.metrics import ApiMetrics
+from tierserve.api.tenants import TenantKeys
 from tierserve.api.tokenizer import TextTokenizer
+from tierserve.cache.hashing import tenant_salt
 from tierserve.core.outputs import RequestOutput
 from tierserve.core.sampling import SamplingParams
 from tierserve.core.storage import StorageAction, StorageAdminError, StorageBusyError, StorageKind
@@ -33,10 +35,10 @@ class EngineBackend:
         self.max_model_len = loop.engine.max_model_len
 
     def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, cache_salt: str,
-                 *, buffered: bool = False) -> AsyncIterator[RequestOutput]:
+                 *, tenant: str = "", buffered: bool = False) -> AsyncIterator[RequestOutput]:
         """Outputs as the engine makes them, ``buffered`` or not: one engine has nowhere else to
         retry, so holding them back would only delay them."""
-        return self.loop.generate(request_id, prompt_ids, params, cache_salt=cache_salt)
+        return self.loop.generate(request_id, prompt_ids, params, cache_salt=tenant_salt(tenant, cache_salt))
 
     def healthy(self) -> bool:
         return self.loop.is_alive
@@ -50,12 +52,13 @@ class EngineBackend:
 
 
 def create_engine_app(loop: EngineLoop, tokenizer: TextTokenizer | None, model_name: str,
-                      api_key: str | None = None, admin_api_key: str | None = None) -> FastAPI:
+                      keys: TenantKeys | None = None, admin_api_key: str | None = None) -> FastAPI:
     """The HTTP app for one started ``EngineLoop`` (the caller stops it), with ``/admin/storage``
-    (L3 status, attach, detach, clear) behind ``admin_api_key``."""
+    (L3 status, attach, detach, clear) behind ``admin_api_key``; API keys name tenants (``keys``)."""
+    check_admin_key(admin_api_key, keys)
     metrics = ApiMetrics(EngineCollector(loop))
-    app = create_app(EngineBackend(loop), tokenizer, model_name, metrics, api_key)
-    admin = admin_guard(admin_api_key)
+    app = create_app(EngineBackend(loop), tokenizer, model_name, metrics, keys, admin_api_key)
+    admin = admin_guard(admin_api_key, keys)
 
     async def storage_status() -> Response:
         return JSONResponse(await loop.storage_admin(StorageAction.STATUS))

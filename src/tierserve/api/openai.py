@@ -22,9 +22,11 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 class APIError(Exception):
     """An error to return as ``{"error": {message, type, param, code}}`` with HTTP ``status``."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers or {}  # e.g. Retry-After of a 429
 
     @property
     def type(self) -> str:

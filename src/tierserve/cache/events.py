@@ -29,6 +29,7 @@ from typing import Protocol
 import msgpack
 import zmq
 
+from tierserve.core.kv_events_auth import CurveKeys, secure_publisher
 from tierserve.core.tiers import CacheTier
 
 log = logging.getLogger(__name__)
@@ -210,8 +211,10 @@ class KVEventPublisher:
     """
 
     def __init__(self, recorder: KVEventRecorder, endpoint: str, topic: bytes = DEFAULT_TOPIC,
-                 interval_s: float = 0.01) -> None:
+                 interval_s: float = 0.01, curve: CurveKeys | None = None) -> None:
+        """``curve``: publish under ZMQ CURVE to the holders of these keys only (``core/kv_events_auth.py``)."""
         self.recorder, self.endpoint, self.topic, self.interval_s = recorder, endpoint, topic, interval_s
+        self.curve, self._auth = curve, None
         self._ctx: zmq.Context | None = None
         self._socket: zmq.Socket | None = None
         self._stop = threading.Event()
@@ -222,6 +225,8 @@ class KVEventPublisher:
         self._ctx = zmq.Context()
         self._socket = self._ctx.socket(zmq.PUB)
         self._socket.setsockopt(zmq.SNDHWM, 100_000)
+        if self.curve is not None:
+            self._auth = secure_publisher(self._ctx, self._socket, self.curve)
         self._socket.bind(_wildcard_port(self.endpoint))
         self.endpoint = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self._thread.start()  # the socket belongs to that thread from here on
@@ -234,6 +239,8 @@ class KVEventPublisher:
             self.recorder.ready.notify()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
+        if self._auth is not None:
+            self._auth.stop()
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None

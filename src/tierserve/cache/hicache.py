@@ -240,7 +240,8 @@ class HiCache(StorageAdmin):
                     "l3_prefetch_pages_total": self.storage.prefetched_pages,
                     "l3_prefetch_wait_decisions_total": self.storage.decisions["wait"],
                     "l3_prefetch_no_wait_decisions_total": self.storage.decisions["no_wait"],
-                    "l3_failures_total": self.storage.failures, "l3_healthy": float(self.storage.healthy)}
+                    "l3_failures_total": self.storage.failures, "l3_healthy": float(self.storage.healthy),
+                    "l3_integrity_failures_total": getattr(self.storage.storage, "integrity_failures", 0)}
         return out
 
     def _rank_host_stats(self) -> dict[str, float]:

@@ -16,11 +16,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tierserve.cache.options import DraftLayout, HiCacheOptions, HostLayout, IOBackend, PrefetchPolicy, WritePolicy
 from tierserve.core.storage import StorageKind
 from tierserve.engine.config import CPAttention, EngineConfig
+
+if TYPE_CHECKING:
+    from tierserve.api.tenants import TenantKeys
 
 log = logging.getLogger("tierserve")
 _DEFAULTS = EngineConfig(model_dir=Path())  # the config nobody set a flag of: every flag's default
@@ -155,9 +158,25 @@ def add_model_args(p: argparse.ArgumentParser, served_name: bool = True) -> None
 
 
 def add_api_key_args(p: argparse.ArgumentParser, admin: str) -> None:
-    """``--api-key`` on the API routes and ``--admin-api-key`` enabling ``admin`` (the admin routes)."""
-    p.add_argument("--api-key", help="require 'Authorization: Bearer <key>' on the API routes")
-    p.add_argument("--admin-api-key", help=f"enable {admin} with this key")
+    """``--api-key`` or ``--api-keys`` on the API routes and ``--admin-api-key`` enabling ``admin``."""
+    keys = p.add_mutually_exclusive_group()
+    keys.add_argument("--api-key", help="require 'Authorization: Bearer <key>' on the API routes (one tenant)")
+    keys.add_argument("--api-keys", type=Path, metavar="FILE",
+                      help='tenants: JSON {"keys": {"<key>": {"tenant": "<name>", "max_concurrent": n, '
+                           '"requests_per_minute": n}}} (limits optional); the tenant decides the cache namespace')
+    p.add_argument("--admin-api-key", help=f"enable {admin} with this key (never a tenant's key)")
+
+
+def tenant_keys(args: argparse.Namespace) -> TenantKeys | None:
+    """The API keys of ``--api-key`` or ``--api-keys`` (``None``: the API is open); ``ValueError``
+    for a bad key file or an admin key that is also a tenant's."""
+    from tierserve.api.auth import check_admin_key
+    from tierserve.api.tenants import TenantKeys
+
+    keys = TenantKeys.load(args.api_keys) if args.api_keys else TenantKeys.single(args.api_key) if args.api_key \
+        else None
+    check_admin_key(args.admin_api_key, keys)
+    return keys
 
 
 def model_dir(args: argparse.Namespace) -> Path | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tierserve.cli.flags import add_engine_args, add_listen_args, add_model_args, node_engine_config
@@ -27,10 +28,27 @@ def add_node_args(p: argparse.ArgumentParser) -> None:
                         "(0: none; such handoffs then send one block per token)")
     p.add_argument("--transfer-hostname", help="address peers use for this node's transfer engine "
                    "(default: --host, or 127.0.0.1 when that is 0.0.0.0)")
+    add_node_token_args(p)
     add_engine_args(p)
 
 
+def add_node_token_args(p: argparse.ArgumentParser) -> None:
+    """``--node-token`` or ``--node-token-file`` (nodes and the router; else $TIERSERVE_NODE_TOKEN)."""
+    token = p.add_mutually_exclusive_group()
+    token.add_argument("--node-token", help="shared secret every node RPC carries (prefer the file or "
+                                            "$TIERSERVE_NODE_TOKEN: an argument shows in ps)")
+    token.add_argument("--node-token-file", type=Path, help="file holding the node token (a Kubernetes secret)")
+    p.add_argument("--handoff-integrity", action="store_true",
+                   help="digest the KV handed from prefill to decode, per request and layer: prefill nodes "
+                        "send the digests, decode nodes check them (a mismatch fails the request); both need it")
+    p.add_argument("--tls-cert", type=Path, help="PEM certificate: a node's to serve TLS, the router's for mutual TLS")
+    p.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
+    p.add_argument("--tls-ca", type=Path, help="PEM CA: nodes require client certificates it signed (mutual "
+                                               "TLS); the router verifies nodes against it")
+
+
 def node_options(args: argparse.Namespace) -> NodeOptions:
+    from tierserve.core.node_auth import TLSFiles, read_token
     from tierserve.node.server import NodeOptions
 
     hostname = args.transfer_hostname or (args.host if args.host not in ("0.0.0.0", "::") else "127.0.0.1")
@@ -38,7 +56,10 @@ def node_options(args: argparse.Namespace) -> NodeOptions:
                        transfer_protocol=args.transfer_protocol, transfer_devices=args.transfer_device,
                        handoff_staging_bytes=max(0, args.handoff_staging_mb) << 20,
                        served_model_name=args.served_model_name, metrics_port=args.metrics_port,
-                       kv_events_port=args.kv_events_port, log_level=args.log_level)
+                       kv_events_port=args.kv_events_port, log_level=args.log_level,
+                       node_token=read_token(args.node_token, args.node_token_file),
+                       tls=TLSFiles.of(args.tls_cert, args.tls_key, args.tls_ca),
+                       handoff_integrity=args.handoff_integrity)
 
 
 def run_role(args: argparse.Namespace, role: int, add_service: AddService, offload_generated: bool = False) -> int:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tierserve.cli.flags import add_api_key_args, add_listen_args, add_model_args, model_dir
+from tierserve.cli.flags import add_api_key_args, add_listen_args, add_model_args, model_dir, tenant_keys
+from tierserve.cli.node import add_node_token_args
 
 if TYPE_CHECKING:
     from tierserve.router.app import RouterConfig, Task
@@ -33,6 +35,7 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context-length", type=int, help="max prompt + output tokens (default: the model's)")
     add_api_key_args(p, "the /workers admin routes")
     add_policy_args(p)
+    add_node_token_args(p)
     p.add_argument("--max-running-requests", type=int, default=256, help="requests in flight through the router")
     p.add_argument("--max-queued-requests", type=int, default=1024, help="waiting beyond this gets 429")
     p.add_argument("--request-timeout", type=float, default=600.0, help="deadline of a prefill leg, seconds")
@@ -62,17 +65,20 @@ def positive_seconds(text: str) -> float:
 
 
 def router_config(args: argparse.Namespace, folder: Path) -> RouterConfig:
+    from tierserve.core.node_auth import TLSFiles, read_token
     from tierserve.router.app import RouterConfig
     from tierserve.router.backend import RouterOptions
 
     return RouterConfig(
         model_dir=folder, prefill=args.prefill, decode=args.decode, served_model_name=args.served_model_name,
-        context_length=args.context_length, api_key=args.api_key, admin_api_key=args.admin_api_key,
+        context_length=args.context_length, keys=tenant_keys(args), admin_api_key=args.admin_api_key,
         prefill_policy=args.prefill_policy, decode_policy=args.decode_policy,
         options=RouterOptions(max_running=args.max_running_requests, max_queued=args.max_queued_requests,
                               timeout_s=args.request_timeout, max_retries=args.max_retries,
                               stream_idle_timeout_s=args.stream_idle_timeout, max_migrations=args.max_migrations),
         health_check_interval_s=args.health_check_interval, drain_timeout_s=args.worker_drain_timeout,
+        node_token=read_token(args.node_token, args.node_token_file),
+        tls=TLSFiles.of(args.tls_cert, args.tls_key, args.tls_ca),
     )
 
 
@@ -82,7 +88,12 @@ def cmd_router(args: argparse.Namespace, on_ready: Callable[[], None] | None = N
     folder = model_dir(args)
     if folder is None:
         return 2
-    serve_router(router_config(args, folder), args.host, args.port, _discovery_tasks(args), on_ready)
+    try:
+        config = router_config(args, folder)
+    except ValueError as exc:
+        print(f"tierserve: {exc}", file=sys.stderr)
+        return 2
+    serve_router(config, args.host, args.port, _discovery_tasks(args), on_ready)
     return 0
 
 

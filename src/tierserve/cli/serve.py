@@ -9,7 +9,14 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from tierserve.cli.flags import add_api_key_args, add_engine_args, add_listen_args, add_model_args, node_engine_config
+from tierserve.cli.flags import (
+    add_api_key_args,
+    add_engine_args,
+    add_listen_args,
+    add_model_args,
+    node_engine_config,
+    tenant_keys,
+)
 
 if TYPE_CHECKING:
     from tierserve.engine.config import EngineConfig
@@ -28,7 +35,7 @@ def cmd_serve(args: argparse.Namespace, on_ready: Callable[[], None] | None = No
     """Loads the engine and serves it until SIGINT/SIGTERM, then stops the engine thread (and the
     other ranks); 2 for a usage error, such as a TP or PP size the model cannot be split over."""
     config = node_engine_config(args)
-    if config is None or not _fits(config) or not _draft_fits(config):
+    if config is None or not _fits(config) or not _draft_fits(config) or not _keys_ok(args):
         return 2
     if config.num_ranks == 1:
         from tierserve.engine.engine import Engine
@@ -36,6 +43,16 @@ def cmd_serve(args: argparse.Namespace, on_ready: Callable[[], None] | None = No
         _serve(args, Engine(config), on_ready)
         return 0
     return _serve_ranks(args, config, on_ready)
+
+
+def _keys_ok(args: argparse.Namespace) -> bool:
+    """Reads ``--api-keys`` before the engine loads: a bad file is a usage error, said at once."""
+    try:
+        args.tenant_keys = tenant_keys(args)
+    except ValueError as exc:
+        print(f"tierserve: {exc}", file=sys.stderr)
+        return False
+    return True
 
 
 def _fits(config: EngineConfig) -> bool:
@@ -92,8 +109,8 @@ def _serve(args: argparse.Namespace, engine: Engine, on_ready: Callable[[], None
     bus = LeaderBus(engine.ranks, ranks.fail) if ranks is not None else None
     loop = EngineLoop(engine, bus).start()
     try:
-        app = create_engine_app(loop, try_load(engine.config.model_dir),
-                                args.served_model_name or engine.model_config.name, args.api_key, args.admin_api_key)
+        name = args.served_model_name or engine.model_config.name
+        app = create_engine_app(loop, try_load(engine.config.model_dir), name, args.tenant_keys, args.admin_api_key)
         run_http(app, args.host, args.port, on_ready)
     finally:
         loop.stop()  # tells the other ranks to stop

@@ -7,18 +7,17 @@ import argparse
 import os
 import shlex
 import sys
+import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from tierserve.cli.flags import (
-    add_engine_args,
-    add_model_args,
-    engine_config,
-    engine_flags,
-    model_dir,
-)
+from tierserve.cli.flags import add_engine_args, add_model_args, engine_config, engine_flags, model_dir, tenant_keys
 from tierserve.cli.router import add_policy_args
 from tierserve.engine.config import EngineConfig
+
+if TYPE_CHECKING:
+    from tierserve.launch.tls import ClusterTLS
 
 
 def add_up_args(p: argparse.ArgumentParser) -> None:
@@ -43,8 +42,18 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
                    help="the L3 store's size in GB, split evenly between the nodes (default: a third of this "
                         "machine's memory; segments take memory only as they fill)")
     add_policy_args(p)
-    p.add_argument("--api-key", help="require 'Authorization: Bearer <key>' on the router's API")
+    keys = p.add_mutually_exclusive_group()
+    keys.add_argument("--api-key", help="require 'Authorization: Bearer <key>' on the router's API")
+    keys.add_argument("--api-keys", type=Path, metavar="FILE", help="the router's tenants' API keys (see router)")
     p.add_argument("--admin-api-key", help="enable the router's /workers admin routes with this key")
+    p.add_argument("--handoff-integrity", action="store_true",
+                   help="digest the KV handed from prefill to decode per request and layer, checked by the "
+                        "decode node (both roles get the flag; see prefill --help)")
+    p.add_argument("--tls", action="store_true",
+                   help="node gRPC over mutual TLS: nodes serve it, the router presents a client certificate "
+                        "(certificates from --tls-dir, made there with openssl where missing)")
+    p.add_argument("--tls-dir", type=Path, help="with --tls: the certificates' folder (ca.pem, node.pem, node.key, "
+                                                "client.pem, client.key; default: a new temporary folder)")
     p.add_argument("--state-file", type=Path,
                    help="keep the children's names, roles, PIDs and ports in this JSON file, rewritten whenever "
                         "one starts, dies or restarts (for scripts that watch or kill nodes)")
@@ -70,16 +79,31 @@ def cmd_up(args: argparse.Namespace) -> int:
         config = engine_config(args, folder)
         restart = RestartPolicy(max_deaths=args.restart_limit, window_s=args.restart_window)
         _check_sizes(args, config)
+        tenant_keys(args)  # a bad key file fails here, not in a router restarted until the crash limit
+        tls = _tls(args)
     except ValueError as exc:
         print(f"tierserve: {exc}", file=sys.stderr)
         return 2
     config, l3_config = (config, {}) if args.no_l3 else _without_l3_config(config)
+    integrity = ["--handoff-integrity"] if args.handoff_integrity else []
     segment = l3_size_bytes(args) // (args.prefill_nodes + args.decode_nodes)
     plan = ClusterPlan(folder, args.host, args.port, args.prefill_nodes, args.decode_nodes, not args.no_l3,
                        engine_flags(config), [*_router_flags(args), *args.router_args], l3_config, segment,
-                       args.state_file, restart, args.prefill_args, args.decode_args, args.prefill_tp_size,
-                       args.decode_tp_size, args.prefill_pp_size, args.decode_pp_size, args.prefill_cp_size)
-    return up(plan, lambda base, children: _announce(args, base, children))
+                       args.state_file, restart, [*integrity, *args.prefill_args], [*integrity, *args.decode_args],
+                       args.prefill_tp_size,
+                       args.decode_tp_size, args.prefill_pp_size, args.decode_pp_size, args.prefill_cp_size, tls)
+    return up(plan, lambda base, children: _announce(args, base, children, tls))
+
+
+def _tls(args: argparse.Namespace) -> ClusterTLS | None:
+    """The cluster's certificates with ``--tls`` (made now: a failure is a usage error, not a crash loop)."""
+    from tierserve.launch.tls import cluster_tls
+
+    if not args.tls:
+        if args.tls_dir is not None:
+            raise ValueError("--tls-dir needs --tls")
+        return None
+    return cluster_tls(args.tls_dir or Path(tempfile.mkdtemp(prefix="tierserve-tls-")), args.host)
 
 
 def _check_sizes(args: argparse.Namespace, config: EngineConfig) -> None:
@@ -141,14 +165,16 @@ def _without_l3_config(config: EngineConfig) -> tuple[EngineConfig, dict]:
 
 
 def _router_flags(args: argparse.Namespace) -> list[str]:
-    keys = [f for flag, value in (("--api-key", args.api_key), ("--admin-api-key", args.admin_api_key))
-            if value for f in (flag, value)]
+    file = args.api_keys and args.api_keys.resolve()  # the router may run elsewhere than here
+    keys = [str(f) for flag, value in (("--api-key", args.api_key), ("--api-keys", file),
+                                       ("--admin-api-key", args.admin_api_key)) if value for f in (flag, value)]
     return [*keys, "--prefill-policy", args.prefill_policy.value, "--decode-policy", args.decode_policy.value]
 
 
-def _announce(args: argparse.Namespace, base: str, children: list[str]) -> None:
+def _announce(args: argparse.Namespace, base: str, children: list[str], tls: ClusterTLS | None = None) -> None:
     """The banner: the API's URL, one line per child (role, port, metrics URL, PID), a request."""
     state = [f"  state file: {args.state_file}"] if args.state_file else []
+    state += [f"  node gRPC over mutual TLS, certificates in {tls.folder}"] if tls else []
     print("\n".join(["", _headline(args, base), *children, *state, "", _example(args, base)]), flush=True)
 
 

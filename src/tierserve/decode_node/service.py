@@ -20,9 +20,11 @@ from dataclasses import replace
 
 import grpc
 
+from tierserve.cache.hashing import tenant_salt
 from tierserve.core.outputs import FinishReason
 from tierserve.core.sampling import InvalidRequestError
 from tierserve.engine.commands import CancelReservation, FlushCache, Reserve
+from tierserve.engine.handoff import HandoffCheckError
 from tierserve.engine.reservations import DEFAULT_TERMS, CapacityError, ReservationTerms
 from tierserve.node.convert import arena, identity, kv_ranks, sampling_params
 from tierserve.node.server import AddService, Node
@@ -30,6 +32,7 @@ from tierserve.proto import tierserve_pb2 as pb
 from tierserve.proto import tierserve_pb2_grpc as pb_grpc
 from tierserve.proto.sampling import logprob_to_proto
 from tierserve.router.pd_flow import DRAINING  # the trailer the router reads
+from tierserve.transfer.receive_check import ReceiveCheck
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +44,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
 
     def __init__(self, node: Node, terms: ReservationTerms = DEFAULT_TERMS, max_lease_s: float = 900.0) -> None:
         self.node, self.terms, self.max_lease_s = node, terms, max_lease_s
+        self.integrity = node.ranks is not None and node.ranks.integrity  # --handoff-integrity: digests required
         self.identity, self.arena = identity(node.engine), arena(node.engine)
         self.arenas = node.ranks.arenas if node.ranks is not None else []  # every rank's arena and heads
         self.receive = node.ranks.receive if node.ranks is not None else None  # rank 0's staging
@@ -55,7 +59,8 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         rid, terms = request.request_id, replace(self.terms, lease_s=lease)
         prompt, max_new = list(request.prompt_ids), request.max_new_tokens or 16
         try:
-            reserve = Reserve(rid, tuple(prompt), max_new, request.cache_salt, terms, time.monotonic(),
+            salt = tenant_salt(request.tenant, request.cache_salt)
+            reserve = Reserve(rid, tuple(prompt), max_new, salt, terms, time.monotonic(),
                               request.source_tp_size)
             reserved = await self.node.loop.apply(reserve)  # every rank: the same pages
         except InvalidRequestError as exc:
@@ -82,8 +87,11 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if self.draining:
             await self._hand_back(context)
+        check = self._check(request)
+        if isinstance(check, str):
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, check)
         stream = self.node.loop.generate_reserved(request.reservation_id, request.first_token, params,
-                                                  request.resumed_tokens)
+                                                  request.resumed_tokens, check)
         self.running.add(request.reservation_id)
         try:
             async for out in stream:
@@ -100,6 +108,10 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0]))
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except HandoffCheckError as exc:
+            self.node.metrics.handoff_integrity_failures.inc()
+            log.warning("request %s: %s: refused, its pages freed", request.reservation_id, exc)
+            await context.abort(grpc.StatusCode.DATA_LOSS, str(exc))
         finally:
             self.running.discard(request.reservation_id)
 
@@ -121,6 +133,16 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         await self._handed_back.wait()
         await context.abort(grpc.StatusCode.UNAVAILABLE, "the decode node is draining",
                             trailing_metadata=((DRAINING, "1"),))
+
+    def _check(self, request: pb.GenerateRequest) -> ReceiveCheck | str | None:
+        """The digests' check of the KV that arrived (``--handoff-integrity``); a message when this
+        node requires digests and the request has none."""
+        if request.kv_digests:
+            return ReceiveCheck(tuple(request.kv_digests))
+        if self.integrity:
+            return "this decode node checks KV digests (--handoff-integrity) and the request has none: " \
+                   "start the prefill node with --handoff-integrity too"
+        return None
 
     async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:
         rid = request.reservation_id

@@ -10,7 +10,7 @@ from typing import Any, Protocol, runtime_checkable
 from tierserve.core.sampling import SamplingParams
 from tierserve.core.storage import StorageAction, StorageKind
 from tierserve.engine.engine import Engine
-from tierserve.engine.handoff import Handoff
+from tierserve.engine.handoff import Handoff, KVCheck
 from tierserve.engine.request import Request, RequestOutput
 from tierserve.engine.reservations import DEFAULT_TERMS, ReservationTerms
 
@@ -62,9 +62,15 @@ class StartReserved:
     first_token: int
     params: SamplingParams
     resumed: int = 0  # the prompt's last tokens another engine generated (a migration)
+    check: KVCheck | None = None  # refuses KV that arrived corrupted (``--handoff-integrity``)
+
+    @property
+    def collective(self) -> bool:
+        """A check adds up the ranks' digests (a collective): rank 0 publishes the command first."""
+        return self.check is not None
 
     def apply(self, engine: Engine) -> RequestOutput | None:
-        return engine.start_reserved(self.request_id, self.first_token, self.params, self.resumed)
+        return engine.start_reserved(self.request_id, self.first_token, self.params, self.resumed, self.check)
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from tierserve.engine import l3_admin
 from tierserve.engine.append import Appender, finish
 from tierserve.engine.config import EngineConfig
 from tierserve.engine.draft_pools import DraftPlan
-from tierserve.engine.handoff import Handoff
+from tierserve.engine.handoff import Handoff, HandoffCheckError, KVCheck
 from tierserve.engine.model_runner import ModelRunner, StepResult
 from tierserve.engine.ranks import Ranks, single_rank
 from tierserve.engine.request import FinishReason, Request, RequestOutput, RequestStatus
@@ -160,12 +160,18 @@ class Engine:
         return request
 
     def start_reserved(self, request_id: str, first_token: int, params: SamplingParams,
-                       resumed: int = 0) -> RequestOutput:
+                       resumed: int = 0, check: KVCheck | None = None) -> RequestOutput:
         """The prompt's KV is in the reserved pages and ``first_token`` was sampled from it: the
         request joins the running batch; returns the output for the first token. ``resumed``: the
-        prompt's last tokens were generated elsewhere (a migration), and the text continues theirs."""
+        prompt's last tokens were generated elsewhere (a migration), and the text continues theirs.
+        ``check`` (the handoff's digests, ``--handoff-integrity``) may refuse the KV that arrived:
+        the pages are then freed, none cached, and ``HandoffCheckError`` raised."""
         self._check_params(params)
         request = self.reservations.take(request_id)
+        problem = check(self, request) if check is not None else None
+        if problem is not None:
+            self.cache.release(request.prompt_ids, request.pages, request.num_computed, request.hit)
+            raise HandoffCheckError(problem)
         request.params = params
         self._prepare(request)
         if resumed and request.text is not None:

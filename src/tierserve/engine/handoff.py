@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 
 class Handoff(Protocol):
@@ -19,3 +19,15 @@ class Handoff(Protocol):
     def busy(self) -> bool:
         """Something may still read the request's pages."""
         ...
+
+
+class HandoffCheckError(RuntimeError):
+    """The KV a reservation received does not match what the prefill node sent (``KVCheck``)."""
+
+
+class KVCheck(Protocol):
+    """Checks the KV that arrived in a reservation's pages before the request runs (e.g. the
+    handoff's digests, ``transfer/receive_check.py``): None when it is sound, else what is not.
+    Called on every rank of the node, in the same order (it may run a collective)."""
+
+    def __call__(self, engine: Any, request: Any) -> str | None: ...

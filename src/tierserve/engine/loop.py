@@ -23,7 +23,7 @@ from tierserve.engine.commands import (
     StorageControl,
 )
 from tierserve.engine.engine import Engine
-from tierserve.engine.handoff import Handoff
+from tierserve.engine.handoff import Handoff, KVCheck
 from tierserve.engine.request import RequestOutput
 from tierserve.engine.step_bus import SoleBus, StepBus
 
@@ -98,10 +98,10 @@ class EngineLoop:
         ``cache_salt`` and ``handoff`` are those of ``Engine.add_request``."""
         return self.stream(AddRequest(request_id, tuple(prompt_ids), params, cache_salt, handoff))
 
-    def generate_reserved(self, request_id: str, first_token: int, params: SamplingParams, resumed: int = 0
-                          ) -> AsyncIterator[RequestOutput]:
+    def generate_reserved(self, request_id: str, first_token: int, params: SamplingParams, resumed: int = 0,
+                          check: KVCheck | None = None) -> AsyncIterator[RequestOutput]:
         """Like ``generate`` for a reservation whose prompt KV arrived (``Engine.start_reserved``)."""
-        return self.stream(StartReserved(request_id, first_token, params, resumed))
+        return self.stream(StartReserved(request_id, first_token, params, resumed, check))
 
     async def stream(self, command: EngineCommand) -> AsyncIterator[RequestOutput]:
         """Applies ``command`` on the engine thread, then yields its request's outputs until the
@@ -217,6 +217,8 @@ class EngineLoop:
         request_id = submit.command.request_id
         try:
             self.bus.record(submit.command)
+            if getattr(submit.command, "collective", False):
+                self.bus.publish(False, time.monotonic())  # the other ranks enter its collectives with this one
             first = submit.command.apply(self.engine)
         except Exception as exc:
             submit.sink(exc)

@@ -9,7 +9,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 
+from tierserve.core.node_auth import TLSFiles
 from tierserve.launch.probes import free_port
+from tierserve.launch.tls import ClusterTLS
 
 
 @dataclass(frozen=True)
@@ -42,7 +44,9 @@ class ClusterPlan:
     the children's roles, PIDs and ports as JSON (``launch.state``); None: nowhere.
     ``prefill_tp`` and ``decode_tp``: each node's rank processes (``--tp-size``) per role, per stage
     of ``prefill_pp`` and ``decode_pp`` pipeline stages (``--pp-size``); ``prefill_cp``: each prefill
-    node's context-parallel ranks (``--cp-size``; decode nodes run without CP)."""
+    node's context-parallel ranks (``--cp-size``; decode nodes run without CP). ``tls``: the nodes
+    serve mutual TLS with its certificates and the router presents its client certificate
+    (``launch/tls.py``); None: plaintext on loopback."""
 
     model_dir: Path
     host: str = "127.0.0.1"
@@ -63,6 +67,7 @@ class ClusterPlan:
     prefill_pp: int = 1
     decode_pp: int = 1
     prefill_cp: int = 1
+    tls: ClusterTLS | None = None
 
     def role_flags(self, role: ChildRole) -> list[str]:
         """A role's own flags: its TP, PP and CP sizes (when above 1), then the user's ``--<role>-args``."""
@@ -109,6 +114,7 @@ class ChildSpec:
     argv: tuple[str, ...]
     ports: Ports = Ports()
     host: str = "127.0.0.1"
+    tls: TLSFiles | None = None  # what probes of its gRPC port present (it serves TLS)
 
     @property
     def metrics_url(self) -> str | None:
@@ -119,7 +125,8 @@ def stages(plan: ClusterPlan) -> list[list[ChildSpec]]:
     """The children in start order, by stage: each stage starts once the one before is ready
     (master, then the nodes, then the router, which needs a healthy pair)."""
     master = _master() if plan.with_l3 else None
-    flags = [*plan.node_flags, *(l3_flags(plan, master.ports.rpc) if master else [])]
+    flags = [*plan.node_flags, *(l3_flags(plan, master.ports.rpc) if master else []),
+             *(plan.tls.node_flags() if plan.tls else [])]
     nodes = [_node(plan, role, i, flags) for role, n in ((ChildRole.PREFILL, plan.prefill_nodes),
                                                          (ChildRole.DECODE, plan.decode_nodes)) for i in range(n)]
     return [s for s in ([master] if master else [], nodes, [_router(plan, nodes)]) if s]
@@ -143,13 +150,13 @@ def _node(plan: ClusterPlan, role: ChildRole, index: int, flags: list[str]) -> C
     argv = [*_cli(), role.value, "--model", str(plan.model_dir), "--port", str(ports.grpc),
             "--metrics-port", str(ports.metrics), "--kv-events-port", str(ports.kv_events), *flags,
             *plan.role_flags(role)]
-    return ChildSpec(f"{role.value}-{index}", role, tuple(argv), ports)
+    return ChildSpec(f"{role.value}-{index}", role, tuple(argv), ports, tls=plan.tls.client() if plan.tls else None)
 
 
 def _router(plan: ClusterPlan, nodes: list[ChildSpec]) -> ChildSpec:
     workers = [f for n in nodes for f in (f"--{n.role.value}", f"127.0.0.1:{n.ports.grpc}")]
     argv = [*_cli(), "router", "--model", str(plan.model_dir), "--host", plan.host, "--port", str(plan.port),
-            *workers, *plan.router_flags]
+            *workers, *(plan.tls.router_flags() if plan.tls else []), *plan.router_flags]
     ports = Ports(http=plan.port, metrics=plan.port)  # the router serves /metrics beside the API
     return ChildSpec("router", ChildRole.ROUTER, tuple(argv), ports, _reachable(plan.host))
 

@@ -6,8 +6,11 @@ from __future__ import annotations
 import http.client
 import socket
 import urllib.request
+from typing import Any
 
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tierserve.core.node_auth import TLSFiles
 
 
 def free_port() -> int:
@@ -25,17 +28,24 @@ def tcp_open(port: int) -> bool:
         return False
 
 
-def grpc_serving(address: str | int) -> bool:
-    """The gRPC health service at ``host:port`` (or a local port) says SERVING."""
+def grpc_serving(address: str | int, tls: TLSFiles | None = None) -> bool:
+    """The gRPC health service at ``host:port`` (or a local port) says SERVING (over TLS,
+    presenting ``tls``'s certificate, when given)."""
     import grpc
 
     target = f"127.0.0.1:{address}" if isinstance(address, int) else address
     try:
-        with grpc.insecure_channel(target) as channel:
+        with _channel(target, tls) as channel:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1)
             return reply.status == health_pb2.HealthCheckResponse.SERVING
     except grpc.RpcError:
         return False
+
+
+def _channel(target: str, tls: TLSFiles | None) -> Any:
+    import grpc
+
+    return grpc.insecure_channel(target) if tls is None else grpc.secure_channel(target, tls.channel_credentials())
 
 
 def http_ok(url: str) -> bool:

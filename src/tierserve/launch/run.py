@@ -3,12 +3,15 @@ supervises it until Ctrl-C or SIGTERM (or a crash loop), and stops every child, 
 
 from __future__ import annotations
 
+import os
+import secrets
 import signal
 import sys
 import threading
 import time
 from collections.abc import Callable
 
+from tierserve.core.node_auth import TOKEN_ENV
 from tierserve.launch.plan import ChildRole, ChildSpec, ClusterPlan, stages
 from tierserve.launch.probes import grpc_serving, http_ok, tcp_open
 from tierserve.launch.process import Cluster, exit_description
@@ -38,6 +41,9 @@ def up(plan: ClusterPlan, announce: Announce) -> int:
     """Runs the cluster until SIGINT/SIGTERM (0). A child that dies is restarted (see
     ``Supervisor``); 1 if a child died while the cluster was starting (a bad flag or model would
     only die again) or one child kept dying (a crash loop)."""
+    # One node token for the whole cluster, inherited by every child, never on their argv
+    # (``core/node_auth.py``); a token the user exported is kept.
+    os.environ.setdefault(TOKEN_ENV, secrets.token_hex(16))
     run, stop = _Run(plan), _stop_on_signals()
     try:
         _start_all(run, stop)
@@ -88,7 +94,7 @@ def ready(spec: ChildSpec) -> bool:
         return tcp_open(spec.ports.rpc)
     if spec.role is ChildRole.ROUTER:
         return http_ok(f"http://{spec.host}:{spec.ports.http}/readiness")
-    return grpc_serving(f"{spec.host}:{spec.ports.grpc}")
+    return grpc_serving(f"{spec.host}:{spec.ports.grpc}", spec.tls)
 
 
 def _wait(spec: ChildSpec, cluster: Cluster, stop: threading.Event) -> None:

@@ -13,7 +13,7 @@ values). ``busy()`` reads only the agreed value, so it may be called between ste
 from __future__ import annotations
 
 import threading
-from dataclasses import astuple, dataclass, replace
+from dataclasses import astuple, dataclass, fields, replace
 
 import torch
 import torch.distributed as dist
@@ -22,7 +22,10 @@ from tierserve.engine.commands import AddRequest
 from tierserve.engine.engine import Engine
 from tierserve.engine.ranks import Ranks
 from tierserve.engine.request import RequestOutput
+from tierserve.transfer.digest import MASK
 from tierserve.transfer.handoff import HandoffResult, HandoffState, KVHandoff
+
+_STATE_FIELDS = len(fields(HandoffState))  # a row's first values; then its digests, if any
 
 
 class HandoffBoard:
@@ -36,12 +39,13 @@ class HandoffBoard:
         """Every rank, at the start of every step: one collective when handoffs live."""
         if not self.live:
             return
-        local = torch.tensor([astuple(h.local.state()) for h in self.live], dtype=torch.int64)
+        local = torch.tensor([h.row() for h in self.live], dtype=torch.int64)
         gathered = [torch.empty_like(local) for _ in range(self.ranks.size)]
         dist.all_gather(gathered, local, group=self.ranks.control)
         states = torch.stack(gathered, dim=1)  # [handoff, rank, field]
         for handoff, rows in zip(self.live, states.tolist(), strict=True):
-            handoff.settle([HandoffState(*(int(v) for v in row)) for row in rows])
+            handoff.settle([HandoffState(*(int(v) for v in row[:_STATE_FIELDS])) for row in rows],
+                           [row[_STATE_FIELDS:] for row in rows])
         self.live = [h for h in self.live if h.busy()]
 
 
@@ -55,6 +59,7 @@ class AgreedHandoff:
         self.target = local.target
         self._agreed = threading.Event()  # every rank's sender finished
         self._states: list[HandoffState] = []
+        self._digests: list[int] = []  # every rank's added up, per model layer (``--handoff-integrity``)
         self._timed_out_peer = False
 
     # -- engine thread ---------------------------------------------------------------------------
@@ -66,12 +71,18 @@ class AgreedHandoff:
         """Some rank's sender may still read the request's pages (agreed; any thread)."""
         return not self._agreed.is_set()
 
-    def settle(self, states: list[HandoffState]) -> None:
-        """The agreed states, one per rank: a rank that failed or was cancelled stops the others."""
+    def row(self) -> list[int]:
+        """What this rank contributes to the agreement: its state, then its digests (if any)."""
+        state = self.local.state()  # read first: a finished state comes with final digests
+        return [*astuple(state), *self.local.digest_row()]
+
+    def settle(self, states: list[HandoffState], digests: list[list[int]]) -> None:
+        """The agreed states and digest rows, one per rank: a rank that failed or was cancelled stops the others."""
         if any(s.failed for s in states) and not self.local.state().failed:
             self.local.cancel("another rank of this node stopped its KV handoff")
         self._states = states
         if all(s.finished for s in states):
+            self._digests = [sum(column) & MASK for column in zip(*digests, strict=True)]
             self._agreed.set()
 
     # -- rank 0's servicer -------------------------------------------------------------------------
@@ -94,7 +105,8 @@ class AgreedHandoff:
             self._timed_out_peer = self.local.all_submitted()
             self.cancel(message)
             return HandoffResult(message, 0, 0.0, 0.0)
-        return _combined(self._states, self.local.result(0).error)
+        result = _combined(self._states, self.local.result(0).error)
+        return replace(result, digests=self._digests if result.error is None else [])
 
 
 def _combined(states: list[HandoffState], own_error: str | None) -> HandoffResult:

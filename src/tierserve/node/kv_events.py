@@ -8,6 +8,7 @@ from urllib.parse import urlsplit
 
 from tierserve.cache.base import Snapshot as CacheSnapshot
 from tierserve.cache.events import KVEventPublisher, KVEventRecorder
+from tierserve.core.kv_events_auth import CurveKeys
 from tierserve.engine.engine import Engine
 from tierserve.proto import tierserve_pb2 as pb
 
@@ -16,7 +17,8 @@ log = logging.getLogger(__name__)
 Snapshot = tuple[int, CacheSnapshot]  # (last batch number, (page key, medium) pairs)
 
 
-def start_kv_events(engine: Engine, endpoint: str, interval_s: float = 0.01) -> KVEventPublisher | None:
+def start_kv_events(engine: Engine, endpoint: str, interval_s: float = 0.01,
+                    curve: CurveKeys | None = None) -> KVEventPublisher | None:
     """Binds a publisher at ``endpoint`` (``tcp://HOST:0``: any free port) and makes the engine's
     tree report to it. Call before the engine thread starts (the tree is that thread's alone).
     None when the engine has no prefix tree (``--disable-radix-cache``): nothing to report."""
@@ -24,7 +26,7 @@ def start_kv_events(engine: Engine, endpoint: str, interval_s: float = 0.01) -> 
     if not engine.cache.set_event_listener(recorder):
         log.warning("KV events are off: this engine has no prefix cache")
         return None
-    publisher = KVEventPublisher(recorder, endpoint, interval_s=interval_s).start()
+    publisher = KVEventPublisher(recorder, endpoint, interval_s=interval_s, curve=curve).start()
     log.info("KV events published on %s", publisher.endpoint)
     return publisher
 

@@ -15,6 +15,9 @@ class NodeMetrics:
     def __init__(self, engine: StatsSource) -> None:
         self.registry = r = CollectorRegistry()
         self.handoffs = Counter("tierserve_handoffs", "KV handoffs ended, by outcome", ["outcome"], registry=r)
+        self.handoff_integrity_failures = Counter(
+            "tierserve_handoff_integrity_failures", "Requests whose handed-over KV failed its digest check "
+            "(decode nodes, --handoff-integrity); each failed, none answered from that KV", registry=r)
         self.transfer_bytes = Counter("tierserve_transfer_bytes", "KV bytes written into decode nodes", registry=r)
         self.transfer_seconds = Histogram("tierserve_transfer_seconds", "First KV submission to last completion",
                                           buckets=_TRANSFER_BUCKETS, registry=r)

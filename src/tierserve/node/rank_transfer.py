@@ -18,9 +18,11 @@ from tierserve.engine.commands import AddRequest, Bind, EngineCall, EngineComman
 from tierserve.engine.engine import Engine
 from tierserve.node.convert import arena
 from tierserve.node.handoffs import AgreedHandoff, HandoffAdd, HandoffBoard
+from tierserve.transfer.digest import SendDigests
 from tierserve.transfer.engine import PeerEngines, TransferEngineHandle
 from tierserve.transfer.handoff import KVHandoff
 from tierserve.transfer.layout import HeadRange, LayerRange, RankArena, plan_routes
+from tierserve.transfer.receive_check import engine_weights
 from tierserve.transfer.receive_staging import ReceiveStaging
 from tierserve.transfer.staging import Gatherer, StagingArena
 
@@ -40,6 +42,17 @@ class TransferOptions:
     protocol: TransferProtocol = TransferProtocol.TCP
     devices: str = ""
     staging_bytes: int = 64 << 20  # per rank: coalesces handoffs between TP sizes (transfer/staging.py)
+    integrity: bool = False  # digests of handed-over KV (transfer/digest.py)
+
+
+@dataclass(frozen=True)
+class HandoffFaults:
+    """Fault tests only (``KVHandoff``): the share of handoffs that fail, that write wrong bytes,
+    and how long each first batch is held."""
+
+    rate: float = 0.0
+    delay_s: float = 0.0
+    corrupt_rate: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -68,6 +81,7 @@ class RankTransfer:
     sends: HeadRange | None
     gatherer: Gatherer | None = None
     receive: ReceiveStaging | None = None
+    integrity: bool = False  # senders digest what they send (``--handoff-integrity``)
 
     @property
     def head_bytes(self) -> int:
@@ -79,16 +93,24 @@ class RankTransfer:
         """The model's layers this rank's stage holds (its arena's, in order)."""
         return own_layers(self.engine)
 
-    def handoff(self, plan: HandoffPlan, fault_rate: float = 0.0, fault_delay_s: float = 0.0) -> KVHandoff:
+    def handoff(self, plan: HandoffPlan, faults: HandoffFaults = HandoffFaults()) -> KVHandoff:
         """This rank's sender for ``plan``: its heads of its stage's layers, to every destination
         rank that holds some of both; under context parallelism, of the pages this rank owns."""
         routes = plan_routes(self.sends, self.head_bytes, list(plan.dests), self.layers) if self.sends else []
         return KVHandoff(self.peers, routes, arena(self.engine), list(plan.dst_pages), plan.dst_start,
-                         plan.prompt_len, fault_rate, fault_delay_s, self.engine.device.type == "cuda",
-                         self.gatherer, self.engine.ranks.cp)
+                         plan.prompt_len, faults.rate, faults.delay_s, self.engine.device.type == "cuda",
+                         self.gatherer, self.engine.ranks.cp, self._digests(), faults.corrupt_rate)
 
-    def agreed(self, plan: HandoffPlan, fault_rate: float = 0.0, fault_delay_s: float = 0.0) -> AgreedHandoff:
-        return AgreedHandoff(self.handoff(plan, fault_rate, fault_delay_s), self.board)
+    def agreed(self, plan: HandoffPlan, faults: HandoffFaults = HandoffFaults()) -> AgreedHandoff:
+        return AgreedHandoff(self.handoff(plan, faults), self.board)
+
+    def _digests(self) -> SendDigests | None:
+        """Every rank digests, a replica that sends nothing too (zeros): the node's rows stay alike."""
+        if not self.integrity:
+            return None
+        e = self.engine
+        heads = (e.kv_shard.heads.start, self.head_bytes)
+        return SendDigests(e.pool.buffer, engine_weights(e), heads, self.layers.start, e.model_config.num_layers)
 
     def bind(self, command: EngineCommand | EngineCall) -> EngineCommand | EngineCall:
         """A request rank 0 hands over becomes this rank's own handoff of it (``RankRole``)."""
@@ -122,7 +144,7 @@ class NodeRankRole:
         own = RankArena(receiver.endpoint if receiver else "", arena(engine), held, (), base, own_layers(engine).start)
         arenas = _gather(engine, own)
         return RankTransfer(engine, receiver, peers, arenas, self._board(engine), held if shard.writes else None,
-                            gatherer, receive)
+                            gatherer, receive, o.integrity)
 
     def _receive(self, engine: Engine, held: HeadRange) -> ReceiveStaging | None:
         """Decode ranks stage writers that hold fewer heads (``transfer/receive_staging.py``)."""

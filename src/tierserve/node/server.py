@@ -15,6 +15,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from tierserve.cache.events import KVEventPublisher
+from tierserve.core.kv_events_auth import CurveKeys
+from tierserve.core.node_auth import TLSFiles, server_interceptors
 from tierserve.core.transfer import TransferProtocol
 from tierserve.engine.config import EngineConfig
 from tierserve.engine.engine import Engine
@@ -47,10 +49,13 @@ class NodeOptions:
     metrics_port: int | None = None  # Prometheus /metrics on this port; None = off
     kv_events_port: int | None = None  # ZMQ PUB of KV events on this port (0: any free); None = off
     log_level: str = "info"  # of ranks 1..N-1
+    node_token: str | None = None  # every RPC but health must carry it (core/node_auth.py); None: open
+    tls: TLSFiles | None = None  # serve TLS (mutual with a CA); None: plaintext
+    handoff_integrity: bool = False  # digests of handed-over KV (transfer/digest.py): sent, or checked
 
     def transfer(self) -> TransferOptions:
         return TransferOptions(self.transfer_hostname, self.transfer_protocol, self.transfer_devices,
-                               self.handoff_staging_bytes)
+                               self.handoff_staging_bytes, self.handoff_integrity)
 
 
 @dataclass
@@ -98,7 +103,8 @@ def run_node(config: EngineConfig, options: NodeOptions, role: pb.Role, add_serv
 def _start(engine: Engine, ranks: RankTransfer, options: NodeOptions, procs: RankProcesses | None) -> Node:
     kv_events = None
     if options.kv_events_port is not None:  # before the engine thread starts: the tree is its alone then
-        kv_events = start_kv_events(engine, f"tcp://{options.host}:{options.kv_events_port}")
+        curve = CurveKeys.from_token(options.node_token) if options.node_token else None
+        kv_events = start_kv_events(engine, f"tcp://{options.host}:{options.kv_events_port}", curve=curve)
     loop = EngineLoop(engine, LeaderBus(engine.ranks, procs.fail) if procs else None)
     node = Node(engine, loop.start(), ranks.receiver, ranks.peers, NodeMetrics(loop), kv_events, ranks)
     if options.metrics_port is not None:
@@ -134,7 +140,7 @@ def _check_fits(config: EngineConfig, role: pb.Role) -> None:
 
 
 async def _serve(node: Node, options: NodeOptions, role: pb.Role, add_service: AddService) -> None:
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)], interceptors=server_interceptors(options.node_token))
     service_name = add_service(server, node)
     model_name = options.served_model_name or node.engine.config.model_dir.name
     events = advertised_endpoint(node.kv_events.endpoint, options.transfer_hostname) if node.kv_events else ""
@@ -142,7 +148,9 @@ async def _serve(node: Node, options: NodeOptions, role: pb.Role, add_service: A
         NodeServicer(node.loop, role, node.transfer.endpoint, model_name, node.kv_events, events), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = server.add_insecure_port(f"{options.host}:{options.port}")
+    address = f"{options.host}:{options.port}"
+    port = server.add_secure_port(address, options.tls.server_credentials()) if options.tls is not None \
+        else server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"cannot listen on {options.host}:{options.port}")
     await server.start()

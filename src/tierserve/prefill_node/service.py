@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 
 import grpc
 
+from tierserve.cache.hashing import tenant_salt
 from tierserve.core.outputs import RequestOutput
 from tierserve.core.sampling import InvalidRequestError, SamplingParams
 from tierserve.core.tiers import CacheTier
@@ -23,7 +24,7 @@ from tierserve.node.convert import (
     staging_problem,
 )
 from tierserve.node.handoffs import AgreedHandoff, HandoffAdd
-from tierserve.node.rank_transfer import HandoffPlan
+from tierserve.node.rank_transfer import HandoffFaults, HandoffPlan
 from tierserve.node.server import AddService, Node
 from tierserve.proto import tierserve_pb2 as pb
 from tierserve.proto import tierserve_pb2_grpc as pb_grpc
@@ -41,11 +42,17 @@ CONFIRM_STOP_S = 0.5  # a failed Prefill waits this long for its in-flight batch
 class PrefillOptions:
     """``timeout_s`` bounds compute plus handoff when the request gives none. For fault tests
     only: ``fault_rate`` makes that share of handoffs fail for real, ``fault_delay_s`` holds each
-    handoff's first batch that long (see ``KVHandoff``)."""
+    handoff's first batch that long, ``fault_corrupt_rate`` makes that share write wrong bytes
+    (see ``KVHandoff``)."""
 
     timeout_s: float = 60.0
     fault_rate: float = 0.0
     fault_delay_s: float = 0.0
+    fault_corrupt_rate: float = 0.0
+
+    @property
+    def faults(self) -> HandoffFaults:
+        return HandoffFaults(self.fault_rate, self.fault_delay_s, self.fault_corrupt_rate)
 
 
 class PrefillServicer(pb_grpc.PrefillServiceServicer):
@@ -90,11 +97,11 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         """This rank's handoff and the command that adds the request: at several ranks every rank
         builds its own handoff from the plan and they agree on when all ended (``node/handoffs.py``)."""
         ranks, opts = self.node.ranks, self.options
-        add = AddRequest(request.request_id, tuple(prompt), params, request.cache_salt)
+        add = AddRequest(request.request_id, tuple(prompt), params, tenant_salt(request.tenant, request.cache_salt))
         if ranks.board is None:
-            handoff = ranks.handoff(plan, opts.fault_rate, opts.fault_delay_s)
+            handoff = ranks.handoff(plan, opts.faults)
             return handoff, replace(add, handoff=handoff)
-        agreed = ranks.agreed(plan, opts.fault_rate, opts.fault_delay_s)
+        agreed = ranks.agreed(plan, opts.faults)
         return agreed, HandoffAdd(replace(add, plan=plan), agreed)
 
     async def _run(self, add: EngineCommand, handoff: KVHandoff | AgreedHandoff, timeout: float
@@ -138,7 +145,8 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
                                   transfer_seconds=result.transfer_seconds,
                                   exposed_transfer_seconds=result.exposed_seconds,
                                   first_logprob=logprob_to_proto(first.logprobs[0]) if first.logprobs else None,
-                                  prompt_logprobs=[logprob_to_proto(lp) for lp in first.prompt_logprobs or [] if lp])
+                                  prompt_logprobs=[logprob_to_proto(lp) for lp in first.prompt_logprobs or [] if lp],
+                                  kv_digests=result.digests)
 
     def _check_destination(self, prompt: list[int], dest: pb.KVDestination) -> str | None:
         mismatch = identity_mismatch(self.identity, dest.identity)

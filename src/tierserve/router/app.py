@@ -22,8 +22,10 @@ from tierserve.api.app import create_app
 from tierserve.api.auth import admin_guard
 from tierserve.api.http import run_http
 from tierserve.api.metrics import ApiMetrics
+from tierserve.api.tenants import TenantKeys
 from tierserve.api.tokenizer import try_load
 from tierserve.core.model_config import ModelConfig
+from tierserve.core.node_auth import TLSFiles
 from tierserve.router.backend import PDBackend, RouterOptions
 from tierserve.router.cache_view import CacheView
 from tierserve.router.policies import PolicyKind, make_policy
@@ -40,13 +42,15 @@ class RouterConfig:
     decode: list[str] = field(default_factory=list)
     served_model_name: str | None = None
     context_length: int | None = None
-    api_key: str | None = None
+    keys: TenantKeys | None = None  # API keys naming tenants (None: an open API)
     admin_api_key: str | None = None
     prefill_policy: PolicyKind = PolicyKind.CACHE_AWARE
     decode_policy: PolicyKind = PolicyKind.POWER_OF_TWO
     options: RouterOptions = field(default_factory=RouterOptions)
     health_check_interval_s: float = 2.0
     drain_timeout_s: float = 600.0  # a removed worker's running requests get this long to finish
+    node_token: str | None = None  # sent on every call to the nodes (core/node_auth.py)
+    tls: TLSFiles | None = None  # TLS to the nodes: their CA, and this router's certificate for mutual TLS
 
 
 Task = Callable[[Registry], Any]  # a background coroutine function run for the app's lifetime
@@ -59,8 +63,8 @@ def create_router_app(config: RouterConfig, registry: Registry, tasks: list[Task
                         config.options, config.context_length or model.max_position, caches.lookup)
     name = config.served_model_name or config.model_dir.name
     app = create_app(backend, try_load(config.model_dir), name, ApiMetrics(_RouterCollector(registry, backend)),
-                     config.api_key)
-    _add_worker_routes(app, registry, admin_guard(config.admin_api_key))
+                     config.keys, config.admin_api_key)
+    _add_worker_routes(app, registry, admin_guard(config.admin_api_key, config.keys))
     initial = [(Role.PREFILL, a) for a in config.prefill] + [(Role.DECODE, a) for a in config.decode]
     app.router.lifespan_context = _lifespan(registry, initial, [Registry.run_checks, caches.run, *(tasks or [])])
     return app
@@ -158,5 +162,6 @@ class _RouterCollector:
 
 def serve_router(config: RouterConfig, host: str, port: int, tasks: list[Task] | None = None,
                  on_ready: Callable[[], None] | None = None) -> None:
-    registry = Registry(check_interval_s=config.health_check_interval_s, drain_timeout_s=config.drain_timeout_s)
+    registry = Registry(check_interval_s=config.health_check_interval_s, drain_timeout_s=config.drain_timeout_s,
+                        node_token=config.node_token, tls=config.tls)
     run_http(create_router_app(config, registry, tasks), host, port, on_ready)

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import grpc
 
 from tierserve.api import openai as oa
+from tierserve.cache.hashing import tenant_salt
 from tierserve.core.outputs import FinishReason, RequestOutput, TokenLogprob
 from tierserve.core.sampling import InvalidRequestError, SamplingParams
 from tierserve.core.tiers import TIERS
@@ -50,6 +51,7 @@ class _Request:
     prompt: list[int]
     sampling: pb.SamplingOptions
     salt: str
+    tenant: str  # the API key's: with the salt it decides the cache namespace, on the nodes too
     buffered: bool  # the client sees nothing before the end (one merged output)
     resumed: int = 0  # the prompt's last tokens this request generated before a migration
 
@@ -86,12 +88,12 @@ class PDBackend:
                 "retries": self.retries, "routes": list(self.routes)} | self.migrations.state()
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, cache_salt: str,
-                       *, buffered: bool = False) -> AsyncIterator[RequestOutput]:
+                       *, tenant: str = "", buffered: bool = False) -> AsyncIterator[RequestOutput]:
         """``buffered``: see ``Backend``; such a request gets one output, when it finished (after
         any migrations)."""
         await self._admit()
         try:
-            request = _Request(request_id, prompt_ids, to_proto(params), cache_salt, buffered)
+            request = _Request(request_id, prompt_ids, to_proto(params), cache_salt, tenant, buffered)
             tries = migrating(self._attempts, request, self.options.max_migrations, self.migrations)
             async with contextlib.aclosing(_merged(tries) if buffered else tries) as outputs:
                 async for out in outputs:
@@ -120,7 +122,7 @@ class PDBackend:
                 self.retries += 1
                 await asyncio.sleep(self._backoff(attempt, deadline))
             attempt += 1
-            pair = self._pick(request.prompt, request.salt)
+            pair = self._pick(request.prompt, tenant_salt(request.tenant, request.salt))
             try:
                 async with contextlib.aclosing(self._attempt(pair, request, attempt)) as outputs:
                     async for out in outputs:
@@ -171,7 +173,8 @@ class PDBackend:
         stubs = pd_flow.Pair.connect(prefill.channel, decode.channel)
         try:
             done = await pd_flow.prefill(stubs, rid, request.prompt, request.sampling, request.salt,
-                                         self.options.timeout_s, prefill.info.tp_size if prefill.info else 0)
+                                         self.options.timeout_s, prefill.info.tp_size if prefill.info else 0,
+                                         request.tenant)
         except pd_flow.HandoffFailed as exc:  # a transfer into a dead or frozen D is D's failure, not P's
             self._blame(decode if exc.destination_failed else prefill, exc.code, str(exc))
             raise _Retry(f"prefill on {prefill.address}: {exc}") from exc
@@ -203,7 +206,8 @@ class PDBackend:
                     produced = True
                     yield _output(done, len(request.prompt), chunk, request.sampling, first=i == 0)
         except grpc.aio.AioRpcError as exc:
-            self.registry.failed(decode, exc.code().name, unreachable=exc.code() is grpc.StatusCode.UNAVAILABLE)
+            if exc.code() is not grpc.StatusCode.DATA_LOSS:  # KV that failed its digests: the pair's, retried
+                self.registry.failed(decode, exc.code().name, unreachable=exc.code() is grpc.StatusCode.UNAVAILABLE)
             # not awaited: a dead or stopping D answers late or never, and the request moves on now
             pd_flow.release_later(stubs, done.reservation_id, writer_stopped=True)
             reason = LostReason.DRAINING if draining(exc) else LostReason.FAILED

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
+from tierserve.core.kv_events_auth import CurveKeys
 from tierserve.proto import tierserve_pb2 as pb
 from tierserve.proto import tierserve_pb2_grpc as pb_grpc
 from tierserve.router.kv_index import KVEventSubscriber, SnapshotEntries, prompt_keys
@@ -27,7 +28,8 @@ class CacheView:
 
     async def run(self, registry: Registry) -> None:
         """Keeps subscriptions in step with the registry until cancelled (an app task)."""
-        self.subscriber = KVEventSubscriber(self._fetch)
+        token = self.registry.node_token
+        self.subscriber = KVEventSubscriber(self._fetch, curve=CurveKeys.from_token(token) if token else None)
         try:
             while True:
                 self._sync()

@@ -35,6 +35,7 @@ from tierserve.cache.events import (
     decode_seq,
 )
 from tierserve.cache.hashing import page_keys, salted_seed
+from tierserve.core.kv_events_auth import CurveKeys, secure_subscriber
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +184,9 @@ class KVEventSubscriber:
     """
 
     def __init__(self, fetch_snapshot: SnapshotFetcher, topic: bytes = DEFAULT_TOPIC, retry_s: float = 0.2,
-                 max_retry_s: float = 5.0) -> None:
+                 max_retry_s: float = 5.0, curve: CurveKeys | None = None) -> None:
+        """``curve``: subscribe under ZMQ CURVE (the cluster has a node token: ``core/kv_events_auth.py``)."""
+        self.curve = curve
         self.fetch_snapshot, self.topic, self.retry_s, self.max_retry_s = fetch_snapshot, topic, retry_s, max_retry_s
         self.index = KVIndex(self._request_snapshot)
         self._ctx = zmq.asyncio.Context()
@@ -219,6 +222,8 @@ class KVEventSubscriber:
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic)
         sub.setsockopt(zmq.RCVHWM, 100_000)
+        if self.curve is not None:
+            secure_subscriber(sub, self.curve)
         monitor = sub.get_monitor_socket(_CONNECTED)
         poller = zmq.asyncio.Poller()
         poller.register(sub, zmq.POLLIN)

@@ -62,10 +62,11 @@ class Prefilled:
 
 
 async def prefill(pair: Pair, request_id: str, prompt_ids: list[int], sampling: pb.SamplingOptions,
-                  cache_salt: str = "", timeout_s: float = 60.0, source_tp: int = 0) -> Prefilled:
+                  cache_salt: str = "", timeout_s: float = 60.0, source_tp: int = 0, tenant: str = "") -> Prefilled:
     """Reserve on D then Prefill on P; releases the reservation on any failure and raises
     ``HandoffFailed`` or the gRPC error. ``source_tp``: P's TP size (``NodeInfo.tp_size``; 0 if
-    unknown), so D can stage what P's ranks write when they hold fewer heads than D's.
+    unknown), so D can stage what P's ranks write when they hold fewer heads than D's. ``tenant``:
+    the API key's, sent to both nodes, which derive the cache namespace from it.
 
     The deadlines form one chain (``docs/architecture.md``, faults): D grants a lease for the
     whole leg (it may grant less than asked), P's deadline ends ``LEASE_MARGIN_S`` before that
@@ -73,7 +74,7 @@ async def prefill(pair: Pair, request_id: str, prompt_ids: list[int], sampling: 
     other ending makes D quarantine them for its grace period, longer than any transfer."""
     reserved = await _reserve(pair, pb.ReserveRequest(
         request_id=request_id, prompt_ids=prompt_ids, max_new_tokens=sampling.max_tokens, cache_salt=cache_salt,
-        lease_seconds=timeout_s + LEASE_MARGIN_S, source_tp_size=source_tp,
+        tenant=tenant, lease_seconds=timeout_s + LEASE_MARGIN_S, source_tp_size=source_tp,
     ), timeout_s)
     dest = reserved.destination
     deadline = min(timeout_s, reserved.lease_seconds - LEASE_MARGIN_S)
@@ -83,7 +84,7 @@ async def prefill(pair: Pair, request_id: str, prompt_ids: list[int], sampling: 
                                                      f"lease: too short for a prefill")
     try:
         response = await pair.prefill.Prefill(pb.PrefillRequest(
-            request_id=request_id, prompt_ids=prompt_ids, sampling=sampling, cache_salt=cache_salt,
+            request_id=request_id, prompt_ids=prompt_ids, sampling=sampling, cache_salt=cache_salt, tenant=tenant,
             destination=dest, timeout_seconds=deadline,
         ), timeout=deadline + LEASE_MARGIN_S / 2)
     except grpc.aio.AioRpcError as exc:
@@ -145,7 +146,7 @@ async def generate(pair: Pair, prefilled: Prefilled, sampling: pb.SamplingOption
     ``resumed``: the prompt's last tokens were generated (a migration)."""
     call = pair.decode.Generate(pb.GenerateRequest(
         reservation_id=prefilled.reservation_id, first_token=prefilled.response.first_token, sampling=sampling,
-        resumed_tokens=resumed))
+        resumed_tokens=resumed, kv_digests=prefilled.response.kv_digests))
     try:
         async for chunk in call:
             yield chunk

@@ -14,6 +14,7 @@ from enum import Enum
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tierserve.core.node_auth import TLSFiles, node_channel
 from tierserve.proto import tierserve_pb2 as pb
 from tierserve.proto import tierserve_pb2_grpc as pb_grpc
 from tierserve.router.roles import Role
@@ -94,12 +95,14 @@ class Registry:
     namespace: str | None = None
     model: str | None = None
     info: pb.NodeInfo | None = None  # of the first accepted worker: page size, context, seed
+    node_token: str | None = None  # sent on every call to the workers (core/node_auth.py)
+    tls: TLSFiles | None = None  # TLS to the workers (None: plaintext)
 
     def add(self, role: Role, address: str) -> Worker:
         """Registers a worker (idempotent); it gets traffic once a health check reached it."""
         key = (role, address)
         if key not in self.workers:
-            self.workers[key] = Worker(role, address, grpc.aio.insecure_channel(address))
+            self.workers[key] = Worker(role, address, node_channel(address, self.node_token, self.tls))
             log.info("worker added: %s %s", role.value, address)
         return self.workers[key]
 

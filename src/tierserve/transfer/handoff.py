@@ -17,11 +17,12 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from tierserve.cache.cp_pages import PageOwnership
+from tierserve.transfer.digest import SendDigests
 from tierserve.transfer.engine import EntryBudget, PeerEngines, TransferEngineHandle, TransferError
 from tierserve.transfer.layout import Block, KVArena, Route, Run, local_pages, route_blocks, token_runs
 from tierserve.transfer.staging import Gatherer, Staged, gathers
@@ -59,6 +60,7 @@ class HandoffResult:
     bytes: int
     transfer_seconds: float  # first submission to last completion
     exposed_seconds: float  # last submission (the compute's end) to last completion
+    digests: list[int] = field(default_factory=list)  # per model layer, with ``--handoff-integrity``
 
 
 @dataclass(frozen=True)
@@ -98,6 +100,16 @@ def _pieces(runs: list[Run], max_tokens: int) -> list[list[Run]]:
     return [p for p in pieces if p]
 
 
+def _swapped(blocks: list[Block]) -> list[Block]:
+    """Fault tests: the first block (a K run) and the middle one (the same run's V) trade
+    destinations, so the peer's pages hold wrong bytes while the transfer succeeds."""
+    m = len(blocks) // 2
+    if m == 0 or blocks[0][2] != blocks[m][2]:
+        return blocks
+    (s0, d0, n), (sm, dm, _) = blocks[0], blocks[m]
+    return [(s0, dm, n), *blocks[1:m], (sm, d0, n), *blocks[m + 1:]]
+
+
 def _us(seconds: float) -> int:
     return round(seconds * 1e6)
 
@@ -112,13 +124,16 @@ class KVHandoff:
     For fault tests: ``fault_rate`` makes exactly that share of handoffs (every 1/rate-th) fail for
     real (one block aimed at an address the peer never registered), and ``fault_delay_s`` holds
     the first batch that long before it is written, as a slow link would: a ``cancel`` meanwhile
-    does not stop it, as it cannot stop a batch already on the wire."""
+    does not stop it, as it cannot stop a batch already on the wire; ``fault_corrupt_rate`` makes
+    that share of handoffs write one layer's first K block where its V goes and back (bytes that
+    land wrong, for the ``digests`` check). ``digests``: this rank's digests of what it sends."""
 
     def __init__(self, engines: PeerEngines, routes: list[Route], src: KVArena, dst_pages: list[int],
                  dst_start: int, prompt_len: int, fault_rate: float = 0.0, fault_delay_s: float = 0.0,
-                 cuda: bool = False, gatherer: Gatherer | None = None, owner: PageOwnership | None = None) -> None:
+                 cuda: bool = False, gatherer: Gatherer | None = None, owner: PageOwnership | None = None,
+                 digests: SendDigests | None = None, fault_corrupt_rate: float = 0.0) -> None:
         self.engines, self.routes, self.src, self.gatherer = engines, routes, src, gatherer
-        self.owner = owner
+        self.owner, self.digests = owner, digests
         self.target = ",".join(dict.fromkeys(r.target for r in routes))  # for messages
         self.dst_pages, self.prompt_len = dst_pages, prompt_len
         self._positions = list(range(len(dst_pages)))  # "pages" of staging whose slot t is token t
@@ -126,6 +141,7 @@ class KVHandoff:
         self._sent = [start] * src.num_layers  # per layer: tokens before this are submitted
         n = next(_handoffs)
         self._inject = int((n + 1) * fault_rate) > int(n * fault_rate)
+        self._corrupt = int((n + 1) * fault_corrupt_rate) > int(n * fault_corrupt_rate)
         self._delay_s = fault_delay_s
         self._cuda = cuda  # the source pool is on CUDA: blocks wait for their layer's kernels
         self._layers: queue.SimpleQueue[tuple[Callable[[], None], list[_Batch]] | None] = queue.SimpleQueue()
@@ -149,6 +165,9 @@ class KVHandoff:
         if end <= start:
             return
         self._sent[layer] = end
+        if self.digests is not None:
+            spans = [(r.src_offset, r.nbytes) for r in self.routes if layer in r.layers]
+            self.digests.add(layer, spans, local_pages(self.owner, pages), start, end, self.src.page_size)
         if self._error is None:
             now = time.monotonic()
             self._first_submit = self._first_submit or now
@@ -188,6 +207,7 @@ class KVHandoff:
         return HandoffResult(
             self._error, self._bytes,
             max(0.0, self._last_done - self._first_submit), max(0.0, self._last_done - self._last_submit),
+            self.digests.values() if self.digests is not None and self._error is None else [],
         )
 
     def state(self) -> HandoffState:
@@ -196,6 +216,13 @@ class KVHandoff:
         finished = not self.busy()
         return HandoffState(finished, self._error is not None, self._unsettled, self.peer_failed, self._bytes,
                             _us(self._first_submit), _us(self._last_submit), _us(self._last_done))
+
+    def digest_row(self) -> list[int]:
+        """This rank's digests as int64 values for the node's agreement (``node/handoffs.py``): zeros
+        until the sender finished, none without ``digests``."""
+        if self.digests is None:
+            return []
+        return self.digests.sums.tolist() if self._finished.is_set() else [0] * len(self.digests.sums)
 
     def all_submitted(self) -> bool:
         """Every layer of the whole prompt was submitted: only the peers' side can be left."""
@@ -322,6 +349,9 @@ class KVHandoff:
         if self._inject:
             self._inject = False
             blocks = [(blocks[0][0], 64, blocks[0][2]), *blocks[1:]]  # an unregistered address: fails at once
+        if self._corrupt:
+            self._corrupt = False
+            blocks = _swapped(blocks)
         try:
             batch = self._engines[target].submit(target, blocks)
         except TransferError as exc:

@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 import torch
 
 from tierserve.cache.storage.base import StorageBackend, StorageError
+from tierserve.cache.storage.integrity import DIGEST_BYTES, Trailers, bytes_digest, page_digest
 from tierserve.mooncake_env import apply_defaults
 
 apply_defaults()  # before Mooncake loads
@@ -48,6 +49,7 @@ T = TypeVar("T")
 NO_SPACE = -200
 OBJECT_NOT_FOUND = -704
 OBJECT_ALREADY_EXISTS = -705
+WRONG_SIZE = -1_000_001  # ours: an object whose size is not a page's plus its trailer
 
 
 def is_outage(code: int) -> bool:
@@ -80,7 +82,7 @@ class MooncakeStorage(StorageBackend):
     def __init__(self, master_server_address: str, *, local_hostname: str = "127.0.0.1", protocol: str = "tcp",
                  device_name: str = "", global_segment_size: int = 256 << 20, local_buffer_size: int = 64 << 20,
                  metadata_server: str = "P2PHANDSHAKE", key_prefix: str = "tierserve/",
-                 probe_timeout_s: float = 0.5) -> None:
+                 probe_timeout_s: float = 0.5, integrity: bool = True) -> None:
         if protocol not in ("tcp", "rdma"):
             raise ValueError(f"mooncake protocol must be tcp or rdma, not {protocol!r}")
         host, _, port = master_server_address.rpartition(":")
@@ -93,6 +95,7 @@ class MooncakeStorage(StorageBackend):
         self._hot = (0, 0)  # (start, end) of the region that covered the last span located
         self._suspect = False  # the last call failed: probe the master before the next one
         self.hits = self.misses = self.writes = self.dropped = self.failures = self.peer_failures = 0
+        self.integrity_failures = 0  # objects read back that failed their digest: misses, never KV
         self._probe()  # setup() against a dead master would block ~4 s first
         store = MooncakeDistributedStore()
         rc = store.setup(local_hostname, metadata_server, int(global_segment_size), int(local_buffer_size),
@@ -100,6 +103,9 @@ class MooncakeStorage(StorageBackend):
         if rc != 0:
             raise StorageError(f"Mooncake store setup against master {master_server_address} failed ({rc})")
         self._store: MooncakeDistributedStore | None = store
+        self._trailers = Trailers() if integrity else None
+        if self._trailers is not None:
+            self.register_buffer(self._trailers.buffer)
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> MooncakeStorage:
@@ -111,6 +117,8 @@ class MooncakeStorage(StorageBackend):
         kwargs |= {k: int(config[k]) for k in ("global_segment_size", "local_buffer_size") if k in config}
         if "probe_timeout_s" in config:
             kwargs["probe_timeout_s"] = float(config["probe_timeout_s"])
+        if "integrity" in config:
+            kwargs["integrity"] = bool(config["integrity"])
         return cls(str(config["master_server_address"]), **kwargs)
 
     # -- memory registration ---------------------------------------------------------------------
@@ -179,9 +187,14 @@ class MooncakeStorage(StorageBackend):
     def batch_get_into(self, keys: list[bytes], spans: list[torch.Tensor]) -> list[bool]:
         if not keys:
             return []
+        if self._trailers is not None:
+            return self._chunked(self._get_checked, keys, spans)
         names, (ptrs, sizes) = self._names(keys), self._locate(spans)
         codes = self._checked("get", lambda s: s.batch_get_into(names, ptrs, sizes))
         ok = [c == n for c, n in zip(codes, sizes, strict=True)]  # a smaller object is not this page
+        return self._count_hits(ok)
+
+    def _count_hits(self, ok: list[bool]) -> list[bool]:
         hits = sum(ok)
         self.hits += hits
         self.misses += len(ok) - hits
@@ -190,8 +203,12 @@ class MooncakeStorage(StorageBackend):
     def batch_set_from(self, keys: list[bytes], spans: list[torch.Tensor]) -> list[bool]:
         if not keys:
             return []
+        if self._trailers is not None:
+            return self._chunked(self._put_checked, keys, spans)
         names, (ptrs, sizes) = self._names(keys), self._locate(spans)
-        codes = self._checked("put", lambda s: s.batch_put_from(names, ptrs, sizes))
+        return self._count_puts(self._checked("put", lambda s: s.batch_put_from(names, ptrs, sizes)))
+
+    def _count_puts(self, codes: list[int]) -> list[bool]:
         ok = [c == 0 or c == OBJECT_ALREADY_EXISTS for c in codes]
         stored = sum(ok)
         self.writes += stored - codes.count(OBJECT_ALREADY_EXISTS)
@@ -204,11 +221,78 @@ class MooncakeStorage(StorageBackend):
         self.dropped += not ok  # full (-200, it evicts in the background) or refused: drop, a cache
         return ok
 
+    # -- pages with a trailer (cache/storage/integrity.py) -----------------------------------------
+
+    def _chunked(self, call: Callable[[list[bytes], list[torch.Tensor]], list[bool]], keys: list[bytes],
+                 spans: list[torch.Tensor]) -> list[bool]:
+        """``call`` over batches of at most one trailer buffer's slots."""
+        step = self._trailers.lane_slots
+        return [ok for i in range(0, len(keys), step) for ok in call(keys[i : i + step], spans[i : i + step])]
+
+    def _parts(self, ptrs: list[int], sizes: list[int], base: int) -> tuple[list[list[int]], list[list[int]]]:
+        """Each object as two buffers: its page in place, then its trailer's slot (from ``base``)."""
+        return ([[p, self._trailers.address(base + i)] for i, p in enumerate(ptrs)],
+                [[n, DIGEST_BYTES] for n in sizes])
+
+    def _put_checked(self, keys: list[bytes], spans: list[torch.Tensor]) -> list[bool]:
+        names, (ptrs, sizes) = self._names(keys), self._locate(spans)
+        with self._trailers.lend() as base:
+            for i, (name, span) in enumerate(zip(names, spans, strict=True)):
+                self._trailers.write(base + i, page_digest(name.encode(), span))
+            parts = self._parts(ptrs, sizes, base)
+            return self._count_puts(self._checked("put", lambda s: s.batch_put_from_multi_buffers(names, *parts)))
+
+    def _get_checked(self, keys: list[bytes], spans: list[torch.Tensor]) -> list[bool]:
+        names, (ptrs, sizes) = self._names(keys), self._locate(spans)
+        with self._trailers.lend() as base:
+            parts = self._parts(ptrs, sizes, base)
+            codes = self._checked("get", lambda s: s.batch_get_into_multi_buffers(names, *parts))
+            codes = [self._sized(n, c, span.nbytes + DIGEST_BYTES) for n, c, span in zip(names, codes, spans,
+                                                                                        strict=True)]
+            trailers = self._trailers.read(base, len(names))
+            ok = [self._intact(trailers[i], name, span, code)
+                  for i, (name, span, code) in enumerate(zip(names, spans, codes, strict=True))]
+        self._drop([n for n, good, c in zip(names, ok, codes, strict=True) if not good and _present(c)])
+        return self._count_hits(ok)
+
+    def _sized(self, name: str, code: int, expected: int) -> int:
+        """Mooncake answers a read into buffers of another size than the object with the same -800
+        as a dead peer's object: the object's size tells them apart (a truncated object is
+        present, a dead peer's a miss)."""
+        if not is_peer_failure(code):
+            return code
+        size = self._call(lambda s: s.get_size(name))
+        if size > 0 and size != expected:
+            self.peer_failures -= 1  # ``_checked`` counted it as one
+            return WRONG_SIZE
+        return code
+
+    def _intact(self, trailer: bytes, name: str, span: torch.Tensor, code: int) -> bool:
+        """Whether the object read into ``span`` and ``trailer`` is this page's, byte for byte."""
+        if not _present(code):
+            return False  # a plain miss: not stored, evicted, or a dead peer's
+        if code == span.nbytes + DIGEST_BYTES and page_digest(name.encode(), span) == trailer:
+            return True
+        self.integrity_failures += 1
+        return False
+
+    def _drop(self, names: list[str]) -> None:
+        """Removes objects that failed their check, so the page's next backup can store it again
+        (a put of an existing name keeps the old object). Best effort: a failure is only logged."""
+        if names:
+            log.warning("%d L3 objects failed their integrity check; removed, their pages recomputed", len(names))
+            try:
+                self._call(lambda s: [s.remove(n, True) for n in names])  # forced: our read left a lease
+            except StorageError as exc:
+                log.warning("could not remove corrupt L3 objects: %s", exc)
+
     # -- single objects --------------------------------------------------------------------------
 
     def get(self, key: bytes) -> bytes | None:
         name = self._names([key])[0]
         data = self._call(lambda s: s.get(name))
+        if data and self._trailers is not None:
+            return self._unsealed(name, data)
         if data:
             return data
         code = self._checked("get", lambda s: [s.is_exist(name)])[0]  # b"" is both a miss and an error
@@ -217,7 +301,17 @@ class MooncakeStorage(StorageBackend):
     def set(self, key: bytes, data: bytes) -> bool:
         """Copies through the local buffer; empty objects are refused by Mooncake (False)."""
         name = self._names([key])[0]
-        return self._stored(self._checked("put", lambda s: [s.put(name, bytes(data))])[0])
+        sealed = bytes(data) + bytes_digest(name.encode(), data) if self._trailers is not None else bytes(data)
+        return self._stored(self._checked("put", lambda s: [s.put(name, sealed)])[0])
+
+    def _unsealed(self, name: str, data: bytes) -> bytes | None:
+        """The object's bytes without their trailer, or None (a miss, counted) when they fail it."""
+        body, trailer = data[:-DIGEST_BYTES], data[-DIGEST_BYTES:]
+        if len(data) > DIGEST_BYTES and bytes_digest(name.encode(), body) == trailer:
+            return body
+        self.integrity_failures += 1
+        self._drop([name])
+        return None
 
     def clear(self) -> None:
         """Removes every object under this backend's prefix (from all clients), leased or not."""
@@ -227,7 +321,7 @@ class MooncakeStorage(StorageBackend):
     def stats(self) -> dict[str, Any]:
         return {"backend": "mooncake", "master": self.master, "hits": self.hits, "misses": self.misses,
                 "writes": self.writes, "dropped": self.dropped, "failures": self.failures,
-                "peer_failures": self.peer_failures,
+                "peer_failures": self.peer_failures, "integrity_failures": self.integrity_failures,
                 "registered_buffers": len(self._regions), "registered_bytes": sum(n for _, n in self._regions),
                 "master_suspect": self._suspect, "closed": self._store is None}
 
@@ -273,3 +367,9 @@ class MooncakeStorage(StorageBackend):
         except OSError as exc:
             self.failures += 1
             raise StorageError(f"Mooncake master {self.master} is unreachable: {exc}") from exc
+
+
+def _present(code: int) -> bool:
+    """A get's code for an object that exists (its size, or an error about reading it into these
+    buffers), as against a miss: not found, or a dead peer's object."""
+    return code != OBJECT_NOT_FOUND and not is_peer_failure(code)
