@@ -92,6 +92,11 @@ class RankTransfer:
         target = KVHandoff(self.peers, routes, arena(self.engine), list(plan.dst_pages), plan.dst_start,
                            plan.prompt_len, fault_rate, fault_delay_s, self.engine.device.type == "cuda",
                            self.gatherer, self.engine.ranks.cp)
+        return self._with_draft(target, plan)
+
+    def _with_draft(self, target: KVHandoff, plan: HandoffPlan) -> KVHandoff | SidecarHandoff:
+        """``target`` paired with a sender of the sidecar draft's pool when both nodes have one (the
+        prefill service checked that they do, or that neither does: ``sidecar_problem``)."""
         source = draft_arena(self.engine)
         if source is None or plan.draft is None:
             return target
