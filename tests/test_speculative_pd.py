@@ -10,6 +10,7 @@ the nodes and through ``tierserve up``; noise written over the handed draft rows
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -224,3 +225,21 @@ def test_prefill_checks_the_destination_draft_pool(sides) -> None:
     assert "this node's draft" in sidecar_problem(pb.KVDestination(draft=other), mine)
     outside = pb.KVDestination(pages=[offered.num_slots // PAGE], draft=offered)
     assert "outside its draft pool" in sidecar_problem(outside, mine)
+
+
+def test_a_failed_draft_transfer_fails_the_handoff(sides) -> None:
+    """The draft pool's blocks aimed at an address D never registered: the pair's result fails
+    though the target's part succeeded, and it ends (D's reservation is then given back)."""
+    p, d = sides
+    prompt = _prompts()[1]
+    reserved = d.engine.reserve("99", prompt, MAX_NEW)
+    dest = pb.KVDestination(transfer_endpoint=d.arenas[0].endpoint, draft=draft_message(d.engine))
+    good = destination_draft(dest, p.engine.draft_pool.geometry)
+    bad = dataclasses.replace(good, arena=dataclasses.replace(good.arena, base=64))
+    handoff = p.handoff(HandoffPlan((d.arenas[0],), tuple(reserved.pages), 0, len(prompt), bad))
+    p.engine.add_request("99", prompt, SamplingParams(max_tokens=1, temperature=0), handoff=handoff)
+    _drain(p.engine)
+    assert handoff.result(30).error is not None
+    assert handoff.parts[0].result(0).error is None  # the target's KV arrived; the pair still failed
+    assert not handoff.busy() and handoff.state().failed and handoff.state().finished
+    assert d.engine.cancel_reservation("99", writer_stopped=handoff.wait_stopped(1))

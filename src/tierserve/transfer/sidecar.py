@@ -32,8 +32,10 @@ class SidecarHandoff:
         return any(p.busy() for p in self.parts)
 
     def cancel(self, reason: str) -> None:
+        """Stops the parts still sending (a part that ended keeps its own outcome)."""
         for part in self.parts:
-            part.cancel(reason)
+            if part.busy():
+                part.cancel(reason)
 
     def all_submitted(self) -> bool:
         return all(p.all_submitted() for p in self.parts)
