@@ -1,14 +1,16 @@
 """Speculative decoding through prefill-decode disaggregation: the prefill node computes the
 draft's KV for the prompt and hands it over with the target's (a packed draft: its layers are
-more layers of every page), so the decode node speculates from its first step with the draft
-state a single engine would have. Checked by effect: per request, greedy output equals decoding
-without speculation and the accepted-draft count equals a single uncached engine's, on a cold
-and on a warm cluster (prefixes cached on both nodes), through gRPC as the router drives the
-nodes and through ``tierserve up``."""
+more layers of every page; a sidecar draft, whose KV heads differ: its own pool into the decode
+node's draft pool, from the same page indexes), so the decode node speculates from its first step
+with the draft state a single engine would have. Checked by effect: per request, greedy output
+equals decoding without speculation and the accepted-draft count equals a single uncached engine's,
+on a cold and on a warm cluster (prefixes cached on both nodes), through gRPC as the router drives
+the nodes and through ``tierserve up``; noise written over the handed draft rows changes the counts."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,16 +18,19 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
+import torch
 from cluster import NodeProcess, free_port, start_up
 from logprob_checks import ids_of
 from pd_helpers import CHUNK, DECODE_ARGS, MAX_NEW, NODE_ARGS, PAGE, greedy, reference
 from prometheus_client.parser import text_string_to_metric_families
 from tiny_models import add_word_tokenizer, make_noisy_draft, make_tiny_model, widen_kv_heads
 
-from tierserve.cli.main import build_parser
 from tierserve.core.sampling import SamplingParams
 from tierserve.engine.config import EngineConfig
 from tierserve.engine.engine import Engine
+from tierserve.node.convert import destination_draft, draft_message, sidecar_problem
+from tierserve.node.rank_transfer import HandoffPlan, NodeRankRole, RankTransfer, Side, TransferOptions
+from tierserve.proto import tierserve_pb2 as pb
 from tierserve.router import pd_flow
 
 pytestmark = pytest.mark.integration
@@ -38,8 +43,12 @@ def tiny(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def draft(tiny: Path, tmp_path_factory) -> Path:
-    return make_noisy_draft(tiny, tmp_path_factory.mktemp("draft") / "noisy", 0.03)
+def drafts(tiny: Path, tmp_path_factory) -> dict[str, Path]:
+    """A draft agreeing with the tiny llama about half the time, in each layout: KV rows shaped
+    like the target's (packed) or, the same model with twice the KV heads, not (sidecar)."""
+    root = tmp_path_factory.mktemp("draft")
+    wide = widen_kv_heads(make_noisy_draft(tiny, root / "wide", 0.03))
+    return {"packed": make_noisy_draft(tiny, root / "noisy", 0.03), "sidecar": wide}
 
 
 def _prompts() -> list[list[int]]:
@@ -48,19 +57,28 @@ def _prompts() -> list[list[int]]:
     return [base[:40], base[:150], [*base[:70], 9, 8, 7, 6, 5], [(3 * i) % 380 + 2 for i in range(23)]]
 
 
+def _engine(model: Path, draft: Path, cache: bool = True) -> Engine:
+    return Engine(EngineConfig(model, dtype="float32", page_size=PAGE, chunked_prefill_size=CHUNK,
+                               max_total_tokens=4096, disable_radix_cache=not cache,
+                               speculative_draft_model_path=draft))
+
+
 def _uncached(model: Path, draft: Path, prompts: list[list[int]]) -> dict[int, tuple[list[int], int]]:
     """Each prompt's (output, accepted drafts) on one engine without a prefix cache, batched."""
-    engine = Engine(EngineConfig(model, dtype="float32", page_size=PAGE, chunked_prefill_size=CHUNK,
-                                 max_total_tokens=4096, disable_radix_cache=True, speculative_draft_model_path=draft))
-    params = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
+    engine = _engine(model, draft, cache=False)
     for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), prompt, params)
-    out: dict[int, tuple[list[int], int]] = {i: ([], 0) for i in range(len(prompts))}
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True))
+    return _drain(engine)
+
+
+def _drain(engine: Engine) -> dict[int, tuple[list[int], int]]:
+    """Steps ``engine`` until idle: each request's (output, accepted drafts), by its numeric id."""
+    out: dict[int, tuple[list[int], int]] = {}
     while engine.has_work():
         for o in engine.step():
-            ids, _ = out[int(o.request_id)]
+            ids, _ = out.get(int(o.request_id), ([], 0))
             out[int(o.request_id)] = (ids + o.new_token_ids, o.spec_accepted_tokens)
-    return out
+    return dict(sorted(out.items()))
 
 
 async def _run_pd(prefill: str, decode: str, rid: str, prompt: list[int]) -> tuple[list[int], int, int]:
@@ -74,21 +92,23 @@ async def _run_pd(prefill: str, decode: str, rid: str, prompt: list[int]) -> tup
         return tokens, accepted, done.response.cache.cached_tokens
 
 
-@pytest.fixture(scope="module")
-def spec_pair(tiny: Path, draft: Path, tmp_path_factory) -> Iterator[tuple[NodeProcess, NodeProcess]]:
-    logs = tmp_path_factory.mktemp("spec-pd-logs")
+@pytest.fixture(scope="module", params=["packed", "sidecar"])
+def spec_pair(request, tiny: Path, drafts: dict[str, Path], tmp_path_factory
+              ) -> Iterator[tuple[NodeProcess, NodeProcess, Path]]:
+    """A prefill and a decode node with the draft of one layout (``auto`` picks it)."""
+    logs, draft = tmp_path_factory.mktemp(f"spec-pd-{request.param}"), drafts[request.param]
     flags = ["--model", str(tiny), "--speculative-draft-model-path", str(draft), "--speculative-num-steps", "3"]
     prefill = NodeProcess("prefill", [*flags, *NODE_ARGS], logs / "prefill.log")
     decode = NodeProcess("decode", [*flags, *DECODE_ARGS, "--metrics-port", str(free_port())], logs / "decode.log")
     try:
-        yield prefill.wait_ready(), decode.wait_ready()
+        yield prefill.wait_ready(), decode.wait_ready(), draft
     finally:
         prefill.stop()
         decode.stop()
 
 
-def test_pd_handoff_carries_the_draft_state(tiny: Path, draft: Path, spec_pair) -> None:
-    prefill, decode = spec_pair
+def test_pd_handoff_carries_the_draft_state(tiny: Path, spec_pair) -> None:
+    prefill, decode, draft = spec_pair
     batch = _prompts()
     plain, want = reference(tiny, batch), _uncached(tiny, draft, batch)
 
@@ -114,22 +134,20 @@ def _metric(node: NodeProcess, name: str) -> float:
 
 
 @pytest.mark.slow
-def test_up_with_a_draft_equals_no_speculation(tiny: Path, draft: Path) -> None:
-    """``tierserve up`` (router, prefill node, decode node) with a draft: greedy outputs equal
-    decoding without speculation and ``usage.speculative`` the single engine's counts."""
-    batch = _prompts()
+@pytest.mark.parametrize("layout", ["packed", "sidecar"])
+def test_up_with_a_draft_equals_no_speculation(tiny: Path, drafts: dict[str, Path], layout: str) -> None:
+    """``tierserve up`` (router, prefill node, decode node) with a draft of either layout: greedy
+    outputs equal decoding without speculation and ``usage.speculative`` the single engine's counts."""
+    batch, draft = _prompts(), drafts[layout]
     plain, want = reference(tiny, batch), _uncached(tiny, draft, batch)
     port = free_port()
     proc, lines = start_up(port, "--model", str(tiny), "--dtype", "float32", "--no-l3", "--page-size",
                            str(PAGE), "--chunked-prefill-size", str(CHUNK), "--max-total-tokens", "4096",
                            "--speculative-draft-model-path", str(draft))
     try:
-        for i, prompt in enumerate(batch):
-            body = {"prompt": prompt, "max_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True,
-                    "return_tokens_as_token_ids": True, "logprobs": 0}
-            answer = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120).json()
-            assert ids_of(answer["choices"][0]["logprobs"]["tokens"]) == plain[i]
-            assert answer["usage"]["speculative"]["accepted_tokens"] == want[i][1]
+        answers = asyncio.run(_complete_all(port, batch))  # concurrent: the nodes batch them
+        assert [ids_of(a["choices"][0]["logprobs"]["tokens"]) for a in answers] == plain
+        assert [a["usage"]["speculative"]["accepted_tokens"] for a in answers] == [n for _, n in want.values()]
     except BaseException:
         print("".join(lines[-60:]))
         raise
@@ -138,12 +156,90 @@ def test_up_with_a_draft_equals_no_speculation(tiny: Path, draft: Path) -> None:
         proc.wait(timeout=60)
 
 
-@pytest.mark.parametrize("role", ["prefill", "decode", "up"])
-def test_node_roles_refuse_a_sidecar_draft(tiny: Path, draft: Path, tmp_path: Path, capsys, role: str) -> None:
-    """A sidecar draft's pool is not handed over yet: nodes and ``up`` refuse it at start."""
-    wide = widen_kv_heads(make_noisy_draft(tiny, tmp_path / "wide", 0.03))
-    for flags in (["--speculative-draft-model-path", str(wide)],
-                  ["--speculative-draft-model-path", str(draft), "--speculative-draft-layout", "sidecar"]):
-        args = build_parser().parse_args([role, "--model", str(tiny), *flags])
-        assert args.func(args) == 2
-        assert "a packed draft's KV only" in capsys.readouterr().err
+
+
+async def _complete_all(port: int, batch: list[list[int]]) -> list[dict]:
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=120) as client:
+        bodies = [{"prompt": p, "max_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True,
+                   "return_tokens_as_token_ids": True, "logprobs": 0} for p in batch]
+        answers = await asyncio.gather(*(client.post("/v1/completions", json=b) for b in bodies))
+        return [a.json() for a in answers]
+
+
+@pytest.fixture(scope="module")
+def sides(tiny: Path, drafts: dict[str, Path]) -> tuple[RankTransfer, RankTransfer]:
+    """A prefill and a decode engine with the sidecar draft, each with its node's transfer side
+    (transfer engines, registered pools) in this process, so the test can reach the decode pools.
+    D caches nothing, so every prompt token is handed over; P's cache serves the second round."""
+    prefill, decode = _engine(tiny, drafts["sidecar"]), _engine(tiny, drafts["sidecar"], cache=False)
+    return NodeRankRole(Side.PREFILL, TransferOptions()).start(prefill), \
+        NodeRankRole(Side.DECODE, TransferOptions()).start(decode)
+
+
+def _handed_over(sides: tuple[RankTransfer, RankTransfer], batch: list[list[int]], noise: bool
+                 ) -> dict[int, tuple[list[int], int]]:
+    """Each prompt reserved on D, computed and handed over (with the sidecar draft's pool) by P,
+    then decoded on D, batched; ``noise``: the handed draft rows are overwritten before D decodes."""
+    p, d = sides
+    reserved = [d.engine.reserve(str(i), prompt, MAX_NEW) for i, prompt in enumerate(batch)]
+    dest = pb.KVDestination(transfer_endpoint=d.arenas[0].endpoint, draft=draft_message(d.engine))
+    draft = destination_draft(dest, p.engine.draft_pool.geometry)
+    handoffs = [p.handoff(HandoffPlan((d.arenas[0],), tuple(r.pages), r.num_computed, len(r.prompt_ids), draft))
+                for r in reserved]
+    for i, (prompt, handoff) in enumerate(zip(batch, handoffs, strict=True)):
+        p.engine.add_request(str(i), prompt, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True),
+                             handoff=handoff)
+    first = _drain(p.engine)
+    assert [h.result(30).error for h in handoffs] == [None] * len(batch)
+    if noise:
+        slots = torch.tensor([page * PAGE + j for r in reserved for page in r.pages for j in range(PAGE)])
+        rows = d.engine.draft_pool.buffer
+        rows[:, :, slots] = torch.randn(rows[:, :, slots].shape) * 4
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
+    starts = {i: d.engine.start_reserved(str(i), first[i][0][0], params) for i in range(len(batch))}
+    return {i: (starts[i].new_token_ids + ids, n) for i, (ids, n) in _drain(d.engine).items()}
+
+
+def test_handed_sidecar_draft_rows_decide_the_acceptance(tiny: Path, drafts: dict[str, Path], sides) -> None:
+    """The decode engine's draft reads the rows the handoff wrote into its sidecar pool: as handed
+    over, the accepted counts equal a single uncached engine's; with noise over them, they change
+    (the output stays the target's)."""
+    batch = _prompts()
+    want = _uncached(tiny, drafts["sidecar"], batch)
+    assert sides[1].engine.draft_pool is not None  # the wide draft's rows are shaped unlike the target's
+    for noise in (False, True):
+        got = _handed_over(sides, batch, noise)
+        assert [ids for ids, _ in got.values()] == [ids for ids, _ in want.values()], noise
+        counts = ([n for _, n in got.values()], [n for _, n in want.values()])
+        assert (counts[0] != counts[1]) if noise else (counts[0] == counts[1]), counts
+
+
+def test_prefill_checks_the_destination_draft_pool(sides) -> None:
+    """A prefill node with a sidecar draft hands its KV only into a draft pool shaped like its own."""
+    mine, offered = sides[0].engine.draft_pool.geometry, draft_message(sides[1].engine)
+    assert sidecar_problem(pb.KVDestination(pages=[3], draft=offered), mine) is None
+    assert "names no draft pool" in sidecar_problem(pb.KVDestination(pages=[3]), mine)
+    assert "this node has none" in sidecar_problem(pb.KVDestination(draft=offered), None)
+    other = pb.KVDraftArena(base_address=offered.base_address, num_slots=offered.num_slots, num_layers=1,
+                            num_kv_heads=offered.num_kv_heads, head_dim=offered.head_dim)
+    assert "this node's draft" in sidecar_problem(pb.KVDestination(draft=other), mine)
+    outside = pb.KVDestination(pages=[offered.num_slots // PAGE], draft=offered)
+    assert "outside its draft pool" in sidecar_problem(outside, mine)
+
+
+def test_a_failed_draft_transfer_fails_the_handoff(sides) -> None:
+    """The draft pool's blocks aimed at an address D never registered: the pair's result fails
+    though the target's part succeeded, and it ends (D's reservation is then given back)."""
+    p, d = sides
+    prompt = _prompts()[1]
+    reserved = d.engine.reserve("99", prompt, MAX_NEW)
+    dest = pb.KVDestination(transfer_endpoint=d.arenas[0].endpoint, draft=draft_message(d.engine))
+    good = destination_draft(dest, p.engine.draft_pool.geometry)
+    bad = dataclasses.replace(good, arena=dataclasses.replace(good.arena, base=64))
+    handoff = p.handoff(HandoffPlan((d.arenas[0],), tuple(reserved.pages), 0, len(prompt), bad))
+    p.engine.add_request("99", prompt, SamplingParams(max_tokens=1, temperature=0), handoff=handoff)
+    _drain(p.engine)
+    assert handoff.result(30).error is not None
+    assert handoff.parts[0].result(0).error is None  # the target's KV arrived; the pair still failed
+    assert not handoff.busy() and handoff.state().failed and handoff.state().finished
+    assert d.engine.cancel_reservation("99", writer_stopped=handoff.wait_stopped(1))

@@ -75,7 +75,7 @@ def run_role(args: argparse.Namespace, role: int, add_service: AddService, offlo
     if config.speculative_draft_model_path is not None:
         from tierserve.engine.draft_pools import draft_problem
 
-        if (problem := draft_problem(config, handed_over=True)) is not None:
+        if (problem := draft_problem(config)) is not None:
             print(f"tierserve: {problem}", file=sys.stderr)
             return 2
     run_node(replace(config, offload_generated=offload_generated), node_options(args), role, add_service)

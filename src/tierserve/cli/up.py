@@ -112,7 +112,7 @@ def _check_sizes(args: argparse.Namespace, config: EngineConfig) -> None:
     if config.speculative_draft_model_path is not None:
         from tierserve.engine.draft_pools import draft_problem
 
-        if (problem := draft_problem(config, handed_over=True)) is not None:
+        if (problem := draft_problem(config)) is not None:
             raise ValueError(problem)
     if config.tp_size != 1 or config.pp_size != 1 or config.cp_size != 1:
         raise ValueError("tierserve up: give the nodes' sizes with --prefill-tp-size, --decode-tp-size, "

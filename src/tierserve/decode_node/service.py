@@ -26,7 +26,7 @@ from tierserve.core.sampling import InvalidRequestError
 from tierserve.engine.commands import CancelReservation, FlushCache, Reserve
 from tierserve.engine.handoff import HandoffCheckError
 from tierserve.engine.reservations import DEFAULT_TERMS, CapacityError, ReservationTerms
-from tierserve.node.convert import arena, identity, kv_ranks, sampling_params
+from tierserve.node.convert import arena, draft_message, identity, kv_ranks, sampling_params
 from tierserve.node.server import AddService, Node
 from tierserve.proto import tierserve_pb2 as pb
 from tierserve.proto import tierserve_pb2_grpc as pb_grpc
@@ -46,6 +46,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         self.node, self.terms, self.max_lease_s = node, terms, max_lease_s
         self.integrity = node.ranks is not None and node.ranks.integrity  # --handoff-integrity: digests required
         self.identity, self.arena = identity(node.engine), arena(node.engine)
+        self.draft = draft_message(node.engine)  # a sidecar draft's pool, registered beside the arena
         self.arenas = node.ranks.arenas if node.ranks is not None else []  # every rank's arena and heads
         self.receive = node.ranks.receive if node.ranks is not None else None  # rank 0's staging
         self.running: set[str] = set()  # reservation ids of the generations streaming now
@@ -69,7 +70,8 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         dest = pb.KVDestination(reservation_id=rid, transfer_endpoint=self.node.transfer.endpoint,
                                 identity=self.identity, base_address=self.arena.base, num_slots=self.arena.num_slots,
-                                pages=reserved.pages, cached_tokens=reserved.num_computed, ranks=self._ranks(rid))
+                                pages=reserved.pages, cached_tokens=reserved.num_computed, ranks=self._ranks(rid),
+                                draft=self.draft)
         return pb.ReserveResponse(destination=dest, lease_seconds=terms.lease_s)
 
     def _ranks(self, rid: str) -> list[pb.KVRank]:

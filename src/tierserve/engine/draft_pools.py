@@ -54,10 +54,9 @@ def resolve_layout(asked: DraftLayout, target: KVGeometry, draft: KVGeometry) ->
     return asked
 
 
-def draft_problem(config: EngineConfig, handed_over: bool = False) -> str | None:
+def draft_problem(config: EngineConfig) -> str | None:
     """Why ``config``'s draft cannot run, or None (also without one), read from the model folders
-    before anything loads. ``handed_over``: a prefill or decode node, whose PD handoff sends a packed
-    draft's layers with the target's but not a sidecar pool."""
+    before anything loads (``tierserve serve``, prefill and decode nodes, ``tierserve up``)."""
     path = config.speculative_draft_model_path
     if path is None:
         return None
@@ -65,12 +64,9 @@ def draft_problem(config: EngineConfig, handed_over: bool = False) -> str | None
         draft = check_draft(config.model_dir, path, config.max_model_len)
         target = ModelConfig.from_dir(config.model_dir)
         shape = [KVGeometry(c.num_layers, c.num_kv_heads, c.head_dim, 1, torch.float32) for c in (target, draft)]
-        layout = resolve_layout(config.speculative_draft_layout, *shape)
+        resolve_layout(config.speculative_draft_layout, *shape)
     except DraftMismatchError as exc:
         return str(exc)
-    if handed_over and layout is not DraftLayout.PACKED:
-        return ("prefill and decode nodes hand over a packed draft's KV only: a sidecar draft (KV rows shaped unlike "
-                "the target's, or --speculative-draft-layout sidecar) runs on tierserve serve only for now")
     return None
 
 

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+from tierserve.cache.device_pool import DeviceKVPool, KVGeometry
 from tierserve.engine.engine import Engine
 from tierserve.proto import tierserve_pb2 as pb
 from tierserve.proto.sampling import from_proto as sampling_params
 from tierserve.transfer.layout import HeadRange, KVArena, RankArena, StagedPart
 from tierserve.transfer.receive_staging import staged_heads
 
-__all__ = ["arena", "destination_arena", "destination_ranks", "heads_problem", "identity", "identity_mismatch",
-           "kv_ranks", "sampling_params", "staging_problem"]
+__all__ = ["arena", "destination_arena", "destination_draft", "destination_ranks", "draft_arena", "draft_message",
+           "heads_problem", "identity", "identity_mismatch", "kv_ranks", "sampling_params", "sidecar_problem",
+           "staging_problem"]
 
 
 def identity(engine: Engine) -> pb.KVIdentity:
@@ -32,9 +34,55 @@ def identity_mismatch(mine: pb.KVIdentity, theirs: pb.KVIdentity) -> str | None:
 
 def arena(engine: Engine) -> KVArena:
     """The engine's device pool as a transfer arena (a packed draft's layers included)."""
-    pool, g = engine.pool, engine.pool.geometry
+    return _pool_arena(engine.pool)
+
+
+def draft_arena(engine: Engine) -> KVArena | None:
+    """A sidecar draft's device pool as a transfer arena; None without one (no draft, or packed)."""
+    return _pool_arena(engine.draft_pool) if engine.draft_pool is not None else None
+
+
+def _pool_arena(pool: DeviceKVPool) -> KVArena:
+    g = pool.geometry
     return KVArena(pool.buffer.data_ptr(), g.num_layers, pool.num_pages * g.page_size,
                    g.num_kv_heads * g.head_dim * g.dtype.itemsize, g.page_size)
+
+
+def draft_message(engine: Engine) -> pb.KVDraftArena | None:
+    """The ``KVDestination.draft`` a decode node names: its sidecar draft pool, if it has one."""
+    pool = engine.draft_pool
+    if pool is None:
+        return None
+    g = pool.geometry
+    return pb.KVDraftArena(base_address=pool.buffer.data_ptr(), num_slots=pool.num_pages * g.page_size,
+                           num_layers=g.num_layers, num_kv_heads=g.num_kv_heads, head_dim=g.head_dim)
+
+
+def sidecar_problem(dest: pb.KVDestination, mine: KVGeometry | None) -> str | None:
+    """Why a prefill node whose sidecar draft pool is shaped ``mine`` (None: none) cannot hand its
+    draft's KV into ``dest``, or None: both sides have such a pool, shaped alike, holding every page."""
+    if not dest.HasField("draft"):
+        return None if mine is None else "the destination names no draft pool for this node's sidecar draft"
+    d = dest.draft
+    if mine is None:
+        return "the destination names a sidecar draft pool, this node has none"
+    if (d.num_layers, d.num_kv_heads, d.head_dim) != (mine.num_layers, mine.num_kv_heads, mine.head_dim):
+        return (f"the destination's draft pool holds {d.num_layers} layers x {d.num_kv_heads} KV heads x "
+                f"{d.head_dim}, this node's draft {mine.num_layers} x {mine.num_kv_heads} x {mine.head_dim}")
+    if dest.pages and (max(dest.pages) + 1) * mine.page_size > d.num_slots:
+        return "a destination page lies outside its draft pool"
+    return None
+
+
+def destination_draft(dest: pb.KVDestination, mine: KVGeometry | None) -> RankArena | None:
+    """The destination's sidecar draft pool as a rank holding every draft KV head, at the
+    destination's endpoint (checked by ``sidecar_problem``); None when it names none."""
+    if mine is None or not dest.HasField("draft"):
+        return None
+    d = dest.draft
+    slot_bytes = d.num_kv_heads * d.head_dim * mine.dtype.itemsize
+    pool = KVArena(d.base_address, d.num_layers, d.num_slots, slot_bytes, mine.page_size)
+    return RankArena(dest.transfer_endpoint, pool, HeadRange(0, d.num_kv_heads))
 
 
 def destination_arena(dest: pb.KVDestination, slot_bytes: int) -> KVArena:

@@ -11,12 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+import torch
 import torch.distributed as dist
 
 from tierserve.core.transfer import TransferProtocol
 from tierserve.engine.commands import AddRequest, Bind, EngineCall, EngineCommand
 from tierserve.engine.engine import Engine
-from tierserve.node.convert import arena
+from tierserve.node.convert import arena, draft_arena
 from tierserve.node.handoffs import AgreedHandoff, HandoffAdd, HandoffBoard
 from tierserve.transfer.digest import SendDigests
 from tierserve.transfer.engine import PeerEngines, TransferEngineHandle
@@ -24,6 +25,7 @@ from tierserve.transfer.handoff import KVHandoff
 from tierserve.transfer.layout import HeadRange, LayerRange, RankArena, plan_routes
 from tierserve.transfer.receive_check import engine_weights
 from tierserve.transfer.receive_staging import ReceiveStaging
+from tierserve.transfer.sidecar import SidecarHandoff
 from tierserve.transfer.staging import Gatherer, StagingArena
 
 
@@ -58,12 +60,14 @@ class HandoffFaults:
 @dataclass(frozen=True)
 class HandoffPlan:
     """What every prefill rank builds its own handoff of one request from (it crosses ranks):
-    the destination's ranks, page table, tokens it holds already, and the prompt's length."""
+    the destination's ranks, page table, tokens it holds already, and the prompt's length;
+    ``draft``: the destination's sidecar draft pool, when both nodes' drafts have one."""
 
     dests: tuple[RankArena, ...]
     dst_pages: tuple[int, ...]
     dst_start: int
     prompt_len: int
+    draft: RankArena | None = None
 
 
 @dataclass
@@ -93,13 +97,27 @@ class RankTransfer:
         """The model's layers this rank's stage holds (its arena's, in order)."""
         return own_layers(self.engine)
 
-    def handoff(self, plan: HandoffPlan, faults: HandoffFaults = HandoffFaults()) -> KVHandoff:
+    def handoff(self, plan: HandoffPlan, faults: HandoffFaults = HandoffFaults()) -> KVHandoff | SidecarHandoff:
         """This rank's sender for ``plan``: its heads of its stage's layers, to every destination
-        rank that holds some of both; under context parallelism, of the pages this rank owns."""
+        rank that holds some of both; under context parallelism, of the pages this rank owns. With
+        a sidecar draft, its pool's KV as well (``transfer/sidecar.py``)."""
         routes = plan_routes(self.sends, self.head_bytes, list(plan.dests), self.layers) if self.sends else []
-        return KVHandoff(self.peers, routes, arena(self.engine), list(plan.dst_pages), plan.dst_start,
-                         plan.prompt_len, faults.rate, faults.delay_s, self.engine.device.type == "cuda",
-                         self.gatherer, self.engine.ranks.cp, self._digests(), faults.corrupt_rate)
+        target = KVHandoff(self.peers, routes, arena(self.engine), list(plan.dst_pages), plan.dst_start,
+                           plan.prompt_len, faults.rate, faults.delay_s, self.engine.device.type == "cuda",
+                           self.gatherer, self.engine.ranks.cp, self._digests(), faults.corrupt_rate)
+        return self._with_draft(target, plan)
+
+    def _with_draft(self, target: KVHandoff, plan: HandoffPlan) -> KVHandoff | SidecarHandoff:
+        """``target`` paired with a sender of the sidecar draft's pool when both nodes have one (the
+        prefill service checked that they do, or that neither does: ``sidecar_problem``)."""
+        source = draft_arena(self.engine)
+        if source is None or plan.draft is None:
+            return target
+        # drafts run at one rank only (EngineConfig._check_speculative): whole slots, every draft head
+        routes = plan_routes(plan.draft.heads, source.slot_bytes // plan.draft.heads.count, [plan.draft])
+        draft = KVHandoff(self.peers, routes if self.sends else [], source, list(plan.dst_pages), plan.dst_start,
+                          plan.prompt_len, cuda=self.engine.device.type == "cuda")
+        return SidecarHandoff(target, draft, self.engine.geometry.num_layers)
 
     def agreed(self, plan: HandoffPlan, faults: HandoffFaults = HandoffFaults()) -> AgreedHandoff:
         return AgreedHandoff(self.handoff(plan, faults), self.board)
@@ -137,7 +155,7 @@ class NodeRankRole:
         receiver, receive = self._receiver(engine), self._receive(engine, held)
         gatherer = self._gatherer(engine)
         staged = [gatherer.staging.buffer] if gatherer else []
-        peers = PeerEngines(o.hostname, o.protocol, o.devices, [engine.pool.buffer, *staged])
+        peers = PeerEngines(o.hostname, o.protocol, o.devices, [*kv_buffers(engine), *staged])
         if receiver is not None and receive is not None:
             receiver.register(receive.staging.buffer)
         base = receive.staging.base if receive else 0
@@ -168,7 +186,8 @@ class NodeRankRole:
             return None
         o = self.options
         receiver = TransferEngineHandle(o.hostname, o.protocol, o.devices)
-        receiver.register(engine.pool.buffer)  # one arena: every page, every layer
+        for buffer in kv_buffers(engine):  # the arena (every page, every layer), a sidecar draft's pool
+            receiver.register(buffer)
         return receiver
 
     def _board(self, engine: Engine) -> HandoffBoard | None:
@@ -178,6 +197,11 @@ class NodeRankRole:
         board = HandoffBoard(engine.ranks)
         engine.before_step.append(board.agree)
         return board
+
+
+def kv_buffers(engine: Engine) -> list[torch.Tensor]:
+    """What a rank registers with its transfer engines: its device pool, and a sidecar draft's."""
+    return [engine.pool.buffer] if engine.draft_pool is None else [engine.pool.buffer, engine.draft_pool.buffer]
 
 
 def own_layers(engine: Engine) -> LayerRange:

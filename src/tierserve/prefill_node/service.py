@@ -10,17 +10,20 @@ from dataclasses import dataclass, replace
 
 import grpc
 
+from tierserve.cache.device_pool import KVGeometry
 from tierserve.cache.hashing import tenant_salt
 from tierserve.core.outputs import RequestOutput
 from tierserve.core.sampling import InvalidRequestError, SamplingParams
 from tierserve.core.tiers import CacheTier
 from tierserve.engine.commands import AddRequest, EngineCommand
 from tierserve.node.convert import (
+    destination_draft,
     destination_ranks,
     heads_problem,
     identity,
     identity_mismatch,
     sampling_params,
+    sidecar_problem,
     staging_problem,
 )
 from tierserve.node.handoffs import AgreedHandoff, HandoffAdd
@@ -31,6 +34,7 @@ from tierserve.proto import tierserve_pb2_grpc as pb_grpc
 from tierserve.proto.sampling import logprob_to_proto
 from tierserve.router.pd_flow import DESTINATION_FAILED, WRITER_STOPPED  # the trailers the router reads
 from tierserve.transfer.handoff import HandoffResult, KVHandoff
+from tierserve.transfer.sidecar import SidecarHandoff
 
 log = logging.getLogger(__name__)
 
@@ -90,10 +94,16 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
 
     def _plan(self, prompt: list[int], dest: pb.KVDestination) -> HandoffPlan:
         dests = destination_ranks(dest, self.node.ranks.head_bytes)
-        return HandoffPlan(tuple(dests), tuple(dest.pages), dest.cached_tokens, len(prompt))
+        draft = destination_draft(dest, self._draft_geometry())
+        return HandoffPlan(tuple(dests), tuple(dest.pages), dest.cached_tokens, len(prompt), draft)
+
+    def _draft_geometry(self) -> KVGeometry | None:
+        """This node's sidecar draft pool's shape; None without one."""
+        pool = self.node.engine.draft_pool
+        return pool.geometry if pool is not None else None
 
     def _handoff(self, request: pb.PrefillRequest, prompt: list[int], params: SamplingParams, plan: HandoffPlan
-                 ) -> tuple[KVHandoff | AgreedHandoff, EngineCommand]:
+                 ) -> tuple[KVHandoff | SidecarHandoff | AgreedHandoff, EngineCommand]:
         """This rank's handoff and the command that adds the request: at several ranks every rank
         builds its own handoff from the plan and they agree on when all ended (``node/handoffs.py``)."""
         ranks, opts = self.node.ranks, self.options
@@ -104,14 +114,14 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         agreed = ranks.agreed(plan, opts.faults)
         return agreed, HandoffAdd(replace(add, plan=plan), agreed)
 
-    async def _run(self, add: EngineCommand, handoff: KVHandoff | AgreedHandoff, timeout: float
+    async def _run(self, add: EngineCommand, handoff: KVHandoff | SidecarHandoff | AgreedHandoff, timeout: float
                    ) -> tuple[RequestOutput | None, HandoffResult]:
         """Compute, then the rest of the handoff, within ``timeout`` seconds together."""
         deadline = time.monotonic() + timeout
         first = await asyncio.wait_for(self._compute(add), timeout)
         return first, await asyncio.to_thread(handoff.result, max(0.0, deadline - time.monotonic()))
 
-    async def _fail(self, context: grpc.aio.ServicerContext, handoff: KVHandoff | AgreedHandoff,
+    async def _fail(self, context: grpc.aio.ServicerContext, handoff: KVHandoff | SidecarHandoff | AgreedHandoff,
                     code: grpc.StatusCode, message: str) -> None:
         """Stops the handoff, waits a moment for its in-flight batches, and aborts saying whether they ended."""
         if handoff.busy():
@@ -126,7 +136,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         return first
 
     async def _answer(self, context: grpc.aio.ServicerContext, request_id: str, first: RequestOutput | None,
-                      result: HandoffResult, handoff: KVHandoff | AgreedHandoff) -> pb.PrefillResponse:
+                      result: HandoffResult, handoff: KVHandoff | SidecarHandoff | AgreedHandoff) -> pb.PrefillResponse:
         if result.error is None and (first is None or not first.new_token_ids):
             result.error = "the prefill was aborted"
         if result.error is not None:
@@ -162,6 +172,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         dests = destination_ranks(dest, self.node.ranks.head_bytes)
         i = self.identity
         return heads_problem(dests, i.num_kv_heads, max(dest.pages), i.num_layers) or \
+            sidecar_problem(dest, self._draft_geometry()) or \
             staging_problem(dests, i.num_kv_heads, self.node.engine.ranks.tp.size, len(prompt))
 
 

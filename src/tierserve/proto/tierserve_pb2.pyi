@@ -66,7 +66,7 @@ class KVStagedPart(_message.Message):
     def __init__(self, kv_head_start: _Optional[int] = ..., kv_heads: _Optional[int] = ..., address: _Optional[int] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class KVDestination(_message.Message):
-    __slots__ = ("reservation_id", "transfer_endpoint", "identity", "base_address", "num_slots", "pages", "cached_tokens", "ranks")
+    __slots__ = ("reservation_id", "transfer_endpoint", "identity", "base_address", "num_slots", "pages", "cached_tokens", "ranks", "draft")
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     IDENTITY_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +75,7 @@ class KVDestination(_message.Message):
     PAGES_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
     reservation_id: str
     transfer_endpoint: str
     identity: KVIdentity
@@ -83,7 +84,22 @@ class KVDestination(_message.Message):
     pages: _containers.RepeatedScalarFieldContainer[int]
     cached_tokens: int
     ranks: _containers.RepeatedCompositeFieldContainer[KVRank]
-    def __init__(self, reservation_id: _Optional[str] = ..., transfer_endpoint: _Optional[str] = ..., identity: _Optional[_Union[KVIdentity, _Mapping]] = ..., base_address: _Optional[int] = ..., num_slots: _Optional[int] = ..., pages: _Optional[_Iterable[int]] = ..., cached_tokens: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[KVRank, _Mapping]]] = ...) -> None: ...
+    draft: KVDraftArena
+    def __init__(self, reservation_id: _Optional[str] = ..., transfer_endpoint: _Optional[str] = ..., identity: _Optional[_Union[KVIdentity, _Mapping]] = ..., base_address: _Optional[int] = ..., num_slots: _Optional[int] = ..., pages: _Optional[_Iterable[int]] = ..., cached_tokens: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[KVRank, _Mapping]]] = ..., draft: _Optional[_Union[KVDraftArena, _Mapping]] = ...) -> None: ...
+
+class KVDraftArena(_message.Message):
+    __slots__ = ("base_address", "num_slots", "num_layers", "num_kv_heads", "head_dim")
+    BASE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    base_address: int
+    num_slots: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    def __init__(self, base_address: _Optional[int] = ..., num_slots: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ...) -> None: ...
 
 class SamplingOptions(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "seed", "max_tokens", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens", "min_tokens", "logprobs", "prompt_logprobs", "prompt_logprobs_start")
