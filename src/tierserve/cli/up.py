@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tierserve.cli.flags import add_engine_args, add_model_args, engine_config, engine_flags, model_dir
-from tierserve.cli.router import add_policy_args
+from tierserve.cli.router import add_disaggregation_args, add_policy_args
 from tierserve.engine.config import EngineConfig
 
 
@@ -37,6 +37,7 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
                    help="the L3 store's size in GB, split evenly between the nodes (default: a third of this "
                         "machine's memory; segments take memory only as they fill)")
     add_policy_args(p)
+    add_disaggregation_args(p)
     p.add_argument("--api-key", help="require 'Authorization: Bearer <key>' on the router's API")
     p.add_argument("--admin-api-key", help="enable the router's /workers admin routes with this key")
     p.add_argument("--state-file", type=Path,
@@ -132,7 +133,8 @@ def _without_l3_config(config: EngineConfig) -> tuple[EngineConfig, dict]:
 def _router_flags(args: argparse.Namespace) -> list[str]:
     keys = [f for flag, value in (("--api-key", args.api_key), ("--admin-api-key", args.admin_api_key))
             if value for f in (flag, value)]
-    return [*keys, "--prefill-policy", args.prefill_policy.value, "--decode-policy", args.decode_policy.value]
+    return [*keys, "--prefill-policy", args.prefill_policy.value, "--decode-policy", args.decode_policy.value,
+            "--disaggregation-threshold", str(args.disaggregation_threshold)]
 
 
 def _announce(args: argparse.Namespace, base: str, children: list[str]) -> None:

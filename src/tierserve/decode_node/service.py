@@ -14,7 +14,9 @@ from dataclasses import replace
 
 import grpc
 
+from tierserve.core.outputs import RequestOutput
 from tierserve.core.sampling import InvalidRequestError
+from tierserve.core.tiers import CacheTier
 from tierserve.engine.commands import CancelReservation, Reserve
 from tierserve.engine.reservations import DEFAULT_TERMS, CapacityError, ReservationTerms
 from tierserve.node.convert import arena, identity, kv_ranks, sampling_params
@@ -70,11 +72,25 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         stream = self.node.loop.generate_reserved(request.reservation_id, request.first_token, params)
         try:
             async for out in stream:
-                yield pb.GenerateChunk(token_ids=out.new_token_ids, text=out.new_text, finished=out.finished,
-                                       finish_reason=out.reason or "", completion_tokens=out.completion_tokens,
-                                       logprobs=[logprob_to_proto(lp) for lp in out.logprobs or []])
+                yield _chunk(out)
         except KeyError as exc:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0]))
+        except InvalidRequestError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+    async def GenerateLocal(self, request: pb.LocalGenerateRequest, context: grpc.aio.ServicerContext
+                            ) -> AsyncIterator[pb.GenerateChunk]:
+        """A whole request on this node: its engine computes what its cache lacks of the prompt,
+        as a single engine does (conditional disaggregation, ``docs/architecture.md``, the PD path).
+        The first chunk carries the cache report (and prompt logprobs when asked)."""
+        try:
+            params = sampling_params(request.sampling)
+            stream = self.node.loop.generate(request.request_id, list(request.prompt_ids), params,
+                                             request.cache_salt)
+            first = True
+            async for out in stream:
+                yield _chunk(out, first)
+                first = False
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
@@ -83,6 +99,20 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         released = await self.node.loop.apply(CancelReservation(rid, request.writer_stopped, time.monotonic()))
         self.node.loop.abort(rid)  # a running generation ends (aborted) on its stream; else a no-op
         return pb.ReleaseResponse(released=released)
+
+
+def _chunk(out: RequestOutput, first: bool = False) -> pb.GenerateChunk:
+    """An output as a chunk; ``first``: a local generation's first, with the prompt's cache report
+    and logprobs."""
+    chunk = pb.GenerateChunk(token_ids=out.new_token_ids, text=out.new_text, finished=out.finished,
+                             finish_reason=out.reason or "", completion_tokens=out.completion_tokens,
+                             logprobs=[logprob_to_proto(lp) for lp in out.logprobs or []])
+    if first:
+        tiers = out.cached_by_tier
+        chunk.cache.CopyFrom(pb.CacheReport(cached_tokens=out.cached_tokens, **{t.value: tiers.get(t, 0)
+                                                                               for t in CacheTier}))
+        chunk.prompt_logprobs.extend(logprob_to_proto(lp) for lp in out.prompt_logprobs or [] if lp)
+    return chunk
 
 
 def add_decode_service(terms: ReservationTerms, max_lease_s: float) -> AddService:

@@ -9,7 +9,7 @@ import contextlib
 import logging
 import random
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
@@ -22,6 +22,13 @@ from tierserve.core.tiers import TIERS
 from tierserve.proto import tierserve_pb2 as pb
 from tierserve.proto.sampling import logprob_from_proto, to_proto
 from tierserve.router import pd_flow
+from tierserve.router.disaggregation import (
+    DEFAULT_THRESHOLD,
+    Disaggregation,
+    LocalOutputs,
+    ServedPath,
+    generate_local,
+)
 from tierserve.router.policies import CachedPrefix, Policy
 from tierserve.router.registry import Registry, Worker
 from tierserve.router.roles import Role
@@ -29,6 +36,7 @@ from tierserve.router.roles import Role
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 PrefixLookupFactory = Callable[[list[int], str], Callable[[Worker], CachedPrefix]]
+_Pair = tuple[Worker | None, Worker]  # (prefill, decode); no prefill worker: the decode node prefills itself
 
 
 @dataclass(frozen=True)
@@ -39,6 +47,7 @@ class RouterOptions:
     max_retries: int = 2  # new pairs tried while the client has seen nothing
     backoff_s: float = 0.05  # first retry's base delay, doubled each time, with jitter
     stream_idle_timeout_s: float = 30.0  # a decode stream with no chunk for this long is given up
+    disaggregation_threshold: int = DEFAULT_THRESHOLD  # fewer uncached prompt tokens: the decode node prefills
 
 
 @dataclass(frozen=True)
@@ -63,6 +72,8 @@ class PDBackend:
         self._slots = asyncio.Semaphore(options.max_running)
         self._queued = 0
         self.retries = 0
+        self.disaggregation = Disaggregation(options.disaggregation_threshold)
+        self.served = {path: 0 for path in ServedPath}  # tries started per path
         self.routes: deque[dict[str, object]] = deque(maxlen=256)  # recent decisions, for operators and tests
 
     @property
@@ -78,7 +89,8 @@ class PDBackend:
 
     async def debug_state(self) -> dict[str, Any]:
         return {"workers": [w.describe() for w in self.registry.listed()], "queued": self._queued,
-                "retries": self.retries, "routes": list(self.routes)}
+                "retries": self.retries, "served": {p.value: n for p, n in self.served.items()},
+                "routes": list(self.routes)}
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, cache_salt: str,
                        *, buffered: bool = False) -> AsyncIterator[RequestOutput]:
@@ -126,37 +138,75 @@ class PDBackend:
                 _log_retry(request.id, pair, exc, again=failures <= self.options.max_retries)
         raise oa.APIError(503, f"no prefill/decode pair could serve the request: {last_error}", code="unavailable")
 
-    async def _attempt(self, pair: tuple[Worker, Worker], request: _Request, attempt: int
-                       ) -> AsyncIterator[RequestOutput]:
-        """One try on one pair, counted in both workers' load until it ends."""
+    async def _attempt(self, pair: _Pair, request: _Request, attempt: int) -> AsyncIterator[RequestOutput]:
+        """One try on one pair (no prefill worker: the decode node alone), counted in the
+        workers' load until it ends."""
         prefill, decode = pair
-        prefill.begin()
-        decode.begin()
+        used = [w for w in pair if w is not None]
+        for worker in used:
+            worker.begin()
         try:
-            stubs, done = await self._prefill(pair, f"{request.id}-{attempt}", request)
-            outputs = self._stream(decode, stubs, done, request)
+            rid = f"{request.id}-{attempt}"
+            outputs = self._local(decode, rid, request) if prefill is None else self._disaggregated(pair, rid, request)
             async with contextlib.aclosing(_merged(outputs) if request.buffered else outputs) as results:
                 async for out in results:
                     yield out
         finally:
-            prefill.end()
-            decode.end()
+            for worker in used:
+                worker.end()
+
+    async def _disaggregated(self, pair: tuple[Worker, Worker], rid: str, request: _Request
+                             ) -> AsyncIterator[RequestOutput]:
+        stubs, done = await self._prefill(pair, rid, request)
+
+        def convert(chunk: pb.GenerateChunk, first: bool) -> RequestOutput:
+            return _output(done, len(request.prompt), chunk, request.sampling, first)
+
+        def release() -> Awaitable[None]:
+            return pd_flow.release(stubs, done.reservation_id, writer_stopped=True)
+
+        chunks = pd_flow.generate(stubs, done, request.sampling)
+        outputs = self._stream(pair[1], chunks, convert, release, request.buffered)
+        async with contextlib.aclosing(outputs) as results:
+            async for out in results:
+                yield out
+
+    async def _local(self, decode: Worker, rid: str, request: _Request) -> AsyncIterator[RequestOutput]:
+        """The whole request on the decode node (``GenerateLocal``): cancelling the stream aborts
+        it there, so a failure needs no Release."""
+        chunks = generate_local(decode.channel, rid, request.prompt, request.sampling, request.salt)
+        convert = LocalOutputs(rid, len(request.prompt), request.sampling).output
+        async with contextlib.aclosing(self._stream(decode, chunks, convert, None, request.buffered)) as results:
+            async for out in results:
+                yield out
 
     def _backoff(self, attempt: int, deadline: float) -> float:
         """Jittered exponential delay, at most 1 s and never past the deadline."""
         delay = min(1.0, self.options.backoff_s * 2 ** min(attempt - 1, 10)) * (0.5 + random.random())
         return max(0.0, min(delay, deadline - asyncio.get_running_loop().time()))
 
-    def _pick(self, prompt: list[int], salt: str) -> tuple[Worker, Worker]:
+    def _pick(self, prompt: list[int], salt: str) -> _Pair:
+        """The decode worker, then whether it prefills the prompt itself (what it holds of it
+        against the threshold) or which prefill worker does."""
         prefills, decodes = self.registry.available(Role.PREFILL), self.registry.available(Role.DECODE)
-        if not prefills or not decodes:
-            missing = "prefill" if not prefills else "decode"
-            raise oa.APIError(503, f"no healthy {missing} worker", code="unavailable")
+        if not decodes:
+            raise oa.APIError(503, "no healthy decode worker", code="unavailable")
         lookup = self.lookup(prompt, salt)
-        prefill, decode = self.prefill_policy.pick(prefills, lookup), self.decode_policy.pick(decodes, lookup)
+        decode = self.decode_policy.pick(decodes, lookup)
+        held = lookup(decode)
+        page = self.registry.info.identity.page_size if self.registry.info is not None else 1
+        path = self.disaggregation.path(len(prompt), held, page)
+        route = {"path": path.value, "decode": decode.address, "prompt_tokens": len(prompt),
+                 "decode_cached_pages": [held.device, held.host]}
+        self.served[path] += 1
+        if path is ServedPath.DECODE_ONLY:
+            self.routes.append(route)
+            return None, decode
+        if not prefills:
+            raise oa.APIError(503, "no healthy prefill worker", code="unavailable")
+        prefill = self.prefill_policy.pick(prefills, lookup)
         cached = lookup(prefill)
-        self.routes.append({"prefill": prefill.address, "decode": decode.address, "prompt_tokens": len(prompt),
-                            "prefill_cached_pages": [cached.device, cached.host]})
+        self.routes.append(route | {"prefill": prefill.address, "prefill_cached_pages": [cached.device, cached.host]})
         log.debug("route: prefill %s (cached pages %s), decode %s", prefill.address, cached, decode.address)
         return prefill, decode
 
@@ -184,25 +234,32 @@ class PDBackend:
         if code is not grpc.StatusCode.RESOURCE_EXHAUSTED:  # a full worker is healthy, just busy
             self.registry.failed(worker, code.name, unreachable=code is grpc.StatusCode.UNAVAILABLE)
 
-    async def _stream(self, decode: Worker, stubs: pd_flow.Pair, done: pd_flow.Prefilled, request: _Request
-                      ) -> AsyncIterator[RequestOutput]:
-        """D's chunks as outputs. D failing, or sending nothing for ``stream_idle_timeout_s``
-        (frozen, cut off), blames D, cancels the stream (D aborts it and frees its pages) and
-        ends the try: ``_Retry`` while the client has seen nothing, else ``APIError``."""
+    async def _stream(self, decode: Worker, chunks: AsyncIterator[pb.GenerateChunk],
+                      convert: Callable[[pb.GenerateChunk, bool], RequestOutput],
+                      release: Callable[[], Awaitable[None]] | None, buffered: bool) -> AsyncIterator[RequestOutput]:
+        """D's chunks as outputs (``convert(chunk, first)``). D failing, or sending nothing for
+        ``stream_idle_timeout_s`` (frozen, cut off), blames D, cancels the stream (D aborts it and
+        frees its pages), sends ``release`` (without waiting for a frozen D, which answers late) and
+        ends the try: ``_Retry`` while the client has seen nothing, else ``APIError``. D refusing the
+        request (a local generation's own checks) is the request's error, not D's."""
         seen = False  # by the client: only an unbuffered request's outputs reach it as they come
-        chunks = _within(pd_flow.generate(stubs, done, request.sampling), self.options.stream_idle_timeout_s)
+        chunks = _within(chunks, self.options.stream_idle_timeout_s)
         try:
             async with contextlib.aclosing(chunks):
                 async for i, chunk in _numbered(chunks):
-                    seen = not request.buffered
-                    yield _output(done, len(request.prompt), chunk, request.sampling, first=i == 0)
+                    seen = not buffered
+                    yield convert(chunk, i == 0)
         except grpc.aio.AioRpcError as exc:
+            if exc.code() is grpc.StatusCode.INVALID_ARGUMENT:
+                raise InvalidRequestError(exc.details() or "") from exc
             self.registry.failed(decode, exc.code().name, unreachable=exc.code() is grpc.StatusCode.UNAVAILABLE)
-            await pd_flow.release(stubs, done.reservation_id, writer_stopped=True)
+            if release is not None:
+                await release()
             raise _decode_failed(decode, seen, f"failed ({exc.code().name} {exc.details()})", 502) from exc
         except _Stalled as exc:
             self.registry.failed(decode, "stream idle", unreachable=True)  # back once a health check passes
-            pd_flow.release_later(stubs, done.reservation_id, writer_stopped=True)  # a frozen D answers late
+            if release is not None:
+                pd_flow.in_background(release())
             raise _decode_failed(decode, seen, str(exc), 504) from exc
         self.registry.succeeded(decode)
 
@@ -215,10 +272,11 @@ def _decode_failed(decode: Worker, seen: bool, what: str, status: int) -> Except
     return oa.APIError(status, f"decode worker {decode.address} {what} mid-stream", code="decode_failed")
 
 
-def _log_retry(request_id: str, pair: tuple[Worker, Worker], exc: _Retry, again: bool) -> None:
+def _log_retry(request_id: str, pair: _Pair, exc: _Retry, again: bool) -> None:
     """One line per decision; a decode node that is only full is routine (a burst), not a fault."""
     level = logging.INFO if exc.busy else logging.WARNING
-    log.log(level, "request %s: prefill %s / decode %s: %s; %s", request_id, pair[0].address, pair[1].address, exc,
+    prefill = pair[0].address if pair[0] is not None else "none"
+    log.log(level, "request %s: prefill %s / decode %s: %s; %s", request_id, prefill, pair[1].address, exc,
             "retrying on a new pair" if again else "giving up")
 
 
