@@ -1,7 +1,8 @@
 """Conditional disaggregation (issue 17 item 4): the router sends a request whose prompt the decode
 node mostly holds (a short follow-up on a history it generated) to that decode node alone, and a
-long uncached prompt through a prefill node; greedy output is the single engine's either way, the
-path shows in ``/debug/state`` and ``/metrics``, and nothing stays allocated."""
+long uncached prompt through a prefill node, or to the prefill node alone when one token is asked
+(item 5); greedy output is the single engine's on every path, the path shows in ``/debug/state``
+and ``/metrics``, and nothing stays allocated."""
 
 from __future__ import annotations
 
@@ -26,11 +27,14 @@ def test_the_estimate_counts_what_the_decode_node_lacks() -> None:
     assert uncached_tokens(100, CachedPrefix(device=3, host=2), PAGE) == 100 - 5 * PAGE
     assert uncached_tokens(32, CachedPrefix(device=2), PAGE) == 1  # the last token is always computed
     rule = Disaggregation(THRESHOLD)
-    assert rule.path(THRESHOLD - 1, CachedPrefix(), PAGE) is ServedPath.DECODE_ONLY
-    assert rule.path(THRESHOLD, CachedPrefix(), PAGE) is ServedPath.PREFILL_DECODE
-    assert rule.path(THRESHOLD + 3 * PAGE, CachedPrefix(host=3), PAGE) is ServedPath.PREFILL_DECODE
-    assert rule.path(THRESHOLD + 3 * PAGE - 1, CachedPrefix(device=1, host=2), PAGE) is ServedPath.DECODE_ONLY
-    assert Disaggregation(0).path(1, CachedPrefix(), PAGE) is ServedPath.PREFILL_DECODE
+    assert rule.path(THRESHOLD - 1, CachedPrefix(), PAGE, 8) is ServedPath.DECODE_ONLY
+    assert rule.path(THRESHOLD, CachedPrefix(), PAGE, 8) is ServedPath.PREFILL_DECODE
+    assert rule.path(THRESHOLD + 3 * PAGE, CachedPrefix(host=3), PAGE, 8) is ServedPath.PREFILL_DECODE
+    assert rule.path(THRESHOLD + 3 * PAGE - 1, CachedPrefix(device=1, host=2), PAGE, 8) is ServedPath.DECODE_ONLY
+    assert Disaggregation(0).path(1, CachedPrefix(), PAGE, 8) is ServedPath.PREFILL_DECODE
+    # one token asked: nothing to decode, the prefill node answers alone (unless the decode node holds the prompt)
+    assert rule.path(THRESHOLD, CachedPrefix(), PAGE, 1) is ServedPath.PREFILL_ONLY
+    assert rule.path(THRESHOLD, CachedPrefix(device=1), PAGE, 1) is ServedPath.DECODE_ONLY
 
 
 @pytest.fixture(scope="module")
@@ -105,10 +109,17 @@ def test_short_follow_ups_go_to_the_decode_node_and_long_prompts_through_prefill
     short = [rng.randrange(2, 384) for _ in range(THRESHOLD - 1)]  # a short uncached one: the decode node alone
     fourth = complete(router, short)
     assert last_path(router) == ServedPath.DECODE_ONLY.value
-    assert [first, again, third, fourth] == reference(tiny_llama, [history, follow, fresh, short])
+    one = httpx.post(f"{router.url}/v1/completions", json={"prompt": fresh[::-1], "max_tokens": 1, "temperature": 0,
+                                                           "logprobs": 0, "ignore_eos": True}, timeout=60).json()
+    assert last_path(router) == ServedPath.PREFILL_ONLY.value
+    assert one["choices"][0]["finish_reason"] == "length" and one["usage"]["completion_tokens"] == 1
+    expected = reference(tiny_llama, [history, follow, fresh, short, fresh[::-1]])
+    assert [first, again, third, fourth] == expected[:4]
+    assert _ids(one["choices"][0]["logprobs"]["tokens"]) == expected[4][:1]
     assert metric(router, "tierserve_router_served_total", path="decode_only") == served[ServedPath.DECODE_ONLY] + 2
     assert metric(router, "tierserve_router_served_total", path="prefill_decode") == \
         served[ServedPath.PREFILL_DECODE] + 2
+    assert metric(router, "tierserve_router_served_total", path="prefill_only") == served[ServedPath.PREFILL_ONLY] + 1
     state = httpx.get(f"{router.url}/debug/state").json()
     assert state["served"]["decode_only"] >= 2 and state["routes"][-1]["decode_cached_pages"] == [0, 0]
     wait_for(lambda: idle(prefill.address, decode.address), "every page back", 20)
@@ -117,11 +128,13 @@ def test_short_follow_ups_go_to_the_decode_node_and_long_prompts_through_prefill
 @pytest.mark.integration
 @pytest.mark.slow
 def test_a_request_the_decode_node_refuses_is_a_client_error(cluster) -> None:
-    """The decode node checks a local request as a single engine does: a bad one is a 4xx, never a
-    5xx, and leaves nothing allocated."""
+    """A node serving a request alone checks it as a single engine does: a bad one is a 4xx, never
+    a 5xx, and leaves nothing allocated."""
     router, prefill, decode = cluster
-    body = {"prompt": [5, 6, 1000], "max_tokens": 2, "temperature": 0}  # 1000: past the vocabulary (384)
-    reply = httpx.post(f"{router.url}/v1/completions", json=body, timeout=60)
-    assert reply.status_code == 400 and "[0, 384)" in reply.text, reply.text  # the decode node's own check
-    assert last_path(router) == ServedPath.DECODE_ONLY.value
+    for prompt, tokens, path in (([5, 6, 1000], 2, ServedPath.DECODE_ONLY),  # 1000: past the vocabulary (384)
+                                 ([5] * THRESHOLD + [1000], 1, ServedPath.PREFILL_ONLY)):
+        body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0}
+        reply = httpx.post(f"{router.url}/v1/completions", json=body, timeout=60)
+        assert reply.status_code == 400 and "[0, 384)" in reply.text, reply.text  # the node's own check
+        assert last_path(router) == path.value
     assert asyncio.run(idle(prefill.address, decode.address))

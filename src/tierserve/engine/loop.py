@@ -29,6 +29,7 @@ from tierserve.engine.step_bus import SoleBus, StepBus
 
 log = logging.getLogger(__name__)
 STATS_INTERVAL_S = 0.01  # a busy engine republishes its occupancy at most this often
+RESERVED_WAIT_S = 0.05  # only reservations pending: a lease or a quarantine ends at most this late
 
 
 @dataclass
@@ -187,11 +188,17 @@ class EngineLoop:
 
     def _wait(self) -> float | None:
         """How long to wait for a command: when idle, forever (several ranks: until the bus must
-        speak again), a moment when the last step could schedule nothing (e.g. every page pinned)
-        so the thread does not spin, else not at all."""
+        speak again); with only reservations waiting for their KV, until a lease may end (what
+        starts them is a command, which wakes the wait: a decode node does not poll for its
+        handoffs); a moment when the last step could schedule nothing (e.g. every page pinned)
+        so the thread does not spin; else not at all."""
         if not self.engine.has_work():
             return self.bus.idle_wait
-        return 0.0 if self.engine.last_batch_size else 0.005
+        if self.engine.last_batch_size:
+            return 0.0
+        if self.engine.only_reservations():
+            return min(RESERVED_WAIT_S, self.bus.idle_wait or RESERVED_WAIT_S)
+        return 0.005
 
     def _drain(self, wait: float | None) -> bool:
         """Applies queued commands, first waiting up to ``wait`` seconds (None: until one comes);

@@ -180,7 +180,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., cache_salt: _Optional[str] = ..., destination: _Optional[_Union[KVDestination, _Mapping]] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token", "cache", "transferred_bytes", "transfer_seconds", "exposed_transfer_seconds", "first_logprob", "prompt_logprobs")
+    __slots__ = ("first_token", "cache", "transferred_bytes", "transfer_seconds", "exposed_transfer_seconds", "first_logprob", "prompt_logprobs", "text", "finish_reason")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     CACHE_FIELD_NUMBER: _ClassVar[int]
     TRANSFERRED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -188,6 +188,8 @@ class PrefillResponse(_message.Message):
     EXPOSED_TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     first_token: int
     cache: CacheReport
     transferred_bytes: int
@@ -195,7 +197,9 @@ class PrefillResponse(_message.Message):
     exposed_transfer_seconds: float
     first_logprob: TokenLogprob
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
-    def __init__(self, first_token: _Optional[int] = ..., cache: _Optional[_Union[CacheReport, _Mapping]] = ..., transferred_bytes: _Optional[int] = ..., transfer_seconds: _Optional[float] = ..., exposed_transfer_seconds: _Optional[float] = ..., first_logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+    text: str
+    finish_reason: str
+    def __init__(self, first_token: _Optional[int] = ..., cache: _Optional[_Union[CacheReport, _Mapping]] = ..., transferred_bytes: _Optional[int] = ..., transfer_seconds: _Optional[float] = ..., exposed_transfer_seconds: _Optional[float] = ..., first_logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("reservation_id", "first_token", "sampling")

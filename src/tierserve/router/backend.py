@@ -27,7 +27,9 @@ from tierserve.router.disaggregation import (
     Disaggregation,
     LocalOutputs,
     ServedPath,
+    alone_output,
     generate_local,
+    prefill_alone,
 )
 from tierserve.router.policies import CachedPrefix, Policy
 from tierserve.router.registry import Registry, Worker
@@ -36,7 +38,7 @@ from tierserve.router.roles import Role
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 PrefixLookupFactory = Callable[[list[int], str], Callable[[Worker], CachedPrefix]]
-_Pair = tuple[Worker | None, Worker]  # (prefill, decode); no prefill worker: the decode node prefills itself
+_Pair = tuple[Worker | None, Worker | None]  # (prefill, decode); either alone serves the request (``ServedPath``)
 
 
 @dataclass(frozen=True)
@@ -126,7 +128,7 @@ class PDBackend:
                 self.retries += 1
                 await asyncio.sleep(self._backoff(attempt, deadline))
             attempt += 1
-            pair = self._pick(request.prompt, request.salt)
+            pair = self._pick(request)
             try:
                 async with contextlib.aclosing(self._attempt(pair, request, attempt)) as outputs:
                     async for out in outputs:
@@ -139,15 +141,19 @@ class PDBackend:
         raise oa.APIError(503, f"no prefill/decode pair could serve the request: {last_error}", code="unavailable")
 
     async def _attempt(self, pair: _Pair, request: _Request, attempt: int) -> AsyncIterator[RequestOutput]:
-        """One try on one pair (no prefill worker: the decode node alone), counted in the
-        workers' load until it ends."""
+        """One try on one pair (or one node alone), counted in the workers' load until it ends."""
         prefill, decode = pair
         used = [w for w in pair if w is not None]
         for worker in used:
             worker.begin()
         try:
             rid = f"{request.id}-{attempt}"
-            outputs = self._local(decode, rid, request) if prefill is None else self._disaggregated(pair, rid, request)
+            if prefill is None:
+                outputs = self._local(decode, rid, request)
+            elif decode is None:
+                outputs = self._alone(prefill, rid, request)
+            else:
+                outputs = self._disaggregated((prefill, decode), rid, request)
             async with contextlib.aclosing(_merged(outputs) if request.buffered else outputs) as results:
                 async for out in results:
                     yield out
@@ -180,35 +186,45 @@ class PDBackend:
             async for out in results:
                 yield out
 
+    async def _alone(self, prefill: Worker, rid: str, request: _Request) -> AsyncIterator[RequestOutput]:
+        """A one-token request on the prefill node alone: its first token is the answer."""
+        try:
+            response = await prefill_alone(prefill.channel, rid, request.prompt, request.sampling, request.salt,
+                                           self.options.timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            self._blame(prefill, exc.code(), exc.details() or "")
+            raise _Retry(f"prefill on {prefill.address}: {exc.code().name} {exc.details()}") from exc
+        self.registry.succeeded(prefill)
+        yield alone_output(rid, len(request.prompt), response, request.sampling)
+
     def _backoff(self, attempt: int, deadline: float) -> float:
         """Jittered exponential delay, at most 1 s and never past the deadline."""
         delay = min(1.0, self.options.backoff_s * 2 ** min(attempt - 1, 10)) * (0.5 + random.random())
         return max(0.0, min(delay, deadline - asyncio.get_running_loop().time()))
 
-    def _pick(self, prompt: list[int], salt: str) -> _Pair:
-        """The decode worker, then whether it prefills the prompt itself (what it holds of it
-        against the threshold) or which prefill worker does."""
+    def _pick(self, request: _Request) -> _Pair:
+        """The decode worker, then the path (``Disaggregation``: what the decode worker holds of
+        the prompt, the tokens asked for), then the prefill worker if the path has one."""
         prefills, decodes = self.registry.available(Role.PREFILL), self.registry.available(Role.DECODE)
         if not decodes:
             raise oa.APIError(503, "no healthy decode worker", code="unavailable")
-        lookup = self.lookup(prompt, salt)
+        lookup = self.lookup(request.prompt, request.salt)
         decode = self.decode_policy.pick(decodes, lookup)
         held = lookup(decode)
         page = self.registry.info.identity.page_size if self.registry.info is not None else 1
-        path = self.disaggregation.path(len(prompt), held, page)
-        route = {"path": path.value, "decode": decode.address, "prompt_tokens": len(prompt),
+        path = self.disaggregation.path(len(request.prompt), held, page, request.sampling.max_tokens)
+        route = {"path": path.value, "decode": decode.address, "prompt_tokens": len(request.prompt),
                  "decode_cached_pages": [held.device, held.host]}
-        self.served[path] += 1
-        if path is ServedPath.DECODE_ONLY:
-            self.routes.append(route)
-            return None, decode
-        if not prefills:
+        if path is not ServedPath.DECODE_ONLY and not prefills:
             raise oa.APIError(503, "no healthy prefill worker", code="unavailable")
-        prefill = self.prefill_policy.pick(prefills, lookup)
-        cached = lookup(prefill)
-        self.routes.append(route | {"prefill": prefill.address, "prefill_cached_pages": [cached.device, cached.host]})
-        log.debug("route: prefill %s (cached pages %s), decode %s", prefill.address, cached, decode.address)
-        return prefill, decode
+        self.served[path] += 1
+        prefill = self.prefill_policy.pick(prefills, lookup) if path is not ServedPath.DECODE_ONLY else None
+        if prefill is not None:
+            cached = lookup(prefill)
+            route |= {"prefill": prefill.address, "prefill_cached_pages": [cached.device, cached.host]}
+        self.routes.append(route)
+        log.debug("route: %s", route)
+        return prefill, None if path is ServedPath.PREFILL_ONLY else decode
 
     async def _prefill(self, pair: tuple[Worker, Worker], rid: str, request: _Request
                        ) -> tuple[pd_flow.Pair, pd_flow.Prefilled]:
@@ -275,8 +291,8 @@ def _decode_failed(decode: Worker, seen: bool, what: str, status: int) -> Except
 def _log_retry(request_id: str, pair: _Pair, exc: _Retry, again: bool) -> None:
     """One line per decision; a decode node that is only full is routine (a burst), not a fault."""
     level = logging.INFO if exc.busy else logging.WARNING
-    prefill = pair[0].address if pair[0] is not None else "none"
-    log.log(level, "request %s: prefill %s / decode %s: %s; %s", request_id, prefill, pair[1].address, exc,
+    prefill, decode = (w.address if w is not None else "none" for w in pair)
+    log.log(level, "request %s: prefill %s / decode %s: %s; %s", request_id, prefill, decode, exc,
             "retrying on a new pair" if again else "giving up")
 
 
