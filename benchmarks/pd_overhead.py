@@ -3,7 +3,8 @@
 Starts, on a tiny random llama (CPU, float32), a single engine (``tierserve serve``) and a cluster
 of the same processes the tests start (``tierserve prefill``, ``tierserve decode`` and
 ``tierserve router`` over them, no L3; with ``--up``: ``tierserve up``, with L3, HiCache and KV
-events), then sends both the same tiny requests to
+events; ``--threshold``: the router's ``--disaggregation-threshold``, default 0: the PD path for every
+prompt, a one-token request on the prefill node alone), then sends both the same tiny requests to
 ``/v1/completions``: a 16-token prompt (token ids, a fresh one each time, so no cache hit) with
 ``--output-tokens`` output tokens (greedy, ``ignore_eos``), non-streaming, over keep-alive
 connections. Per repetition and target: ``--requests`` requests one at a time (latency p50, p99,
@@ -78,10 +79,11 @@ async def load(url: str, prompts: Prompts, requests: int, concurrency: int, outp
 class _Up:
     """``tierserve up`` (L3 master, nodes with HiCache, Mooncake and KV events, router)."""
 
-    def __init__(self, model: Path) -> None:
+    def __init__(self, model: Path, threshold: int) -> None:
         self.port = free_port()
         flags = [f for f in ENGINE if f not in ("--device", "cpu")]  # start_up passes --device cpu
-        self.proc, _ = start_up(self.port, "--model", str(model), "--l3-size-gb", "1", *flags)
+        self.proc, _ = start_up(self.port, "--model", str(model), "--l3-size-gb", "1", *flags,
+                                "--disaggregation-threshold", str(threshold))
 
     @property
     def url(self) -> str:
@@ -91,11 +93,11 @@ class _Up:
         stop(self.proc)
 
 
-def start(model: Path, logs: Path, use_up: bool) -> tuple[dict[str, str], list]:
+def start(model: Path, logs: Path, use_up: bool, threshold: int) -> tuple[dict[str, str], list]:
     """The single engine and the cluster, ready; their URLs and processes."""
     serve = ServeProcess(["--model", str(model), *ENGINE], logs / "serve.log")
     if use_up:
-        procs: list = [serve, _Up(model)]
+        procs: list = [serve, _Up(model, threshold)]
         serve.wait_ready()
         return {"single": serve.url, "cluster": procs[1].url}, procs
     prefill = NodeProcess("prefill", ["--model", str(model), *ENGINE], logs / "prefill.log")
@@ -105,7 +107,8 @@ def start(model: Path, logs: Path, use_up: bool) -> tuple[dict[str, str], list]:
     prefill.wait_ready()
     decode.wait_ready()
     router = RouterProcess(["--model", str(model), "--prefill", prefill.address, "--decode", decode.address,
-                            "--log-level", "warning"], logs / "router.log")
+                            "--log-level", "warning", "--disaggregation-threshold", str(threshold)],
+                           logs / "router.log")
     procs.append(router)
     router.wait_ready()
     return {"single": serve.url, "cluster": router.url}, procs
@@ -129,12 +132,14 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=100, help="per run (spread over the in-flight slots)")
     parser.add_argument("--output-tokens", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--threshold", type=int, default=0,
+                        help="the router's --disaggregation-threshold (0: every prompt through the prefill node)")
     parser.add_argument("--up", action="store_true",
                         help="the cluster is `tierserve up` (with L3 and KV events), not bare nodes + router")
     args = parser.parse_args()
     logs = Path(tempfile.mkdtemp(prefix="pd_overhead-"))
     model = make_tiny_model("llama", logs / "model")
-    urls, procs = start(model, logs, args.up)
+    urls, procs = start(model, logs, args.up, args.threshold)
     prompts = Prompts(0)
     cases = [(o, c) for o in args.output_tokens for c in args.concurrency]
     runs = {case: {t: [] for t in TARGETS} for case in cases}

@@ -19,7 +19,7 @@ from tierserve.proto import tierserve_pb2_grpc as pb_grpc
 from tierserve.proto.sampling import logprob_from_proto
 from tierserve.router.policies import CachedPrefix
 
-DEFAULT_THRESHOLD = 256  # tokens; measured in benchmarks/RESULTS.md (conditional disaggregation)
+DEFAULT_THRESHOLD = 24  # tokens; measured: benchmarks/disaggregation.py calibrate, benchmarks/RESULTS.md
 
 
 class ServedPath(Enum):
