@@ -151,3 +151,18 @@ def test_role_args_reach_only_their_role(monkeypatch) -> None:
     assert by_name["router"][-2:] == ("--max-running-requests", "7")
     prefill = build_parser().parse_args(list(by_name["prefill-0"][3:]))  # past "python -m tierserve.cli"
     assert prefill.fault_transfer_rate == 0.1
+
+
+def test_up_gives_every_child_its_logging_flags(monkeypatch) -> None:
+    """Every child's lines go through ``up``'s stdout: ``--log-level`` and ``--quiet-access-log``
+    (no line per request) reach the nodes and the router (issue 17 item 5)."""
+    plans: list[ClusterPlan] = []
+    monkeypatch.setattr(launch, "up", lambda plan, announce: plans.append(plan) or 0)
+    monkeypatch.setattr(cli_up, "model_dir", lambda _: Path("/m"))
+    args = build_parser().parse_args(["up", "--model", "m", "--log-level", "warning", "--quiet-access-log"])
+    assert cli_up.cmd_up(args) == 0
+    plan = plans[0]
+    node = build_parser().parse_args(["decode", *plan.node_flags])
+    router = build_parser().parse_args(["router", *plan.router_flags])
+    assert (node.log_level, node.quiet_access_log) == (router.log_level, router.quiet_access_log) == ("warning", True)
+    assert router.disaggregation_threshold == args.disaggregation_threshold

@@ -71,7 +71,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     config, l3_config = (config, {}) if args.no_l3 else _without_l3_config(config)
     segment = l3_size_bytes(args) // (args.prefill_nodes + args.decode_nodes)
     plan = ClusterPlan(folder, args.host, args.port, args.prefill_nodes, args.decode_nodes, not args.no_l3,
-                       engine_flags(config), [*_router_flags(args), *args.router_args], l3_config, segment,
+                       [*engine_flags(config), *_log_flags(args)],
+                       [*_router_flags(args), *_log_flags(args), *args.router_args], l3_config, segment,
                        args.state_file, restart, args.prefill_args, args.decode_args, args.prefill_tp_size,
                        args.decode_tp_size, args.prefill_pp_size, args.decode_pp_size, args.prefill_cp_size)
     return up(plan, lambda base, children: _announce(args, base, children))
@@ -128,6 +129,12 @@ def l3_size_bytes(args: argparse.Namespace) -> int:
 def _without_l3_config(config: EngineConfig) -> tuple[EngineConfig, dict]:
     """The user's L3 extra config goes to ``up``, which adds the master's address to it."""
     return replace(config, hicache=replace(config.hicache, storage_config={})), config.hicache.storage_config
+
+
+def _log_flags(args: argparse.Namespace) -> list[str]:
+    """``up``'s own logging settings, for every child: each child's lines go through ``up``'s
+    stdout, so ``--quiet-access-log`` (no line per request) spares that hop too."""
+    return ["--log-level", args.log_level, *(["--quiet-access-log"] if args.quiet_access_log else [])]
 
 
 def _router_flags(args: argparse.Namespace) -> list[str]:

@@ -152,7 +152,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         self.metrics.transfer_bytes.inc(result.bytes)
         self.metrics.transfer_seconds.observe(result.transfer_seconds)
         self.metrics.exposed_seconds.observe(result.exposed_seconds)
-        log.info("request %s: handoff %d bytes in %.3f s (%.3f s after compute), cached %d", request_id,
+        log.debug("request %s: handoff %d bytes in %.3f s (%.3f s after compute), cached %d", request_id,
                  result.bytes, result.transfer_seconds, result.exposed_seconds, first.cached_tokens)
         return _response(first, transferred_bytes=result.bytes, transfer_seconds=result.transfer_seconds,
                          exposed_transfer_seconds=result.exposed_seconds)
