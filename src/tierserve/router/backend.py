@@ -177,14 +177,12 @@ class PDBackend:
             async for out in results:
                 yield out
 
-    async def _local(self, decode: Worker, rid: str, request: _Request) -> AsyncIterator[RequestOutput]:
+    def _local(self, decode: Worker, rid: str, request: _Request) -> AsyncIterator[RequestOutput]:
         """The whole request on the decode node (``GenerateLocal``): cancelling the stream aborts
         it there, so a failure needs no Release."""
         chunks = generate_local(decode.channel, rid, request.prompt, request.sampling, request.salt)
         convert = LocalOutputs(rid, len(request.prompt), request.sampling).output
-        async with contextlib.aclosing(self._stream(decode, chunks, convert, None, request.buffered)) as results:
-            async for out in results:
-                yield out
+        return self._stream(decode, chunks, convert, None, request.buffered)
 
     async def _alone(self, prefill: Worker, rid: str, request: _Request) -> AsyncIterator[RequestOutput]:
         """A one-token request on the prefill node alone: its first token is the answer."""

@@ -1,8 +1,9 @@
 """Which nodes serve a request (``docs/architecture.md``, the PD path). Conditional
 disaggregation: the estimate is the prompt tokens the picked decode node would compute after what
 it already holds (its KV events, through ``CacheView``); below the threshold it serves the whole
-request (``DecodeService.GenerateLocal``), since a short prefill costs it less than the
-prefill/decode round trip costs the request. Otherwise a prefill node computes the prompt, and
+request (``DecodeService.GenerateLocal``): the request is spared the prefill/decode round trips
+and handoff, and the decode node's running streams wait for that short prefill no longer than for
+about one decode step (how the default was measured). Otherwise a prefill node computes the prompt, and
 a one-token request ends there (a ``Prefill`` without destination): nothing is left to decode.
 No torch here: the router imports this."""
 
