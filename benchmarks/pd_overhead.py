@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # the tests' process helpers and tiny m
 from cluster import NodeProcess, RouterProcess, ServeProcess, free_port, start_up, stop  # noqa: E402
 from tiny_models import make_tiny_model  # noqa: E402
 
-ENGINE = ["--device", "cpu", "--dtype", "float32", "--max-total-tokens", "8192", "--log-level", "warning"]
+ENGINE = ["--device", "cpu", "--dtype", "float32", "--max-total-tokens", "8192"]
 PROMPT_TOKENS = 16
 TARGETS = ("single", "cluster")
 
@@ -79,9 +79,9 @@ async def load(url: str, prompts: Prompts, requests: int, concurrency: int, outp
 class _Up:
     """``tierserve up`` (L3 master, nodes with HiCache, Mooncake and KV events, router)."""
 
-    def __init__(self, model: Path, threshold: int) -> None:
+    def __init__(self, model: Path, threshold: int, log_level: str) -> None:
         self.port = free_port()
-        flags = [f for f in ENGINE if f not in ("--device", "cpu")]  # start_up passes --device cpu
+        flags = [*(f for f in ENGINE if f not in ("--device", "cpu")), "--log-level", log_level]  # start_up: cpu
         self.proc, _ = start_up(self.port, "--model", str(model), "--l3-size-gb", "1", *flags,
                                 "--disaggregation-threshold", str(threshold))
 
@@ -93,21 +93,23 @@ class _Up:
         stop(self.proc)
 
 
-def start(model: Path, logs: Path, use_up: bool, threshold: int) -> tuple[dict[str, str], list]:
+def start(model: Path, logs: Path, use_up: bool, threshold: int, log_level: str = "warning"
+          ) -> tuple[dict[str, str], list]:
     """The single engine and the cluster, ready; their URLs and processes."""
-    serve = ServeProcess(["--model", str(model), *ENGINE], logs / "serve.log")
+    serve = ServeProcess(["--model", str(model), *ENGINE, "--log-level", log_level], logs / "serve.log")
     if use_up:
-        procs: list = [serve, _Up(model, threshold)]
+        procs: list = [serve, _Up(model, threshold, log_level)]
         serve.wait_ready()
         return {"single": serve.url, "cluster": procs[1].url}, procs
-    prefill = NodeProcess("prefill", ["--model", str(model), *ENGINE], logs / "prefill.log")
-    decode = NodeProcess("decode", ["--model", str(model), *ENGINE], logs / "decode.log")
+    node = ["--model", str(model), *ENGINE, "--log-level", log_level]
+    prefill = NodeProcess("prefill", node, logs / "prefill.log")
+    decode = NodeProcess("decode", node, logs / "decode.log")
     procs: list = [serve, prefill, decode]
     serve.wait_ready()
     prefill.wait_ready()
     decode.wait_ready()
     router = RouterProcess(["--model", str(model), "--prefill", prefill.address, "--decode", decode.address,
-                            "--log-level", "warning", "--disaggregation-threshold", str(threshold)],
+                            "--log-level", log_level, "--disaggregation-threshold", str(threshold)],
                            logs / "router.log")
     procs.append(router)
     router.wait_ready()
@@ -134,12 +136,13 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--threshold", type=int, default=0,
                         help="the router's --disaggregation-threshold (0: every prompt through the prefill node)")
+    parser.add_argument("--log-level", default="warning", help="of every process (serve's access log is off)")
     parser.add_argument("--up", action="store_true",
                         help="the cluster is `tierserve up` (with L3 and KV events), not bare nodes + router")
     args = parser.parse_args()
     logs = Path(tempfile.mkdtemp(prefix="pd_overhead-"))
     model = make_tiny_model("llama", logs / "model")
-    urls, procs = start(model, logs, args.up, args.threshold)
+    urls, procs = start(model, logs, args.up, args.threshold, args.log_level)
     prompts = Prompts(0)
     cases = [(o, c) for o in args.output_tokens for c in args.concurrency]
     runs = {case: {t: [] for t in TARGETS} for case in cases}
