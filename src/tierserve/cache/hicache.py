@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -33,7 +33,7 @@ from tierserve.cache.radix_cache import cp_storable
 from tierserve.cache.radix_tree import Match, Node, RadixTree
 from tierserve.cache.shards import KVShard
 from tierserve.cache.storage import StorageBackend
-from tierserve.cache.storage_tier import StorageTier
+from tierserve.cache.storage_tier import StorageTier, nothing
 from tierserve.core.tiers import CacheTier
 
 log = logging.getLogger(__name__)
@@ -88,6 +88,7 @@ class HiCache(StorageAdmin):
         self.counters["cp_refused_pages_total"] += 0  # always published, as by the radix cache
         self.agreement = agreement or SingleRank()
         self.storage: StorageTier | None = None
+        self.wake: Callable[[], None] = nothing  # set_waker; the L3 tier calls it after a probe or read
         if storage is not None:
             self.attach_storage(storage)
 
@@ -114,6 +115,11 @@ class HiCache(StorageAdmin):
     def set_event_listener(self, listener: KVEventListener) -> bool:
         self.tree.listener = listener
         return True
+
+    def set_waker(self, wake: Callable[[], None]) -> None:
+        self.wake = wake
+        if self.storage is not None:
+            self.storage.wake = wake
 
     def snapshot(self) -> Snapshot:
         return self.tree.snapshot()

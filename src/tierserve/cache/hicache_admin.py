@@ -28,6 +28,7 @@ class StorageAdmin:
     shard: KVShard
     ownership: PageOwnership
     _host_pages_after: Callable[[Sequence[int], int], list[int] | None]
+    wake: Callable[[], None]
 
     @property
     def busy(self) -> bool:
@@ -51,6 +52,7 @@ class StorageAdmin:
             raise StorageBusyError("an L3 backend is already attached: detach it first")
         self.storage = StorageTier(storage, self.host, self.tree, self.config.prefetch, self._host_pages_after,
                                    self.shard, self.ownership)
+        self.storage.wake = self.wake
 
     def detach_storage(self) -> None:
         self._require_idle()

@@ -38,6 +38,13 @@ class _Submit:
     sink: Callable[[RequestOutput | BaseException], None]
 
 
+class _Wake:
+    """Ends the engine thread's wait (``EngineLoop.wake``); nothing to apply."""
+
+
+_WAKE = _Wake()
+
+
 @dataclass
 class _Call:
     fn: Callable[[Engine], object]
@@ -66,9 +73,10 @@ class EngineLoop:
         self.bus = bus or SoleBus()
         self._stats = engine.stats()  # the engine thread does not run yet
         self._published = 0.0
-        self._commands: queue.SimpleQueue[_Submit | AbortRequest | _Call | None] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Submit | AbortRequest | _Call | _Wake | None] = queue.SimpleQueue()
         self._sinks: dict[str, Callable[[RequestOutput | BaseException], None]] = {}
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        engine.cache.set_waker(self.wake)  # an L3 probe a request waits on ends: step then, not at the next poll
 
     def start(self) -> EngineLoop:
         self._thread.start()
@@ -125,6 +133,10 @@ class EngineLoop:
         finally:
             if not finished:
                 self._commands.put(AbortRequest(command.request_id))
+
+    def wake(self) -> None:
+        """Any thread: the engine thread ends its wait and steps (background work it may use ended)."""
+        self._commands.put(_WAKE)
 
     def abort(self, request_id: str) -> None:
         """Stops a request from any thread; its stream ends with an aborted output."""
@@ -211,6 +223,8 @@ class EngineLoop:
             wait = 0
             if command is None:
                 return False
+            if isinstance(command, _Wake):
+                continue
             if isinstance(command, _Call):
                 self._call(command)
             elif isinstance(command, AbortRequest):
