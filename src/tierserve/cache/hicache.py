@@ -116,11 +116,6 @@ class HiCache(StorageAdmin):
         self.tree.listener = listener
         return True
 
-    def set_waker(self, wake: Callable[[], None]) -> None:
-        self.wake = wake
-        if self.storage is not None:
-            self.storage.wake = wake
-
     def snapshot(self) -> Snapshot:
         return self.tree.snapshot()
 

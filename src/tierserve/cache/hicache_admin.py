@@ -34,6 +34,12 @@ class StorageAdmin:
     def busy(self) -> bool:
         raise NotImplementedError
 
+    def set_waker(self, wake: Callable[[], None]) -> None:
+        """``PrefixCache.set_waker``: the L3 tier, now and once attached, wakes the engine."""
+        self.wake = wake
+        if self.storage is not None:
+            self.storage.wake = wake
+
     def storage_admin(self, action: StorageAction, backend: StorageBackend | None = None) -> dict[str, Any]:
         if action is StorageAction.ATTACH:
             if backend is None:
