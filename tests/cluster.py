@@ -96,13 +96,19 @@ class NodeProcess:
         stop(self.proc)
 
 
+# Tests of the prefill/decode path run it for every request: conditional disaggregation would serve
+# their short prompts on the decode node alone. Its own tests (and benchmarks) pass a threshold.
+ALWAYS_PD = ["--disaggregation-threshold", "0"]
+
+
 class RouterProcess:
     """``tierserve router`` in its own process, ready once ``/readiness`` answers 200 (a healthy
-    pair) or, with ``need_workers=False``, once ``/health`` does."""
+    pair) or, with ``need_workers=False``, once ``/health`` does. Always through a prefill node
+    unless ``args`` name another ``--disaggregation-threshold``."""
 
     def __init__(self, args: list[str], log: Path) -> None:
         self.port, self.log = free_port(), log
-        cmd = [sys.executable, "-m", "tierserve.cli", "router", "--port", str(self.port), *args]
+        cmd = [sys.executable, "-m", "tierserve.cli", "router", "--port", str(self.port), *ALWAYS_PD, *args]
         with open(log, "ab") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
 
@@ -144,8 +150,9 @@ class ServeProcess:
 
 
 def start_up(port: int, *flags: str) -> tuple[subprocess.Popen, list[str]]:
-    """``tierserve up`` with ``flags``, once it printed its banner; its output lines so far."""
-    cmd = [sys.executable, "-m", "tierserve.cli", "up", "--port", str(port), "--device", "cpu", *flags]
+    """``tierserve up`` with ``flags`` (always through a prefill node unless they name another
+    ``--disaggregation-threshold``), once it printed its banner; its output lines so far."""
+    cmd = [sys.executable, "-m", "tierserve.cli", "up", "--port", str(port), "--device", "cpu", *ALWAYS_PD, *flags]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
     up = threading.Event()

@@ -214,3 +214,20 @@ def test_timeout_waits_for_a_hung_store_as_long_as_the_formula_says() -> None:
         store.release.set()
     cache.wait_background()
     cache.close()
+
+
+def test_the_engine_is_woken_when_a_probe_and_then_its_read_end() -> None:
+    """A request waiting on L3 is admitted at the step after its probe or read ends: the L3 lane
+    calls the engine's waker (``EngineLoop.wake``) instead of leaving it to its next poll (issue 17)."""
+    store = MemoryStorage()
+    tokens = [3] * (2 * PS) + [9]
+    _stored(store, tokens[:-1])
+    cache = _cache(PrefetchPolicy.WAIT_COMPLETE, store)
+    woken = threading.Semaphore(0)
+    cache.set_waker(woken.release)
+    ticket = cache.prefetch(tokens)
+    assert woken.acquire(timeout=10), "no wake after the probe"
+    cache.on_step()  # agrees on the probe and starts the read
+    assert woken.acquire(timeout=10), "no wake after the read"
+    _steps_until(cache, lambda: cache.ready(ticket), "the prefetch is ready")
+    assert ticket.agreed_arrived == 2

@@ -166,3 +166,18 @@ def test_handoff_integrity_and_tls_reach_both_node_roles_and_tls_the_router(monk
     router = build_parser().parse_args(list(by_name["router"][3:]))
     assert router.tls_cert == tmp_path / "client.pem" and router.tls_ca == tmp_path / "ca.pem"
     assert cli_up.cmd_up(build_parser().parse_args(["up", "--tls-dir", str(tmp_path)])) == 2  # needs --tls
+
+
+def test_up_gives_every_child_its_logging_flags(monkeypatch) -> None:
+    """Every child's lines go through ``up``'s stdout: ``--log-level`` and ``--quiet-access-log``
+    (no line per request) reach the nodes and the router (issue 17 item 5)."""
+    plans: list[ClusterPlan] = []
+    monkeypatch.setattr(launch, "up", lambda plan, announce: plans.append(plan) or 0)
+    monkeypatch.setattr(cli_up, "model_dir", lambda _: Path("/m"))
+    args = build_parser().parse_args(["up", "--model", "m", "--log-level", "warning", "--quiet-access-log"])
+    assert cli_up.cmd_up(args) == 0
+    plan = plans[0]
+    node = build_parser().parse_args(["decode", *plan.node_flags])
+    router = build_parser().parse_args(["router", *plan.router_flags])
+    assert (node.log_level, node.quiet_access_log) == (router.log_level, router.quiet_access_log) == ("warning", True)
+    assert router.disaggregation_threshold == args.disaggregation_threshold

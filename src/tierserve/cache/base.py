@@ -6,7 +6,7 @@ listener and snapshot, L3 admin). The engine and the nodes use only this; see
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -134,6 +134,11 @@ class PrefixCache(Protocol):
         """Stops background workers (node shutdown); the cache is not used afterwards."""
         ...
 
+    def set_waker(self, wake: Callable[[], None]) -> None:
+        """``wake`` (callable from any thread) is called when background work a waiting request
+        depends on ends (an L3 probe or read), so the engine steps then instead of at its next poll."""
+        ...
+
     def set_event_listener(self, listener: KVEventListener) -> bool:
         """Reports every page stored or removed, per tier, to ``listener`` from now on. False
         (and nothing reported) when the cache keeps no prefixes."""
@@ -165,6 +170,9 @@ class SingleTier:
 
     def cancel(self, ticket: object | None) -> None:
         pass
+
+    def set_waker(self, wake: Callable[[], None]) -> None:
+        pass  # nothing runs in the background
 
     def evict(self, num_pages: int) -> int:
         return 0

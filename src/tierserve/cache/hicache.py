@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -35,7 +35,7 @@ from tierserve.cache.radix_cache import cp_storable
 from tierserve.cache.radix_tree import Match, Node, RadixTree
 from tierserve.cache.shards import KVShard
 from tierserve.cache.storage import StorageBackend
-from tierserve.cache.storage_tier import StorageTier
+from tierserve.cache.storage_tier import StorageTier, nothing
 from tierserve.core.tiers import CacheTier
 
 log = logging.getLogger(__name__)
@@ -93,6 +93,7 @@ class HiCache(StorageAdmin):
             self.counters[name] += 0  # always published
         self.agreement = agreement or SingleRank()
         self.storage: StorageTier | None = None
+        self.wake: Callable[[], None] = nothing  # set_waker; the L3 tier calls it after a probe or read
         if storage is not None:
             self.attach_storage(storage)
 

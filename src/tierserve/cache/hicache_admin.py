@@ -30,10 +30,17 @@ class StorageAdmin:
     shard: KVShard
     ownership: PageOwnership
     _host_pages_after: Callable[[Sequence[int], int], list[int] | None]
+    wake: Callable[[], None]
 
     @property
     def busy(self) -> bool:
         raise NotImplementedError
+
+    def set_waker(self, wake: Callable[[], None]) -> None:
+        """``PrefixCache.set_waker``: the L3 tier, now and once attached, wakes the engine."""
+        self.wake = wake
+        if self.storage is not None:
+            self.storage.wake = wake
 
     def storage_admin(self, action: StorageAction, backend: StorageBackend | None = None) -> dict[str, Any]:
         if action is StorageAction.ATTACH:
@@ -53,6 +60,7 @@ class StorageAdmin:
             raise StorageBusyError("an L3 backend is already attached: detach it first")
         self.storage = StorageTier(storage, self.host, self.tree, self.config.prefetch, self._host_pages_after,
                                    self.shard, self.ownership, self.sidecar.host if self.sidecar else None)
+        self.storage.wake = self.wake
 
     def detach_storage(self) -> None:
         self._require_idle()

@@ -38,6 +38,10 @@ BACKUP_CALL_PAGES = 1024  # pages per put call: with puts of 4096 pages (a CP=2 
 # 1024-page calls never did (one run each, on 2 CPU cores: the cause inside Mooncake is not established)
 
 
+def nothing() -> None:
+    """A waker that wakes nobody (no engine loop yet)."""
+
+
 @dataclass
 class _Backup:
     node: Node
@@ -80,6 +84,7 @@ class StorageTier:
         self.speed = SpeedModel()
         self.failures = self.backed_up_pages = self.prefetched_pages = 0
         self.decisions = {"wait": 0, "no_wait": 0}
+        self.wake: Callable[[], None] = nothing  # the engine's: a request may be waiting on this lane
 
     @property
     def busy(self) -> bool:
@@ -113,8 +118,12 @@ class StorageTier:
         ticket = Prefetch(local, keys, prefetch_timeout(self.options, len(keys) * ps), self.options.timeout_max,
                           list(token_ids[: local * ps]), salt)
         self.tickets.append(ticket)
-        self._reader.submit(self._probe, ticket)
+        self._reader.submit(self._probe, ticket).add_done_callback(self._woken)
         return ticket
+
+    def _woken(self, _: Future) -> None:
+        """A probe or read ended (any thread): the engine steps now to act on it, not at its next poll."""
+        self.wake()
 
     def _probe(self, ticket: Prefetch) -> None:
         """L3 prefetch lane: how many leading pages the store has (a failure counts as none)."""
@@ -155,7 +164,7 @@ class StorageTier:
         ticket.keys, ticket.host_pages = ticket.keys[:n], pages
         self._reserved += n
         self._judge(ticket)
-        self._reader.submit(self._read, ticket)
+        self._reader.submit(self._read, ticket).add_done_callback(self._woken)
 
     def _judge(self, ticket: Prefetch) -> None:
         """The ``auto`` policy's verdict, agreed: every rank voted in the same step. A request that

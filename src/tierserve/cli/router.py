@@ -25,6 +25,16 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-policy", default=PolicyKind.POWER_OF_TWO, **policies)
 
 
+def add_disaggregation_args(p: argparse.ArgumentParser) -> None:
+    """``--disaggregation-threshold`` (``tierserve router`` and ``up``)."""
+    from tierserve.router.disaggregation import DEFAULT_THRESHOLD
+
+    p.add_argument("--disaggregation-threshold", type=non_negative_tokens, default=DEFAULT_THRESHOLD,
+                   metavar="TOKENS", help="a prompt with fewer tokens than this not cached on the picked decode "
+                   f"node is prefilled there, without a prefill node (0: always through a prefill node; "
+                   f"default {DEFAULT_THRESHOLD})")
+
+
 def add_router_args(p: argparse.ArgumentParser) -> None:
     """Flags of ``tierserve router``, named as in SGLang's router where it has one."""
     add_listen_args(p, 8000)
@@ -45,6 +55,7 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                         "on another pair (0: its stream ends with an error)")
     p.add_argument("--stream-idle-timeout", type=positive_seconds, default=30.0,
                    help="seconds a decode stream may send nothing before it is given up (retried if unseen)")
+    add_disaggregation_args(p)
     p.add_argument("--worker-drain-timeout", type=positive_seconds, default=600.0,
                    help="seconds a removed worker's running requests get to finish before its channel closes")
     p.add_argument("--health-check-interval", type=float, default=2.0, help="seconds between worker checks")
@@ -64,6 +75,14 @@ def positive_seconds(text: str) -> float:
     return value
 
 
+def non_negative_tokens(text: str) -> int:
+    """An argparse type: a token count of 0 or more."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more tokens, not {text}")
+    return value
+
+
 def router_config(args: argparse.Namespace, folder: Path) -> RouterConfig:
     from tierserve.core.node_auth import TLSFiles, read_token
     from tierserve.router.app import RouterConfig
@@ -75,7 +94,8 @@ def router_config(args: argparse.Namespace, folder: Path) -> RouterConfig:
         prefill_policy=args.prefill_policy, decode_policy=args.decode_policy,
         options=RouterOptions(max_running=args.max_running_requests, max_queued=args.max_queued_requests,
                               timeout_s=args.request_timeout, max_retries=args.max_retries,
-                              stream_idle_timeout_s=args.stream_idle_timeout, max_migrations=args.max_migrations),
+                              stream_idle_timeout_s=args.stream_idle_timeout, max_migrations=args.max_migrations,
+                              disaggregation_threshold=args.disaggregation_threshold),
         health_check_interval_s=args.health_check_interval, drain_timeout_s=args.worker_drain_timeout,
         node_token=read_token(args.node_token, args.node_token_file),
         tls=TLSFiles.of(args.tls_cert, args.tls_key, args.tls_ca),

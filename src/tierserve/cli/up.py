@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tierserve.cli.flags import add_engine_args, add_model_args, engine_config, engine_flags, model_dir, tenant_keys
-from tierserve.cli.router import add_policy_args
+from tierserve.cli.router import add_disaggregation_args, add_policy_args
 from tierserve.engine.config import EngineConfig
 
 if TYPE_CHECKING:
@@ -42,6 +42,7 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
                    help="the L3 store's size in GB, split evenly between the nodes (default: a third of this "
                         "machine's memory; segments take memory only as they fill)")
     add_policy_args(p)
+    add_disaggregation_args(p)
     keys = p.add_mutually_exclusive_group()
     keys.add_argument("--api-key", help="require 'Authorization: Bearer <key>' on the router's API")
     keys.add_argument("--api-keys", type=Path, metavar="FILE", help="the router's tenants' API keys (see router)")
@@ -88,7 +89,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     integrity = ["--handoff-integrity"] if args.handoff_integrity else []
     segment = l3_size_bytes(args) // (args.prefill_nodes + args.decode_nodes)
     plan = ClusterPlan(folder, args.host, args.port, args.prefill_nodes, args.decode_nodes, not args.no_l3,
-                       engine_flags(config), [*_router_flags(args), *args.router_args], l3_config, segment,
+                       [*engine_flags(config), *_log_flags(args)],
+                       [*_router_flags(args), *_log_flags(args), *args.router_args], l3_config, segment,
                        args.state_file, restart, [*integrity, *args.prefill_args], [*integrity, *args.decode_args],
                        args.prefill_tp_size,
                        args.decode_tp_size, args.prefill_pp_size, args.decode_pp_size, args.prefill_cp_size, tls)
@@ -164,11 +166,18 @@ def _without_l3_config(config: EngineConfig) -> tuple[EngineConfig, dict]:
     return replace(config, hicache=replace(config.hicache, storage_config={})), config.hicache.storage_config
 
 
+def _log_flags(args: argparse.Namespace) -> list[str]:
+    """``up``'s own logging settings, for every child: each child's lines go through ``up``'s
+    stdout, so ``--quiet-access-log`` (no line per request) spares that hop too."""
+    return ["--log-level", args.log_level, *(["--quiet-access-log"] if args.quiet_access_log else [])]
+
+
 def _router_flags(args: argparse.Namespace) -> list[str]:
     file = args.api_keys and args.api_keys.resolve()  # the router may run elsewhere than here
     keys = [str(f) for flag, value in (("--api-key", args.api_key), ("--api-keys", file),
                                        ("--admin-api-key", args.admin_api_key)) if value for f in (flag, value)]
-    return [*keys, "--prefill-policy", args.prefill_policy.value, "--decode-policy", args.decode_policy.value]
+    return [*keys, "--prefill-policy", args.prefill_policy.value, "--decode-policy", args.decode_policy.value,
+            "--disaggregation-threshold", str(args.disaggregation_threshold)]
 
 
 def _announce(args: argparse.Namespace, base: str, children: list[str], tls: ClusterTLS | None = None) -> None:

@@ -21,8 +21,9 @@ from dataclasses import replace
 import grpc
 
 from tierserve.cache.hashing import tenant_salt
-from tierserve.core.outputs import FinishReason
+from tierserve.core.outputs import FinishReason, RequestOutput
 from tierserve.core.sampling import InvalidRequestError
+from tierserve.core.tiers import CacheTier
 from tierserve.engine.commands import CancelReservation, FlushCache, Reserve
 from tierserve.engine.handoff import HandoffCheckError
 from tierserve.engine.reservations import DEFAULT_TERMS, CapacityError, ReservationTerms
@@ -96,16 +97,8 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
                                                   request.resumed_tokens, check)
         self.running.add(request.reservation_id)
         try:
-            async for out in stream:
-                if self.draining and out.finish_reason is FinishReason.ABORT:
-                    await self._hand_back(context)
-                if self.draining and not out.finished:  # started as the drain began, after its aborts
-                    self.node.loop.abort(request.reservation_id)
-                yield pb.GenerateChunk(token_ids=out.new_token_ids, text=out.new_text, finished=out.finished,
-                                       finish_reason=out.reason or "", completion_tokens=out.completion_tokens,
-                                       logprobs=[logprob_to_proto(lp) for lp in out.logprobs or []],
-                                       spec_draft_tokens=out.spec_draft_tokens,
-                                       spec_accepted_tokens=out.spec_accepted_tokens)
+            async for chunk in self._chunks(request.reservation_id, stream, context):
+                yield chunk
         except KeyError as exc:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0]))
         except InvalidRequestError as exc:
@@ -116,6 +109,19 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             await context.abort(grpc.StatusCode.DATA_LOSS, str(exc))
         finally:
             self.running.discard(request.reservation_id)
+
+    async def _chunks(self, rid: str, stream: AsyncIterator[RequestOutput], context: grpc.aio.ServicerContext,
+                      local: bool = False) -> AsyncIterator[pb.GenerateChunk]:
+        """``stream``'s outputs as chunks (``local``: the first with the prompt's cache report); a
+        drain ends it with the ``DRAINING`` trailer once its pages are on their way to L3."""
+        first = local
+        async for out in stream:
+            if self.draining and out.finish_reason is FinishReason.ABORT:
+                await self._hand_back(context)
+            if self.draining and not out.finished:  # started as the drain began, after its aborts
+                self.node.loop.abort(rid)
+            yield _chunk(out, first)
+            first = False
 
     async def drain(self) -> None:
         """SIGTERM: refuses new work, stops every running generation (its pages go to the cache,
@@ -146,11 +152,46 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
                    "start the prefill node with --handoff-integrity too"
         return None
 
+    async def GenerateLocal(self, request: pb.LocalGenerateRequest, context: grpc.aio.ServicerContext
+                            ) -> AsyncIterator[pb.GenerateChunk]:
+        """A whole request on this node: its engine computes what its cache lacks of the prompt,
+        as a single engine does (conditional disaggregation, ``docs/architecture.md``, the PD path).
+        The first chunk carries the cache report (and prompt logprobs when asked)."""
+        if self.draining:
+            await self._hand_back(context)
+        rid = request.request_id
+        self.running.add(rid)
+        try:
+            params = sampling_params(request.sampling)
+            stream = self.node.loop.generate(rid, list(request.prompt_ids), params,
+                                             tenant_salt(request.tenant, request.cache_salt))
+            async for chunk in self._chunks(rid, stream, context, local=True):
+                yield chunk
+        except InvalidRequestError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        finally:
+            self.running.discard(rid)
+
     async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:
         rid = request.reservation_id
         released = await self.node.loop.apply(CancelReservation(rid, request.writer_stopped, time.monotonic()))
         self.node.loop.abort(rid)  # a running generation ends (aborted) on its stream; else a no-op
         return pb.ReleaseResponse(released=released)
+
+
+def _chunk(out: RequestOutput, first: bool = False) -> pb.GenerateChunk:
+    """An output as a chunk; ``first``: a local generation's first, with the prompt's cache report
+    and logprobs."""
+    chunk = pb.GenerateChunk(token_ids=out.new_token_ids, text=out.new_text, finished=out.finished,
+                             finish_reason=out.reason or "", completion_tokens=out.completion_tokens,
+                             logprobs=[logprob_to_proto(lp) for lp in out.logprobs or []],
+                             spec_draft_tokens=out.spec_draft_tokens, spec_accepted_tokens=out.spec_accepted_tokens)
+    if first:
+        tiers = out.cached_by_tier
+        chunk.cache.CopyFrom(pb.CacheReport(cached_tokens=out.cached_tokens, **{t.value: tiers.get(t, 0)
+                                                                               for t in CacheTier}))
+        chunk.prompt_logprobs.extend(logprob_to_proto(lp) for lp in out.prompt_logprobs or [] if lp)
+    return chunk
 
 
 def add_decode_service(terms: ReservationTerms, max_lease_s: float) -> AddService:

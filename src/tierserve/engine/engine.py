@@ -206,6 +206,11 @@ class Engine:
         """Requests, reservations, or cache copies that finish only through steps."""
         return self.scheduler.has_work() or bool(self.reservations) or self.cache.busy
 
+    def only_reservations(self) -> bool:
+        """Reservations are all the work there is: only time (a lease or quarantine ending) or a
+        command changes anything."""
+        return bool(self.reservations) and not self.scheduler.has_work() and not self.cache.busy
+
     def stats(self) -> dict[str, float]:
         """Occupancy counters; engine thread only (other threads read ``EngineLoop.stats``, which
         the engine thread publishes). ``kv_pages_used`` counts pages held by requests,

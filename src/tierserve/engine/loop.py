@@ -29,12 +29,20 @@ from tierserve.engine.step_bus import SoleBus, StepBus
 
 log = logging.getLogger(__name__)
 STATS_INTERVAL_S = 0.01  # a busy engine republishes its occupancy at most this often
+RESERVED_WAIT_S = 0.05  # only reservations pending: a lease or a quarantine ends at most this late
 
 
 @dataclass
 class _Submit:
     command: EngineCommand  # adds the request; may already produce output
     sink: Callable[[RequestOutput | BaseException], None]
+
+
+class _Wake:
+    """Ends the engine thread's wait (``EngineLoop.wake``); nothing to apply."""
+
+
+_WAKE = _Wake()
 
 
 @dataclass
@@ -65,9 +73,10 @@ class EngineLoop:
         self.bus = bus or SoleBus()
         self._stats = engine.stats()  # the engine thread does not run yet
         self._published = 0.0
-        self._commands: queue.SimpleQueue[_Submit | AbortRequest | _Call | None] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Submit | AbortRequest | _Call | _Wake | None] = queue.SimpleQueue()
         self._sinks: dict[str, Callable[[RequestOutput | BaseException], None]] = {}
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        engine.cache.set_waker(self.wake)  # an L3 probe a request waits on ends: step then, not at the next poll
 
     def start(self) -> EngineLoop:
         self._thread.start()
@@ -124,6 +133,10 @@ class EngineLoop:
         finally:
             if not finished:
                 self._commands.put(AbortRequest(command.request_id))
+
+    def wake(self) -> None:
+        """Any thread: the engine thread ends its wait and steps (background work it may use ended)."""
+        self._commands.put(_WAKE)
 
     def abort(self, request_id: str) -> None:
         """Stops a request from any thread; its stream ends with an aborted output."""
@@ -187,11 +200,17 @@ class EngineLoop:
 
     def _wait(self) -> float | None:
         """How long to wait for a command: when idle, forever (several ranks: until the bus must
-        speak again), a moment when the last step could schedule nothing (e.g. every page pinned)
-        so the thread does not spin, else not at all."""
+        speak again); with only reservations waiting for their KV, until a lease may end (what
+        starts them is a command, which wakes the wait: a decode node does not poll for its
+        handoffs); a moment when the last step could schedule nothing (e.g. every page pinned)
+        so the thread does not spin; else not at all."""
         if not self.engine.has_work():
             return self.bus.idle_wait
-        return 0.0 if self.engine.last_batch_size else 0.005
+        if self.engine.last_batch_size:
+            return 0.0
+        if self.engine.only_reservations():
+            return min(RESERVED_WAIT_S, self.bus.idle_wait or RESERVED_WAIT_S)
+        return 0.005
 
     def _drain(self, wait: float | None) -> bool:
         """Applies queued commands, first waiting up to ``wait`` seconds (None: until one comes);
@@ -204,6 +223,8 @@ class EngineLoop:
             wait = 0
             if command is None:
                 return False
+            if isinstance(command, _Wake):
+                continue
             if isinstance(command, _Call):
                 self._call(command)
             elif isinstance(command, AbortRequest):

@@ -68,6 +68,8 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
         """Computes the prompt and hands its KV over; a failure says in its trailing metadata
         whether the handoff's batches all ended (``WRITER_STOPPED``)."""
+        if not request.HasField("destination"):
+            return await self._alone(request, context)
         prompt, dest = list(request.prompt_ids), request.destination
         problem = self._check_destination(prompt, dest)
         if problem is not None:
@@ -119,7 +121,28 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         """Compute, then the rest of the handoff, within ``timeout`` seconds together."""
         deadline = time.monotonic() + timeout
         first = await asyncio.wait_for(self._compute(add), timeout)
+        if not handoff.busy():  # done with the compute, as a short prompt's usually is: no thread hop
+            return first, handoff.result(0.0)
         return first, await asyncio.to_thread(handoff.result, max(0.0, deadline - time.monotonic()))
+
+    async def _alone(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
+        """A one-token request served here alone (no decode node, no handoff): the router's
+        prefill-only path (``docs/architecture.md``, the PD path). The request's own sampling
+        settings hold, so EOS ends it as on a single engine."""
+        try:
+            params = sampling_params(request.sampling)
+            if params.max_tokens != 1:
+                raise InvalidRequestError("a Prefill without a destination serves max_tokens 1 only")
+            add = AddRequest(request.request_id, tuple(request.prompt_ids), params,
+                             tenant_salt(request.tenant, request.cache_salt))
+            first = await asyncio.wait_for(self._compute(add), request.timeout_seconds or self.options.timeout_s)
+        except InvalidRequestError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except TimeoutError:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the prefill took too long")
+        if first is None or not first.new_token_ids:
+            await context.abort(grpc.StatusCode.ABORTED, "the prefill was aborted")
+        return _response(first, text=first.new_text, finish_reason=first.reason or "")
 
     async def _fail(self, context: grpc.aio.ServicerContext, handoff: KVHandoff | SidecarHandoff | AgreedHandoff,
                     code: grpc.StatusCode, message: str) -> None:
@@ -147,16 +170,10 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         self.metrics.transfer_bytes.inc(result.bytes)
         self.metrics.transfer_seconds.observe(result.transfer_seconds)
         self.metrics.exposed_seconds.observe(result.exposed_seconds)
-        log.info("request %s: handoff %d bytes in %.3f s (%.3f s after compute), cached %d", request_id,
+        log.debug("request %s: handoff %d bytes in %.3f s (%.3f s after compute), cached %d", request_id,
                  result.bytes, result.transfer_seconds, result.exposed_seconds, first.cached_tokens)
-        tiers = first.cached_by_tier
-        cache = pb.CacheReport(cached_tokens=first.cached_tokens, **{t.value: tiers.get(t, 0) for t in CacheTier})
-        return pb.PrefillResponse(first_token=first.new_token_ids[0], cache=cache, transferred_bytes=result.bytes,
-                                  transfer_seconds=result.transfer_seconds,
-                                  exposed_transfer_seconds=result.exposed_seconds,
-                                  first_logprob=logprob_to_proto(first.logprobs[0]) if first.logprobs else None,
-                                  prompt_logprobs=[logprob_to_proto(lp) for lp in first.prompt_logprobs or [] if lp],
-                                  kv_digests=result.digests)
+        return _response(first, transferred_bytes=result.bytes, transfer_seconds=result.transfer_seconds,
+                         exposed_transfer_seconds=result.exposed_seconds, kv_digests=result.digests)
 
     def _check_destination(self, prompt: list[int], dest: pb.KVDestination) -> str | None:
         mismatch = identity_mismatch(self.identity, dest.identity)
@@ -174,6 +191,16 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         return heads_problem(dests, i.num_kv_heads, max(dest.pages), i.num_layers) or \
             sidecar_problem(dest, self._draft_geometry()) or \
             staging_problem(dests, i.num_kv_heads, self.node.engine.ranks.tp.size, len(prompt))
+
+
+def _response(first: RequestOutput, **fields: object) -> pb.PrefillResponse:
+    """The first token, its cache report and logprobs, plus ``fields``."""
+    tiers = first.cached_by_tier
+    cache = pb.CacheReport(cached_tokens=first.cached_tokens, **{t.value: tiers.get(t, 0) for t in CacheTier})
+    return pb.PrefillResponse(first_token=first.new_token_ids[0], cache=cache,
+                              first_logprob=logprob_to_proto(first.logprobs[0]) if first.logprobs else None,
+                              prompt_logprobs=[logprob_to_proto(lp) for lp in first.prompt_logprobs or [] if lp],
+                              **fields)
 
 
 def _first_token_params(params: SamplingParams) -> SamplingParams:

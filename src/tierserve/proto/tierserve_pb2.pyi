@@ -200,7 +200,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., cache_salt: _Optional[str] = ..., destination: _Optional[_Union[KVDestination, _Mapping]] = ..., timeout_seconds: _Optional[float] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token", "cache", "transferred_bytes", "transfer_seconds", "exposed_transfer_seconds", "first_logprob", "prompt_logprobs", "kv_digests")
+    __slots__ = ("first_token", "cache", "transferred_bytes", "transfer_seconds", "exposed_transfer_seconds", "first_logprob", "prompt_logprobs", "kv_digests", "text", "finish_reason")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     CACHE_FIELD_NUMBER: _ClassVar[int]
     TRANSFERRED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -209,6 +209,8 @@ class PrefillResponse(_message.Message):
     FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     KV_DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     first_token: int
     cache: CacheReport
     transferred_bytes: int
@@ -217,7 +219,9 @@ class PrefillResponse(_message.Message):
     first_logprob: TokenLogprob
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     kv_digests: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, first_token: _Optional[int] = ..., cache: _Optional[_Union[CacheReport, _Mapping]] = ..., transferred_bytes: _Optional[int] = ..., transfer_seconds: _Optional[float] = ..., exposed_transfer_seconds: _Optional[float] = ..., first_logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., kv_digests: _Optional[_Iterable[int]] = ...) -> None: ...
+    text: str
+    finish_reason: str
+    def __init__(self, first_token: _Optional[int] = ..., cache: _Optional[_Union[CacheReport, _Mapping]] = ..., transferred_bytes: _Optional[int] = ..., transfer_seconds: _Optional[float] = ..., exposed_transfer_seconds: _Optional[float] = ..., first_logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., kv_digests: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("reservation_id", "first_token", "sampling", "resumed_tokens", "kv_digests")
@@ -234,7 +238,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, reservation_id: _Optional[str] = ..., first_token: _Optional[int] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., resumed_tokens: _Optional[int] = ..., kv_digests: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
-    __slots__ = ("token_ids", "text", "finished", "finish_reason", "completion_tokens", "logprobs", "spec_draft_tokens", "spec_accepted_tokens")
+    __slots__ = ("token_ids", "text", "finished", "finish_reason", "completion_tokens", "logprobs", "spec_draft_tokens", "spec_accepted_tokens", "cache", "prompt_logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
@@ -243,6 +247,8 @@ class GenerateChunk(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     SPEC_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     finished: bool
@@ -251,7 +257,23 @@ class GenerateChunk(_message.Message):
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     spec_draft_tokens: int
     spec_accepted_tokens: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., completion_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ...) -> None: ...
+    cache: CacheReport
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., completion_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., cache: _Optional[_Union[CacheReport, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+
+class LocalGenerateRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_ids", "sampling", "cache_salt", "tenant")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: SamplingOptions
+    cache_salt: str
+    tenant: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., cache_salt: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("reservation_id", "writer_stopped")

@@ -44,6 +44,11 @@ class DecodeServiceStub:
                 request_serializer=tierserve_dot_proto_dot_tierserve__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=tierserve_dot_proto_dot_tierserve__pb2.GenerateChunk.FromString,
                 _registered_method=True)
+        self.GenerateLocal = channel.unary_stream(
+                '/tierserve.v1.DecodeService/GenerateLocal',
+                request_serializer=tierserve_dot_proto_dot_tierserve__pb2.LocalGenerateRequest.SerializeToString,
+                response_deserializer=tierserve_dot_proto_dot_tierserve__pb2.GenerateChunk.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/tierserve.v1.DecodeService/Release',
                 request_serializer=tierserve_dot_proto_dot_tierserve__pb2.ReleaseRequest.SerializeToString,
@@ -66,6 +71,12 @@ class DecodeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GenerateLocal(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Release(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -83,6 +94,11 @@ def add_DecodeServiceServicer_to_server(servicer, server):
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
                     request_deserializer=tierserve_dot_proto_dot_tierserve__pb2.GenerateRequest.FromString,
+                    response_serializer=tierserve_dot_proto_dot_tierserve__pb2.GenerateChunk.SerializeToString,
+            ),
+            'GenerateLocal': grpc.unary_stream_rpc_method_handler(
+                    servicer.GenerateLocal,
+                    request_deserializer=tierserve_dot_proto_dot_tierserve__pb2.LocalGenerateRequest.FromString,
                     response_serializer=tierserve_dot_proto_dot_tierserve__pb2.GenerateChunk.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
@@ -144,6 +160,33 @@ class DecodeService:
             target,
             '/tierserve.v1.DecodeService/Generate',
             tierserve_dot_proto_dot_tierserve__pb2.GenerateRequest.SerializeToString,
+            tierserve_dot_proto_dot_tierserve__pb2.GenerateChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateLocal(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tierserve.v1.DecodeService/GenerateLocal',
+            tierserve_dot_proto_dot_tierserve__pb2.LocalGenerateRequest.SerializeToString,
             tierserve_dot_proto_dot_tierserve__pb2.GenerateChunk.FromString,
             options,
             channel_credentials,

@@ -62,7 +62,7 @@ def create_router_app(config: RouterConfig, registry: Registry, tasks: list[Task
     backend = PDBackend(registry, make_policy(config.prefill_policy), make_policy(config.decode_policy),
                         config.options, config.context_length or model.max_position, caches.lookup)
     name = config.served_model_name or config.model_dir.name
-    app = create_app(backend, try_load(config.model_dir), name, ApiMetrics(_RouterCollector(registry, backend)),
+    app = create_app(backend, try_load(config.model_dir), name, ApiMetrics(_RouterCollector(registry, backend, caches)),
                      config.keys, config.admin_api_key)
     _add_worker_routes(app, registry, admin_guard(config.admin_api_key, config.keys))
     initial = [(Role.PREFILL, a) for a in config.prefill] + [(Role.DECODE, a) for a in config.decode]
@@ -136,8 +136,8 @@ def valid_address(address: str) -> bool:
 class _RouterCollector:
     """Per-worker state and load, queue size and retries, one snapshot per scrape."""
 
-    def __init__(self, registry: Registry, backend: PDBackend) -> None:
-        self.registry, self.backend = registry, backend
+    def __init__(self, registry: Registry, backend: PDBackend, caches: CacheView) -> None:
+        self.registry, self.backend, self.caches = registry, backend, caches
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         load = GaugeMetricFamily("tierserve_worker_load", "Router requests on a worker", labels=["role", "worker"])
@@ -148,6 +148,7 @@ class _RouterCollector:
             healthy.add_metric([w.role.value, w.address], float(w.available))
         yield load
         yield healthy
+        yield self._indexed()
         yield GaugeMetricFamily("tierserve_router_queued_requests", "Requests waiting for a slot",
                                 value=self.backend.queued)
         yield CounterMetricFamily("tierserve_router_retries", "Retries on a new pair", value=self.backend.retries)
@@ -158,6 +159,20 @@ class _RouterCollector:
         yield migrations
         yield CounterMetricFamily("tierserve_router_migrations_given_up", "Requests past --max-migrations",
                                   value=self.backend.migrations.given_up)
+        served = CounterMetricFamily("tierserve_router_served", "Tries per path: prefill_decode (a prefill node "
+                                     "computed the prompt) or decode_only (the decode node did)", labels=["path"])
+        for path, count in self.backend.served.items():
+            served.add_metric([path.value], count)
+        yield served
+
+    def _indexed(self) -> GaugeMetricFamily:
+        pages = GaugeMetricFamily("tierserve_router_indexed_pages", "Pages the router's KV-event index holds "
+                                  "for a worker", labels=["role", "worker", "medium"])
+        for w in self.registry.listed():
+            held = self.caches.pages(w)
+            pages.add_metric([w.role.value, w.address, "device"], held.device)
+            pages.add_metric([w.role.value, w.address, "host"], held.host)
+        return pages
 
 
 def serve_router(config: RouterConfig, host: str, port: int, tasks: list[Task] | None = None,

@@ -24,6 +24,15 @@ from tierserve.core.tiers import TIERS
 from tierserve.proto import tierserve_pb2 as pb
 from tierserve.proto.sampling import logprob_from_proto, to_proto
 from tierserve.router import pd_flow
+from tierserve.router.disaggregation import (
+    DEFAULT_THRESHOLD,
+    Disaggregation,
+    LocalOutputs,
+    ServedPath,
+    alone_output,
+    generate_local,
+    prefill_alone,
+)
 from tierserve.router.migration import DecodeLost, LostReason, Migrations, draining, migrating
 from tierserve.router.policies import CachedPrefix, Policy
 from tierserve.router.registry import Registry, Worker
@@ -32,6 +41,7 @@ from tierserve.router.roles import Role
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 PrefixLookupFactory = Callable[[list[int], str], Callable[[Worker], CachedPrefix]]
+_Pair = tuple[Worker | None, Worker | None]  # (prefill, decode); either alone serves the request (``ServedPath``)
 
 
 @dataclass(frozen=True)
@@ -43,6 +53,7 @@ class RouterOptions:
     backoff_s: float = 0.05  # first retry's base delay, doubled each time, with jitter
     stream_idle_timeout_s: float = 30.0  # a decode stream with no chunk for this long is given up
     max_migrations: int = 2  # times a request that produced tokens continues on another pair
+    disaggregation_threshold: int = DEFAULT_THRESHOLD  # fewer uncached prompt tokens: the decode node prefills
 
 
 @dataclass(frozen=True)
@@ -70,6 +81,8 @@ class PDBackend:
         self._queued = 0
         self.retries = 0
         self.migrations = Migrations()
+        self.disaggregation = Disaggregation(options.disaggregation_threshold)
+        self.served = {path: 0 for path in ServedPath}  # tries started per path
         self.routes: deque[dict[str, object]] = deque(maxlen=256)  # recent decisions, for operators and tests
 
     @property
@@ -85,7 +98,8 @@ class PDBackend:
 
     async def debug_state(self) -> dict[str, Any]:
         return {"workers": [w.describe() for w in self.registry.listed()], "queued": self._queued,
-                "retries": self.retries, "routes": list(self.routes)} | self.migrations.state()
+                "retries": self.retries, "served": {p.value: n for p, n in self.served.items()},
+                "routes": list(self.routes)} | self.migrations.state()
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, cache_salt: str,
                        *, tenant: str = "", buffered: bool = False) -> AsyncIterator[RequestOutput]:
@@ -122,7 +136,7 @@ class PDBackend:
                 self.retries += 1
                 await asyncio.sleep(self._backoff(attempt, deadline))
             attempt += 1
-            pair = self._pick(request.prompt, tenant_salt(request.tenant, request.salt))
+            pair = self._pick(request)
             try:
                 async with contextlib.aclosing(self._attempt(pair, request, attempt)) as outputs:
                     async for out in outputs:
@@ -134,38 +148,91 @@ class PDBackend:
                 _log_retry(request.id, pair, exc, again=failures <= self.options.max_retries)
         raise oa.APIError(503, f"no prefill/decode pair could serve the request: {last_error}", code="unavailable")
 
-    async def _attempt(self, pair: tuple[Worker, Worker], request: _Request, attempt: int
-                       ) -> AsyncIterator[RequestOutput]:
-        """One try on one pair, counted in both workers' load until it ends."""
+    async def _attempt(self, pair: _Pair, request: _Request, attempt: int) -> AsyncIterator[RequestOutput]:
+        """One try on one pair (or one node alone), counted in the workers' load until it ends."""
         prefill, decode = pair
-        prefill.begin()
-        decode.begin()
+        used = [w for w in pair if w is not None]
+        for worker in used:
+            worker.begin()
         try:
-            stubs, done = await self._prefill(pair, f"{request.id}-{attempt}", request)
-            async with contextlib.aclosing(self._stream(decode, stubs, done, request)) as results:
+            rid = f"{request.id}-{attempt}"
+            if prefill is None:
+                outputs = self._local(decode, rid, request)
+            elif decode is None:
+                outputs = self._alone(prefill, rid, request)
+            else:
+                outputs = self._disaggregated((prefill, decode), rid, request)
+            async with contextlib.aclosing(outputs) as results:
                 async for out in results:
                     yield out
         finally:
-            prefill.end()
-            decode.end()
+            for worker in used:
+                worker.end()
+
+    async def _disaggregated(self, pair: tuple[Worker, Worker], rid: str, request: _Request
+                             ) -> AsyncIterator[RequestOutput]:
+        stubs, done = await self._prefill(pair, rid, request)
+
+        def convert(chunk: pb.GenerateChunk, first: bool) -> RequestOutput:
+            return _output(done, len(request.prompt), chunk, request.sampling, first)
+
+        def release() -> None:
+            pd_flow.release_later(stubs, done.reservation_id, writer_stopped=True)
+
+        chunks = pd_flow.generate(stubs, done, request.sampling, request.resumed)
+        outputs = self._stream(pair[1], chunks, convert, release)
+        async with contextlib.aclosing(outputs) as results:
+            async for out in results:
+                yield out
+
+    def _local(self, decode: Worker, rid: str, request: _Request) -> AsyncIterator[RequestOutput]:
+        """The whole request on the decode node (``GenerateLocal``): cancelling the stream aborts
+        it there, so a failure needs no Release."""
+        chunks = generate_local(decode.channel, rid, request.prompt, request.sampling, request.salt, request.tenant)
+        convert = LocalOutputs(rid, len(request.prompt), request.sampling).output
+        return self._stream(decode, chunks, convert, None)
+
+    async def _alone(self, prefill: Worker, rid: str, request: _Request) -> AsyncIterator[RequestOutput]:
+        """A one-token request on the prefill node alone: its first token is the answer."""
+        try:
+            response = await prefill_alone(prefill.channel, rid, request.prompt, request.sampling, request.salt,
+                                           request.tenant, self.options.timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            self._blame(prefill, exc.code(), exc.details() or "")
+            raise _Retry(f"prefill on {prefill.address}: {exc.code().name} {exc.details()}") from exc
+        self.registry.succeeded(prefill)
+        yield alone_output(rid, len(request.prompt), response, request.sampling)
 
     def _backoff(self, attempt: int, deadline: float) -> float:
         """Jittered exponential delay, at most 1 s and never past the deadline."""
         delay = min(1.0, self.options.backoff_s * 2 ** min(attempt - 1, 10)) * (0.5 + random.random())
         return max(0.0, min(delay, deadline - asyncio.get_running_loop().time()))
 
-    def _pick(self, prompt: list[int], salt: str) -> tuple[Worker, Worker]:
+    def _pick(self, request: _Request) -> _Pair:
+        """The decode worker, then the path (``Disaggregation``: what the decode worker holds of
+        the prompt, the tokens asked for), then the prefill worker if the path has one."""
         prefills, decodes = self.registry.available(Role.PREFILL), self.registry.available(Role.DECODE)
-        if not prefills or not decodes:
-            missing = "prefill" if not prefills else "decode"
-            raise oa.APIError(503, f"no healthy {missing} worker", code="unavailable")
-        lookup = self.lookup(prompt, salt)
-        prefill, decode = self.prefill_policy.pick(prefills, lookup), self.decode_policy.pick(decodes, lookup)
-        cached = lookup(prefill)
-        self.routes.append({"prefill": prefill.address, "decode": decode.address, "prompt_tokens": len(prompt),
-                            "prefill_cached_pages": [cached.device, cached.host]})
-        log.debug("route: prefill %s (cached pages %s), decode %s", prefill.address, cached, decode.address)
-        return prefill, decode
+        if not decodes:
+            raise oa.APIError(503, "no healthy decode worker", code="unavailable")
+        lookup = self.lookup(request.prompt, tenant_salt(request.tenant, request.salt))
+        decode = self.decode_policy.pick(decodes, lookup)
+        held = lookup(decode)
+        page = self.registry.info.identity.page_size if self.registry.info is not None else 1
+        # a migrated request continues its text (``resumed``), which only the PD path's Generate carries
+        path = ServedPath.PREFILL_DECODE if request.resumed else \
+            self.disaggregation.path(len(request.prompt), held, page, request.sampling.max_tokens)
+        route = {"path": path.value, "decode": decode.address, "prompt_tokens": len(request.prompt),
+                 "decode_cached_pages": [held.device, held.host]}
+        if path is not ServedPath.DECODE_ONLY and not prefills:
+            raise oa.APIError(503, "no healthy prefill worker", code="unavailable")
+        self.served[path] += 1
+        prefill = self.prefill_policy.pick(prefills, lookup) if path is not ServedPath.DECODE_ONLY else None
+        if prefill is not None:
+            cached = lookup(prefill)
+            route |= {"prefill": prefill.address, "prefill_cached_pages": [cached.device, cached.host]}
+        self.routes.append(route)
+        log.debug("route: %s", route)
+        return prefill, None if path is ServedPath.PREFILL_ONLY else decode
 
     async def _prefill(self, pair: tuple[Worker, Worker], rid: str, request: _Request
                        ) -> tuple[pd_flow.Pair, pd_flow.Prefilled]:
@@ -192,30 +259,36 @@ class PDBackend:
         if code is not grpc.StatusCode.RESOURCE_EXHAUSTED:  # a full worker is healthy, just busy
             self.registry.failed(worker, code.name, unreachable=code is grpc.StatusCode.UNAVAILABLE)
 
-    async def _stream(self, decode: Worker, stubs: pd_flow.Pair, done: pd_flow.Prefilled, request: _Request
-                      ) -> AsyncIterator[RequestOutput]:
-        """D's chunks as outputs. D failing, draining, or sending nothing for
-        ``stream_idle_timeout_s`` (frozen, cut off), blames D, cancels the stream (D aborts it and
-        frees its pages) and ends the try: ``_Retry`` while it produced nothing, else ``DecodeLost``."""
+    async def _stream(self, decode: Worker, chunks: AsyncIterator[pb.GenerateChunk],
+                      convert: Callable[[pb.GenerateChunk, bool], RequestOutput],
+                      release: Callable[[], None] | None) -> AsyncIterator[RequestOutput]:
+        """D's chunks as outputs (``convert(chunk, first)``). D failing, draining, or sending nothing
+        for ``stream_idle_timeout_s`` (frozen, cut off), blames D, cancels the stream (D aborts it
+        and frees its pages), calls ``release`` (which does not wait: a dead, stopping or frozen D
+        answers late or never) and ends the try: ``_Retry`` while it produced nothing, else
+        ``DecodeLost``. D refusing the request (a local generation's own checks) is the request's
+        error, not D's; KV that failed its digests (DATA_LOSS) is the pair's, retried, D not blamed."""
         produced = False
-        chunks = _within(pd_flow.generate(stubs, done, request.sampling, request.resumed),
-                         self.options.stream_idle_timeout_s)
+        chunks = _within(chunks, self.options.stream_idle_timeout_s)
         try:
             async with contextlib.aclosing(chunks):
                 async for i, chunk in _numbered(chunks):
                     produced = True
-                    yield _output(done, len(request.prompt), chunk, request.sampling, first=i == 0)
+                    yield convert(chunk, i == 0)
         except grpc.aio.AioRpcError as exc:
-            if exc.code() is not grpc.StatusCode.DATA_LOSS:  # KV that failed its digests: the pair's, retried
+            if exc.code() is grpc.StatusCode.INVALID_ARGUMENT:
+                raise InvalidRequestError(exc.details() or "") from exc
+            if exc.code() is not grpc.StatusCode.DATA_LOSS:
                 self.registry.failed(decode, exc.code().name, unreachable=exc.code() is grpc.StatusCode.UNAVAILABLE)
-            # not awaited: a dead or stopping D answers late or never, and the request moves on now
-            pd_flow.release_later(stubs, done.reservation_id, writer_stopped=True)
+            if release is not None:
+                release()
             reason = LostReason.DRAINING if draining(exc) else LostReason.FAILED
             raise _decode_failed(decode, produced, f"{reason.value} ({exc.code().name} {exc.details()})", 502,
                                  reason) from exc
         except _Stalled as exc:
             self.registry.failed(decode, "stream idle", unreachable=True)  # back once a health check passes
-            pd_flow.release_later(stubs, done.reservation_id, writer_stopped=True)  # a frozen D answers late
+            if release is not None:
+                release()
             raise _decode_failed(decode, produced, str(exc), 504, LostReason.SILENT) from exc
         self.registry.succeeded(decode)
 
@@ -229,10 +302,11 @@ def _decode_failed(decode: Worker, produced: bool, what: str, status: int, reaso
     return DecodeLost(decode.address, reason, error)
 
 
-def _log_retry(request_id: str, pair: tuple[Worker, Worker], exc: _Retry, again: bool) -> None:
+def _log_retry(request_id: str, pair: _Pair, exc: _Retry, again: bool) -> None:
     """One line per decision; a decode node that is only full is routine (a burst), not a fault."""
     level = logging.INFO if exc.busy else logging.WARNING
-    log.log(level, "request %s: prefill %s / decode %s: %s; %s", request_id, pair[0].address, pair[1].address, exc,
+    prefill, decode = (w.address if w is not None else "none" for w in pair)
+    log.log(level, "request %s: prefill %s / decode %s: %s; %s", request_id, prefill, decode, exc,
             "retrying on a new pair" if again else "giving up")
 
 

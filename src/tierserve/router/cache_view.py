@@ -53,6 +53,12 @@ class CacheView:
         reply = await pb_grpc.NodeServiceStub(worker.channel).KVSnapshot(pb.KVSnapshotRequest(), timeout=10)
         return reply.sequence, [(e.key, e.medium) for e in reply.entries]
 
+    def pages(self, worker: Worker) -> CachedPrefix:
+        """Every page the router knows ``worker`` holds, in L1 and in L2 (for metrics)."""
+        if self.subscriber is None or _key(worker) not in self._following:
+            return CachedPrefix()
+        return CachedPrefix(*self.subscriber.index.counts(_key(worker)))
+
     def lookup(self, token_ids: list[int], salt: str) -> Callable[[Worker], CachedPrefix]:
         """For one prompt: how many of its leading pages each worker holds in L1, then in L2."""
         info = self.registry.info
