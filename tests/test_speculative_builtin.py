@@ -114,6 +114,7 @@ async def _run_pd(prefill: str, decode: str, rid: str, prompt: list[int]) -> tup
         return tokens, accepted
 
 
+@pytest.mark.integration
 def test_pd_batched_equals_no_speculation(pd_pair, prompts: list[list[int]], plain: list[list[int]],
                                           speculated: Outcome) -> None:
     """Concurrent requests (each node batches them): outputs equal no speculation, accepted counts
