@@ -294,7 +294,57 @@ def _check_router_discovery(objects: list[dict], workloads: list[dict]) -> None:
     assert any("pods" in r["resources"] and {"get", "list", "watch"} <= set(r["verbs"]) for r in rules)
 
 
-# ---- 4. the manifests actually run -----------------------------------------------------------------
+# ---- 4. secrets: node token and TLS ----------------------------------------------------------------
+
+TLS_VOLUME = "tls"
+TLS_SECRET = "tierserve-tls"
+TLS_FILES = {"--tls-cert": "tls.crt", "--tls-key": "tls.key", "--tls-ca": "ca.crt"}  # keys of the Secret
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_nodes_and_router_take_the_token_and_tls_from_secrets(overlay: str) -> None:
+    """Every gRPC server and its one client (the router) get the node token and the TLS files from
+    the Secrets, the files at the paths their flags name; the router checks the nodes' certificates
+    for the configured DNS name; the kubelet probes the nodes without gRPC (it cannot speak TLS)."""
+    objects = render(overlay)
+    assert not [o for o in of_kind(objects, "Secret") if o["metadata"]["name"] == TLS_SECRET], "made by hand"
+    for workload in (w for w in of_kind(objects, *WORKLOAD_KINDS) if role(w) != "mooncake-master"):
+        main = pod_spec(workload)["containers"][0]
+        env = container_env(main, objects, pod_fields(workload, "10.1.2.3"))
+        argv = command_line(main, env)
+        # cpu-demo generates that Secret, which gives it a content-hash suffix
+        assert re.fullmatch(r"secret-tierserve-node-token(-\w+)?-token", env["TIERSERVE_NODE_TOKEN"]), role(workload)
+        mount = _tls_mount(workload, main)
+        assert {flag: flag_value(argv, flag) for flag in TLS_FILES} == \
+            {flag: f"{mount}/{key}" for flag, key in TLS_FILES.items()}, role(workload)
+        if role(workload) == "router":
+            assert flag_value(argv, "--tls-server-name") == env["TIERSERVE_TLS_SERVER_NAME"] != ""
+        else:
+            probes = [main[k] for k in ("startupProbe", "readinessProbe", "livenessProbe") if k in main]
+            assert probes and not any("grpc" in p for p in probes), role(workload)
+
+
+def _tls_mount(workload: dict, container: dict) -> str:
+    volume = next(v for v in pod_spec(workload)["volumes"] if v["name"] == TLS_VOLUME)
+    assert volume["secret"]["secretName"] == TLS_SECRET
+    mounts = [m for m in container["volumeMounts"] if m["name"] == TLS_VOLUME]
+    assert len(mounts) == 1 and mounts[0].get("readOnly"), container["name"]
+    return mounts[0]["mountPath"]
+
+
+def make_tls_secret(folder: Path, dns_name: str) -> None:
+    """The Secret's files as deploy/README.md makes them (deploy/tls-certs.sh): a CA and one
+    certificate for ``dns_name``, which the nodes serve and the router presents."""
+    if shutil.which("openssl") is None:
+        missing("openssl (deploy/tls-certs.sh makes the certificates with it)")
+    out = subprocess.run(["bash", str(DEPLOY / "tls-certs.sh"), str(folder), dns_name, "1"], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert {"tls.crt", "tls.key", "ca.crt"} <= {p.name for p in folder.iterdir()}
+
+
+# ---- 5. the manifests actually run -----------------------------------------------------------------
 
 @dataclass
 class LocalContainer:
@@ -461,6 +511,11 @@ def cpu_demo(builtin_model: Path, tmp_path_factory) -> Iterator[tuple[LocalClust
                for w in of_kind(objects, *WORKLOAD_KINDS) for v in pod_spec(w).get("volumes", [])}
     cluster = LocalCluster(objects, volumes)
     assert {r for stage in STAGES for r in stage} == {role(w) for w in cluster.workloads}
+    # the Secret an operator makes by hand (deploy/README.md): its certificate names only the DNS
+    # name of the config, never 127.0.0.1, so the router reaches the nodes through its override alone
+    router = pod_spec(cluster.by_role("router"))["containers"][0]
+    router_env = container_env(router, objects, pod_fields(cluster.by_role("router"), "127.0.0.1"))
+    make_tls_secret(volumes[TLS_VOLUME], flag_value(command_line(router, router_env), "--tls-server-name"))
     procs = Processes(tmp)
     try:
         yield cluster, _start_stages(cluster, procs)
@@ -525,6 +580,19 @@ def test_nodes_export_the_metrics_the_autoscalers_use(cpu_demo) -> None:
         assert wanted[c.role] <= names, f"{c.role} metrics lack {wanted[c.role] - names}"
 
 
+@pytest.mark.integration
+@pytest.mark.slow
+def test_cpu_demo_nodes_serve_grpc_over_tls_only(cpu_demo) -> None:
+    """The router above reached the nodes over mutual TLS; a plaintext gRPC call (what the kubelet's
+    gRPC probe would make) gets nothing, while the manifests' TCP probe passes."""
+    _, started = cpu_demo
+    nodes = [c for c in started if c.role in ("prefill", "decode")]
+    assert len(nodes) == 2
+    for c in nodes:
+        assert not probe_ok({"grpc": {"port": "grpc"}}, c.spec, c.ports), c.role
+        assert probe_ok(c.spec["readinessProbe"], c.spec, c.ports), c.role
+
+
 @needs_kubectl
 def test_hpa_metrics_are_ones_the_nodes_or_adapter_provide() -> None:
     adapter = yaml.safe_load((DEPLOY / "k8s/components/autoscaling/prometheus-adapter-values.yaml").read_text())
@@ -535,7 +603,7 @@ def test_hpa_metrics_are_ones_the_nodes_or_adapter_provide() -> None:
                 assert metric["pods"]["metric"]["name"] in served, hpa["metadata"]["name"]
 
 
-# ---- 5. the image ------------------------------------------------------------------------------------
+# ---- 6. the image ------------------------------------------------------------------------------------
 
 def _setup_pin(name: str) -> str:
     text = (ROOT / "scripts" / "setup.sh").read_text()
