@@ -294,7 +294,23 @@ def _check_router_discovery(objects: list[dict], workloads: list[dict]) -> None:
     assert any("pods" in r["resources"] and {"get", "list", "watch"} <= set(r["verbs"]) for r in rules)
 
 
-# ---- 4. the manifests actually run -----------------------------------------------------------------
+# ---- 4. the TLS Secret's files ----------------------------------------------------------------
+
+TLS_VOLUME = "tls"  # the static checks: test_deploy_secrets.py
+
+
+def make_tls_secret(folder: Path, dns_name: str) -> None:
+    """The Secret's files as deploy/README.md makes them (deploy/tls-certs.sh): a CA and one
+    certificate for ``dns_name``, which the nodes serve and the router presents."""
+    if shutil.which("openssl") is None:
+        missing("openssl (deploy/tls-certs.sh makes the certificates with it)")
+    out = subprocess.run(["bash", str(DEPLOY / "tls-certs.sh"), str(folder), dns_name, "1"], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert {"tls.crt", "tls.key", "ca.crt"} <= {p.name for p in folder.iterdir()}
+
+
+# ---- 5. the manifests actually run -----------------------------------------------------------------
 
 @dataclass
 class LocalContainer:
@@ -461,6 +477,11 @@ def cpu_demo(builtin_model: Path, tmp_path_factory) -> Iterator[tuple[LocalClust
                for w in of_kind(objects, *WORKLOAD_KINDS) for v in pod_spec(w).get("volumes", [])}
     cluster = LocalCluster(objects, volumes)
     assert {r for stage in STAGES for r in stage} == {role(w) for w in cluster.workloads}
+    # the Secret an operator makes by hand (deploy/README.md): its certificate names only the DNS
+    # name of the config, never 127.0.0.1, so the router reaches the nodes through its override alone
+    router = pod_spec(cluster.by_role("router"))["containers"][0]
+    router_env = container_env(router, objects, pod_fields(cluster.by_role("router"), "127.0.0.1"))
+    make_tls_secret(volumes[TLS_VOLUME], flag_value(command_line(router, router_env), "--tls-server-name"))
     procs = Processes(tmp)
     try:
         yield cluster, _start_stages(cluster, procs)
@@ -525,6 +546,19 @@ def test_nodes_export_the_metrics_the_autoscalers_use(cpu_demo) -> None:
         assert wanted[c.role] <= names, f"{c.role} metrics lack {wanted[c.role] - names}"
 
 
+@pytest.mark.integration
+@pytest.mark.slow
+def test_cpu_demo_nodes_serve_grpc_over_tls_only(cpu_demo) -> None:
+    """The router above reached the nodes over mutual TLS; a plaintext gRPC call (what the kubelet's
+    gRPC probe would make) gets nothing, while the manifests' TCP probe passes."""
+    _, started = cpu_demo
+    nodes = [c for c in started if c.role in ("prefill", "decode")]
+    assert len(nodes) == 2
+    for c in nodes:
+        assert not probe_ok({"grpc": {"port": "grpc"}}, c.spec, c.ports), c.role
+        assert probe_ok(c.spec["readinessProbe"], c.spec, c.ports), c.role
+
+
 @needs_kubectl
 def test_hpa_metrics_are_ones_the_nodes_or_adapter_provide() -> None:
     adapter = yaml.safe_load((DEPLOY / "k8s/components/autoscaling/prometheus-adapter-values.yaml").read_text())
@@ -535,7 +569,7 @@ def test_hpa_metrics_are_ones_the_nodes_or_adapter_provide() -> None:
                 assert metric["pods"]["metric"]["name"] in served, hpa["metadata"]["name"]
 
 
-# ---- 5. the image ------------------------------------------------------------------------------------
+# ---- 6. the image ------------------------------------------------------------------------------------
 
 def _setup_pin(name: str) -> str:
     text = (ROOT / "scripts" / "setup.sh").read_text()

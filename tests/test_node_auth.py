@@ -71,8 +71,9 @@ def test_nodes_refuse_rpcs_without_the_token_and_serve_the_router_with_it(tiny_l
                 proc.stop()
 
 
-def _certs(folder: Path) -> dict[str, Path]:
-    """A CA, a node certificate for 127.0.0.1 and a client certificate, both signed by the CA (openssl)."""
+def _certs(folder: Path, names: str = "IP:127.0.0.1,DNS:localhost") -> dict[str, Path]:
+    """A CA, a node certificate for ``names`` (subject alternative names) and a client certificate,
+    both signed by the CA (openssl)."""
     def run(*args: str) -> None:
         subprocess.run(["openssl", *args], cwd=folder, check=True, capture_output=True)
 
@@ -81,7 +82,7 @@ def _certs(folder: Path) -> dict[str, Path]:
     for name in ("node", "client"):
         run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
             "-subj", f"/CN={name}")
-        (folder / f"{name}.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+        (folder / f"{name}.ext").write_text(f"subjectAltName={names}\n")
         run("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
             "-out", f"{name}.pem", "-days", "1", "-extfile", f"{name}.ext")
     return {n: folder / n for n in ("ca.pem", "node.pem", "node.key", "client.pem", "client.key")}
@@ -125,6 +126,46 @@ def test_mutual_tls_refuses_a_client_without_a_certificate_and_serves_the_router
         for proc in (router, *nodes):
             if proc is not None:
                 proc.stop()
+
+
+def test_a_router_with_a_tls_server_name_reaches_nodes_whose_certificate_names_only_that(
+        tiny_llama: Path, tmp_path: Path) -> None:
+    """How deploy/ reaches pods by IP: the nodes' certificate names one DNS name and no address;
+    a client dialling 127.0.0.1 fails the handshake unless it checks for that name
+    (``--tls-server-name``), and a router given it serves end to end."""
+    c = _certs(tmp_path, "DNS:tierserve-node")
+    files = (c["client.pem"], c["client.key"], c["ca.pem"])
+    tls = ["--tls-cert", str(c["node.pem"]), "--tls-key", str(c["node.key"]), "--tls-ca", str(c["ca.pem"])]
+    nodes = [NodeProcess(role, ["--model", str(tiny_llama), *ARGS, "--node-token", TOKEN, *tls],
+                         tmp_path / f"{role}.log") for role in ("prefill", "decode")]
+    router = None
+    try:
+        for node in nodes:
+            wait_until(lambda n=node: _tls_serving(n.address, TLSFiles(*files, server_name="tierserve-node")),
+                       "TLS node", 120, node.proc, node.log)
+        for name in (None, "other-name"):  # the address, or a name the certificate lacks
+            with pytest.raises(grpc.aio.AioRpcError) as exc:
+                asyncio.run(_call_info(nodes[1].address, TLSFiles(*files, server_name=name)))
+            assert exc.value.code() is grpc.StatusCode.UNAVAILABLE
+        router = RouterProcess(["--model", str(tiny_llama), "--prefill", nodes[0].address, "--decode",
+                                nodes[1].address, "--node-token", TOKEN, "--tls-cert", str(c["client.pem"]),
+                                "--tls-key", str(c["client.key"]), "--tls-ca", str(c["ca.pem"]),
+                                "--tls-server-name", "tierserve-node"], tmp_path / "router.log").wait_ready()
+        r = httpx.post(f"{router.url}/v1/completions", json={"prompt": [5, 6, 7, 8], "max_tokens": 3}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
+    finally:
+        for proc in (router, *nodes):
+            if proc is not None:
+                proc.stop()
+
+
+def test_a_tls_server_name_without_tls_is_a_usage_error(tiny_llama: Path) -> None:
+    from tierserve.cli.main import main
+
+    with pytest.raises(ValueError, match="--tls-server-name"):
+        TLSFiles.of(None, None, None, "tierserve-node")
+    assert TLSFiles.of(None, None, Path("ca.pem"), "n") == TLSFiles(ca=Path("ca.pem"), server_name="n")
+    assert main(["router", "--model", str(tiny_llama), "--tls-server-name", "tierserve-node"]) == 2
 
 
 async def _call_info(address: str, tls: TLSFiles | None) -> pb.NodeInfo:

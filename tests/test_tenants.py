@@ -189,3 +189,45 @@ def test_through_up_tenants_share_no_pages_and_no_routing_signal(tmp_path: Path)
 
 def _last_route(url: str) -> dict:
     return _get(url, "/debug/state", "adm").json()["routes"][-1]
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_decode_only_and_prefill_only_paths_keep_tenants_apart(tiny_llama: Path, tmp_path: Path) -> None:
+    """Conditional disaggregation's two one-node paths carry the tenant too: through a router that
+    always lets the decode node prefill (a threshold no prompt reaches) and one that never does (so a
+    one-token request ends on the prefill node), tenant B's copy of tenant A's prompt and salt
+    computes every token on either path while A's repeat hits; ``/debug/state`` names the path."""
+    from cluster import NodeProcess, RouterProcess
+
+    (tmp_path / "keys.json").write_text(json.dumps(KEYS))
+    args = ["--model", str(tiny_llama), "--device", "cpu", "--dtype", "float32", "--max-total-tokens", "2048",
+            "--page-size", "16"]
+    nodes = [NodeProcess(role, args, tmp_path / f"{role}.log") for role in ("prefill", "decode")]
+    routers: list[RouterProcess] = []
+    try:
+        for node in nodes:
+            node.wait_ready()
+        for threshold in (10**6, 0):
+            routers.append(RouterProcess(["--model", str(tiny_llama), "--prefill", nodes[0].address, "--decode",
+                                          nodes[1].address, "--api-keys", str(tmp_path / "keys.json"),
+                                          "--admin-api-key", "adm", "--disaggregation-threshold", str(threshold)],
+                                         tmp_path / f"router-{threshold}.log").wait_ready())
+        local, alone = routers
+        _isolated_on_path(local.url, "decode_only", PROMPT, max_tokens=2)
+        _isolated_on_path(alone.url, "prefill_only", PROMPT[::-1], max_tokens=1)  # not on the prefill node yet
+    finally:
+        for proc in (*routers, *nodes):
+            proc.stop()
+
+
+def _isolated_on_path(url: str, path: str, prompt: list[int], max_tokens: int) -> None:
+    first = complete(url, "key-a", prompt=prompt, max_tokens=max_tokens)
+    assert cached(first)[0] == 0 and _last_route(url)["path"] == path
+    assert cached(complete(url, "key-a", prompt=prompt, max_tokens=max_tokens))[0] >= 64  # A's repeat hits
+    assert _last_route(url)["path"] == path
+    other = complete(url, "key-b", prompt=prompt, max_tokens=max_tokens)  # same prompt and salt, tenant B
+    assert cached(other) == (0, {"device": 0, "host": 0, "storage": 0}) and _last_route(url)["path"] == path
+    assert other.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
+    assert cached(complete(url, "key-b", prompt=prompt, max_tokens=max_tokens))[0] >= 64  # B's own repeat hits
+    assert _get(url, "/debug/state", "adm").json()["served"][path] == 4

@@ -46,6 +46,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     add_api_key_args(p, "the /workers admin routes")
     add_policy_args(p)
     add_node_token_args(p)
+    p.add_argument("--tls-server-name", metavar="NAME",
+                   help="with TLS to the nodes: the name their certificates must carry, checked instead of the "
+                        "address dialled (Kubernetes: one certificate for a fixed DNS name serves every pod IP)")
     p.add_argument("--max-running-requests", type=int, default=256, help="requests in flight through the router")
     p.add_argument("--max-queued-requests", type=int, default=1024, help="waiting beyond this gets 429")
     p.add_argument("--request-timeout", type=float, default=600.0, help="deadline of a prefill leg, seconds")
@@ -98,7 +101,7 @@ def router_config(args: argparse.Namespace, folder: Path) -> RouterConfig:
                               disaggregation_threshold=args.disaggregation_threshold),
         health_check_interval_s=args.health_check_interval, drain_timeout_s=args.worker_drain_timeout,
         node_token=read_token(args.node_token, args.node_token_file),
-        tls=TLSFiles.of(args.tls_cert, args.tls_key, args.tls_ca),
+        tls=TLSFiles.of(args.tls_cert, args.tls_key, args.tls_ca, args.tls_server_name),
     )
 
 

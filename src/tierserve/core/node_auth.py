@@ -97,18 +97,28 @@ def client_interceptors(token: str | None) -> list[grpc.aio.ClientInterceptor] |
 class TLSFiles:
     """PEM files of ``--tls-cert``, ``--tls-key``, ``--tls-ca``. A node serves TLS with its
     certificate and, given a CA, requires callers' certificates signed by it (mutual TLS); the
-    router verifies nodes against the CA and presents its own certificate when it has one."""
+    router verifies nodes against the CA and presents its own certificate when it has one.
+    ``server_name`` (the router's ``--tls-server-name``) is the name the router checks the nodes'
+    certificates for instead of the address it dials: on Kubernetes it dials pod IPs, which no
+    certificate made before the pods can name (docs/architecture.md, Authenticated nodes)."""
 
     cert: Path | None = None
     key: Path | None = None
     ca: Path | None = None
+    server_name: str | None = None
 
     @classmethod
-    def of(cls, cert: Path | None, key: Path | None, ca: Path | None) -> TLSFiles | None:
-        """``None`` when no flag was given; ``ValueError`` for a certificate without its key."""
+    def of(cls, cert: Path | None, key: Path | None, ca: Path | None,
+           server_name: str | None = None) -> TLSFiles | None:
+        """``None`` when no flag was given; ``ValueError`` for a certificate without its key, or a
+        server name without TLS to check it in."""
         if (cert is None) != (key is None):
             raise ValueError("--tls-cert and --tls-key go together")
-        return None if cert is None and ca is None else cls(cert, key, ca)
+        if cert is None and ca is None:
+            if server_name is not None:
+                raise ValueError("--tls-server-name needs TLS to the nodes (--tls-ca, --tls-cert)")
+            return None
+        return cls(cert, key, ca, server_name)
 
     def server_credentials(self) -> grpc.ServerCredentials:
         if self.cert is None or self.key is None:
@@ -118,6 +128,10 @@ class TLSFiles:
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
         return grpc.ssl_channel_credentials(_read(self.ca), _read(self.key), _read(self.cert))
+
+    def channel_options(self) -> list[tuple[str, str]]:
+        """Channel arguments that make the TLS handshake check ``server_name`` rather than the target."""
+        return [] if self.server_name is None else [("grpc.ssl_target_name_override", self.server_name)]
 
 
 def _read(path: Path | None) -> bytes | None:
@@ -129,7 +143,8 @@ def node_channel(address: str, token: str | None, tls: TLSFiles | None) -> grpc.
     interceptors = client_interceptors(token)
     if tls is None:
         return grpc.aio.insecure_channel(address, interceptors=interceptors)
-    return grpc.aio.secure_channel(address, tls.channel_credentials(), interceptors=interceptors)
+    return grpc.aio.secure_channel(address, tls.channel_credentials(), options=tls.channel_options(),
+                                   interceptors=interceptors)
 
 
 def server_interceptors(token: str | None) -> list[grpc.aio.ServerInterceptor]:

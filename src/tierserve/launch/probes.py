@@ -45,7 +45,8 @@ def grpc_serving(address: str | int, tls: TLSFiles | None = None) -> bool:
 def _channel(target: str, tls: TLSFiles | None) -> Any:
     import grpc
 
-    return grpc.insecure_channel(target) if tls is None else grpc.secure_channel(target, tls.channel_credentials())
+    return grpc.insecure_channel(target) if tls is None else \
+        grpc.secure_channel(target, tls.channel_credentials(), options=tls.channel_options())
 
 
 def http_ok(url: str) -> bool:
