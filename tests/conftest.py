@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny models per family, the built-in model, a mooncake_master per test."""
+"""Shared fixtures: tiny models per family, the built-in model, a mooncake_master per test (and one
+per module, with a client of its L3)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from cluster import MasterProcess
 from tiny_models import FAMILIES, make_tiny_model
+
+from tierserve.cache.storage.mooncake import MooncakeStorage
 
 
 @pytest.fixture(scope="session", params=FAMILIES)
@@ -46,3 +49,19 @@ def master(tmp_path: Path) -> Iterator[MasterProcess]:
     master = MasterProcess(tmp_path / "master.log").start()
     yield master
     master.kill()
+
+
+@pytest.fixture(scope="module")
+def module_master(tmp_path_factory) -> Iterator[MasterProcess]:
+    """One ``mooncake_master`` for a whole module, whose node processes are module fixtures too."""
+    master = MasterProcess(tmp_path_factory.mktemp("master") / "master.log").start()
+    yield master
+    master.kill()
+
+
+@pytest.fixture(scope="module")
+def l3_store(module_master: MasterProcess) -> Iterator[MooncakeStorage]:
+    """A client of the module's L3 that lends it no memory (it only asks what is there)."""
+    client = MooncakeStorage(module_master.address, global_segment_size=0, local_buffer_size=16 << 20)
+    yield client
+    client.close()

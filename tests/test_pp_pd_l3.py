@@ -20,7 +20,6 @@ from tiny_models import make_tiny_model
 from tierserve.cache.hashing import Namespace, page_keys
 from tierserve.cache.options import HostLayout, object_format
 from tierserve.cache.shards import HeadRange, LayerRange, object_key
-from tierserve.cache.storage.mooncake import MooncakeStorage
 from tierserve.model.identity import model_identity
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -35,33 +34,18 @@ def model(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def master(tmp_path_factory) -> Iterator[MasterProcess]:
-    master = MasterProcess(tmp_path_factory.mktemp("master") / "master.log").start()
-    yield master
-    master.kill()
-
-
-@pytest.fixture(scope="module")
-def nodes(model: Path, master: MasterProcess, tmp_path_factory) -> Iterator[dict[str, NodeProcess]]:
+def nodes(model: Path, module_master: MasterProcess, tmp_path_factory) -> Iterator[dict[str, NodeProcess]]:
     """A PP 2 prefill node "pp2" and decode nodes at PP 2 ("dp2") and PP 1 ("d1"), all on one L3."""
     logs = tmp_path_factory.mktemp("pp-pd-l3-logs")
     plan = {"pp2": ("prefill", NODE_ARGS, 2), "dp2": ("decode", DECODE_ARGS, 2), "d1": ("decode", DECODE_ARGS, 1)}
-    started = {name: NodeProcess(role, ["--model", str(model), *args, *hicache_args(master), "--pp-size", str(pp)],
-                                 logs / f"{name}.log")
+    l3 = hicache_args(module_master)
+    started = {name: NodeProcess(role, ["--model", str(model), *args, *l3, "--pp-size", str(pp)], logs / f"{name}.log")
                for name, (role, args, pp) in plan.items()}
     try:
         yield {name: node.wait_ready() for name, node in started.items()}
     finally:
         for node in started.values():
             node.stop()
-
-
-@pytest.fixture(scope="module")
-def store(master: MasterProcess) -> Iterator[MooncakeStorage]:
-    """A client of the nodes' L3 that lends it no memory (it only asks what is there)."""
-    client = MooncakeStorage(master.address, global_segment_size=0, local_buffer_size=16 << 20)
-    yield client
-    client.close()
 
 
 def l3_names(model: Path, tokens: list[int], pp_size: int) -> list[bytes]:
@@ -92,7 +76,7 @@ def test_prefill_at_pp2_hits_l1_then_l2_then_l3(model: Path, nodes) -> None:
 
 
 @pytest.mark.parametrize(("decode", "turn_seed"), [("dp2", 2), ("d1", 3)])
-def test_decode_offloads_by_stage_and_prefill_at_pp2_reads_it(model: Path, nodes, store, decode: str,
+def test_decode_offloads_by_stage_and_prefill_at_pp2_reads_it(model: Path, nodes, l3_store, decode: str,
                                                                turn_seed: int) -> None:
     """Each turn's prompt is the last turn's prompt and answer plus new words; the answer's KV
     exists only on the decode node, so L3 has it only if that node offloaded it."""
@@ -110,6 +94,6 @@ def test_decode_offloads_by_stage_and_prefill_at_pp2_reads_it(model: Path, nodes
         previous = cache.cached_tokens
         sequence = prompt + answer
         names = l3_names(model, sequence[:-1], pp_size)  # the last token has no KV yet
-        wait_for(lambda names=names: store.batch_exists(names) == len(names),
+        wait_for(lambda names=names: l3_store.batch_exists(names) == len(names),
                  f"a PP {pp_size} decode node offloads to L3", OFFLOAD_DEADLINE_S)
         prompt = sequence + fresh_prompt(turn_seed * 10 + turn, 40)

@@ -39,13 +39,6 @@ def model(tmp_path_factory) -> Path:
                            max_position=2048)
 
 
-@pytest.fixture(scope="module")
-def master(tmp_path_factory) -> Iterator[MasterProcess]:
-    master = MasterProcess(tmp_path_factory.mktemp("master") / "master.log").start()
-    yield master
-    master.kill()
-
-
 def hicache_args(master: MasterProcess) -> list[str]:
     l3 = {"master_server_address": master.address, "global_segment_size": 64 << 20, "local_buffer_size": 16 << 20,
           "prefetch_threshold": 2 * PAGE}
@@ -55,26 +48,18 @@ def hicache_args(master: MasterProcess) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def nodes(model: Path, master: MasterProcess, tmp_path_factory) -> Iterator[dict[str, NodeProcess]]:
+def nodes(model: Path, module_master: MasterProcess, tmp_path_factory) -> Iterator[dict[str, NodeProcess]]:
     """A TP 2 prefill node "p2" and decode nodes at TP 2 ("d2") and TP 1 ("d1"), all on one L3."""
     logs = tmp_path_factory.mktemp("tp-pd-l3-logs")
     plan = {"p2": ("prefill", NODE_ARGS, 2), "d2": ("decode", DECODE_ARGS, 2), "d1": ("decode", DECODE_ARGS, 1)}
-    started = {name: NodeProcess(role, ["--model", str(model), *args, *hicache_args(master), "--tp-size", str(tp)],
-                                 logs / f"{name}.log")
+    l3 = hicache_args(module_master)
+    started = {name: NodeProcess(role, ["--model", str(model), *args, *l3, "--tp-size", str(tp)], logs / f"{name}.log")
                for name, (role, args, tp) in plan.items()}
     try:
         yield {name: node.wait_ready() for name, node in started.items()}
     finally:
         for node in started.values():
             node.stop()
-
-
-@pytest.fixture(scope="module")
-def store(master: MasterProcess) -> Iterator[MooncakeStorage]:
-    """A client of the nodes' L3 that lends it no memory (it only asks what is there)."""
-    client = MooncakeStorage(master.address, global_segment_size=0, local_buffer_size=16 << 20)
-    yield client
-    client.close()
 
 
 def l3_names(model: Path, tokens: list[int], tp_size: int) -> list[bytes]:
@@ -128,7 +113,7 @@ def test_prefill_at_tp2_hits_l1_then_l2_then_l3(model: Path, nodes) -> None:
 
 
 @pytest.mark.parametrize(("decode", "turn_seed"), [("d2", 2), ("d1", 3)])
-def test_decode_offloads_at_tp_and_prefill_at_tp2_reads_it(model: Path, nodes, store, decode: str,
+def test_decode_offloads_at_tp_and_prefill_at_tp2_reads_it(model: Path, nodes, l3_store, decode: str,
                                                            turn_seed: int) -> None:
     """Each turn's prompt is the last turn's prompt and answer plus new words; the answer's KV
     exists only on the decode node, so L3 has it only if that node offloaded it."""
@@ -144,5 +129,5 @@ def test_decode_offloads_at_tp_and_prefill_at_tp2_reads_it(model: Path, nodes, s
             assert cache.cached_tokens >= len(prompt) - 40 - PAGE, (turn, cache)  # reaches into the answer
         previous = cache.cached_tokens
         sequence = prompt + answer
-        wait_offloaded(store, model, sequence, int(decode[1]))
+        wait_offloaded(l3_store, model, sequence, int(decode[1]))
         prompt = sequence + fresh_prompt(turn_seed * 10 + turn, 40)
