@@ -95,6 +95,13 @@ def metric(router, name: str, **labels: str) -> float:
     return 0.0
 
 
+def node_metric(node, name: str) -> float:
+    """One sample of a node's (``NodeProcess``) /metrics, on the port its ``--metrics-port`` names."""
+    port = node.proc.args[node.proc.args.index("--metrics-port") + 1]
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    return next(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
+
+
 async def run_all(prefill: str, decode: str, batch: list[list[int]], tag: str, source_tp: int | None = None
                   ) -> list[tuple[list[int], pb.PrefillResponse]]:
     """``run_pd`` of every prompt of ``batch`` at once (ids ``tag`` + index)."""

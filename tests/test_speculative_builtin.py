@@ -10,11 +10,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
-import httpx
 import pytest
 from cluster import NodeProcess, free_port
-from pd_helpers import CHUNK, DECODE_ARGS, NODE_ARGS, PAGE, greedy
-from prometheus_client.parser import text_string_to_metric_families
+from pd_helpers import CHUNK, DECODE_ARGS, NODE_ARGS, PAGE, greedy, node_metric
 from tokenizers import Tokenizer
 
 from tierserve.core.sampling import SamplingParams
@@ -128,11 +126,6 @@ def test_pd_batched_equals_no_speculation(pd_pair, prompts: list[list[int]], pla
     results = asyncio.run(run())
     assert [tokens for tokens, _ in results] == plain
     assert [n for _, n in results] == [n for _, n in speculated.values()]
-    assert _metric(decode, "tierserve_spec_prompt_catch_up_tokens_total") == 0
-    assert _metric(decode, "tierserve_spec_draft_tokens_total") > 0
+    assert node_metric(decode, "tierserve_spec_prompt_catch_up_tokens_total") == 0
+    assert node_metric(decode, "tierserve_spec_draft_tokens_total") > 0
 
-
-def _metric(node: NodeProcess, name: str) -> float:
-    port = node.proc.args[node.proc.args.index("--metrics-port") + 1]
-    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-    return next(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)

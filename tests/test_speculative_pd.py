@@ -21,8 +21,7 @@ import pytest
 import torch
 from cluster import NodeProcess, free_port, start_up
 from logprob_checks import ids_of
-from pd_helpers import CHUNK, DECODE_ARGS, MAX_NEW, NODE_ARGS, PAGE, greedy, reference
-from prometheus_client.parser import text_string_to_metric_families
+from pd_helpers import CHUNK, DECODE_ARGS, MAX_NEW, NODE_ARGS, PAGE, greedy, node_metric, reference
 from tiny_models import add_word_tokenizer, make_noisy_draft, make_tiny_model, widen_kv_heads
 
 from tierserve.core.sampling import SamplingParams
@@ -123,14 +122,9 @@ def test_pd_handoff_carries_the_draft_state(tiny: Path, spec_pair) -> None:
     assert sum(n for _, n in want.values()) > 0
     assert sum(cached for _, _, cached in results) > 0  # the warm round took prefixes from the cache
     # the decode node's draft computed no prompt position: it had the prefill node's draft KV
-    assert _metric(decode, "tierserve_spec_prompt_catch_up_tokens_total") == 0
-    assert _metric(decode, "tierserve_spec_draft_tokens_total") > 0
+    assert node_metric(decode, "tierserve_spec_prompt_catch_up_tokens_total") == 0
+    assert node_metric(decode, "tierserve_spec_draft_tokens_total") > 0
 
-
-def _metric(node: NodeProcess, name: str) -> float:
-    port = node.proc.args[node.proc.args.index("--metrics-port") + 1]
-    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-    return next(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
 
 
 @pytest.mark.slow
