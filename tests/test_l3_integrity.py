@@ -14,6 +14,8 @@ import torch
 from engine_helpers import run_one
 from test_mooncake_storage import PARAMS, _engine, _prompt, _settle, closing, long_llama, mooncake_master, plain
 
+from tierserve.cache.device_pool import KVGeometry
+from tierserve.cache.host_pool import HostKVPool, HostLayout
 from tierserve.cache.storage import create_backend
 from tierserve.cache.storage.mooncake import MooncakeStorage
 
@@ -55,12 +57,24 @@ def _corrupt(kind: str, raw: MooncakeStorage, names: list[str], pages: torch.Ten
             _rewrite(raw, name, pages[i].reshape(16, -1).t().contiguous().numpy().tobytes())
 
 
-def test_a_thousand_corrupted_objects_are_each_a_counted_miss(mooncake_master, closing) -> None:
+def _pools(room: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """1 KiB pages to write and to read into: host pools whose pages have room for their trailer
+    (each object one buffer), or plain tensors (page and trailer two buffers)."""
+    if not room:
+        return torch.randn(PAGES, 256), torch.zeros(PAGES, 256)
+    pages, into = (HostKVPool(KVGeometry(1, 1, 64, 2, torch.float32), PAGES, HostLayout.PAGE_FIRST_DIRECT).buffer
+                   for _ in range(2))
+    pages.copy_(torch.randn(pages.shape))
+    return pages, into
+
+
+@pytest.mark.parametrize("room", [True, False], ids=["one-buffer", "two-buffers"])
+def test_a_thousand_corrupted_objects_are_each_a_counted_miss(mooncake_master, closing, room: bool) -> None:
     store, raw = _stores(mooncake_master, closing)
-    pages = torch.randn(PAGES, 256)  # 1 KiB pages in one registered buffer
-    into = torch.zeros_like(pages)
-    store.register_buffer(pages)
-    store.register_buffer(into)
+    pages, into = _pools(room)
+    for pool in (pages, into):
+        store.attach_host_buffer(pool)
+    assert store._room.covers(*store._locate(list(into))) is room  # the way under test
     keys = [i.to_bytes(32, "little") for i in range(PAGES)]
     names = store._names(keys)
     rng = random.Random(18)

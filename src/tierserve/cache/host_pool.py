@@ -26,7 +26,12 @@ from tierserve.cache.cp_pages import PageOwnership, page_allocator
 from tierserve.cache.device_pool import DeviceKVPool, KVGeometry
 from tierserve.cache.options import HostLayout, IOBackend
 
-__all__ = ["HostKVPool", "HostLayout", "IOBackend", "copy_pages", "device_pages", "runs"]
+# Spare bytes after every page of a page-first layout: an L3 object's 16-byte trailer
+# (``cache/storage/integrity.py``) lands there, so the object moves as one buffer, as fast as a
+# page without a trailer (two buffers per object cost ~10-20% of a TCP read here).
+PAGE_ROOM_BYTES = 16
+
+__all__ = ["PAGE_ROOM_BYTES", "HostKVPool", "HostLayout", "IOBackend", "copy_pages", "device_pages", "runs"]
 
 
 class HostKVPool:
@@ -48,7 +53,7 @@ class HostKVPool:
         self.geometry = geometry
         self.layout = layout
         self.num_pages = num_pages
-        self.buffer = torch.zeros(shapes[layout], dtype=g.dtype, pin_memory=pin_memory)
+        self.buffer = _allocate(shapes[layout], g.dtype, pin_memory, layout is not HostLayout.LAYER_FIRST)
         self.allocator = page_allocator(ownership or PageOwnership(), num_pages)
 
     def pages(self, layer: int, kv: int) -> torch.Tensor:
@@ -75,6 +80,16 @@ class HostKVPool:
         if self.layout is HostLayout.LAYER_FIRST:
             raise ValueError("layer_first pages are not contiguous; use page_first or page_first_direct")
         return self.buffer[page]
+
+
+def _allocate(shape: tuple[int, ...], dtype: torch.dtype, pin_memory: bool, room: bool) -> torch.Tensor:
+    """A zeroed pool; with ``room``, pages (dim 0) strided ``PAGE_ROOM_BYTES`` apart, each still contiguous."""
+    if not room:
+        return torch.zeros(shape, dtype=dtype, pin_memory=pin_memory)
+    page = torch.Size(shape[1:]).numel()
+    stride = page + PAGE_ROOM_BYTES // dtype.itemsize
+    flat = torch.zeros(shape[0] * stride, dtype=dtype, pin_memory=pin_memory)
+    return flat.as_strided(shape, (stride, *torch.empty(shape[1:], device="meta").stride()))
 
 
 def device_pages(pool: DeviceKVPool, layer: int, kv: int) -> torch.Tensor:

@@ -61,7 +61,9 @@ class StorageBackend(ABC):
         pass
 
     def attach_host_buffer(self, buffer: torch.Tensor) -> None:  # noqa: B027 - only zero-copy backends need it
-        """Called once with the whole host pool before any transfer; zero-copy backends register it."""
+        """Called once with the whole host pool (``HostKVPool.buffer``) before any transfer; zero-copy
+        backends register it. Bytes between its pages (dim 0's stride past a page) are spare: a
+        backend may use them (``PAGE_ROOM_BYTES``: L3 trailers, ``cache/storage/integrity.py``)."""
 
 
 def _file(config: dict[str, Any]) -> StorageBackend:

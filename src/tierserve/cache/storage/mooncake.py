@@ -29,7 +29,15 @@ from typing import Any, TypeVar
 import torch
 
 from tierserve.cache.storage.base import StorageBackend, StorageError
-from tierserve.cache.storage.integrity import DIGEST_BYTES, Trailers, bytes_digest, page_digest
+from tierserve.cache.storage.integrity import (
+    DIGEST_BYTES,
+    PageRoom,
+    Trailers,
+    bytes_digest,
+    span_digest,
+    trailer_at,
+    write_trailer,
+)
 from tierserve.mooncake_env import apply_defaults
 
 apply_defaults()  # before Mooncake loads
@@ -104,6 +112,7 @@ class MooncakeStorage(StorageBackend):
             raise StorageError(f"Mooncake store setup against master {master_server_address} failed ({rc})")
         self._store: MooncakeDistributedStore | None = store
         self._trailers = Trailers() if integrity else None
+        self._room = PageRoom()  # host pool pages with room for their trailer: one buffer per object
         if self._trailers is not None:
             self.register_buffer(self._trailers.buffer)
 
@@ -132,6 +141,7 @@ class MooncakeStorage(StorageBackend):
     def attach_host_buffer(self, buffer: torch.Tensor) -> None:
         """HiCache's hook, called once with ``HostKVPool.buffer`` before any transfer."""
         self.register_buffer(buffer)
+        self._room.add(buffer)
 
     def _register(self, address: int, nbytes: int) -> None:
         if self._covered(address, nbytes):
@@ -236,22 +246,34 @@ class MooncakeStorage(StorageBackend):
 
     def _put_checked(self, keys: list[bytes], spans: list[torch.Tensor]) -> list[bool]:
         names, (ptrs, sizes) = self._names(keys), self._locate(spans)
+        if self._room.covers(ptrs, sizes):  # each trailer written into its page's room: one buffer
+            for name, ptr, n in zip(names, ptrs, sizes, strict=True):
+                write_trailer(ptr + n, span_digest(name.encode(), ptr, n))
+            sealed = [n + DIGEST_BYTES for n in sizes]
+            return self._count_puts(self._checked("put", lambda s: s.batch_put_from(names, ptrs, sealed)))
         with self._trailers.lend() as base:
-            for i, (name, span) in enumerate(zip(names, spans, strict=True)):
-                self._trailers.write(base + i, page_digest(name.encode(), span))
+            for i, (name, ptr, n) in enumerate(zip(names, ptrs, sizes, strict=True)):
+                self._trailers.write(base + i, span_digest(name.encode(), ptr, n))
             parts = self._parts(ptrs, sizes, base)
             return self._count_puts(self._checked("put", lambda s: s.batch_put_from_multi_buffers(names, *parts)))
 
     def _get_checked(self, keys: list[bytes], spans: list[torch.Tensor]) -> list[bool]:
         names, (ptrs, sizes) = self._names(keys), self._locate(spans)
+        if self._room.covers(ptrs, sizes):  # each trailer lands in its page's room: one buffer
+            sealed = [n + DIGEST_BYTES for n in sizes]
+            codes = self._checked("get", lambda s: s.batch_get_into(names, ptrs, sealed))
+            trailers = [trailer_at(p + n) for p, n in zip(ptrs, sizes, strict=True)]
+            return self._verdicts(names, ptrs, sizes, codes, trailers)
         with self._trailers.lend() as base:
             parts = self._parts(ptrs, sizes, base)
             codes = self._checked("get", lambda s: s.batch_get_into_multi_buffers(names, *parts))
-            codes = [self._sized(n, c, span.nbytes + DIGEST_BYTES) for n, c, span in zip(names, codes, spans,
-                                                                                        strict=True)]
-            trailers = self._trailers.read(base, len(names))
-            ok = [self._intact(trailers[i], name, span, code)
-                  for i, (name, span, code) in enumerate(zip(names, spans, codes, strict=True))]
+            return self._verdicts(names, ptrs, sizes, codes, self._trailers.read(base, len(names)))
+
+    def _verdicts(self, names: list[str], ptrs: list[int], sizes: list[int], codes: list[int],
+                  trailers: list[bytes]) -> list[bool]:
+        """Per object, whether it is this page's, byte for byte; removes present ones that are not."""
+        codes = [self._sized(name, c, n + DIGEST_BYTES) for name, c, n in zip(names, codes, sizes, strict=True)]
+        ok = [self._intact(*args) for args in zip(trailers, names, ptrs, sizes, codes, strict=True)]
         self._drop([n for n, good, c in zip(names, ok, codes, strict=True) if not good and _present(c)])
         return self._count_hits(ok)
 
@@ -267,11 +289,11 @@ class MooncakeStorage(StorageBackend):
             return WRONG_SIZE
         return code
 
-    def _intact(self, trailer: bytes, name: str, span: torch.Tensor, code: int) -> bool:
-        """Whether the object read into ``span`` and ``trailer`` is this page's, byte for byte."""
+    def _intact(self, trailer: bytes, name: str, ptr: int, nbytes: int, code: int) -> bool:
+        """Whether the object read into the page at ``ptr`` and ``trailer`` is this page's, byte for byte."""
         if not _present(code):
             return False  # a plain miss: not stored, evicted, or a dead peer's
-        if code == span.nbytes + DIGEST_BYTES and page_digest(name.encode(), span) == trailer:
+        if code == nbytes + DIGEST_BYTES and span_digest(name.encode(), ptr, nbytes) == trailer:
             return True
         self.integrity_failures += 1
         return False
