@@ -26,6 +26,7 @@ from tierserve.cache.draft_kv import SidecarKV, load_layers, planes
 from tierserve.cache.events import KVEventListener
 from tierserve.cache.generated import checkpoint
 from tierserve.cache.hicache_admin import StorageAdmin
+from tierserve.cache.hicache_stats import hicache_stats
 from tierserve.cache.host_pool import HostKVPool, copy_pages
 from tierserve.cache.host_writes import WRITE_BACK_LOW_WATERMARK, assign_host, dirty_lru, end_failed_write
 from tierserve.cache.loads import LayerwiseLoad, Loads
@@ -228,29 +229,7 @@ class HiCache(StorageAdmin):
         return len(device)
 
     def stats(self) -> dict[str, float]:
-        page = self.device.geometry.bytes_per_page
-        out: dict[str, float] = dict(self.counters)
-        out["host_pages_used"] = self.host.allocator.num_used
-        out["host_pages_total"] = self.host.allocator.num_pages
-        out |= self._rank_host_stats()
-        out["l2_write_bytes_total"] = self.counters["l2_write_pages_total"] * page
-        out["l2_load_bytes_total"] = self.counters["l2_load_pages_total"] * page
-        out["l2_load_failures_total"] = self.loads.failures
-        if self.storage is not None:
-            out |= {"l3_backup_pages_total": self.storage.backed_up_pages,
-                    "l3_prefetch_pages_total": self.storage.prefetched_pages,
-                    "l3_prefetch_wait_decisions_total": self.storage.decisions["wait"],
-                    "l3_prefetch_no_wait_decisions_total": self.storage.decisions["no_wait"],
-                    "l3_failures_total": self.storage.failures, "l3_healthy": float(self.storage.healthy),
-                    "l3_integrity_failures_total": getattr(self.storage.storage, "integrity_failures", 0)}
-        return out
-
-    def _rank_host_stats(self) -> dict[str, float]:
-        """What this rank's own host pool holds (under CP its share of the logical pages)."""
-        used = self.host.allocator.num_used
-        if self.ownership.size > 1:
-            used = self.host.allocator.num_used_by(self.ownership.rank)
-        return {"host_rank_pages_used": used, "host_rank_pages_total": self.host.num_pages}
+        return hicache_stats(self)
 
     def on_step(self) -> None:
         """Agrees with the other ranks (one collective) on what finished, then applies it."""
