@@ -25,7 +25,7 @@ class BuggyBackend:
     max_model_len = 64
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, cache_salt: str,
-                       *, buffered: bool = False) -> AsyncIterator[RequestOutput]:
+                       *, tenant: str = "", buffered: bool = False) -> AsyncIterator[RequestOutput]:
         raise KeyError("a bug")
         yield  # an async generator, as backends are
 
