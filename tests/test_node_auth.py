@@ -116,12 +116,8 @@ def test_mutual_tls_refuses_a_client_without_a_certificate_and_serves_the_router
                 asyncio.run(_call_info(nodes[0].address, who))
             assert exc.value.code() is grpc.StatusCode.UNAVAILABLE
         assert asyncio.run(_call_info(nodes[0].address, client)).role == pb.ROLE_PREFILL
-        router = RouterProcess(["--model", str(tiny_llama), "--prefill", nodes[0].address, "--decode",
-                                nodes[1].address, "--node-token", TOKEN, "--tls-cert", str(c["client.pem"]),
-                                "--tls-key", str(c["client.key"]), "--tls-ca", str(c["ca.pem"])],
-                               tmp_path / "router.log").wait_ready()
-        r = httpx.post(f"{router.url}/v1/completions", json={"prompt": [5, 6, 7, 8], "max_tokens": 3}, timeout=60)
-        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
+        router = _tls_router(tiny_llama, nodes, c, tmp_path)
+        _assert_serves(router)
     finally:
         for proc in (router, *nodes):
             if proc is not None:
@@ -147,12 +143,8 @@ def test_a_router_with_a_tls_server_name_reaches_nodes_whose_certificate_names_o
             with pytest.raises(grpc.aio.AioRpcError) as exc:
                 asyncio.run(_call_info(nodes[1].address, TLSFiles(*files, server_name=name)))
             assert exc.value.code() is grpc.StatusCode.UNAVAILABLE
-        router = RouterProcess(["--model", str(tiny_llama), "--prefill", nodes[0].address, "--decode",
-                                nodes[1].address, "--node-token", TOKEN, "--tls-cert", str(c["client.pem"]),
-                                "--tls-key", str(c["client.key"]), "--tls-ca", str(c["ca.pem"]),
-                                "--tls-server-name", "tierserve-node"], tmp_path / "router.log").wait_ready()
-        r = httpx.post(f"{router.url}/v1/completions", json={"prompt": [5, 6, 7, 8], "max_tokens": 3}, timeout=60)
-        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
+        router = _tls_router(tiny_llama, nodes, c, tmp_path, "--tls-server-name", "tierserve-node")
+        _assert_serves(router)
     finally:
         for proc in (router, *nodes):
             if proc is not None:
@@ -203,3 +195,17 @@ def test_up_with_tls_serves_end_to_end_and_its_nodes_refuse_plaintext(tmp_path: 
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=60)
+
+
+def _tls_router(model: Path, nodes: list[NodeProcess], c: dict[str, Path], tmp_path: Path, *extra: str
+                ) -> RouterProcess:
+    """A router over ``nodes`` with the token, presenting the client certificate of ``c``."""
+    return RouterProcess(["--model", str(model), "--prefill", nodes[0].address, "--decode", nodes[1].address,
+                          "--node-token", TOKEN, "--tls-cert", str(c["client.pem"]), "--tls-key",
+                          str(c["client.key"]), "--tls-ca", str(c["ca.pem"]), *extra],
+                         tmp_path / "router.log").wait_ready()
+
+
+def _assert_serves(router: RouterProcess) -> None:
+    r = httpx.post(f"{router.url}/v1/completions", json={"prompt": [5, 6, 7, 8], "max_tokens": 3}, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
