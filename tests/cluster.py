@@ -9,6 +9,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from tierserve.launch import free_port, grpc_serving, http_ok, tcp_open
@@ -170,3 +172,24 @@ def start_up(port: int, *flags: str) -> tuple[subprocess.Popen, list[str]]:
             proc.kill()
             raise AssertionError("tierserve up did not come up:\n" + "".join(lines[-40:]))
     return proc, lines
+
+
+@contextmanager
+def running_up(port: int, *flags: str) -> Iterator[list[str]]:
+    """``start_up``'s cluster for the block, then stopped with Ctrl-C; yields its output lines
+    (they grow while it runs). The output is printed when the block fails; when it passed, ``up``
+    must exit cleanly (0) within a minute of the signal."""
+    proc, lines = start_up(port, *flags)
+    try:
+        yield lines
+    except BaseException:
+        print("".join(lines[-60:]))
+        raise
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            code = proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    assert code == 0, "tierserve up did not exit cleanly on Ctrl-C:\n" + "".join(lines[-40:])

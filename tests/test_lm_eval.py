@@ -7,13 +7,12 @@ from __future__ import annotations
 import glob
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from cluster import free_port, start_up
+from cluster import free_port, running_up
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -39,15 +38,11 @@ def test_local_completions_on_up_equals_hf(builtin_model: Path, tmp_path: Path) 
     reference = lm_eval("hf", f"pretrained={builtin_model},dtype=float32", tmp_path / "hf", "--device", "cpu",
                         "--batch_size", "8")
     port = free_port()
-    proc, _ = start_up(port, "--model", str(builtin_model), "--dtype", "float32", "--max-total-tokens", "8192",
-                           "--no-l3")
-    try:
+    with running_up(port, "--model", str(builtin_model), "--dtype", "float32", "--max-total-tokens", "8192",
+                    "--no-l3"):
         args = (f"base_url=http://127.0.0.1:{port}/v1/completions,model={builtin_model.name},"
                 f"tokenizer={builtin_model},tokenizer_backend=huggingface,tokenized_requests=True")
         ours = lm_eval("local-completions", args, tmp_path / "ours")
-    finally:
-        proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=60)
     assert ours["acc"] == reference["acc"] and 0.5 <= ours["acc"] < 1  # the task separates right from wrong
     assert ours["docs"].keys() == reference["docs"].keys() and len(ours["docs"]) == 20
     for doc, choices in reference["docs"].items():

@@ -11,7 +11,7 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
-from cluster import NodeProcess, RouterProcess, wait_until
+from cluster import NodeProcess, RouterProcess, free_port, running_up, wait_until
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tierserve.core.node_auth import TLSFiles, client_interceptors, node_channel, read_token
@@ -169,17 +169,13 @@ def test_up_with_tls_serves_end_to_end_and_its_nodes_refuse_plaintext(tmp_path: 
     """``up --tls``: the certificates are made in --tls-dir, the nodes serve mutual TLS only, the
     router reaches them with its client certificate, and a request is answered end to end."""
     import json
-    import signal
-
-    from cluster import free_port, start_up
 
     from tierserve.launch.probes import grpc_serving
     from tierserve.launch.tls import cluster_tls
 
     port, state = free_port(), tmp_path / "up.json"
-    proc, lines = start_up(port, "--tls", "--tls-dir", str(tmp_path / "certs"), "--no-l3", "--state-file", str(state),
-                           "--max-total-tokens", "2048")
-    try:
+    with running_up(port, "--tls", "--tls-dir", str(tmp_path / "certs"), "--no-l3", "--state-file", str(state),
+                    "--max-total-tokens", "2048") as lines:
         body = {"prompt": [1, 2, 3, 4], "max_tokens": 4, "temperature": 0}
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
@@ -192,9 +188,6 @@ def test_up_with_tls_serves_end_to_end_and_its_nodes_refuse_plaintext(tmp_path: 
             assert grpc_serving(address, tls.client())
             assert not grpc_serving(address)  # plaintext
             assert not grpc_serving(address, TLSFiles(ca=tls.folder / "ca.pem"))  # no client certificate
-    finally:
-        proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=60)
 
 
 def _tls_router(model: Path, nodes: list[NodeProcess], c: dict[str, Path], tmp_path: Path, *extra: str

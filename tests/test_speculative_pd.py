@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import grpc
 import httpx
 import pytest
 import torch
-from cluster import NodeProcess, free_port, start_up
+from cluster import NodeProcess, free_port, running_up
 from logprob_checks import ids_of
 from pd_helpers import CHUNK, DECODE_ARGS, MAX_NEW, NODE_ARGS, PAGE, greedy, node_metric, reference
 from tiny_models import add_word_tokenizer, make_noisy_draft, make_tiny_model, widen_kv_heads
@@ -135,19 +134,12 @@ def test_up_with_a_draft_equals_no_speculation(tiny: Path, drafts: dict[str, Pat
     batch, draft = _prompts(), drafts[layout]
     plain, want = reference(tiny, batch), _uncached(tiny, draft, batch)
     port = free_port()
-    proc, lines = start_up(port, "--model", str(tiny), "--dtype", "float32", "--no-l3", "--page-size",
-                           str(PAGE), "--chunked-prefill-size", str(CHUNK), "--max-total-tokens", "4096",
-                           "--speculative-draft-model-path", str(draft))
-    try:
+    with running_up(port, "--model", str(tiny), "--dtype", "float32", "--no-l3", "--page-size", str(PAGE),
+                    "--chunked-prefill-size", str(CHUNK), "--max-total-tokens", "4096",
+                    "--speculative-draft-model-path", str(draft)):
         answers = asyncio.run(_complete_all(port, batch))  # concurrent: the nodes batch them
         assert [ids_of(a["choices"][0]["logprobs"]["tokens"]) for a in answers] == plain
         assert [a["usage"]["speculative"]["accepted_tokens"] for a in answers] == [n for _, n in want.values()]
-    except BaseException:
-        print("".join(lines[-60:]))
-        raise
-    finally:
-        proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=60)
 
 
 

@@ -5,14 +5,13 @@ Unit tests of the key file and the limiter, then a real ``tierserve serve``."""
 from __future__ import annotations
 
 import json
-import signal
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
-from cluster import free_port, stop, wait_until
+from cluster import NodeProcess, RouterProcess, free_port, running_up, stop, wait_until
 from test_server import _start
 
 from tierserve.api import openai as oa
@@ -162,19 +161,16 @@ def test_through_up_tenants_share_no_pages_and_no_routing_signal(tmp_path: Path)
     tenant-separated page keys. Once the router's index holds tenant A's pages of a prompt (a
     route reports them), tenant B's same prompt and salt is routed seeing none of them and
     computes every token: no tier serves it, so it cannot be answered faster because A sent it."""
-    from test_up import start_up
-
     (tmp_path / "keys.json").write_text(json.dumps(KEYS))
     port = free_port()
-    proc, _ = start_up(port, "--api-keys", str(tmp_path / "keys.json"), "--admin-api-key", "adm",
-                       "--prefill-nodes", "2", "--max-total-tokens", "4096")
     url, prompt = f"http://127.0.0.1:{port}", [1000 + (i * 37) % 40000 for i in range(256)]
 
     def seen_by_router() -> bool:
         cached(complete(url, "key-a", prompt=prompt))
         return _last_route(url)["prefill_cached_pages"][0] > 0
 
-    try:
+    with running_up(port, "--api-keys", str(tmp_path / "keys.json"), "--admin-api-key", "adm",
+                    "--prefill-nodes", "2", "--max-total-tokens", "4096"):
         assert cached(complete(url, "key-a", prompt=prompt))[0] == 0
         wait_until(seen_by_router, "the router's index holding tenant A's pages", 60)
         assert cached(complete(url, "key-a", prompt=prompt))[0] >= 192
@@ -182,9 +178,6 @@ def test_through_up_tenants_share_no_pages_and_no_routing_signal(tmp_path: Path)
         assert _last_route(url)["prefill_cached_pages"] == [0, 0]
         for route in ("/workers", "/debug/state"):  # admin routes: a tenant key is refused, the admin key opens
             assert _get(url, route, "key-a").status_code == 403 and _get(url, route, "adm").status_code == 200
-    finally:
-        proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=60)
 
 
 def _last_route(url: str) -> dict:
@@ -198,8 +191,6 @@ def test_decode_only_and_prefill_only_paths_keep_tenants_apart(tiny_llama: Path,
     always lets the decode node prefill (a threshold no prompt reaches) and one that never does (so a
     one-token request ends on the prefill node), tenant B's copy of tenant A's prompt and salt
     computes every token on either path while A's repeat hits; ``/debug/state`` names the path."""
-    from cluster import NodeProcess, RouterProcess
-
     (tmp_path / "keys.json").write_text(json.dumps(KEYS))
     args = ["--model", str(tiny_llama), "--device", "cpu", "--dtype", "float32", "--max-total-tokens", "2048",
             "--page-size", "16"]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from cluster import free_port, start_up
+from cluster import free_port, running_up, start_up
 
 from tierserve import launch
 from tierserve.cli import up as cli_up
@@ -48,17 +48,13 @@ def test_a_prompt_sent_twice_is_served_from_storage_by_the_other_prefill_node_wi
     policy it waits for L3, so most of the prompt comes from storage instead of being recomputed
     (with best_effort, the old default, an idle node took none of it from storage)."""
     port = free_port()
-    proc, lines = start_up(port, "--prefill-nodes", "2", "--prefill-policy", "round_robin", "--max-total-tokens",
-                           "8192")
     prompt = [1000 + (i * 37) % 40000 for i in range(2000)]
     body = {"prompt": prompt, "max_tokens": 4, "temperature": 0}
-    try:
+    with running_up(port, "--prefill-nodes", "2", "--prefill-policy", "round_robin", "--max-total-tokens",
+                    "8192") as lines:
         usages = [httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=300).json()["usage"]
                   for _ in range(2)]
         state = httpx.get(f"http://127.0.0.1:{port}/debug/state", timeout=10).json()
-    finally:
-        proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=60)
     routes = [r["prefill"] for r in state["routes"]][-2:]
     assert len(set(routes)) == 2, f"both copies went to {routes}"
     assert usages[0]["cached_tokens_by_tier"]["storage"] == 0

@@ -4,11 +4,10 @@ node shards its pages over two CP ranks answers through the OpenAI API exactly a
 
 from __future__ import annotations
 
-import signal
 from pathlib import Path
 
 import pytest
-from cluster import start_up
+from cluster import free_port, running_up
 from pd_helpers import reference
 from test_up_tp import PROMPTS, _completion, _plan
 from tiny_models import add_word_tokenizer, make_tiny_model
@@ -50,14 +49,8 @@ def test_a_cp_size_that_cannot_run_is_refused_before_any_child_starts(monkeypatc
 @pytest.mark.integration
 @pytest.mark.slow
 def test_up_with_a_cp_prefill_node_answers_as_the_single_engine(model: Path) -> None:
-    from cluster import free_port
-
     port = free_port()
-    proc, lines = start_up(port, "--model", str(model), "--dtype", "float32", "--max-total-tokens", "2048",
-                           "--prefill-cp-size", "2")
-    try:
+    with running_up(port, "--model", str(model), "--dtype", "float32", "--max-total-tokens", "2048",
+                    "--prefill-cp-size", "2") as lines:
         assert [_completion(port, prompt) for prompt in PROMPTS] == reference(model, PROMPTS)
         assert "1 prefill at CP 2, 1 decode, L3 on Mooncake" in "".join(lines)
-    finally:
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=60) == 0

@@ -4,11 +4,10 @@ equal transformers on the built-in model, with and without cache hits, streamed 
 
 from __future__ import annotations
 
-import signal
 from pathlib import Path
 
 import pytest
-from cluster import free_port, start_up
+from cluster import free_port, running_up
 from logprob_checks import chat_logprobs, echo_completion, generated_logprobs, ids_of, post
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -17,9 +16,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 def test_logprobs_through_the_cluster_equal_transformers(builtin_model: Path) -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    proc, lines = start_up(port, "--model", str(builtin_model), "--dtype", "float32", "--max-total-tokens", "4096",
-                           "--no-l3")
-    try:
+    with running_up(port, "--model", str(builtin_model), "--dtype", "float32", "--max-total-tokens", "4096",
+                    "--no-l3"):
         ids = post(url, "/tokenize", {"prompt": "The capital of France is Paris. The capital of Italy is Rome, "
                                                 "and the capital of Spain is"})["tokens"]
         first = echo_completion(url, builtin_model, ids, k=4)
@@ -37,9 +35,3 @@ def test_logprobs_through_the_cluster_equal_transformers(builtin_model: Path) ->
         held = post(url, "/v1/completions", {**body, "stop_token_ids": [free[0], free[1]], "min_tokens": 3})
         tokens = ids_of(held["choices"][0]["logprobs"]["tokens"])
         assert len(tokens) >= 3 and free[0] != tokens[0] and free[1] not in tokens[:3]
-    except BaseException:
-        print("".join(lines[-60:]))
-        raise
-    finally:
-        proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=60)

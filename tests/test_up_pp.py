@@ -4,11 +4,10 @@ pipeline stages on both sides and L3 answers through the OpenAI API exactly as t
 
 from __future__ import annotations
 
-import signal
 from pathlib import Path
 
 import pytest
-from cluster import start_up
+from cluster import free_port, running_up
 from pd_helpers import reference
 from test_up_tp import PROMPTS, _completion, _plan
 from tiny_models import add_word_tokenizer, make_tiny_model
@@ -49,14 +48,8 @@ def test_a_pp_size_that_cannot_run_is_refused_before_any_child_starts(monkeypatc
 @pytest.mark.integration
 @pytest.mark.slow
 def test_up_with_stages_and_l3_answers_as_the_single_engine(model: Path) -> None:
-    from cluster import free_port
-
     port = free_port()
-    proc, lines = start_up(port, "--model", str(model), "--dtype", "float32", "--max-total-tokens", "2048",
-                           "--prefill-pp-size", "2", "--decode-pp-size", "2")
-    try:
+    with running_up(port, "--model", str(model), "--dtype", "float32", "--max-total-tokens", "2048",
+                    "--prefill-pp-size", "2", "--decode-pp-size", "2") as lines:
         assert [_completion(port, prompt) for prompt in PROMPTS] == reference(model, PROMPTS)
         assert "1 prefill at PP 2, 1 decode at PP 2, L3 on Mooncake" in "".join(lines)
-    finally:
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=60) == 0

@@ -4,12 +4,11 @@ different TP sizes answers through the OpenAI API exactly as the single engine d
 
 from __future__ import annotations
 
-import signal
 from pathlib import Path
 
 import httpx
 import pytest
-from cluster import start_up
+from cluster import free_port, running_up
 from pd_helpers import reference
 from tiny_models import add_word_tokenizer, make_tiny_model
 
@@ -68,14 +67,8 @@ def _completion(port: int, prompt: list[int]) -> list[int]:
 @pytest.mark.slow
 @pytest.mark.parametrize(("p", "d"), [(2, 1), (1, 2)])
 def test_up_with_different_tp_sizes_answers_as_the_single_engine(model: Path, p: int, d: int) -> None:
-    from cluster import free_port
-
     port = free_port()
-    proc, lines = start_up(port, "--model", str(model), "--no-l3", "--dtype", "float32", "--max-total-tokens", "2048",
-                           "--prefill-tp-size", str(p), "--decode-tp-size", str(d))
-    try:
+    with running_up(port, "--model", str(model), "--no-l3", "--dtype", "float32", "--max-total-tokens", "2048",
+                    "--prefill-tp-size", str(p), "--decode-tp-size", str(d)) as lines:
         assert [_completion(port, prompt) for prompt in PROMPTS] == reference(model, PROMPTS)
         assert f"at TP {max(p, d)}" in "".join(lines)
-    finally:
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=60) == 0
