@@ -9,6 +9,17 @@ class PageAccountingError(RuntimeError):
     """A page was freed twice, freed while free, or is out of range: a bug, never an expected state."""
 
 
+def disown(in_use: bytearray, pages: Iterable[int]) -> list[int]:
+    """``pages``, each cleared in the ownership flags ``in_use``; raises ``PageAccountingError`` at
+    the first one out of range or not allocated (those before it stay cleared: a bug either way)."""
+    pages = list(pages)
+    for p in pages:
+        if not 0 <= p < len(in_use) or not in_use[p]:
+            raise PageAccountingError(f"page {p} freed but not allocated")
+        in_use[p] = 0
+    return pages
+
+
 class PageAllocator:
     """Hands out page indices in ``[0, num_pages)``; every page is either free or owned by one caller.
 
@@ -48,12 +59,7 @@ class PageAllocator:
         return self.alloc(n)
 
     def free(self, pages: Iterable[int]) -> None:
-        pages = list(pages)
-        for p in pages:
-            if not 0 <= p < self.num_pages or not self._in_use[p]:
-                raise PageAccountingError(f"page {p} freed but not allocated")
-            self._in_use[p] = 0
-        self._free.extend(reversed(pages))  # so that allocating them again gives the same order
+        self._free.extend(reversed(disown(self._in_use, pages)))  # so that allocating them again gives the same order
 
     def check(self) -> None:
         """Raises unless the free list and the ownership flags describe the same set of pages."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from tierserve.cache.allocator import PageAccountingError, PageAllocator
+from tierserve.cache.allocator import PageAccountingError, PageAllocator, disown
 
 
 @dataclass(frozen=True)
@@ -110,12 +110,7 @@ class ShardedPageAllocator:
         return self.num_pages // self.ownership.size - len(self._free[owner])
 
     def free(self, pages: Iterable[int]) -> None:
-        pages = list(pages)
-        for p in pages:
-            if not 0 <= p < self.num_pages or not self._in_use[p]:
-                raise PageAccountingError(f"page {p} freed but not allocated")
-            self._in_use[p] = 0
-        for p in reversed(pages):  # so that allocating them again gives the same order
+        for p in reversed(disown(self._in_use, pages)):  # so that allocating them again gives the same order
             self._free[self.ownership.owner(p)].append(p)
 
     def check(self) -> None:
