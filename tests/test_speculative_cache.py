@@ -15,6 +15,7 @@ from tiny_models import make_noisy_draft, widen_kv_heads
 from tierserve.cache import hicache as hicache_module
 from tierserve.cache.base import PrefixHit
 from tierserve.cache.hashing import Namespace
+from tierserve.cache.host_pool import host_page_bytes
 from tierserve.cache.loads import HostLoadError
 from tierserve.cache.options import DraftLayout, HiCacheOptions, PrefetchPolicy
 from tierserve.cli.main import build_parser
@@ -223,12 +224,14 @@ def test_serve_refuses_a_packed_layout_the_draft_does_not_fit(tiny_llama: Path, 
 
 @pytest.mark.parametrize("layout", [DraftLayout.PACKED, DraftLayout.SIDECAR])
 def test_l2_size_counts_the_draft_rows(tiny_llama: Path, drafts: dict, layout: DraftLayout) -> None:
-    """``--hicache-size`` bounds L2's bytes, the draft's rows included, in either layout."""
+    """``--hicache-size`` bounds L2's bytes, the draft's rows included, in either layout, and the
+    room every page-first page keeps for its L3 trailer (the memory the pools really take)."""
     opts = HiCacheOptions(size_gb=2**20 / 2**30)  # 1 MiB
     engine = Engine(EngineConfig(tiny_llama, dtype="float32", page_size=4, max_total_tokens=256,
                                  enable_hierarchical_cache=True, hicache=opts,
                                  speculative_draft_model_path=drafts[layout]))
     sidecar = engine.cache.sidecar
-    held = engine.cache.host.buffer.nbytes + (sidecar.host.buffer.nbytes if sidecar else 0)
-    page = engine.pool.geometry.bytes_per_page + (engine.draft_pool.geometry.bytes_per_page if sidecar else 0)
+    pools = [engine.cache.host] + ([sidecar.host] if sidecar else [])
+    held = sum(p.buffer.untyped_storage().nbytes() for p in pools)
+    page = sum(host_page_bytes(p.geometry, p.layout) for p in pools)
     assert 2**20 - page < held <= 2**20

@@ -12,7 +12,7 @@ from tierserve.cache.cp_pages import PageOwnership
 from tierserve.cache.device_pool import DeviceKVPool
 from tierserve.cache.draft_kv import SidecarKV
 from tierserve.cache.hicache import HiCache, HiCacheConfig
-from tierserve.cache.host_pool import HostKVPool
+from tierserve.cache.host_pool import HostKVPool, host_page_bytes
 from tierserve.cache.options import CacheKind, HiCacheOptions
 from tierserve.cache.prefetch import PrefetchOptions
 from tierserve.cache.radix_cache import RadixCache
@@ -88,7 +88,8 @@ def host_pages(options: HiCacheOptions, pool: DeviceKVPool, draft: DeviceKVPool 
     """L2 size in pages: ``size_gb`` when given (a sidecar ``draft``'s host pages count in it),
     else ``ratio`` x the device pool."""
     if options.size_gb is not None:
-        page = pool.geometry.bytes_per_page + (draft.geometry.bytes_per_page if draft is not None else 0)
+        pools = [pool] if draft is None else [pool, draft]
+        page = sum(host_page_bytes(p.geometry, options.mem_layout) for p in pools)
         return max(1, int(options.size_gb * 2**30) // page)
     return max(1, int(pool.num_pages * options.ratio))
 

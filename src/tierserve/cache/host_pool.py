@@ -31,7 +31,8 @@ from tierserve.cache.options import HostLayout, IOBackend
 # page without a trailer (two buffers per object cost ~10-20% of a TCP read here).
 PAGE_ROOM_BYTES = 16
 
-__all__ = ["PAGE_ROOM_BYTES", "HostKVPool", "HostLayout", "IOBackend", "copy_pages", "device_pages", "runs"]
+__all__ = ["PAGE_ROOM_BYTES", "HostKVPool", "HostLayout", "IOBackend", "copy_pages", "device_pages", "host_page_bytes",
+           "runs"]
 
 
 class HostKVPool:
@@ -80,6 +81,11 @@ class HostKVPool:
         if self.layout is HostLayout.LAYER_FIRST:
             raise ValueError("layer_first pages are not contiguous; use page_first or page_first_direct")
         return self.buffer[page]
+
+
+def host_page_bytes(geometry: KVGeometry, layout: HostLayout) -> int:
+    """The host memory one page takes in ``layout``: page-first pages carry their trailer's room."""
+    return geometry.bytes_per_page + (0 if layout is HostLayout.LAYER_FIRST else PAGE_ROOM_BYTES)
 
 
 def _allocate(shape: tuple[int, ...], dtype: torch.dtype, pin_memory: bool, room: bool) -> torch.Tensor:
