@@ -248,6 +248,27 @@ def _host_only_prefix(cache: HiCache, alloc: PageAllocator, tokens: list[int]) -
     cache.evict(alloc.num_pages)
 
 
+def test_a_node_split_while_loading_is_evictable_once_the_load_landed() -> None:
+    """A match inside a loading node splits it: both parts stop being ``loading`` when the load
+    is agreed done (the upper part once stayed ``loading`` for good: its L1 pages never went)."""
+    geometry = KVGeometry(num_layers=2, num_kv_heads=1, head_dim=2, page_size=2, dtype=torch.float32)
+    alloc, host = PageAllocator(32), HostKVPool(geometry, 32, HostLayout.PAGE_FIRST_DIRECT)
+    cache = HiCache(alloc, DeviceKVPool(geometry, 32, torch.device("cpu")), host, b"s" * 32, HiCacheConfig())
+    tokens, other = list(range(8)), [0, 1, 2, 3, 99]
+    _host_only_prefix(cache, alloc, tokens)
+    whole = cache.match(tokens)  # one node of 4 pages starts loading
+    whole.loads[-1].wait(1)
+    part = cache.match(other)  # before the step that agrees the load done: splits the node
+    assert len(part.pages) == 2 and len([n for n in cache.tree.nodes() if n.loading is not None]) == 2
+    cache.release(tokens, whole.pages, whole.num_tokens, whole)
+    cache.release(other, part.pages, part.num_tokens, part)
+    assert cache.evict(alloc.num_pages) == 0  # loading until a step agreed the load done on every rank
+    cache.wait_background()  # steps: the load is agreed done
+    assert [n.tokens for n in cache.tree.nodes() if n.loading is not None] == []
+    assert cache.evict(alloc.num_pages) == 4 and alloc.num_used == 0
+    cache.close()
+
+
 def test_loads_are_not_queued_behind_writes_and_complete_layer_by_layer(monkeypatch) -> None:
     """A load is on a request's critical path: it runs while an L1 -> L2 write is stuck, and
     layer 0 is usable while later layers are still copying (attention of layer 0 overlaps them)."""

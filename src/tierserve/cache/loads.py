@@ -155,8 +155,13 @@ class Loads:
 
 
 def _landed(load: LayerwiseLoad) -> None:
-    """Every rank has ``load``'s pages: its nodes stop being ``loading`` (evictable again)."""
+    """Every rank has ``load``'s pages: its nodes stop being ``loading`` (evictable again).
+
+    A node split while loading keeps its lower part (the listed node) and hangs a new upper part,
+    ``loading`` too, just above it; so each listed node's chain of parents that share the load is
+    cleared, or such an upper part would stay ``loading``, never evictable, for good."""
     load.landed = True
     for node in load.nodes:
-        if node.loading is load:
+        while node.parent is not None and node.loading is load:
             node.loading = None
+            node = node.parent
