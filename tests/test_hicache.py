@@ -369,3 +369,23 @@ def test_write_back_pages_reach_l3_even_when_copied_at_eviction(tiny_llama: Path
     assert tokens == expected and tiers.get("storage", 0) >= 32, tiers
     engine.cache.close()
     fresh.cache.close()
+
+
+def test_flush_waits_for_the_backups_it_starts(tiny_llama: Path, tmp_path: Path) -> None:
+    """Write-back with L3: flushing L1 copies each dirty victim to L2 and backs it up to L3, which
+    pins the victim and its parents until the backup lands. The flush waits for those backups and
+    evicts on, so an idle engine's flush of both tiers leaves no page in either (found by
+    tests/test_engine_machine.py: the parent stayed in L1, the victim in L2)."""
+    engine = _engine(tiny_llama, write_policy=WritePolicy.WRITE_BACK, storage_backend="file",
+                     storage_config={"path": str(tmp_path / "l3")})
+    target, fillers = _prompts()
+    _run(engine, target[:16])
+    _run(engine, target[:8] + fillers[0][:8])  # a parent page run and two dirty children
+    assert engine.cache.host.allocator.num_used == 0  # nothing copied yet
+    assert engine.cache.flush(True, True)[0] > 0
+    assert engine.allocator.num_used == 0, f"{engine.allocator.num_used} L1 pages survived the flush"
+    assert engine.cache.host.allocator.num_used == 0, f"{engine.cache.host.allocator.num_used} L2 pages survived"
+    assert engine.stats()["cache_l3_backup_pages_total"] > 0
+    engine.allocator.check()
+    engine.cache.host.allocator.check()
+    engine.cache.close()

@@ -110,14 +110,27 @@ class HiCache(StorageAdmin):
             self.storage.close()
 
     def flush(self, device: bool, host: bool) -> tuple[int, int]:
-        """Drops unpinned L1 and/or L2 pages, after the copies in flight landed. At several ranks
-        every rank calls it at the same point (an engine call rank 0 sends with the steps)."""
-        self.wait_background()  # copies in flight pin their pages
+        """Drops unpinned L1 and/or L2 pages, after the copies in flight landed, those the flush
+        starts included. At several ranks every rank calls it at the same point (an engine call
+        rank 0 sends with the steps)."""
         host_before = self.host.allocator.num_used
-        device_pages = self.evict(self.allocator.num_pages) if device else 0  # may drop host copies too
+        device_pages = self._flush_device() if device else 0  # may drop host copies too
+        self.wait_background()  # copies in flight pin their pages
         if host:
             self.host.allocator.free(self.tree.evict_host(self.host.allocator.num_pages))
         return device_pages, host_before - self.host.allocator.num_used
+
+    def _flush_device(self) -> int:
+        """Evicts L1 until no unpinned page is left. Write-back with L3 backs a dirty victim up,
+        which pins its path until the backup lands: its parents stay in L1 (and it in L2) until
+        then, so each round waits for the copies in flight (agreed, the same rounds on every rank)."""
+        self.wait_background()
+        total = freed = self.evict(self.allocator.num_pages)
+        while freed and self.copies_in_flight:
+            self.wait_background()
+            freed = self.evict(self.allocator.num_pages)
+            total += freed
+        return total
 
     def set_event_listener(self, listener: KVEventListener) -> bool:
         self.tree.listener = listener
