@@ -1,0 +1,322 @@
+"""The engine with HiCache (L1, L2 and a file L3) driven by a hypothesis state machine: no page is
+ever lost or leaked, whatever requests, steps, aborts, finishes, failed copies and flushes come in
+whatever order.
+
+A real ``Engine`` on a tiny random model (CPU, float32) with 2-token pages, a 20-page L1 pool, a
+30-page L2 pool, 6-token prefill chunks and at most 3 running requests, so chunked prefill,
+eviction to L2 and L3, loads back, L3 prefetches, preemption and admission limits all happen; each
+example draws the write policy, the prefetch policy and continuous offload. Prompts are drawn to
+share prefixes (an earlier prompt's prefix, extended), with varied ``max_tokens``, ``min_tokens``,
+stop token ids, stop strings, ``ignore_eos``, logprobs, prompt logprobs and greedy, seeded or
+unseeded sampling. A rule makes the next background L1 -> L2 write or L2 -> L1 load fail.
+
+Checked after every rule: each device page is free, held by the tree, by one live request or by a
+failed load; each host page is free, the tree's, an in-flight write's or a prefetch's; both
+allocators' own ``check`` passes; a loading node belongs to a load still tracked. After running to
+idle (polled with a deadline: a stuck engine fails): no request is left, no node is pinned, every
+request got a finish reason and a consistent number of tokens (and logprobs), greedy and seeded
+outputs equal the same request run alone on a cache-less engine, and (when drawn) a full flush
+frees every page of both tiers: a page the tree cannot let go of is a leak too.
+
+Background copies run on the cache's real threads, so an example's outcome (not its draws) may
+depend on timing; draws never read state that timing changes (``abort`` picks by number).
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import shutil
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from tiny_models import add_word_tokenizer, make_tiny_model
+
+from tierserve.cache.hicache import HiCache
+from tierserve.cache.loads import HostLoadError
+from tierserve.cache.options import HiCacheOptions, PrefetchPolicy, WritePolicy
+from tierserve.core.outputs import FinishReason
+from tierserve.core.sampling import SamplingParams
+from tierserve.engine.config import EngineConfig
+from tierserve.engine.engine import Engine
+
+PS = 2  # tokens per page
+POOL_TOKENS = 40  # 20 L1 pages: a few requests fill it
+VOCAB = 24  # few ids: EOS (1) and stop ids come up, random prompts collide
+MAX_PROMPT, MAX_NEW = 16, 10
+IDLE_DEADLINE_S = 30.0  # a tiny engine that has not gone idle by then is stuck
+STOP_IDS = (2, 3, 5, 7)
+
+
+@functools.cache
+def _model() -> Path:
+    """One tiny Llama with a word tokenizer (stop strings need text) for the whole module."""
+    out = Path(tempfile.mkdtemp(prefix="engine-machine-"))
+    atexit.register(shutil.rmtree, out, True)
+    return add_word_tokenizer(make_tiny_model("llama", out, max_position=64, vocab_size=VOCAB), VOCAB)
+
+
+@functools.cache
+def _reference() -> Engine:
+    """A cache-less engine: a request run alone on it is the truth a cached, batched run must match."""
+    return Engine(EngineConfig(_model(), dtype="float32", page_size=PS, max_total_tokens=256,
+                               disable_radix_cache=True))
+
+
+_ALONE: dict[str, tuple[list[int], FinishReason | None]] = {}
+
+
+def _alone(prompt: list[int], params: SamplingParams) -> tuple[list[int], FinishReason | None]:
+    """``prompt`` run alone on the reference engine (remembered: the examples repeat requests)."""
+    key = repr((prompt, params))
+    if key not in _ALONE:
+        _ALONE[key] = _run_alone(prompt, params)
+    return _ALONE[key]
+
+
+def _run_alone(prompt: list[int], params: SamplingParams) -> tuple[list[int], FinishReason | None]:
+    engine, tokens, reason = _reference(), [], None
+    engine.add_request("alone", list(prompt), params)
+    while engine.has_work():
+        for out in engine.step():
+            tokens += out.new_token_ids
+            reason = out.finish_reason if out.finished else reason
+    return tokens, reason
+
+
+@dataclass
+class Tracked:
+    prompt: list[int]
+    params: SamplingParams
+    tokens: list[int] = field(default_factory=list)
+    logprobs: int = 0  # outputs' logprob entries
+    reason: FinishReason | None = None
+
+
+@st.composite
+def _params(draw: st.DrawFn) -> SamplingParams:
+    max_tokens = draw(st.integers(1, MAX_NEW))
+    mode = draw(st.sampled_from(["greedy", "seeded", "random"]))
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=0.0 if mode == "greedy" else 1.0,
+        seed=draw(st.integers(0, 3)) if mode == "seeded" else None,
+        min_tokens=draw(st.integers(0, max_tokens)),
+        stop_token_ids=draw(st.lists(st.sampled_from(STOP_IDS), max_size=2, unique=True)),
+        stop=draw(st.lists(st.sampled_from(["w4", "w6 w6"]), max_size=1)),
+        ignore_eos=draw(st.booleans()),
+        logprobs=draw(st.none() | st.integers(0, 2)),
+        prompt_logprobs=draw(st.none() | st.just(1)),  # forces recomputing part of a cached prompt
+    )
+
+
+class EngineMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.engine: Engine | None = None
+        self.l3 = Path(tempfile.mkdtemp(prefix="engine-machine-l3-"))
+        self.live: dict[str, Tracked] = {}
+        self.done: dict[str, Tracked] = {}
+        self.prompts: list[list[int]] = []
+        self.ids = 0
+        self.faults: set[bool] = set()  # armed copy failures, by direction (to host or not)
+        self.failed = 0  # requests that failed because of an injected load failure
+        _reference()  # built first: an engine seeds torch's global generator, which unseeded sampling uses
+
+    @initialize(policy=st.sampled_from(WritePolicy), prefetch=st.sampled_from(PrefetchPolicy),
+                offload=st.booleans())
+    def start(self, policy: WritePolicy, prefetch: PrefetchPolicy, offload: bool) -> None:
+        """``offload``: continuous offload of generated pages (a decode node's checkpoints)."""
+        hicache = HiCacheOptions(ratio=1.5, write_policy=policy, write_threshold=2, storage_backend="file",
+                                 storage_config={"path": str(self.l3), "prefetch_threshold": PS},
+                                 prefetch_policy=prefetch)
+        self.engine = Engine(EngineConfig(_model(), dtype="float32", page_size=PS, max_total_tokens=POOL_TOKENS,
+                                          chunked_prefill_size=6, max_running_requests=3,
+                                          enable_hierarchical_cache=True, hicache=hicache,
+                                          offload_generated=offload))
+        self._inject_copy_faults(self.engine.cache)
+
+    def _inject_copy_faults(self, cache: HiCache) -> None:
+        """Makes the copy threads' next L1 -> L2 write or L2 -> L1 load fail once it is armed in
+        ``faults`` (by direction: to host or not); the engine thread's own copies never fail."""
+        real = cache._copy
+
+        def copy(device_pages: list[int], host_pages: list[int], to_host: bool, layers: range | None = None) -> None:
+            if to_host in self.faults and threading.current_thread().name.startswith("hicache-"):
+                self.faults.discard(to_host)
+                raise OSError("injected host copy failure")
+            real(device_pages, host_pages, to_host, layers)
+
+        cache._copy = copy
+
+    def teardown(self) -> None:
+        if self.engine is not None:
+            self.engine.cache.close()
+        shutil.rmtree(self.l3, ignore_errors=True)
+
+    # -- rules -----------------------------------------------------------------------------------
+
+    @rule(data=st.data(), n=st.integers(1, 3))
+    def add(self, data: st.DataObject, n: int) -> None:
+        """Adds ``n`` requests at once (several per step fill the pool: eviction, preemption)."""
+        for _ in range(n):
+            prompt = data.draw(self._prompt(), label="prompt")
+            params = data.draw(_params(), label="params")
+            rid = f"r{self.ids}"
+            self.ids += 1
+            self.engine.add_request(rid, prompt, params)
+            self.prompts.append(prompt)
+            self.live[rid] = Tracked(prompt, params)
+
+    def _prompt(self) -> st.SearchStrategy[list[int]]:
+        fresh = st.lists(st.integers(2, VOCAB - 1), min_size=1, max_size=MAX_PROMPT)
+        if not self.prompts:
+            return fresh
+        earlier = st.sampled_from(self.prompts).flatmap(
+            lambda p: st.tuples(st.integers(len(p) // 2 + 1, len(p)), st.lists(st.integers(2, VOCAB - 1), max_size=6))
+            .map(lambda cut_tail: (p[: cut_tail[0]] + cut_tail[1])[:MAX_PROMPT]))
+        return st.one_of(fresh, earlier, earlier)
+
+    @rule(n=st.integers(1, 4))
+    def step(self, n: int) -> None:
+        for _ in range(n):
+            self._step()
+
+    @precondition(lambda self: self.ids > 0)
+    @rule(data=st.data())
+    def abort(self, data: st.DataObject) -> None:
+        """Aborts a request by its number, a no-op once it finished: what is still live depends
+        on background copies' timing, which draws must not (hypothesis replays them)."""
+        rid = f"r{data.draw(st.integers(0, self.ids - 1), label='abort')}"
+        if rid not in self.live:
+            assert self.engine.abort(rid) is None, "a finished request is still known"
+            return
+        out = self.engine.abort(rid)
+        assert out is not None and out.finished and out.finish_reason is FinishReason.ABORT
+        tracked = self.live.pop(rid)
+        assert out.completion_tokens == len(tracked.tokens)
+        assert self.engine.abort(rid) is None, "an aborted request is still known"
+
+    @rule(to_host=st.booleans())
+    def fail_next_copy(self, to_host: bool) -> None:
+        """The next background L1 -> L2 write (``to_host``) or L2 -> L1 load fails: requests
+        lent the load fail alone, a write's node stays L1-only; no page may leak either way."""
+        self.faults.add(to_host)
+
+    @rule(device=st.booleans(), host=st.booleans())
+    def flush(self, device: bool, host: bool) -> None:
+        self.engine.cache.flush(device, host)
+
+    @rule(flush_after=st.booleans())
+    def run_to_idle(self, flush_after: bool) -> None:
+        deadline = time.monotonic() + IDLE_DEADLINE_S
+        while self.engine.has_work() and time.monotonic() < deadline:
+            self._step()
+            if not self.engine.last_batch_size:
+                time.sleep(0.001)  # only background copies left: let their threads run
+        assert not self.engine.has_work(), f"the engine did not go idle: {self._work()}"
+        assert not self.live, f"requests never finished: {sorted(self.live)}"
+        assert not self.engine.requests and not self.engine.scheduler.running and not self.engine.scheduler.waiting
+        self._check_idle_tree()
+        self._check_finished()
+        if flush_after:
+            self._check_flush_frees_everything()
+
+    # -- helpers ---------------------------------------------------------------------------------
+
+    def _step(self) -> None:
+        for out in self.engine.step():
+            tracked = self.live[out.request_id]
+            tracked.tokens += out.new_token_ids
+            tracked.logprobs += len(out.logprobs or [])
+            assert out.completion_tokens == len(tracked.tokens)
+            if out.finished:
+                assert out.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
+                tracked.reason = out.finish_reason
+                self.done[out.request_id] = self.live.pop(out.request_id)
+        for rid, exc in self.engine.take_failures():
+            assert isinstance(exc, HostLoadError), f"{rid} failed with {exc!r}"
+            self.live.pop(rid)
+            self.failed += 1
+
+    def _work(self) -> str:
+        sched, cache = self.engine.scheduler, self.engine.cache
+        return (f"running {[(r.request_id, r.num_computed, r.num_tokens) for r in sched.running]} "
+                f"waiting {[(r.request_id, r.num_computed, r.prefetch) for r in sched.waiting]} "
+                f"writes {len(cache._writes)} storage busy {cache.storage.busy} free {self.engine.allocator.num_free}")
+
+    def _check_idle_tree(self) -> None:
+        cache = self.engine.cache
+        for node in cache.tree.nodes():
+            assert node.lock == 0, "an idle engine's tree still has a pinned node"
+        assert not cache.loads.num_orphans, "an idle engine holds orphaned load pages"
+        assert self.engine.stats()["kv_pages_used"] == 0
+
+    def _check_finished(self) -> None:
+        for rid, t in self.done.items():
+            p = t.params
+            assert t.reason is not None and 1 <= len(t.tokens) <= p.max_tokens, rid
+            assert t.logprobs == (len(t.tokens) if p.logprobs is not None else 0), rid
+            if t.reason is FinishReason.LENGTH:
+                assert len(t.tokens) == p.max_tokens, rid
+            elif len(t.tokens) < p.min_tokens:
+                raise AssertionError(f"{rid} stopped after {len(t.tokens)} < min_tokens {p.min_tokens}")
+            if p.greedy or p.seed is not None:
+                assert (t.tokens, t.reason) == _alone(t.prompt, p), f"{rid} differs from running alone"
+        self.done.clear()
+
+    def _check_flush_frees_everything(self) -> None:
+        cache = self.engine.cache
+        cache.flush(True, True)
+        assert self.engine.allocator.num_used == 0, f"{self.engine.allocator.num_used} L1 pages survive a flush"
+        assert cache.host.allocator.num_used == 0, f"{cache.host.allocator.num_used} L2 pages survive a flush"
+
+    # -- invariants ------------------------------------------------------------------------------
+
+    @invariant()
+    def device_pages_have_one_owner(self) -> None:
+        if self.engine is None:
+            return
+        engine, cache = self.engine, self.engine.cache
+        sched = engine.scheduler
+        held = [p for r in [*sched.running, *sched.waiting] for p in r.pages[len(r.hit.pages):]]
+        owned = cache.tree.device_pages() + held + [p for p in cache.loads._orphans if p not in held]
+        assert len(owned) == len(set(owned)), "an L1 page has two owners"
+        assert len(owned) == engine.allocator.num_used, \
+            f"{engine.allocator.num_used - len(owned)} L1 pages are allocated but owned by nobody"
+        engine.allocator.check()
+
+    @invariant()
+    def loads_are_tracked(self) -> None:
+        """A node stays ``loading`` only while its load is tracked (a split part included)."""
+        if self.engine is None:
+            return
+        running = {id(x) for x in self.engine.cache.loads.running}
+        for node in self.engine.cache.tree.nodes():
+            assert node.loading is None or id(node.loading) in running, "a node stays loading for good"
+
+    @invariant()
+    def host_pages_have_one_owner(self) -> None:
+        if self.engine is None:
+            return
+        cache = self.engine.cache
+        tier = cache.storage
+        owned = (cache.tree.host_pages() + [p for w in cache._writes for p in w.host_pages]
+                 + [p for t in tier.tickets for p in (t.leftover if t.consumed else t.host_pages)])
+        assert len(owned) == len(set(owned)), "an L2 page has two owners"
+        assert len(owned) == cache.host.allocator.num_used, \
+            f"{cache.host.allocator.num_used - len(owned)} L2 pages are allocated but owned by nobody"
+        cache.host.allocator.check()
+
+
+TestEngineMachine = EngineMachine.TestCase
+TestEngineMachine = pytest.mark.slow(TestEngineMachine)
+# ~20 s on 2 cores; hunting: raise max_examples (300 examples x 40 steps passed, 4 min)
+TestEngineMachine.settings = settings(max_examples=30, stateful_step_count=25, deadline=None)
