@@ -231,10 +231,12 @@ class EngineMachine(RuleBasedStateMachine):
     def start_reserved(self, data: st.DataObject, first: int) -> None:
         """The prompt arrived: the reservation (by number, a no-op once ended) starts generating."""
         rid = f"d{data.draw(st.integers(0, self.reserved - 1), label='start')}"
+        # drawn before looking: whether it is still active depends on the steps' clock, which
+        # run_to_idle moves by as many steps as background copies take (hypothesis replays draws)
+        params = SamplingParams(max_tokens=data.draw(st.integers(1, MAX_NEW), label="max_tokens"), temperature=0)
         if rid not in self.engine.reservations.active:
             return
         request = self.engine.reservations.active[rid].request
-        params = SamplingParams(max_tokens=data.draw(st.integers(1, MAX_NEW), label="max_tokens"), temperature=0)
         self.live[rid] = Tracked(request.prompt_ids, params, checked=False)
         self._record(self.engine.start_reserved(rid, first, params))
 

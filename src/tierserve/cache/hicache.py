@@ -33,7 +33,7 @@ from tierserve.cache.loads import LayerwiseLoad, Loads
 from tierserve.cache.options import IOBackend, PrefetchPolicy, WritePolicy
 from tierserve.cache.prefetch import Prefetch, PrefetchOptions
 from tierserve.cache.radix_cache import cp_storable
-from tierserve.cache.radix_tree import Match, Node, RadixTree
+from tierserve.cache.radix_tree import Match, Node, RadixTree, path_to_root
 from tierserve.cache.shards import KVShard
 from tierserve.cache.storage import StorageBackend
 from tierserve.cache.storage_tier import StorageTier, nothing
@@ -169,10 +169,10 @@ class HiCache(StorageAdmin):
         self._finish_prefetch(ticket, token_ids, salt)
         found = self.tree.match(token_ids, salt)
         # ``loading`` is cleared only once every rank agreed the load done: the same list on every rank
-        pending = [n.loading for n in _path(found.device_node) if n.loading is not None]
+        pending = [n.loading for n in path_to_root(found.device_node) if n.loading is not None]
         node, load = self._pin_and_load(found)
         self.write_path(node)
-        pages = [p for n in reversed(list(_path(node))) for p in n.device]
+        pages = [p for n in reversed(list(path_to_root(node))) for p in n.device]
         loads = pending + ([load] if load is not None else [])
         hit = PrefixHit(len(pages) * self.page_size, pages, self._tiers(found, load, len(pages)), handle=node,
                         loads=loads, salt=salt)
@@ -303,7 +303,7 @@ class HiCache(StorageAdmin):
         policy = self.config.write_policy
         if policy is WritePolicy.WRITE_BACK and not every:
             return
-        for n in _path(node):
+        for n in path_to_root(node):
             wanted = every or policy is WritePolicy.WRITE_THROUGH or n.hits >= self.config.write_threshold
             if wanted and n.host is None and n.device is not None and not n.writing and n.loading is None:
                 self._write_async(n)
@@ -399,9 +399,3 @@ def _timed(fn, *args) -> float:
     start = time.perf_counter()
     fn(*args)
     return time.perf_counter() - start
-
-
-def _path(node: Node):
-    while node.parent is not None:
-        yield node
-        node = node.parent

@@ -239,13 +239,13 @@ class RadixTree:
 
     def lock(self, node: Node) -> None:
         """Pins ``node`` and its ancestors (a request or transfer relies on the whole path)."""
-        for n in _path(node):
+        for n in path_to_root(node):
             if n.lock == 0:
                 self.num_pinned_device_pages += len(n.device or [])
             n.lock += 1
 
     def unlock(self, node: Node) -> None:
-        for n in _path(node):
+        for n in path_to_root(node):
             if n.lock <= 0:
                 raise RuntimeError("radix tree: unlock of an unlocked node")
             n.lock -= 1
@@ -356,7 +356,8 @@ def _tail(values: list[int] | None, n: int) -> list[int] | None:
     return None if values is None else values[n:]
 
 
-def _path(node: Node) -> Iterator[Node]:
+def path_to_root(node: Node) -> Iterator[Node]:
+    """``node`` and its ancestors, up to (without) the root."""
     while node.parent is not None:
         yield node
         node = node.parent
