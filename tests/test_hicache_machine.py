@@ -41,7 +41,7 @@ from tierserve.cache.storage.base import StorageError
 
 PS = 2  # tokens per page
 SEED = b"m" * 32
-DEVICE_PAGES, HOST_PAGES = 24, 12
+DEVICE_PAGES, HOST_PAGES = 12, 24
 OPTIONS = PrefetchOptions(threshold_tokens=PS, max_reserved_fraction=0.5)  # prefetch from one page on
 CAP = int(HOST_PAGES * OPTIONS.max_reserved_fraction)  # host pages all running prefetches may reserve
 MAX_TOKENS = 16
@@ -116,6 +116,31 @@ class MemoryStorage(StorageBackend):
 
     def stats(self) -> dict[str, Any]:
         return {"pages": len(self.objects), "calls": self.calls}
+
+
+class FaultyLoader:
+    """The cache's L2 -> L1 loader with host-memory faults on demand: after ``arm(layer)`` the next
+    load started fails while copying ``layer`` (its earlier layers are copied), as a failing
+    host-to-device copy does; the decision is taken on the engine thread, so it replays alike."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.armed: int | None = None
+
+    def submit(self, fn, copy_layer) -> Future:
+        if self.armed is None:
+            return self.inner.submit(fn, copy_layer)
+        layer, self.armed = self.armed, None
+
+        def faulty(i: int) -> None:
+            if i == layer:
+                raise RuntimeError("host memory copy failed (test fault)")
+            copy_layer(i)
+
+        return self.inner.submit(fn, faulty)
+
+    def shutdown(self, wait: bool = True) -> None:
+        self.inner.shutdown(wait)
 
 
 class StepExecutor:
@@ -193,6 +218,7 @@ class L3Machine(RuleBasedStateMachine):
             self.cache._worker.shutdown()
             self.cache._loader.shutdown()
             self.cache._worker = self.cache._loader = self.io = StepExecutor()  # one queue the test runs
+        self.loader = self.cache._loader = FaultyLoader(self.cache._loader)
         self.cache.attach_storage(self.store)
         if not self.threaded:
             self.cache.storage._worker.shutdown()
@@ -203,7 +229,7 @@ class L3Machine(RuleBasedStateMachine):
         # the reference model: every (salt, full-page prefix) a request computed and released
         self.computed: set[tuple[str, tuple[int, ...]]] = set()
         self.computed_keys: set[bytes] = set()
-        self.history: list[list[int]] = []
+        self.history: list[tuple[list[int], str]] = []
         self.lossless = True  # L3 never failed nor lost an object: every backup must have landed
 
     def teardown(self) -> None:
@@ -222,13 +248,21 @@ class L3Machine(RuleBasedStateMachine):
         pages = self.host.buffer.flatten(1)
         return pages.amin(1).tolist(), pages.amax(1).tolist()
 
-    def _wait_loads(self, hit) -> None:
+    def _loads_ok(self, hit) -> bool:
+        """Waits, as a step's attention does, until ``hit``'s loads stopped copying; False if one
+        failed (the step raises ``HostLoadError`` and the engine fails the request)."""
         for load in hit.loads:
             if self.threaded:
-                load.wait(self.device.geometry.num_layers - 1)
-            while not load.done():
+                load.join()
+            while not load.finished():
                 assert self.io.queue, "a load was never queued"
                 self.io.run(1)
+        return not any(load.failed for load in hit.loads)
+
+    def _loader_runs(self, n: int) -> None:
+        """Between two matches of one step the loader thread copies on (threaded: on its own)."""
+        if not self.threaded:
+            self.io.run(n)
 
     def _drain(self) -> None:
         """Runs every queued copy and L3 call, and applies them, until nothing is left."""
@@ -270,6 +304,15 @@ class L3Machine(RuleBasedStateMachine):
             self.cache.on_step()
         raise AssertionError("a prefetch did not land")
 
+    def _take_pages(self, missing: int) -> list[int] | None:
+        """``Scheduler._take_pages``: evicts L1 for what is missing, then takes the pages."""
+        if self.alloc.num_free < missing:
+            self.cache.evict(missing - self.alloc.num_free)
+        pages = self.alloc.alloc(missing)
+        while pages is None and self.cache.evict(missing) > 0:
+            pages = self.alloc.alloc(missing)
+        return pages
+
     def _admit(self, tokens: list[int], salt: str, ticket: Prefetch | None) -> Any:
         """``Scheduler._match`` and ``_take_pages``: match all but the last token, take pages for
         the rest, "compute" them (write their values); no pages: give the hit back."""
@@ -279,7 +322,7 @@ class L3Machine(RuleBasedStateMachine):
         assert hit.num_tokens == n * PS and len(hit.pages) == n and n <= len(prompt) // PS
         assert n == 0 or (salt, tuple(prompt[: n * PS])) in self.computed, "a match returned pages never computed"
         assert sum(hit.by_tier.values()) == hit.num_tokens
-        pages = self.alloc.alloc(-(-len(tokens) // PS) - n)
+        pages = self._take_pages(-(-len(tokens) // PS) - n)
         if pages is None:
             self.cache.release(tokens, list(hit.pages), hit.num_tokens, hit)
             return hit
@@ -292,14 +335,19 @@ class L3Machine(RuleBasedStateMachine):
     # -- requests --------------------------------------------------------------------------------
 
     def _draw(self, data) -> tuple[list[int], str]:
-        """A prompt, often a cut of an earlier one plus new tokens (a multi-turn conversation)."""
+        """A prompt, mostly a cut of an earlier (often recent) one plus new tokens (a multi-turn
+        conversation, mostly under its cache salt: a cut under another salt must not hit)."""
         base: list[int] = []
-        if self.history and data.draw(st.booleans()):
-            base = data.draw(st.sampled_from(self.history))
+        salts = ["", "", "t"]
+        if self.history and data.draw(st.integers(0, 3)):
+            recent = data.draw(st.booleans())  # mostly a recent one: the same conversation goes on
+            base, salt = data.draw(st.sampled_from(self.history[-3:] if recent else self.history))
             base = base[: data.draw(st.integers(0, len(base)))]
+            salts = [salt, salt, salt, "", "t"]
         tokens = (base + data.draw(st.lists(st.integers(0, 2), min_size=0 if base else 1, max_size=8)))[:MAX_TOKENS]
-        self.history.append(tokens)
-        return tokens, data.draw(st.sampled_from(["", "", "t"]))
+        salt = data.draw(st.sampled_from(salts))
+        self.history.append((tokens, salt))
+        return tokens, salt
 
     @rule(data=st.data())
     def arrive(self, data) -> None:
@@ -308,15 +356,28 @@ class L3Machine(RuleBasedStateMachine):
         self.waiting.append((tokens, salt, self._prefetch(tokens, salt)))
 
     @rule(data=st.data())
-    def admit(self, data) -> None:
-        if (i := _pick(data, self.waiting)) is None:
-            return
-        tokens, salt, ticket = self.waiting[i]
+    def schedule(self, data) -> None:
+        """``Scheduler.schedule``: one step boundary, then up to ``budget`` waiting requests are
+        matched in arrival order (those still prefetching passed over) with no step between, while
+        the loader copies on; one that finds no pages gives its hit back and waits (its prefetch
+        used up). Draws do not depend on how many were ready (threaded: timing)."""
+        budget = data.draw(st.integers(1, 3))
+        runs = data.draw(st.lists(st.integers(0, 2), min_size=3, max_size=3))
         self.cache.on_step()
-        if not self.cache.ready(ticket):
-            return
-        del self.waiting[i]
-        self._admit(tokens, salt, ticket)
+        for entry in list(self.waiting):
+            tokens, salt, ticket = entry
+            if budget == 0:
+                return
+            if not self.cache.ready(ticket):
+                continue
+            held, i = len(self.held), next(i for i, e in enumerate(self.waiting) if e is entry)
+            self._admit(tokens, salt, ticket)
+            if len(self.held) == held:
+                self.waiting[i] = (tokens, salt, None)
+                return
+            del self.waiting[i]
+            budget -= 1
+            self._loader_runs(runs[budget])
 
     @rule(data=st.data())
     def abort_waiting(self, data) -> None:
@@ -330,8 +391,15 @@ class L3Machine(RuleBasedStateMachine):
         if (i := _pick(data, self.held)) is not None:
             self._finish(self.held.pop(i))
 
+    def _fail(self, held: Held) -> None:
+        """``Engine._fail_request``: a request whose hit's load failed is released having computed
+        nothing past its hit (the step that would have raised first)."""
+        self.cache.release(held.tokens, held.pages, held.hit.num_tokens, held.hit)
+
     def _finish(self, held: Held) -> None:
-        self._wait_loads(held.hit)
+        if not self._loads_ok(held.hit):
+            self._fail(held)
+            return
         keys = keys_of(held.tokens, held.salt)
         low, high = self._device_values()
         for j, page in enumerate(held.hit.pages):
@@ -349,6 +417,9 @@ class L3Machine(RuleBasedStateMachine):
         if (i := _pick(data, self.held)) is None:
             return
         held = self.held[i]
+        if not self._loads_ok(held.hit):  # the step that generated a token waited on them
+            self._fail(self.held.pop(i))
+            return
         hit = self.cache.checkpoint(held.tokens, held.pages, len(held.tokens), held.hit)
         if hit is None:
             return
@@ -361,37 +432,57 @@ class L3Machine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def serve(self, data) -> None:
-        """A whole request: arrive, let its prefetch land, admit (every page that arrived is in
-        the match), finish. It may come after a settle, or after a flush that left L3 the only copy."""
-        before = data.draw(st.sampled_from(["nothing", "settle", "flush", "flush_l1"]))
+        """A few requests arriving together (a conversation's turns, a shared system prompt): their
+        prefetches land, one step matches them all in order (every page that arrived is in its
+        match) while the loader copies on, and they finish, with no step between. It may come after
+        a settle, a flush that left L3 the only copy, or one of L1 only (L2 holds the prefixes, so
+        the first match loads them and the next ones split what is loading)."""
+        before = data.draw(st.sampled_from(["nothing", "settle", "flush", "flush_l1", "flush_l1"]))
         if before != "nothing":
             self.settle()
         if before == "flush":
             self.flush(settle_first=False)
-        if before == "flush_l1":  # L2 (and L3) hold the prefix
+        if before == "flush_l1":
             self.cache.evict(10**6)
-        tokens, salt = self._draw(data)
-        ticket = self._prefetch(tokens, salt)
-        if ticket is not None:
-            self._land(ticket)
-            if ticket.host_pages:
-                assert ticket.agreed_arrived == len(ticket.keys), "a prefetch of pages L3 has fell short"
-        held = len(self.held)
+        requests = [self._draw(data) for _ in range(data.draw(st.integers(1, 4)))]
+        runs = data.draw(st.lists(st.integers(0, 2), min_size=len(requests), max_size=len(requests)))
+        tickets = [self._prefetch(tokens, salt) for tokens, salt in requests]
+        for ticket in tickets:
+            if ticket is not None:
+                self._land(ticket)
+                if ticket.host_pages:
+                    assert ticket.agreed_arrived == len(ticket.keys), "a prefetch of pages L3 has fell short"
+        order = data.draw(st.permutations(range(len(requests))))  # not of those admitted: timing
+        batch = []
+        for (tokens, salt), ticket, run in zip(requests, tickets, runs, strict=True):
+            batch.append(self._serve_one(tokens, salt, ticket))
+            self._loader_runs(run)
+        for held in (batch[i] for i in order if batch[i] is not None):
+            self._finish(held)
+
+    def _serve_one(self, tokens: list[int], salt: str, ticket: Prefetch | None) -> Held | None:
+        """Admits one request of ``serve``; its pages a prefetch brought in are kept, unless the
+        prefix it extends left the tree meanwhile (an earlier admission's eviction)."""
+        held, local = len(self.held), self.cache.tree.cached_pages(tokens[:-1], salt)
         self._admit(tokens, salt, ticket)
-        if ticket is not None:
+        if ticket is not None and local >= ticket.start:
             arrived = min(ticket.agreed_arrived, (len(tokens) - 1) // PS - ticket.start)
             assert self.cache.tree.cached_pages(tokens[:-1], salt) >= ticket.start + arrived, \
                 "pages a prefetch brought in were not kept"
-        if len(self.held) > held:
-            self._finish(self.held.pop())
+        return self.held.pop() if len(self.held) > held else None
 
     # -- tiers -----------------------------------------------------------------------------------
 
     @rule(n=st.integers(1, 12))
     def evict_device(self, n: int) -> None:
-        pinned = {p for h in self.held for p in h.hit.pages}
+        """Eviction keeps every page a running request holds; only a failed load takes pages out
+        of the tree under its requests (which fail: the engine never runs them again)."""
+        failed = [h for h in self.held if any(load.failed for load in h.hit.loads)]
+        pinned = {p for h in self.held if h not in failed for p in h.hit.pages}
         self.cache.evict(n)
         assert pinned <= set(self.cache.tree.device_pages()), "a pinned page was evicted"
+        kept = set(self.cache.tree.device_pages()) | set(self.cache.loads._orphans)
+        assert {p for h in failed for p in h.hit.pages} <= kept, "a failed request's page was evicted"
 
     @rule(n=st.integers(1, 8))
     def evict_host(self, n: int) -> None:
@@ -419,6 +510,11 @@ class L3Machine(RuleBasedStateMachine):
         """Some queued copies or L3 calls run (threaded: the workers run on their own)."""
         if not self.threaded:
             (self.l3 if l3 else self.io).run(n)
+
+    @rule(layer=st.integers(0, 1))
+    def host_copy_fault(self, layer: int) -> None:
+        """The next L2 -> L1 load fails while copying ``layer`` (a host-to-device copy error)."""
+        self.loader.armed = layer
 
     @rule()
     def step(self) -> None:
@@ -471,7 +567,8 @@ class L3Machine(RuleBasedStateMachine):
     @invariant()
     def pages_have_one_owner(self) -> None:
         tree = self.cache.tree
-        device = tree.device_pages() + [p for h in self.held for p in h.pages[len(h.hit.pages) :]]
+        orphans = list(self.cache.loads._orphans)  # a failed load's pages, out of the tree until freed
+        device = tree.device_pages() + [p for h in self.held for p in h.pages[len(h.hit.pages) :]] + orphans
         assert len(device) == len(set(device)) == self.alloc.num_used, "an L1 page leaked or has two owners"
         assert tree.num_device_pages == len(tree.device_pages()), "the tree miscounts its L1 pages"
         tier = self.cache.storage
@@ -600,7 +697,9 @@ def test_prefetch_keeps_the_l2_prefix_it_extends() -> None:
 
 
 TestL3Machine = L3Machine.TestCase
-TestL3Machine.settings = settings(max_examples=50, stateful_step_count=30, deadline=None)
+# long examples: the bugs in loads need a prefix computed, copied to L2, dropped from L1, then loaded
+# and split by a match of the same step; 80 x 120 steps found a reverted c4fa60b in 8 of 12 seeds
+TestL3Machine.settings = settings(max_examples=80, stateful_step_count=120, deadline=None)
 
 
 class ThreadedL3Machine(L3Machine):
@@ -612,4 +711,5 @@ class ThreadedL3Machine(L3Machine):
 TestThreadedL3Machine = ThreadedL3Machine.TestCase
 # random examples (seeds 1-8 and 900 more pass); print_blob: with worker threads a failure may not replay
 # alike while shrinking, and the blob (@reproduce_failure) retries the example first seen
-TestThreadedL3Machine.settings = settings(max_examples=20, stateful_step_count=30, deadline=None, print_blob=True)
+TestThreadedL3Machine.settings = settings(max_examples=20, stateful_step_count=50, deadline=None, print_blob=True)
+
