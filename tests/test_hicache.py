@@ -248,12 +248,17 @@ def _host_only_prefix(cache: HiCache, alloc: PageAllocator, tokens: list[int]) -
     cache.evict(alloc.num_pages)
 
 
+def _small_cache() -> tuple[HiCache, PageAllocator]:
+    """A HiCache of 32 L1 and 32 L2 pages of 2 tokens (tiny KV), and its L1 allocator."""
+    geometry = KVGeometry(num_layers=2, num_kv_heads=1, head_dim=2, page_size=2, dtype=torch.float32)
+    alloc, host = PageAllocator(32), HostKVPool(geometry, 32, HostLayout.PAGE_FIRST_DIRECT)
+    return HiCache(alloc, DeviceKVPool(geometry, 32, torch.device("cpu")), host, b"s" * 32, HiCacheConfig()), alloc
+
+
 def test_a_node_split_while_loading_is_evictable_once_the_load_landed() -> None:
     """A match inside a loading node splits it: both parts stop being ``loading`` when the load
     is agreed done (the upper part once stayed ``loading`` for good: its L1 pages never went)."""
-    geometry = KVGeometry(num_layers=2, num_kv_heads=1, head_dim=2, page_size=2, dtype=torch.float32)
-    alloc, host = PageAllocator(32), HostKVPool(geometry, 32, HostLayout.PAGE_FIRST_DIRECT)
-    cache = HiCache(alloc, DeviceKVPool(geometry, 32, torch.device("cpu")), host, b"s" * 32, HiCacheConfig())
+    cache, alloc = _small_cache()
     tokens, other = list(range(8)), [0, 1, 2, 3, 99]
     _host_only_prefix(cache, alloc, tokens)
     whole = cache.match(tokens)  # one node of 4 pages starts loading
@@ -389,3 +394,28 @@ def test_flush_waits_for_the_backups_it_starts(tiny_llama: Path, tmp_path: Path)
     engine.allocator.check()
     engine.cache.host.allocator.check()
     engine.cache.close()
+
+
+def test_a_checkpoint_never_swaps_in_pages_another_request_is_still_loading() -> None:
+    """A running request checkpoints a prompt that meanwhile became L2-only and that another
+    request's match is loading back into L1: the checkpoint must not trade the request's own pages
+    (which hold its KV) for the tree's, whose copy has not landed; once it landed and a step agreed
+    it, the checkpoint goes ahead."""
+    cache, alloc = _small_cache()
+    tokens = list(range(8))
+    running_hit, own = cache.match(tokens[:-1]), alloc.alloc(4)  # it computed every page itself
+    _host_only_prefix(cache, alloc, tokens)
+    gate, copy = threading.Event(), cache._copy
+    cache._copy = lambda *a, **k: (gate.wait(10), copy(*a, **k))[1]
+    other = cache.match(tokens)
+    assert other.loads and other.pages != own
+    load = other.loads[-1]
+    try:
+        assert cache.checkpoint(tokens, own, 8, running_hit) is None
+    finally:
+        gate.set()
+    load.wait(1)  # its last layer landed
+    cache.on_step()  # every rank agreed the load landed
+    lent = cache.checkpoint(tokens, own, 8, running_hit)
+    assert lent is not None and lent.pages == other.pages and not lent.loads
+    cache.close()

@@ -27,15 +27,18 @@ def checkpoint(cache: HiCache, token_ids: Sequence[int], pages: list[int], num_c
                hit: PrefixHit) -> PrefixHit | None:
     """Puts the full pages of ``token_ids[:num_computed]`` (held in ``pages``) in the tree and
     returns the hit that now lends them back, pinned, in place of ``hit`` (unpinned here); None
-    when nothing changed (no new full page, a load under the hit not yet agreed landed, or a CP
-    rank). Pages the tree already held are swapped for the tree's (the hit's) and freed, so the
-    caller's page table must become ``hit.pages + pages[len(hit.pages):]``."""
+    when nothing changed (no new full page, a load under the hit not yet agreed landed, a load of
+    another request's still filling tree pages these would be swapped for, or a CP rank). Pages
+    the tree already held are swapped for the tree's (the hit's) and freed, so the caller's page
+    table must become ``hit.pages + pages[len(hit.pages):]``."""
     if cache.ownership.size > 1:
         return None  # a CP rank's pages join the tree only through release, which keeps the rotation
     ps = cache.page_size
     full = min(num_computed // ps, len(pages), cache.loads.usable(pages))
     if full <= len(hit.pages) or not all(load.landed for load in hit.loads):
         return None
+    if cache.tree.loading_under(token_ids[: full * ps], hit.salt):
+        return None  # the tree's pages there may not hold their KV yet: keep computing on our own
     unused, node = cache.tree.insert(token_ids[: full * ps], pages[:full], hit.salt)
     cache.tree.lock(node)
     if isinstance(hit.handle, Node):

@@ -189,6 +189,17 @@ class RadixTree:
             node = child
         return i
 
+    def loading_under(self, token_ids: Sequence[int], salt: str = "") -> bool:
+        """Whether a node holding part of ``token_ids``' cached prefix is still ``loading`` (its
+        L1 pages not yet agreed landed); changes nothing."""
+        node, pages, i = self.roots.get(salt), self._pages(token_ids), 0
+        while node is not None and i < len(pages) and (child := node.children.get(pages[i])) is not None:
+            if child.loading is not None:
+                return True
+            n = _common_pages(child, pages[i:], self.page_size)
+            node, i = (child if n == child.num_pages else None), i + n
+        return False
+
     def device_prefix(self, token_ids: Sequence[int], salt: str = "") -> list[int]:
         """The L1 pages of the longest page-aligned prefix of ``token_ids`` the tree holds on the
         device, in order; changes nothing (no split, no touch)."""
