@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from tierserve.cache.base import PrefixHit
-from tierserve.cache.radix_tree import Node
+from tierserve.cache.radix_tree import Node, path_pages
 
 if TYPE_CHECKING:
     from tierserve.cache.hicache import HiCache
@@ -45,7 +45,7 @@ def checkpoint(cache: HiCache, token_ids: Sequence[int], pages: list[int], num_c
         cache.tree.unlock(hit.handle)
     cache.loads.returned(hit)
     cache.allocator.free(unused)  # this request's copies of pages the tree had: it reads the tree's now
-    lent = PrefixHit(full * ps, _path_pages(node), dict(hit.by_tier), handle=node, salt=hit.salt)
+    lent = PrefixHit(full * ps, path_pages(node), dict(hit.by_tier), handle=node, salt=hit.salt)
     cache.loads.lent(lent)
     _copy(cache, node, full - len(hit.pages))
     return lent
@@ -59,12 +59,3 @@ def _copy(cache: HiCache, node: Node, new_pages: int) -> None:
         return
     cache.counters["offload_checkpoint_pages_total"] += new_pages
     cache.write_path(node, every=True)
-
-
-def _path_pages(node: Node) -> list[int]:
-    """The device pages from the root down to ``node`` (each node on an inserted path has them)."""
-    nodes = []
-    while node.parent is not None:
-        nodes.append(node)
-        node = node.parent
-    return [p for n in reversed(nodes) for p in n.device]

@@ -33,7 +33,7 @@ from tierserve.cache.loads import LayerwiseLoad, Loads
 from tierserve.cache.options import IOBackend, PrefetchPolicy, WritePolicy
 from tierserve.cache.prefetch import Prefetch, PrefetchOptions
 from tierserve.cache.radix_cache import cp_storable
-from tierserve.cache.radix_tree import Match, Node, RadixTree, path_to_root
+from tierserve.cache.radix_tree import Match, Node, RadixTree, path_pages, path_to_root
 from tierserve.cache.shards import KVShard
 from tierserve.cache.storage import StorageBackend
 from tierserve.cache.storage_tier import StorageTier, nothing
@@ -172,7 +172,7 @@ class HiCache(StorageAdmin):
         pending = [n.loading for n in path_to_root(found.device_node) if n.loading is not None]
         node, load = self._pin_and_load(found)
         self.write_path(node)
-        pages = [p for n in reversed(list(path_to_root(node))) for p in n.device]
+        pages = path_pages(node)
         loads = pending + ([load] if load is not None else [])
         hit = PrefixHit(len(pages) * self.page_size, pages, self._tiers(found, load, len(pages)), handle=node,
                         loads=loads, salt=salt)

@@ -176,41 +176,33 @@ class RadixTree:
         if self.listener is not None and had != (pages is not None):
             self._announce(node, medium, pages is not None)
 
+    def _along(self, token_ids: Sequence[int], salt: str) -> Iterator[tuple[Node, int]]:
+        """The nodes holding ``token_ids``' cached page-aligned prefix, root first, each with how
+        many of its pages the prefix covers (only the last may be partly covered); changes nothing
+        (no split, no touch)."""
+        node, pages, i = self.roots.get(salt), self._pages(token_ids), 0
+        while node is not None and i < len(pages) and (child := node.children.get(pages[i])) is not None:
+            n = _common_pages(child, pages[i:], self.page_size)
+            yield child, n
+            node, i = (child if n == child.num_pages else None), i + n
+
     def cached_pages(self, token_ids: Sequence[int], salt: str = "") -> int:
         """How many leading pages of ``token_ids`` are in L1 or L2; changes nothing."""
-        node, pages, i = self.roots.get(salt), self._pages(token_ids), 0
-        if node is None:
-            return 0
-        while i < len(pages) and (child := node.children.get(pages[i])) is not None:
-            n = _common_pages(child, pages[i:], self.page_size)
-            i += n
-            if n < child.num_pages:
-                break
-            node = child
-        return i
+        return sum(n for _, n in self._along(token_ids, salt))
 
     def loading_under(self, token_ids: Sequence[int], salt: str = "") -> bool:
         """Whether a node holding part of ``token_ids``' cached prefix is still ``loading`` (its
         L1 pages not yet agreed landed); changes nothing."""
-        node, pages, i = self.roots.get(salt), self._pages(token_ids), 0
-        while node is not None and i < len(pages) and (child := node.children.get(pages[i])) is not None:
-            if child.loading is not None:
-                return True
-            n = _common_pages(child, pages[i:], self.page_size)
-            node, i = (child if n == child.num_pages else None), i + n
-        return False
+        return any(node.loading is not None for node, _ in self._along(token_ids, salt))
 
     def device_prefix(self, token_ids: Sequence[int], salt: str = "") -> list[int]:
         """The L1 pages of the longest page-aligned prefix of ``token_ids`` the tree holds on the
         device, in order; changes nothing (no split, no touch)."""
-        node, pages, found = self.roots.get(salt), self._pages(token_ids), []
-        while node is not None and len(found) < len(pages):
-            child = node.children.get(pages[len(found)])
-            if child is None or child.device is None:
+        found: list[int] = []
+        for node, n in self._along(token_ids, salt):
+            if node.device is None:
                 break
-            n = _common_pages(child, pages[len(found):], self.page_size)
-            found += child.device[:n]
-            node = child if n == child.num_pages else None
+            found += node.device[:n]
         return found
 
     def _add_child(self, parent: Node, pages: list[tuple[int, ...]], device: list[int] | None = None,
@@ -372,6 +364,11 @@ def path_to_root(node: Node) -> Iterator[Node]:
     while node.parent is not None:
         yield node
         node = node.parent
+
+
+def path_pages(node: Node) -> list[int]:
+    """The L1 pages from the root down to ``node`` (a pinned or just inserted path has them all)."""
+    return [p for n in reversed(list(path_to_root(node))) for p in n.device]
 
 
 def subtree(node: Node) -> Iterator[Node]:
