@@ -87,4 +87,7 @@ def test_a_killed_rank_takes_its_node_down_and_the_router_retries(model: Path, t
     assert answers == _expected(model)
     log = victim.log.read_text()  # the watchdog saw the death, or a collective broke on the dead peer first
     assert "exited with signal SIGKILL" in log or "lost step with the other ranks" in log, log[-3000:]
-    assert "retrying" in router.log.read_text()
+    # a request D lost before its first token is retried on a new pair; one D already streamed is
+    # migrated (router/migration.py): which one the kill catches depends on timing
+    routed = router.log.read_text()
+    assert "retrying on a new pair" in routed or "; migrating (" in routed, routed[-3000:]
