@@ -4,7 +4,6 @@ into the router's index, gap detection with snapshot recovery, and a publisher r
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from collections.abc import Callable
 from types import SimpleNamespace
@@ -31,6 +30,7 @@ from tierserve.cache.events import (
 from tierserve.cache.hashing import page_keys
 from tierserve.cache.radix_tree import RadixTree
 from tierserve.core.kv_events_auth import CurveKeys
+from tierserve.launch import free_port
 from tierserve.node.kv_events import advertised_endpoint, snapshot_reply, take_snapshot
 from tierserve.router.kv_index import KVEventSubscriber, KVIndex, prompt_keys
 
@@ -256,12 +256,6 @@ class _Node:
         return self.recorder.flush(), self.tree.snapshot()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_pub_sub_round_trip_and_publisher_restart() -> None:
     async def main() -> None:
         node = _Node("tcp://127.0.0.1:0")
@@ -297,7 +291,7 @@ def test_pub_sub_round_trip_and_publisher_restart() -> None:
 
 def test_subscriber_recovers_lost_events_through_a_snapshot() -> None:
     async def main() -> None:
-        node = _Node(f"tcp://127.0.0.1:{_free_port()}")
+        node = _Node(f"tcp://127.0.0.1:{free_port()}")
         sub = KVEventSubscriber(node.snapshot, retry_s=0.01)
         sub.add("p", node.publisher.endpoint)
         await _until(lambda: sub.index.is_synced("p"))

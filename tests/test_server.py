@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,8 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
+from tierserve.launch import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -38,14 +39,8 @@ class Server:
         return httpx.Client(base_url=self.url, headers=headers, timeout=60)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start(model: Path, log: Path, *flags: str) -> subprocess.Popen:
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "tierserve.cli", "serve", "--model", str(model), "--port", str(port),
            "--quiet-access-log", *flags]
     with log.open("w") as out:

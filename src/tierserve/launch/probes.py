@@ -4,20 +4,91 @@ answers); callers poll them against a deadline."""
 from __future__ import annotations
 
 import http.client
+import os
+import random
 import socket
+import tempfile
+import time
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tierserve.core.node_auth import TLSFiles
 
+# Ports under 20000 are left alone: Mooncake's engines and store clients take theirs below 17000
+# (docs/mooncake.md).
+_LOWEST_PICK = 20000
+# A pick is kept from every other process's picks this long: the caller binds it well before.
+_RESERVED_S = 600.0
+
 
 def free_port() -> int:
-    """A port nothing listens on now (the caller binds it soon after; a race is possible)."""
+    """A loopback port nothing listens on now and no process on this machine picked in the last
+    ten minutes.
+
+    It comes from outside the kernel's ephemeral range when that leaves room: the kernel gives
+    ephemeral ports to outgoing connections too (gRPC, gloo, Mooncake), so a port picked there could
+    be taken as some connection's local end before the caller binds it (a CI run's router lost its
+    port that way). Picks are reserved by files under the temp folder, so a test and the
+    ``tierserve up`` it starts never pick the same port."""
+    for _ in range(200):
+        port = _pick()
+        if _bindable(port) and _reserve(port):
+            return port
+    raise OSError("no free loopback port outside the ephemeral range")
+
+
+def _reserve(port: int) -> bool:
+    folder = Path(tempfile.gettempdir()) / f"tierserve-ports-{os.getuid()}"
+    folder.mkdir(exist_ok=True)
+    mark = folder / str(port)
+    try:
+        os.close(os.open(mark, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        return True
+    except FileExistsError:
+        return _take_expired(mark)
+
+
+def _take_expired(mark: Path) -> bool:
+    """Two processes may both see an expired mark; the rename lets only one of them take it."""
+    try:
+        if time.time() - mark.stat().st_mtime < _RESERVED_S:
+            return False
+        mark.rename(claimed := mark.with_suffix(f".{os.getpid()}"))
+        claimed.unlink()
+    except FileNotFoundError:
+        return False
+    return _reserve(int(mark.name))
+
+
+def _pick() -> int:
+    low, high = ephemeral_range()
+    outside = [r for r in (range(_LOWEST_PICK, low), range(high + 1, 65536)) if len(r) > 0]
+    if sum(map(len, outside)) < 1000:
+        with socket.socket() as s:  # the kernel's range covers nearly everything: let it choose
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    return random.choice(random.choices(outside, weights=list(map(len, outside)))[0])
+
+
+def ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for ports it chooses itself (Linux's default where it cannot be read)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
 
 
 def tcp_open(port: int) -> bool:
