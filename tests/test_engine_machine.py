@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from hicache_fakes import assert_loads_tracked
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -351,12 +352,8 @@ class EngineMachine(RuleBasedStateMachine):
 
     @invariant()
     def loads_are_tracked(self) -> None:
-        """A node stays ``loading`` only while its load is tracked (a split part included)."""
-        if self.engine is None:
-            return
-        running = {id(x) for x in self.engine.cache.loads.running}
-        for node in self.engine.cache.tree.nodes():
-            assert node.loading is None or id(node.loading) in running, "a node stays loading for good"
+        if self.engine is not None:
+            assert_loads_tracked(self.engine.cache)
 
     @invariant()
     def host_pages_have_one_owner(self) -> None:

@@ -17,193 +17,40 @@ the same rules on the cache's own worker threads.
 
 from __future__ import annotations
 
-import threading
-import time
-from collections import Counter, deque
-from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any
 
 import torch
+from hicache_fakes import (
+    DEVICE_PAGES,
+    HOST_PAGES,
+    MAX_TOKENS,
+    OPTIONS,
+    PARTIAL,
+    PS,
+    SEED,
+    FaultyLoader,
+    Held,
+    MemoryStorage,
+    StepExecutor,
+    keys_of,
+    path_up,
+    pick,
+    subtree,
+    value,
+)
+from hicache_invariants import L3Invariants
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from hypothesis.stateful import RuleBasedStateMachine, rule
 
 from tierserve.cache.allocator import PageAllocator
 from tierserve.cache.device_pool import DeviceKVPool, KVGeometry
-from tierserve.cache.hashing import page_keys, salted_seed
 from tierserve.cache.hicache import HiCache, HiCacheConfig
 from tierserve.cache.host_pool import HostKVPool, HostLayout
-from tierserve.cache.prefetch import Prefetch, PrefetchOptions
-from tierserve.cache.radix_tree import Node
-from tierserve.cache.storage import StorageBackend
-from tierserve.cache.storage.base import StorageError
-
-PS = 2  # tokens per page
-SEED = b"m" * 32
-DEVICE_PAGES, HOST_PAGES = 12, 24
-OPTIONS = PrefetchOptions(threshold_tokens=PS, max_reserved_fraction=0.5)  # prefetch from one page on
-CAP = int(HOST_PAGES * OPTIONS.max_reserved_fraction)  # host pages all running prefetches may reserve
-MAX_TOKENS = 16
-PARTIAL = -1.0  # the value of a request's last, partial page (it has no key)
+from tierserve.cache.prefetch import Prefetch
 
 
-def value(key: bytes) -> float:
-    """The KV every layer, head and token of the page named ``key`` holds (exact in float32)."""
-    return float(int.from_bytes(key[:2], "little") + 1)
-
-
-def keys_of(tokens: list[int] | tuple[int, ...], salt: str) -> list[bytes]:
-    return page_keys(salted_seed(SEED, salt), tokens, PS)
-
-
-class MemoryStorage(StorageBackend):
-    """L3 in a dict. ``down`` makes every call raise, as an unreachable store does."""
-
-    def __init__(self) -> None:
-        self.objects: dict[bytes, torch.Tensor] = {}
-        self.down = False
-        self.calls = 0
-        self.callers: set[str] = set()  # threads that called
-        self._lock = threading.Lock()
-
-    def _call(self) -> None:
-        with self._lock:
-            self.calls += 1
-            self.callers.add(threading.current_thread().name)
-        if self.down:
-            raise StorageError("store unreachable (test outage)")
-
-    def present(self, keys: list[bytes]) -> int:
-        """``batch_exists`` for the test itself: no call counted, works while down."""
-        with self._lock:
-            return next((i for i, k in enumerate(keys) if k not in self.objects), len(keys))
-
-    def batch_exists(self, keys: list[bytes]) -> int:
-        self._call()
-        return self.present(keys)
-
-    def batch_get_into(self, keys: list[bytes], spans: list[torch.Tensor]) -> list[bool]:
-        self._call()
-        out = []
-        for key, span in zip(keys, spans, strict=True):
-            with self._lock:
-                data = self.objects.get(key)
-            if data is not None:
-                span.copy_(data)
-            out.append(data is not None)
-        return out
-
-    def batch_set_from(self, keys: list[bytes], spans: list[torch.Tensor]) -> list[bool]:
-        self._call()
-        with self._lock:
-            for key, span in zip(keys, spans, strict=True):
-                self.objects.setdefault(key, span.clone())
-        return [True] * len(keys)
-
-    def get(self, key: bytes) -> bytes | None:
-        self._call()
-        with self._lock:
-            data = self.objects.get(key)
-        return None if data is None else data.numpy().tobytes()
-
-    def set(self, key: bytes, data: bytes) -> bool:
-        raise NotImplementedError
-
-    def clear(self) -> None:
-        with self._lock:
-            self.objects.clear()
-
-    def stats(self) -> dict[str, Any]:
-        return {"pages": len(self.objects), "calls": self.calls}
-
-
-class FaultyLoader:
-    """The cache's L2 -> L1 loader with host-memory faults on demand: after ``arm(layer)`` the next
-    load started fails while copying ``layer`` (its earlier layers are copied), as a failing
-    host-to-device copy does; the decision is taken on the engine thread, so it replays alike."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-        self.armed: int | None = None
-
-    def submit(self, fn, copy_layer) -> Future:
-        if self.armed is None:
-            return self.inner.submit(fn, copy_layer)
-        layer, self.armed = self.armed, None
-
-        def faulty(i: int) -> None:
-            if i == layer:
-                raise RuntimeError("host memory copy failed (test fault)")
-            copy_layer(i)
-
-        return self.inner.submit(fn, faulty)
-
-    def shutdown(self, wait: bool = True) -> None:
-        self.inner.shutdown(wait)
-
-
-class StepExecutor:
-    """A single-worker executor whose tasks run, in order, only when the test says so."""
-
-    def __init__(self) -> None:
-        self.queue: deque[tuple[Future, Any, tuple]] = deque()
-
-    def submit(self, fn, *args) -> Future:
-        future: Future = Future()
-        self.queue.append((future, fn, args))
-        return future
-
-    def run(self, n: int) -> None:
-        for _ in range(min(n, len(self.queue))):
-            future, fn, args = self.queue.popleft()
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(fn(*args))
-            except BaseException as exc:  # handed to the future, as a real executor does
-                future.set_exception(exc)
-
-    def shutdown(self, wait: bool = True) -> None:
-        self.run(len(self.queue))
-
-
-@dataclass
-class Held:
-    """A running request: its pages (the hit's, then its own) and its hit."""
-
-    tokens: list[int]
-    salt: str
-    pages: list[int]
-    hit: Any
-
-
-def _pick(data, items: list) -> int | None:
-    """An index into ``items`` (None if empty), drawn the same way whatever their number: with
-    worker threads the number may depend on timing, and hypothesis needs the same draws on replay."""
-    i = data.draw(st.integers(0, 63))
-    return i % len(items) if items else None
-
-
-def _path(node: Node):
-    while node.parent is not None:
-        yield node
-        node = node.parent
-
-
-def _subtree(node: Node):
-    stack = [node]
-    while stack:
-        n = stack.pop()
-        yield n
-        stack.extend(n.children.values())
-
-
-def _loaded(node: Node) -> bool:
-    return node.loading is None or node.loading.done()
-
-
-class L3Machine(RuleBasedStateMachine):
+class L3Machine(L3Invariants, RuleBasedStateMachine):
     threaded = False
 
     def __init__(self) -> None:
@@ -381,14 +228,14 @@ class L3Machine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def abort_waiting(self, data) -> None:
-        if (i := _pick(data, self.waiting)) is None:
+        if (i := pick(data, self.waiting)) is None:
             return
         _, _, ticket = self.waiting.pop(i)
         self.cache.cancel(ticket)
 
     @rule(data=st.data())
     def finish(self, data) -> None:
-        if (i := _pick(data, self.held)) is not None:
+        if (i := pick(data, self.held)) is not None:
             self._finish(self.held.pop(i))
 
     def _fail(self, held: Held) -> None:
@@ -413,8 +260,8 @@ class L3Machine(RuleBasedStateMachine):
     def checkpoint(self, data) -> None:
         """Continuous offload: a running request's full pages join the tree; it keeps them, pinned.
         No precondition on ``held``: with worker threads its size depends on timing, and hypothesis
-        replays a rule choice only if preconditions do not (``_pick`` draws alike either way)."""
-        if (i := _pick(data, self.held)) is None:
+        replays a rule choice only if preconditions do not (``pick`` draws alike either way)."""
+        if (i := pick(data, self.held)) is None:
             return
         held = self.held[i]
         if not self._loads_ok(held.hit):  # the step that generated a token waited on them
@@ -500,7 +347,7 @@ class L3Machine(RuleBasedStateMachine):
                 # a load keeps its nodes until a step agreed it done (``loading`` is cleared then,
                 # on the engine thread), not from when its copy finished; ``loads_are_tracked``
                 # checks that no node stays ``loading`` after that
-                kept = any(m.loading is not None for m in _subtree(node))
+                kept = any(m.loading is not None for m in subtree(node))
                 assert node.lock or kept, "flush left an evictable L1 node"
             elif not node.children:
                 assert node.lock, "flush left an evictable L2 node"
@@ -543,7 +390,7 @@ class L3Machine(RuleBasedStateMachine):
         """L3 drops a page (quota, another node's clear): prefetches must stop at the hole."""
         with self.store._lock:
             keys = sorted(self.store.objects)
-            if (i := _pick(data, keys)) is not None:
+            if (i := pick(data, keys)) is not None:
                 del self.store.objects[keys[i]]
                 self.lossless = False
 
@@ -555,145 +402,12 @@ class L3Machine(RuleBasedStateMachine):
         m = tree.match(tokens, salt)
         assert m.num_pages == tree.cached_pages(tokens, salt)
         assert m.num_pages == 0 or (salt, tuple(tokens[: m.num_pages * PS])) in self.computed
-        device_path = list(_path(m.device_node))[::-1]
+        device_path = list(path_up(m.device_node))[::-1]
         assert [p for n in device_path for p in n.device] == m.device_pages
         assert [p for n in m.host_nodes for p in n.host] == m.host_pages
         assert all(n.device is None for n in m.host_nodes)
-        below = list(_path(m.last_node))[: len(m.host_nodes)][::-1]
+        below = list(path_up(m.last_node))[: len(m.host_nodes)][::-1]
         assert below == m.host_nodes and (not below or below[0].parent is m.device_node)
-
-    # -- invariants ------------------------------------------------------------------------------
-
-    @invariant()
-    def pages_have_one_owner(self) -> None:
-        tree = self.cache.tree
-        orphans = list(self.cache.loads._orphans)  # a failed load's pages, out of the tree until freed
-        device = tree.device_pages() + [p for h in self.held for p in h.pages[len(h.hit.pages) :]] + orphans
-        assert len(device) == len(set(device)) == self.alloc.num_used, "an L1 page leaked or has two owners"
-        assert tree.num_device_pages == len(tree.device_pages()), "the tree miscounts its L1 pages"
-        tier = self.cache.storage
-        host = (tree.host_pages() + [p for w in self.cache._writes for p in w.host_pages]
-                + [p for t in tier.tickets for p in (t.leftover if t.consumed else t.host_pages)])
-        assert len(host) == len(set(host)) == self.host.allocator.num_used, "an L2 page leaked or has two owners"
-        self.alloc.check()
-        self.host.allocator.check()
-
-    @invariant()
-    def prefetches_stay_under_the_cap(self) -> None:
-        tier = self.cache.storage
-        live = [t for t in tier.tickets if not t.consumed]
-        assert tier._reserved == sum(len(t.host_pages) for t in live) <= CAP
-        running = [t for _, _, t in self.waiting if t is not None]
-        assert {id(t) for t in live} == {id(t) for t in running}, "a prefetch outlived its request"
-        for t in tier.tickets:
-            assert len(t.keys) == len(t.host_pages) <= t.agreed_probed or not t.host_pages, \
-                "a prefetch reads more pages than L3 said it has"
-            assert not t.consumed or not t.decided or (t.host_pages and not t.agreed_done), \
-                "a consumed prefetch whose reader stopped everywhere was not retired"
-
-    @invariant()
-    def locks_count_pins(self) -> None:
-        tree = self.cache.tree
-        pins = ([h.hit.handle for h in self.held] + [w.node for w in self.cache._writes]
-                + [b.node for b in self.cache.storage._backups])
-        expected: Counter[int] = Counter()
-        roots = {id(r) for r in tree.roots.values()}
-        for pin in pins:
-            assert isinstance(pin, Node)
-            top = pin
-            while top.parent is not None:
-                assert top.parent.children.get(top.tokens[:PS]) is top, "a pinned node left the tree"
-                expected[id(top)] += 1
-                top = top.parent
-            assert id(top) in roots
-        for node in tree.nodes():
-            assert node.lock == expected[id(node)], "a lock count differs from the pins held"
-        pinned = sum(len(n.device) for n in tree.nodes() if n.lock and n.device is not None)
-        assert tree.num_pinned_device_pages == pinned, "the tree miscounts its pinned L1 pages"
-
-    @invariant()
-    def loads_are_tracked(self) -> None:
-        """A ``loading`` node belongs to a load the cache still tracks: once the load is agreed
-        done (or failed) none of its nodes, nor the parts they were split into, stays ``loading``."""
-        running = {id(x) for x in self.cache.loads.running}
-        for node in self.cache.tree.nodes():
-            assert node.loading is None or id(node.loading) in running, "a node stays loading for good"
-
-    @invariant()
-    def tree_matches_the_reference(self) -> None:
-        """Keys chain along token paths, paths are computed prefixes, L1 nodes hang under L1
-        nodes, and every page in L1 or L2 holds its key's KV."""
-        dev_low, dev_high = self._device_values()
-        host_low, host_high = self._host_values()
-        for salt, root in self.cache.tree.roots.items():
-            stack = [(child, (), root.seed) for child in root.children.values()]
-            while stack:
-                node, prefix, parent_key = stack.pop()
-                path = prefix + node.tokens
-                assert node.keys == page_keys(parent_key, node.tokens, PS), "a node's keys are not its path's"
-                assert (salt, path) in self.computed, "the tree holds a prefix no request computed"
-                assert node.device is not None or node.host is not None
-                if node.device is not None:
-                    assert node.parent is root or node.parent.device is not None, "an L1 node under an L2-only one"
-                    if _loaded(node):
-                        for p, k in zip(node.device, node.keys, strict=True):
-                            assert dev_low[p] == dev_high[p] == value(k), "an L1 page holds other KV"
-                if node.host is not None:
-                    for p, k in zip(node.host, node.keys, strict=True):
-                        assert host_low[p] == host_high[p] == value(k), "an L2 page holds other KV"
-                stack += [(c, path, node.keys[-1]) for c in node.children.values()]
-
-    @invariant()
-    def only_the_l3_worker_calls_l3(self) -> None:
-        if self.threaded:
-            lanes = {"hicache-l3-backup_0", "hicache-l3-prefetch_0"}
-            assert self.store.callers <= lanes, f"L3 called from {sorted(self.store.callers)}"
-
-    @invariant()
-    def l3_holds_only_computed_pages(self) -> None:
-        with self.store._lock:
-            objects = dict(self.store.objects)
-        for key, data in objects.items():
-            assert key in self.computed_keys, "L3 holds a page no request computed"
-            assert bool((data == value(key)).all()), "an L3 page holds other KV"
-
-
-def _serve(cache: HiCache, tokens: list[int]) -> Any:
-    """One request through the engine's calls, its prefetch allowed to land; returns its hit."""
-    ticket = cache.prefetch(tokens)
-    deadline = time.monotonic() + 10
-    while ticket is not None and not (ticket.decided and (not ticket.host_pages or ticket.agreed_done)):
-        assert time.monotonic() < deadline, "a prefetch did not land"
-        ticket.done.wait(0.01)  # the L3 worker probes and reads meanwhile
-        cache.on_step()
-    hit = cache.match(tokens[:-1], ticket)
-    for load in hit.loads:
-        load.wait(cache.device.geometry.num_layers - 1)
-    pages = cache.allocator.alloc(-(-len(tokens) // PS) - len(hit.pages))
-    cache.release(tokens, list(hit.pages) + pages, len(tokens), hit)
-    return hit
-
-
-def test_prefetch_keeps_the_l2_prefix_it_extends() -> None:
-    geometry = KVGeometry(1, 1, 2, PS, torch.float32)
-    host = HostKVPool(geometry, 4, HostLayout.PAGE_FIRST_DIRECT)  # cap: 2 pages for prefetches
-    cache = HiCache(PageAllocator(16), DeviceKVPool(geometry, 16, torch.device("cpu")), host, SEED,
-                    HiCacheConfig(prefetch=OPTIONS), storage=MemoryStorage())
-    a, a_longer, b = [0, 0, 0, 0, 9], [0, 0, 0, 0, 1, 1, 9], [2, 2, 2, 2, 9]
-    try:
-        _serve(cache, a)
-        _serve(cache, a_longer)
-        cache.wait_background()  # L3: a's 2 pages and the 1 page after them
-        cache.evict(10**6)
-        host.allocator.free(cache.tree.evict_host(1))  # L2: a's 2 pages
-        _serve(cache, b)
-        cache.wait_background()
-        cache.evict(10**6)  # L2 full: a's pages (least recently used) and b's
-        assert cache.tree.cached_pages(a_longer) == 2
-        hit = _serve(cache, a_longer)  # 2 pages in L2, the third in L3
-        assert hit.num_tokens == 3 * PS, f"the request found {hit.num_tokens // PS} of 3 pages"
-    finally:
-        cache.close()
 
 
 TestL3Machine = L3Machine.TestCase

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import pytest
 import torch
-from test_hicache_machine import PS, SEED, MemoryStorage, keys_of
+from hicache_fakes import OPTIONS as HALF_RESERVED
+from hicache_fakes import PS, SEED, MemoryStorage, keys_of
 
 from tierserve.cache.allocator import PageAllocator
 from tierserve.cache.device_pool import DeviceKVPool, KVGeometry
@@ -231,3 +233,41 @@ def test_the_engine_is_woken_when_a_probe_and_then_its_read_end() -> None:
     assert woken.acquire(timeout=10), "no wake after the read"
     _steps_until(cache, lambda: cache.ready(ticket), "the prefetch is ready")
     assert ticket.agreed_arrived == 2
+
+
+def _serve(cache: HiCache, tokens: list[int]) -> Any:
+    """One request through the engine's calls, its prefetch allowed to land; returns its hit."""
+    ticket = cache.prefetch(tokens)
+    deadline = time.monotonic() + 10
+    while ticket is not None and not (ticket.decided and (not ticket.host_pages or ticket.agreed_done)):
+        assert time.monotonic() < deadline, "a prefetch did not land"
+        ticket.done.wait(0.01)  # the L3 worker probes and reads meanwhile
+        cache.on_step()
+    hit = cache.match(tokens[:-1], ticket)
+    for load in hit.loads:
+        load.wait(cache.device.geometry.num_layers - 1)
+    pages = cache.allocator.alloc(-(-len(tokens) // PS) - len(hit.pages))
+    cache.release(tokens, list(hit.pages) + pages, len(tokens), hit)
+    return hit
+
+
+def test_prefetch_keeps_the_l2_prefix_it_extends() -> None:
+    geometry = KVGeometry(1, 1, 2, PS, torch.float32)
+    host = HostKVPool(geometry, 4, HostLayout.PAGE_FIRST_DIRECT)  # cap: 2 pages for prefetches
+    cache = HiCache(PageAllocator(16), DeviceKVPool(geometry, 16, torch.device("cpu")), host, SEED,
+                    HiCacheConfig(prefetch=HALF_RESERVED), storage=MemoryStorage())
+    a, a_longer, b = [0, 0, 0, 0, 9], [0, 0, 0, 0, 1, 1, 9], [2, 2, 2, 2, 9]
+    try:
+        _serve(cache, a)
+        _serve(cache, a_longer)
+        cache.wait_background()  # L3: a's 2 pages and the 1 page after them
+        cache.evict(10**6)
+        host.allocator.free(cache.tree.evict_host(1))  # L2: a's 2 pages
+        _serve(cache, b)
+        cache.wait_background()
+        cache.evict(10**6)  # L2 full: a's pages (least recently used) and b's
+        assert cache.tree.cached_pages(a_longer) == 2
+        hit = _serve(cache, a_longer)  # 2 pages in L2, the third in L3
+        assert hit.num_tokens == 3 * PS, f"the request found {hit.num_tokens // PS} of 3 pages"
+    finally:
+        cache.close()
