@@ -1,8 +1,10 @@
 """Faults through the router with real processes: a prefill node killed mid-request (retried on
-another pair, succeeds), every decode node down (503 at once, recovery when one returns)."""
+another pair, succeeds), every decode node down (503 at once, recovery when one returns), a node
+restarted at its address between two health checks (identified again)."""
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import threading
 import time
@@ -11,10 +13,12 @@ from pathlib import Path
 
 import httpx
 import pytest
-from cluster import NodeProcess, RouterProcess
+from cluster import NodeProcess, RouterProcess, free_port
 from pd_helpers import DECODE_ARGS, NODE_ARGS, load, wait_for
 
 from tierserve.launch import http_ok
+from tierserve.router.registry import Registry, WorkerState
+from tierserve.router.roles import Role
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 ADMIN = {"Authorization": "Bearer k"}
@@ -53,6 +57,34 @@ def test_prefill_killed_mid_request_is_retried_on_another_node(long_llama: Path,
     finally:
         for proc in (router, victim, spare, decode):
             proc.stop()
+
+
+def test_a_restart_between_two_health_checks_is_identified_again(long_llama: Path, tmp_path: Path) -> None:
+    """Another process at a worker's address, started before the router's next health check (the
+    router never saw the address down): that check identifies it again, and its other page size
+    gets it refused. Before, the router kept the first process's ``NodeInfo`` for good."""
+    port = free_port()
+    first = node("decode", long_llama, tmp_path / "first.log", port=port).wait_ready()
+
+    async def run() -> None:
+        registry = Registry(check_interval_s=3600)
+        worker = registry.add(Role.DECODE, first.address)
+        await registry.check(worker)
+        assert worker.state is WorkerState.HEALTHY
+        first.stop()
+        second = node("decode", long_llama, tmp_path / "second.log", "--page-size", "32", port=port).wait_ready()
+        try:
+            await registry.check(worker)
+            assert worker.state is WorkerState.REFUSED and "namespace" in worker.reason
+            assert worker.info is not None and worker.info.identity.page_size == 32
+        finally:
+            second.stop()
+            await registry.close()
+
+    try:
+        asyncio.run(run())
+    finally:
+        first.stop()
 
 
 def test_all_decode_nodes_down_gives_503_quickly_and_recovers(long_llama: Path, tmp_path: Path) -> None:

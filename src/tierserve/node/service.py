@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 import grpc
@@ -22,6 +23,7 @@ class NodeServicer(pb_grpc.NodeServiceServicer):
                  kv_events: KVEventPublisher | None = None, kv_events_endpoint: str = "") -> None:
         self.loop, self.role, self.transfer_endpoint, self.model_name = loop, role, transfer_endpoint, model_name
         self.kv_events, self.kv_events_endpoint = kv_events, kv_events_endpoint
+        self.instance_id = uuid.uuid4().hex
 
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.NodeInfo:
         engine = self.loop.engine
@@ -29,7 +31,7 @@ class NodeServicer(pb_grpc.NodeServiceServicer):
                            namespace_digest=engine.namespace.digest(), transfer_endpoint=self.transfer_endpoint,
                            max_context_tokens=engine.max_model_len, namespace_seed=engine.namespace.seed(),
                            kv_events_endpoint=self.kv_events_endpoint, tp_size=engine.ranks.tp.size,
-                           pp_size=engine.ranks.pp.size)
+                           pp_size=engine.ranks.pp.size, instance_id=self.instance_id)
 
     async def KVSnapshot(self, request: pb.KVSnapshotRequest, context: grpc.aio.ServicerContext
                          ) -> pb.KVSnapshotReply:

@@ -294,7 +294,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("role", "model", "identity", "namespace_digest", "transfer_endpoint", "max_context_tokens", "kv_events_endpoint", "namespace_seed", "tp_size", "pp_size")
+    __slots__ = ("role", "model", "identity", "namespace_digest", "transfer_endpoint", "max_context_tokens", "kv_events_endpoint", "namespace_seed", "tp_size", "pp_size", "instance_id")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     IDENTITY_FIELD_NUMBER: _ClassVar[int]
@@ -305,6 +305,7 @@ class NodeInfo(_message.Message):
     NAMESPACE_SEED_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     PP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     role: Role
     model: str
     identity: KVIdentity
@@ -315,7 +316,8 @@ class NodeInfo(_message.Message):
     namespace_seed: bytes
     tp_size: int
     pp_size: int
-    def __init__(self, role: _Optional[_Union[Role, str]] = ..., model: _Optional[str] = ..., identity: _Optional[_Union[KVIdentity, _Mapping]] = ..., namespace_digest: _Optional[str] = ..., transfer_endpoint: _Optional[str] = ..., max_context_tokens: _Optional[int] = ..., kv_events_endpoint: _Optional[str] = ..., namespace_seed: _Optional[bytes] = ..., tp_size: _Optional[int] = ..., pp_size: _Optional[int] = ...) -> None: ...
+    instance_id: str
+    def __init__(self, role: _Optional[_Union[Role, str]] = ..., model: _Optional[str] = ..., identity: _Optional[_Union[KVIdentity, _Mapping]] = ..., namespace_digest: _Optional[str] = ..., transfer_endpoint: _Optional[str] = ..., max_context_tokens: _Optional[int] = ..., kv_events_endpoint: _Optional[str] = ..., namespace_seed: _Optional[bytes] = ..., tp_size: _Optional[int] = ..., pp_size: _Optional[int] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
     __slots__ = ()

@@ -169,20 +169,27 @@ class Registry:
         await asyncio.gather(*(self.check(w) for w in list(self.workers.values())))
 
     async def check(self, worker: Worker) -> None:
-        """One health check (gRPC health service), plus ``Info`` whenever the worker comes (back):
-        what answers at the same address after an outage may be another process, with other
-        weights, so its identity is checked again (and a refused worker gets another chance)."""
+        """One health check (gRPC health service), plus ``Info`` while it serves: what answers at
+        the same address after an outage may be another process, with other weights, so its
+        identity is checked again (and a refused worker gets another chance). A restart faster
+        than one check interval is seen too: the new process has another ``instance_id``."""
         try:
             reply = await health_pb2_grpc.HealthStub(worker.channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
             serving = reply.status == health_pb2.HealthCheckResponse.SERVING
-            if serving and worker.info is None:
-                worker.info = await pb_grpc.NodeServiceStub(worker.channel).Info(pb.InfoRequest(), timeout=5)
+            if serving:
+                self._identify(worker, await pb_grpc.NodeServiceStub(worker.channel).Info(pb.InfoRequest(), timeout=5))
         except grpc.aio.AioRpcError as exc:
             serving = False
             worker.reason = f"health check: {exc.code().name}"
         if not serving:
             worker.info = None
         self._set_state(worker, serving)
+
+    def _identify(self, worker: Worker, info: pb.NodeInfo) -> None:
+        if worker.info is not None and worker.info.instance_id != info.instance_id:
+            log.warning("worker %s %s restarted between two health checks (another process at its address); "
+                        "identifying it again", worker.role.value, worker.address)
+        worker.info = info
 
     def _set_state(self, worker: Worker, serving: bool) -> None:
         if serving and worker.info is not None and not self._accept(worker):
