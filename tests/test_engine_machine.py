@@ -10,7 +10,8 @@ share prefixes (an earlier prompt's prefix, extended), with varied ``max_tokens`
 stop token ids, stop strings, ``ignore_eos``, logprobs, prompt logprobs and greedy, seeded or
 unseeded sampling. A rule makes the next background L1 -> L2 write or L2 -> L1 load fail. Decode
 role rules reserve pages for a prompt (``Engine.reserve``), start or cancel the reservation, and
-move the steps' clock so leases expire and quarantined pages come back.
+move the steps' clock so leases expire and quarantined pages come back. L3 rules take the store
+down and back (every call raises) and flip a byte of one object or lose it.
 
 Checked after every rule: each device page is free, held by the tree, by one live request or
 reservation, by the quarantine or by a failed load; each host page is free, the tree's, an
@@ -33,6 +34,7 @@ import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,6 +48,8 @@ from tiny_models import add_word_tokenizer, make_tiny_model
 from tierserve.cache.hicache import HiCache
 from tierserve.cache.loads import HostLoadError
 from tierserve.cache.options import HiCacheOptions, PrefetchPolicy, WritePolicy
+from tierserve.cache.storage.base import StorageError
+from tierserve.cache.storage.file import FileStorage
 from tierserve.core.outputs import FinishReason
 from tierserve.core.sampling import SamplingParams
 from tierserve.engine.config import EngineConfig
@@ -136,6 +140,7 @@ class EngineMachine(RuleBasedStateMachine):
         self.prompts: list[list[int]] = []
         self.ids = 0
         self.faults: set[bool] = set()  # armed copy failures, by direction (to host or not)
+        self.l3_down = False  # every L3 call raises, as an unreachable store's do
         self.failed = 0  # requests that failed because of an injected load failure
         self.now = 0.0  # the steps' clock (leases and quarantines), moved by ``wait``
         self.reserved = 0  # reservations made (decode role), named d0, d1, ...
@@ -153,6 +158,7 @@ class EngineMachine(RuleBasedStateMachine):
                                           enable_hierarchical_cache=True, hicache=hicache,
                                           offload_generated=offload))
         self._inject_copy_faults(self.engine.cache)
+        self._inject_l3_outage(self.engine.cache.storage.storage)
 
     def _inject_copy_faults(self, cache: HiCache) -> None:
         """Makes the copy threads' next L1 -> L2 write or L2 -> L1 load fail once it is armed in
@@ -166,6 +172,20 @@ class EngineMachine(RuleBasedStateMachine):
             real(device_pages, host_pages, to_host, layers)
 
         cache._copy = copy
+
+    def _inject_l3_outage(self, backend: FileStorage) -> None:
+        """While ``l3_down``, the file store's probes, reads and writes raise (its own methods call
+        these, so the tier's calls fail whichever it makes)."""
+        for name in ("batch_exists", "_read_into", "_write"):
+            setattr(backend, name, self._unless_down(getattr(backend, name)))
+
+    def _unless_down(self, call: Callable) -> Callable:
+        def guarded(*args: object) -> object:
+            if self.l3_down:
+                raise StorageError("injected L3 outage")
+            return call(*args)
+
+        return guarded
 
     def teardown(self) -> None:
         if self.engine is not None:
@@ -258,6 +278,46 @@ class EngineMachine(RuleBasedStateMachine):
         """The next background L1 -> L2 write (``to_host``) or L2 -> L1 load fails: requests
         lent the load fail alone, a write's node stays L1-only; no page may leak either way."""
         self.faults.add(to_host)
+
+    @rule(down=st.booleans())
+    def l3_outage(self, down: bool) -> None:
+        """L3 becomes unreachable or reachable again: the breaker opens on the first failure and
+        the cache serves from L1 + L2; no request may fail or change its output for it."""
+        self.l3_down = down
+
+    @rule(data=st.data(), corrupt=st.booleans())
+    def damage_l3_object(self, data: st.DataObject, corrupt: bool) -> None:
+        """One L3 object (by number: which exist depends on background timing) gets 64 bytes
+        overwritten, which its trailer's check must catch, or is lost; a prefetch may be reading it
+        meanwhile."""
+        i = data.draw(st.integers(0, 63), label="object")
+        objects = sorted(self.l3.glob("*.kv"))
+        if not objects:
+            return
+        path = objects[i % len(objects)]
+        try:
+            if not corrupt:
+                path.unlink()
+                return
+            with open(path, "r+b") as f:  # 16 floats of ~3e38: outputs change if it is ever used
+                f.seek(path.stat().st_size // 3 // 4 * 4)
+                f.write(b"\x7f" * 64)
+        except FileNotFoundError:  # a read's integrity check deleted it first
+            return
+
+    @precondition(lambda self: bool(self.prompts))
+    @rule(data=st.data())
+    def ask_again_from_l3(self, data: st.DataObject) -> None:
+        """An earlier prompt again once its backups landed and L1 and L2 were dropped: what it
+        finds cached comes from L3, through whatever the L3 rules did to it."""
+        prompt = data.draw(st.sampled_from(self.prompts), label="earlier prompt")
+        params = SamplingParams(max_tokens=data.draw(st.integers(1, MAX_NEW), label="max_tokens"), temperature=0)
+        self.engine.cache.wait_background()
+        self.engine.cache.flush(True, True)
+        rid = f"r{self.ids}"
+        self.ids += 1
+        self.engine.add_request(rid, prompt, params)
+        self.live[rid] = Tracked(prompt, params)
 
     @rule(device=st.booleans(), host=st.booleans())
     def flush(self, device: bool, host: bool) -> None:
