@@ -28,22 +28,19 @@ depend on timing; draws never read state that timing changes (``abort`` picks by
 
 from __future__ import annotations
 
-import atexit
-import functools
 import shutil
 import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from engine_machine_world import MAX_NEW, PS, VOCAB, Tracked, alone, reference_engine, sampling_params, tiny_model
 from hicache_fakes import assert_loads_tracked
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from tiny_models import add_word_tokenizer, make_tiny_model
 
 from tierserve.cache.hicache import HiCache
 from tierserve.cache.loads import HostLoadError
@@ -57,77 +54,11 @@ from tierserve.engine.engine import Engine
 from tierserve.engine.request import RequestOutput
 from tierserve.engine.reservations import CapacityError, ReservationTerms
 
-PS = 2  # tokens per page
 POOL_TOKENS = 40  # 20 L1 pages: a few requests fill it
-VOCAB = 24  # few ids: EOS (1) and stop ids come up, random prompts collide
-MAX_PROMPT, MAX_NEW = 16, 10
+MAX_PROMPT = 16
 IDLE_DEADLINE_S = 10.0  # a tiny engine that has not gone idle by then is stuck
-STOP_IDS = (2, 3, 5, 7)
 RESERVED_SALT = "reserved"  # reservations' pages hold no computed KV: never shared with checked requests
 TERMS = ReservationTerms(lease_s=5.0, grace_s=8.0, headroom_tokens=4)
-
-
-@functools.cache
-def _model() -> Path:
-    """One tiny Llama with a word tokenizer (stop strings need text) for the whole module."""
-    out = Path(tempfile.mkdtemp(prefix="engine-machine-"))
-    atexit.register(shutil.rmtree, out, True)
-    return add_word_tokenizer(make_tiny_model("llama", out, max_position=64, vocab_size=VOCAB), VOCAB)
-
-
-@functools.cache
-def _reference() -> Engine:
-    """A cache-less engine: a request run alone on it is the truth a cached, batched run must match."""
-    return Engine(EngineConfig(_model(), dtype="float32", page_size=PS, max_total_tokens=256,
-                               disable_radix_cache=True))
-
-
-_ALONE: dict[str, tuple[list[int], FinishReason | None]] = {}
-
-
-def _alone(prompt: list[int], params: SamplingParams) -> tuple[list[int], FinishReason | None]:
-    """``prompt`` run alone on the reference engine (remembered: the examples repeat requests)."""
-    key = repr((prompt, params))
-    if key not in _ALONE:
-        _ALONE[key] = _run_alone(prompt, params)
-    return _ALONE[key]
-
-
-def _run_alone(prompt: list[int], params: SamplingParams) -> tuple[list[int], FinishReason | None]:
-    engine, tokens, reason = _reference(), [], None
-    engine.add_request("alone", list(prompt), params)
-    while engine.has_work():
-        for out in engine.step():
-            tokens += out.new_token_ids
-            reason = out.finish_reason if out.finished else reason
-    return tokens, reason
-
-
-@dataclass
-class Tracked:
-    prompt: list[int]
-    params: SamplingParams
-    tokens: list[int] = field(default_factory=list)
-    logprobs: int = 0  # outputs' logprob entries
-    reason: FinishReason | None = None
-    checked: bool = True  # its output must equal the request run alone (not a reservation's)
-
-
-@st.composite
-def _params(draw: st.DrawFn) -> SamplingParams:
-    max_tokens = draw(st.integers(1, MAX_NEW))
-    mode = draw(st.sampled_from(["greedy", "seeded", "random"]))
-    return SamplingParams(
-        max_tokens=max_tokens,
-        temperature=0.0 if mode == "greedy" else 1.0,
-        seed=draw(st.integers(0, 3)) if mode == "seeded" else None,
-        min_tokens=draw(st.integers(0, max_tokens)),
-        stop_token_ids=draw(st.lists(st.sampled_from(STOP_IDS), max_size=2, unique=True)),
-        stop=draw(st.lists(st.sampled_from(["w4", "w6 w6"]), max_size=1)),
-        ignore_eos=draw(st.booleans()),
-        logprobs=draw(st.none() | st.integers(0, 2)),
-        prompt_logprobs=draw(st.none() | st.just(1)),  # forces recomputing part of a cached prompt
-    )
 
 
 class EngineMachine(RuleBasedStateMachine):
@@ -144,7 +75,7 @@ class EngineMachine(RuleBasedStateMachine):
         self.failed = 0  # requests that failed because of an injected load failure
         self.now = 0.0  # the steps' clock (leases and quarantines), moved by ``wait``
         self.reserved = 0  # reservations made (decode role), named d0, d1, ...
-        _reference()  # built first: an engine seeds torch's global generator, which unseeded sampling uses
+        reference_engine()  # built first: an engine seeds torch's global generator, which unseeded sampling uses
 
     @initialize(policy=st.sampled_from(WritePolicy), prefetch=st.sampled_from(PrefetchPolicy),
                 offload=st.booleans())
@@ -153,7 +84,7 @@ class EngineMachine(RuleBasedStateMachine):
         hicache = HiCacheOptions(ratio=1.5, write_policy=policy, write_threshold=2, storage_backend="file",
                                  storage_config={"path": str(self.l3), "prefetch_threshold": PS},
                                  prefetch_policy=prefetch)
-        self.engine = Engine(EngineConfig(_model(), dtype="float32", page_size=PS, max_total_tokens=POOL_TOKENS,
+        self.engine = Engine(EngineConfig(tiny_model(), dtype="float32", page_size=PS, max_total_tokens=POOL_TOKENS,
                                           chunked_prefill_size=6, max_running_requests=3,
                                           enable_hierarchical_cache=True, hicache=hicache,
                                           offload_generated=offload))
@@ -199,7 +130,7 @@ class EngineMachine(RuleBasedStateMachine):
         """Adds ``n`` requests at once (several per step fill the pool: eviction, preemption)."""
         for _ in range(n):
             prompt = data.draw(self._prompt(), label="prompt")
-            params = data.draw(_params(), label="params")
+            params = data.draw(sampling_params(), label="params")
             rid = f"r{self.ids}"
             self.ids += 1
             self.engine.add_request(rid, prompt, params)
@@ -383,7 +314,7 @@ class EngineMachine(RuleBasedStateMachine):
             elif len(t.tokens) < p.min_tokens:
                 raise AssertionError(f"{rid} stopped after {len(t.tokens)} < min_tokens {p.min_tokens}")
             if t.checked and (p.greedy or p.seed is not None):
-                assert (t.tokens, t.reason) == _alone(t.prompt, p), f"{rid} differs from running alone"
+                assert (t.tokens, t.reason) == alone(t.prompt, p), f"{rid} differs from running alone"
         self.done.clear()
 
     def _check_flush_frees_everything(self) -> None:

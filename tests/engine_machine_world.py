@@ -1,0 +1,89 @@
+"""The engine machine's world (``test_engine_machine``): its tiny model, the cache-less reference
+engine a request run alone on gives the truth, and the requests and sampling parameters it draws."""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hypothesis import strategies as st
+from tiny_models import add_word_tokenizer, make_tiny_model
+
+from tierserve.core.outputs import FinishReason
+from tierserve.core.sampling import SamplingParams
+from tierserve.engine.config import EngineConfig
+from tierserve.engine.engine import Engine
+
+PS = 2  # tokens per page
+VOCAB = 24  # few ids: EOS (1) and stop ids come up, random prompts collide
+MAX_NEW = 10
+STOP_IDS = (2, 3, 5, 7)
+
+
+@functools.cache
+def tiny_model() -> Path:
+    """One tiny Llama with a word tokenizer (stop strings need text) for every example."""
+    out = Path(tempfile.mkdtemp(prefix="engine-machine-"))
+    atexit.register(shutil.rmtree, out, True)
+    return add_word_tokenizer(make_tiny_model("llama", out, max_position=64, vocab_size=VOCAB), VOCAB)
+
+
+@functools.cache
+def reference_engine() -> Engine:
+    """A cache-less engine: a request run alone on it is the truth a cached, batched run must match."""
+    return Engine(EngineConfig(tiny_model(), dtype="float32", page_size=PS, max_total_tokens=256,
+                               disable_radix_cache=True))
+
+
+_ALONE: dict[str, tuple[list[int], FinishReason | None]] = {}
+
+
+def alone(prompt: list[int], params: SamplingParams) -> tuple[list[int], FinishReason | None]:
+    """``prompt`` run alone on the reference engine (remembered: the examples repeat requests)."""
+    key = repr((prompt, params))
+    if key not in _ALONE:
+        _ALONE[key] = _run_alone(prompt, params)
+    return _ALONE[key]
+
+
+def _run_alone(prompt: list[int], params: SamplingParams) -> tuple[list[int], FinishReason | None]:
+    engine, tokens, reason = reference_engine(), [], None
+    engine.add_request("alone", list(prompt), params)
+    while engine.has_work():
+        for out in engine.step():
+            tokens += out.new_token_ids
+            reason = out.finish_reason if out.finished else reason
+    return tokens, reason
+
+
+@dataclass
+class Tracked:
+    """A request the machine follows: what it asked for and what came out so far."""
+
+    prompt: list[int]
+    params: SamplingParams
+    tokens: list[int] = field(default_factory=list)
+    logprobs: int = 0  # outputs' logprob entries
+    reason: FinishReason | None = None
+    checked: bool = True  # its output must equal the request run alone (not a reservation's)
+
+
+@st.composite
+def sampling_params(draw: st.DrawFn) -> SamplingParams:
+    max_tokens = draw(st.integers(1, MAX_NEW))
+    mode = draw(st.sampled_from(["greedy", "seeded", "random"]))
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=0.0 if mode == "greedy" else 1.0,
+        seed=draw(st.integers(0, 3)) if mode == "seeded" else None,
+        min_tokens=draw(st.integers(0, max_tokens)),
+        stop_token_ids=draw(st.lists(st.sampled_from(STOP_IDS), max_size=2, unique=True)),
+        stop=draw(st.lists(st.sampled_from(["w4", "w6 w6"]), max_size=1)),
+        ignore_eos=draw(st.booleans()),
+        logprobs=draw(st.none() | st.integers(0, 2)),
+        prompt_logprobs=draw(st.none() | st.just(1)),  # forces recomputing part of a cached prompt
+    )
