@@ -13,6 +13,7 @@ from hicache_fakes import OPTIONS as HALF_RESERVED
 from hicache_fakes import PS, SEED, MemoryStorage, keys_of
 
 from tierserve.cache.allocator import PageAllocator
+from tierserve.cache.cp_pages import PageOwnership
 from tierserve.cache.device_pool import DeviceKVPool, KVGeometry
 from tierserve.cache.factory import hicache_config
 from tierserve.cache.hicache import HiCache, HiCacheConfig
@@ -105,6 +106,37 @@ def test_auto_waits_only_when_reading_beats_computing() -> None:
     for ticket in (waits, skips):
         cache.cancel(ticket)
     cache.wait_background()
+    cache.close()
+
+
+class SlowStorage(MemoryStorage):
+    """L3 whose reads take at least ``READ_S`` per object."""
+
+    READ_S = 0.005
+
+    def batch_get_into(self, keys: list[bytes], spans: list[torch.Tensor]) -> list[bool]:
+        time.sleep(self.READ_S * len(keys))
+        return super().batch_get_into(keys, spans)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_cp_rank_measures_only_the_pages_it_read(rank: int) -> None:
+    """Under CP a rank reads only the pages it owns; the ``auto`` policy's bandwidth must count
+    those only. It counted every page of a chunk: rank 1, which owns no page of the last chunk
+    (17 pages: 16, then 1), measured that one at ~120 times the store's speed, rank 0 at ~2 times."""
+    store, tokens = SlowStorage(), [*range(2, 2 + 17 * PS), 1]
+    _stored(store, tokens[:-1])
+    geometry = KVGeometry(1, 1, 2, PS, torch.float32)
+    cache = HiCache(PageAllocator(64), DeviceKVPool(geometry, 64, torch.device("cpu")),
+                    HostKVPool(geometry, 256, HostLayout.PAGE_FIRST_DIRECT), SEED,
+                    HiCacheConfig(prefetch_policy=PrefetchPolicy.WAIT_COMPLETE, prefetch=OPTIONS), storage=store,
+                    ownership=PageOwnership(rank, 2))
+    ticket = cache.prefetch(tokens)
+    _steps_until(cache, lambda: cache.ready(ticket), "the prefetch arrived")
+    assert ticket.agreed_arrived == 17
+    store_bps = geometry.bytes_per_page / SlowStorage.READ_S  # an upper bound: each read sleeps that long
+    assert 0 < cache.storage.speed.read_bps <= 1.05 * store_bps, f"{cache.storage.speed.read_bps:.0f} B/s measured"
+    cache.cancel(ticket)
     cache.close()
 
 

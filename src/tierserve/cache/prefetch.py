@@ -94,10 +94,11 @@ class Prefetch:
             if not self._started:
                 self.done.set()
 
-    def run(self, read: Callable[[list[bytes], list[int]], list[bool]], on_chunk: Callable[[int, float], None]) -> None:
+    def run(self, read: Callable[[list[bytes], list[int]], list[bool]],
+            on_chunk: Callable[[list[int], float], None]) -> None:
         """Reads the pages in chunks through ``read(page keys, host pages)`` (per-page success), in
         order, until all arrived, one is missing, the store fails or ``cancel`` is set; reports each
-        chunk's pages and seconds; ``done`` is set at the end."""
+        chunk's host pages that arrived and its seconds; ``done`` is set at the end."""
         try:
             for at in range(0, len(self.keys), CHUNK_PAGES):
                 if self.cancel.is_set():
@@ -106,7 +107,7 @@ class Prefetch:
                 started = time.perf_counter()
                 ok = read(keys, self.host_pages[at : at + len(keys)])
                 good = next((i for i, x in enumerate(ok) if not x), len(ok))
-                on_chunk(good, time.perf_counter() - started)
+                on_chunk(self.host_pages[at : at + good], time.perf_counter() - started)
                 self.arrived += good
                 if good < len(ok):
                     break

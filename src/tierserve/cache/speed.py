@@ -30,13 +30,14 @@ class SpeedModel:
             with self._lock:
                 self.prefill_tps = _average(self.prefill_tps, tokens / seconds)
 
-    def worth_waiting(self, num_pages: int, page_bytes: int, page_size: int) -> bool:
-        """Whether reading ``num_pages`` pages of ``page_bytes`` each (``page_size`` tokens) is
-        expected to take less time than computing them."""
+    def worth_waiting(self, read_pages: int, num_pages: int, page_bytes: int, page_size: int) -> bool:
+        """Whether reading ``read_pages`` pages of ``page_bytes`` each is expected to take less time
+        than computing the ``num_pages`` pages (``page_size`` tokens each) they are part of (they
+        differ under CP, where each rank reads its own pages of the prefix)."""
         with self._lock:
             read_bps, prefill_tps = self.read_bps, self.prefill_tps
         compute_s = num_pages * page_size / prefill_tps if prefill_tps else float("inf")
-        read_s = num_pages * page_bytes / read_bps if read_bps else 0.0
+        read_s = read_pages * page_bytes / read_bps if read_bps else 0.0
         return read_s < compute_s
 
 

@@ -64,7 +64,8 @@ class StorageTier:
                  host_pages: Callable[[Sequence[int], int], list[int] | None], shard: KVShard,
                  ownership: PageOwnership | None = None, sidecar_host: HostKVPool | None = None) -> None:
         self.storage, self.host, self.tree, self.options = storage, host, tree, options
-        self.io = rank_io(host, page_io(host), shard, ownership or PageOwnership())
+        self.ownership = ownership or PageOwnership()
+        self.io = rank_io(host, page_io(host), shard, self.ownership)
         storage.attach_host_buffer(self.io.buffer)
         if sidecar_host is not None:  # a draft's own objects go and come with every page
             self.io = SidecarIO(self.io, sidecar_host, storage)
@@ -174,9 +175,12 @@ class StorageTier:
         self.decisions["wait" if ticket.wait else "no_wait"] += 1
 
     def _vote(self, ticket: Prefetch) -> int:
-        """This rank's view of the auto verdict for a probed ticket (1: waiting is worth it)."""
+        """This rank's view of the auto verdict for a probed ticket (1: waiting is worth it). Under
+        CP a rank reads only the pages it owns: the time to read the largest rank's share (ranks read
+        side by side) against the node computing them all."""
         n = max(ticket.probed, 0)
-        return int(self.speed.worth_waiting(n, self.host.geometry.bytes_per_page, self.tree.page_size))
+        share = -(-n // self.ownership.size)
+        return int(self.speed.worth_waiting(share, n, self.host.geometry.bytes_per_page, self.tree.page_size))
 
     def _reserve(self, prefix: Sequence[int], salt: str, n: int) -> list[int] | None:
         """Host pages for ``n`` prefetched pages. Reserving may evict L2, so the local prefix the
@@ -199,7 +203,10 @@ class StorageTier:
         def read(keys: list[bytes], pages: list[int]) -> list[bool]:
             return self.io.get_into(self.storage, source, keys, pages)
 
-        ticket.run(read, lambda pages, s: self.speed.record_read(pages * page_bytes, s))
+        def record(pages: list[int], seconds: float) -> None:  # the bytes this rank read (CP: its own pages)
+            self.speed.record_read(sum(map(self.ownership.owns, pages)) * page_bytes, seconds)
+
+        ticket.run(read, record)
         if ticket.failed:
             self._fail("prefetch", None)
 
