@@ -11,8 +11,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hypothesis import strategies as st
-from tiny_models import add_word_tokenizer, make_tiny_model
+from tiny_models import add_word_tokenizer, make_noisy_draft, make_tiny_model, widen_kv_heads
 
+from tierserve.cache.options import DraftLayout
 from tierserve.core.outputs import FinishReason
 from tierserve.core.sampling import SamplingParams
 from tierserve.engine.config import EngineConfig
@@ -30,6 +31,16 @@ def tiny_model() -> Path:
     out = Path(tempfile.mkdtemp(prefix="engine-machine-"))
     atexit.register(shutil.rmtree, out, True)
     return add_word_tokenizer(make_tiny_model("llama", out, max_position=64, vocab_size=VOCAB), VOCAB)
+
+
+@functools.cache
+def draft_model(layout: DraftLayout) -> Path:
+    """A draft that agrees with ``tiny_model`` often but not always; for the sidecar layout its KV
+    rows are shaped unlike the target's (twice the KV heads)."""
+    out = Path(tempfile.mkdtemp(prefix=f"engine-machine-draft-{layout.value}-"))
+    atexit.register(shutil.rmtree, out, True)
+    draft = make_noisy_draft(tiny_model(), out / "draft", 0.05)
+    return widen_kv_heads(draft) if layout is DraftLayout.SIDECAR else draft
 
 
 @functools.cache

@@ -5,22 +5,24 @@ whatever order.
 A real ``Engine`` on a tiny random model (CPU, float32) with 2-token pages, a 20-page L1 pool, a
 30-page L2 pool, 6-token prefill chunks and at most 3 running requests, so chunked prefill,
 eviction to L2 and L3, loads back, L3 prefetches, preemption and admission limits all happen; each
-example draws the write policy, the prefetch policy and continuous offload. Prompts are drawn to
-share prefixes (an earlier prompt's prefix, extended), with varied ``max_tokens``, ``min_tokens``,
-stop token ids, stop strings, ``ignore_eos``, logprobs, prompt logprobs and greedy, seeded or
-unseeded sampling. A rule makes the next background L1 -> L2 write or L2 -> L1 load fail. Decode
-role rules reserve pages for a prompt (``Engine.reserve``), start or cancel the reservation, and
-move the steps' clock so leases expire and quarantined pages come back. L3 rules take the store
-down and back (every call raises) and flip a byte of one object or lose it.
+example draws the write policy, the prefetch policy, continuous offload and speculative decoding
+(none, or a noisy draft whose KV is cached packed with the target's or in a sidecar pool). Prompts
+are drawn to share prefixes (an earlier prompt's prefix, extended), with varied ``max_tokens``,
+``min_tokens``, stop token ids, stop strings, ``ignore_eos``, logprobs, prompt logprobs and greedy,
+seeded or unseeded sampling. A rule makes the next background L1 -> L2 write or L2 -> L1 load
+fail. Decode role rules reserve pages for a prompt (``Engine.reserve``), start or cancel the
+reservation, and move the steps' clock so leases expire and quarantined pages come back. L3 rules
+take the store down and back (every call raises), overwrite part of one object or lose it, and ask
+an earlier prompt again once L1 and L2 were dropped.
 
 Checked after every rule: each device page is free, held by the tree, by one live request or
 reservation, by the quarantine or by a failed load; each host page is free, the tree's, an
 in-flight write's or a prefetch's; both allocators' own ``check`` passes; a loading node belongs
 to a load still tracked. After running to idle (polled with a deadline: a stuck engine fails): no
 request or reservation is left, no node is pinned, every request got a finish reason and a
-consistent number of tokens (and logprobs), greedy and seeded outputs equal the same request run
-alone on a cache-less engine, and (when drawn) a full flush frees every page of both tiers: a page
-the tree cannot let go of is a leak too.
+consistent number of tokens (and logprobs), greedy outputs (and seeded ones without a draft) equal
+the same request run alone on a cache-less engine without a draft, and (when drawn) a full flush
+frees every page of both tiers: a page the tree cannot let go of is a leak too.
 
 Background copies run on the cache's real threads, so an example's outcome (not its draws) may
 depend on timing; draws never read state that timing changes (``abort`` picks by number).
@@ -36,7 +38,17 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from engine_machine_world import MAX_NEW, PS, VOCAB, Tracked, alone, reference_engine, sampling_params, tiny_model
+from engine_machine_world import (
+    MAX_NEW,
+    PS,
+    VOCAB,
+    Tracked,
+    alone,
+    draft_model,
+    reference_engine,
+    sampling_params,
+    tiny_model,
+)
 from hicache_fakes import assert_loads_tracked
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -44,7 +56,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from tierserve.cache.hicache import HiCache
 from tierserve.cache.loads import HostLoadError
-from tierserve.cache.options import HiCacheOptions, PrefetchPolicy, WritePolicy
+from tierserve.cache.options import DraftLayout, HiCacheOptions, PrefetchPolicy, WritePolicy
 from tierserve.cache.storage.base import StorageError
 from tierserve.cache.storage.file import FileStorage
 from tierserve.core.outputs import FinishReason
@@ -72,22 +84,27 @@ class EngineMachine(RuleBasedStateMachine):
         self.ids = 0
         self.faults: set[bool] = set()  # armed copy failures, by direction (to host or not)
         self.l3_down = False  # every L3 call raises, as an unreachable store's do
+        self.speculative = False
         self.failed = 0  # requests that failed because of an injected load failure
         self.now = 0.0  # the steps' clock (leases and quarantines), moved by ``wait``
         self.reserved = 0  # reservations made (decode role), named d0, d1, ...
         reference_engine()  # built first: an engine seeds torch's global generator, which unseeded sampling uses
 
     @initialize(policy=st.sampled_from(WritePolicy), prefetch=st.sampled_from(PrefetchPolicy),
-                offload=st.booleans())
-    def start(self, policy: WritePolicy, prefetch: PrefetchPolicy, offload: bool) -> None:
-        """``offload``: continuous offload of generated pages (a decode node's checkpoints)."""
+                offload=st.booleans(), draft=st.sampled_from([None, DraftLayout.PACKED, DraftLayout.SIDECAR]))
+    def start(self, policy: WritePolicy, prefetch: PrefetchPolicy, offload: bool, draft: DraftLayout | None) -> None:
+        """``offload``: continuous offload of generated pages (a decode node's checkpoints);
+        ``draft``: speculative decoding, the draft's KV cached in that layout beside the target's."""
+        self.speculative = draft is not None
+        spec = {"speculative_draft_model_path": draft_model(draft), "speculative_num_steps": 2,
+                "speculative_draft_layout": draft} if draft is not None else {}
         hicache = HiCacheOptions(ratio=1.5, write_policy=policy, write_threshold=2, storage_backend="file",
                                  storage_config={"path": str(self.l3), "prefetch_threshold": PS},
                                  prefetch_policy=prefetch)
         self.engine = Engine(EngineConfig(tiny_model(), dtype="float32", page_size=PS, max_total_tokens=POOL_TOKENS,
                                           chunked_prefill_size=6, max_running_requests=3,
                                           enable_hierarchical_cache=True, hicache=hicache,
-                                          offload_generated=offload))
+                                          offload_generated=offload, **spec))
         self._inject_copy_faults(self.engine.cache)
         self._inject_l3_outage(self.engine.cache.storage.storage)
 
@@ -313,7 +330,8 @@ class EngineMachine(RuleBasedStateMachine):
                 assert len(t.tokens) == p.max_tokens, rid
             elif len(t.tokens) < p.min_tokens:
                 raise AssertionError(f"{rid} stopped after {len(t.tokens)} < min_tokens {p.min_tokens}")
-            if t.checked and (p.greedy or p.seed is not None):
+            # rejection sampling draws other random numbers than plain sampling: only greedy is lossless token for token
+            if t.checked and (p.greedy or (p.seed is not None and not self.speculative)):
                 assert (t.tokens, t.reason) == alone(t.prompt, p), f"{rid} differs from running alone"
         self.done.clear()
 
