@@ -1,15 +1,15 @@
 """deploy/'s secrets (docs/architecture.md, Authenticated nodes): in every overlay the nodes and the
 router take the node token and the TLS files from Kubernetes Secrets, at the paths their flags name.
-Helpers from test_deploy.py; the cpu-demo run there uses such a Secret's files."""
+Helpers from manifests.py; the cpu-demo run in test_deploy.py uses such a Secret's files."""
 
 from __future__ import annotations
 
 import re
 
 import pytest
-from test_deploy import (
+from local_k8s import TLS_VOLUME
+from manifests import (
     OVERLAYS,
-    TLS_VOLUME,
     WORKLOAD_KINDS,
     command_line,
     container_env,
