@@ -10,6 +10,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 from hypothesis import strategies as st
 from tiny_models import add_word_tokenizer, make_noisy_draft, make_tiny_model, widen_kv_heads
 
@@ -98,3 +99,30 @@ def sampling_params(draw: st.DrawFn) -> SamplingParams:
         logprobs=draw(st.none() | st.integers(0, 2)),
         prompt_logprobs=draw(st.none() | st.just(1)),  # forces recomputing part of a cached prompt
     )
+
+
+class Sender:
+    """A prefill request's handoff as the machine plays the transfer: it copies each layer's prompt
+    KV out of the request's pages as the engine reports it, and stays busy (the engine parks the
+    pages once the request ends) until the machine ends it; the pages must still hold that KV then.
+    ``layers``: each layer's [2, slots, heads, dim] rows in the engine's numbering (a sidecar
+    draft's layers follow the target's)."""
+
+    def __init__(self, layers: list[torch.Tensor]) -> None:
+        self.layers = layers
+        self.sent: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (slots, their KV)
+        self.ended = False
+
+    def on_layer(self, layer: int, pages: list[int], end: int) -> None:
+        slots = torch.tensor([pages[t // PS] * PS + t % PS for t in range(end)], dtype=torch.long)
+        self.sent[layer] = slots, self.layers[layer].index_select(1, slots).clone()
+
+    def busy(self) -> bool:
+        return not self.ended
+
+    def end(self) -> None:
+        """The transfer ended: what it read must not have changed while it was busy."""
+        self.ended = True
+        for layer, (slots, kv) in self.sent.items():
+            now = self.layers[layer].index_select(1, slots)
+            assert torch.equal(now, kv), "a page changed while its handoff read it"

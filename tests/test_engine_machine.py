@@ -1,26 +1,28 @@
-"""The engine with HiCache (L1, L2 and a file L3) driven by a hypothesis state machine: no page is
-ever lost or leaked, whatever requests, steps, aborts, finishes, failed copies and flushes come in
+"""The engine with HiCache (L1, L2 and a file L3) driven by a hypothesis state machine: no page is ever
+lost or leaked, whatever requests, steps, aborts, finishes, failed copies and flushes come in
 whatever order.
 
 A real ``Engine`` on a tiny random model (CPU, float32) with 2-token pages, a 20-page L1 pool, a
-30-page L2 pool, 6-token prefill chunks and at most 3 running requests, so chunked prefill,
-eviction to L2 and L3, loads back, L3 prefetches, preemption and admission limits all happen; each
-example draws the write policy, the prefetch policy, continuous offload and speculative decoding
-(none, or a noisy draft whose KV is cached packed with the target's or in a sidecar pool). Prompts
-are drawn to share prefixes (an earlier prompt's prefix, extended), with varied ``max_tokens``,
-``min_tokens``, stop token ids, stop strings, ``ignore_eos``, logprobs, prompt logprobs and greedy,
-seeded or unseeded sampling. A rule makes the next background L1 -> L2 write or L2 -> L1 load
-fail. Decode role rules reserve pages for a prompt (``Engine.reserve``), start or cancel the
-reservation, and move the steps' clock so leases expire and quarantined pages come back. L3 rules
-take the store down and back (every call raises), overwrite part of one object or lose it, and ask
-an earlier prompt again once L1 and L2 were dropped.
+30-page L2 pool, 6-token prefill chunks and at most 3 running requests, so chunked prefill, eviction
+to L2 and L3, loads back, L3 prefetches, preemption and admission limits all happen; each example
+draws the write policy, the prefetch policy, continuous offload and speculative decoding (none, or a
+noisy draft whose KV is cached packed with the target's or in a sidecar pool). Prompts are drawn to
+share prefixes (an earlier prompt's prefix, extended), with varied ``max_tokens``, ``min_tokens``,
+stop token ids, stop strings, ``ignore_eos``, logprobs, prompt logprobs and greedy, seeded or
+unseeded sampling. A rule makes the next background L1 -> L2 write or L2 -> L1 load fail. Decode
+role rules reserve pages for a prompt (``Engine.reserve``), start or cancel the reservation, and
+move the steps' clock so leases expire and quarantined pages come back. Prefill role rules add a
+request whose prompt KV a handoff reads (its pages are parked while the handoff is busy) and end
+such handoffs: the pages must still hold what was read. L3 rules take the store down and back (every
+call raises), overwrite part of one object or lose it, and ask an earlier prompt again once L1 and
+L2 were dropped.
 
 Checked after every rule: each device page is free, held by the tree, by one live request or
-reservation, by the quarantine or by a failed load; each host page is free, the tree's, an
-in-flight write's or a prefetch's; both allocators' own ``check`` passes; a loading node belongs
-to a load still tracked. After running to idle (polled with a deadline: a stuck engine fails): no
-request or reservation is left, no node is pinned, every request got a finish reason and a
-consistent number of tokens (and logprobs), greedy outputs (and seeded ones without a draft) equal
+reservation, by the quarantine, by a parked handoff or by a failed load; each host page is free, the
+tree's, an in-flight write's or a prefetch's; both allocators' own ``check`` passes; a loading node
+belongs to a load still tracked. After running to idle (polled with a deadline: a stuck engine
+fails): no request or reservation is left, no node is pinned, every request got a finish reason and
+a consistent number of tokens (and logprobs), greedy outputs (and seeded ones without a draft) equal
 the same request run alone on a cache-less engine without a draft, and (when drawn) a full flush
 frees every page of both tiers: a page the tree cannot let go of is a leak too.
 
@@ -38,10 +40,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 from engine_machine_world import (
     MAX_NEW,
     PS,
     VOCAB,
+    Sender,
     Tracked,
     alone,
     draft_model,
@@ -85,6 +89,7 @@ class EngineMachine(RuleBasedStateMachine):
         self.faults: set[bool] = set()  # armed copy failures, by direction (to host or not)
         self.l3_down = False  # every L3 call raises, as an unreachable store's do
         self.speculative = False
+        self.senders: dict[str, Sender] = {}  # prefill requests' handoffs
         self.failed = 0  # requests that failed because of an injected load failure
         self.now = 0.0  # the steps' clock (leases and quarantines), moved by ``wait``
         self.reserved = 0  # reservations made (decode role), named d0, d1, ...
@@ -183,6 +188,32 @@ class EngineMachine(RuleBasedStateMachine):
         assert out.completion_tokens == len(tracked.tokens)
         assert self.engine.abort(rid) is None, "an aborted request is still known"
 
+    @rule(data=st.data())
+    def add_prefill(self, data: st.DataObject) -> None:
+        """A prefill node's request: greedy, one token, its prompt's KV read by a handoff that
+        stays busy after the request ended until ``end_handoff`` (or running to idle) ends it."""
+        prompt = data.draw(self._prompt(), label="prefill prompt")
+        params = SamplingParams(max_tokens=1, temperature=0)
+        rid = f"r{self.ids}"
+        self.ids += 1
+        self.senders[rid] = Sender(self._kv_layers())
+        self.engine.add_request(rid, prompt, params, handoff=self.senders[rid])
+        self.prompts.append(prompt)
+        self.live[rid] = Tracked(prompt, params)
+
+    def _kv_layers(self) -> list[torch.Tensor]:
+        pools = [self.engine.pool] + ([self.engine.draft_pool] if self.engine.draft_pool is not None else [])
+        return [layer for pool in pools for layer in pool.buffer]
+
+    @precondition(lambda self: bool(self.senders))
+    @rule(data=st.data())
+    def end_handoff(self, data: st.DataObject) -> None:
+        """A handoff's transfer ends (by number: whether its request finished depends on timing)."""
+        senders = list(self.senders.values())
+        sender = senders[data.draw(st.integers(0, 63), label="handoff") % len(senders)]
+        if not sender.ended:
+            sender.end()
+
     @rule(data=st.data(), max_new=st.integers(1, 4))
     def reserve(self, data: st.DataObject, max_new: int) -> None:
         """A decode node's reservation for a prompt another node computes. Its pages hold no real
@@ -277,6 +308,8 @@ class EngineMachine(RuleBasedStateMachine):
         while self.engine.has_work() and time.monotonic() < deadline:
             self.now += 1.0  # time passes: leases held while others wait for room expire
             self._step()
+            for rid in [r for r, s in self.senders.items() if r not in self.live and not s.ended]:
+                self.senders[rid].end()  # its request ended: the transfer ends too
             if not self.engine.last_batch_size:
                 time.sleep(0.001)  # only background copies left: let their threads run
         assert not self.engine.has_work(), f"the engine did not go idle: {self._work()}"
@@ -353,6 +386,7 @@ class EngineMachine(RuleBasedStateMachine):
         requests = [*sched.running, *sched.waiting, *(x.request for x in reservations.active.values())]
         held = [p for r in requests for p in r.pages[len(r.hit.pages):]]
         held += [p for _, pages in reservations.quarantine for p in pages]
+        held += [p for x in sched.parked for p in x.pages[len(x.hit.pages):]]
         owned = cache.tree.device_pages() + held + [p for p in cache.loads._orphans if p not in held]
         assert len(owned) == len(set(owned)), "an L1 page has two owners"
         assert len(owned) == engine.allocator.num_used, \
