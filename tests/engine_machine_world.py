@@ -14,6 +14,7 @@ import torch
 from hypothesis import strategies as st
 from tiny_models import add_word_tokenizer, make_noisy_draft, make_tiny_model, widen_kv_heads
 
+from tierserve.cache.hicache import HiCache
 from tierserve.cache.options import DraftLayout
 from tierserve.core.outputs import FinishReason
 from tierserve.core.sampling import SamplingParams
@@ -126,3 +127,31 @@ class Sender:
         for layer, (slots, kv) in self.sent.items():
             now = self.layers[layer].index_select(1, slots)
             assert torch.equal(now, kv), "a page changed while its handoff read it"
+
+
+def assert_device_pages_owned(engine: Engine) -> None:
+    """Each allocated L1 page has one owner: the tree, a live request or reservation (its own pages
+    past its hit), the quarantine, a parked handoff or a failed load."""
+    cache = engine.cache
+    sched = engine.scheduler
+    reservations = engine.reservations
+    requests = [*sched.running, *sched.waiting, *(x.request for x in reservations.active.values())]
+    held = [p for r in requests for p in r.pages[len(r.hit.pages):]]
+    held += [p for _, pages in reservations.quarantine for p in pages]
+    held += [p for x in sched.parked for p in x.pages[len(x.hit.pages):]]
+    owned = cache.tree.device_pages() + held + [p for p in cache.loads._orphans if p not in held]
+    assert len(owned) == len(set(owned)), "an L1 page has two owners"
+    assert len(owned) == engine.allocator.num_used, \
+        f"{engine.allocator.num_used - len(owned)} L1 pages are allocated but owned by nobody"
+    engine.allocator.check()
+
+
+def assert_host_pages_owned(cache: HiCache) -> None:
+    """Each allocated L2 page has one owner: the tree, an in-flight write or a prefetch."""
+    tier = cache.storage
+    owned = (cache.tree.host_pages() + [p for w in cache._writes for p in w.host_pages]
+             + [p for t in tier.tickets for p in (t.leftover if t.consumed else t.host_pages)])
+    assert len(owned) == len(set(owned)), "an L2 page has two owners"
+    assert len(owned) == cache.host.allocator.num_used, \
+        f"{cache.host.allocator.num_used - len(owned)} L2 pages are allocated but owned by nobody"
+    cache.host.allocator.check()

@@ -48,6 +48,8 @@ from engine_machine_world import (
     Sender,
     Tracked,
     alone,
+    assert_device_pages_owned,
+    assert_host_pages_owned,
     draft_model,
     reference_engine,
     sampling_params,
@@ -378,20 +380,8 @@ class EngineMachine(RuleBasedStateMachine):
 
     @invariant()
     def device_pages_have_one_owner(self) -> None:
-        if self.engine is None:
-            return
-        engine, cache = self.engine, self.engine.cache
-        sched = engine.scheduler
-        reservations = engine.reservations
-        requests = [*sched.running, *sched.waiting, *(x.request for x in reservations.active.values())]
-        held = [p for r in requests for p in r.pages[len(r.hit.pages):]]
-        held += [p for _, pages in reservations.quarantine for p in pages]
-        held += [p for x in sched.parked for p in x.pages[len(x.hit.pages):]]
-        owned = cache.tree.device_pages() + held + [p for p in cache.loads._orphans if p not in held]
-        assert len(owned) == len(set(owned)), "an L1 page has two owners"
-        assert len(owned) == engine.allocator.num_used, \
-            f"{engine.allocator.num_used - len(owned)} L1 pages are allocated but owned by nobody"
-        engine.allocator.check()
+        if self.engine is not None:
+            assert_device_pages_owned(self.engine)
 
     @invariant()
     def loads_are_tracked(self) -> None:
@@ -400,16 +390,8 @@ class EngineMachine(RuleBasedStateMachine):
 
     @invariant()
     def host_pages_have_one_owner(self) -> None:
-        if self.engine is None:
-            return
-        cache = self.engine.cache
-        tier = cache.storage
-        owned = (cache.tree.host_pages() + [p for w in cache._writes for p in w.host_pages]
-                 + [p for t in tier.tickets for p in (t.leftover if t.consumed else t.host_pages)])
-        assert len(owned) == len(set(owned)), "an L2 page has two owners"
-        assert len(owned) == cache.host.allocator.num_used, \
-            f"{cache.host.allocator.num_used - len(owned)} L2 pages are allocated but owned by nobody"
-        cache.host.allocator.check()
+        if self.engine is not None:
+            assert_host_pages_owned(self.engine.cache)
 
 
 TestEngineMachine = EngineMachine.TestCase
