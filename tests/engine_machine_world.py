@@ -16,6 +16,7 @@ from tiny_models import add_word_tokenizer, make_noisy_draft, make_tiny_model, w
 
 from tierserve.cache.hicache import HiCache
 from tierserve.cache.options import DraftLayout
+from tierserve.cache.radix_tree import RadixTree
 from tierserve.core.outputs import FinishReason
 from tierserve.core.sampling import SamplingParams
 from tierserve.engine.config import EngineConfig
@@ -83,6 +84,7 @@ class Tracked:
     logprobs: int = 0  # outputs' logprob entries
     reason: FinishReason | None = None
     checked: bool = True  # its output must equal the request run alone (not a reservation's)
+    salt: str = ""  # its cache_salt: requests of different salts never share KV
 
 
 @st.composite
@@ -155,3 +157,17 @@ def assert_host_pages_owned(cache: HiCache) -> None:
     assert len(owned) == cache.host.allocator.num_used, \
         f"{cache.host.allocator.num_used - len(owned)} L2 pages are allocated but owned by nobody"
     cache.host.allocator.check()
+
+
+def assert_paths_computed(tree: RadixTree, streams: dict[str, list[Tracked]]) -> None:
+    """Every path the tree caches under a salt's root is a prefix of what a request of that salt
+    computed (its prompt, then its tokens so far): requests of different salts never share KV."""
+    allowed = {salt: {tuple(seq[:n]) for t in tracked for seq in [t.prompt + t.tokens]
+                      for n in range(PS, len(seq) + 1, PS)} for salt, tracked in streams.items()}
+    for salt, root in tree.roots.items():
+        stack = [(child, ()) for child in root.children.values()]
+        while stack:
+            node, prefix = stack.pop()
+            path = prefix + tuple(node.tokens)
+            assert path in allowed.get(salt, set()), f"the tree holds a prefix no request of salt {salt!r} computed"
+            stack += [(child, path) for child in node.children.values()]

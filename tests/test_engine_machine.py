@@ -20,11 +20,13 @@ L2 were dropped.
 Checked after every rule: each device page is free, held by the tree, by one live request or
 reservation, by the quarantine, by a parked handoff or by a failed load; each host page is free, the
 tree's, an in-flight write's or a prefetch's; both allocators' own ``check`` passes; a loading node
-belongs to a load still tracked. After running to idle (polled with a deadline: a stuck engine
-fails): no request or reservation is left, no node is pinned, every request got a finish reason and
-a consistent number of tokens (and logprobs), greedy outputs (and seeded ones without a draft) equal
-the same request run alone on a cache-less engine without a draft, and (when drawn) a full flush
-frees every page of both tiers: a page the tree cannot let go of is a leak too.
+belongs to a load still tracked; every path cached under a salt is a prefix of what a request of
+that salt computed (requests draw one of two tenants' salts). After running to idle (polled with a
+deadline: a stuck engine fails): no request or reservation is left, no node is pinned, every request
+got a finish reason and a consistent number of tokens (and logprobs), greedy outputs (and seeded
+ones without a draft) equal the same request run alone on a cache-less engine without a draft, and
+(when drawn) a full flush frees every page of both tiers: a page the tree cannot let go of is a leak
+too.
 
 Background copies run on the cache's real threads, so an example's outcome (not its draws) may
 depend on timing; draws never read state that timing changes (``abort`` picks by number).
@@ -34,13 +36,12 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+from engine_faults import Faults
 from engine_machine_world import (
     MAX_NEW,
     PS,
@@ -50,6 +51,7 @@ from engine_machine_world import (
     alone,
     assert_device_pages_owned,
     assert_host_pages_owned,
+    assert_paths_computed,
     draft_model,
     reference_engine,
     sampling_params,
@@ -60,11 +62,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from tierserve.cache.hicache import HiCache
 from tierserve.cache.loads import HostLoadError
 from tierserve.cache.options import DraftLayout, HiCacheOptions, PrefetchPolicy, WritePolicy
-from tierserve.cache.storage.base import StorageError
-from tierserve.cache.storage.file import FileStorage
 from tierserve.core.outputs import FinishReason
 from tierserve.core.sampling import SamplingParams
 from tierserve.engine.config import EngineConfig
@@ -75,6 +74,7 @@ from tierserve.engine.reservations import CapacityError, ReservationTerms
 POOL_TOKENS = 40  # 20 L1 pages: a few requests fill it
 MAX_PROMPT = 16
 IDLE_DEADLINE_S = 10.0  # a tiny engine that has not gone idle by then is stuck
+SALTS = ("", "tenant-b")  # requests of two tenants share prompts, never KV
 RESERVED_SALT = "reserved"  # reservations' pages hold no computed KV: never shared with checked requests
 TERMS = ReservationTerms(lease_s=5.0, grace_s=8.0, headroom_tokens=4)
 
@@ -88,10 +88,10 @@ class EngineMachine(RuleBasedStateMachine):
         self.done: dict[str, Tracked] = {}
         self.prompts: list[list[int]] = []
         self.ids = 0
-        self.faults: set[bool] = set()  # armed copy failures, by direction (to host or not)
-        self.l3_down = False  # every L3 call raises, as an unreachable store's do
+        self.faults = Faults()
         self.speculative = False
         self.senders: dict[str, Sender] = {}  # prefill requests' handoffs
+        self.streams: dict[str, list[Tracked]] = {}  # every request (and reservation) by salt
         self.failed = 0  # requests that failed because of an injected load failure
         self.now = 0.0  # the steps' clock (leases and quarantines), moved by ``wait``
         self.reserved = 0  # reservations made (decode role), named d0, d1, ...
@@ -112,35 +112,7 @@ class EngineMachine(RuleBasedStateMachine):
                                           chunked_prefill_size=6, max_running_requests=3,
                                           enable_hierarchical_cache=True, hicache=hicache,
                                           offload_generated=offload, **spec))
-        self._inject_copy_faults(self.engine.cache)
-        self._inject_l3_outage(self.engine.cache.storage.storage)
-
-    def _inject_copy_faults(self, cache: HiCache) -> None:
-        """Makes the copy threads' next L1 -> L2 write or L2 -> L1 load fail once it is armed in
-        ``faults`` (by direction: to host or not); the engine thread's own copies never fail."""
-        real = cache._copy
-
-        def copy(device_pages: list[int], host_pages: list[int], to_host: bool, layers: range | None = None) -> None:
-            if to_host in self.faults and threading.current_thread().name.startswith("hicache-"):
-                self.faults.discard(to_host)
-                raise OSError("injected host copy failure")
-            real(device_pages, host_pages, to_host, layers)
-
-        cache._copy = copy
-
-    def _inject_l3_outage(self, backend: FileStorage) -> None:
-        """While ``l3_down``, the file store's probes, reads and writes raise (its own methods call
-        these, so the tier's calls fail whichever it makes)."""
-        for name in ("batch_exists", "_read_into", "_write"):
-            setattr(backend, name, self._unless_down(getattr(backend, name)))
-
-    def _unless_down(self, call: Callable) -> Callable:
-        def guarded(*args: object) -> object:
-            if self.l3_down:
-                raise StorageError("injected L3 outage")
-            return call(*args)
-
-        return guarded
+        self.faults.inject(self.engine.cache)
 
     def teardown(self) -> None:
         if self.engine is not None:
@@ -155,11 +127,16 @@ class EngineMachine(RuleBasedStateMachine):
         for _ in range(n):
             prompt = data.draw(self._prompt(), label="prompt")
             params = data.draw(sampling_params(), label="params")
+            salt = data.draw(st.sampled_from(SALTS), label="salt")
             rid = f"r{self.ids}"
             self.ids += 1
-            self.engine.add_request(rid, prompt, params)
+            self.engine.add_request(rid, prompt, params, cache_salt=salt)
             self.prompts.append(prompt)
-            self.live[rid] = Tracked(prompt, params)
+            self._follow(rid, Tracked(prompt, params, salt=salt))
+
+    def _follow(self, rid: str, tracked: Tracked) -> None:
+        self.live[rid] = tracked
+        self.streams.setdefault(tracked.salt, []).append(tracked)
 
     def _prompt(self) -> st.SearchStrategy[list[int]]:
         fresh = st.lists(st.integers(2, VOCAB - 1), min_size=1, max_size=MAX_PROMPT)
@@ -201,7 +178,7 @@ class EngineMachine(RuleBasedStateMachine):
         self.senders[rid] = Sender(self._kv_layers())
         self.engine.add_request(rid, prompt, params, handoff=self.senders[rid])
         self.prompts.append(prompt)
-        self.live[rid] = Tracked(prompt, params)
+        self._follow(rid, Tracked(prompt, params))
 
     def _kv_layers(self) -> list[torch.Tensor]:
         pools = [self.engine.pool] + ([self.engine.draft_pool] if self.engine.draft_pool is not None else [])
@@ -227,6 +204,7 @@ class EngineMachine(RuleBasedStateMachine):
             self.engine.reserve(rid, prompt, max_new, RESERVED_SALT, TERMS, self.now)
         except CapacityError:
             return
+        self.streams.setdefault(RESERVED_SALT, []).append(Tracked(prompt, SamplingParams(), checked=False))
 
     @precondition(lambda self: self.reserved > 0)
     @rule(data=st.data(), first=st.integers(2, VOCAB - 1))
@@ -239,7 +217,7 @@ class EngineMachine(RuleBasedStateMachine):
         if rid not in self.engine.reservations.active:
             return
         request = self.engine.reservations.active[rid].request
-        self.live[rid] = Tracked(request.prompt_ids, params, checked=False)
+        self._follow(rid, Tracked(request.prompt_ids, params, checked=False, salt=RESERVED_SALT))
         self._record(self.engine.start_reserved(rid, first, params))
 
     @precondition(lambda self: self.reserved > 0)
@@ -258,13 +236,13 @@ class EngineMachine(RuleBasedStateMachine):
     def fail_next_copy(self, to_host: bool) -> None:
         """The next background L1 -> L2 write (``to_host``) or L2 -> L1 load fails: requests
         lent the load fail alone, a write's node stays L1-only; no page may leak either way."""
-        self.faults.add(to_host)
+        self.faults.copies.add(to_host)
 
     @rule(down=st.booleans())
     def l3_outage(self, down: bool) -> None:
         """L3 becomes unreachable or reachable again: the breaker opens on the first failure and
         the cache serves from L1 + L2; no request may fail or change its output for it."""
-        self.l3_down = down
+        self.faults.l3_down = down
 
     @rule(data=st.data(), corrupt=st.booleans())
     def damage_l3_object(self, data: st.DataObject, corrupt: bool) -> None:
@@ -298,7 +276,7 @@ class EngineMachine(RuleBasedStateMachine):
         rid = f"r{self.ids}"
         self.ids += 1
         self.engine.add_request(rid, prompt, params)
-        self.live[rid] = Tracked(prompt, params)
+        self._follow(rid, Tracked(prompt, params))
 
     @rule(device=st.booleans(), host=st.booleans())
     def flush(self, device: bool, host: bool) -> None:
@@ -382,6 +360,11 @@ class EngineMachine(RuleBasedStateMachine):
     def device_pages_have_one_owner(self) -> None:
         if self.engine is not None:
             assert_device_pages_owned(self.engine)
+
+    @invariant()
+    def salts_stay_apart(self) -> None:
+        if self.engine is not None:
+            assert_paths_computed(self.engine.cache.tree, self.streams)
 
     @invariant()
     def loads_are_tracked(self) -> None:
