@@ -1,5 +1,7 @@
-"""The engine machine's world (``test_engine_machine``): its tiny model, the cache-less reference
-engine a request run alone on gives the truth, and the requests and sampling parameters it draws."""
+"""The engine machine's world (``test_engine_machine``): its tiny model and drafts, the cache-less
+reference engine a request run alone on gives the truth, the requests and sampling parameters it
+draws, the handoff it plays for prefill requests (``Sender``), and the checks on the engine's state
+it runs after every rule (page owners, salts kept apart)."""
 
 from __future__ import annotations
 
