@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -59,6 +62,20 @@ def test_a_prompt_sent_twice_is_served_from_storage_by_the_other_prefill_node_wi
     assert len(set(routes)) == 2, f"both copies went to {routes}"
     assert usages[0]["cached_tokens_by_tier"]["storage"] == 0
     assert usages[1]["cached_tokens_by_tier"]["storage"] >= 0.8 * len(prompt), (usages, "".join(lines[-30:]))
+
+
+def test_up_on_a_taken_port_stops_at_once_starting_nothing() -> None:
+    """A second ``tierserve up`` on the same port started a whole cluster, then stopped it when its
+    router could not bind (exit 1 after the nodes had loaded); it now says so before starting any."""
+    port = free_port()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port))
+        taken.listen(1)
+        cmd = [sys.executable, "-m", "tierserve.cli", "up", "--port", str(port), "--device", "cpu"]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in out.stderr and "--port" in out.stderr
+    assert "mooncake-master" not in out.stdout + out.stderr, "a child was started"
 
 
 def test_engine_flags_are_forwarded_to_every_node() -> None:

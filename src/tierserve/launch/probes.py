@@ -91,6 +91,18 @@ def _bindable(port: int) -> bool:
             return False
 
 
+def port_taken(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be listened on now (None: it can). Binds as uvicorn does
+    (``SO_REUSEADDR``), so a port left in TIME_WAIT by a cluster just stopped counts as free."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            return exc.strerror or str(exc)
+    return None
+
+
 def tcp_open(port: int) -> bool:
     try:
         socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
