@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import time
@@ -70,6 +71,18 @@ def _stop(proc: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+def test_serve_on_a_taken_port_says_so_before_loading_the_model(tiny_llama: Path) -> None:
+    """It loaded the model, then uvicorn could not bind: the reason came last, after the load."""
+    port = free_port()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port))
+        taken.listen(1)
+        cmd = [sys.executable, "-m", "tierserve.cli", "serve", "--model", str(tiny_llama), "--port", str(port)]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in out.stderr, out.stdout + out.stderr
+    assert "engine ready" not in out.stdout + out.stderr, "the model was loaded first"
 
 
 @pytest.fixture(scope="module")

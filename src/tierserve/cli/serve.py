@@ -35,7 +35,7 @@ def cmd_serve(args: argparse.Namespace, on_ready: Callable[[], None] | None = No
     """Loads the engine and serves it until SIGINT/SIGTERM, then stops the engine thread (and the
     other ranks); 2 for a usage error, such as a TP or PP size the model cannot be split over."""
     config = node_engine_config(args)
-    if config is None or not _fits(config) or not _draft_fits(config) or not _keys_ok(args):
+    if config is None or not _fits(config) or not _draft_fits(config) or not _keys_ok(args) or not _port_free(args):
         return 2
     if config.num_ranks == 1:
         from tierserve.engine.engine import Engine
@@ -43,6 +43,17 @@ def cmd_serve(args: argparse.Namespace, on_ready: Callable[[], None] | None = No
         _serve(args, Engine(config), on_ready)
         return 0
     return _serve_ranks(args, config, on_ready)
+
+
+def _port_free(args: argparse.Namespace) -> bool:
+    """Says at once, not after the model loaded, that ``--port`` is taken."""
+    from tierserve.launch.probes import port_taken
+
+    if (why := port_taken(args.host, args.port)) is None:
+        return True
+    print(f"tierserve: cannot listen on {args.host}:{args.port} ({why}); choose another port with --port",
+          file=sys.stderr)
+    return False
 
 
 def _keys_ok(args: argparse.Namespace) -> bool:
