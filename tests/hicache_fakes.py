@@ -165,20 +165,6 @@ def pick(data, items: list) -> int | None:
     return i % len(items) if items else None
 
 
-def path_up(node: Node):
-    while node.parent is not None:
-        yield node
-        node = node.parent
-
-
-def subtree(node: Node):
-    stack = [node]
-    while stack:
-        n = stack.pop()
-        yield n
-        stack.extend(n.children.values())
-
-
 def loaded(node: Node) -> bool:
     return node.loading is None or node.loading.done()
 

@@ -33,9 +33,7 @@ from hicache_fakes import (
     MemoryStorage,
     StepExecutor,
     keys_of,
-    path_up,
     pick,
-    subtree,
     value,
 )
 from hicache_invariants import L3Invariants
@@ -48,6 +46,7 @@ from tierserve.cache.device_pool import DeviceKVPool, KVGeometry
 from tierserve.cache.hicache import HiCache, HiCacheConfig
 from tierserve.cache.host_pool import HostKVPool, HostLayout
 from tierserve.cache.prefetch import Prefetch
+from tierserve.cache.radix_tree import path_to_root, subtree
 
 
 class L3Machine(L3Invariants, RuleBasedStateMachine):
@@ -402,11 +401,11 @@ class L3Machine(L3Invariants, RuleBasedStateMachine):
         m = tree.match(tokens, salt)
         assert m.num_pages == tree.cached_pages(tokens, salt)
         assert m.num_pages == 0 or (salt, tuple(tokens[: m.num_pages * PS])) in self.computed
-        device_path = list(path_up(m.device_node))[::-1]
+        device_path = list(path_to_root(m.device_node))[::-1]
         assert [p for n in device_path for p in n.device] == m.device_pages
         assert [p for n in m.host_nodes for p in n.host] == m.host_pages
         assert all(n.device is None for n in m.host_nodes)
-        below = list(path_up(m.last_node))[: len(m.host_nodes)][::-1]
+        below = list(path_to_root(m.last_node))[: len(m.host_nodes)][::-1]
         assert below == m.host_nodes and (not below or below[0].parent is m.device_node)
 
 
