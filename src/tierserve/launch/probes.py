@@ -3,6 +3,7 @@ answers); callers poll them against a deadline."""
 
 from __future__ import annotations
 
+import functools
 import http.client
 import os
 import random
@@ -35,15 +36,20 @@ def free_port() -> int:
     ``tierserve up`` it starts never pick the same port."""
     for _ in range(200):
         port = _pick()
-        if _bindable(port) and _reserve(port):
+        if port_taken("127.0.0.1", port) is None and _reserve(port):
             return port
     raise OSError("no free loopback port outside the ephemeral range")
 
 
-def _reserve(port: int) -> bool:
+@functools.cache
+def _reservations() -> Path:
     folder = Path(tempfile.gettempdir()) / f"tierserve-ports-{os.getuid()}"
     folder.mkdir(exist_ok=True)
-    mark = folder / str(port)
+    return folder
+
+
+def _reserve(port: int) -> bool:
+    mark = _reservations() / str(port)
     try:
         os.close(os.open(mark, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
         return True
@@ -73,6 +79,7 @@ def _pick() -> int:
     return random.choice(random.choices(outside, weights=list(map(len, outside)))[0])
 
 
+@functools.cache
 def ephemeral_range() -> tuple[int, int]:
     """The kernel's range for ports it chooses itself (Linux's default where it cannot be read)."""
     try:
@@ -80,15 +87,6 @@ def ephemeral_range() -> tuple[int, int]:
         return int(low), int(high)
     except (OSError, ValueError):
         return 32768, 60999
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
 
 
 def port_taken(host: str, port: int) -> str | None:
