@@ -47,13 +47,11 @@ def cmd_serve(args: argparse.Namespace, on_ready: Callable[[], None] | None = No
 
 def _port_free(args: argparse.Namespace) -> bool:
     """Says at once, not after the model loaded, that ``--port`` is taken."""
-    from tierserve.launch.probes import port_taken
+    from tierserve.launch.probes import listen_error
 
-    if (why := port_taken(args.host, args.port)) is None:
-        return True
-    print(f"tierserve: cannot listen on {args.host}:{args.port} ({why}); choose another port with --port",
-          file=sys.stderr)
-    return False
+    if (error := listen_error(args.host, args.port)) is not None:
+        print(f"tierserve: {error}", file=sys.stderr)
+    return error is None
 
 
 def _keys_ok(args: argparse.Namespace) -> bool:

@@ -101,6 +101,12 @@ def port_taken(host: str, port: int) -> str | None:
     return None
 
 
+def listen_error(host: str, port: int) -> str | None:
+    """What to tell a user whose ``--port`` is taken (None: it is free), before anything loads."""
+    why = port_taken(host, port)
+    return None if why is None else f"cannot listen on {host}:{port} ({why}); choose another port with --port"
+
+
 def tcp_open(port: int) -> bool:
     try:
         socket.create_connection(("127.0.0.1", port), timeout=0.2).close()

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from tierserve.core.node_auth import TOKEN_ENV
 from tierserve.launch.plan import ChildRole, ChildSpec, ClusterPlan, stages
-from tierserve.launch.probes import grpc_serving, http_ok, port_taken, tcp_open
+from tierserve.launch.probes import grpc_serving, http_ok, listen_error, tcp_open
 from tierserve.launch.process import Cluster, exit_description
 from tierserve.launch.state import ClusterStatus, banner_lines, cluster_state, write_state
 from tierserve.launch.supervisor import Supervisor
@@ -42,9 +42,8 @@ def up(plan: ClusterPlan, announce: Announce) -> int:
     ``Supervisor``); 1 if a child died while the cluster was starting (a bad flag or model would
     only die again) or one child kept dying (a crash loop); 2 at once, starting nothing, if the
     router's port is taken (another ``up``, most likely)."""
-    if (why := port_taken(plan.host, plan.port)) is not None:
-        print(f"tierserve up: cannot listen on {plan.host}:{plan.port} ({why}); is another tierserve up "
-              "running? Choose another port with --port", file=sys.stderr, flush=True)
+    if (error := listen_error(plan.host, plan.port)) is not None:
+        print(f"tierserve up: {error} (is another tierserve up running?)", file=sys.stderr, flush=True)
         return 2
     # One node token for the whole cluster, inherited by every child, never on their argv
     # (``core/node_auth.py``); a token the user exported is kept.
