@@ -6,7 +6,7 @@
    the writer backed it up), CP=1 vs CP=2: all four nodes up at once, the CP sizes in rotating
    order, one warm-up round at the shortest length, medians of ``--repeats`` rounds. TTFT is the
    client's time from sending to the first streamed token.
-2. The share of each layer's gather left exposed at CP=2 (``engine/cp_gather.py``): over each
+2. The share of each layer's gather left exposed at CP=2 (``engine/cp/gather.py``): over each
    timed request, the change of rank 0's ``tierserve_cp_gather_*_seconds_total`` (time attention
    waited for its layer's gather / time from the gather's start to the end of that wait), layer 0
    (started just before the forward, nothing to hide it) apart from the later layers (target:

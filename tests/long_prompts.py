@@ -19,7 +19,7 @@ from tp_server import TPServer, start_server
 
 from tierserve.cache.hashing import Namespace, page_keys
 from tierserve.cache.options import HostLayout, object_format
-from tierserve.cache.shards import HeadRange, object_key
+from tierserve.cache.sharded.shards import HeadRange, object_key
 from tierserve.cache.storage.mooncake import MooncakeStorage
 from tierserve.model.identity import model_identity
 

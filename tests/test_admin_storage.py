@@ -18,7 +18,7 @@ from tp_server import complete, start_server
 
 from tierserve.cache.hashing import page_keys
 from tierserve.cache.options import HiCacheOptions
-from tierserve.cache.shards import HeadRange, object_key
+from tierserve.cache.sharded.shards import HeadRange, object_key
 from tierserve.core.sampling import SamplingParams
 from tierserve.core.storage import StorageBusyError
 from tierserve.engine.config import EngineConfig

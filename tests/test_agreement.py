@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from tierserve.cache.agreement import CollectiveMin, SingleRank, leading_true
 from tierserve.cache.allocator import PageAllocator
 from tierserve.cache.device_pool import DeviceKVPool, KVGeometry
 from tierserve.cache.hashing import page_keys
@@ -17,6 +16,7 @@ from tierserve.cache.hicache import HiCache, HiCacheConfig
 from tierserve.cache.host_pool import HostKVPool, HostLayout
 from tierserve.cache.options import PrefetchPolicy
 from tierserve.cache.prefetch import PrefetchOptions
+from tierserve.cache.sharded.agreement import CollectiveMin, SingleRank, leading_true
 from tierserve.cache.storage.file import FileStorage
 
 GEOMETRY = KVGeometry(num_layers=2, num_kv_heads=1, head_dim=4, page_size=4, dtype=torch.float32)

@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tierserve.cache.cp_host import OwnedShardIO, owned_pairs
-from tierserve.cache.cp_pages import PageOwnership, ShardedPageAllocator, alloc_like, until_fits
 from tierserve.cache.device_pool import KVGeometry
 from tierserve.cache.host_pool import HostKVPool
 from tierserve.cache.options import HostLayout
-from tierserve.cache.shards import KVShard
+from tierserve.cache.sharded.cp_host import OwnedShardIO, owned_pairs
+from tierserve.cache.sharded.cp_pages import PageOwnership, ShardedPageAllocator, alloc_like, until_fits
+from tierserve.cache.sharded.shards import KVShard
 from tierserve.cache.staging import page_io
 from tierserve.cache.storage.file import FileStorage
 

@@ -1,4 +1,4 @@
-"""CP's merged attention (``engine/cp_merge.py``, ``engine/cp_partial.py``): attention over the keys
+"""CP's merged attention (``engine/cp/merge.py``, ``engine/cp/partial.py``): attention over the keys
 each rank owns, merged by log-sum-exp, equals causal attention over every key, for decodes and
 extends in one batch, with GQA, and where one rank holds no key a query may see (the merge must
 ignore its zeros); both readers (the padded batch of short steps, the split per sequence of layer 0
@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tierserve.cache.cp_pages import PageOwnership
-from tierserve.engine.cp_merge import own_writes, short_step
-from tierserve.engine.cp_partial import BatchedKeys, SeqKeys, SplitKeys, combine
+from tierserve.cache.sharded.cp_pages import PageOwnership
+from tierserve.engine.cp.merge import own_writes, short_step
+from tierserve.engine.cp.partial import BatchedKeys, SeqKeys, SplitKeys, combine
 
 PAGE, HEADS, KV_HEADS, DIM, CP = 4, 4, 2, 8, 2
 SCALE = DIM**-0.5

@@ -7,8 +7,8 @@ import pytest
 
 from tierserve.cache.allocator import PageAccountingError
 from tierserve.cache.base import PrefixHit
-from tierserve.cache.cp_pages import PageOwnership, ShardedPageAllocator
 from tierserve.cache.radix_cache import RadixCache
+from tierserve.cache.sharded.cp_pages import PageOwnership, ShardedPageAllocator
 
 PAGE = 4
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tierserve.cache.cp_pages import PageOwnership
+from tierserve.cache.sharded.cp_pages import PageOwnership
 from tierserve.transfer.layout import HeadRange, KVArena, RankArena, local_pages, plan_routes, route_blocks, token_runs
 
 LAYERS, HEADS, HEAD_DIM, PAGE, LOCAL_PAGES = 2, 4, 3, 4, 6

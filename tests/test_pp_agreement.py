@@ -26,7 +26,7 @@ from tierserve.cache.options import HiCacheOptions
 from tierserve.core.sampling import SamplingParams
 from tierserve.engine.config import EngineConfig
 from tierserve.engine.engine import Engine
-from tierserve.engine.ranks import HOST, RankSpec, join, leave
+from tierserve.engine.procs.ranks import HOST, RankSpec, join, leave
 from tierserve.launch import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -19,7 +19,7 @@ from tiny_models import make_tiny_model
 
 from tierserve.cache.hashing import Namespace, page_keys
 from tierserve.cache.options import HostLayout, object_format
-from tierserve.cache.shards import HeadRange, LayerRange, object_key
+from tierserve.cache.sharded.shards import HeadRange, LayerRange, object_key
 from tierserve.model.identity import model_identity
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -11,8 +11,8 @@ import torch
 from tierserve.cache.device_pool import KVGeometry
 from tierserve.cache.hashing import page_keys
 from tierserve.cache.host_pool import HostKVPool, HostLayout
-from tierserve.cache.shard_io import ShardIO
-from tierserve.cache.shards import HeadRange, KVShard, LayerRange, object_key
+from tierserve.cache.sharded.shard_io import ShardIO
+from tierserve.cache.sharded.shards import HeadRange, KVShard, LayerRange, object_key
 from tierserve.cache.staging import page_io
 from tierserve.cache.storage.file import FileStorage
 

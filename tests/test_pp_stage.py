@@ -10,7 +10,7 @@ import pytest
 import torch
 from tiny_models import make_tiny_model
 
-from tierserve.engine.ranks import Ranks
+from tierserve.engine.procs.ranks import Ranks
 from tierserve.model.loader import load_model
 from tierserve.model.parallel import TensorParallel, misfit
 from tierserve.model.pipeline import PipelineParallelError, PipelineStage, check_layers, stage_of

@@ -13,13 +13,13 @@ from hicache_fakes import OPTIONS as HALF_RESERVED
 from hicache_fakes import PS, SEED, MemoryStorage, keys_of
 
 from tierserve.cache.allocator import PageAllocator
-from tierserve.cache.cp_pages import PageOwnership
 from tierserve.cache.device_pool import DeviceKVPool, KVGeometry
 from tierserve.cache.factory import hicache_config
 from tierserve.cache.hicache import HiCache, HiCacheConfig
 from tierserve.cache.host_pool import HostKVPool, HostLayout
 from tierserve.cache.options import HiCacheOptions, PrefetchPolicy
 from tierserve.cache.prefetch import Prefetch, PrefetchOptions, prefetch_timeout
+from tierserve.cache.sharded.cp_pages import PageOwnership
 from tierserve.cache.storage_tier import WINDOW
 
 OPTIONS = PrefetchOptions(threshold_tokens=PS, max_reserved_fraction=1.0)

@@ -10,8 +10,17 @@ import torch
 from tierserve.cache.device_pool import KVGeometry
 from tierserve.cache.hashing import page_keys
 from tierserve.cache.host_pool import HostKVPool, HostLayout
-from tierserve.cache.shard_io import ShardIO
-from tierserve.cache.shards import HeadRange, KVShard, LayerRange, Piece, covering, finer_chunks, object_key, sources
+from tierserve.cache.sharded.shard_io import ShardIO
+from tierserve.cache.sharded.shards import (
+    HeadRange,
+    KVShard,
+    LayerRange,
+    Piece,
+    covering,
+    finer_chunks,
+    object_key,
+    sources,
+)
 from tierserve.cache.staging import page_io
 from tierserve.cache.storage.file import FileStorage
 
@@ -140,7 +149,7 @@ def test_probe_takes_the_longest_run(tmp_path: Path) -> None:
 
 
 def test_a_rank_shard_and_its_writers() -> None:
-    from tierserve.engine.ranks import Ranks
+    from tierserve.engine.procs.ranks import Ranks
     from tierserve.model.parallel import TensorParallel
 
     def shard(rank: int, size: int) -> KVShard:

@@ -11,11 +11,11 @@ import pytest
 import torch
 from tiny_models import make_tiny_model
 
-import tierserve.engine.speculative as speculative
+import tierserve.engine.spec.decoder as speculative
 from tierserve.core.sampling import SamplingParams
 from tierserve.engine.config import EngineConfig
 from tierserve.engine.engine import Engine
-from tierserve.model.spec_sampling import probs
+from tierserve.engine.spec.sampling import probs
 
 VOCAB, PROMPT, SAMPLES = 5, [2, 3, 4], 1500
 PARAMS = dict(max_tokens=4, temperature=1.0, ignore_eos=True)  # t1 from the prefill, t2 and t3 from 2 drafts

@@ -15,8 +15,8 @@ from tierserve.engine.commands import AbortRequest, AddRequest, EngineCommand
 from tierserve.engine.config import EngineConfig
 from tierserve.engine.engine import Engine
 from tierserve.engine.loop import EngineLoop
-from tierserve.engine.ranks import Ranks
-from tierserve.engine.step_bus import LeaderBus
+from tierserve.engine.procs.ranks import Ranks
+from tierserve.engine.procs.step_bus import LeaderBus
 from tierserve.model.parallel import TensorParallel
 
 
@@ -103,7 +103,7 @@ def test_a_handoff_cannot_cross_ranks() -> None:
 
 def test_the_step_time_crosses_ranks_exactly() -> None:
     """Lease expiry compares times: every rank must see rank 0's float, bit for bit."""
-    from tierserve.engine.step_bus import _bits, _float
+    from tierserve.engine.procs.step_bus import _bits, _float
 
     for now in (0.0, 12345.678901234567, 1e-300, 987654.3210000001):
         assert _float(_bits(now)) == now

@@ -21,7 +21,7 @@ from tiny_models import make_tiny_model
 
 from tierserve.cache.hashing import Namespace, page_keys
 from tierserve.cache.options import HostLayout, object_format
-from tierserve.cache.shards import HeadRange, object_key
+from tierserve.cache.sharded.shards import HeadRange, object_key
 from tierserve.cache.storage.mooncake import MooncakeStorage
 from tierserve.model.identity import model_identity
 from tierserve.proto import tierserve_pb2 as pb

@@ -16,10 +16,10 @@ from tiny_models import make_tiny_model
 from tierserve.core.model_config import ModelConfig
 from tierserve.core.sampling import SamplingParams
 from tierserve.engine.config import EngineConfig
-from tierserve.engine.ranks import RankSpec, join, leave, rendezvous
+from tierserve.engine.procs.ranks import RankSpec, join, leave, rendezvous
+from tierserve.engine.procs.token_share import FollowerSampler, LeaderSampler, RankDivergenceError, batch_digest
 from tierserve.engine.request import Request
 from tierserve.engine.scheduler import Scheduled
-from tierserve.engine.token_share import FollowerSampler, LeaderSampler, RankDivergenceError, batch_digest
 from tierserve.model.loader import load_model
 from tierserve.model.parallel import HeadShard, TensorParallel, TensorParallelError, check_heads, check_model
 

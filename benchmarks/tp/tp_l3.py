@@ -40,8 +40,8 @@ from tierserve.cache.hashing import Namespace, page_keys
 from tierserve.cache.host_pool import HostKVPool
 from tierserve.cache.options import HostLayout, object_format
 from tierserve.cache.prefetch import CHUNK_PAGES
-from tierserve.cache.shard_io import ShardIO
-from tierserve.cache.shards import HeadRange, KVShard, Source, object_key
+from tierserve.cache.sharded.shard_io import ShardIO
+from tierserve.cache.sharded.shards import HeadRange, KVShard, Source, object_key
 from tierserve.cache.staging import page_io
 from tierserve.cache.storage.mooncake import MooncakeStorage
 from tierserve.model.identity import model_identity

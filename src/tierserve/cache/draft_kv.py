@@ -19,7 +19,7 @@ import torch
 
 from tierserve.cache.device_pool import DeviceKVPool
 from tierserve.cache.host_pool import HostKVPool
-from tierserve.cache.shards import Source
+from tierserve.cache.sharded.shards import Source
 from tierserve.cache.staging import page_io
 from tierserve.cache.storage import StorageBackend
 

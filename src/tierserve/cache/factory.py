@@ -5,10 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from tierserve.cache.agreement import Agreement, SingleRank
 from tierserve.cache.allocator import PageAllocator
 from tierserve.cache.base import NoPrefixCache, PrefixCache
-from tierserve.cache.cp_pages import PageOwnership
 from tierserve.cache.device_pool import DeviceKVPool
 from tierserve.cache.draft_kv import SidecarKV
 from tierserve.cache.hicache import HiCache, HiCacheConfig
@@ -16,7 +14,9 @@ from tierserve.cache.host_pool import HostKVPool, host_page_bytes
 from tierserve.cache.options import CacheKind, HiCacheOptions
 from tierserve.cache.prefetch import PrefetchOptions
 from tierserve.cache.radix_cache import RadixCache
-from tierserve.cache.shards import KVShard, finer_chunks
+from tierserve.cache.sharded.agreement import Agreement, SingleRank
+from tierserve.cache.sharded.cp_pages import PageOwnership
+from tierserve.cache.sharded.shards import KVShard, finer_chunks
 from tierserve.cache.storage import StorageBackend, StorageError, create_backend
 from tierserve.cache.storage.faulty import FaultyStorage, StorageFaults
 from tierserve.core.storage import StorageKind
@@ -38,7 +38,7 @@ def build_cache(kind: CacheKind, allocator: PageAllocator, pool: DeviceKVPool, s
     over the node's ranks (``docs/architecture.md``, multi-rank agreement); every rank must call
     this with the same ``kind`` and ``options``, as it runs one collective (L2's page count).
     ``ownership``: a CP rank's pages (its L1 and, in the hierarchical cache, its L2 and L3 copies:
-    each rank's host pool holds the agreed page count of its own pages, ``cache/cp_host.py``).
+    each rank's host pool holds the agreed page count of its own pages, ``cache/sharded/cp_host.py``).
     ``draft``: a speculative draft's own device pool (the sidecar layout): the hierarchical cache
     gives it a host pool of L2's page count and copies it with the target's pages."""
     if kind is CacheKind.NONE:

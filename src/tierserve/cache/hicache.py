@@ -16,11 +16,8 @@ from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from tierserve.cache.agreement import Agreement, SingleRank, leading_true
 from tierserve.cache.allocator import PageAllocator
 from tierserve.cache.base import PrefixHit, Snapshot
-from tierserve.cache.cp_host import owned_pairs
-from tierserve.cache.cp_pages import PageOwnership, alloc_continuing, alloc_like, until_fits
 from tierserve.cache.device_pool import DeviceKVPool
 from tierserve.cache.draft_kv import SidecarKV, load_layers, planes
 from tierserve.cache.events import KVEventListener
@@ -34,7 +31,10 @@ from tierserve.cache.options import IOBackend, PrefetchPolicy, WritePolicy
 from tierserve.cache.prefetch import Prefetch, PrefetchOptions
 from tierserve.cache.radix_cache import cp_storable
 from tierserve.cache.radix_tree import Match, Node, RadixTree, path_pages, path_to_root
-from tierserve.cache.shards import KVShard
+from tierserve.cache.sharded.agreement import Agreement, SingleRank, leading_true
+from tierserve.cache.sharded.cp_host import owned_pairs
+from tierserve.cache.sharded.cp_pages import PageOwnership, alloc_continuing, alloc_like, until_fits
+from tierserve.cache.sharded.shards import KVShard
 from tierserve.cache.storage import StorageBackend
 from tierserve.cache.storage_tier import StorageTier, nothing
 from tierserve.core.tiers import CacheTier

@@ -11,12 +11,12 @@ from tierserve.cache.storage_tier import StorageTier
 from tierserve.core.storage import StorageAction, StorageBusyError
 
 if TYPE_CHECKING:
-    from tierserve.cache.cp_pages import PageOwnership
     from tierserve.cache.draft_kv import SidecarKV
     from tierserve.cache.hicache import HiCacheConfig
     from tierserve.cache.host_pool import HostKVPool
     from tierserve.cache.radix_tree import RadixTree
-    from tierserve.cache.shards import KVShard
+    from tierserve.cache.sharded.cp_pages import PageOwnership
+    from tierserve.cache.sharded.shards import KVShard
 
 
 class StorageAdmin:

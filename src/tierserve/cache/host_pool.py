@@ -22,9 +22,9 @@ from collections.abc import Iterator
 
 import torch
 
-from tierserve.cache.cp_pages import PageOwnership, page_allocator
 from tierserve.cache.device_pool import DeviceKVPool, KVGeometry
 from tierserve.cache.options import HostLayout, IOBackend
+from tierserve.cache.sharded.cp_pages import PageOwnership, page_allocator
 
 # Spare bytes after every page of a page-first layout: an L3 object's 16-byte trailer
 # (``cache/storage/integrity.py``) lands there, so the object moves as one buffer, as fast as a
@@ -39,7 +39,7 @@ class HostKVPool:
     """``num_pages`` host pages with their own allocator (strict ownership, ``check()``).
 
     ``pin_memory`` is for CUDA devices: pinned pages copy asynchronously and register with RDMA.
-    ``ownership``: a CP rank's (``cache/cp_host.py``): the buffer holds this rank's ``num_pages``
+    ``ownership``: a CP rank's (``cache/sharded/cp_host.py``): the buffer holds this rank's ``num_pages``
     pages and the allocator hands out logical ids over every rank's (``num_pages`` x CP size).
     """
 

@@ -12,10 +12,10 @@ import logging
 import threading
 from collections.abc import Callable
 
-from tierserve.cache.agreement import leading_true
 from tierserve.cache.allocator import PageAllocator
 from tierserve.cache.base import PrefixHit
 from tierserve.cache.radix_tree import RadixTree, subtree
+from tierserve.cache.sharded.agreement import leading_true
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tierserve.cache.shards import Source
+from tierserve.cache.sharded.shards import Source
 
 log = logging.getLogger(__name__)
 CHUNK_PAGES = 16  # pages per backend call: few calls (they cost per call), quick to cancel

@@ -6,9 +6,9 @@ from collections.abc import Sequence
 
 from tierserve.cache.allocator import PageAllocator
 from tierserve.cache.base import PrefixHit, SingleTier, Snapshot
-from tierserve.cache.cp_pages import PageOwnership
 from tierserve.cache.events import KVEventListener
 from tierserve.cache.radix_tree import Node, RadixTree
+from tierserve.cache.sharded.cp_pages import PageOwnership
 from tierserve.core.tiers import CacheTier
 
 

@@ -16,16 +16,16 @@ from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-from tierserve.cache.agreement import leading_true
-from tierserve.cache.cp_host import rank_io
-from tierserve.cache.cp_pages import PageOwnership
 from tierserve.cache.draft_kv import SidecarIO
 from tierserve.cache.hashing import page_keys, salted_seed
 from tierserve.cache.host_pool import HostKVPool
 from tierserve.cache.options import PrefetchPolicy
 from tierserve.cache.prefetch import Prefetch, PrefetchOptions, prefetch_timeout
 from tierserve.cache.radix_tree import Node, RadixTree
-from tierserve.cache.shards import KVShard
+from tierserve.cache.sharded.agreement import leading_true
+from tierserve.cache.sharded.cp_host import rank_io
+from tierserve.cache.sharded.cp_pages import PageOwnership
+from tierserve.cache.sharded.shards import KVShard
 from tierserve.cache.speed import SpeedModel
 from tierserve.cache.staging import page_io
 from tierserve.cache.storage import StorageBackend

@@ -21,7 +21,7 @@ from tierserve.cli.flags import (
 if TYPE_CHECKING:
     from tierserve.engine.config import EngineConfig
     from tierserve.engine.engine import Engine
-    from tierserve.engine.rank_procs import RankProcesses
+    from tierserve.engine.procs.spawn import RankProcesses
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -81,7 +81,7 @@ def _draft_fits(config: EngineConfig) -> bool:
     """Refuses, before loading anything, a draft model that cannot draft for the target."""
     if config.speculative_draft_model_path is None:
         return True
-    from tierserve.engine.draft_pools import draft_problem
+    from tierserve.engine.spec.draft_pools import draft_problem
 
     if (problem := draft_problem(config)) is not None:
         print(f"tierserve: {problem}", file=sys.stderr)
@@ -92,7 +92,7 @@ def _draft_fits(config: EngineConfig) -> bool:
 def _serve_ranks(args: argparse.Namespace, config: EngineConfig, on_ready: Callable[[], None] | None) -> int:
     """Rank 0: starts the other ranks, builds its engine with them, serves; a dead rank ends the process."""
     from tierserve.engine.engine import Engine
-    from tierserve.engine.rank_procs import RankProcesses
+    from tierserve.engine.procs.spawn import RankProcesses
 
     ranks = RankProcesses(config, args.log_level)
     try:
@@ -113,7 +113,7 @@ def _serve(args: argparse.Namespace, engine: Engine, on_ready: Callable[[], None
     from tierserve.api.http import run_http
     from tierserve.api.tokenizer import try_load
     from tierserve.engine.loop import EngineLoop
-    from tierserve.engine.step_bus import LeaderBus
+    from tierserve.engine.procs.step_bus import LeaderBus
 
     bus = LeaderBus(engine.ranks, ranks.fail) if ranks is not None else None
     loop = EngineLoop(engine, bus).start()

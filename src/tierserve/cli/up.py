@@ -112,7 +112,7 @@ def _check_sizes(args: argparse.Namespace, config: EngineConfig) -> None:
     """Each role's TP, PP and CP sizes, checked before any child starts (a node that cannot start
     would only be restarted until the crash-loop limit): ``ValueError`` saying why."""
     if config.speculative_draft_model_path is not None:
-        from tierserve.engine.draft_pools import draft_problem
+        from tierserve.engine.spec.draft_pools import draft_problem
 
         if (problem := draft_problem(config)) is not None:
             raise ValueError(problem)

@@ -14,28 +14,28 @@ from tokenizers import Tokenizer
 
 from tierserve.cache.allocator import PageAllocator
 from tierserve.cache.base import PrefixCache
-from tierserve.cache.cp_pages import page_allocator
 from tierserve.cache.device_pool import DeviceKVPool, KVGeometry
 from tierserve.cache.factory import build_cache
 from tierserve.cache.hashing import Namespace
 from tierserve.cache.loads import HostLoadError, LayerwiseLoad
 from tierserve.cache.options import CacheKind, object_format
+from tierserve.cache.sharded.cp_pages import page_allocator
 from tierserve.core.model_config import ModelConfig
 from tierserve.core.sampling import InvalidRequestError, SamplingParams
 from tierserve.core.storage import StorageAction, StorageKind
 from tierserve.engine import l3_admin
 from tierserve.engine.append import Appender, finish
 from tierserve.engine.config import EngineConfig
-from tierserve.engine.draft_pools import DraftPlan
 from tierserve.engine.handoff import Handoff, HandoffCheckError, KVCheck
 from tierserve.engine.model_runner import ModelRunner, StepResult
-from tierserve.engine.ranks import Ranks, single_rank
+from tierserve.engine.procs.ranks import Ranks, single_rank
+from tierserve.engine.procs.token_share import token_share
 from tierserve.engine.request import FinishReason, Request, RequestOutput, RequestStatus
 from tierserve.engine.reservations import DEFAULT_TERMS, Reservations, ReservationTerms
 from tierserve.engine.scheduler import Scheduler, SchedulerConfig, pages_for
-from tierserve.engine.speculative import SpecDecoder
+from tierserve.engine.spec.decoder import SpecDecoder
+from tierserve.engine.spec.draft_pools import DraftPlan
 from tierserve.engine.text_stream import TextStream
-from tierserve.engine.token_share import token_share
 from tierserve.model.identity import model_identity
 from tierserve.model.loader import load_model, resolve_dtype
 

@@ -24,8 +24,8 @@ from tierserve.engine.commands import (
 )
 from tierserve.engine.engine import Engine
 from tierserve.engine.handoff import Handoff, KVCheck
+from tierserve.engine.procs.step_bus import SoleBus, StepBus
 from tierserve.engine.request import RequestOutput
-from tierserve.engine.step_bus import SoleBus, StepBus
 
 log = logging.getLogger(__name__)
 STATS_INTERVAL_S = 0.01  # a busy engine republishes its occupancy at most this often
@@ -62,7 +62,7 @@ class EngineLoop:
     publishes, never the engine's own structures.
 
     On rank 0 of several, ``bus`` carries every command and step to the other ranks, which apply
-    them in the same order (``follow`` in ``engine/rank_worker.py``). A ``call`` runs on rank 0
+    them in the same order (``follow`` in ``engine/procs/worker.py``). A ``call`` runs on rank 0
     only, so at several ranks it must not change the engine's requests or cache; ``apply`` runs
     an ``EngineCall`` on every rank and answers rank 0's result. A ``CollectiveCall`` is sent to
     the other ranks before rank 0 applies it, so all enter its collectives together.

@@ -6,16 +6,16 @@ from dataclasses import dataclass
 
 import torch
 
-from tierserve.cache.cp_pages import PageOwnership
 from tierserve.cache.device_pool import DeviceKVPool
+from tierserve.cache.sharded.cp_pages import PageOwnership
 from tierserve.engine.config import CPAttention
-from tierserve.engine.cp_gather import GatherClock, LayerGather, plan_rows, renumber
-from tierserve.engine.cp_merge import MergeClock, MergedAttention, own_writes, short_step
-from tierserve.engine.cp_partial import BatchedKeys, SeqKeys, SplitKeys
+from tierserve.engine.cp.gather import GatherClock, LayerGather, plan_rows, renumber
+from tierserve.engine.cp.merge import MergeClock, MergedAttention, own_writes, short_step
+from tierserve.engine.cp.partial import BatchedKeys, SeqKeys, SplitKeys
 from tierserve.engine.logprob_rows import PromptRows, StepLogprobs, prompt_logprobs, prompt_rows, sampled_logprobs
+from tierserve.engine.procs.token_share import SoleSampler, TokenShare
 from tierserve.engine.request import Request
 from tierserve.engine.scheduler import Scheduled, pages_for
-from tierserve.engine.token_share import SoleSampler, TokenShare
 from tierserve.model.attention import AttentionBatch, ExtendSpan, KVStore, LayerHooks
 from tierserve.model.llama import CausalLM
 from tierserve.model.sampling import SamplingBatch, sample
@@ -75,8 +75,8 @@ class ModelRunner:
 
     def _context_parallel(self, ordered: list[Scheduled], attn: AttentionBatch) -> KVStore:
         """Every layer of a short step merges each rank's attention over its own pages
-        (``engine/cp_merge.py``); a longer step with a cached prefix merges layer 0 and gathers the
-        prefix pages of layers 1.. from their owners (``engine/cp_gather.py``)."""
+        (``engine/cp/merge.py``); a longer step with a cached prefix merges layer 0 and gathers the
+        prefix pages of layers 1.. from their owners (``engine/cp/gather.py``)."""
         seqs = self._seq_keys(ordered)
         short = short_step([s.length for s in seqs], self.page_size)
         if self.cp_attention is CPAttention.GATHER or not (short or _prefix_pages(ordered, self.page_size)):
@@ -103,7 +103,7 @@ class ModelRunner:
 
     def _sharded(self, ordered: list[Scheduled], attn: AttentionBatch, first: int = 0) -> LayerGather:
         """Context parallelism: renumbers ``attn`` onto a step buffer and gathers its prefix pages
-        from their owners, layer ``first`` on (``engine/cp_gather.py``)."""
+        from their owners, layer ``first`` on (``engine/cp/gather.py``)."""
         touched = set((attn.out_slots // self.page_size).tolist())
         plan = plan_rows(self.cp, _prefix_pages(ordered, self.page_size), touched,
                          self.pool.num_pages * self.cp.size, self.device)

@@ -30,7 +30,7 @@ class LayerHooks(Protocol):
 
 class PartialAttention(Protocol):
     """Attention of some layers computed elsewhere (context parallelism's merged attention,
-    ``engine/cp_merge.py``): for a layer it ``covers``, ``attend`` stores the step's K/V where they
+    ``engine/cp/merge.py``): for a layer it ``covers``, ``attend`` stores the step's K/V where they
     belong, signals ``after_kv_written`` and returns [T, heads * dim]."""
 
     def covers(self, layer_id: int) -> bool: ...

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from tierserve.engine.commands import AddRequest
 from tierserve.engine.engine import Engine
-from tierserve.engine.ranks import Ranks
+from tierserve.engine.procs.ranks import Ranks
 from tierserve.engine.request import RequestOutput
 from tierserve.transfer.digest import MASK
 from tierserve.transfer.handoff import HandoffResult, HandoffState, KVHandoff

@@ -21,8 +21,8 @@ from tierserve.core.transfer import TransferProtocol
 from tierserve.engine.config import EngineConfig
 from tierserve.engine.engine import Engine
 from tierserve.engine.loop import EngineLoop
-from tierserve.engine.rank_procs import RankProcesses
-from tierserve.engine.step_bus import LeaderBus
+from tierserve.engine.procs.spawn import RankProcesses
+from tierserve.engine.procs.step_bus import LeaderBus
 from tierserve.model.parallel import misfit
 from tierserve.node.kv_events import advertised_endpoint, start_kv_events
 from tierserve.node.metrics import NodeMetrics

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tierserve.cache.cp_pages import PageOwnership
+from tierserve.cache.sharded.cp_pages import PageOwnership
 from tierserve.transfer.digest import SendDigests
 from tierserve.transfer.engine import EntryBudget, PeerEngines, TransferEngineHandle, TransferError
 from tierserve.transfer.layout import Block, KVArena, Route, Run, local_pages, route_blocks, token_runs

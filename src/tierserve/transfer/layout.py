@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tierserve.cache.cp_pages import PageOwnership
+from tierserve.cache.sharded.cp_pages import PageOwnership
 
 Block = tuple[int, int, int]  # (source address, destination address, bytes)
 Run = tuple[int, int, int]  # (source slot, destination slot, tokens)

@@ -4,8 +4,8 @@ merge their partial results (``docs/architecture.md``, Context parallelism, "Mer
 Used where a gather of the prefix could not be hidden behind compute: every layer of a *short* step
 (each sequence brings at most one page of new tokens: decodes, the last page after a prefix hit),
 and layer 0 of a longer step, which has no earlier layer to overlap its gather with (the gathers of
-layers 1.. then each overlap the layer before, ``engine/cp_gather.py``). Each rank computes, for every
-query, attention over the keys of its own pages (``engine/cp_partial.py``: normalised output and
+layers 1.. then each overlap the layer before, ``engine/cp/gather.py``). Each rank computes, for every
+query, attention over the keys of its own pages (``engine/cp/partial.py``: normalised output and
 log-sum-exp); one all-gather of those partials per layer lets every rank merge them exactly:
 ``out = sum_r exp(lse_r - lse) * out_r`` with ``lse = logsumexp_r lse_r``. A token's key is read by its
 page's owner only, so each key counts once. The owner writes the step's new K/V into its pool before
@@ -21,9 +21,9 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from tierserve.cache.cp_pages import PageOwnership
 from tierserve.cache.device_pool import DeviceKVPool
-from tierserve.engine.cp_partial import combine
+from tierserve.cache.sharded.cp_pages import PageOwnership
+from tierserve.engine.cp.partial import combine
 from tierserve.model.attention import LayerHooks
 
 

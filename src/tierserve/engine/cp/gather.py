@@ -2,7 +2,7 @@
 time, into two alternating buffers (``docs/architecture.md``, Context parallelism).
 
 Every rank computes every new token (replicated compute); a logical page's KV is stored by its
-owner only (``cache/cp_pages.py``). Attention then reads a temporary *step buffer* instead of the
+owner only (``cache/sharded/cp_pages.py``). Attention then reads a temporary *step buffer* instead of the
 pool: rows ``[o * width, (o + 1) * width)`` hold owner ``o``'s prefix pages (gathered), the rows
 after them the step's pages that hold no earlier token (nothing to gather). The attention batch's
 slots and page tables are renumbered to buffer rows, so attention itself is unchanged: it writes
@@ -11,7 +11,7 @@ of the pages this rank owns into its pool.
 
 Layer l's gather starts while layer l-1 computes (``before_attention(l - 1)``) into the buffer
 layer l-2 used; attention of layer l waits for it. Layer 0, which has no layer before it to hide
-a gather behind, merges instead (``engine/cp_merge.py``; ``first=1``), as do short steps. Only
+a gather behind, merges instead (``engine/cp/merge.py``; ``first=1``), as do short steps. Only
 tokens before each sequence's ``num_computed`` are read from gathered rows, so an owner writing
 layer l's new tokens while its pages are in flight cannot change what is read (and sends are
 copied out when the gather starts).
@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from tierserve.cache.cp_pages import PageOwnership
 from tierserve.cache.device_pool import DeviceKVPool
-from tierserve.engine.cp_merge import own_writes
+from tierserve.cache.sharded.cp_pages import PageOwnership
+from tierserve.engine.cp.merge import own_writes
 from tierserve.model.attention import AttentionBatch, LayerHooks
 
 BUFFERS = 2  # double buffering: gathering layer l+1 while layer l computes
@@ -104,7 +104,7 @@ class LayerGather:
                  batch: AttentionBatch, inner: LayerHooks | None = None, group: object | None = None,
                  clock: GatherClock | None = None, first: int = 0) -> None:
         self.own, self.pool, self.plan, self.inner, self.group = own, pool, plan, inner, group
-        self.first = first  # the first gathered layer: those before it merge (engine/cp_merge.py)
+        self.first = first  # the first gathered layer: those before it merge (engine/cp/merge.py)
         self.clock = clock
         self.started: dict[int, float] = {}  # layer -> when its gather was started
         self.page_size = pool.page_size

@@ -13,8 +13,8 @@ import sys
 from tierserve.engine.commands import Bind, RankRole
 from tierserve.engine.config import EngineConfig
 from tierserve.engine.engine import Engine
-from tierserve.engine.ranks import RankSpec, join, leave
-from tierserve.engine.step_bus import FollowerBus, StepMessage
+from tierserve.engine.procs.ranks import RankSpec, join, leave
+from tierserve.engine.procs.step_bus import FollowerBus, StepMessage
 
 log = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1

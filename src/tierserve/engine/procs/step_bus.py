@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from tierserve.engine.commands import EngineCall, EngineCommand, for_other_ranks
-from tierserve.engine.ranks import Ranks
+from tierserve.engine.procs.ranks import Ranks
 
 log = logging.getLogger(__name__)
 KEEPALIVE_S = 1.0  # an idle rank 0 still broadcasts this often, far inside any collective timeout

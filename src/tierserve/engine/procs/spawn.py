@@ -13,8 +13,8 @@ from multiprocessing.process import BaseProcess
 
 from tierserve.engine.commands import RankRole
 from tierserve.engine.config import EngineConfig
-from tierserve.engine.rank_worker import run_rank
-from tierserve.engine.ranks import Ranks, RankSpec, join, rendezvous
+from tierserve.engine.procs.ranks import Ranks, RankSpec, join, rendezvous
+from tierserve.engine.procs.worker import run_rank
 
 log = logging.getLogger(__name__)
 STOP_GRACE_S = 10.0  # how long stopped ranks may take to leave before they are killed

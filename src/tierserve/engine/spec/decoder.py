@@ -1,6 +1,6 @@
 """Speculative decoding with a draft model (docs/architecture.md, Speculative decoding).
 
-The draft's KV is indexed by the target's page ids (``engine/draft_pools.py``: more layers of the
+The draft's KV is indexed by the target's page ids (``engine/spec/draft_pools.py``: more layers of the
 target's pool, or a sidecar pool): a request's page table (``Request.pages``) places its draft KV
 too, so there is no second allocator, and whatever frees, keeps, caches or restores a target page
 does the same to its draft rows."""
@@ -15,18 +15,18 @@ import torch
 from tierserve.cache.device_pool import DeviceKVPool
 from tierserve.core.outputs import TokenLogprob
 from tierserve.engine.config import EngineConfig
-from tierserve.engine.draft_pools import DraftKV
 from tierserve.engine.logprob_rows import StepLogprobs, prompt_logprobs, prompt_rows, sampled_logprobs
 from tierserve.engine.model_runner import StepResult, sampling_batch, step_hooks
 from tierserve.engine.request import Request
 from tierserve.engine.scheduler import Scheduled
-from tierserve.engine.spans import Span, forward
+from tierserve.engine.spec.draft_pools import DraftKV
+from tierserve.engine.spec.sampling import RowSampling, draw, verify
+from tierserve.engine.spec.spans import Span, forward
 from tierserve.model.attention import LayerHooks
 from tierserve.model.llama import CausalLM
 from tierserve.model.loader import load_model
 from tierserve.model.logprobs import token_logprobs
 from tierserve.model.sampling import sample
-from tierserve.model.spec_sampling import RowSampling, draw, verify
 
 
 @dataclass

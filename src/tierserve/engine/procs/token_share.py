@@ -13,7 +13,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from tierserve.engine.ranks import Ranks
+from tierserve.engine.procs.ranks import Ranks
 from tierserve.engine.scheduler import Scheduled
 
 

@@ -18,9 +18,9 @@ from enum import Enum
 import torch
 import torch.distributed as dist
 
-from tierserve.cache.agreement import Agreement, CollectiveMin, SingleRank
-from tierserve.cache.cp_pages import PageOwnership
-from tierserve.cache.shards import HeadRange, KVShard, LayerRange
+from tierserve.cache.sharded.agreement import Agreement, CollectiveMin, SingleRank
+from tierserve.cache.sharded.cp_pages import PageOwnership
+from tierserve.cache.sharded.shards import HeadRange, KVShard, LayerRange
 from tierserve.engine.config import EngineConfig
 from tierserve.model.parallel import HeadShard, TensorParallel
 from tierserve.model.pipeline import SOLE, PipelineStage, stage_of

@@ -21,7 +21,7 @@ import torch
 
 from tierserve.cache.host_pool import HostKVPool
 from tierserve.cache.options import HostLayout
-from tierserve.cache.shards import KVShard, Piece, Source, covering, sources
+from tierserve.cache.sharded.shards import KVShard, Piece, Source, covering, sources
 from tierserve.cache.staging import STAGING_PAGES, PageIO
 from tierserve.cache.storage import StorageBackend
 

@@ -1,5 +1,5 @@
 """The attention a CP rank computes over the keys it owns, with its log-sum-exp, for the merge of
-``engine/cp_merge.py`` (``docs/architecture.md``, Context parallelism, "Merged attention").
+``engine/cp/merge.py`` (``docs/architecture.md``, Context parallelism, "Merged attention").
 
 Two readers of the same answer: ``BatchedKeys`` pads every sequence of a short step into one batch
 (decodes: one query each, many sequences); ``SplitKeys`` takes one sequence at a time and splits its
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tierserve.cache.cp_pages import PageOwnership
+from tierserve.cache.sharded.cp_pages import PageOwnership
 from tierserve.model.attention import gather_pages
 
 QUERY_BLOCK = 256  # queries per score block of the unfused path: bounds [heads, block, keys]

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from tierserve.cache.cp_pages import PageOwnership
 from tierserve.cache.host_pool import HostKVPool
-from tierserve.cache.shard_io import ShardIO
-from tierserve.cache.shards import KVShard, Source
+from tierserve.cache.sharded.cp_pages import PageOwnership
+from tierserve.cache.sharded.shard_io import ShardIO
+from tierserve.cache.sharded.shards import KVShard, Source
 from tierserve.cache.staging import PageIO
 from tierserve.cache.storage import StorageBackend
 
