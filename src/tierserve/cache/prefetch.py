@@ -56,7 +56,7 @@ class Prefetch:
     leftover: list[int] = field(default_factory=list)
     arrived: int = 0
     failed: bool = False
-    # what every rank agreed on at the last step boundary that covered this ticket (see cache.agreement)
+    # what every rank agreed on at the last step boundary that covered this ticket (see cache/sharded/agreement.py)
     agreed_probed: int = -1
     agreed_arrived: int = 0
     agreed_done: bool = False
