@@ -35,8 +35,8 @@ from helpers.import_graph import (
 from helpers.outside_paths import outside_paths
 
 # Besides itself, what each unit may import from tierserve: units or dotted sub-names (relative to
-# tierserve), listed lowest layer first. A unit is a top-level package or module; "__init__" is the
-# package itself.
+# tierserve). Rows: the serving stack from the bottom up, then the torch-free client side, then the
+# entry points. A unit is a top-level package or module; "__init__" is the package itself.
 NODE_MAY_IMPORT = ("core", "proto", "model", "cache", "engine", "transfer",
                    "api.engine_metrics")  # the Prometheus view of an engine's stats, torch-free
 ALLOWED: dict[str, tuple[str, ...]] = {
