@@ -15,9 +15,9 @@ from tierserve.bench.tokens import TokenSpace
 from tierserve.bench.traces import BlockBank, TraceConfig, azure_trace, mooncake_prompt, mooncake_trace
 from tierserve.bench.workloads import MultiTurnConfig, SharedPrefixConfig, multiturn, shared_prefix
 
-TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
-MOONCAKE = TRACES / "mooncake_conversation_first_half.jsonl"
-AZURE = TRACES / "azure_llm_2023_conv.csv"
+TRACES = Path(__file__).resolve().parent / "data" / "traces"  # samples of the public traces: see its README.md
+MOONCAKE = TRACES / "mooncake_conversation_first_200.jsonl"  # the 200 records the adapter test reads
+AZURE = TRACES / "azure_llm_2023_conv_first_30.csv"
 SPACE = TokenSpace(vocab_size=384, min_id=32)
 
 

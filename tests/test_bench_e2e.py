@@ -27,7 +27,7 @@ from tierserve.cli.main import main
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 SPACE = TokenSpace(vocab_size=384, min_id=32)  # the tiny test model's vocabulary
-MOONCAKE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation_first_half.jsonl"
+MOONCAKE = Path(__file__).resolve().parent / "data" / "traces" / "mooncake_conversation_first_200.jsonl"
 
 
 @pytest.fixture(scope="module")
