@@ -7,7 +7,7 @@ request (prefix + question + choice, one generated token) asking for the prompt'
 local-completions sends them). Three ways of asking:
 
 - ``echo``: OpenAI's ``echo`` + ``logprobs``: every prompt token scored, so every position's
-  logits are needed and the cache can serve nothing (docs/architecture.md, Logprobs);
+  logits are needed and the cache can serve nothing (docs/cli.md);
 - ``start``: prompt logprobs from the choice's first token on (SGLang's ``logprob_start_len``):
   the prefix and question may come from the cache;
 - ``none``: no logprobs at all (a plain prefill of the same prompts), the baseline cost.

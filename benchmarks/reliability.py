@@ -49,7 +49,7 @@ PREAMBLE = [
     "reference. *held 10 s after*: what the nodes' metrics still show for requests 10 s after the load "
     "ended (pages, reservations, parked pages, running or waiting requests). Quarantined pages are listed "
     "apart: a decode node keeps the pages a failed or unconfirmed handoff wrote into for its grace period "
-    "(40 s), since a late block may still land there (`docs/architecture.md`, faults); the column says when "
+    "(40 s), since a late block may still land there (`docs/faults.md`); the column says when "
     "they were all free. *recovery*: from the kill until `tierserve up` restarted the process and it serves.",
     "- Found by this campaign and fixed before this run: a failed transfer batch was taken as ended although "
     "Mooncake reports a batch failed at its first failed block while the others still write (2 wrong outputs "

@@ -1,4 +1,4 @@
-"""deploy/'s secrets (docs/architecture.md, Authenticated nodes): in every overlay the nodes and the
+"""deploy/'s secrets (docs/tenancy.md): in every overlay the nodes and the
 router take the node token and the TLS files from Kubernetes Secrets, at the paths their flags name.
 Helpers from manifests.py; the cpu-demo run in test_deploy.py uses such a Secret's files."""
 

@@ -439,3 +439,108 @@ def test_the_readme_layout_names_every_top_level_part() -> None:
     parts += [p.name for p in root.glob("*.py") if p.name != "__init__.py"]
     missing = [part for part in sorted(parts) if f"  {part}" not in block]
     assert not missing, f"README.md's layout section does not list {missing}"
+
+
+# --- the docs name only what the code has ------------------------------------------------------
+# Every backticked code name in docs/*.md and README.md (class, member, function, module, path, flag:
+# tests/helpers/doc_names.py says what counts) must still exist in the code.
+
+# Names the docs may use that the code does not spell out, each with why.
+DOC_NAMES_ALLOWED: dict[str, str] = {
+    "tierserve.v1": "the gRPC package declared in tierserve.proto, not a Python module",
+    "mooncake/": "the Python package Mooncake's wheels install (docs/mooncake.md)",
+    "bin/": "the virtualenv's folder of executables (docs/mooncake.md)",
+    "MC_LOG_DIR": "a Mooncake setting the code must not set: it crashes the import (docs/mooncake.md)",
+    "health_check": "a Mooncake store method tierserve does not call (docs/mooncake.md)",
+    "transfer_check_status": "a Mooncake Transfer Engine method tierserve does not call (docs/mooncake.md)",
+    "TransferNotify": "a Mooncake Transfer Engine feature tierserve does not use (docs/mooncake.md)",
+}
+
+
+def doc_pages() -> list[Path]:
+    return [*sorted((REPO / "docs").glob("*.md")), REPO / "README.md"]
+
+
+def test_every_code_name_in_the_docs_exists() -> None:
+    from helpers.doc_names import stale_names
+
+    stale = stale_names(REPO, doc_pages(), DOC_NAMES_ALLOWED)
+    assert not stale, f"{len(stale)} stale name(s) in the docs:\n" + "\n".join(stale)
+
+
+def write_tree(root: Path, files: dict[str, str]) -> None:
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(textwrap.dedent(text), encoding="utf-8")
+
+
+# A fixture repository: code with one class, one module function, one flag; docs naming each of them.
+DOC_CODE = {
+    "src/pkg/__init__.py": "",
+    "src/pkg/engine.py": """\
+        import argparse
+
+        LIMIT = 3
+
+
+        class Base:
+            def step(self) -> None:
+                self.ticks = 0
+
+
+        class Engine(Base):
+            retries: int = 0
+
+            def add_request(self) -> None:
+                pending = 1
+                return pending
+
+
+        def build_parser() -> argparse.ArgumentParser:
+            p = argparse.ArgumentParser()
+            p.add_argument("--page-size")
+            for role in ("prefill", "decode"):
+                p.add_argument(f"--{role}-args")
+            return p
+        """,
+    "src/pkg/sub/gather.py": "def gather(): ...\n",
+}
+GOOD_DOC = """\
+    # Page
+    `Engine`, `Engine.add_request`, `Engine.step()` (a base's), `Engine.ticks`, `Engine.retries`, `pkg.engine.LIMIT`,
+    `engine.build_parser`, `src/pkg/engine.py`, `sub/gather.py`, `gather.py`, `src/pkg/`, `--page-size 16`,
+    `--decode-args`, `tierserve_engine_retries_total{role}`, plain words `like this`, `{"json": 1}`, `/v1/route`,
+    `--hicache-*`, `0.5`.
+
+    ```bash
+    tierserve --gone-in-a-fence `Gone`
+    ```
+    """
+
+
+def test_good_doc_names_are_not_reported(tmp_path: Path) -> None:
+    from helpers.doc_names import stale_names
+
+    write_tree(tmp_path, {**DOC_CODE, "docs/page.md": GOOD_DOC})
+    assert stale_names(tmp_path, [tmp_path / "docs" / "page.md"]) == []
+
+
+def test_stale_doc_names_are_reported(tmp_path: Path) -> None:
+    from helpers.doc_names import stale_names
+
+    stale_doc = """\
+        The engine appends through `Engine._append`, aborts with `_Abort`, keeps `Engine.pending` (a local),
+        lives in `pkg.engine.Gone` and `src/pkg/old.py`, gathers in `cp_gather.py`, takes `--old-flag 2`
+        and counts `tierserve_engine_vanished_total`; `Allowed.name` is allowed.
+        """
+    write_tree(tmp_path, {**DOC_CODE, "docs/page.md": stale_doc})
+    assert stale_names(tmp_path, [tmp_path / "docs" / "page.md"], {"Allowed.name": "a test says so"}) == [
+        "docs/page.md:1: `Engine._append` (class Engine has no _append)",
+        "docs/page.md:1: `_Abort` (not in the code)",
+        "docs/page.md:1: `Engine.pending` (class Engine has no pending)",
+        "docs/page.md:2: `pkg.engine.Gone` (module pkg.engine has no Gone)",
+        "docs/page.md:2: `src/pkg/old.py` (no such file or folder)",
+        "docs/page.md:2: `cp_gather.py` (no such file or folder)",
+        "docs/page.md:2: `--old-flag` (no such flag in the code)",
+        "docs/page.md:3: `tierserve_engine_vanished_total` (not in the code)",
+    ]

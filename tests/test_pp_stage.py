@@ -1,4 +1,4 @@
-"""Pipeline placement without processes (``docs/architecture.md``, Pipeline parallelism): which rank
+"""Pipeline placement without processes (``docs/pp.md``): which rank
 is which stage and which layers a stage holds, and that a stage loads only its part of the
 checkpoint, its layers indexing its own KV pool from 0."""
 

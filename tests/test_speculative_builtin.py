@@ -1,7 +1,7 @@
 """Speculative decoding on the built-in model (SmolLM2-135M) with the draft ``tierserve model fetch
 --draft`` derives from it: greedy output batched equals decoding without speculation, on a single
 engine and through prefill-decode disaggregation, where the decode node speculates from its first
-step with the draft KV the prefill node handed over (docs/architecture.md, Speculative decoding)."""
+step with the draft KV the prefill node handed over (docs/speculative.md)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Rank 0's engine loop tells the other ranks everything that changes its engine: every command it
 applied, in order, once per loop turn, with whether a step follows; a failed step at several ranks
-takes the node down (``docs/architecture.md``, Ranks)."""
+takes the node down (``docs/ranks.md``)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The cluster under test: ``tierserve up`` as a child process, found through its state file
-(``docs/architecture.md``, CLI): every node's PID and ports, so the campaign can kill one, read
+(``docs/cli.md``): every node's PID and ports, so the campaign can kill one, read
 its pages from its metrics port, and see ``up`` bring it back."""
 
 from __future__ import annotations

@@ -152,8 +152,8 @@ def _prompts(count: int, seed: int) -> list[str]:
 
 async def settle(cluster: Cluster, row: Row) -> Row:
     """Waits up to ``SETTLE_S`` for every node to hold nothing for a request; records what is
-    still held then. Quarantined pages (a writer that may still land, ``docs/architecture.md``,
-    faults) are bounded by the decode nodes' grace: their end is waited for and timed too."""
+    still held then. Quarantined pages (a writer that may still land, ``docs/faults.md``) are bounded by the decode
+    nodes' grace: their end is waited for and timed too."""
     started = time.monotonic()
     while (held := cluster.held_pages()) and time.monotonic() - started < SETTLE_S:
         await asyncio.sleep(0.25)  # poll interval

@@ -1,5 +1,5 @@
 """Reading part of an L3 object in Mooncake, against reading whole objects (the choice in
-``docs/architecture.md``, L3 across TP sizes). A writer process stores 96 pages of 128 KiB (the
+``docs/tp.md``). A writer process stores 96 pages of 128 KiB (the
 ``benchmarks/tp`` model's TP=1 pages) and the same bytes as 192 half-pages; this process, a client
 without a segment, reads them 16 pages per call, as two TP=2 ranks would (one after the other):
 

@@ -191,7 +191,7 @@ async def _sse_events(choices: Choices, fmt: Format, num_choices: int,
                       include_usage: bool) -> AsyncIterator[bytes]:
     """The stream's events, then ``[DONE]``. A stream that cannot go on (the status line is long
     sent) ends with an OpenAI-shaped error event and, for every choice not finished, a last
-    chunk with ``finish_reason: "error"`` (``docs/architecture.md``, faults)."""
+    chunk with ``finish_reason: "error"`` (``docs/faults.md``)."""
     try:
         for chunk in fmt.opening_chunks(num_choices):
             yield oa.sse(chunk)

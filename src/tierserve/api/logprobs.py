@@ -1,4 +1,4 @@
-"""Logprobs in the OpenAI response shapes (docs/architecture.md, Logprobs).
+"""Logprobs in the OpenAI response shapes (docs/cli.md).
 
 ``/v1/completions`` gives parallel lists (``tokens``, ``token_logprobs``, ``top_logprobs``,
 ``text_offset``), the first echoed prompt token with nulls; ``/v1/chat/completions`` gives

@@ -1,7 +1,7 @@
 """The one interface between a prefix cache and the engine and nodes: lending pages already
 filled with a prompt's KV (``match``/``release``), and managing the cache (flush, close, KV event
 listener and snapshot, L3 admin). The engine and the nodes use only this; see
-``docs/architecture.md`` (the cache) for who calls what on which thread."""
+``docs/cache.md`` for who calls what on which thread."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """A speculative draft's KV in the sidecar layout: its own device and host pools beside the
-target's, whose copies take their page indexes from the target's (docs/architecture.md,
-Speculative decoding, draft KV in the cache).
+target's, whose copies take their page indexes from the target's (docs/speculative.md, draft KV in the cache).
 
 Device page p of the draft pool belongs with device page p of the target pool, host page h of the
 draft's host pool with host page h of the target's, so every L1 <-> L2 copy of target pages moves

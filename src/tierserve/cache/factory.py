@@ -23,7 +23,7 @@ from tierserve.core.storage import StorageKind
 
 # Test-only extra-config key: each rank applies its own L3 view, unagreed (ranks then diverge).
 SKIP_AGREEMENT = "unsafe_skip_agreement"
-# Extra-config key: the TP sizes of the nodes sharing this L3 (docs/architecture.md, L3 across TP sizes).
+# Extra-config key: the TP sizes of the nodes sharing this L3 (docs/tp.md).
 L3_TP_SIZES = "l3_tp_sizes"
 
 
@@ -35,7 +35,7 @@ def build_cache(kind: CacheKind, allocator: PageAllocator, pool: DeviceKVPool, s
     namespace ``seed``; ``options`` configure the host tier and L3 of the hierarchical cache.
 
     Several ranks: ``shard`` is this rank's heads of every page and ``agreement`` the collective
-    over the node's ranks (``docs/architecture.md``, multi-rank agreement); every rank must call
+    over the node's ranks (``docs/ranks.md``); every rank must call
     this with the same ``kind`` and ``options``, as it runs one collective (L2's page count).
     ``ownership``: a CP rank's pages (its L1 and, in the hierarchical cache, its L2 and L3 copies:
     each rank's host pool holds the agreed page count of its own pages, ``cache/sharded/cp_host.py``).

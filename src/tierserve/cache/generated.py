@@ -1,4 +1,4 @@
-"""Continuous offload of generated KV (docs/architecture.md, The cache, continuous offload): a
+"""Continuous offload of generated KV (docs/cache.md, continuous offload): a
 request still running hands its full pages to the tree as they fill, which copies them to L2 and
 on to L3 under the keys that continue its prompt's chain, while it keeps them
 pinned. A later request whose prompt is this one's prompt plus the tokens generated so far (a

@@ -1,5 +1,5 @@
 """Run-time L3 control of a ``HiCache`` (attach, detach, clear, status): the admin RPCs and
-``/admin/storage`` (``docs/architecture.md``, the control plane). Engine thread, idle cache only."""
+``/admin/storage`` (``docs/pd.md``). Engine thread, idle cache only."""
 
 from __future__ import annotations
 

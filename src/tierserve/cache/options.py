@@ -26,8 +26,7 @@ class HostLayout(Enum):
 
 
 class DraftLayout(Enum):
-    """Where a speculative draft's KV lives beside the target's (docs/architecture.md, Speculative
-    decoding, draft KV in the cache)."""
+    """Where a speculative draft's KV lives beside the target's (docs/speculative.md, draft KV in the cache)."""
 
     AUTO = "auto"  # packed when the draft's KV rows are shaped like the target's, else sidecar
     PACKED = "packed"  # the draft's layers follow the target's in one pool: one page, key, object for both

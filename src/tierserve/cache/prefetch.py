@@ -32,7 +32,7 @@ class PrefetchOptions:
 class Prefetch:
     """One request's L3 -> L2 prefetch of the prompt's pages from ``start`` on (``keys``).
 
-    Its life (``docs/architecture.md``, the cache): the L3 worker asks the store how many leading
+    Its life (``docs/cache.md``): the L3 worker asks the store how many leading
     keys it has (``probed``); at a step boundary, on the value every rank agreed, the engine thread
     either gives up (too few pages, no host room: nothing to read) or reserves ``host_pages`` and
     the worker reads them in order (``arrived`` only grows, a contiguous run from the first page;

@@ -4,7 +4,7 @@ breaker so a failing store degrades the cache to L1 + L2 instead of failing requ
 Every L3 call runs on an L3 worker (prefetch or backup lane), never on the engine thread (a slow
 store must not stall the running batch), a prefetch's first call (which pages does the store have)
 included. The tree, the host allocator and every decision that admits a request change only on
-the engine thread, on values all ranks agreed (``docs/architecture.md``, multi-rank agreement)."""
+the engine thread, on values all ranks agreed (``docs/ranks.md``)."""
 
 from __future__ import annotations
 

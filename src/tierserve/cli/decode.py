@@ -35,7 +35,7 @@ def cmd_decode(args: argparse.Namespace) -> int:
 
 
 def _deadline_problem(args: argparse.Namespace) -> str | None:
-    """Settings that would break the deadline chain (``docs/architecture.md``, faults), or None."""
+    """Settings that would break the deadline chain (``docs/faults.md``), or None."""
     from tierserve.mooncake_env import transfer_timeout_s
 
     transfer = transfer_timeout_s(args.transfer_protocol)

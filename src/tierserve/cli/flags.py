@@ -50,11 +50,11 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("--max-running-requests", "max_running_requests", "requests in the running batch", int),
     Flag("--context-length", "max_model_len", "max prompt + output tokens (default: the model's)", int),
     Flag("--seed", "seed", "random seed", int),
-    # Tensor parallelism: one process per rank (docs/architecture.md, Ranks).
+    # Tensor parallelism: one process per rank (docs/tp.md).
     Flag("--tp-size", "tp_size", "tensor-parallel ranks (processes) of this node", int),
-    # Pipeline parallelism: stages of contiguous layers, each of --tp-size ranks (docs/architecture.md).
+    # Pipeline parallelism: stages of contiguous layers, each of --tp-size ranks (docs/pp.md).
     Flag("--pp-size", "pp_size", "pipeline stages of this node (serve, prefill, decode)", int),
-    # Context parallelism: the KV pages sharded over the ranks (docs/architecture.md, Context parallelism).
+    # Context parallelism: the KV pages sharded over the ranks (docs/cp.md).
     Flag("--cp-size", "cp_size", "context-parallel ranks (processes): each stores 1/N of the KV pages", int),
     Flag("--cp-attention", "cp_attention", "CP: merge (layer 0 and short steps merge, later layers gather) "
          "or gather (every layer gathers)", CPAttention),
@@ -75,7 +75,7 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
          'backend settings, e.g. {"path": "/cache"}, and prefetch_threshold / prefetch_timeout_*', json.loads),
     Flag("--hicache-storage-prefetch-policy", "hicache.prefetch_policy", "when a request stops waiting for L3",
          PrefetchPolicy),
-    # Speculative decoding with a draft model, named as in SGLang (docs/architecture.md, Speculative decoding).
+    # Speculative decoding with a draft model, named as in SGLang (docs/speculative.md).
     Flag("--speculative-draft-model-path", "speculative_draft_model_path",
          "draft model folder (same vocabulary): turns on speculative decoding", Path),
     Flag("--speculative-num-steps", "speculative_num_steps", "draft tokens proposed per step, in a chain "

@@ -1,6 +1,6 @@
-"""The KV event stream under ZMQ CURVE when the cluster has a node token (``docs/architecture.md``,
-authenticated nodes): both key pairs derive from the token, so only its holders can subscribe
-(the publisher's ZAP handler admits the one client key) and the stream is encrypted.
+"""The KV event stream under ZMQ CURVE when the cluster has a node token (``docs/tenancy.md``): both key pairs derive
+from the token, so only its holders can subscribe (the publisher's ZAP handler admits the one client key) and the stream
+is encrypted.
 
 Derived, not distributed: a node and the router that share the token need nothing else, and a
 changed token changes every key. Without a token the stream stays plaintext (bind it privately)."""

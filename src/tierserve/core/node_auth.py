@@ -1,4 +1,4 @@
-"""Authenticated node traffic (``docs/architecture.md``, authenticated nodes): every gRPC call to
+"""Authenticated node traffic (``docs/tenancy.md``): every gRPC call to
 a node carries a shared token (``--node-token`` / ``--node-token-file`` / ``TIERSERVE_NODE_TOKEN``)
 that the node checks before any handler runs. The gRPC health service stays open: probes
 (Kubernetes, ``up``) cannot send metadata, and it says nothing beyond SERVING."""
@@ -100,7 +100,7 @@ class TLSFiles:
     router verifies nodes against the CA and presents its own certificate when it has one.
     ``server_name`` (the router's ``--tls-server-name``) is the name the router checks the nodes'
     certificates for instead of the address it dials: on Kubernetes it dials pod IPs, which no
-    certificate made before the pods can name (docs/architecture.md, Authenticated nodes)."""
+    certificate made before the pods can name (docs/tenancy.md)."""
 
     cert: Path | None = None
     key: Path | None = None

@@ -28,7 +28,7 @@ class SamplingParams:
     ``logprobs``: each generated token's log-probability plus that many top alternatives (None: no
     logprobs); ``prompt_logprobs`` the same for the prompt tokens from ``prompt_logprobs_start`` (at
     least 1: the first token has none) on, which the engine must compute, not take from the cache
-    (docs/architecture.md, Logprobs).
+    (docs/cli.md).
     """
 
     max_tokens: int = 16

@@ -5,7 +5,7 @@ running request fills (continuous offload, ``EngineConfig.offload_generated``) a
 rest of its pages go into the tree under the prompt's chained keys, the write policy copies them to
 L2 and each L2 copy is backed up to L3, all in the background.
 
-Drain (SIGTERM, docs/architecture.md, Migration): new reservations and generations are refused
+Drain (SIGTERM, docs/migration.md): new reservations and generations are refused
 (``UNAVAILABLE``), running ones stop, their pages reach L3, then their streams end with
 ``UNAVAILABLE`` and the trailer ``DRAINING``, so the router continues them elsewhere.
 """
@@ -155,7 +155,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
     async def GenerateLocal(self, request: pb.LocalGenerateRequest, context: grpc.aio.ServicerContext
                             ) -> AsyncIterator[pb.GenerateChunk]:
         """A whole request on this node: its engine computes what its cache lacks of the prompt,
-        as a single engine does (conditional disaggregation, ``docs/architecture.md``, the PD path).
+        as a single engine does (conditional disaggregation, ``docs/pd.md``).
         The first chunk carries the cache report (and prompt logprobs when asked)."""
         if self.draining:
             await self._hand_back(context)

@@ -1,5 +1,5 @@
 """What reaches an engine from outside, as data: every rank of a node applies the same commands in
-the same order (``docs/architecture.md``, Ranks), so they must cross processes (pickled)."""
+the same order (``docs/ranks.md``), so they must cross processes (pickled)."""
 
 from __future__ import annotations
 
@@ -86,7 +86,7 @@ class AbortRequest:
 @dataclass(frozen=True)
 class Reserve:
     """``Engine.reserve`` leased from ``now``, rank 0's clock when the call came: every rank's lease
-    ends at the same step (``docs/architecture.md``, Ranks). Rank 0 answers with the request."""
+    ends at the same step (``docs/ranks.md``). Rank 0 answers with the request."""
 
     request_id: str
     prompt_ids: tuple[int, ...]

@@ -13,8 +13,7 @@ DEFAULT_SPEC_STEPS = 3
 
 
 class CPAttention(Enum):
-    """How a CP rank's attention reads the pages other ranks own (docs/architecture.md, Context
-    parallelism, merged attention)."""
+    """How a CP rank's attention reads the pages other ranks own (docs/cp.md, merged attention)."""
 
     MERGE = "merge"  # layer 0 and short steps merge partial attention; layers 1.. of longer steps gather
     GATHER = "gather"  # every layer of every step gathers the prefix pages (the seed's protocol alone)
@@ -28,18 +27,18 @@ class EngineConfig:
     ``enable_hierarchical_cache`` adds the host-memory tier (L2) behind it. ``tp_size`` x ``pp_size``
     ranks (one process each, on devices from ``base_gpu_id`` on CUDA) share the model: ``pp_size``
     pipeline stages of contiguous layers, each split over ``tp_size`` tensor ranks; every collective
-    between them gives up after ``dist_timeout_s`` (docs/architecture.md, Ranks, Pipeline parallelism).
+    between them gives up after ``dist_timeout_s`` (docs/ranks.md, docs/pp.md).
     ``cp_size`` ranks share the KV pages by context parallelism, each storing 1/cp_size of them
-    (docs/architecture.md, Context parallelism), also in the host tier and L3; not yet with TP, PP or
+    (docs/cp.md), also in the host tier and L3; not yet with TP, PP or
     the decode role; ``cp_attention`` says where attention merges instead of gathering.
     ``speculative_draft_model_path`` turns on speculative decoding with that draft
-    model (docs/architecture.md, Speculative decoding): ``speculative_num_steps`` draft tokens are
+    model (docs/speculative.md): ``speculative_num_steps`` draft tokens are
     proposed in a chain and verified as ``speculative_num_draft_tokens`` = steps + 1 tokens per step
     (SGLang's meaning with topk 1; give either, default 3 steps); not with TP, PP or CP.
     ``speculative_draft_layout`` says where the draft's KV is cached (``DraftLayout``).
     ``offload_generated``: running requests hand each page they fill to the prefix cache at once,
     so the hierarchical cache copies it on to L2 and L3 while they run (decode nodes: continuous
-    offload, docs/architecture.md, The cache)."""
+    offload, docs/cache.md)."""
 
     model_dir: Path
     device: str = "auto"

@@ -55,7 +55,7 @@ class Engine:
     ``ranks``: this process's rank of a tensor- or pipeline-parallel node (default: the only one).
     Every rank builds the same engine over its shard of the model and of the KV pool (its heads of
     its stage's layers); fed the same commands in the same order, the ranks keep the same requests,
-    tree and page ids (docs/architecture.md, Ranks and Pipeline parallelism).
+    tree and page ids (docs/ranks.md, docs/pp.md).
     """
 
     def __init__(self, config: EngineConfig, prefix_cache: PrefixCacheFactory | None = None,
@@ -297,7 +297,7 @@ class Engine:
         batch holds loads not yet agreed landed (the same on every rank), each rank waits for them
         in full (no layer overlap) and the ranks agree (one collective) on the first request whose
         load failed on any rank; it fails on every rank, the rest of the batch runs next step
-        (docs/architecture.md, multi-rank agreement). True: that happened."""
+        (docs/ranks.md). True: that happened."""
         if self.ranks.size == 1 or self.config.cache_kind is not CacheKind.HIERARCHICAL:
             return False
         if all(x.landed for s in batch for x in s.request.hit.loads):

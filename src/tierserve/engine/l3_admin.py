@@ -1,5 +1,5 @@
 """Run-time L3 control (attach, detach, clear) on every rank of a node at once
-(``docs/architecture.md``, Ranks). Rank 0 publishes the call on the step bus before applying it
+(``docs/ranks.md``). Rank 0 publishes the call on the step bus before applying it
 (``CollectiveCall``), so every rank runs this at the same point of its command stream, between the
 same two steps, and the agreements below line up.
 

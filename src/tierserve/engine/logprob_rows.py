@@ -1,4 +1,4 @@
-"""Which rows of a step's flat batch give logprobs, and their values (docs/architecture.md, Logprobs).
+"""Which rows of a step's flat batch give logprobs, and their values (docs/cli.md).
 
 A prompt token's logprob comes from the logits of the position before it, so a chunk computing
 positions [start, end) gives the logprobs of prompt tokens start+1 .. min(end, prompt_len - 1).

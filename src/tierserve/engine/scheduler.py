@@ -116,7 +116,7 @@ class Scheduler:
 
     def _cacheable(self, request: Request) -> int:
         """Tokens whose KV the cache may keep: with a draft, only those whose draft KV is computed
-        too, so every cached page restores both (docs/architecture.md, Speculative decoding)."""
+        too, so every cached page restores both (docs/speculative.md)."""
         return min(request.num_computed, request.draft_computed) if self.lookahead else request.num_computed
 
     def _unpark(self) -> None:

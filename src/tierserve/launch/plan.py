@@ -169,7 +169,7 @@ def _reachable(host: str) -> str:
 def l3_flags(plan: ClusterPlan, rpc_port: int) -> list[str]:
     """The nodes' L3 flags: Mooncake behind the master at ``rpc_port``, with the plan's extra config.
     Prefill and decode nodes of different TP sizes also write the objects each other's ranks read
-    (``l3_tp_sizes``; ``docs/architecture.md``, L3 across TP sizes), unless the config names them."""
+    (``l3_tp_sizes``; ``docs/tp.md``), unless the config names them."""
     sizes = sorted({plan.prefill_tp, plan.decode_tp})
     l3 = {"global_segment_size": plan.l3_segment_bytes, **({"l3_tp_sizes": sizes} if len(sizes) > 1 else {}),
           **plan.l3_config, "master_server_address": f"127.0.0.1:{rpc_port}"}

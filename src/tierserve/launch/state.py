@@ -1,6 +1,6 @@
 """What ``tierserve up`` tells about its children, for people (the banner's table) and for
 programs (the ``--state-file`` JSON, rewritten whenever a child starts, dies or restarts; the
-format is in ``docs/architecture.md``, CLI)."""
+format is in ``docs/cli.md``)."""
 
 from __future__ import annotations
 

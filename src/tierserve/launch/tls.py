@@ -1,4 +1,4 @@
-"""TLS for a ``tierserve up`` cluster (``up --tls``, ``docs/architecture.md``, Authenticated nodes):
+"""TLS for a ``tierserve up`` cluster (``up --tls``, ``docs/tenancy.md``):
 the certificates in one folder, made with ``openssl`` where missing, and the flags that hand them
 to the nodes (serve mutual TLS) and to the router (verifies the nodes, presents its certificate).
 

@@ -1,6 +1,6 @@
 """Derives a draft model for speculative decoding from a target's own weights: a subset of its
 decoder layers with its embedding, final norm and head, saved as a model folder of its own
-(docs/architecture.md, Speculative decoding, and benchmarks/RESULTS.md for how the built-in
+(docs/speculative.md, and benchmarks/RESULTS.md for how the built-in
 model's draft was chosen)."""
 
 from __future__ import annotations

@@ -80,7 +80,7 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleDict(
             {str(i): DecoderLayer(cfg, i - self.layer_ids.start, tp) for i in self.layer_ids})
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if pp.last else None
-        # Replicated: logits are computed on one rank only (docs/architecture.md, Ranks).
+        # Replicated: logits are computed on one rank only (docs/ranks.md).
         self.lm_head = None if cfg.tie_word_embeddings or not pp.last else ColumnParallelLinear.split(
             cfg.hidden_size, [cfg.vocab_size], False, TensorParallel()
         )

@@ -1,5 +1,5 @@
 """Token log-probabilities from logits rows: float32 log-softmax of the raw logits (no temperature,
-no top-k/top-p, no min_tokens mask), vLLM's default ``raw_logprobs`` (docs/architecture.md, Logprobs)."""
+no top-k/top-p, no min_tokens mask), vLLM's default ``raw_logprobs`` (docs/cli.md)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Tensor-parallel placement of one rank: which heads and rows of every parallel layer it holds.
 
-Attention heads are split as SGLang splits them (``docs/architecture.md``, Ranks): each of N ranks
+Attention heads are split as SGLang splits them (``docs/tp.md``): each of N ranks
 holds ``num_heads / N`` query heads; ``num_kv_heads / N`` KV heads when N divides them, else (N a
 multiple of ``num_kv_heads``) one KV head that ``N / num_kv_heads`` neighbouring ranks share.
 """

@@ -1,5 +1,5 @@
 """Pipeline-parallel placement of one rank: which contiguous layers its stage holds, and where its
-hidden states come from and go (``docs/architecture.md``, Pipeline parallelism).
+hidden states come from and go (``docs/pp.md``).
 
 A node of ``pp_size`` S and ``tp_size`` T has S * T ranks; rank ``s * T + t`` is tensor rank t of
 stage s. Stage 0 embeds the tokens, the last stage applies the final norm and the LM head; between

@@ -17,7 +17,7 @@ class SamplingBatch:
     positions[i])``, the position of the token it samples in its sequence: the draw depends on
     nothing else, so a seeded request samples the same tokens whatever it is batched with and
     whichever engine samples its next token (the prefill node its first, a decode node the rest, another
-    decode node after a migration: docs/architecture.md, Migration). Unseeded rows share the default
+    decode node after a migration: docs/migration.md). Unseeded rows share the default
     generator. ``banned[i]``: token ids row i must not
     sample (EOS and stop ids before ``min_tokens``); empty lists, the usual case, cost nothing.
     """

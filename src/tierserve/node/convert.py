@@ -15,9 +15,8 @@ __all__ = ["arena", "destination_arena", "destination_draft", "destination_ranks
 
 
 def identity(engine: Engine) -> pb.KVIdentity:
-    """What two nodes must share to exchange KV. With a packed draft (docs/architecture.md,
-    Speculative decoding, PD) its layers are more layers of every page and the model names the
-    draft too, so a node with another draft, or none, is refused."""
+    """What two nodes must share to exchange KV. With a packed draft (docs/speculative.md, PD) its layers are more
+    layers of every page and the model names the draft too, so a node with another draft, or none, is refused."""
     ns = engine.namespace
     packed = engine.pool.geometry.num_layers - engine.geometry.num_layers
     model = f"{ns.model}+draft:{ns.draft}" if ns.draft else ns.model

@@ -1,4 +1,4 @@
-"""KV handoffs of a prefill node of several ranks (``docs/architecture.md``, Ranks): each rank sends
+"""KV handoffs of a prefill node of several ranks (``docs/ranks.md``): each rank sends
 its own KV heads; the ranks agree, once per step, on whether every rank's sender finished, so every
 rank gives a request's pages back at the same step, and rank 0 answers with the whole node's result.
 

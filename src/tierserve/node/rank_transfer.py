@@ -1,4 +1,4 @@
-"""Each rank's transfer side of a prefill or decode node (``docs/architecture.md``, Ranks): its own
+"""Each rank's transfer side of a prefill or decode node (``docs/ranks.md``): its own
 transfer engine and KV arena, which holds only the rank's KV heads. Every rank starts it right
 after its engine (``NodeRankRole.attach``) and the ranks gather every rank's arena, so rank 0 can
 name them all in a ``KVDestination`` (decode) and every prefill rank knows its heads' routes. With

@@ -79,7 +79,7 @@ AddService = Callable[[grpc.aio.Server, Node], str]  # registers the role's serv
 def run_node(config: EngineConfig, options: NodeOptions, role: pb.Role, add_service: AddService) -> None:
     """Builds the node (``config.num_ranks`` rank processes: TP x PP, or CP; this one rank 0) and
     serves until SIGINT or SIGTERM; exits with status 2 for sizes the model cannot be split over, and
-    status 1 when another rank dies (``docs/architecture.md``, Ranks)."""
+    status 1 when another rank dies (``docs/ranks.md``)."""
     import uvloop
 
     _check_fits(config, role)
@@ -126,7 +126,7 @@ def _stop(node: Node | None, engine: Engine, procs: RankProcesses | None) -> Non
 def _check_fits(config: EngineConfig, role: pb.Role) -> None:
     """Refuses, before any process starts, a TP size the model's heads or MLP cannot be split over, a
     PP size that does not divide its layers, and context parallelism on a decode node, which does
-    not run yet (docs/architecture.md, Context parallelism: a CP prefill node hands its KV to a
+    not run yet (docs/cp.md: a CP prefill node hands its KV to a
     decode node without CP)."""
     if config.cp_size != 1 and role != pb.ROLE_PREFILL:
         print("tierserve: --cp-size is not supported on decode nodes (prefill nodes and tierserve serve only): "

@@ -127,7 +127,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
 
     async def _alone(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
         """A one-token request served here alone (no decode node, no handoff): the router's
-        prefill-only path (``docs/architecture.md``, the PD path). The request's own sampling
+        prefill-only path (``docs/pd.md``). The request's own sampling
         settings hold, so EOS ends it as on a single engine."""
         try:
             params = sampling_params(request.sampling)

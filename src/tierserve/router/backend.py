@@ -1,7 +1,6 @@
-"""The router's ``Backend``: each request through a prefill/decode pair (``docs/architecture.md``,
-a request's life), with admission control, deadlines, an idle deadline on decode streams, retries
-on a new pair while the request produced nothing, migration to another pair once it did
-(``router/migration.py``), and load counted until the stream ends."""
+"""The router's ``Backend``: each request through a prefill/decode pair (``docs/pd.md``), with admission control,
+deadlines, an idle deadline on decode streams, retries on a new pair while the request produced nothing, migration to
+another pair once it did (``router/migration.py``), and load counted until the stream ends."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Which nodes serve a request (``docs/architecture.md``, the PD path). Conditional
+"""Which nodes serve a request (``docs/pd.md``). Conditional
 disaggregation: the estimate is the prompt tokens the picked decode node would compute after what
 it already holds (its KV events, through ``CacheView``); below the threshold it serves the whole
 request (``DecodeService.GenerateLocal``): the request is spared the prefill/decode round trips

@@ -1,4 +1,4 @@
-"""Kubernetes service discovery for the router's worker registry (``docs/architecture.md``, the router).
+"""Kubernetes service discovery for the router's worker registry (``docs/router.md``).
 
 One LIST + WATCH loop per role's label selector over the pods API. A pod is a worker while it is
 Running, has a pod IP, is not terminating (no deletionTimestamp) and its Ready condition is True;

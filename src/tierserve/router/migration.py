@@ -1,4 +1,4 @@
-"""Migration (docs/architecture.md, Migration): a decode node that dies, goes silent or drains
+"""Migration (docs/migration.md): a decode node that dies, goes silent or drains
 after a request produced tokens does not end the request. The router continues it on another
 pair: the prompt becomes prompt + every token produced so far (a prefill node serves most of it
 from L3, where the lost decode node backed its pages up as they filled), the budgets shrink by what

@@ -1,4 +1,4 @@
-"""One request through a prefill/decode pair (``docs/architecture.md``, a request's life):
+"""One request through a prefill/decode pair (``docs/pd.md``):
 Reserve on D, Prefill on P, Generate on D. Any failure releases the reservation at once, and so
 does a cancellation of the caller (a client gone, a sibling choice failed, a timeout), even one
 that comes while Reserve is in flight; the caller decides whether to retry on a new pair. No
@@ -68,7 +68,7 @@ async def prefill(pair: Pair, request_id: str, prompt_ids: list[int], sampling: 
     unknown), so D can stage what P's ranks write when they hold fewer heads than D's. ``tenant``:
     the API key's, sent to both nodes, which derive the cache namespace from it.
 
-    The deadlines form one chain (``docs/architecture.md``, faults): D grants a lease for the
+    The deadlines form one chain (``docs/faults.md``): D grants a lease for the
     whole leg (it may grant less than asked), P's deadline ends ``LEASE_MARGIN_S`` before that
     lease, and D frees the pages at once only when P confirmed that its last batch ended; any
     other ending makes D quarantine them for its grace period, longer than any transfer."""

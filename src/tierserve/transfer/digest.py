@@ -1,5 +1,5 @@
 """Digests of a request's KV as handed from a prefill node to a decode node (``--handoff-integrity``,
-``docs/architecture.md``, Tenancy and integrity): one 64-bit value per model layer, computed by the
+``docs/tenancy.md``): one 64-bit value per model layer, computed by the
 senders over what they send and by the receivers over what landed in the reserved pages.
 
 Why not XXH3 as for L3 objects: the two sides cut the KV differently (TP sizes, context-parallel

@@ -186,7 +186,7 @@ class KVHandoff:
         """Waits up to ``timeout`` seconds for every batch to end; True when no block can land
         any more. Never True after a failed batch: Mooncake reports a batch failed as soon as one
         of its blocks failed, while its other blocks may still be writing into the peer, and it
-        has no way to wait for them (``docs/architecture.md``, faults)."""
+        has no way to wait for them (``docs/faults.md``)."""
         return self._finished.wait(timeout) and not self._unsettled
 
     def cancel(self, reason: str) -> None:

@@ -1,5 +1,5 @@
 """A decode rank's side of coalesced handoffs from prefill ranks that hold fewer KV heads than it
-does (P2 -> D1; ``docs/architecture.md``, Ranks, and ``transfer/staging.py``).
+does (P2 -> D1; ``docs/tp.md``, and ``transfer/staging.py``).
 
 At Reserve, knowing the prefill node's TP size, each decode rank sets aside one region of its
 staging arena per reservation: one part per sending prefill rank whose heads lie strictly inside the

@@ -1,5 +1,5 @@
 """A request's handoff when a speculative draft keeps its KV in its own (sidecar) pool
-(``docs/architecture.md``, Speculative decoding, PD): two ``KVHandoff``s behind one face, the
+(``docs/speculative.md``, PD): two ``KVHandoff``s behind one face, the
 target's pool into the destination's arena and the draft's pool into the destination's draft arena,
 both from the request's page table into the same destination page table. The engine numbers the
 draft's layer i as layer ``split + i`` (``DraftKV.hooks``, as for a packed draft), so ``on_layer``

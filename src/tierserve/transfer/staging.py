@@ -1,4 +1,4 @@
-"""Staging memory that coalesces a KV handoff between TP sizes (``docs/architecture.md``, Ranks).
+"""Staging memory that coalesces a KV handoff between TP sizes (``docs/tp.md``).
 
 A head sub-range of consecutive token slots is not contiguous in a KV arena, and the transfer engine
 charges per entry (``docs/mooncake.md``): written in place, such a handoff is one entry per token.

@@ -1,4 +1,4 @@
-"""The one point where ranks agree on cache decisions (``docs/architecture.md``, multi-rank agreement).
+"""The one point where ranks agree on cache decisions (``docs/ranks.md``).
 
 With several ranks (tensor, context or pipeline parallel), each holds its own share of every page
 but all must keep the same tree. Background work (L2 writes, L3 backups, prefetches) finishes at

@@ -1,4 +1,4 @@
-"""HiCache under context parallelism (``docs/architecture.md``, Context parallelism: the host tier
+"""HiCache under context parallelism (``docs/cp.md``: the host tier
 and L3): every tier copy of a page runs on its owner rank only.
 
 Host page ids are logical like device page ids, with the same rule (``PageOwnership``: owner

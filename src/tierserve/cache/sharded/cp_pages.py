@@ -1,4 +1,4 @@
-"""Context parallelism's sharded KV pages (``docs/architecture.md``, Context parallelism).
+"""Context parallelism's sharded KV pages (``docs/cp.md``).
 
 Every rank of a CP node keeps the same radix tree and the same *logical* page ids; a logical page
 is stored by one rank only, its owner. Owner and local slot follow from the id alone (no per-page

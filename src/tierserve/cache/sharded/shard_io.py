@@ -1,6 +1,5 @@
 """One rank's L3 objects: it writes its own heads' (and stage's layers') object of every page and
-reads them from whatever objects another TP or PP size wrote (``docs/architecture.md``, L3 across
-TP sizes, and Pipeline parallelism).
+reads them from whatever objects another TP or PP size wrote (``docs/tp.md``, ``docs/pp.md``).
 
 Where the objects are exactly the rank's range, reads and writes go through the host pool's
 ``PageIO`` (zero-copy in the page-first layouts). Otherwise each object lands in a staging buffer

@@ -1,5 +1,5 @@
 """Which KV heads and layers of every page a rank holds, and the names of its L3 objects
-(``docs/architecture.md``, L3 across TP sizes, and across PP sizes).
+(``docs/tp.md``, ``docs/pp.md``).
 
 A page of KV is stored in L3 as one object per head range: the rank holding KV heads
 ``[start, start + count)`` of the model's ``total`` writes the object named ``object_key(page key,

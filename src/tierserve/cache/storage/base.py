@@ -1,4 +1,4 @@
-"""The L3 interface (``docs/architecture.md``, the cache) and the backend registry."""
+"""The L3 interface (``docs/cache.md``) and the backend registry."""
 
 from __future__ import annotations
 

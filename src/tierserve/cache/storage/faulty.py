@@ -1,5 +1,5 @@
 """Test-only L3 faults for one rank: a store that shows fewer pages, fails reads past a count,
-reads slowly, or cannot be reached at all (``docs/architecture.md``, multi-rank agreement). Enabled
+reads slowly, or cannot be reached at all (``docs/ranks.md``). Enabled
 by the extra config's ``fault_injection`` object, for the ranks it names; never in production configs."""
 
 from __future__ import annotations

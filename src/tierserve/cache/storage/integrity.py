@@ -1,4 +1,4 @@
-"""End-to-end integrity of L3 objects (``docs/architecture.md``, L3 integrity): every object ends
+"""End-to-end integrity of L3 objects (``docs/tenancy.md``): every object ends
 with a 16-byte trailer, the XXH3-128 digest of its name and its page bytes. A reader recomputes it
 over what landed in its page: a flipped bit, a truncated object, an object stored under another
 key or written in another layout fails the check and is a miss (the page is recomputed), never

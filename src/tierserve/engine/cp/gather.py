@@ -1,5 +1,5 @@
 """Context parallelism's step: gather the cached prefix's pages from their owners, one layer at a
-time, into two alternating buffers (``docs/architecture.md``, Context parallelism).
+time, into two alternating buffers (``docs/cp.md``).
 
 Every rank computes every new token (replicated compute); a logical page's KV is stored by its
 owner only (``cache/sharded/cp_pages.py``). Attention then reads a temporary *step buffer* instead of the

@@ -1,5 +1,5 @@
 """Context parallelism without moving pages: every rank attends over the pages it owns and the ranks
-merge their partial results (``docs/architecture.md``, Context parallelism, "Merged attention").
+merge their partial results (``docs/cp.md``, "Merged attention").
 
 Used where a gather of the prefix could not be hidden behind compute: every layer of a *short* step
 (each sequence brings at most one page of new tokens: decodes, the last page after a prefix hit),

@@ -1,5 +1,5 @@
 """The attention a CP rank computes over the keys it owns, with its log-sum-exp, for the merge of
-``engine/cp/merge.py`` (``docs/architecture.md``, Context parallelism, "Merged attention").
+``engine/cp/merge.py`` (``docs/cp.md``, "Merged attention").
 
 Two readers of the same answer: ``BatchedKeys`` pads every sequence of a short step into one batch
 (decodes: one query each, many sequences); ``SplitKeys`` takes one sequence at a time and splits its

@@ -1,7 +1,7 @@
 """One rank's place in its node: process groups, device, tensor-parallel shard and pipeline stage.
 
 A node of ``tp_size`` T and ``pp_size`` S (or ``cp_size`` C, never both) is T * S (T * C) processes
-(``docs/architecture.md``, Ranks, Pipeline and Context parallelism); rank ``s * T + t`` is tensor rank
+(``docs/ranks.md``, ``docs/pp.md``, ``docs/cp.md``); rank ``s * T + t`` is tensor rank
 t of stage s (of CP rank s). Rank 0 hosts the
 rendezvous store; every rank joins the model's group (NCCL on CUDA, gloo on CPU) and a gloo
 control group for the CPU messages that keep the ranks in step. Every group has a timeout, so no
@@ -50,7 +50,7 @@ class RankSpec:
 class Ranks:
     """One rank's view of its node: its shard (``tp``), its device, ``control``, the gloo group of
     CPU messages over every rank (None: the default group, itself gloo on CPU), its pipeline stage
-    (``pp``) and its share of the KV pages (``cp``, docs/architecture.md, Context parallelism; a node
+    (``pp``) and its share of the KV pages (``cp``, docs/cp.md; a node
     has stages or CP ranks, never both). ``rank`` and ``size`` count every rank of the node."""
 
     tp: TensorParallel

@@ -1,5 +1,5 @@
 """Rank 0 starts ranks 1..N-1 of its node as child processes and watches them: one that dies takes
-the node down at once (``docs/architecture.md``, Ranks)."""
+the node down at once (``docs/ranks.md``)."""
 
 from __future__ import annotations
 

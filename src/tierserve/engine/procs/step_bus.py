@@ -1,6 +1,5 @@
-"""Rank 0 tells the other ranks of its node what each engine step applies (``docs/architecture.md``,
-Ranks): the commands it took in, in order, and whether a step runs. One broadcast per loop turn
-(two when commands came), over the control group."""
+"""Rank 0 tells the other ranks of its node what each engine step applies (``docs/ranks.md``): the commands it took in,
+in order, and whether a step runs. One broadcast per loop turn (two when commands came), over the control group."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Every rank appends the same sampled tokens: one rank alone (``Ranks.sampler``: rank 0, or with
 pipeline stages tensor rank 0 of the last one) computes logits and samples, then broadcasts the
-tokens with a digest of the batch it ran (``docs/architecture.md``, Ranks)."""
+tokens with a digest of the batch it ran (``docs/ranks.md``)."""
 
 from __future__ import annotations
 

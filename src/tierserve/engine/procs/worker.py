@@ -1,5 +1,5 @@
 """Ranks 1..N-1 of a node: each builds the same engine over its shard and applies what rank 0
-broadcasts, step by step, until told to stop (``docs/architecture.md``, Ranks)."""
+broadcasts, step by step, until told to stop (``docs/ranks.md``)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Speculative decoding with a draft model (docs/architecture.md, Speculative decoding).
+"""Speculative decoding with a draft model (docs/speculative.md).
 
 The draft's KV is indexed by the target's page ids (``engine/spec/draft_pools.py``: more layers of the
 target's pool, or a sidecar pool): a request's page table (``Request.pages``) places its draft KV

@@ -1,5 +1,5 @@
-"""Where a speculative draft's KV lives beside the target's (docs/architecture.md, Speculative
-decoding, draft KV in the cache): checked and planned before the engine sizes its pools."""
+"""Where a speculative draft's KV lives beside the target's (docs/speculative.md, draft KV in the cache): checked and
+planned before the engine sizes its pools."""
 
 from __future__ import annotations
 
