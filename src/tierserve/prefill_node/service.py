@@ -32,7 +32,7 @@ from tierserve.node.server import AddService, Node
 from tierserve.proto import tierserve_pb2 as pb
 from tierserve.proto import tierserve_pb2_grpc as pb_grpc
 from tierserve.proto.sampling import logprob_to_proto
-from tierserve.router.pd_flow import DESTINATION_FAILED, WRITER_STOPPED  # the trailers the router reads
+from tierserve.proto.trailers import DESTINATION_FAILED, WRITER_STOPPED, flag  # the trailers the router reads
 from tierserve.transfer.handoff import HandoffResult, KVHandoff
 from tierserve.transfer.sidecar import SidecarHandoff
 
@@ -212,8 +212,8 @@ def _first_token_params(params: SamplingParams) -> SamplingParams:
 
 async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str, stopped: bool,
                  destination_failed: bool = False) -> None:
-    await context.abort(code, message, trailing_metadata=((WRITER_STOPPED, "1" if stopped else "0"),
-                                                          (DESTINATION_FAILED, "1" if destination_failed else "0")))
+    await context.abort(code, message, trailing_metadata=(flag(WRITER_STOPPED, stopped),
+                                                          flag(DESTINATION_FAILED, destination_failed)))
 
 
 def add_prefill_service(options: PrefillOptions) -> AddService:
