@@ -49,8 +49,8 @@ class FaultyPeers:
         n = next(_handoffs)
         self.inner = inner
         self._delay_s = faults.delay_s
-        self._fail = _picked(n, faults.rate)
-        self._corrupt = _picked(n, faults.corrupt_rate)
+        self._fail = picked(n, faults.rate)
+        self._corrupt = picked(n, faults.corrupt_rate)
 
     def acquire(self, target: str) -> Link:
         return _FaultyLink(self.inner.acquire(target), self)
@@ -88,7 +88,7 @@ class _FaultyLink:
         return self.inner.wait(batch)
 
 
-def _picked(n: int, rate: float) -> bool:
+def picked(n: int, rate: float) -> bool:
     """Whether handoff ``n`` is one of the ``rate`` share that suffers a fault."""
     return int((n + 1) * rate) > int(n * rate)
 
