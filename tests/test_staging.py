@@ -13,6 +13,7 @@ import torch
 from tierserve.core.transfer import TransferProtocol
 from tierserve.node.convert import staging_problem
 from tierserve.transfer.engine import PeerEngines, TransferEngineHandle
+from tierserve.transfer.faulty import HandoffFaults, with_faults
 from tierserve.transfer.handoff import HandoffResult, KVHandoff
 from tierserve.transfer.layout import HeadRange, KVArena, RankArena, plan_routes, route_blocks, token_runs
 from tierserve.transfer.receive_staging import ReceiveStaging, staged_heads
@@ -165,8 +166,8 @@ def _handoff(receivers, full: torch.Tensor, delay_s: float = 0.0, cancel: bool =
     staging = StagingArena(1 << 20)
     peers = PeerEngines("127.0.0.1", TransferProtocol.TCP, "", [pool, staging.buffer])
     dests = [RankArena(e.endpoint, a, h) for (e, _, a), h in zip(receivers, _split(2), strict=True)]
-    handoff = KVHandoff(peers, plan_routes(HeadRange(0, HEADS), HEAD_BYTES, dests), src, DST_PAGES, START, END,
-                        fault_delay_s=delay_s, gatherer=Gatherer(staging, pool, src))
+    handoff = KVHandoff(with_faults(peers, HandoffFaults(delay_s=delay_s)), plan_routes(HeadRange(0, HEADS),
+                        HEAD_BYTES, dests), src, DST_PAGES, START, END, gatherer=Gatherer(staging, pool, src))
     for layer in range(LAYERS):
         handoff.on_layer(layer, SRC_PAGES, END)
     if cancel:

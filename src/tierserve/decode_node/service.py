@@ -32,7 +32,7 @@ from tierserve.node.server import AddService, Node
 from tierserve.proto import tierserve_pb2 as pb
 from tierserve.proto import tierserve_pb2_grpc as pb_grpc
 from tierserve.proto.sampling import logprob_to_proto
-from tierserve.router.pd_flow import DRAINING  # the trailer the router reads
+from tierserve.proto.trailers import DRAINING, flag  # the trailer the router reads
 from tierserve.transfer.receive_check import ReceiveCheck
 
 log = logging.getLogger(__name__)
@@ -140,7 +140,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
     async def _hand_back(self, context: grpc.aio.ServicerContext) -> None:
         await self._handed_back.wait()
         await context.abort(grpc.StatusCode.UNAVAILABLE, "the decode node is draining",
-                            trailing_metadata=((DRAINING, "1"),))
+                            trailing_metadata=(flag(DRAINING, True),))
 
     def _check(self, request: pb.GenerateRequest) -> ReceiveCheck | str | None:
         """The digests' check of the KV that arrived (``--handoff-integrity``); a message when this

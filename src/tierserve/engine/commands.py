@@ -10,7 +10,7 @@ from typing import Any, Protocol, runtime_checkable
 from tierserve.core.sampling import SamplingParams
 from tierserve.core.storage import StorageAction, StorageKind
 from tierserve.engine.engine import Engine
-from tierserve.engine.handoff import Handoff, KVCheck
+from tierserve.engine.handoff import Handoff, KVCheck, SharedPlan
 from tierserve.engine.request import Request, RequestOutput
 from tierserve.engine.reservations import DEFAULT_TERMS, ReservationTerms
 
@@ -47,7 +47,7 @@ class AddRequest:
     params: SamplingParams
     cache_salt: str = ""
     handoff: Handoff | None = None
-    plan: object | None = None
+    plan: SharedPlan | None = None
 
     def apply(self, engine: Engine) -> RequestOutput | None:
         engine.add_request(self.request_id, self.prompt_ids, self.params, self.cache_salt, self.handoff)

@@ -26,6 +26,7 @@ from tierserve.core.storage import StorageAction, StorageKind
 from tierserve.engine import l3_admin
 from tierserve.engine.append import Appender, finish
 from tierserve.engine.config import EngineConfig
+from tierserve.engine.cp.runner import context_parallel
 from tierserve.engine.handoff import Handoff, HandoffCheckError, KVCheck
 from tierserve.engine.model_runner import ModelRunner, StepResult
 from tierserve.engine.procs.ranks import Ranks, single_rank
@@ -101,8 +102,8 @@ class Engine:
         self.spec = SpecDecoder.of(config, self.model, self.pool, draft_kv)
         sched = SchedulerConfig(config.page_size, config.chunked_prefill_size, config.max_running_requests)
         self.scheduler = Scheduler(sched, self.allocator, self.cache, self.spec.lookahead if self.spec else None)
-        self.runner = ModelRunner(self.model, self.pool, self.device, token_share(self.ranks), self.ranks.cp,
-                                  self.ranks.cp_merge, config.cp_attention)
+        cp = context_parallel(self.ranks.cp, self.pool, self.device, self.ranks.cp_merge, config.cp_attention)
+        self.runner = ModelRunner(self.model, self.pool, self.device, token_share(self.ranks), cp)
         self.reservations = Reservations(self.allocator, self.cache, config.page_size)
         self.before_step: list[Callable[[], None]] = []  # e.g. a prefill node's handoff agreement
         self.requests: dict[str, Request] = {}
@@ -234,8 +235,7 @@ class Engine:
     def _gather_stats(self) -> dict[str, float]:
         """Under CP, this rank's seconds spent waiting for per-layer gathers (``GatherClock``) and its
         short steps' merges (``MergeClock``)."""
-        runner = self.runner
-        return runner.gather_clock.stats() | runner.merge_clock.stats() if self.ranks.cp.size > 1 else {}
+        return self.runner.cp.stats() if self.runner.cp is not None else {}
 
     def step(self, now: float | None = None) -> list[RequestOutput]:
         """Runs one batch; returns an output for every request that got a token or finished.

@@ -21,6 +21,22 @@ class Handoff(Protocol):
         ...
 
 
+class SharedPlan(Protocol):
+    """A handoff as picklable data, which crosses the ranks of a node in an ``AddRequest``: each
+    rank builds its own ``Handoff`` from it (``RankRole.bind``; ``node/rank_transfer.py``'s
+    ``HandoffPlan``). The engine only carries it: the destination's page table, the tokens the
+    destination holds already and the prompt's length say which KV goes where."""
+
+    @property
+    def dst_pages(self) -> tuple[int, ...]: ...
+
+    @property
+    def dst_start(self) -> int: ...
+
+    @property
+    def prompt_len(self) -> int: ...
+
+
 class HandoffCheckError(RuntimeError):
     """The KV a reservation received does not match what the prefill node sent (``KVCheck``)."""
 

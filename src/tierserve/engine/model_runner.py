@@ -1,4 +1,6 @@
-"""Turns a scheduled step into tensors, runs the model once, and samples the next tokens."""
+"""Turns a scheduled step into tensors, runs the model once, and samples the next tokens. Under
+context parallelism one collaborator, ``CPRunner`` (``engine/cp/runner.py``), sets up how
+attention reads the pages other ranks own."""
 
 from __future__ import annotations
 
@@ -7,16 +9,12 @@ from dataclasses import dataclass
 import torch
 
 from tierserve.cache.device_pool import DeviceKVPool
-from tierserve.cache.sharded.cp_pages import PageOwnership
-from tierserve.engine.config import CPAttention
-from tierserve.engine.cp.gather import GatherClock, LayerGather, plan_rows, renumber
-from tierserve.engine.cp.merge import MergeClock, MergedAttention, own_writes, short_step
-from tierserve.engine.cp.partial import BatchedKeys, SeqKeys, SplitKeys
+from tierserve.engine.cp.runner import CPRunner
 from tierserve.engine.logprob_rows import PromptRows, StepLogprobs, prompt_logprobs, prompt_rows, sampled_logprobs
 from tierserve.engine.procs.token_share import SoleSampler, TokenShare
 from tierserve.engine.request import Request
 from tierserve.engine.scheduler import Scheduled, pages_for
-from tierserve.model.attention import AttentionBatch, ExtendSpan, KVStore, LayerHooks
+from tierserve.model.attention import AttentionBatch, ExtendSpan, LayerHooks
 from tierserve.model.llama import CausalLM
 from tierserve.model.sampling import SamplingBatch, sample
 
@@ -36,22 +34,17 @@ class ModelRunner:
     Prefill chunks go first in the flat batch (each attends on its own), decode tokens last (all
     attend in one padded batched call). Only requests whose last pending token is in this step
     produce logits and a sampled token. With several ranks, ``tokens`` makes every rank return the
-    tokens rank 0 sampled.
+    tokens rank 0 sampled; under context parallelism ``cp`` decides what the model reads its KV from.
     """
 
     def __init__(self, model: CausalLM, pool: DeviceKVPool, device: torch.device,
-                 tokens: TokenShare | None = None, cp: PageOwnership | None = None,
-                 cp_merge: object | None = None, cp_attention: CPAttention = CPAttention.MERGE) -> None:
+                 tokens: TokenShare | None = None, cp: CPRunner | None = None) -> None:
         self.model = model
         self.pool = pool
         self.device = device
         self.page_size = pool.page_size
         self.tokens = tokens or SoleSampler()
-        self.cp = cp or PageOwnership()
-        self.cp_merge = cp_merge  # the merged attention's group (None: the default group)
-        self.cp_attention = cp_attention
-        self.gather_clock = GatherClock()  # CP only: the exposed share of the per-layer gathers
-        self.merge_clock = MergeClock()  # CP only: short steps merged instead of gathered
+        self.cp = cp  # None: this rank holds every page of its KV
 
     @torch.inference_mode()
     def run(self, batch: list[Scheduled], hooks: LayerHooks | None = None) -> StepResult:
@@ -66,51 +59,12 @@ class ModelRunner:
         attn.decode_start = len(ids) - len(decodes)
         if decodes:
             attn.decode_pages, attn.decode_mask = self._decode_tables(decodes)
-        kv = self._context_parallel(ordered, attn) if self.cp.size > 1 else self.pool
+        kv = self.cp.kv(ordered, attn) if self.cp is not None else self.pool
         hidden = self.model(self._tensor(ids), self._tensor(positions), attn, kv)
         rows, sampled = _rows_to_sample(ordered)
         logprobs, prompt = StepLogprobs(), prompt_rows(ordered)
         tokens = self.tokens.share(ordered, len(rows), lambda: self._sample(hidden, rows, sampled, prompt, logprobs))
         return StepResult({r.request_id: [t] for r, t in zip(sampled, tokens, strict=True)}, logprobs)
-
-    def _context_parallel(self, ordered: list[Scheduled], attn: AttentionBatch) -> KVStore:
-        """Every layer of a short step merges each rank's attention over its own pages
-        (``engine/cp/merge.py``); a longer step with a cached prefix merges layer 0 and gathers the
-        prefix pages of layers 1.. from their owners (``engine/cp/gather.py``)."""
-        seqs = self._seq_keys(ordered)
-        short = short_step([s.length for s in seqs], self.page_size)
-        if self.cp_attention is CPAttention.GATHER or not (short or _prefix_pages(ordered, self.page_size)):
-            return self._sharded(ordered, attn)  # asked to gather, or nothing cached to merge or gather
-        reader = (BatchedKeys if short else SplitKeys)(self.cp, seqs, self.page_size, self.device)
-        layers = self.pool.geometry.num_layers if short else 1
-        writes = own_writes(self.cp, attn.out_slots, self.page_size)
-        attn.partial = MergedAttention(self.cp, self.pool, reader, writes, attn.hooks, layers, self.cp_merge,
-                                       self.merge_clock)
-        if short:
-            self.merge_clock.short_steps += 1
-            return self.pool
-        self.merge_clock.first_layer_steps += 1
-        return self._sharded(ordered, attn, first=1)
-
-    def _seq_keys(self, ordered: list[Scheduled]) -> list[SeqKeys]:
-        seqs, start = [], 0
-        for s in ordered:
-            r = s.request
-            pages = r.pages[: pages_for(r.num_computed + s.num_tokens, self.page_size)]
-            seqs.append(SeqKeys(start, s.num_tokens, r.num_computed, pages))
-            start += s.num_tokens
-        return seqs
-
-    def _sharded(self, ordered: list[Scheduled], attn: AttentionBatch, first: int = 0) -> LayerGather:
-        """Context parallelism: renumbers ``attn`` onto a step buffer and gathers its prefix pages
-        from their owners, layer ``first`` on (``engine/cp/gather.py``)."""
-        touched = set((attn.out_slots // self.page_size).tolist())
-        plan = plan_rows(self.cp, _prefix_pages(ordered, self.page_size), touched,
-                         self.pool.num_pages * self.cp.size, self.device)
-        slots = renumber(attn, plan.rows)
-        attn.hooks = LayerGather(self.cp, self.pool, plan, slots, attn, attn.hooks, clock=self.gather_clock,
-                                 first=first)
-        return attn.hooks
 
     def _sample(self, hidden: torch.Tensor, rows: list[int], requests: list[Request], prompt: list[PromptRows],
                 logprobs: StepLogprobs) -> list[int]:
@@ -182,11 +136,6 @@ def step_hooks(batch: list[Scheduled]) -> _StepHooks | None:
     loads = [load for s in batch for load in s.request.hit.loads if not load.done()]
     handoffs = [s for s in batch if s.request.handoff is not None]
     return _StepHooks(loads, handoffs) if loads or handoffs else None
-
-
-def _prefix_pages(ordered: list[Scheduled], page_size: int) -> set[int]:
-    """The pages holding tokens computed before this step: what attention reads from their owners."""
-    return {p for s in ordered for p in s.request.pages[: pages_for(s.request.num_computed, page_size)]}
 
 
 def _is_decode(s: Scheduled) -> bool:

@@ -42,7 +42,7 @@ class TensorParallel:
 
     rank: int = 0
     size: int = 1
-    group: object | None = None
+    group: torch.distributed.ProcessGroup | None = None
 
     def shard(self, total: int, what: str) -> int:
         if total % self.size:

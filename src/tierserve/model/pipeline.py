@@ -28,7 +28,7 @@ class PipelineStage:
     size: int = 1
     prev: int | None = None
     next: int | None = None
-    group: object | None = None
+    group: dist.ProcessGroup | None = None
 
     @property
     def first(self) -> bool:
@@ -60,7 +60,7 @@ class PipelineStage:
 SOLE = PipelineStage()
 
 
-def stage_of(rank: int, tp_size: int, pp_size: int, group: object | None = None) -> PipelineStage:
+def stage_of(rank: int, tp_size: int, pp_size: int, group: dist.ProcessGroup | None = None) -> PipelineStage:
     """The stage of global ``rank`` in a node of ``tp_size`` x ``pp_size`` ranks, with its peers."""
     stage, tp_rank = divmod(rank, tp_size)
     prev = (stage - 1) * tp_size + tp_rank if stage > 0 else None

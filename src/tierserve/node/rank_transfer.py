@@ -21,10 +21,12 @@ from tierserve.node.convert import arena, draft_arena
 from tierserve.node.handoffs import AgreedHandoff, HandoffAdd, HandoffBoard
 from tierserve.transfer.digest import SendDigests
 from tierserve.transfer.engine import PeerEngines, TransferEngineHandle
+from tierserve.transfer.faulty import NO_FAULTS, HandoffFaults, with_faults
 from tierserve.transfer.handoff import KVHandoff
 from tierserve.transfer.layout import HeadRange, LayerRange, RankArena, plan_routes
 from tierserve.transfer.receive_check import engine_weights
 from tierserve.transfer.receive_staging import ReceiveStaging
+from tierserve.transfer.sender import SenderHandoff
 from tierserve.transfer.sidecar import SidecarHandoff
 from tierserve.transfer.staging import Gatherer, StagingArena
 
@@ -45,16 +47,6 @@ class TransferOptions:
     devices: str = ""
     staging_bytes: int = 64 << 20  # per rank: coalesces handoffs between TP sizes (transfer/staging.py)
     integrity: bool = False  # digests of handed-over KV (transfer/digest.py)
-
-
-@dataclass(frozen=True)
-class HandoffFaults:
-    """Fault tests only (``KVHandoff``): the share of handoffs that fail, that write wrong bytes,
-    and how long each first batch is held."""
-
-    rate: float = 0.0
-    delay_s: float = 0.0
-    corrupt_rate: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -97,17 +89,21 @@ class RankTransfer:
         """The model's layers this rank's stage holds (its arena's, in order)."""
         return own_layers(self.engine)
 
-    def handoff(self, plan: HandoffPlan, faults: HandoffFaults = HandoffFaults()) -> KVHandoff | SidecarHandoff:
-        """This rank's sender for ``plan``: its heads of its stage's layers, to every destination
-        rank that holds some of both; under context parallelism, of the pages this rank owns. With
-        a sidecar draft, its pool's KV as well (``transfer/sidecar.py``)."""
-        routes = plan_routes(self.sends, self.head_bytes, list(plan.dests), self.layers) if self.sends else []
-        target = KVHandoff(self.peers, routes, arena(self.engine), list(plan.dst_pages), plan.dst_start,
-                           plan.prompt_len, faults.rate, faults.delay_s, self.engine.device.type == "cuda",
-                           self.gatherer, self.engine.ranks.cp, self._digests(), faults.corrupt_rate)
-        return self._with_draft(target, plan)
+    def handoff(self, plan: HandoffPlan, faults: HandoffFaults = NO_FAULTS) -> SenderHandoff:
+        """This rank's sender for ``plan`` (``_heads``). With a sidecar draft, its pool's KV as well
+        (``transfer/sidecar.py``)."""
+        return self._with_draft(self._heads(plan, faults), plan)
 
-    def _with_draft(self, target: KVHandoff, plan: HandoffPlan) -> KVHandoff | SidecarHandoff:
+    def _heads(self, plan: HandoffPlan, faults: HandoffFaults) -> KVHandoff:
+        """The sender of this rank's heads of its stage's layers, to every destination rank that
+        holds some of both; under context parallelism, of the pages this rank owns. ``faults``
+        (tests only) wrap the peers it submits through (``transfer/faulty.py``)."""
+        routes = plan_routes(self.sends, self.head_bytes, list(plan.dests), self.layers) if self.sends else []
+        return KVHandoff(with_faults(self.peers, faults), routes, arena(self.engine), list(plan.dst_pages),
+                         plan.dst_start, plan.prompt_len, self.engine.device.type == "cuda", self.gatherer,
+                         self.engine.ranks.cp, self._digests())
+
+    def _with_draft(self, target: KVHandoff, plan: HandoffPlan) -> SenderHandoff:
         """``target`` paired with a sender of the sidecar draft's pool when both nodes have one (the
         prefill service checked that they do, or that neither does: ``sidecar_problem``)."""
         source = draft_arena(self.engine)
@@ -119,8 +115,11 @@ class RankTransfer:
                           plan.prompt_len, cuda=self.engine.device.type == "cuda")
         return SidecarHandoff(target, draft, self.engine.geometry.num_layers)
 
-    def agreed(self, plan: HandoffPlan, faults: HandoffFaults = HandoffFaults()) -> AgreedHandoff:
-        return AgreedHandoff(self.handoff(plan, faults), self.board)
+    def agreed(self, plan: HandoffPlan, faults: HandoffFaults = NO_FAULTS) -> AgreedHandoff:
+        """This rank's side of the node's sender for ``plan`` (a node of several ranks, so no
+        sidecar draft: drafts run at one rank only, ``EngineConfig._check_speculative``)."""
+        assert self.board is not None, "an agreed handoff needs a node of several ranks"
+        return AgreedHandoff(self._heads(plan, faults), self.board)
 
     def _digests(self) -> SendDigests | None:
         """Every rank digests, a replica that sends nothing too (zeros): the node's rows stay alike."""

@@ -26,15 +26,16 @@ from tierserve.node.convert import (
     sidecar_problem,
     staging_problem,
 )
-from tierserve.node.handoffs import AgreedHandoff, HandoffAdd
-from tierserve.node.rank_transfer import HandoffFaults, HandoffPlan
+from tierserve.node.handoffs import HandoffAdd
+from tierserve.node.rank_transfer import HandoffPlan
 from tierserve.node.server import AddService, Node
 from tierserve.proto import tierserve_pb2 as pb
 from tierserve.proto import tierserve_pb2_grpc as pb_grpc
 from tierserve.proto.sampling import logprob_to_proto
-from tierserve.router.pd_flow import DESTINATION_FAILED, WRITER_STOPPED  # the trailers the router reads
-from tierserve.transfer.handoff import HandoffResult, KVHandoff
-from tierserve.transfer.sidecar import SidecarHandoff
+from tierserve.proto.trailers import DESTINATION_FAILED, WRITER_STOPPED, flag  # the trailers the router reads
+from tierserve.transfer.faulty import HandoffFaults
+from tierserve.transfer.handoff import HandoffResult
+from tierserve.transfer.sender import SenderHandoff
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ class PrefillOptions:
     """``timeout_s`` bounds compute plus handoff when the request gives none. For fault tests
     only: ``fault_rate`` makes that share of handoffs fail for real, ``fault_delay_s`` holds each
     handoff's first batch that long, ``fault_corrupt_rate`` makes that share write wrong bytes
-    (see ``KVHandoff``)."""
+    (see ``transfer/faulty.py``)."""
 
     timeout_s: float = 60.0
     fault_rate: float = 0.0
@@ -105,7 +106,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         return pool.geometry if pool is not None else None
 
     def _handoff(self, request: pb.PrefillRequest, prompt: list[int], params: SamplingParams, plan: HandoffPlan
-                 ) -> tuple[KVHandoff | SidecarHandoff | AgreedHandoff, EngineCommand]:
+                 ) -> tuple[SenderHandoff, EngineCommand]:
         """This rank's handoff and the command that adds the request: at several ranks every rank
         builds its own handoff from the plan and they agree on when all ended (``node/handoffs.py``)."""
         ranks, opts = self.node.ranks, self.options
@@ -116,7 +117,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         agreed = ranks.agreed(plan, opts.faults)
         return agreed, HandoffAdd(replace(add, plan=plan), agreed)
 
-    async def _run(self, add: EngineCommand, handoff: KVHandoff | SidecarHandoff | AgreedHandoff, timeout: float
+    async def _run(self, add: EngineCommand, handoff: SenderHandoff, timeout: float
                    ) -> tuple[RequestOutput | None, HandoffResult]:
         """Compute, then the rest of the handoff, within ``timeout`` seconds together."""
         deadline = time.monotonic() + timeout
@@ -144,7 +145,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             await context.abort(grpc.StatusCode.ABORTED, "the prefill was aborted")
         return _response(first, text=first.new_text, finish_reason=first.reason or "")
 
-    async def _fail(self, context: grpc.aio.ServicerContext, handoff: KVHandoff | SidecarHandoff | AgreedHandoff,
+    async def _fail(self, context: grpc.aio.ServicerContext, handoff: SenderHandoff,
                     code: grpc.StatusCode, message: str) -> None:
         """Stops the handoff, waits a moment for its in-flight batches, and aborts saying whether they ended."""
         if handoff.busy():
@@ -159,7 +160,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         return first
 
     async def _answer(self, context: grpc.aio.ServicerContext, request_id: str, first: RequestOutput | None,
-                      result: HandoffResult, handoff: KVHandoff | SidecarHandoff | AgreedHandoff) -> pb.PrefillResponse:
+                      result: HandoffResult, handoff: SenderHandoff) -> pb.PrefillResponse:
         if result.error is None and (first is None or not first.new_token_ids):
             result.error = "the prefill was aborted"
         if result.error is not None:
@@ -212,8 +213,8 @@ def _first_token_params(params: SamplingParams) -> SamplingParams:
 
 async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str, stopped: bool,
                  destination_failed: bool = False) -> None:
-    await context.abort(code, message, trailing_metadata=((WRITER_STOPPED, "1" if stopped else "0"),
-                                                          (DESTINATION_FAILED, "1" if destination_failed else "0")))
+    await context.abort(code, message, trailing_metadata=(flag(WRITER_STOPPED, stopped),
+                                                          flag(DESTINATION_FAILED, destination_failed)))
 
 
 def add_prefill_service(options: PrefillOptions) -> AddService:

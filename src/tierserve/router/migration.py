@@ -20,7 +20,7 @@ import grpc
 from tierserve.api import openai as oa
 from tierserve.core.outputs import RequestOutput
 from tierserve.proto import tierserve_pb2 as pb
-from tierserve.router.pd_flow import DRAINING
+from tierserve.proto.trailers import DRAINING, says
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ class DecodeLost(Exception):
 
 def draining(exc: grpc.aio.AioRpcError) -> bool:
     """Whether a decode node ended the stream because it drains (its trailing metadata says so)."""
-    return any(k == DRAINING and value == "1" for k, value in exc.trailing_metadata() or ())
+    return says(exc.trailing_metadata(), DRAINING)
 
 
 class Resumable(Protocol):

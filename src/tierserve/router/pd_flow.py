@@ -17,10 +17,8 @@ import grpc
 
 from tierserve.proto import tierserve_pb2 as pb
 from tierserve.proto import tierserve_pb2_grpc as pb_grpc
+from tierserve.proto.trailers import DESTINATION_FAILED, WRITER_STOPPED, says
 
-WRITER_STOPPED = "tierserve-writer-stopped"  # a failed Prefill's word on its in-flight batches
-DESTINATION_FAILED = "tierserve-destination-failed"  # a failed Prefill's word that D, not P, failed it
-DRAINING = "tierserve-draining"  # a Generate's word that D ends it because D drains (router/migration.py)
 LEASE_MARGIN_S = 2.0  # the prefill leg ends this long before the decode node's lease runs out
 RELEASE_TIMEOUT_S = 5.0  # one Release call
 RELEASE_RETRY_S = 120.0  # a Release D did not answer is sent again, with backoff, this long
@@ -128,16 +126,12 @@ def in_background(work: Awaitable[T]) -> asyncio.Future[T]:
 def writer_stopped(exc: grpc.aio.AioRpcError) -> bool:
     """Whether a failed Prefill confirmed that none of its batches can land any more. A P that
     was unreachable, cut off or did not say so may still be writing."""
-    return _says(exc, WRITER_STOPPED)
+    return says(exc.trailing_metadata(), WRITER_STOPPED)
 
 
 def destination_failed(exc: grpc.aio.AioRpcError) -> bool:
     """Whether a failed Prefill says its transfer into D failed."""
-    return _says(exc, DESTINATION_FAILED)
-
-
-def _says(exc: grpc.aio.AioRpcError, key: str) -> bool:
-    return any(k == key and value == "1" for k, value in exc.trailing_metadata() or ())
+    return says(exc.trailing_metadata(), DESTINATION_FAILED)
 
 
 async def generate(pair: Pair, prefilled: Prefilled, sampling: pb.SamplingOptions, resumed: int = 0

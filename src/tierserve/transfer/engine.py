@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -29,7 +30,7 @@ except ImportError as _exc:  # `import mooncake` alone succeeds even when the en
         f"mooncake-transfer-engine (CUDA hosts), not both, plus the system library libibverbs1: {_exc}"
     ) from _exc
 
-__all__ = ["EntryBudget", "PeerEngines", "TransferEngineHandle", "TransferError", "TransferProtocol"]
+__all__ = ["EntryBudget", "Link", "PeerEngines", "Peers", "TransferEngineHandle", "TransferError", "TransferProtocol"]
 
 
 class TransferError(RuntimeError):
@@ -113,6 +114,31 @@ class EntryBudget:
 
     def _fits(self, entries: int) -> bool:
         return self.used == 0 or self.used + entries <= self.limit
+
+
+class Link(Protocol):
+    """What a handoff submits one peer's batches through (``TransferEngineHandle``, or a wrapper
+    that injects faults: ``transfer/faulty.py``)."""
+
+    def submit(self, target: str, blocks: list[Block]) -> int:
+        """Starts writing ``blocks`` into ``target``'s memory; returns a batch id; raises ``TransferError``."""
+        ...
+
+    def wait(self, batch: int) -> bool:
+        """Blocks until the batch landed (True) or failed (False)."""
+        ...
+
+
+class Peers(Protocol):
+    """Where a handoff gets its ``Link`` to each peer (``PeerEngines``): ``acquire`` before the
+    first batch (raises ``TransferError`` if the link cannot start), ``release`` once the last one
+    ended, and the link's ``budget`` of entries in flight in between."""
+
+    def acquire(self, target: str) -> Link: ...
+
+    def release(self, target: str) -> None: ...
+
+    def budget(self, target: str) -> EntryBudget: ...
 
 
 @dataclass

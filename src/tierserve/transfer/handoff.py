@@ -12,7 +12,6 @@ request. The request's pages must not be reused while ``busy()``.
 
 from __future__ import annotations
 
-import itertools
 import queue
 import threading
 import time
@@ -23,14 +22,13 @@ import torch
 
 from tierserve.cache.sharded.cp_pages import PageOwnership
 from tierserve.transfer.digest import SendDigests
-from tierserve.transfer.engine import EntryBudget, PeerEngines, TransferEngineHandle, TransferError
+from tierserve.transfer.engine import EntryBudget, Link, Peers, TransferError
 from tierserve.transfer.layout import Block, KVArena, Route, Run, local_pages, route_blocks, token_runs
 from tierserve.transfer.staging import Gatherer, Staged, gathers
 
 _DONE = None  # sentinel in the sender's queue: no more layers
 MAX_BATCH_ENTRIES = 1024  # blocks per transfer batch (see _parts)
 STAGING_WAIT_S = 5.0  # a gather waits this long for staging room, then sends its blocks in place
-_handoffs = itertools.count()  # numbers handoffs for deterministic fault injection
 
 
 def _nothing() -> None:
@@ -100,16 +98,6 @@ def _pieces(runs: list[Run], max_tokens: int) -> list[list[Run]]:
     return [p for p in pieces if p]
 
 
-def _swapped(blocks: list[Block]) -> list[Block]:
-    """Fault tests: the first block (a K run) and the middle one (the same run's V) trade
-    destinations, so the peer's pages hold wrong bytes while the transfer succeeds."""
-    m = len(blocks) // 2
-    if m == 0 or blocks[0][2] != blocks[m][2]:
-        return blocks
-    (s0, d0, n), (sm, dm, _) = blocks[0], blocks[m]
-    return [(s0, dm, n), *blocks[1:m], (sm, d0, n), *blocks[m + 1:]]
-
-
 def _us(seconds: float) -> int:
     return round(seconds * 1e6)
 
@@ -121,17 +109,12 @@ class KVHandoff:
     when one is given (``transfer/staging.py``). ``pages`` (``on_layer``) are logical: under context
     parallelism (``owner`` of size above 1) this rank sends only the pages it owns, each from its
     local slot, into the destination's page of the same position; the other CP ranks send the rest.
-    For fault tests: ``fault_rate`` makes exactly that share of handoffs (every 1/rate-th) fail for
-    real (one block aimed at an address the peer never registered), and ``fault_delay_s`` holds
-    the first batch that long before it is written, as a slow link would: a ``cancel`` meanwhile
-    does not stop it, as it cannot stop a batch already on the wire; ``fault_corrupt_rate`` makes
-    that share of handoffs write one layer's first K block where its V goes and back (bytes that
-    land wrong, for the ``digests`` check). ``digests``: this rank's digests of what it sends."""
+    Batches go through ``engines`` (fault tests wrap it: ``transfer/faulty.py``). ``digests``: this
+    rank's digests of what it sends."""
 
-    def __init__(self, engines: PeerEngines, routes: list[Route], src: KVArena, dst_pages: list[int],
-                 dst_start: int, prompt_len: int, fault_rate: float = 0.0, fault_delay_s: float = 0.0,
-                 cuda: bool = False, gatherer: Gatherer | None = None, owner: PageOwnership | None = None,
-                 digests: SendDigests | None = None, fault_corrupt_rate: float = 0.0) -> None:
+    def __init__(self, engines: Peers, routes: list[Route], src: KVArena, dst_pages: list[int],
+                 dst_start: int, prompt_len: int, cuda: bool = False, gatherer: Gatherer | None = None,
+                 owner: PageOwnership | None = None, digests: SendDigests | None = None) -> None:
         self.engines, self.routes, self.src, self.gatherer = engines, routes, src, gatherer
         self.owner, self.digests = owner, digests
         self.target = ",".join(dict.fromkeys(r.target for r in routes))  # for messages
@@ -139,10 +122,6 @@ class KVHandoff:
         self._positions = list(range(len(dst_pages)))  # "pages" of staging whose slot t is token t
         start = dst_start if routes else prompt_len
         self._sent = [start] * src.num_layers  # per layer: tokens before this are submitted
-        n = next(_handoffs)
-        self._inject = int((n + 1) * fault_rate) > int(n * fault_rate)
-        self._corrupt = int((n + 1) * fault_corrupt_rate) > int(n * fault_corrupt_rate)
-        self._delay_s = fault_delay_s
         self._cuda = cuda  # the source pool is on CUDA: blocks wait for their layer's kernels
         self._layers: queue.SimpleQueue[tuple[Callable[[], None], list[_Batch]] | None] = queue.SimpleQueue()
         self._finished = threading.Event()
@@ -150,7 +129,7 @@ class KVHandoff:
         self._unsettled = False  # a batch failed: some of its blocks may still be on the wire
         self.peer_failed = False  # the transfer into ``target`` failed or hung: the peer's failure, not ours
         self._bytes = 0
-        self._engines: dict[str, TransferEngineHandle] = {}  # per target, acquired by the sender thread
+        self._engines: dict[str, Link] = {}  # per target, acquired by the sender thread
         self._first_submit = self._last_submit = self._last_done = 0.0
         self._sender = threading.Thread(target=self._send_all, name="kv-handoff", daemon=True)
         self._sender.start()
@@ -343,15 +322,6 @@ class KVHandoff:
         return self.engines.budget(target)
 
     def _submit(self, target: str, blocks: list[Block]) -> int | None:
-        if self._delay_s:
-            time.sleep(self._delay_s)  # fault tests only: a batch that lands late
-            self._delay_s = 0.0
-        if self._inject:
-            self._inject = False
-            blocks = [(blocks[0][0], 64, blocks[0][2]), *blocks[1:]]  # an unregistered address: fails at once
-        if self._corrupt:
-            self._corrupt = False
-            blocks = _swapped(blocks)
         try:
             batch = self._engines[target].submit(target, blocks)
         except TransferError as exc:

@@ -101,7 +101,7 @@ class LayerGather:
     same batch and runs the same collectives (none when no page needs gathering)."""
 
     def __init__(self, own: PageOwnership, pool: DeviceKVPool, plan: RowPlan, slots: torch.Tensor,
-                 batch: AttentionBatch, inner: LayerHooks | None = None, group: object | None = None,
+                 batch: AttentionBatch, inner: LayerHooks | None = None, group: dist.ProcessGroup | None = None,
                  clock: GatherClock | None = None, first: int = 0) -> None:
         self.own, self.pool, self.plan, self.inner, self.group = own, pool, plan, inner, group
         self.first = first  # the first gathered layer: those before it merge (engine/cp/merge.py)

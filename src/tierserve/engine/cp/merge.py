@@ -69,7 +69,7 @@ class MergedAttention:
     for those layers in order; each call runs one all-gather of a shape every rank agrees on."""
 
     def __init__(self, own: PageOwnership, pool: DeviceKVPool, reader: KeyReader, writes: tuple[torch.Tensor,
-                 torch.Tensor], inner: LayerHooks | None, layers_end: int, group: object | None = None,
+                 torch.Tensor], inner: LayerHooks | None, layers_end: int, group: dist.ProcessGroup | None = None,
                  clock: MergeClock | None = None) -> None:
         self.own, self.pool, self.reader, self.inner, self.group = own, pool, reader, inner, group
         self.write_rows, self.write_slots = writes

@@ -55,10 +55,10 @@ class Ranks:
 
     tp: TensorParallel
     device: torch.device
-    control: object | None = None
+    control: dist.ProcessGroup | None = None
     pp: PipelineStage = SOLE
     cp: PageOwnership = field(default_factory=PageOwnership)
-    cp_merge: object | None = None  # CP: the merged attention's own group, not queued behind gathers
+    cp_merge: dist.ProcessGroup | None = None  # CP: the merged attention's own group, not queued behind gathers
 
     @property
     def rank(self) -> int:
@@ -150,7 +150,7 @@ def join(spec: RankSpec, config: EngineConfig, store: dist.Store | None = None) 
     return Ranks(tp, device, control, stage, own, merge)
 
 
-def _tensor_group(rank: int, tp_size: int, pp_size: int, timeout: timedelta) -> object | None:
+def _tensor_group(rank: int, tp_size: int, pp_size: int, timeout: timedelta) -> dist.ProcessGroup | None:
     """The group of this rank's stage, for the tensor-parallel all-reduces: the default group
     when there is one stage. Every rank creates every stage's group, in stage order (as
     ``new_group`` requires), and keeps its own."""

@@ -1,0 +1,88 @@
+"""The context-parallel part of a step (``docs/cp.md``): what ``ModelRunner`` holds only when a
+node's ranks share the KV pages, one page per owner rank. For each step it chooses how attention
+reads the cached prefix, merged where it lies (``merge.py``) or gathered per layer (``gather.py``),
+and sets up the attention batch and the KV store the model runs on accordingly."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from tierserve.cache.device_pool import DeviceKVPool
+from tierserve.cache.sharded.cp_pages import PageOwnership
+from tierserve.engine.config import CPAttention
+from tierserve.engine.cp.gather import GatherClock, LayerGather, plan_rows, renumber
+from tierserve.engine.cp.merge import MergeClock, MergedAttention, own_writes, short_step
+from tierserve.engine.cp.partial import BatchedKeys, SeqKeys, SplitKeys
+from tierserve.engine.scheduler import Scheduled, pages_for
+from tierserve.model.attention import AttentionBatch, KVStore
+
+
+class CPRunner:
+    """This rank's side of every step under context parallelism (``own``: the pages it owns, of
+    ``own.size`` ranks). Contract: every rank calls ``kv`` for the same batch, in the same order,
+    and runs the model on what it returns (the collectives go over ``merge_group`` for merged
+    attention, the default group for gathers). ``attention`` says whether steps may merge at all."""
+
+    def __init__(self, own: PageOwnership, pool: DeviceKVPool, device: torch.device,
+                 merge_group: dist.ProcessGroup | None = None, attention: CPAttention = CPAttention.MERGE) -> None:
+        self.own, self.pool, self.device = own, pool, device
+        self.page_size = pool.page_size
+        self.merge_group = merge_group  # the merged attention's group (None: the default group)
+        self.attention = attention
+        self.gather_clock = GatherClock()  # the exposed share of the per-layer gathers
+        self.merge_clock = MergeClock()  # short steps merged instead of gathered
+
+    def kv(self, ordered: list[Scheduled], attn: AttentionBatch) -> KVStore:
+        """What the model reads and writes for ``ordered`` (``attn`` is set up to match). Every
+        layer of a short step merges each rank's attention over its own pages; a longer step with a
+        cached prefix merges layer 0 and gathers the prefix pages of layers 1.. from their owners."""
+        seqs = self._seq_keys(ordered)
+        short = short_step([s.length for s in seqs], self.page_size)
+        if self.attention is CPAttention.GATHER or not (short or prefix_pages(ordered, self.page_size)):
+            return self._sharded(ordered, attn)  # asked to gather, or nothing cached to merge or gather
+        reader = (BatchedKeys if short else SplitKeys)(self.own, seqs, self.page_size, self.device)
+        layers = self.pool.geometry.num_layers if short else 1
+        writes = own_writes(self.own, attn.out_slots, self.page_size)
+        attn.partial = MergedAttention(self.own, self.pool, reader, writes, attn.hooks, layers, self.merge_group,
+                                       self.merge_clock)
+        if short:
+            self.merge_clock.short_steps += 1
+            return self.pool
+        self.merge_clock.first_layer_steps += 1
+        return self._sharded(ordered, attn, first=1)
+
+    def stats(self) -> dict[str, float]:
+        """This rank's seconds spent waiting for per-layer gathers and its merged steps."""
+        return self.gather_clock.stats() | self.merge_clock.stats()
+
+    def _seq_keys(self, ordered: list[Scheduled]) -> list[SeqKeys]:
+        seqs, start = [], 0
+        for s in ordered:
+            r = s.request
+            pages = r.pages[: pages_for(r.num_computed + s.num_tokens, self.page_size)]
+            seqs.append(SeqKeys(start, s.num_tokens, r.num_computed, pages))
+            start += s.num_tokens
+        return seqs
+
+    def _sharded(self, ordered: list[Scheduled], attn: AttentionBatch, first: int = 0) -> LayerGather:
+        """Renumbers ``attn`` onto a step buffer and gathers its prefix pages from their owners,
+        layer ``first`` on (``engine/cp/gather.py``)."""
+        touched = set((attn.out_slots // self.page_size).tolist())
+        plan = plan_rows(self.own, prefix_pages(ordered, self.page_size), touched,
+                         self.pool.num_pages * self.own.size, self.device)
+        slots = renumber(attn, plan.rows)
+        attn.hooks = LayerGather(self.own, self.pool, plan, slots, attn, attn.hooks, clock=self.gather_clock,
+                                 first=first)
+        return attn.hooks
+
+
+def context_parallel(own: PageOwnership, pool: DeviceKVPool, device: torch.device,
+                     merge_group: dist.ProcessGroup | None, attention: CPAttention) -> CPRunner | None:
+    """The ``CPRunner`` of a rank that shares its node's pages; None without context parallelism."""
+    return CPRunner(own, pool, device, merge_group, attention) if own.size > 1 else None
+
+
+def prefix_pages(ordered: list[Scheduled], page_size: int) -> set[int]:
+    """The pages holding tokens computed before this step: what attention reads from their owners."""
+    return {p for s in ordered for p in s.request.pages[: pages_for(s.request.num_computed, page_size)]}
