@@ -5,8 +5,7 @@ a check that no test reads outside the repository (helpers/outside_paths.py).
 The rules (the tables below hold what they allow and forbid; docs/architecture.md, Layering, states them):
 1. prefill_node and decode_node never import each other.
 2. router, bench, api, core and launch never import torch or mooncake, directly or through other modules.
-3. Every unit imports from tierserve only itself and its row of ALLOWED (PENDING excuses, for now, the
-   imports a refactoring still has to remove; an excuse no import needs any more fails).
+3. Every unit imports from tierserve only itself and its row of ALLOWED.
 4. cache never imports the serving layers above it (CACHE_MUST_NOT_IMPORT).
 5. No import cycles between the top-level packages/modules of tierserve.
 6. Every unit has a row in ALLOWED: a new package is placed in a layer when it is added.
@@ -28,7 +27,6 @@ from helpers.import_graph import (
     cycle_violations,
     forbidden_violations,
     heavy_import_violations,
-    imports_of,
     scan,
     unplaced_violations,
 )
@@ -60,12 +58,6 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "cli": ("core", "mooncake_env", "proto", "model", "cache", "engine", "transfer", "node", "prefill_node",
             "decode_node", "bench", "api", "router", "launch"),
 }
-# Imports ALLOWED does not want that the tree still has, each with what removes it. Delete an entry
-# when test_every_pending_excuse_is_still_needed says no import needs it.
-PENDING: dict[tuple[str, str], str] = {
-    ("prefill_node", "router.pd_flow"): "trailer names move to proto/trailers.py (issue 27)",
-    ("decode_node", "router.pd_flow"): "trailer names move to proto/trailers.py (issue 27)",
-}
 TORCH_FREE = ("core", "bench", "api", "router", "launch")
 HEAVY = ("torch", "mooncake")  # top-level names the torch-free units must never reach
 SIBLINGS = {"prefill_node": ("decode_node",), "decode_node": ("prefill_node",)}
@@ -91,10 +83,7 @@ def check_heavy(tree: Scan) -> list[str]:
 
 def check_allowed(tree: Scan) -> list[str]:
     """Rule 3 on ``tree``."""
-    excused: dict[str, tuple[str, ...]] = {}
-    for unit, target in PENDING:
-        excused[unit] = (*excused.get(unit, ()), target)
-    return allowlist_violations(tree, ALLOWED, excused)
+    return allowlist_violations(tree, ALLOWED)
 
 
 def check_cache(tree: Scan) -> list[str]:
@@ -105,12 +94,6 @@ def check_cache(tree: Scan) -> list[str]:
 def check_placed(tree: Scan) -> list[str]:
     """Rule 6 on ``tree``."""
     return unplaced_violations(tree, ALLOWED)
-
-
-def stale_excuses(tree: Scan) -> list[str]:
-    """The PENDING entries no import of ``tree`` needs any more (rule 3's second half)."""
-    return [f"PENDING excuses {unit} -> {target} ({why}), but no import needs it: delete the entry"
-            for (unit, target), why in PENDING.items() if not imports_of(tree, unit, target)]
 
 
 RULES = {
@@ -327,7 +310,7 @@ ROW_BREAKS = {
     "node": ("node/server.py", "from pkg.api.app import create_app\n",  # api.engine_metrics only
              "pkg/node/server.py:1 imports pkg.api.app "
              "(node may import only core, proto, model, cache, engine, transfer, api.engine_metrics)"),
-    "prefill_node": ("prefill_node/service.py", "from pkg.router import app\n",  # PENDING excuses pd_flow only
+    "prefill_node": ("prefill_node/service.py", "from pkg.router import app\n",
                      "pkg/prefill_node/service.py:1 imports pkg.router.app (prefill_node may import only "
                      "core, proto, cache, engine, transfer, node)"),
     "decode_node": ("decode_node/service.py", "import pkg.cli.main\n",
@@ -365,23 +348,6 @@ def test_a_unit_without_a_row_fires_and_cli_may_not_import_it(tmp_path: Path) ->
 def test_launch_importing_torch_fires(tmp_path: Path) -> None:
     tree = make_tree(tmp_path, {**CLEAN, "launch.py": "import torch\n"})
     assert check_heavy(tree) == ["pkg/launch.py:1 imports torch, which leads to torch: launch -> torch"]
-
-
-def test_pending_excuses_pass_their_import_and_go_stale_without_it(tmp_path: Path) -> None:
-    with_trailers = {**CLEAN, "router/pd_flow.py": "WRITER_STOPPED = 'x'\n",
-                     "prefill_node/service.py": "from pkg.router.pd_flow import WRITER_STOPPED\n",
-                     "decode_node/service.py": "from pkg.router import pd_flow\n"}
-    tree = make_tree(tmp_path / "with", with_trailers)
-    assert check_allowed(tree) == [] and stale_excuses(tree) == []
-    assert stale_excuses(make_tree(tmp_path / "without", CLEAN)) == [
-        f"PENDING excuses {unit} -> router.pd_flow ({why}), but no import needs it: delete the entry"
-        for (unit, _), why in PENDING.items()
-    ]
-
-
-def test_every_pending_excuse_is_still_needed(real_tree: Scan) -> None:
-    stale = stale_excuses(real_tree)
-    assert not stale, "\n".join(stale)
 
 
 def test_no_test_names_a_place_outside_the_repository() -> None:

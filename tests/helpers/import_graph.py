@@ -148,17 +148,15 @@ def forbidden_violations(scan: Scan, unit: str, forbidden: Iterable[str]) -> lis
             if unit_of(imp.module, scan.package) == unit and unit_of(imp.target, scan.package) in banned]
 
 
-def allowlist_violations(scan: Scan, allowed: Mapping[str, tuple[str, ...]],
-                         excused: Mapping[str, tuple[str, ...]] | None = None) -> list[str]:
-    """Imports of the package made by a unit in ``allowed`` outside itself, its allowed dotted
-    sub-names (relative to the package: ``"cache.hashing"``) and the sub-names ``excused`` lets it
-    import for now (messages name only ``allowed``)."""
-    out, excused = [], excused or {}
+def allowlist_violations(scan: Scan, allowed: Mapping[str, tuple[str, ...]]) -> list[str]:
+    """Imports of the package made by a unit in ``allowed`` outside itself and its allowed dotted
+    sub-names (relative to the package: ``"cache.hashing"``)."""
+    out = []
     for imp in scan.imports:
         unit = unit_of(imp.module, scan.package)
         if unit not in allowed or unit_of(imp.target, scan.package) is None:
             continue
-        ok = [f"{scan.package}.{name}" for name in (unit, *allowed[unit], *excused.get(unit, ()))]
+        ok = [f"{scan.package}.{name}" for name in (unit, *allowed[unit])]
         if not within(imp.target, ok):
             out.append(f"{imp.where()} ({unit} may import only {', '.join(allowed[unit]) or unit})")
     return out
@@ -173,12 +171,6 @@ def unplaced_violations(scan: Scan, placed: Iterable[str]) -> list[str]:
     """One message per unit of the package that ``placed`` does not name."""
     return [f"{scan.package}.{unit} has no row in the layering table (give it one)"
             for unit in sorted(units(scan) - set(placed))]
-
-
-def imports_of(scan: Scan, unit: str, target: str) -> list[Import]:
-    """The imports made by modules of ``unit`` of ``target`` (dotted, relative to the package) or below it."""
-    full = f"{scan.package}.{target}"
-    return [imp for imp in scan.imports if unit_of(imp.module, scan.package) == unit and within(imp.target, [full])]
 
 
 def executed(target: str, scan: Scan) -> list[str]:
