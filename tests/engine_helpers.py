@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 
 from tierserve.core.sampling import SamplingParams
+from tierserve.core.scope import CacheScope
 from tierserve.engine.engine import Engine
 
 _ids = itertools.count()
@@ -14,7 +15,7 @@ def run_one(
     engine: Engine, prompt: list[int], params: SamplingParams, cache_salt: str = ""
 ) -> tuple[list[int], dict[str, int]]:
     """Runs one request to the end: its tokens and where its cached prefix came from."""
-    engine.add_request(f"r{next(_ids)}", prompt, params, cache_salt)
+    engine.add_request(f"r{next(_ids)}", prompt, params, CacheScope(cache_salt=cache_salt))
     tokens, tiers = [], {}
     while engine.has_work():
         for out in engine.step():

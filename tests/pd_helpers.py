@@ -13,6 +13,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from tierserve.core.sampling import SamplingParams
+from tierserve.core.scope import CacheScope
 from tierserve.engine.config import EngineConfig
 from tierserve.engine.engine import Engine
 from tierserve.proto import tierserve_pb2 as pb
@@ -51,7 +52,8 @@ async def run_pd(prefill: str, decode: str, rid: str, prompt: list[int], salt: s
         pair = pd_flow.Pair.connect(p, d)
         if source_tp is None:
             source_tp = (await pb_grpc.NodeServiceStub(p).Info(pb.InfoRequest())).tp_size
-        done = await pd_flow.prefill(pair, rid, prompt, greedy(), salt, timeout_s=60, source_tp=source_tp)
+        done = await pd_flow.prefill(pair, rid, prompt, greedy(), CacheScope(cache_salt=salt), timeout_s=60,
+                                     source_tp=source_tp)
         tokens = [t async for chunk in pd_flow.generate(pair, done, greedy()) for t in chunk.token_ids]
         return tokens, done.response
 

@@ -17,6 +17,7 @@ from tierserve.api.app import create_app
 from tierserve.api.metrics import ApiMetrics
 from tierserve.core.outputs import RequestOutput
 from tierserve.core.sampling import SamplingParams
+from tierserve.core.scope import CacheScope
 
 
 class BuggyBackend:
@@ -24,8 +25,8 @@ class BuggyBackend:
 
     max_model_len = 64
 
-    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, cache_salt: str,
-                       *, tenant: str = "", buffered: bool = False) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, scope: CacheScope,
+                       *, buffered: bool = False) -> AsyncIterator[RequestOutput]:
         raise KeyError("a bug")
         yield  # an async generator, as backends are
 

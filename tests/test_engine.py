@@ -11,7 +11,9 @@ import torch
 from tierserve.cache.allocator import PageAllocator
 from tierserve.cache.base import PrefixHit, SingleTier
 from tierserve.cache.device_pool import DeviceKVPool
+from tierserve.cache.prefetch import PrefetchTicket
 from tierserve.core.sampling import InvalidRequestError, SamplingParams
+from tierserve.core.scope import NO_SCOPE, CacheScope
 from tierserve.engine.config import EngineConfig
 from tierserve.engine.engine import Engine
 from tierserve.engine.request import FinishReason
@@ -155,7 +157,8 @@ class DictPrefixCache(SingleTier):
     def num_cached_pages(self) -> int:
         return len({p for pages in self.entries.values() for p in pages})
 
-    def match(self, token_ids: Sequence[int], ticket: object | None = None, salt: str = "") -> PrefixHit:
+    def match(self, token_ids: Sequence[int], ticket: PrefetchTicket | None = None,
+              scope: CacheScope = NO_SCOPE) -> PrefixHit:
         pages = len(token_ids) // self.page_size
         for n in range(pages, 0, -1):
             key = tuple(token_ids[: n * self.page_size])

@@ -66,6 +66,7 @@ from tierserve.cache.loads import HostLoadError
 from tierserve.cache.options import DraftLayout, HiCacheOptions, PrefetchPolicy, WritePolicy
 from tierserve.core.outputs import FinishReason
 from tierserve.core.sampling import SamplingParams
+from tierserve.core.scope import CacheScope
 from tierserve.engine.config import EngineConfig
 from tierserve.engine.engine import Engine
 from tierserve.engine.request import RequestOutput
@@ -130,7 +131,7 @@ class EngineMachine(RuleBasedStateMachine):
             salt = data.draw(st.sampled_from(SALTS), label="salt")
             rid = f"r{self.ids}"
             self.ids += 1
-            self.engine.add_request(rid, prompt, params, cache_salt=salt)
+            self.engine.add_request(rid, prompt, params, scope=CacheScope(cache_salt=salt))
             self.prompts.append(prompt)
             self._follow(rid, Tracked(prompt, params, salt=salt))
 
@@ -201,7 +202,7 @@ class EngineMachine(RuleBasedStateMachine):
         rid = f"d{self.reserved}"
         self.reserved += 1
         try:
-            self.engine.reserve(rid, prompt, max_new, RESERVED_SALT, TERMS, self.now)
+            self.engine.reserve(rid, prompt, max_new, CacheScope(cache_salt=RESERVED_SALT), TERMS, self.now)
         except CapacityError:
             return
         self.streams.setdefault(RESERVED_SALT, []).append(Tracked(prompt, SamplingParams(), checked=False))

@@ -45,8 +45,9 @@ from tierserve.cache.allocator import PageAllocator
 from tierserve.cache.device_pool import DeviceKVPool, KVGeometry
 from tierserve.cache.hicache import HiCache, HiCacheConfig
 from tierserve.cache.host_pool import HostKVPool, HostLayout
-from tierserve.cache.prefetch import Prefetch
+from tierserve.cache.prefetch import PrefetchTicket
 from tierserve.cache.radix_tree import path_to_root, subtree
+from tierserve.core.scope import CacheScope
 
 
 class L3Machine(L3Invariants, RuleBasedStateMachine):
@@ -65,13 +66,13 @@ class L3Machine(L3Invariants, RuleBasedStateMachine):
             self.cache._loader.shutdown()
             self.cache._worker = self.cache._loader = self.io = StepExecutor()  # one queue the test runs
         self.loader = self.cache._loader = FaultyLoader(self.cache._loader)
-        self.cache.attach_storage(self.store)
+        self.cache.l3.attach(self.store)
         if not self.threaded:
             self.cache.storage._worker.shutdown()
             self.cache.storage._reader.shutdown()
             self.cache.storage._worker = self.cache.storage._reader = self.l3 = StepExecutor()  # one queue
         self.held: list[Held] = []
-        self.waiting: list[tuple[list[int], str, Prefetch | None]] = []
+        self.waiting: list[tuple[list[int], str, PrefetchTicket | None]] = []
         # the reference model: every (salt, full-page prefix) a request computed and released
         self.computed: set[tuple[str, tuple[int, ...]]] = set()
         self.computed_keys: set[bytes] = set()
@@ -122,12 +123,12 @@ class L3Machine(L3Invariants, RuleBasedStateMachine):
             self.cache.on_step()
         self.cache.wait_background(timeout=1)  # nothing left to wait for: returns at once
 
-    def _prefetch(self, tokens: list[int], salt: str) -> Prefetch | None:
+    def _prefetch(self, tokens: list[int], salt: str) -> PrefetchTicket | None:
         """``HiCache.prefetch``: a ticket, and no L3 call on the engine thread (the L3 worker asks)."""
         tier = self.cache.storage
         local = self.cache.tree.cached_pages(tokens, salt)
         healthy, calls = tier.agreed_healthy, self.store.calls
-        ticket = self.cache.prefetch(tokens, salt)
+        ticket = self.cache.prefetch(tokens, CacheScope(cache_salt=salt))
         # unthreaded, the L3 worker runs only when the test says so; threaded, see MemoryStorage.callers
         assert self.threaded or self.store.calls == calls, "the engine thread called L3"
         if ticket is None:
@@ -138,7 +139,7 @@ class L3Machine(L3Invariants, RuleBasedStateMachine):
         assert not ticket.decided and not ticket.host_pages
         return ticket
 
-    def _land(self, ticket: Prefetch) -> None:
+    def _land(self, ticket: PrefetchTicket) -> None:
         """Lets a ticket be probed, decided and read, and every rank agree on it."""
         for _ in range(60):
             if ticket.decided and (not ticket.host_pages or ticket.agreed_done):
@@ -159,11 +160,11 @@ class L3Machine(L3Invariants, RuleBasedStateMachine):
             pages = self.alloc.alloc(missing)
         return pages
 
-    def _admit(self, tokens: list[int], salt: str, ticket: Prefetch | None) -> Any:
+    def _admit(self, tokens: list[int], salt: str, ticket: PrefetchTicket | None) -> Any:
         """``Scheduler._match`` and ``_take_pages``: match all but the last token, take pages for
         the rest, "compute" them (write their values); no pages: give the hit back."""
         prompt = tokens[:-1]
-        hit = self.cache.match(prompt, ticket, salt)
+        hit = self.cache.match(prompt, ticket, CacheScope(cache_salt=salt))
         n = hit.num_tokens // PS
         assert hit.num_tokens == n * PS and len(hit.pages) == n and n <= len(prompt) // PS
         assert n == 0 or (salt, tuple(prompt[: n * PS])) in self.computed, "a match returned pages never computed"
@@ -306,7 +307,7 @@ class L3Machine(L3Invariants, RuleBasedStateMachine):
         for held in (batch[i] for i in order if batch[i] is not None):
             self._finish(held)
 
-    def _serve_one(self, tokens: list[int], salt: str, ticket: Prefetch | None) -> Held | None:
+    def _serve_one(self, tokens: list[int], salt: str, ticket: PrefetchTicket | None) -> Held | None:
         """Admits one request of ``serve``; its pages a prefetch brought in are kept, unless the
         prefix it extends left the tree meanwhile (an earlier admission's eviction)."""
         held, local = len(self.held), self.cache.tree.cached_pages(tokens[:-1], salt)

@@ -18,7 +18,7 @@ from tierserve.cache.factory import hicache_config
 from tierserve.cache.hicache import HiCache, HiCacheConfig
 from tierserve.cache.host_pool import HostKVPool, HostLayout
 from tierserve.cache.options import HiCacheOptions, PrefetchPolicy
-from tierserve.cache.prefetch import Prefetch, PrefetchOptions, prefetch_timeout
+from tierserve.cache.prefetch import PrefetchOptions, PrefetchTicket, prefetch_timeout
 from tierserve.cache.sharded.cp_pages import PageOwnership
 from tierserve.cache.storage_tier import WINDOW
 
@@ -52,7 +52,7 @@ def test_every_prefetch_progresses_however_many_run() -> None:
         _stored(store, tokens[:-1])
     cache = _cache(PrefetchPolicy.WAIT_COMPLETE, store)
     tickets = [cache.prefetch(tokens) for tokens in prompts]
-    assert all(isinstance(t, Prefetch) for t in tickets)
+    assert all(isinstance(t, PrefetchTicket) for t in tickets)
     _steps_until(cache, lambda: all(cache.ready(t) for t in tickets), "every prefetch became ready")
     assert [t.agreed_arrived for t in tickets] == [4] * len(tickets), "a prefetch beyond the window fell short"
     for tokens, ticket in zip(prompts, tickets, strict=True):

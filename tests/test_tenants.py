@@ -16,7 +16,7 @@ from test_server import _start
 
 from tierserve.api import openai as oa
 from tierserve.api.tenants import Tenant, TenantKeys, TenantLimiter
-from tierserve.cache.hashing import tenant_salt
+from tierserve.core.scope import CacheScope
 
 KEYS = {"keys": {"key-a": {"tenant": "acme"}, "key-b": {"tenant": "globex"},
                  "key-one": {"tenant": "solo", "max_concurrent": 1},
@@ -38,8 +38,8 @@ def test_key_file_names_tenants_and_refuses_bad_files(tmp_path: Path) -> None:
 
 
 def test_tenant_salt_separates_tenants_whatever_the_client_salt() -> None:
-    assert tenant_salt("", "s") == "s"  # no keys: the client's salt, as before
-    salts = {tenant_salt(t, s) for t in ("a", "b", "a\"") for s in ("", "s", '", "b', "b")}
+    assert CacheScope("", "s").salt == "s"  # no keys: the client's salt, as before
+    salts = {CacheScope(t, s).salt for t in ("a", "b", "a\"") for s in ("", "s", '", "b', "b")}
     assert len(salts) == 12 and not salts & {"", "s", "b"}  # injective, never a bare client salt
 
 

@@ -31,6 +31,7 @@ from tierserve.api.tenants import TenantKeys, TenantLimiter
 from tierserve.api.tokenizer import ChatTemplateError, TextTokenizer
 from tierserve.core.outputs import FinishReason
 from tierserve.core.sampling import MAX_UINT32, InvalidRequestError
+from tierserve.core.scope import CacheScope
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -80,8 +81,7 @@ class _Api:
         params = body.sampling_params(oa.DEFAULT_COMPLETION_MAX_TOKENS)
         fmt = CompletionFormat(self.model_name, self._renderer(LogprobShape.COMPLETION, params.logprobs, body))
         echoes = [self._text_of(t) for t in texts] if body.echo else None
-        jobs = make_jobs(fmt.id, prompts, params, body.num_choices, body.cache_salt or "", echoes,
-                         _tenant_name(request))
+        jobs = make_jobs(fmt.id, prompts, params, body.num_choices, _scope(request, body.cache_salt), echoes)
         return await self._respond(request, jobs, fmt, body.stream, body.include_usage)
 
     async def chat(self, request: Request) -> Response:
@@ -91,7 +91,7 @@ class _Api:
         ids = self._prompt_ids(self._need_tokenizer().encode(text, add_special_tokens=False))
         params = body.sampling_params(default_max_tokens=self.max_model_len - len(ids))
         fmt = ChatFormat(self.model_name, self._renderer(LogprobShape.CHAT, params.logprobs, body))
-        jobs = make_jobs(fmt.id, [ids], params, body.num_choices, body.cache_salt or "", tenant=_tenant_name(request))
+        jobs = make_jobs(fmt.id, [ids], params, body.num_choices, _scope(request, body.cache_salt))
         return await self._respond(request, jobs, fmt, body.stream, body.include_usage)
 
     async def _respond(self, request: Request, jobs: list[Job], fmt: Format, stream: bool | None,
@@ -182,9 +182,11 @@ class _Api:
         return ids
 
 
-def _tenant_name(request: Request) -> str:
+def _scope(request: Request, cache_salt: str | None) -> CacheScope:
+    """The request's cache namespace: the API key's tenant (none without keys), never the client's
+    choice, subdivided by the client's ``cache_salt``."""
     tenant = request_tenant(request)
-    return "" if tenant is None else tenant.name
+    return CacheScope("" if tenant is None else tenant.name, cache_salt or "")
 
 
 async def _sse_events(choices: Choices, fmt: Format, num_choices: int,

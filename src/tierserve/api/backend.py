@@ -8,6 +8,7 @@ from typing import Any, Protocol
 
 from tierserve.core.outputs import RequestOutput
 from tierserve.core.sampling import SamplingParams
+from tierserve.core.scope import CacheScope
 
 
 class Backend(Protocol):
@@ -22,13 +23,13 @@ class Backend(Protocol):
     failed midway. Without it every output may be with the client as soon as it is yielded, and
     the backend never takes one back.
 
-    ``tenant``: the API key's tenant; requests of different tenants never share cached KV, whatever
-    their ``cache_salt`` (``cache.hashing.tenant_salt``)."""
+    ``scope``: the API key's tenant and the client's ``cache_salt``; requests of different tenants
+    never share cached KV, whatever their ``cache_salt`` (``core.scope.CacheScope``)."""
 
     max_model_len: int
 
-    def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, cache_salt: str,
-                 *, tenant: str = "", buffered: bool = False) -> AsyncIterator[RequestOutput]: ...
+    def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, scope: CacheScope,
+                 *, buffered: bool = False) -> AsyncIterator[RequestOutput]: ...
 
     def healthy(self) -> bool:
         """The process can serve (``/health``)."""

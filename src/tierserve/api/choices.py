@@ -14,6 +14,7 @@ from tierserve.api.formats import ChoiceResult, Delta, Entries
 from tierserve.api.metrics import ApiMetrics
 from tierserve.core.outputs import RequestOutput
 from tierserve.core.sampling import SamplingParams
+from tierserve.core.scope import NO_SCOPE, CacheScope
 from tierserve.core.tiers import TIERS
 
 
@@ -27,22 +28,21 @@ class Job:
     prompt_ids: list[int]
     params: SamplingParams
     counts_prompt: bool
-    cache_salt: str = ""
+    scope: CacheScope = NO_SCOPE  # the API key's tenant (it, not the client, decides) and the client's salt
     echo: str | None = None
-    tenant: str = ""  # the API key's tenant: it, not the client, decides the cache namespace
 
 
-def make_jobs(response_id: str, prompts: list[list[int]], params: SamplingParams, n: int, salt: str,
-              echoes: list[str] | None = None, tenant: str = "") -> list[Job]:
+def make_jobs(response_id: str, prompts: list[list[int]], params: SamplingParams, n: int, scope: CacheScope,
+              echoes: list[str] | None = None) -> list[Job]:
     """``n`` choices per prompt; with a seed, choice ``i`` uses ``seed + i`` so they differ;
-    ``echoes``: each prompt's text to echo; ``tenant``: the API key's tenant."""
+    ``echoes``: each prompt's text to echo; ``scope``: the request's cache namespace."""
     jobs = []
     for p, ids in enumerate(prompts):
         for i in range(n):
             choice_params = params if params.seed is None or i == 0 else replace(params, seed=params.seed + i)
             index = p * n + i
             echo = echoes[p] if echoes is not None else None
-            jobs.append(Job(index, f"{response_id}-{index}", ids, choice_params, i == 0, salt, echo, tenant))
+            jobs.append(Job(index, f"{response_id}-{index}", ids, choice_params, i == 0, scope, echo))
     return jobs
 
 
@@ -66,8 +66,8 @@ class Choices:
         started = prev = time.monotonic()
         last, failed = None, False
         try:
-            async for out in self._backend.generate(job.request_id, job.prompt_ids, job.params, job.cache_salt,
-                                                    tenant=job.tenant, buffered=self._buffered):
+            async for out in self._backend.generate(job.request_id, job.prompt_ids, job.params, job.scope,
+                                                    buffered=self._buffered):
                 if out.new_token_ids:
                     now = time.monotonic()
                     (self._metrics.ttft if last is None else self._metrics.itl).observe(now - prev)

@@ -18,9 +18,9 @@ from tierserve.api.engine_metrics import EngineCollector
 from tierserve.api.metrics import ApiMetrics
 from tierserve.api.tenants import TenantKeys
 from tierserve.api.tokenizer import TextTokenizer
-from tierserve.cache.hashing import tenant_salt
 from tierserve.core.outputs import RequestOutput
 from tierserve.core.sampling import SamplingParams
+from tierserve.core.scope import CacheScope
 from tierserve.core.storage import StorageAction, StorageAdminError, StorageBusyError, StorageKind
 
 if TYPE_CHECKING:
@@ -34,11 +34,11 @@ class EngineBackend:
         self.loop = loop
         self.max_model_len = loop.engine.max_model_len
 
-    def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, cache_salt: str,
-                 *, tenant: str = "", buffered: bool = False) -> AsyncIterator[RequestOutput]:
+    def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, scope: CacheScope,
+                 *, buffered: bool = False) -> AsyncIterator[RequestOutput]:
         """Outputs as the engine makes them, ``buffered`` or not: one engine has nowhere else to
         retry, so holding them back would only delay them."""
-        return self.loop.generate(request_id, prompt_ids, params, cache_salt=tenant_salt(tenant, cache_salt))
+        return self.loop.generate(request_id, prompt_ids, params, scope)
 
     def healthy(self) -> bool:
         return self.loop.is_alive

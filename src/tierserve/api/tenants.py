@@ -1,6 +1,6 @@
 """Tenants from API keys (``--api-keys FILE``, ``docs/tenancy.md``): each key names
 its tenant and that tenant's limits. The tenant, never the client, decides a request's cache
-namespace (``cache/hashing.py``, ``tenant_salt``); a client's ``cache_salt`` only subdivides it.
+namespace (``core/scope.py``, ``CacheScope``); a client's ``cache_salt`` only subdivides it.
 """
 
 from __future__ import annotations

@@ -12,10 +12,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from tierserve.cache.allocator import PageAllocator
 from tierserve.cache.events import KVEventListener
+from tierserve.core.scope import NO_SCOPE, CacheScope
 from tierserve.core.storage import StorageAction, StorageUnavailableError
 from tierserve.core.tiers import CacheTier
 
 if TYPE_CHECKING:
+    from tierserve.cache.prefetch import PrefetchTicket
+    from tierserve.cache.radix_tree import Node
     from tierserve.cache.storage import StorageBackend
 
 Snapshot = list[tuple[bytes, str]]  # (page key, tier) of every page the cache holds, root first
@@ -26,15 +29,16 @@ class PrefixHit:
     """The first ``num_tokens`` tokens of a prompt are in ``pages`` (whole pages, read-only).
 
     ``by_tier`` splits ``num_tokens`` by where the KV came from (device, host, storage);
-    ``handle`` is the cache's own bookkeeping, returned to it untouched. ``loads`` are copies
-    still filling some of ``pages``, layer by layer: attention of layer i must first call
-    ``wait(i)`` on each.
+    ``handle`` is the cache's own bookkeeping (the tree node it pinned; None: nothing pinned),
+    returned to it untouched. ``loads`` are copies still filling some of ``pages``, layer by
+    layer: attention of layer i must first call ``wait(i)`` on each. ``salt``: the scope's
+    (``CacheScope.salt``), under which ``release`` files the pages.
     """
 
     num_tokens: int = 0
     pages: list[int] = field(default_factory=list)
     by_tier: dict[CacheTier, int] = field(default_factory=dict)
-    handle: object = None
+    handle: Node | None = None
     loads: list[LayerLoad] = field(default_factory=list)
     salt: str = ""
 
@@ -64,23 +68,24 @@ class PrefixCache(Protocol):
     ``release`` the engine owns none of the request's pages.
     """
 
-    def prefetch(self, token_ids: Sequence[int], salt: str = "") -> object | None:
+    def prefetch(self, token_ids: Sequence[int], scope: CacheScope = NO_SCOPE) -> PrefetchTicket | None:
         """A new request arrived: start fetching its prefix from slower tiers; returns a ticket
-        (or None) that the scheduler passes to ``ready``, ``match`` or ``cancel``. ``salt`` (the
-        request's ``cache_salt``) separates tenants: they never share cached pages."""
+        (or None) that the scheduler passes to ``ready``, ``match`` or ``cancel``. ``scope`` (the
+        request's tenant and ``cache_salt``) separates namespaces: they never share cached pages."""
         ...
 
-    def ready(self, ticket: object | None) -> bool:
+    def ready(self, ticket: PrefetchTicket | None) -> bool:
         """Whether the request may be scheduled now (its prefetch policy is satisfied)."""
         ...
 
-    def cancel(self, ticket: object | None) -> None:
+    def cancel(self, ticket: PrefetchTicket | None) -> None:
         """The request left before ``match``: drop its prefetch."""
         ...
 
-    def match(self, token_ids: Sequence[int], ticket: object | None = None, salt: str = "") -> PrefixHit:
-        """Longest cached page-aligned prefix of ``token_ids``, pinned (ends the prefetch); the
-        hit remembers ``salt`` for ``release``."""
+    def match(self, token_ids: Sequence[int], ticket: PrefetchTicket | None = None,
+              scope: CacheScope = NO_SCOPE) -> PrefixHit:
+        """Longest cached page-aligned prefix of ``token_ids`` in ``scope``, pinned (ends the
+        prefetch); the hit remembers the scope's salt for ``release``."""
         ...
 
     def release(self, token_ids: Sequence[int], pages: list[int], num_computed: int, hit: PrefixHit) -> None:
@@ -162,13 +167,13 @@ class SingleTier:
 
     busy = False
 
-    def prefetch(self, token_ids: Sequence[int], salt: str = "") -> object | None:
+    def prefetch(self, token_ids: Sequence[int], scope: CacheScope = NO_SCOPE) -> PrefetchTicket | None:
         return None
 
-    def ready(self, ticket: object | None) -> bool:
+    def ready(self, ticket: PrefetchTicket | None) -> bool:
         return True
 
-    def cancel(self, ticket: object | None) -> None:
+    def cancel(self, ticket: PrefetchTicket | None) -> None:
         pass
 
     def set_waker(self, wake: Callable[[], None]) -> None:
@@ -210,7 +215,8 @@ class NoPrefixCache(SingleTier):
     def __init__(self, allocator: PageAllocator) -> None:
         self.allocator = allocator
 
-    def match(self, token_ids: Sequence[int], ticket: object | None = None, salt: str = "") -> PrefixHit:
+    def match(self, token_ids: Sequence[int], ticket: PrefetchTicket | None = None,
+              scope: CacheScope = NO_SCOPE) -> PrefixHit:
         return PrefixHit()
 
     def release(self, token_ids: Sequence[int], pages: list[int], num_computed: int, hit: PrefixHit) -> None:

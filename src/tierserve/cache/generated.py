@@ -12,50 +12,44 @@ release too, under ``write_through``). Nothing here waits: decoding never slows 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
+from tierserve.cache.allocator import PageAllocator
 from tierserve.cache.base import PrefixHit
-from tierserve.cache.radix_tree import Node, path_pages
-
-if TYPE_CHECKING:
-    from tierserve.cache.hicache import HiCache
+from tierserve.cache.loads import Loads
+from tierserve.cache.radix_tree import RadixTree, path_pages
 
 QUEUE_CAP = 64  # copies in flight beyond which a checkpoint copies nothing (its pages wait in L1)
 
 
-def checkpoint(cache: HiCache, token_ids: Sequence[int], pages: list[int], num_computed: int,
-               hit: PrefixHit) -> PrefixHit | None:
+def checkpoint(tree: RadixTree, loads: Loads, allocator: PageAllocator, token_ids: Sequence[int], pages: list[int],
+               num_computed: int, hit: PrefixHit) -> PrefixHit | None:
     """Puts the full pages of ``token_ids[:num_computed]`` (held in ``pages``) in the tree and
     returns the hit that now lends them back, pinned, in place of ``hit`` (unpinned here); None
-    when nothing changed (no new full page, a load under the hit not yet agreed landed, a load of
-    another request's still filling tree pages these would be swapped for, or a CP rank). Pages
-    the tree already held are swapped for the tree's (the hit's) and freed, so the caller's page
-    table must become ``hit.pages + pages[len(hit.pages):]``."""
-    if cache.ownership.size > 1:
-        return None  # a CP rank's pages join the tree only through release, which keeps the rotation
-    ps = cache.page_size
-    full = min(num_computed // ps, len(pages), cache.loads.usable(pages))
+    when nothing changed (no new full page, a load under the hit not yet agreed landed, or a load of
+    another request's still filling tree pages these would be swapped for). Pages the tree already
+    held are swapped for the tree's (the hit's) and freed, so the caller's page table must become
+    ``hit.pages + pages[len(hit.pages):]``. The caller then copies the new hit's path
+    (``copy_now``); a CP rank never checkpoints (its pages join the tree only through release,
+    which keeps the rotation)."""
+    ps = tree.page_size
+    full = min(num_computed // ps, len(pages), loads.usable(pages))
     if full <= len(hit.pages) or not all(load.landed for load in hit.loads):
         return None
-    if cache.tree.loading_under(token_ids[: full * ps], hit.salt):
+    if tree.loading_under(token_ids[: full * ps], hit.salt):
         return None  # the tree's pages there may not hold their KV yet: keep computing on our own
-    unused, node = cache.tree.insert(token_ids[: full * ps], pages[:full], hit.salt)
-    cache.tree.lock(node)
-    if isinstance(hit.handle, Node):
-        cache.tree.unlock(hit.handle)
-    cache.loads.returned(hit)
-    cache.allocator.free(unused)  # this request's copies of pages the tree had: it reads the tree's now
+    unused, node = tree.insert(token_ids[: full * ps], pages[:full], hit.salt)
+    tree.lock(node)
+    if hit.handle is not None:
+        tree.unlock(hit.handle)
+    loads.returned(hit)
+    allocator.free(unused)  # this request's copies of pages the tree had: it reads the tree's now
     lent = PrefixHit(full * ps, path_pages(node), dict(hit.by_tier), handle=node, salt=hit.salt)
-    cache.loads.lent(lent)
-    _copy(cache, node, full - len(hit.pages))
+    loads.lent(lent)
     return lent
 
 
-def _copy(cache: HiCache, node: Node, new_pages: int) -> None:
-    """Starts the L1 -> L2 copies of every node on ``node``'s path still without one, whatever the
-    write policy (the point is that the pages outlive this node), unless the queue is full."""
-    if cache.copies_in_flight >= QUEUE_CAP:
-        cache.counters["offload_deferred_pages_total"] += new_pages
-        return
-    cache.counters["offload_checkpoint_pages_total"] += new_pages
-    cache.write_path(node, every=True)
+def copy_now(copies_in_flight: int) -> bool:
+    """Whether a checkpoint starts the L1 -> L2 copies of every node on its path still without one,
+    whatever the write policy (the point is that the pages outlive this node): not while
+    ``QUEUE_CAP`` copies are in flight."""
+    return copies_in_flight < QUEUE_CAP

@@ -53,16 +53,9 @@ class Namespace:
         return Namespace(**(asdict(self) | {"salt": salt}))
 
 
-def tenant_salt(tenant: str, cache_salt: str) -> str:
-    """The salt of a request's pages: its tenant's (named by the server from the API key, never by
-    the client) subdivided by the client's ``cache_salt``. Injective, so no ``cache_salt`` of one
-    tenant names another tenant's pages; without a tenant (a server without keys) the client's
-    salt is the whole salt, as before tenants existed."""
-    return cache_salt if not tenant else json.dumps(["tenant", tenant, cache_salt])
-
-
 def salted_seed(seed: bytes, salt: str) -> bytes:
-    """The seed of a tenant's pages (``cache_salt``); the empty salt leaves the seed as it is."""
+    """The seed of a scope's pages (``salt``: ``core.scope.CacheScope.salt``); the empty salt leaves
+    the seed as it is."""
     return seed if not salt else hashlib.sha256(seed + b"salt:" + salt.encode()).digest()
 
 

@@ -15,28 +15,30 @@ from collections.abc import Callable, Sequence
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
+from tierserve.cache import generated
 from tierserve.cache.allocator import PageAllocator
 from tierserve.cache.base import PrefixHit, Snapshot
 from tierserve.cache.device_pool import DeviceKVPool
 from tierserve.cache.draft_kv import SidecarKV, load_layers, planes
 from tierserve.cache.events import KVEventListener
-from tierserve.cache.generated import checkpoint
-from tierserve.cache.hicache_admin import StorageAdmin
-from tierserve.cache.hicache_stats import hicache_stats
 from tierserve.cache.host_pool import HostKVPool, copy_pages
 from tierserve.cache.host_writes import WRITE_BACK_LOW_WATERMARK, assign_host, dirty_lru, end_failed_write
+from tierserve.cache.l3_slot import L3Slot
 from tierserve.cache.loads import LayerwiseLoad, Loads
 from tierserve.cache.options import IOBackend, PrefetchPolicy, WritePolicy
-from tierserve.cache.prefetch import Prefetch, PrefetchOptions
+from tierserve.cache.prefetch import PrefetchOptions, PrefetchTicket
 from tierserve.cache.radix_cache import cp_storable
 from tierserve.cache.radix_tree import Match, Node, RadixTree, path_pages, path_to_root
 from tierserve.cache.sharded.agreement import Agreement, SingleRank, leading_true
-from tierserve.cache.sharded.cp_host import owned_pairs
+from tierserve.cache.sharded.cp_host import owned_pairs, rank_host_stats
 from tierserve.cache.sharded.cp_pages import PageOwnership, alloc_continuing, alloc_like, until_fits
 from tierserve.cache.sharded.shards import KVShard
 from tierserve.cache.storage import StorageBackend
-from tierserve.cache.storage_tier import StorageTier, nothing
+from tierserve.cache.storage_tier import StorageTier
+from tierserve.core.scope import NO_SCOPE, CacheScope
+from tierserve.core.storage import StorageAction
 from tierserve.core.tiers import CacheTier
 
 log = logging.getLogger(__name__)
@@ -59,8 +61,9 @@ class _Write:
     keys: list[bytes]
 
 
-class HiCache(StorageAdmin):
-    """The engine's prefix cache over L1, L2 and L3 (the ``cache.base.PrefixCache`` contract).
+class HiCache:
+    """The engine's prefix cache over L1, L2 and L3 (the ``cache.base.PrefixCache`` contract); L3
+    sits in a slot (``l3``) that the admin calls fill and empty at run time.
 
     Page ownership: device pages belong to the device allocator's free list, a request, or the
     tree; host pages to the host pool's allocator or the tree (or an in-flight write). After an
@@ -93,10 +96,19 @@ class HiCache(StorageAdmin):
         for name in ("cp_refused_pages_total", "offload_checkpoint_pages_total", "offload_deferred_pages_total"):
             self.counters[name] += 0  # always published
         self.agreement = agreement or SingleRank()
-        self.storage: StorageTier | None = None
-        self.wake: Callable[[], None] = nothing  # set_waker; the L3 tier calls it after a probe or read
+        self.l3 = L3Slot(self._storage_tier, lambda: self.busy)
         if storage is not None:
-            self.attach_storage(storage)
+            self.l3.attach(storage)
+
+    def _storage_tier(self, storage: StorageBackend) -> StorageTier:
+        """An L3 tier over ``storage`` behind this cache's host pool and tree (``l3``'s ``make``)."""
+        return StorageTier(storage, self.host, self.tree, self.config.prefetch, self._host_pages_after,
+                           self.shard, self.ownership, self.sidecar.host if self.sidecar else None)
+
+    @property
+    def storage(self) -> StorageTier | None:
+        """The attached L3 tier (None: no L3)."""
+        return self.l3.tier
 
     @property
     def num_cached_pages(self) -> int:
@@ -106,8 +118,7 @@ class HiCache(StorageAdmin):
     def close(self) -> None:
         self._worker.shutdown(wait=True)
         self._loader.shutdown(wait=True)
-        if self.storage is not None:
-            self.storage.close()
+        self.l3.close()
 
     def flush(self, device: bool, host: bool) -> tuple[int, int]:
         """Drops unpinned L1 and/or L2 pages, after the copies in flight landed, those the flush
@@ -136,6 +147,12 @@ class HiCache(StorageAdmin):
         self.tree.listener = listener
         return True
 
+    def set_waker(self, wake: Callable[[], None]) -> None:
+        self.l3.set_waker(wake)
+
+    def storage_admin(self, action: StorageAction, backend: StorageBackend | None = None) -> dict[str, Any]:
+        return self.l3.admin(action, backend)
+
     def snapshot(self) -> Snapshot:
         return self.tree.snapshot()
 
@@ -147,11 +164,11 @@ class HiCache(StorageAdmin):
 
     # -- the engine hook -------------------------------------------------------------------------
 
-    def prefetch(self, token_ids: Sequence[int], salt: str = "") -> Prefetch | None:
-        return self.storage.start(token_ids, salt) if self.storage is not None else None
+    def prefetch(self, token_ids: Sequence[int], scope: CacheScope = NO_SCOPE) -> PrefetchTicket | None:
+        return self.storage.start(token_ids, scope.salt) if self.storage is not None else None
 
-    def ready(self, ticket: object | None) -> bool:
-        if not isinstance(ticket, Prefetch) or self.storage is None:
+    def ready(self, ticket: PrefetchTicket | None) -> bool:
+        if ticket is None or self.storage is None:
             return True
         return self.storage.ready(ticket, self.config.prefetch_policy)
 
@@ -159,13 +176,15 @@ class HiCache(StorageAdmin):
         if self.storage is not None:
             self.storage.speed.record_prefill(num_tokens, seconds)
 
-    def cancel(self, ticket: object | None) -> None:
-        if isinstance(ticket, Prefetch) and self.storage is not None:
+    def cancel(self, ticket: PrefetchTicket | None) -> None:
+        if ticket is not None and self.storage is not None:
             self.storage.drop(ticket)
 
-    def match(self, token_ids: Sequence[int], ticket: object | None = None, salt: str = "") -> PrefixHit:
+    def match(self, token_ids: Sequence[int], ticket: PrefetchTicket | None = None,
+              scope: CacheScope = NO_SCOPE) -> PrefixHit:
         """The longest prefix in L1 or L2 (after applying a finished prefetch), pinned; its L2 part
         starts loading into L1 layer by layer (when L1 has no room, only the L1 part is used)."""
+        salt = scope.salt
         self._finish_prefetch(ticket, token_ids, salt)
         found = self.tree.match(token_ids, salt)
         # ``loading`` is cleared only once every rank agreed the load done: the same list on every rank
@@ -179,9 +198,9 @@ class HiCache(StorageAdmin):
         self.loads.lent(hit)
         return hit
 
-    def _finish_prefetch(self, ticket: object | None, token_ids: Sequence[int], salt: str) -> None:
+    def _finish_prefetch(self, ticket: PrefetchTicket | None, token_ids: Sequence[int], salt: str) -> None:
         """Inserts what the request's L3 prefetch brought into L2 as host-only nodes."""
-        if isinstance(ticket, Prefetch) and self.storage is not None:
+        if ticket is not None and self.storage is not None:
             self.storage.finish(ticket, token_ids, salt)
 
     def _pin_and_load(self, found: Match) -> tuple[Node, LayerwiseLoad | None]:
@@ -217,14 +236,31 @@ class HiCache(StorageAdmin):
         unused, node = self.tree.insert(token_ids[: full * self.page_size], pages[:full], hit.salt)
         self.allocator.free(unused + [p for p in pages[full:] if not self.loads.is_orphan(p)])
         self.loads.collect()
-        if isinstance(hit.handle, Node):
+        if hit.handle is not None:
             self.tree.unlock(hit.handle)
         if self.config.write_policy is WritePolicy.WRITE_THROUGH:
             self.write_path(node)
 
     def checkpoint(self, token_ids: Sequence[int], pages: list[int], num_computed: int,
                    hit: PrefixHit) -> PrefixHit | None:
-        return checkpoint(self, token_ids, pages, num_computed, hit)  # cache/generated.py
+        """Continuous offload (``cache/generated.py``): the hit's new full pages join the tree and
+        its path is copied to L2 whatever the write policy, unless the copy queue is full."""
+        if self.ownership.size > 1:
+            return None  # a CP rank's pages join the tree only through release, which keeps the rotation
+        lent = generated.checkpoint(self.tree, self.loads, self.allocator, token_ids, pages, num_computed, hit)
+        if lent is not None:
+            self._offload(lent.handle, lent.num_tokens // self.page_size - len(hit.pages))
+        return lent
+
+    def _offload(self, node: Node, new_pages: int) -> None:
+        """A checkpoint's copies to L2: every node on ``node``'s path still without one, whatever
+        the write policy (the point is that the pages outlive this node), unless the copy queue is
+        full (``generated.copy_now``: the pages wait in L1 for the next checkpoint or the release)."""
+        if not generated.copy_now(self.copies_in_flight):
+            self.counters["offload_deferred_pages_total"] += new_pages
+            return
+        self.counters["offload_checkpoint_pages_total"] += new_pages
+        self.write_path(node, every=True)
 
     def _storable(self, token_ids: Sequence[int], pages: list[int], salt: str) -> int:
         """How many of ``pages`` the tree may take (under CP, not a second rotation: counted)."""
@@ -242,7 +278,17 @@ class HiCache(StorageAdmin):
         return len(device)
 
     def stats(self) -> dict[str, float]:
-        return hicache_stats(self)
+        """Every counter, the host pool's occupancy (whole and this rank's own share), bytes copied
+        and, with L3, its tier's counters."""
+        page = self.device.geometry.bytes_per_page
+        out: dict[str, float] = dict(self.counters)
+        out["host_pages_used"] = self.host.allocator.num_used
+        out["host_pages_total"] = self.host.allocator.num_pages
+        out |= rank_host_stats(self.host, self.ownership)
+        out["l2_write_bytes_total"] = self.counters["l2_write_pages_total"] * page
+        out["l2_load_bytes_total"] = self.counters["l2_load_pages_total"] * page
+        out["l2_load_failures_total"] = self.loads.failures
+        return out | self.l3.stats()
 
     def on_step(self) -> None:
         """Agrees with the other ranks (one collective) on what finished, then applies it."""

@@ -1,4 +1,4 @@
-"""L3 -> L2 prefetch of one request's pages, read in order on a worker thread."""
+"""L3 -> L2 prefetch of one request's pages, read in order on a worker thread, and its ticket."""
 
 from __future__ import annotations
 
@@ -29,8 +29,10 @@ class PrefetchOptions:
 
 
 @dataclass
-class Prefetch:
-    """One request's L3 -> L2 prefetch of the prompt's pages from ``start`` on (``keys``).
+class PrefetchTicket:
+    """One request's L3 -> L2 prefetch of the prompt's pages from ``start`` on (``keys``): the
+    handle ``PrefixCache.prefetch`` gives the engine, which only hands it back (``ready``,
+    ``match``, ``cancel``).
 
     Its life (``docs/cache.md``): the L3 worker asks the store how many leading
     keys it has (``probed``); at a step boundary, on the value every rank agreed, the engine thread

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from tierserve.cache.allocator import PageAllocator
 from tierserve.cache.base import PrefixHit, SingleTier, Snapshot
 from tierserve.cache.events import KVEventListener
-from tierserve.cache.radix_tree import Node, RadixTree
+from tierserve.cache.radix_tree import RadixTree
 from tierserve.cache.sharded.cp_pages import PageOwnership
+from tierserve.core.scope import NO_SCOPE, CacheScope
 from tierserve.core.tiers import CacheTier
+
+if TYPE_CHECKING:
+    from tierserve.cache.prefetch import PrefetchTicket
 
 
 class RadixCache(SingleTier):
@@ -35,7 +40,9 @@ class RadixCache(SingleTier):
         self.evicted_pages = 0
         self.refused_pages = 0
 
-    def match(self, token_ids: Sequence[int], ticket: object | None = None, salt: str = "") -> PrefixHit:
+    def match(self, token_ids: Sequence[int], ticket: PrefetchTicket | None = None,
+              scope: CacheScope = NO_SCOPE) -> PrefixHit:
+        salt = scope.salt
         found = self.tree.match(token_ids, salt)
         self.tree.lock(found.device_node)
         n = len(found.device_pages) * self.page_size
@@ -47,7 +54,7 @@ class RadixCache(SingleTier):
         unused, _ = self.tree.insert(token_ids[: full * self.page_size], pages[:full], hit.salt)
         self.num_cached_pages += full - len(hit.pages) - len(unused)
         self.allocator.free(unused + pages[full:])
-        if isinstance(hit.handle, Node):
+        if hit.handle is not None:
             self.tree.unlock(hit.handle)
 
     def _storable(self, token_ids: Sequence[int], pages: list[int], salt: str) -> int:

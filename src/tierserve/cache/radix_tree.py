@@ -81,7 +81,7 @@ class RadixTree:
         self.root = self._root("")
 
     def _root(self, salt: str) -> Node:
-        """One root per tenant (``cache_salt``): tenants never match each other's pages, and their
+        """One root per salt (a scope's, ``CacheScope.salt``): scopes never match each other's pages, and their
         keys chain from different seeds."""
         if salt not in self.roots:
             self.roots[salt] = Node(keys=[], device=[], host=[], lock=1, seed=salted_seed(self.seed, salt))

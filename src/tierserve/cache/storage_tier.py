@@ -20,7 +20,7 @@ from tierserve.cache.draft_kv import SidecarIO
 from tierserve.cache.hashing import page_keys, salted_seed
 from tierserve.cache.host_pool import HostKVPool
 from tierserve.cache.options import PrefetchPolicy
-from tierserve.cache.prefetch import Prefetch, PrefetchOptions, prefetch_timeout
+from tierserve.cache.prefetch import PrefetchOptions, PrefetchTicket, prefetch_timeout
 from tierserve.cache.radix_tree import Node, RadixTree
 from tierserve.cache.sharded.agreement import leading_true
 from tierserve.cache.sharded.cp_host import rank_io
@@ -75,8 +75,8 @@ class StorageTier:
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicache-l3-backup")
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicache-l3-prefetch")
         self._backups: list[_Backup] = []
-        self.tickets: list[Prefetch] = []  # every prefetch not yet retired, oldest first
-        self._window: list[Prefetch] = []  # the tickets of this step's agreement
+        self.tickets: list[PrefetchTicket] = []  # every prefetch not yet retired, oldest first
+        self._window: list[PrefetchTicket] = []  # the tickets of this step's agreement
         self._cursor = 0
         self._reserved = 0
         self._down_until = 0.0
@@ -101,6 +101,15 @@ class StorageTier:
         """This rank's circuit breaker is closed (decisions use ``agreed_healthy``)."""
         return time.monotonic() >= self._down_until
 
+    def stats(self) -> dict[str, float]:
+        """Its counters for ``/metrics``: pages backed up and prefetched, the ``auto`` policy's
+        decisions, failures (integrity failures among them) and the breaker's state."""
+        return {"l3_backup_pages_total": self.backed_up_pages, "l3_prefetch_pages_total": self.prefetched_pages,
+                "l3_prefetch_wait_decisions_total": self.decisions["wait"],
+                "l3_prefetch_no_wait_decisions_total": self.decisions["no_wait"],
+                "l3_failures_total": self.failures, "l3_healthy": float(self.healthy),
+                "l3_integrity_failures_total": getattr(self.storage, "integrity_failures", 0)}
+
     def close(self) -> None:
         self._worker.shutdown(wait=True)
         self._reader.shutdown(wait=True)
@@ -108,7 +117,7 @@ class StorageTier:
 
     # -- prefetch --------------------------------------------------------------------------------
 
-    def start(self, token_ids: Sequence[int], salt: str) -> Prefetch | None:
+    def start(self, token_ids: Sequence[int], salt: str) -> PrefetchTicket | None:
         """A ticket when the prompt extends beyond L1 + L2 by at least the threshold; the L3 worker
         then asks the store how much of the rest it has. No L3 call here (engine thread)."""
         ps = self.tree.page_size
@@ -116,7 +125,7 @@ class StorageTier:
         if not self.agreed_healthy or (total - local) * ps < self.options.threshold_tokens:
             return None
         keys = page_keys(salted_seed(self.tree.seed, salt), token_ids[: total * ps], ps)[local:]
-        ticket = Prefetch(local, keys, prefetch_timeout(self.options, len(keys) * ps), self.options.timeout_max,
+        ticket = PrefetchTicket(local, keys, prefetch_timeout(self.options, len(keys) * ps), self.options.timeout_max,
                           list(token_ids[: local * ps]), salt)
         self.tickets.append(ticket)
         self._reader.submit(self._probe, ticket).add_done_callback(self._woken)
@@ -126,7 +135,7 @@ class StorageTier:
         """A probe or read ended (any thread): the engine steps now to act on it, not at its next poll."""
         self.wake()
 
-    def _probe(self, ticket: Prefetch) -> None:
+    def _probe(self, ticket: PrefetchTicket) -> None:
         """L3 prefetch lane: how many leading pages the store has (a failure counts as none)."""
         if ticket.cancel.is_set():
             ticket.probed = 0
@@ -138,7 +147,7 @@ class StorageTier:
             ticket.probed = 0
             self._fail("exists", exc)
 
-    def ready(self, ticket: Prefetch, policy: PrefetchPolicy) -> bool:
+    def ready(self, ticket: PrefetchTicket, policy: PrefetchPolicy) -> bool:
         """Whether the request may be admitted now, on agreed values only. No request waits on L3
         for ever: an unhealthy L3 (breaker open) holds none, and past ``timeout_max`` no policy
         waits, ``wait_complete`` included."""
@@ -151,7 +160,7 @@ class StorageTier:
             return True
         return complete or ticket.agreed_overdue >= 1
 
-    def _decide(self, ticket: Prefetch) -> None:
+    def _decide(self, ticket: PrefetchTicket) -> None:
         """Engine thread, on the agreed probe: reserve host pages and start reading, or give up."""
         ticket.decided = True
         ps = self.tree.page_size
@@ -167,14 +176,14 @@ class StorageTier:
         self._judge(ticket)
         self._reader.submit(self._read, ticket).add_done_callback(self._woken)
 
-    def _judge(self, ticket: Prefetch) -> None:
+    def _judge(self, ticket: PrefetchTicket) -> None:
         """The ``auto`` policy's verdict, agreed: every rank voted in the same step. A request that
         waits does so as under ``timeout`` (the reads are expected to be the faster way, so they
         normally end first; the timeout only bounds a store that is slower than it looked)."""
         ticket.wait = bool(ticket.agreed_vote)
         self.decisions["wait" if ticket.wait else "no_wait"] += 1
 
-    def _vote(self, ticket: Prefetch) -> int:
+    def _vote(self, ticket: PrefetchTicket) -> int:
         """This rank's view of the auto verdict for a probed ticket (1: waiting is worth it). Under
         CP a rank reads only the pages it owns: the time to read the largest rank's share (ranks read
         side by side) against the node computing them all."""
@@ -194,7 +203,7 @@ class StorageTier:
             if anchor is not None:
                 self.tree.unlock(anchor)
 
-    def _read(self, ticket: Prefetch) -> None:
+    def _read(self, ticket: PrefetchTicket) -> None:
         if not ticket.begin():
             return
         page_bytes = self.host.geometry.bytes_per_page
@@ -210,7 +219,7 @@ class StorageTier:
         if ticket.failed:
             self._fail("prefetch", None)
 
-    def finish(self, ticket: Prefetch, token_ids: Sequence[int], salt: str) -> int:
+    def finish(self, ticket: PrefetchTicket, token_ids: Sequence[int], salt: str) -> int:
         """The request matches now: hangs what every rank agreed arrived under the local match as
         host-only nodes (the reader is not waited for); returns how many pages it contributed."""
         arrived = ticket.agreed_arrived if ticket.host_pages else 0
@@ -230,11 +239,11 @@ class StorageTier:
         self.prefetched_pages += len(keep)
         return len(keep)
 
-    def drop(self, ticket: Prefetch) -> None:
+    def drop(self, ticket: PrefetchTicket) -> None:
         """The request went away before its match."""
         self._consume(ticket, [])
 
-    def _consume(self, ticket: Prefetch, keep: list[int]) -> None:
+    def _consume(self, ticket: PrefetchTicket, keep: list[int]) -> None:
         """Stops the reader (without waiting) and sets aside the pages not kept until it stopped."""
         ticket.stop()
         ticket.consumed = True
@@ -243,7 +252,7 @@ class StorageTier:
         self._reserved -= len(ticket.host_pages)
         self._retire([ticket])
 
-    def _retire(self, tickets: list[Prefetch]) -> None:
+    def _retire(self, tickets: list[PrefetchTicket]) -> None:
         """Drops consumed tickets that no rank still reads into: their leftover pages are free."""
         for ticket in tickets:
             if ticket.consumed and ticket.decided and (ticket.agreed_done or not ticket.host_pages):
@@ -279,7 +288,7 @@ class StorageTier:
     def local_state(self) -> list[int]:
         """This rank's view, for the agreement: leading backups done, healthy, then for each ticket
         of this step's window (``WINDOW`` of them, moving on every step so that every prefetch
-        progresses; padded) its ``Prefetch`` state: probed + 1, arrived, done, overdue, vote."""
+        progresses; padded) its ``PrefetchTicket`` state: probed + 1, arrived, done, overdue, vote."""
         self._window = self._next_window()
         values = [leading_true(b.future.done() for b in self._backups), int(self.healthy)]
         for i in range(WINDOW):
@@ -287,14 +296,14 @@ class StorageTier:
             values += self._ticket_state(t) if t else [0, 0, 0, 0, 0]
         return values
 
-    def _next_window(self) -> list[Prefetch]:
+    def _next_window(self) -> list[PrefetchTicket]:
         n = len(self.tickets)
         if n <= WINDOW:
             return list(self.tickets)
         start, self._cursor = self._cursor % n, self._cursor + WINDOW
         return (self.tickets + self.tickets)[start : start + WINDOW]
 
-    def _ticket_state(self, ticket: Prefetch) -> list[int]:
+    def _ticket_state(self, ticket: PrefetchTicket) -> list[int]:
         """``done`` is read before ``arrived``: the reader stops growing ``arrived`` before it sets
         ``done``, so a done ticket reports its final count (read the other way round, a reader
         finishing in between looked done with pages missing)."""

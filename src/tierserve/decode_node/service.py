@@ -20,9 +20,9 @@ from dataclasses import replace
 
 import grpc
 
-from tierserve.cache.hashing import tenant_salt
 from tierserve.core.outputs import FinishReason, RequestOutput
 from tierserve.core.sampling import InvalidRequestError
+from tierserve.core.scope import CacheScope
 from tierserve.core.tiers import CacheTier
 from tierserve.engine.commands import CancelReservation, FlushCache, Reserve
 from tierserve.engine.handoff import HandoffCheckError
@@ -61,8 +61,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         rid, terms = request.request_id, replace(self.terms, lease_s=lease)
         prompt, max_new = list(request.prompt_ids), request.max_new_tokens or 16
         try:
-            salt = tenant_salt(request.tenant, request.cache_salt)
-            reserve = Reserve(rid, tuple(prompt), max_new, salt, terms, time.monotonic(),
+            reserve = Reserve(rid, tuple(prompt), max_new, CacheScope.of(request), terms, time.monotonic(),
                               request.source_tp_size)
             reserved = await self.node.loop.apply(reserve)  # every rank: the same pages
         except InvalidRequestError as exc:
@@ -163,8 +162,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         self.running.add(rid)
         try:
             params = sampling_params(request.sampling)
-            stream = self.node.loop.generate(rid, list(request.prompt_ids), params,
-                                             tenant_salt(request.tenant, request.cache_salt))
+            stream = self.node.loop.generate(rid, list(request.prompt_ids), params, CacheScope.of(request))
             async for chunk in self._chunks(rid, stream, context, local=True):
                 yield chunk
         except InvalidRequestError as exc:

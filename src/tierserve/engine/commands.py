@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, runtime_checkable
 
 from tierserve.core.sampling import SamplingParams
+from tierserve.core.scope import NO_SCOPE, CacheScope
 from tierserve.core.storage import StorageAction, StorageKind
 from tierserve.engine.engine import Engine
 from tierserve.engine.handoff import Handoff, KVCheck, SharedPlan
@@ -45,12 +46,12 @@ class AddRequest:
     request_id: str
     prompt_ids: tuple[int, ...]
     params: SamplingParams
-    cache_salt: str = ""
+    scope: CacheScope = NO_SCOPE
     handoff: Handoff | None = None
     plan: SharedPlan | None = None
 
     def apply(self, engine: Engine) -> RequestOutput | None:
-        engine.add_request(self.request_id, self.prompt_ids, self.params, self.cache_salt, self.handoff)
+        engine.add_request(self.request_id, self.prompt_ids, self.params, self.scope, self.handoff)
         return None
 
 
@@ -91,13 +92,13 @@ class Reserve:
     request_id: str
     prompt_ids: tuple[int, ...]
     max_new_tokens: int
-    cache_salt: str
+    scope: CacheScope
     terms: ReservationTerms = DEFAULT_TERMS
     now: float = 0.0
     source_tp: int = 0  # the writing prefill node's TP size (0: unknown)
 
     def apply(self, engine: Engine) -> Request:
-        return engine.reserve(self.request_id, self.prompt_ids, self.max_new_tokens, self.cache_salt, self.terms,
+        return engine.reserve(self.request_id, self.prompt_ids, self.max_new_tokens, self.scope, self.terms,
                               self.now, self.source_tp)
 
 

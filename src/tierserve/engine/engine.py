@@ -22,6 +22,7 @@ from tierserve.cache.options import CacheKind, object_format
 from tierserve.cache.sharded.cp_pages import page_allocator
 from tierserve.core.model_config import ModelConfig
 from tierserve.core.sampling import InvalidRequestError, SamplingParams
+from tierserve.core.scope import NO_SCOPE, CacheScope
 from tierserve.core.storage import StorageAction, StorageKind
 from tierserve.engine import l3_admin
 from tierserve.engine.append import Appender, finish
@@ -130,20 +131,20 @@ class Engine:
         return self.num_pages * self.config.page_size
 
     def add_request(
-        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, cache_salt: str = "",
+        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, scope: CacheScope = NO_SCOPE,
         handoff: Handoff | None = None,
     ) -> None:
         """Queues a request; raises ``InvalidRequestError`` if it can never be served. Requests
-        with different ``cache_salt`` never share cached KV. ``handoff`` receives the prompt's KV
-        layer by layer as it is computed."""
+        of different ``scope`` (tenant, ``cache_salt``) never share cached KV. ``handoff`` receives
+        the prompt's KV layer by layer as it is computed."""
         prompt = list(prompt_ids)
         self._validate(request_id, prompt, params)
-        request = Request(request_id, prompt, params, cache_salt=cache_salt, handoff=handoff)
+        request = Request(request_id, prompt, params, scope=scope, handoff=handoff)
         self._prepare(request)
         self.requests[request_id] = request
         self.scheduler.add(request)
 
-    def reserve(self, request_id: str, prompt_ids: Sequence[int], max_new_tokens: int, cache_salt: str = "",
+    def reserve(self, request_id: str, prompt_ids: Sequence[int], max_new_tokens: int, scope: CacheScope = NO_SCOPE,
                 terms: ReservationTerms = DEFAULT_TERMS, now: float | None = None, source_tp: int = 0) -> Request:
         """Sets pages aside for a prompt another node computes (decode role) on the role's
         ``terms``, leased from ``now`` (default: this process's clock; a node of several ranks passes
@@ -155,7 +156,7 @@ class Engine:
         self._validate(request_id, prompt, params)
         if request_id in self.reservations.active:
             raise InvalidRequestError(f"request id {request_id!r} is already reserved")
-        request = Request(request_id, prompt, params, cache_salt=cache_salt)
+        request = Request(request_id, prompt, params, scope=scope)
         headroom = min(max_new_tokens, terms.headroom_tokens)
         self.reservations.reserve(request, len(prompt) + max(1, headroom), terms, _clock(now), source_tp)
         return request

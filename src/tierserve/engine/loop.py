@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tierserve.core.sampling import SamplingParams
+from tierserve.core.scope import NO_SCOPE, CacheScope
 from tierserve.core.storage import StorageAction, StorageKind
 from tierserve.engine.commands import (
     AbortRequest,
@@ -100,12 +101,12 @@ class EngineLoop:
         return self._stats
 
     def generate(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams, cache_salt: str = "",
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, scope: CacheScope = NO_SCOPE,
         handoff: Handoff | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yields outputs until the finished one; raises the engine's error for a rejected request.
-        ``cache_salt`` and ``handoff`` are those of ``Engine.add_request``."""
-        return self.stream(AddRequest(request_id, tuple(prompt_ids), params, cache_salt, handoff))
+        ``scope`` and ``handoff`` are those of ``Engine.add_request``."""
+        return self.stream(AddRequest(request_id, tuple(prompt_ids), params, scope, handoff))
 
     def generate_reserved(self, request_id: str, first_token: int, params: SamplingParams, resumed: int = 0,
                           check: KVCheck | None = None) -> AsyncIterator[RequestOutput]:

@@ -7,8 +7,10 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from tierserve.cache.base import PrefixHit
+from tierserve.cache.prefetch import PrefetchTicket
 from tierserve.core.outputs import FinishReason, RequestOutput, TokenLogprob
 from tierserve.core.sampling import SamplingParams
+from tierserve.core.scope import NO_SCOPE, CacheScope
 from tierserve.engine.handoff import Handoff
 from tierserve.engine.text_stream import TextStream
 
@@ -41,8 +43,8 @@ class Request:
     pages: list[int] = field(default_factory=list)
     num_computed: int = 0
     hit: PrefixHit = field(default_factory=PrefixHit)
-    prefetch: object | None = None  # the prefix cache's ticket until admission
-    cache_salt: str = ""  # tenant: requests with different salts never share cached KV
+    prefetch: PrefetchTicket | None = None  # the prefix cache's ticket until admission
+    scope: CacheScope = NO_SCOPE  # requests of different scopes (tenant, cache_salt) never share cached KV
     cached_tokens: int = 0
     cached_by_tier: dict[str, int] = field(default_factory=dict)
     status: RequestStatus = RequestStatus.WAITING

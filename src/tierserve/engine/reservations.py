@@ -81,7 +81,7 @@ class Reservations:
         staging for a writer of ``source_tp`` ranks where that helps; raises ``CapacityError``
         (holding nothing) when the pool cannot supply them."""
         prompt = request.prompt_ids
-        hit = self.cache.match(prompt[: len(prompt) - 1], None, request.cache_salt)
+        hit = self.cache.match(prompt[: len(prompt) - 1], None, request.scope)
         missing = pages_for(num_tokens, self.page_size) - len(hit.pages)
         if self.allocator.num_free < missing:
             self.cache.evict(missing - self.allocator.num_free)

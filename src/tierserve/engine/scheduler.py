@@ -69,7 +69,7 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, request: Request) -> None:
-        request.prefetch = self.cache.prefetch(request.token_ids(), request.cache_salt)
+        request.prefetch = self.cache.prefetch(request.token_ids(), request.scope)
         self.waiting.append(request)
 
     def has_work(self) -> bool:
@@ -167,7 +167,7 @@ class Scheduler:
             budget -= n
 
     def _match(self, request: Request) -> None:
-        hit = self.cache.match(request.token_ids()[: request.cacheable_prefix()], request.prefetch, request.cache_salt)
+        hit = self.cache.match(request.token_ids()[: request.cacheable_prefix()], request.prefetch, request.scope)
         request.prefetch = None
         request.hit, request.pages, request.num_computed = hit, list(hit.pages), hit.num_tokens
         request.draft_computed = hit.num_tokens  # cached pages hold the draft's KV too (``_cacheable``)

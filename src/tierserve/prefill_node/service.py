@@ -11,9 +11,9 @@ from dataclasses import dataclass, replace
 import grpc
 
 from tierserve.cache.device_pool import KVGeometry
-from tierserve.cache.hashing import tenant_salt
 from tierserve.core.outputs import RequestOutput
 from tierserve.core.sampling import InvalidRequestError, SamplingParams
+from tierserve.core.scope import CacheScope
 from tierserve.core.tiers import CacheTier
 from tierserve.engine.commands import AddRequest, EngineCommand
 from tierserve.node.convert import (
@@ -110,7 +110,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         """This rank's handoff and the command that adds the request: at several ranks every rank
         builds its own handoff from the plan and they agree on when all ended (``node/handoffs.py``)."""
         ranks, opts = self.node.ranks, self.options
-        add = AddRequest(request.request_id, tuple(prompt), params, tenant_salt(request.tenant, request.cache_salt))
+        add = AddRequest(request.request_id, tuple(prompt), params, CacheScope.of(request))
         if ranks.board is None:
             handoff = ranks.handoff(plan, opts.faults)
             return handoff, replace(add, handoff=handoff)
@@ -134,8 +134,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             params = sampling_params(request.sampling)
             if params.max_tokens != 1:
                 raise InvalidRequestError("a Prefill without a destination serves max_tokens 1 only")
-            add = AddRequest(request.request_id, tuple(request.prompt_ids), params,
-                             tenant_salt(request.tenant, request.cache_salt))
+            add = AddRequest(request.request_id, tuple(request.prompt_ids), params, CacheScope.of(request))
             first = await asyncio.wait_for(self._compute(add), request.timeout_seconds or self.options.timeout_s)
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))

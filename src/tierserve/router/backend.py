@@ -16,9 +16,9 @@ from typing import Any, TypeVar
 import grpc
 
 from tierserve.api import openai as oa
-from tierserve.cache.hashing import tenant_salt
 from tierserve.core.outputs import FinishReason, RequestOutput, TokenLogprob
 from tierserve.core.sampling import InvalidRequestError, SamplingParams
+from tierserve.core.scope import CacheScope
 from tierserve.core.tiers import TIERS
 from tierserve.proto import tierserve_pb2 as pb
 from tierserve.proto.sampling import logprob_from_proto, to_proto
@@ -60,8 +60,7 @@ class _Request:
     id: str
     prompt: list[int]
     sampling: pb.SamplingOptions
-    salt: str
-    tenant: str  # the API key's: with the salt it decides the cache namespace, on the nodes too
+    scope: CacheScope  # the API key's tenant and the client's salt: the cache namespace, on the nodes too
     buffered: bool  # the client sees nothing before the end (one merged output)
     resumed: int = 0  # the prompt's last tokens this request generated before a migration
 
@@ -100,13 +99,13 @@ class PDBackend:
                 "retries": self.retries, "served": {p.value: n for p, n in self.served.items()},
                 "routes": list(self.routes)} | self.migrations.state()
 
-    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, cache_salt: str,
-                       *, tenant: str = "", buffered: bool = False) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, scope: CacheScope,
+                       *, buffered: bool = False) -> AsyncIterator[RequestOutput]:
         """``buffered``: see ``Backend``; such a request gets one output, when it finished (after
         any migrations)."""
         await self._admit()
         try:
-            request = _Request(request_id, prompt_ids, to_proto(params), cache_salt, tenant, buffered)
+            request = _Request(request_id, prompt_ids, to_proto(params), scope, buffered)
             tries = migrating(self._attempts, request, self.options.max_migrations, self.migrations)
             async with contextlib.aclosing(_merged(tries) if buffered else tries) as outputs:
                 async for out in outputs:
@@ -187,15 +186,15 @@ class PDBackend:
     def _local(self, decode: Worker, rid: str, request: _Request) -> AsyncIterator[RequestOutput]:
         """The whole request on the decode node (``GenerateLocal``): cancelling the stream aborts
         it there, so a failure needs no Release."""
-        chunks = generate_local(decode.channel, rid, request.prompt, request.sampling, request.salt, request.tenant)
+        chunks = generate_local(decode.channel, rid, request.prompt, request.sampling, request.scope)
         convert = LocalOutputs(rid, len(request.prompt), request.sampling).output
         return self._stream(decode, chunks, convert, None)
 
     async def _alone(self, prefill: Worker, rid: str, request: _Request) -> AsyncIterator[RequestOutput]:
         """A one-token request on the prefill node alone: its first token is the answer."""
         try:
-            response = await prefill_alone(prefill.channel, rid, request.prompt, request.sampling, request.salt,
-                                           request.tenant, self.options.timeout_s)
+            response = await prefill_alone(prefill.channel, rid, request.prompt, request.sampling, request.scope,
+                                           self.options.timeout_s)
         except grpc.aio.AioRpcError as exc:
             self._blame(prefill, exc.code(), exc.details() or "")
             raise _Retry(f"prefill on {prefill.address}: {exc.code().name} {exc.details()}") from exc
@@ -213,7 +212,7 @@ class PDBackend:
         prefills, decodes = self.registry.available(Role.PREFILL), self.registry.available(Role.DECODE)
         if not decodes:
             raise oa.APIError(503, "no healthy decode worker", code="unavailable")
-        lookup = self.lookup(request.prompt, tenant_salt(request.tenant, request.salt))
+        lookup = self.lookup(request.prompt, request.scope.salt)
         decode = self.decode_policy.pick(decodes, lookup)
         held = lookup(decode)
         page = self.registry.info.identity.page_size if self.registry.info is not None else 1
@@ -238,9 +237,8 @@ class PDBackend:
         prefill, decode = pair
         stubs = pd_flow.Pair.connect(prefill.channel, decode.channel)
         try:
-            done = await pd_flow.prefill(stubs, rid, request.prompt, request.sampling, request.salt,
-                                         self.options.timeout_s, prefill.info.tp_size if prefill.info else 0,
-                                         request.tenant)
+            done = await pd_flow.prefill(stubs, rid, request.prompt, request.sampling, request.scope,
+                                         self.options.timeout_s, prefill.info.tp_size if prefill.info else 0)
         except pd_flow.HandoffFailed as exc:  # a transfer into a dead or frozen D is D's failure, not P's
             self._blame(decode if exc.destination_failed else prefill, exc.code, str(exc))
             raise _Retry(f"prefill on {prefill.address}: {exc}") from exc

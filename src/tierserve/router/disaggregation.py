@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from tierserve.core.outputs import FinishReason, RequestOutput, TokenLogprob
+from tierserve.core.scope import CacheScope
 from tierserve.core.tiers import TIERS
 from tierserve.proto import tierserve_pb2 as pb
 from tierserve.proto import tierserve_pb2_grpc as pb_grpc
@@ -52,11 +53,12 @@ def uncached_tokens(prompt_len: int, held: CachedPrefix, page_size: int) -> int:
 
 
 async def generate_local(channel: object, request_id: str, prompt_ids: list[int], sampling: pb.SamplingOptions,
-                         cache_salt: str, tenant: str) -> AsyncIterator[pb.GenerateChunk]:
+                         scope: CacheScope) -> AsyncIterator[pb.GenerateChunk]:
     """Streams the decode node's chunks of a whole request; leaving early cancels the call, which
     aborts the request there and frees its pages."""
     call = pb_grpc.DecodeServiceStub(channel).GenerateLocal(pb.LocalGenerateRequest(
-        request_id=request_id, prompt_ids=prompt_ids, sampling=sampling, cache_salt=cache_salt, tenant=tenant))
+        request_id=request_id, prompt_ids=prompt_ids, sampling=sampling, cache_salt=scope.cache_salt,
+        tenant=scope.tenant))
     try:
         async for chunk in call:
             yield chunk
@@ -65,11 +67,11 @@ async def generate_local(channel: object, request_id: str, prompt_ids: list[int]
 
 
 async def prefill_alone(channel: object, request_id: str, prompt_ids: list[int], sampling: pb.SamplingOptions,
-                        cache_salt: str, tenant: str, timeout_s: float) -> pb.PrefillResponse:
+                        scope: CacheScope, timeout_s: float) -> pb.PrefillResponse:
     """A one-token request on the prefill node alone; raises the gRPC error."""
     return await pb_grpc.PrefillServiceStub(channel).Prefill(pb.PrefillRequest(
-        request_id=request_id, prompt_ids=prompt_ids, sampling=sampling, cache_salt=cache_salt, tenant=tenant,
-        timeout_seconds=timeout_s), timeout=timeout_s + 1.0)
+        request_id=request_id, prompt_ids=prompt_ids, sampling=sampling, cache_salt=scope.cache_salt,
+        tenant=scope.tenant, timeout_seconds=timeout_s), timeout=timeout_s + 1.0)
 
 
 def alone_output(request_id: str, prompt_len: int, response: pb.PrefillResponse, sampling: pb.SamplingOptions

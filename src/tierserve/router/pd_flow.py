@@ -15,6 +15,7 @@ from typing import TypeVar
 
 import grpc
 
+from tierserve.core.scope import NO_SCOPE, CacheScope
 from tierserve.proto import tierserve_pb2 as pb
 from tierserve.proto import tierserve_pb2_grpc as pb_grpc
 from tierserve.proto.trailers import DESTINATION_FAILED, WRITER_STOPPED, says
@@ -60,19 +61,20 @@ class Prefilled:
 
 
 async def prefill(pair: Pair, request_id: str, prompt_ids: list[int], sampling: pb.SamplingOptions,
-                  cache_salt: str = "", timeout_s: float = 60.0, source_tp: int = 0, tenant: str = "") -> Prefilled:
+                  scope: CacheScope = NO_SCOPE, timeout_s: float = 60.0, source_tp: int = 0) -> Prefilled:
     """Reserve on D then Prefill on P; releases the reservation on any failure and raises
     ``HandoffFailed`` or the gRPC error. ``source_tp``: P's TP size (``NodeInfo.tp_size``; 0 if
-    unknown), so D can stage what P's ranks write when they hold fewer heads than D's. ``tenant``:
-    the API key's, sent to both nodes, which derive the cache namespace from it.
+    unknown), so D can stage what P's ranks write when they hold fewer heads than D's. ``scope``
+    (the API key's tenant, the client's salt) is sent to both nodes, which file the pages under it.
 
     The deadlines form one chain (``docs/faults.md``): D grants a lease for the
     whole leg (it may grant less than asked), P's deadline ends ``LEASE_MARGIN_S`` before that
     lease, and D frees the pages at once only when P confirmed that its last batch ended; any
     other ending makes D quarantine them for its grace period, longer than any transfer."""
     reserved = await _reserve(pair, pb.ReserveRequest(
-        request_id=request_id, prompt_ids=prompt_ids, max_new_tokens=sampling.max_tokens, cache_salt=cache_salt,
-        tenant=tenant, lease_seconds=timeout_s + LEASE_MARGIN_S, source_tp_size=source_tp,
+        request_id=request_id, prompt_ids=prompt_ids, max_new_tokens=sampling.max_tokens,
+        cache_salt=scope.cache_salt, tenant=scope.tenant, lease_seconds=timeout_s + LEASE_MARGIN_S,
+        source_tp_size=source_tp,
     ), timeout_s)
     dest = reserved.destination
     deadline = min(timeout_s, reserved.lease_seconds - LEASE_MARGIN_S)
@@ -82,8 +84,8 @@ async def prefill(pair: Pair, request_id: str, prompt_ids: list[int], sampling: 
                                                      f"lease: too short for a prefill")
     try:
         response = await pair.prefill.Prefill(pb.PrefillRequest(
-            request_id=request_id, prompt_ids=prompt_ids, sampling=sampling, cache_salt=cache_salt, tenant=tenant,
-            destination=dest, timeout_seconds=deadline,
+            request_id=request_id, prompt_ids=prompt_ids, sampling=sampling, cache_salt=scope.cache_salt,
+            tenant=scope.tenant, destination=dest, timeout_seconds=deadline,
         ), timeout=deadline + LEASE_MARGIN_S / 2)
     except grpc.aio.AioRpcError as exc:
         await release(pair, dest.reservation_id, writer_stopped=writer_stopped(exc))

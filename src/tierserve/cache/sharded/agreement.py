@@ -9,9 +9,12 @@ collectives they run.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 SLOTS = 128  # the fixed length of the agreed vector
 NOT_USED = 2**62  # padding: the minimum over ranks ignores it
@@ -42,9 +45,10 @@ class SingleRank:
 
 class CollectiveMin:
     """``all_reduce(MIN)`` of one int64 tensor of ``SLOTS`` entries per call, over ``group``
-    (gloo works on CPU). Callers must call ``min`` the same number of times on every rank."""
+    (gloo works on CPU; None: the default group). Callers must call ``min`` the same number of
+    times on every rank."""
 
-    def __init__(self, group: object | None = None) -> None:
+    def __init__(self, group: ProcessGroup | None = None) -> None:
         self.group = group
 
     def min(self, values: list[int]) -> list[int]:

@@ -32,6 +32,12 @@ def owned_pairs(own: PageOwnership, device_ids: Sequence[int], host_ids: Sequenc
     return [own.local(d) for d, _ in pairs], [own.local(h) for _, h in pairs]
 
 
+def rank_host_stats(host: HostKVPool, own: PageOwnership) -> dict[str, float]:
+    """What this rank's own host pool holds (under CP its share of the logical pages)."""
+    used = host.allocator.num_used_by(own.rank) if own.size > 1 else host.allocator.num_used
+    return {"host_rank_pages_used": used, "host_rank_pages_total": host.num_pages}
+
+
 class OwnedShardIO(ShardIO):
     """A CP rank's L3 side: it stores and reads only the pages whose host page it owns, each as the
     whole page's object under the page key (a page is whole on its owner, so a CP=1 node and a CP=N
