@@ -13,8 +13,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from cluster import MasterProcess
-from tiny_models import FAMILIES, make_tiny_model
+from helpers.processes import MasterProcess
+from helpers.tiny_models import FAMILIES, make_tiny_model
 
 from tierserve.cache.storage.mooncake import MooncakeStorage
 

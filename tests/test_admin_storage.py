@@ -9,12 +9,12 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from cluster import wait_until
-from engine_helpers import run_one
+from helpers.engine_runs import run_one
+from helpers.processes import wait_until
+from helpers.rank_servers import complete, start_server
+from helpers.tiny_models import add_word_tokenizer, make_tiny_model
 from test_server import _start, _stop, _wait_healthy
 from test_tp_hicache import seed as tp_seed
-from tiny_models import add_word_tokenizer, make_tiny_model
-from tp_server import complete, start_server
 
 from tierserve.cache.hashing import page_keys
 from tierserve.cache.options import HiCacheOptions

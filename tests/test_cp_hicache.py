@@ -14,10 +14,10 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from cluster import MasterProcess
+from helpers.processes import MasterProcess
+from helpers.rank_servers import TPServer, hf_greedy, start_server
+from helpers.tiny_models import add_word_tokenizer, make_tiny_model
 from test_tp_hicache import complete, hicache_flags, wait_backed_up
-from tiny_models import add_word_tokenizer, make_tiny_model
-from tp_server import TPServer, hf_greedy, start_server
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

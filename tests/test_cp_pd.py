@@ -12,9 +12,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from cluster import NodeProcess
-from pd_helpers import DECODE_ARGS, NODE_ARGS, PAGE, idle, prompts, reference, run_all, run_pd, wait_for
-from tiny_models import make_tiny_model
+from helpers.pd_nodes import DECODE_ARGS, NODE_ARGS, PAGE, idle, prompts, reference, run_all, run_pd, wait_for
+from helpers.processes import NodeProcess
+from helpers.tiny_models import make_tiny_model
 
 from tierserve.proto import tierserve_pb2 as pb
 from tierserve.proto import tierserve_pb2_grpc as pb_grpc

@@ -17,9 +17,9 @@ import httpx
 import openai
 import pytest
 import torch
-from tiny_models import add_word_tokenizer, make_tiny_model
+from helpers.rank_servers import HEADS, NEW_TOKENS, TPServer, complete, hf_greedy, prompts, start_server
+from helpers.tiny_models import add_word_tokenizer, make_tiny_model
 from tokenizers import Tokenizer
-from tp_server import HEADS, NEW_TOKENS, TPServer, complete, hf_greedy, prompts, start_server
 
 pytestmark = pytest.mark.integration
 PAGE = 4  # tp_server's page size

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import add_word_tokenizer, make_tiny_model
+from helpers.rank_servers import HEADS, complete, descendants, hf_greedy, prompts, start_server, wait_gone
+from helpers.tiny_models import add_word_tokenizer, make_tiny_model
 from tokenizers import Tokenizer
-from tp_server import HEADS, complete, descendants, hf_greedy, prompts, start_server, wait_gone
 
 pytestmark = [pytest.mark.gpu, pytest.mark.integration,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")]
@@ -41,9 +41,9 @@ def test_pd_across_tp_sizes_on_cuda_equals_the_single_engine(p: int, d: int, tmp
     writes head sub-ranges GPU to GPU and the answers equal the single engine's."""
     import asyncio
 
-    from cluster import NodeProcess
-    from pd_helpers import CHUNK, PAGE, reference, run_pd
-    from pd_helpers import prompts as pd_prompts
+    from helpers.pd_nodes import CHUNK, PAGE, reference, run_pd
+    from helpers.pd_nodes import prompts as pd_prompts
+    from helpers.processes import NodeProcess
 
     model = make_tiny_model("llama", tmp_path / "llama", heads=8, kv_heads=4, max_position=2048)
     args = ["--model", str(model), "--device", "cuda", "--dtype", "float32", "--page-size", str(PAGE),

@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from hicache_fakes import (
+from helpers.hicache_fakes import (
     DEVICE_PAGES,
     HOST_PAGES,
     MAX_TOKENS,
@@ -36,7 +36,7 @@ from hicache_fakes import (
     pick,
     value,
 )
-from hicache_invariants import L3Invariants
+from helpers.hicache_invariants import L3Invariants
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, rule

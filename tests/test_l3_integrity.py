@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_helpers import run_one
+from helpers.engine_runs import run_one
 from test_mooncake_storage import PARAMS, _engine, _prompt, _settle, closing, long_llama, mooncake_master, plain
 
 from tierserve.cache.device_pool import KVGeometry

@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 import torch
-from cluster import MasterProcess, free_port
-from engine_helpers import run_one
-from tiny_models import make_tiny_model
+from helpers.engine_runs import run_one
+from helpers.processes import MasterProcess, free_port
+from helpers.tiny_models import make_tiny_model
 
 from tierserve.cache import storage_tier
 from tierserve.cache.options import HiCacheOptions, HostLayout, PrefetchPolicy

@@ -13,8 +13,19 @@ from pathlib import Path
 
 import grpc
 import pytest
-from cluster import NodeProcess
-from pd_helpers import DECODE_ARGS, GRACE_S, NODE_ARGS, greedy, load, prompts, reference, reserve, run_pd, wait_for
+from helpers.pd_nodes import (
+    DECODE_ARGS,
+    GRACE_S,
+    NODE_ARGS,
+    greedy,
+    load,
+    prompts,
+    reference,
+    reserve,
+    run_pd,
+    wait_for,
+)
+from helpers.processes import NodeProcess
 
 from tierserve.proto import tierserve_pb2 as pb
 from tierserve.proto import tierserve_pb2_grpc as pb_grpc

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from tiny_models import make_tiny_model
+from helpers.tiny_models import make_tiny_model
 
 from tierserve.cache import hicache
 from tierserve.cache.factory import SKIP_AGREEMENT

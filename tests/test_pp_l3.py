@@ -12,10 +12,10 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from cluster import MasterProcess
-from tiny_models import add_word_tokenizer, make_tiny_model
+from helpers.processes import MasterProcess
+from helpers.rank_servers import NEW_TOKENS, TPServer, hf_greedy, start_server
+from helpers.tiny_models import add_word_tokenizer, make_tiny_model
 from tokenizers import Tokenizer
-from tp_server import NEW_TOKENS, TPServer, hf_greedy, start_server
 
 from tierserve.cache.hashing import Namespace, page_keys
 from tierserve.cache.options import HostLayout, object_format

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from cluster import MasterProcess
+from helpers.processes import MasterProcess
+from helpers.tiny_models import make_tiny_model
 from test_pp_agreement import PAGE, PROMPT, _digest, _run
-from tiny_models import make_tiny_model
 
 from tierserve.cache.factory import SKIP_AGREEMENT
 from tierserve.cache.options import HiCacheOptions, PrefetchPolicy

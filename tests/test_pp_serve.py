@@ -17,9 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from tiny_models import add_word_tokenizer, make_tiny_model
-from tokenizers import Tokenizer
-from tp_server import (
+from helpers.rank_servers import (
     HEADS,
     NEW_TOKENS,
     TPServer,
@@ -32,6 +30,8 @@ from tp_server import (
     wait_exit,
     wait_gone,
 )
+from helpers.tiny_models import add_word_tokenizer, make_tiny_model
+from tokenizers import Tokenizer
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 import torch
-from hicache_fakes import OPTIONS as HALF_RESERVED
-from hicache_fakes import PS, SEED, MemoryStorage, keys_of
+from helpers.hicache_fakes import OPTIONS as HALF_RESERVED
+from helpers.hicache_fakes import PS, SEED, MemoryStorage, keys_of
 
 from tierserve.cache.allocator import PageAllocator
 from tierserve.cache.device_pool import DeviceKVPool, KVGeometry

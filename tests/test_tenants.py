@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from cluster import NodeProcess, RouterProcess, free_port, running_up, stop, wait_until
+from helpers.processes import NodeProcess, RouterProcess, free_port, running_up, stop, wait_until
 from test_server import _start
 
 from tierserve.api import openai as oa

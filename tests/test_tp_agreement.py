@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from cluster import MasterProcess
-from tiny_models import make_tiny_model
+from helpers.processes import MasterProcess
+from helpers.tiny_models import make_tiny_model
 
 from tierserve.cache import hicache
 from tierserve.cache.factory import SKIP_AGREEMENT

@@ -11,8 +11,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from cluster import NodeProcess
-from pd_helpers import (
+from helpers.pd_nodes import (
     DECODE_ARGS,
     NODE_ARGS,
     PAGE,
@@ -26,7 +25,8 @@ from pd_helpers import (
     run_pd,
     wait_for,
 )
-from tiny_models import make_tiny_model
+from helpers.processes import NodeProcess
+from helpers.tiny_models import make_tiny_model
 
 from tierserve.proto import tierserve_pb2 as pb
 from tierserve.proto import tierserve_pb2_grpc as pb_grpc

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import grpc
 import pytest
-from cluster import MasterProcess, NodeProcess
-from pd_helpers import DECODE_ARGS, NODE_ARGS, PAGE, reference, run_pd, wait_for
-from tiny_models import make_tiny_model
+from helpers.pd_nodes import DECODE_ARGS, NODE_ARGS, PAGE, reference, run_pd, wait_for
+from helpers.processes import MasterProcess, NodeProcess
+from helpers.tiny_models import make_tiny_model
 
 from tierserve.cache.hashing import Namespace, page_keys
 from tierserve.cache.options import HostLayout, object_format

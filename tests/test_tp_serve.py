@@ -8,9 +8,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from tiny_models import add_word_tokenizer, make_tiny_model
+from helpers.rank_servers import HEADS, complete, descendants, hf_greedy, prompts, start_server, wait_gone
+from helpers.tiny_models import add_word_tokenizer, make_tiny_model
 from tokenizers import Tokenizer
-from tp_server import HEADS, complete, descendants, hf_greedy, prompts, start_server, wait_gone
 
 pytestmark = pytest.mark.integration
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from cluster import free_port, running_up, start_up
+from helpers.processes import free_port, running_up, start_up
 
 from tierserve import launch
 from tierserve.cli import up as cli_up

@@ -7,10 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from cluster import free_port, running_up
-from pd_helpers import reference
+from helpers.pd_nodes import reference
+from helpers.processes import free_port, running_up
+from helpers.tiny_models import add_word_tokenizer, make_tiny_model
 from test_up_tp import PROMPTS, _completion, _plan
-from tiny_models import add_word_tokenizer, make_tiny_model
 
 from tierserve.cli.main import build_parser
 from tierserve.launch.plan import stages

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from cluster import free_port, running_up
-from pd_helpers import reference
-from tiny_models import add_word_tokenizer, make_tiny_model
+from helpers.pd_nodes import reference
+from helpers.processes import free_port, running_up
+from helpers.tiny_models import add_word_tokenizer, make_tiny_model
 
 from tierserve import launch
 from tierserve.cli import up as cli_up

@@ -12,11 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-from cluster import MasterProcess
-from tiny_models import add_word_tokenizer, make_tiny_model
 from tokenizers import Tokenizer
-from tp_server import TPServer, start_server
 
+from helpers.processes import MasterProcess
+from helpers.rank_servers import TPServer, start_server
+from helpers.tiny_models import add_word_tokenizer, make_tiny_model
 from tierserve.cache.hashing import Namespace, page_keys
 from tierserve.cache.options import HostLayout, object_format
 from tierserve.cache.sharded.shards import HeadRange, object_key
@@ -33,7 +33,7 @@ REQUEST_TIMEOUT_S = 1800.0  # a 128K-token prefill on two shared cores takes min
 
 
 def long_model(folder: Path) -> Path:
-    """The tiny Llama of ``tests/tiny_models.py`` with ``MAX_POSITION`` rope positions (rope_theta
+    """The tiny Llama of ``tests/helpers/tiny_models.py`` with ``MAX_POSITION`` rope positions (rope_theta
     10000 as every tiny model: the positions, not the frequencies, are what a long prompt tests)."""
     model = make_tiny_model("llama", folder, max_position=MAX_POSITION, heads=HEADS, kv_heads=KV_HEADS, layers=LAYERS)
     return add_word_tokenizer(model)

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import openai
 import torch
-from cluster import stop, wait_until
 
+from helpers.processes import stop, wait_until
 from tierserve.launch import free_port, http_ok
 
 STARTUP_DEADLINE_S = 120.0
