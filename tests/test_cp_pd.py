@@ -12,7 +12,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers.pd_nodes import DECODE_ARGS, NODE_ARGS, PAGE, idle, prompts, reference, run_all, run_pd, wait_for
+from helpers.pd_nodes import DECODE_ARGS, NODE_ARGS, PAGE, idle, prompts, reference, run_all, run_pd
+from helpers.polling import wait_for
 from helpers.processes import NodeProcess
 from helpers.tiny_models import make_tiny_model
 

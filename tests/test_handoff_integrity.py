@@ -13,18 +13,8 @@ import grpc
 import httpx
 import pytest
 import torch
-from helpers.pd_nodes import (
-    DECODE_ARGS,
-    NODE_ARGS,
-    greedy,
-    idle,
-    prompts,
-    reference,
-    release,
-    reserve,
-    run_pd,
-    wait_for,
-)
+from helpers.pd_nodes import DECODE_ARGS, NODE_ARGS, greedy, idle, prompts, reference, release, reserve, run_pd
+from helpers.polling import wait_for
 from helpers.processes import NodeProcess, free_port
 from helpers.tiny_models import make_tiny_model
 from prometheus_client.parser import text_string_to_metric_families

@@ -12,7 +12,8 @@ import grpc
 import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from helpers.processes import NodeProcess, RouterProcess, free_port, running_up, wait_until
+from helpers.polling import wait_until
+from helpers.processes import NodeProcess, RouterProcess, free_port, running_up
 
 from tierserve.core.node_auth import TLSFiles, client_interceptors, node_channel, read_token
 from tierserve.proto import tierserve_pb2 as pb

@@ -22,8 +22,8 @@ from helpers.pd_nodes import (
     release,
     reserve,
     run_pd,
-    wait_for,
 )
+from helpers.polling import wait_for
 from helpers.processes import NodeProcess
 
 from tierserve.proto import tierserve_pb2 as pb

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-from helpers.pd_nodes import NODE_ARGS, greedy, load, reference, wait_for
+from helpers.pd_nodes import NODE_ARGS, greedy, load, reference
+from helpers.polling import wait_for
 from helpers.processes import NodeProcess
 
 from tierserve.cache.allocator import PageAllocator

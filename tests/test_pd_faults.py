@@ -13,18 +13,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-from helpers.pd_nodes import (
-    DECODE_ARGS,
-    GRACE_S,
-    NODE_ARGS,
-    greedy,
-    load,
-    prompts,
-    reference,
-    reserve,
-    run_pd,
-    wait_for,
-)
+from helpers.pd_nodes import DECODE_ARGS, GRACE_S, NODE_ARGS, greedy, load, prompts, reference, reserve, run_pd
+from helpers.polling import wait_for
 from helpers.processes import NodeProcess
 
 from tierserve.proto import tierserve_pb2 as pb

@@ -12,7 +12,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers.pd_nodes import DECODE_ARGS, NODE_ARGS, PAGE, reference, wait_for
+from helpers.pd_nodes import DECODE_ARGS, NODE_ARGS, PAGE, reference
+from helpers.polling import wait_for
 from helpers.processes import MasterProcess, NodeProcess
 from helpers.tiny_models import make_tiny_model
 from test_tp_pd_l3 import OFFLOAD_DEADLINE_S, flush, fresh_prompt, hicache_args, pd

@@ -12,7 +12,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from helpers.pd_nodes import load, wait_for
+from helpers.pd_nodes import load
+from helpers.polling import wait_for
 from helpers.processes import MasterProcess, NodeProcess, RouterProcess, free_port
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers.pd_nodes import DECODE_ARGS, NODE_ARGS, load, metric, wait_for
+from helpers.pd_nodes import DECODE_ARGS, NODE_ARGS, load, metric
+from helpers.polling import wait_for
 from helpers.processes import NodeProcess, RouterProcess
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -23,8 +23,8 @@ from helpers.pd_nodes import (
     reserve,
     run_all,
     run_pd,
-    wait_for,
 )
+from helpers.polling import wait_for
 from helpers.processes import NodeProcess
 from helpers.tiny_models import make_tiny_model
 

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-from helpers.pd_nodes import DECODE_ARGS, NODE_ARGS, PAGE, reference, run_pd, wait_for
+from helpers.pd_nodes import DECODE_ARGS, NODE_ARGS, PAGE, reference, run_pd
+from helpers.polling import wait_for
 from helpers.processes import MasterProcess, NodeProcess
 from helpers.tiny_models import make_tiny_model
 

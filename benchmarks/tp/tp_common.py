@@ -16,7 +16,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))  # helpers.tiny_models, helpers.processes: the tests' helpers, reused
 
-from helpers.processes import MasterProcess, NodeProcess, stop, wait_until  # noqa: E402
+from helpers.polling import wait_until  # noqa: E402
+from helpers.processes import MasterProcess, NodeProcess, stop  # noqa: E402
 from helpers.tiny_models import _config, add_word_tokenizer  # noqa: E402
 
 from tierserve.launch import free_port, http_ok  # noqa: E402

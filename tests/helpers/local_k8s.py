@@ -31,7 +31,8 @@ from helpers.k8s_manifests import (
     role,
     selects,
 )
-from helpers.processes import free_port, wait_until
+from helpers.polling import wait_until
+from helpers.processes import free_port
 
 # ---- the TLS Secret's files ------------------------------------------------------------------
 

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 from pathlib import Path
 
 import grpc
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
+from helpers import metrics
 from tierserve.core.sampling import SamplingParams
 from tierserve.engine.config import EngineConfig
 from tierserve.engine.engine import Engine
@@ -67,18 +66,6 @@ async def reserve(decode: str, rid: str, prompt: list[int], lease: float = 0.0) 
             pb.ReserveRequest(request_id=rid, prompt_ids=prompt, max_new_tokens=MAX_NEW, lease_seconds=lease))
 
 
-def wait_for(check, what: str, deadline_s: float) -> None:
-    """Polls ``check()`` (a bool, or an awaitable of one) until it is true."""
-    deadline = time.monotonic() + deadline_s
-    while not _value(check()):
-        assert time.monotonic() < deadline, f"{what} within {deadline_s} s"
-        time.sleep(0.05)  # poll interval
-
-
-def _value(result) -> bool:
-    return asyncio.run(result) if asyncio.iscoroutine(result) else bool(result)
-
-
 async def release(decode: str, rid: str, writer_stopped: bool) -> bool:
     async with grpc.aio.insecure_channel(decode) as channel:
         reply = await pb_grpc.DecodeServiceStub(channel).Release(
@@ -88,18 +75,15 @@ async def release(decode: str, rid: str, writer_stopped: bool) -> bool:
 
 def metric(router, name: str, **labels: str) -> float:
     """One sample of a router's (``RouterProcess``) /metrics; 0 while it has not appeared."""
-    for family in text_string_to_metric_families(httpx.get(f"{router.url}/metrics").text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                return sample.value
-    return 0.0
+    return metrics.value(httpx.get(f"{router.url}/metrics").text, name, **labels)
 
 
 def node_metric(node, name: str) -> float:
     """One sample of a node's (``NodeProcess``) /metrics, on the port its ``--metrics-port`` names."""
     port = node.proc.args[node.proc.args.index("--metrics-port") + 1]
-    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-    return next(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
+    found = metrics.find(metrics.scrape(f"http://127.0.0.1:{port}"), name)
+    assert found is not None, f"{name} not on the node's /metrics"
+    return found
 
 
 async def run_all(prefill: str, decode: str, batch: list[list[int]], tag: str, source_tp: int | None = None

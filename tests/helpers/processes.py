@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from helpers.polling import wait_until
 from tierserve.launch import free_port, grpc_serving, http_ok, tcp_open
 
 
@@ -25,18 +26,6 @@ def stop(proc: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=10)
-
-
-def wait_until(ready, what: str, deadline_s: float, proc: subprocess.Popen | None = None, log: Path | None = None
-               ) -> None:
-    deadline = time.monotonic() + deadline_s
-    while not ready():
-        if proc is not None and proc.poll() is not None:
-            tail = log.read_text(errors="replace")[-3000:] if log else ""
-            raise RuntimeError(f"{what} exited with {proc.returncode}:\n{tail}")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} not ready after {deadline_s} s")
-        time.sleep(0.02)  # poll interval, not a wait for readiness
 
 
 class MasterProcess:

@@ -12,7 +12,8 @@ from pathlib import Path
 import openai
 import torch
 
-from helpers.processes import stop, wait_until
+from helpers.polling import wait_until
+from helpers.processes import stop
 from tierserve.launch import free_port, http_ok
 
 STARTUP_DEADLINE_S = 120.0
