@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 from helpers.hicache_fakes import (
     DEVICE_PAGES,
@@ -47,6 +48,8 @@ from tierserve.cache.hicache import HiCache, HiCacheConfig
 from tierserve.cache.host_pool import HostKVPool, HostLayout
 from tierserve.cache.prefetch import Prefetch
 from tierserve.cache.radix_tree import path_to_root, subtree
+
+pytestmark = pytest.mark.fakes  # an L3 in a dict and executors stepped by hand (hicache_fakes)
 
 
 class L3Machine(L3Invariants, RuleBasedStateMachine):

@@ -22,6 +22,8 @@ from tierserve.cache.prefetch import Prefetch, PrefetchOptions, prefetch_timeout
 from tierserve.cache.sharded.cp_pages import PageOwnership
 from tierserve.cache.storage_tier import WINDOW
 
+pytestmark = pytest.mark.fakes  # an L3 in a dict (hicache_fakes.MemoryStorage) in place of Mooncake
+
 OPTIONS = PrefetchOptions(threshold_tokens=PS, max_reserved_fraction=1.0)
 
 
