@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TypeVar
 
@@ -58,3 +58,13 @@ def poll_settled(read: Callable[[], T], ready: Callable[[T], object], deadline_s
     while not ready(value := read()) and time.monotonic() < deadline:
         time.sleep(interval_s)  # poll interval
     return value
+
+
+async def wait_for_async(check: Callable[[], Awaitable[object]], what: str, deadline_s: float,
+                         interval_s: float = 0.05) -> None:
+    """``wait_for`` on a running event loop: awaits ``check()`` until it is true, yielding the loop
+    between polls; fails the test past the deadline."""
+    deadline = time.monotonic() + deadline_s
+    while not await check():
+        assert time.monotonic() < deadline, f"{what} within {deadline_s} s"
+        await asyncio.sleep(interval_s)  # poll interval
