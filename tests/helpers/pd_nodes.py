@@ -66,6 +66,26 @@ async def reserve(decode: str, rid: str, prompt: list[int], lease: float = 0.0) 
             pb.ReserveRequest(request_id=rid, prompt_ids=prompt, max_new_tokens=MAX_NEW, lease_seconds=lease))
 
 
+async def reserve_for(decode: str, rid: str, prompt: list[int], source_tp: int) -> pb.ReserveResponse:
+    """A Reserve that names the prefill node's TP size (its writers), for 4 new tokens."""
+    async with grpc.aio.insecure_channel(decode) as channel:
+        return await pb_grpc.DecodeServiceStub(channel).Reserve(
+            pb.ReserveRequest(request_id=rid, prompt_ids=prompt, max_new_tokens=4, source_tp_size=source_tp))
+
+
+async def prefill_into(prefill: str, rid: str, prompt: list[int], dest: pb.KVDestination) -> pb.PrefillResponse:
+    """A Prefill whose KV goes to ``dest`` (a destination a test may have altered)."""
+    async with grpc.aio.insecure_channel(prefill) as channel:
+        return await pb_grpc.PrefillServiceStub(channel).Prefill(
+            pb.PrefillRequest(request_id=rid, prompt_ids=prompt, sampling=greedy(), destination=dest))
+
+
+async def info(address: str) -> pb.NodeInfo:
+    """A node's Info (its role's sizes: TP, PP)."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        return await pb_grpc.NodeServiceStub(channel).Info(pb.InfoRequest())
+
+
 async def release(decode: str, rid: str, writer_stopped: bool) -> bool:
     async with grpc.aio.insecure_channel(decode) as channel:
         reply = await pb_grpc.DecodeServiceStub(channel).Release(
