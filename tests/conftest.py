@@ -16,8 +16,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from helpers.mooncake_engines import PARAMS, plain_engine
-from helpers.processes import MasterProcess
-from helpers.tiny_models import FAMILIES, make_tiny_model
+from helpers.processes import MasterProcess, master_running, store_client
+from helpers.tiny_models import FAMILIES, add_word_tokenizer, make_tiny_model
 
 from tierserve.cache.storage.mooncake import MooncakeStorage
 
@@ -57,17 +57,15 @@ def master(tmp_path: Path) -> Iterator[MasterProcess]:
 @pytest.fixture(scope="module")
 def module_master(tmp_path_factory) -> Iterator[MasterProcess]:
     """One ``mooncake_master`` for a whole module, whose node processes are module fixtures too."""
-    master = MasterProcess(tmp_path_factory.mktemp("master") / "master.log").start()
-    yield master
-    master.kill()
+    with master_running(tmp_path_factory.mktemp("master") / "master.log") as master:
+        yield master
 
 
 @pytest.fixture(scope="module")
 def l3_store(module_master: MasterProcess) -> Iterator[MooncakeStorage]:
     """A client of the module's L3 that lends it no memory (it only asks what is there)."""
-    client = MooncakeStorage(module_master.address, global_segment_size=0, local_buffer_size=16 << 20)
-    yield client
-    client.close()
+    with store_client(module_master) as client:
+        yield client
 
 
 @pytest.fixture
@@ -96,3 +94,18 @@ def plain(long_llama: Path) -> Callable[[list[int]], list[int]]:
     what every cached run must reproduce."""
     engine = plain_engine(long_llama)
     return lambda prompt: engine.generate([prompt], PARAMS)[0]
+
+
+@pytest.fixture(scope="session")
+def ranks_llama(tmp_path_factory) -> Path:
+    """A tiny Llama that splits over ranks (8 heads, 4 KV heads, 2 layers: TP and CP sizes up to 4),
+    2048 positions, with the word tokenizer."""
+    return add_word_tokenizer(make_tiny_model("llama", tmp_path_factory.mktemp("ranks_llama"), heads=8, kv_heads=4,
+                                              max_position=2048))
+
+
+@pytest.fixture(scope="session")
+def ranks_llama4(tmp_path_factory) -> Path:
+    """``ranks_llama`` with 4 layers (PP sizes up to 4)."""
+    return add_word_tokenizer(make_tiny_model("llama", tmp_path_factory.mktemp("ranks_llama4"), heads=8, kv_heads=4,
+                                              layers=4, max_position=2048))

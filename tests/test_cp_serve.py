@@ -17,9 +17,17 @@ import httpx
 import openai
 import pytest
 import torch
-from helpers.rank_servers import HEADS, NEW_TOKENS, TPServer, complete, hf_greedy, prompts, start_server
+from helpers.rank_servers import (
+    HEADS,
+    NEW_TOKENS,
+    TPServer,
+    complete_all,
+    hf_greedy,
+    prompts,
+    start_server,
+    token_ids,
+)
 from helpers.tiny_models import add_word_tokenizer, make_tiny_model
-from tokenizers import Tokenizer
 
 pytestmark = pytest.mark.integration
 PAGE = 4  # tp_server's page size
@@ -32,11 +40,6 @@ def _model(family: str, folder: Path) -> Path:
     return add_word_tokenizer(model)
 
 
-def _ids(model: Path, texts: list[str]) -> list[list[int]]:
-    words = Tokenizer.from_file(str(model / "tokenizer.json"))
-    return [words.encode(text).ids for text in texts]
-
-
 def _serve(model: Path, log: Path, attention: str = "merge") -> TPServer:
     return start_server(model, 1, log, "--cp-size", "2", "--cp-attention", attention).wait_healthy()
 
@@ -45,7 +48,7 @@ def _cached(client: openai.OpenAI, model: Path, prompt: list[int]) -> tuple[list
     """Greedy output ids and the prompt tokens served from the cache."""
     reply = client.completions.create(model=model.name, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0,
                                       extra_body={"ignore_eos": True})
-    return _ids(model, [reply.choices[0].text])[0], reply.usage.prompt_tokens_details.cached_tokens
+    return token_ids(model, [reply.choices[0].text])[0], reply.usage.prompt_tokens_details.cached_tokens
 
 
 def _refused_pages(server: TPServer) -> float:
@@ -92,12 +95,10 @@ def test_a_batch_with_chunked_prefill_equals_transformers(family: str, attention
     expected = hf_greedy(model, asked)
     server = _serve(model, tmp_path / "serve.log", attention)
     try:
-        client = server.client()
-        with ThreadPoolExecutor(len(asked)) as pool:  # concurrent: they share steps
-            texts = list(pool.map(lambda p: complete(client, model.name, p), asked))
+        texts = complete_all(server, model, asked)
     finally:
         server.stop()
-    assert _ids(model, texts) == expected, server.log.read_text()[-3000:]
+    assert token_ids(model, texts) == expected, server.log.read_text()[-3000:]
 
 
 @pytest.mark.parametrize("attention", ["merge", "gather"])
@@ -156,8 +157,8 @@ def test_a_clashing_rotation_is_refused_and_outputs_stay_correct(tmp_path: Path)
                                   temperature=0, extra_body={"ignore_eos": True})
             a_text = first.choices[0].text + "".join(chunk.choices[0].text for chunk in stream)
             b_text = b_reply.result().choices[0].text  # 32 tokens: B ends after A, every step shared
-        assert _ids(model, [a_text]) == expected[:1]
-        assert _ids(model, [b_text])[0][:NEW_TOKENS] == expected[1]
+        assert token_ids(model, [a_text]) == expected[:1]
+        assert token_ids(model, [b_text])[0][:NEW_TOKENS] == expected[1]
         assert _wait_refused(server) >= 1
         c_out, c_cached = _cached(client, model, c)
         assert c_out == expected[2]

@@ -21,7 +21,7 @@ import grpc
 import pytest
 from helpers.pd_nodes import DECODE_ARGS, NODE_ARGS, PAGE, reference, run_pd
 from helpers.polling import wait_for
-from helpers.processes import MasterProcess, NodeProcess
+from helpers.processes import MasterProcess, NodeProcess, master_running, store_client
 from helpers.tiny_models import make_tiny_model
 
 from tierserve.cache.hashing import Namespace, page_keys
@@ -53,17 +53,15 @@ def model(layout: str, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def layout_master(layout: str, tmp_path_factory) -> Iterator[MasterProcess]:
     """One ``mooncake_master`` per layout, as each layout's nodes had one per module."""
-    master = MasterProcess(tmp_path_factory.mktemp(f"{layout}-master") / "master.log").start()
-    yield master
-    master.kill()
+    with master_running(tmp_path_factory.mktemp(f"{layout}-master") / "master.log") as master:
+        yield master
 
 
 @pytest.fixture(scope="module")
 def store(layout_master: MasterProcess) -> Iterator[MooncakeStorage]:
     """A client of the layout's L3 that lends it no memory (it only asks what is there)."""
-    client = MooncakeStorage(layout_master.address, global_segment_size=0, local_buffer_size=16 << 20)
-    yield client
-    client.close()
+    with store_client(layout_master) as client:
+        yield client
 
 
 def hicache_args(master: MasterProcess) -> list[str]:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from helpers.rank_agreement import PAGE, PROMPT, digest, run_agreed, run_ranks
+from helpers.rank_agreement import PAGE, PROMPT, assert_same_tree_every_step, digest, run_agreed, run_ranks
 from helpers.tiny_models import make_tiny_model
 
 from tierserve.cache import hicache
@@ -86,9 +86,7 @@ def test_stages_with_transfers_lagging_differently_keep_the_same_tree_every_step
     codes = run_ranks(_stage, [(s, port, str(model), skip, str(outs[s])) for s in range(STAGES)], 6 * TIMEOUT_S)
     assert codes == [0, 0], "a stage failed (diverged stages time out or disagree)"
     first, second = (json.loads(o.read_text()) for o in outs)
-    assert len(first["digests"]) == len(second["digests"])
-    for step, (a, b) in enumerate(zip(first["digests"], second["digests"], strict=True)):
-        assert a == b, f"the stages' trees differ after step {step}"
+    assert_same_tree_every_step(first, second)
     for r in (first, second):
         assert r["host_layers"] == LAYERS // STAGES  # each stage's L2 holds its layers only
         assert sum(r["cold"][1].values()) == 0, r["cold"]

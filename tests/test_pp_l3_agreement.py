@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 from helpers.processes import MasterProcess
-from helpers.rank_agreement import PAGE, PROMPT, digest, run_agreed, run_ranks
+from helpers.rank_agreement import PAGE, PROMPT, assert_same_tree_every_step, digest, run_agreed, run_ranks
 from helpers.tiny_models import make_tiny_model
 
 from tierserve.cache.factory import SKIP_AGREEMENT
@@ -77,9 +77,7 @@ def test_stages_whose_l3_reads_differ_keep_the_same_tree_every_step(model: Path,
                        for s in range(STAGES)], 8 * TIMEOUT_S)
     assert codes == [0, 0], "a stage failed (diverged stages time out or disagree)"
     first, second = (json.loads(o.read_text()) for o in outs)
-    assert len(first["digests"]) == len(second["digests"])
-    for step, (a, b) in enumerate(zip(first["digests"], second["digests"], strict=True)):
-        assert a == b, f"the stages' trees differ after step {step}"
+    assert_same_tree_every_step(first, second)
     for r in (first, second):
         assert sum(r["cold"][1].values()) == 0, r["cold"]
         assert r["l3"][0] == r["cold"][0] and r["l3"][1]["storage"] == agreed_pages * PAGE, r["l3"]

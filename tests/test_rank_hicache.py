@@ -24,6 +24,7 @@ from helpers.processes import MasterProcess
 from helpers.rank_hicache import (
     KV_HEADS,
     PAGE,
+    assert_hits_l1_then_l2,
     complete,
     hicache_flags,
     remove_from_l3,
@@ -80,6 +81,16 @@ def serve(layout: str, model: Path, size: int, log: Path, master: MasterProcess,
     return start_server(model, tp, log, *ranks, *flags).wait_healthy()
 
 
+def read_back(layout: str, model: Path, size: int, log: Path, master: MasterProcess, prompt: list[int],
+              **flags) -> tuple[list[int], dict[str, int]]:
+    """``prompt``'s answer and cached tiers on a fresh node of ``size`` ranks, stopped after."""
+    reader = serve(layout, model, size, log, master, **flags)
+    try:
+        return complete(reader, model, prompt)
+    finally:
+        reader.stop()
+
+
 def pp_object_names(model: Path, tokens: list[int], pp_size: int) -> list[bytes]:
     """Every object a TP=1 node of ``pp_size`` stages writes for the prompt's full pages."""
     seed_ = Namespace(model_identity(model), "float32", PAGE, PP_LAYERS, KV_HEADS, 16,
@@ -118,21 +129,11 @@ def test_two_ranks_answer_from_l1_l2_and_l3_equal_no_cache(models, asked, expect
     model, asked, expected = models[layout], asked[layout], expected[layout]
     writer = serve(layout, model, 2, tmp_path / "writer.log", master, max_tokens={"tp": 48, "cp": 24}[layout] * PAGE)
     try:
-        assert complete(writer, model, asked[0]) == (expected[0], {"device": 0, "host": 0, "storage": 0})
-        answer, tiers = complete(writer, model, asked[0])
-        assert answer == expected[0] and tiers["device"] >= 16 * PAGE, tiers
-        for i in (1, 2, 3):
-            assert complete(writer, model, asked[i])[0] == expected[i]
-        answer, tiers = complete(writer, model, asked[0])
-        assert answer == expected[0] and tiers["host"] > 0, tiers
+        assert_hits_l1_then_l2(writer, model, asked, expected)
         if layout == "cp":
             assert_host_pool_holds_own_pages(writer)
         wait_written(layout, master, model, asked[1], 2)
-        reader = serve(layout, model, 2, tmp_path / "reader.log", master)
-        try:
-            answer, tiers = complete(reader, model, asked[1])
-        finally:
-            reader.stop()
+        answer, tiers = read_back(layout, model, 2, tmp_path / "reader.log", master, asked[1])
         assert answer == expected[1] and tiers["storage"] >= 0.9 * PROMPT_TOKENS, tiers
     finally:
         writer.stop()
@@ -153,11 +154,7 @@ def test_l3_pages_are_read_across_sizes(models, asked, expected, master, tmp_pat
         assert complete(writer, model, asked[prompt]) == (expected[prompt], {"device": 0, "host": 0, "storage": 0})
         wait_written(layout, master, model, asked[prompt], writer_size)
         for size in reader_sizes:
-            reader = serve(layout, model, size, tmp_path / f"reader-{size}.log", master)
-            try:
-                answer, tiers = complete(reader, model, asked[prompt])
-            finally:
-                reader.stop()
+            answer, tiers = read_back(layout, model, size, tmp_path / f"reader-{size}.log", master, asked[prompt])
             assert answer == expected[prompt], (writer_size, size)
             assert tiers["storage"] >= 0.9 * PROMPT_TOKENS, (writer_size, size, tiers)
     finally:
@@ -178,11 +175,7 @@ def test_a_tp1_writer_told_the_cluster_tp_sizes_stores_halves_that_tp2_ranks_rea
         keys = page_keys(seed(model), asked[3][: PROMPT_TOKENS // PAGE * PAGE], PAGE)
         wait_in_l3(master, keys + [object_key(k, HeadRange(h, 2, KV_HEADS)) for k in keys for h in (0, 2)])
         remove_from_l3(master, keys)
-        reader = serve("tp", model, 2, tmp_path / "reader.log", master)
-        try:
-            answer, tiers = complete(reader, model, asked[3])
-        finally:
-            reader.stop()
+        answer, tiers = read_back("tp", model, 2, tmp_path / "reader.log", master, asked[3])
         assert answer == expected[3] and tiers["storage"] >= 0.9 * PROMPT_TOKENS, tiers
     finally:
         writer.stop()
@@ -219,11 +212,7 @@ def test_replicated_kv_heads_are_written_once_and_read_at_tp1(master, tmp_path: 
         assert complete(writer, qwen3, prompt)[0] == expected
         keys = page_keys(seed(qwen3, 2), prompt[: PROMPT_TOKENS // PAGE * PAGE], PAGE)
         wait_in_l3(master, [object_key(k, HeadRange(h, 1, 2)) for k in keys for h in (0, 1)])
-        reader = serve("tp", qwen3, 1, tmp_path / "reader.log", master)
-        try:
-            answer, tiers = complete(reader, qwen3, prompt)
-        finally:
-            reader.stop()
+        answer, tiers = read_back("tp", qwen3, 1, tmp_path / "reader.log", master, prompt)
         assert answer == expected and tiers["storage"] >= 0.9 * PROMPT_TOKENS, tiers
     finally:
         writer.stop()

@@ -9,7 +9,6 @@ import os
 from pathlib import Path
 
 import pytest
-from helpers.tiny_models import add_word_tokenizer, make_tiny_model
 from helpers.up_plans import capture_plans, child_args, children, plan_up, run_up
 
 from tierserve import launch
@@ -120,23 +119,8 @@ def test_up_gives_every_child_its_logging_flags(monkeypatch) -> None:
 # ---- layouts: TP, CP and PP sizes per role ---------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory) -> Path:
-    """A tiny Llama of 8 heads, 4 KV heads and 2 layers (TP and CP sizes up to 4)."""
-    folder = make_tiny_model("llama", tmp_path_factory.mktemp("up_plan"), heads=8, kv_heads=4, max_position=2048)
-    return add_word_tokenizer(folder)
-
-
-@pytest.fixture(scope="module")
-def model4(tmp_path_factory) -> Path:
-    """The same with 4 layers (PP sizes up to 4)."""
-    folder = make_tiny_model("llama", tmp_path_factory.mktemp("up_plan4"), heads=8, kv_heads=4, layers=4,
-                             max_position=2048)
-    return add_word_tokenizer(folder)
-
-
 def _layout_model(request, layout: str) -> Path:
-    return request.getfixturevalue("model4" if layout == "pp" else "model")
+    return request.getfixturevalue("ranks_llama4" if layout == "pp" else "ranks_llama")
 
 
 @pytest.mark.parametrize(("layout", "flags", "fields", "expected"), [
@@ -156,8 +140,8 @@ def test_each_role_gets_its_layout_sizes(monkeypatch, request, layout: str, flag
     assert tuple(getattr(roles[f.split(".")[0]], f.split(".")[1]) for f in fields) == expected
 
 
-def test_nodes_get_no_tp_size_unless_asked(monkeypatch, model: Path) -> None:
-    _, plans = plan_up(monkeypatch, model, "--no-l3")
+def test_nodes_get_no_tp_size_unless_asked(monkeypatch, ranks_llama: Path) -> None:
+    _, plans = plan_up(monkeypatch, ranks_llama, "--no-l3")
     assert "--tp-size" not in [a for argv in children(plans[0]).values() for a in argv]
 
 

@@ -5,32 +5,14 @@ plans (the sizes each role gets, the sizes refused) are in ``test_up_plan.py``."
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import httpx
 import pytest
 from helpers.pd_nodes import reference
 from helpers.processes import free_port, running_up
-from helpers.tiny_models import add_word_tokenizer, make_tiny_model
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 PROMPTS = [list(range(2, 7)), list(range(30, 100)), list(range(100, 140))]
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory) -> Path:
-    """A tiny Llama of 8 heads, 4 KV heads and 2 layers (TP and CP sizes up to 4)."""
-    folder = make_tiny_model("llama", tmp_path_factory.mktemp("up_ranks"), heads=8, kv_heads=4, max_position=2048)
-    return add_word_tokenizer(folder)
-
-
-@pytest.fixture(scope="module")
-def model4(tmp_path_factory) -> Path:
-    """The same with 4 layers (two stages of two)."""
-    folder = make_tiny_model("llama", tmp_path_factory.mktemp("up_ranks4"), heads=8, kv_heads=4, layers=4,
-                             max_position=2048)
-    return add_word_tokenizer(folder)
 
 
 def _completion(port: int, prompt: list[int]) -> list[int]:
@@ -48,7 +30,7 @@ def _completion(port: int, prompt: list[int]) -> list[int]:
 ], ids=["tp2-tp1", "tp1-tp2", "cp2-l3", "pp2-pp2-l3"])
 def test_up_with_multi_rank_nodes_answers_as_the_single_engine(request, layout: str, flags: list[str],
                                                                banner: str) -> None:
-    model = request.getfixturevalue("model4" if layout == "pp" else "model")
+    model = request.getfixturevalue("ranks_llama4" if layout == "pp" else "ranks_llama")
     port = free_port()
     with running_up(port, "--model", str(model), "--dtype", "float32", "--max-total-tokens", "2048", *flags) as lines:
         assert [_completion(port, prompt) for prompt in PROMPTS] == reference(model, PROMPTS)

@@ -65,3 +65,10 @@ def run_ranks(target: Callable[..., None], args: list[tuple], deadline_s: float)
             if p.is_alive():
                 p.kill()
     return [p.exitcode for p in procs]
+
+
+def assert_same_tree_every_step(first: dict, second: dict) -> None:
+    """Two stages' results (their ``digests``): as many steps, and the same tree after every one."""
+    assert len(first["digests"]) == len(second["digests"])
+    for step, (a, b) in enumerate(zip(first["digests"], second["digests"], strict=True)):
+        assert a == b, f"the stages' trees differ after step {step}"

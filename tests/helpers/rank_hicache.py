@@ -11,12 +11,11 @@ import httpx
 from tokenizers import Tokenizer
 
 from helpers.polling import wait_for
-from helpers.processes import MasterProcess
+from helpers.processes import MasterProcess, store_client
 from helpers.rank_servers import NEW_TOKENS, TPServer
 from tierserve.cache.hashing import Namespace, page_keys
 from tierserve.cache.options import HostLayout, object_format
 from tierserve.cache.sharded.shards import HeadRange, object_key
-from tierserve.cache.storage.mooncake import MooncakeStorage
 from tierserve.model.identity import model_identity
 
 PAGE = 4  # rank_servers' page size
@@ -59,20 +58,27 @@ def wait_backed_up(master: MasterProcess, model: Path, tokens: list[int], tp_siz
 
 def wait_in_l3(master: MasterProcess, names: list[bytes]) -> None:
     """Polls the store until it holds every object of ``names``."""
-    store = MooncakeStorage(master.address, global_segment_size=0, local_buffer_size=16 << 20)
-    try:
+    with store_client(master) as store:
         wait_for(lambda: store.batch_exists(names) >= len(names), f"backups in L3 after {BACKUP_DEADLINE_S} s",
                  BACKUP_DEADLINE_S, interval_s=0.1)
-    finally:
-        store.close()
 
 
 def remove_from_l3(master: MasterProcess, names: list[bytes]) -> None:
     """Removes objects (the backend has no such call: a cache never removes one page)."""
-    store = MooncakeStorage(master.address, global_segment_size=0, local_buffer_size=16 << 20)
-    try:
+    with store_client(master) as store:
         codes = store._call(lambda s: s.batch_remove([store.prefix + k.hex() for k in names], True))
         assert all(c == 0 for c in codes), codes
         assert store.exists_each(names) == [False] * len(names)
-    finally:
-        store.close()
+
+
+def assert_hits_l1_then_l2(server: TPServer, model: Path, asked: list[list[int]], expected: list[list[int]]) -> None:
+    """``asked[0]`` answers as ``expected[0]`` cold (nothing cached), then from L1 (16 pages or more);
+    three other prompts (``asked[1:4]``, each its answer) push it out of a 48-page L1, and it
+    answers again from L2."""
+    assert complete(server, model, asked[0]) == (expected[0], {"device": 0, "host": 0, "storage": 0})
+    answer, tiers = complete(server, model, asked[0])
+    assert answer == expected[0] and tiers["device"] >= 16 * PAGE, tiers
+    for i in (1, 2, 3):
+        assert complete(server, model, asked[i])[0] == expected[i]
+    answer, tiers = complete(server, model, asked[0])
+    assert answer == expected[0] and tiers["host"] > 0, tiers
