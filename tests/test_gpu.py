@@ -119,24 +119,15 @@ def test_cuda_handoff_between_tp_sizes_through_staging(p: tuple[str, int], d: tu
     """One GPU, so the TP=2 side runs on the CPU (gloo): a CUDA prefill rank gathers its heads for
     two decode ranks in GPU staging, or two CPU prefill ranks write into a CUDA decode rank's
     staging, scattered into its pages on the GPU. Answers equal the single engine's."""
-    import asyncio
-
-    from helpers.pd_nodes import CHUNK, PAGE, reference, run_pd
-    from helpers.pd_nodes import prompts as pd_prompts
-    from helpers.processes import NodeProcess
+    from helpers.pd_nodes import CHUNK, PAGE, reference, run_pair
     from helpers.tiny_models import make_tiny_model
 
     model = make_tiny_model("llama", tmp_path / "llama", heads=8, kv_heads=4, max_position=2048)
     args = ["--model", str(model), "--dtype", "float32", "--page-size", str(PAGE), "--chunked-prefill-size",
             str(CHUNK), "--max-total-tokens", "4096"]
-    nodes = [NodeProcess(role, [*args, "--device", device, "--tp-size", str(tp)], tmp_path / f"{role}.log")
-             for role, (device, tp) in (("prefill", p), ("decode", d))]
-    try:
-        prefill, decode = (n.wait_ready() for n in nodes)
-        batch = pd_prompts(4, seed=7)
-        got = [asyncio.run(run_pd(prefill.address, decode.address, f"gpu-mixed-{i}", q)) for i, q in enumerate(batch)]
-    finally:
-        for node in nodes:
-            node.stop()
+    (p_device, p_tp), (d_device, d_tp) = p, d
+    batch, got = run_pair([*args, "--device", p_device, "--tp-size", str(p_tp)],
+                          [*args, "--device", d_device, "--tp-size", str(d_tp)],
+                          (tmp_path / "prefill.log", tmp_path / "decode.log"), 7, "gpu-mixed-")
     assert [tokens for tokens, _ in got] == reference(model, batch)
     assert [r.transferred_bytes for _, r in got] == [len(q) * 2 * 2 * 4 * 16 * 4 for q in batch]

@@ -117,3 +117,21 @@ async def idle(prefill: str, decode: str) -> bool:
     """Both nodes gave every page and staging byte back (nothing parked, used, reserved or staged)."""
     p, d = await load(prefill), await load(decode)
     return p.kv_pages_parked == 0 and d.kv_pages_used == 0 and d.reservations == 0 and d.staging_bytes_used == 0
+
+
+def run_pair(prefill_args: list[str], decode_args: list[str], logs: tuple[Path, Path], seed: int, tag: str
+             ) -> tuple[list[list[int]], list[tuple[list[int], pb.PrefillResponse]]]:
+    """Starts a prefill and a decode node (``NodeProcess``) with these arguments, sends four fresh
+    prompts of ``seed`` through them one at a time as the router does, and stops both: the prompts
+    and each one's tokens and Prefill response."""
+    from helpers.processes import NodeProcess
+
+    nodes = [NodeProcess("prefill", prefill_args, logs[0]), NodeProcess("decode", decode_args, logs[1])]
+    try:
+        prefill, decode = (n.wait_ready() for n in nodes)
+        batch = prompts(4, seed=seed)
+        return batch, [asyncio.run(run_pd(prefill.address, decode.address, f"{tag}{i}", q))
+                       for i, q in enumerate(batch)]
+    finally:
+        for node in nodes:
+            node.stop()
