@@ -6,17 +6,16 @@ one), and two concurrent prompts whose rotations clash (the second one's pages r
 
 from __future__ import annotations
 
-import re
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 import torch
+from helpers import metrics
+from helpers.polling import poll_settled
 from helpers.rank_servers import (
     HEADS,
     NEW_TOKENS,
@@ -52,38 +51,27 @@ def _cached(client: openai.OpenAI, model: Path, prompt: list[int]) -> tuple[list
 
 
 def _refused_pages(server: TPServer) -> float:
-    text = httpx.get(f"{server.url}/metrics", timeout=10).text
-    found = re.search(r"^tierserve_cache_cp_refused_pages_total (\S+)$", text, re.MULTILINE)
-    return float(found.group(1)) if found else 0.0
+    return metrics.value(metrics.scrape(server.url), "tierserve_cache_cp_refused_pages_total")
 
 
 def _gather_clock(server: TPServer) -> dict[str, float]:
     """The per-layer gather clock's counters on ``/metrics`` (rank 0), by ``{first,later}_{wait,span}``."""
-    text = httpx.get(f"{server.url}/metrics", timeout=10).text
-    found = re.findall(r"^tierserve_cp_gather_(\w+)_seconds_total (\S+)$", text, re.MULTILINE)
-    return {k: float(v) for k, v in found}
+    return metrics.by_suffix(metrics.scrape(server.url), "tierserve_cp_gather_", "_seconds_total")
 
 
 def _merges(server: TPServer) -> dict[str, float]:
     """Steps whose every layer merged (``short``) or layer 0 only (``first_layer``), on ``/metrics``."""
-    text = httpx.get(f"{server.url}/metrics", timeout=10).text
-    return {k: float(v) for k, v in re.findall(r"^tierserve_cp_merge_(\w+)_steps_total (\S+)$", text, re.MULTILINE)}
+    return metrics.by_suffix(metrics.scrape(server.url), "tierserve_cp_merge_", "_steps_total")
 
 
 def _wait_gathered(server: TPServer) -> dict[str, float]:
     """The gather clock once it counted a later layer's gather (stats lag a step)."""
-    deadline = time.monotonic() + DEADLINE_S
-    while (clock := _gather_clock(server)).get("later_span", 0) == 0 and time.monotonic() < deadline:
-        time.sleep(0.05)  # poll interval
-    return clock
+    return poll_settled(lambda: _gather_clock(server), lambda clock: clock.get("later_span", 0) != 0, DEADLINE_S)
 
 
 def _wait_refused(server: TPServer) -> float:
     """The refused-pages counter once the engine published a non-zero value (stats lag a step)."""
-    deadline = time.monotonic() + DEADLINE_S
-    while (value := _refused_pages(server)) == 0 and time.monotonic() < deadline:
-        time.sleep(0.05)  # poll interval
-    return value
+    return poll_settled(lambda: _refused_pages(server), lambda value: value != 0, DEADLINE_S)
 
 
 @pytest.mark.parametrize(("family", "attention"), [
