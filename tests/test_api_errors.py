@@ -11,12 +11,15 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
+import pytest
 from helpers.metrics import samples
 
 from tierserve.api.app import create_app
 from tierserve.api.metrics import ApiMetrics
 from tierserve.core.outputs import RequestOutput
 from tierserve.core.sampling import SamplingParams
+
+pytestmark = pytest.mark.fakes  # a backend that raises in place of an engine
 
 
 class BuggyBackend:
