@@ -157,7 +157,7 @@ def test_nodes_get_no_tp_size_unless_asked(monkeypatch, ranks_llama: Path) -> No
     ("pp", ["--no-l3", "--decode-pp-size", "3"], "--decode-tp-size 1 --decode-pp-size 3: pipeline-parallel size 3 "
                                                  "does not divide the model's 4 layers"),
     ("pp", ["--no-l3", "--pp-size", "2"], "--prefill-pp-size and --decode-pp-size"),
-])
+], ids=["tp-decode-3", "tp-one-flag", "cp-one-flag", "cp-with-tp", "cp-with-pp", "cp-0", "pp-decode-3", "pp-one-flag"])
 def test_a_layout_size_that_cannot_run_is_refused_before_any_child_starts(monkeypatch, capsys, request, layout: str,
                                                                           flags: list[str], message: str) -> None:
     status, plans = plan_up(monkeypatch, _layout_model(request, layout), *flags)
