@@ -35,9 +35,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # the tests' node helpers, reused
 
-from cluster import MasterProcess  # noqa: E402
-from long_prompts import l3_flags, long_model, start_node, stream  # noqa: E402
-from tp_server import TPServer  # noqa: E402
+from helpers.long_prompts import l3_flags, long_model, start_node, stream  # noqa: E402
+from helpers.processes import MasterProcess  # noqa: E402
+from helpers.rank_servers import TPServer  # noqa: E402
 
 from tierserve.core.tiers import TIERS  # noqa: E402
 

@@ -41,7 +41,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # the tests' process helpers, reused
-from cluster import NodeProcess, RouterProcess  # noqa: E402
+from helpers.processes import NodeProcess, RouterProcess  # noqa: E402
 
 from tierserve.model.fetch import fetch_builtin_model  # noqa: E402
 from tierserve.router.disaggregation import DEFAULT_THRESHOLD  # noqa: E402

@@ -15,7 +15,7 @@
    L1 per rank, L2 twice that), no L3: distinct prompts of ``--fill-tokens`` tokens, twice the CP=2
    node's L2 in all, then what each node's tiers hold.
 
-The model is ``tests/long_prompts.py``'s tiny Llama (2 layers, hidden 64, 4 heads, 2 KV heads of 16,
+The model is ``tests/helpers/long_prompts.py``'s tiny Llama (2 layers, hidden 64, 4 heads, 2 KV heads of 16,
 float32: 512 B of KV per token; 132K rope positions), pages of 16 tokens, prefill chunks of 4096.
 
     .venv/bin/python benchmarks/long_context.py [--lengths 32768 131072] [--repeats 3] \\
@@ -40,9 +40,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # the tests' node helpers, reused
 
-from cluster import MasterProcess  # noqa: E402
-from long_prompts import PAGE, l3_flags, long_model, node_flags, start_node, stream, wait_backed_up  # noqa: E402
-from tp_server import TPServer  # noqa: E402
+from helpers.long_prompts import PAGE, l3_flags, long_model, node_flags, start_node, stream, wait_backed_up  # noqa: E402
+from helpers.processes import MasterProcess  # noqa: E402
+from helpers.rank_servers import TPServer  # noqa: E402
 
 CP_SIZES = (1, 2)
 NEW_TOKENS = 4

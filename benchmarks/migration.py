@@ -8,7 +8,7 @@ the fault, as when another prefill node takes the re-prefill.
 
     PYTHONPATH=src .venv/bin/python benchmarks/migration.py [--runs 3] [--concurrent 16]
 
-Real processes on loopback (``tests/cluster.py``): a mooncake_master, one prefill node (the only L3
+Real processes on loopback (``tests/helpers/processes.py``): a mooncake_master, one prefill node (the only L3
 segment: the decode nodes are store clients, so a dead decode node takes nothing of L3 with it), a
 spare decode node, and per run a victim decode node and a router that knows only the victim until
 just before the fault."""
@@ -31,8 +31,8 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # the tests' node and stream helpers, reused
 
-import migration_helpers as mh  # noqa: E402
-from cluster import MasterProcess, NodeProcess, RouterProcess  # noqa: E402
+import helpers.migration_streams as mh  # noqa: E402
+from helpers.processes import MasterProcess, NodeProcess, RouterProcess  # noqa: E402
 
 from tierserve.core.sampling import SamplingParams  # noqa: E402
 from tierserve.engine.config import EngineConfig  # noqa: E402

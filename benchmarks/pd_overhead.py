@@ -30,8 +30,8 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # the tests' process helpers and tiny models, reused
-from cluster import NodeProcess, RouterProcess, ServeProcess, free_port, start_up, stop  # noqa: E402
-from tiny_models import make_tiny_model  # noqa: E402
+from helpers.processes import NodeProcess, RouterProcess, ServeProcess, free_port, start_up, stop  # noqa: E402
+from helpers.tiny_models import make_tiny_model  # noqa: E402
 
 ENGINE = ["--device", "cpu", "--dtype", "float32", "--max-total-tokens", "8192"]
 PROMPT_TOKENS = 16

@@ -1,20 +1,23 @@
 """Shared fixtures: tiny models per family, the built-in model, a mooncake_master per test (and one
-per module, with a client of its L3)."""
+per module, with a client of its L3), the clients a test closes before its master stops, and the
+answers of an engine without a cache."""
 
 from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from cluster import MasterProcess
-from tiny_models import FAMILIES, make_tiny_model
+from helpers.mooncake_engines import PARAMS, plain_engine
+from helpers.processes import MasterProcess, master_running, store_client
+from helpers.tiny_models import FAMILIES, add_word_tokenizer, make_tiny_model
 
 from tierserve.cache.storage.mooncake import MooncakeStorage
 
@@ -54,14 +57,55 @@ def master(tmp_path: Path) -> Iterator[MasterProcess]:
 @pytest.fixture(scope="module")
 def module_master(tmp_path_factory) -> Iterator[MasterProcess]:
     """One ``mooncake_master`` for a whole module, whose node processes are module fixtures too."""
-    master = MasterProcess(tmp_path_factory.mktemp("master") / "master.log").start()
-    yield master
-    master.kill()
+    with master_running(tmp_path_factory.mktemp("master") / "master.log") as master:
+        yield master
 
 
 @pytest.fixture(scope="module")
 def l3_store(module_master: MasterProcess) -> Iterator[MooncakeStorage]:
     """A client of the module's L3 that lends it no memory (it only asks what is there)."""
-    client = MooncakeStorage(module_master.address, global_segment_size=0, local_buffer_size=16 << 20)
-    yield client
-    client.close()
+    with store_client(module_master) as client:
+        yield client
+
+
+@pytest.fixture
+def mooncake_master(tmp_path: Path) -> Iterator[MasterProcess]:
+    """A fresh master per test (it starts in ~0.1 s); stopped at teardown, after the clients the
+    test opened through ``closing`` (closing a client while its master is down takes ~11 s)."""
+    master = MasterProcess(tmp_path / "mooncake_master.log")
+    assert Path(master.binary).exists(), "mooncake_master not found: run make setup (it installs the Mooncake wheel)"
+    master.start()
+    yield master
+    master.kill()
+
+
+@pytest.fixture
+def closing(mooncake_master: MasterProcess) -> Iterator[Callable[[Any], Any]]:
+    """Registers things with a ``close()`` to close at teardown, before the master stops."""
+    opened: list[Any] = []
+    yield lambda thing: opened.append(thing) or thing
+    for thing in reversed(opened):
+        thing.close()
+
+
+@pytest.fixture(scope="module")
+def plain(long_llama: Path) -> Callable[[list[int]], list[int]]:
+    """Outputs of an engine of ``long_llama`` without any prefix cache (``mooncake_engines.PARAMS``):
+    what every cached run must reproduce."""
+    engine = plain_engine(long_llama)
+    return lambda prompt: engine.generate([prompt], PARAMS)[0]
+
+
+@pytest.fixture(scope="session")
+def ranks_llama(tmp_path_factory) -> Path:
+    """A tiny Llama that splits over ranks (8 heads, 4 KV heads, 2 layers: TP and CP sizes up to 4),
+    2048 positions, with the word tokenizer."""
+    return add_word_tokenizer(make_tiny_model("llama", tmp_path_factory.mktemp("ranks_llama"), heads=8, kv_heads=4,
+                                              max_position=2048))
+
+
+@pytest.fixture(scope="session")
+def ranks_llama4(tmp_path_factory) -> Path:
+    """``ranks_llama`` with 4 layers (PP sizes up to 4)."""
+    return add_word_tokenizer(make_tiny_model("llama", tmp_path_factory.mktemp("ranks_llama4"), heads=8, kv_heads=4,
+                                              layers=4, max_position=2048))

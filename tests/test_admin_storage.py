@@ -3,18 +3,17 @@ and on every rank of a TP 2 node."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
-from cluster import wait_until
-from engine_helpers import run_one
-from test_server import _start, _stop, _wait_healthy
-from test_tp_hicache import seed as tp_seed
-from tiny_models import add_word_tokenizer, make_tiny_model
-from tp_server import complete, start_server
+from helpers.engine_runs import run_one
+from helpers.polling import poll, wait_until
+from helpers.processes import ServeProcess
+from helpers.rank_hicache import seed as tp_seed
+from helpers.rank_servers import complete, start_server
+from helpers.tiny_models import add_word_tokenizer, make_tiny_model
 
 from tierserve.cache.hashing import page_keys
 from tierserve.cache.options import HiCacheOptions
@@ -54,11 +53,11 @@ def test_engine_attach_use_detach(tiny_llama: Path, tmp_path: Path) -> None:
 
 @pytest.mark.integration
 def test_admin_routes(tiny_llama: Path, tmp_path: Path) -> None:
-    proc = _start(tiny_llama, tmp_path / "server.log", "--enable-hierarchical-cache", "--admin-api-key", "adm",
-                  "--max-total-tokens", "512")
-    url = f"http://127.0.0.1:{proc.port}"
+    server = ServeProcess(["--model", str(tiny_llama), "--enable-hierarchical-cache", "--admin-api-key", "adm",
+                           "--max-total-tokens", "512"], tmp_path / "server.log")
+    url = server.url
     try:
-        _wait_healthy(proc, url, tmp_path / "server.log")
+        server.wait_ready()
         admin = {"Authorization": "Bearer adm"}
         assert httpx.get(f"{url}/admin/storage").status_code == 401
         assert httpx.get(f"{url}/admin/storage", headers=admin).json() == {"attached": False}
@@ -71,19 +70,19 @@ def test_admin_routes(tiny_llama: Path, tmp_path: Path) -> None:
         assert r.status_code == 400
         assert httpx.post(f"{url}/admin/storage/detach", headers=admin).json() == {"attached": False}
     finally:
-        _stop(proc)
+        server.stop()
 
 
 @pytest.mark.integration
 def test_admin_api_is_off_without_a_key(tiny_llama: Path, tmp_path: Path) -> None:
-    proc = _start(tiny_llama, tmp_path / "server.log", "--max-total-tokens", "512")
-    url = f"http://127.0.0.1:{proc.port}"
+    server = ServeProcess(["--model", str(tiny_llama), "--max-total-tokens", "512"], tmp_path / "server.log")
+    url = server.url
     try:
-        _wait_healthy(proc, url, tmp_path / "server.log")
+        server.wait_ready()
         r = httpx.get(f"{url}/admin/storage")
         assert r.status_code == 403 and "--admin-api-key" in r.json()["error"]["message"]
     finally:
-        _stop(proc)
+        server.stop()
 
 
 ADMIN = {"Authorization": "Bearer adm"}
@@ -96,11 +95,8 @@ def _post(url: str, action: str, extra_config: dict | None = None) -> httpx.Resp
 
 def _when_idle(url: str, action: str) -> httpx.Response:
     """``action``'s answer once the node is idle (backups of the last answer may still run)."""
-    deadline = time.monotonic() + 30
-    while (reply := _post(url, action)).status_code == 409 and "retry when" in reply.text:
-        assert time.monotonic() < deadline, reply.text
-        time.sleep(0.1)  # poll interval
-    return reply
+    return poll(lambda: _post(url, action), lambda r: not (r.status_code == 409 and "retry when" in r.text),
+                f"{action} once idle", 30)
 
 
 def _tp2_l3_names(model: Path, prompt: list[int]) -> set[str]:

@@ -11,13 +11,16 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
+import pytest
+from helpers.metrics import samples
 
 from tierserve.api.app import create_app
 from tierserve.api.metrics import ApiMetrics
 from tierserve.core.outputs import RequestOutput
 from tierserve.core.sampling import SamplingParams
 from tierserve.core.scope import CacheScope
+
+pytestmark = pytest.mark.fakes  # a backend that raises in place of an engine
 
 
 class BuggyBackend:
@@ -41,8 +44,8 @@ class BuggyBackend:
 
 
 def _errors(metrics_text: str, status: str) -> float:
-    samples = [s for f in text_string_to_metric_families(metrics_text) for s in f.samples]
-    return sum(s.value for s in samples if s.name == "tierserve_http_errors_total" and s.labels["status"] == status)
+    return sum(s.value for s in samples(metrics_text)
+               if s.name == "tierserve_http_errors_total" and s.labels["status"] == status)
 
 
 async def _call() -> tuple[httpx.Response, str]:

@@ -9,8 +9,8 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from cluster import ServeProcess
-from logprob_checks import chat_logprobs, echo_completion, generated_logprobs, hf_logprobs, ids_of, post
+from helpers.logprob_checks import chat_logprobs, echo_completion, generated_logprobs, hf_logprobs, ids_of, post
+from helpers.processes import ServeProcess
 
 pytestmark = pytest.mark.integration
 

@@ -9,8 +9,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from cluster import NodeProcess, RouterProcess
-from pd_helpers import DECODE_ARGS, NODE_ARGS
+from helpers.pd_nodes import DECODE_ARGS, NODE_ARGS
+from helpers.processes import NodeProcess, RouterProcess
 
 from tierserve.bench import (
     BenchOptions,

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from cluster import MasterProcess
-from long_prompts import Reply, l3_flags, long_model, start_node, stream, wait_backed_up
-from tp_server import NEW_TOKENS, hf_greedy
+from helpers.long_prompts import Reply, l3_flags, long_model, start_node, stream, wait_backed_up
+from helpers.processes import MasterProcess
+from helpers.rank_servers import NEW_TOKENS, hf_greedy
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

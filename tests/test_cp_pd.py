@@ -12,12 +12,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from cluster import NodeProcess
-from pd_helpers import DECODE_ARGS, NODE_ARGS, PAGE, idle, prompts, reference, run_all, run_pd, wait_for
-from tiny_models import make_tiny_model
+from helpers.pd_nodes import DECODE_ARGS, NODE_ARGS, PAGE, idle, info, prompts, reference, run_all, run_pd
+from helpers.polling import wait_for
+from helpers.processes import NodeProcess
+from helpers.tiny_models import make_tiny_model
 
 from tierserve.proto import tierserve_pb2 as pb
-from tierserve.proto import tierserve_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.integration
 LAYERS = 2
@@ -86,12 +86,5 @@ def test_a_decode_cache_hit_moves_only_the_uncached_tokens(model: Path, nodes) -
 
 def test_info_reports_one_tensor_rank(nodes) -> None:
     """The router's Reserve names the prefill node's TP size: a CP rank holds every KV head."""
-    info = asyncio.run(_info(nodes["pc2"].address))
-    assert (info.tp_size, info.pp_size) == (1, 1)
-
-
-async def _info(address: str) -> pb.NodeInfo:
-    import grpc
-
-    async with grpc.aio.insecure_channel(address) as channel:
-        return await pb_grpc.NodeServiceStub(channel).Info(pb.InfoRequest())
+    reply = asyncio.run(info(nodes["pc2"].address))
+    assert (reply.tp_size, reply.pp_size) == (1, 1)

@@ -6,20 +6,27 @@ one), and two concurrent prompts whose rotations clash (the second one's pages r
 
 from __future__ import annotations
 
-import re
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 import torch
-from tiny_models import add_word_tokenizer, make_tiny_model
-from tokenizers import Tokenizer
-from tp_server import HEADS, NEW_TOKENS, TPServer, complete, hf_greedy, prompts, start_server
+from helpers import metrics
+from helpers.polling import poll_settled
+from helpers.rank_servers import (
+    HEADS,
+    NEW_TOKENS,
+    TPServer,
+    complete_all,
+    hf_greedy,
+    prompts,
+    start_server,
+    token_ids,
+)
+from helpers.tiny_models import add_word_tokenizer, make_tiny_model
 
 pytestmark = pytest.mark.integration
 PAGE = 4  # tp_server's page size
@@ -32,11 +39,6 @@ def _model(family: str, folder: Path) -> Path:
     return add_word_tokenizer(model)
 
 
-def _ids(model: Path, texts: list[str]) -> list[list[int]]:
-    words = Tokenizer.from_file(str(model / "tokenizer.json"))
-    return [words.encode(text).ids for text in texts]
-
-
 def _serve(model: Path, log: Path, attention: str = "merge") -> TPServer:
     return start_server(model, 1, log, "--cp-size", "2", "--cp-attention", attention).wait_healthy()
 
@@ -45,42 +47,31 @@ def _cached(client: openai.OpenAI, model: Path, prompt: list[int]) -> tuple[list
     """Greedy output ids and the prompt tokens served from the cache."""
     reply = client.completions.create(model=model.name, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0,
                                       extra_body={"ignore_eos": True})
-    return _ids(model, [reply.choices[0].text])[0], reply.usage.prompt_tokens_details.cached_tokens
+    return token_ids(model, [reply.choices[0].text])[0], reply.usage.prompt_tokens_details.cached_tokens
 
 
 def _refused_pages(server: TPServer) -> float:
-    text = httpx.get(f"{server.url}/metrics", timeout=10).text
-    found = re.search(r"^tierserve_cache_cp_refused_pages_total (\S+)$", text, re.MULTILINE)
-    return float(found.group(1)) if found else 0.0
+    return metrics.value(metrics.scrape(server.url), "tierserve_cache_cp_refused_pages_total")
 
 
 def _gather_clock(server: TPServer) -> dict[str, float]:
     """The per-layer gather clock's counters on ``/metrics`` (rank 0), by ``{first,later}_{wait,span}``."""
-    text = httpx.get(f"{server.url}/metrics", timeout=10).text
-    found = re.findall(r"^tierserve_cp_gather_(\w+)_seconds_total (\S+)$", text, re.MULTILINE)
-    return {k: float(v) for k, v in found}
+    return metrics.by_suffix(metrics.scrape(server.url), "tierserve_cp_gather_", "_seconds_total")
 
 
 def _merges(server: TPServer) -> dict[str, float]:
     """Steps whose every layer merged (``short``) or layer 0 only (``first_layer``), on ``/metrics``."""
-    text = httpx.get(f"{server.url}/metrics", timeout=10).text
-    return {k: float(v) for k, v in re.findall(r"^tierserve_cp_merge_(\w+)_steps_total (\S+)$", text, re.MULTILINE)}
+    return metrics.by_suffix(metrics.scrape(server.url), "tierserve_cp_merge_", "_steps_total")
 
 
 def _wait_gathered(server: TPServer) -> dict[str, float]:
     """The gather clock once it counted a later layer's gather (stats lag a step)."""
-    deadline = time.monotonic() + DEADLINE_S
-    while (clock := _gather_clock(server)).get("later_span", 0) == 0 and time.monotonic() < deadline:
-        time.sleep(0.05)  # poll interval
-    return clock
+    return poll_settled(lambda: _gather_clock(server), lambda clock: clock.get("later_span", 0) != 0, DEADLINE_S)
 
 
 def _wait_refused(server: TPServer) -> float:
     """The refused-pages counter once the engine published a non-zero value (stats lag a step)."""
-    deadline = time.monotonic() + DEADLINE_S
-    while (value := _refused_pages(server)) == 0 and time.monotonic() < deadline:
-        time.sleep(0.05)  # poll interval
-    return value
+    return poll_settled(lambda: _refused_pages(server), lambda value: value != 0, DEADLINE_S)
 
 
 @pytest.mark.parametrize(("family", "attention"), [
@@ -92,12 +83,10 @@ def test_a_batch_with_chunked_prefill_equals_transformers(family: str, attention
     expected = hf_greedy(model, asked)
     server = _serve(model, tmp_path / "serve.log", attention)
     try:
-        client = server.client()
-        with ThreadPoolExecutor(len(asked)) as pool:  # concurrent: they share steps
-            texts = list(pool.map(lambda p: complete(client, model.name, p), asked))
+        texts = complete_all(server, model, asked)
     finally:
         server.stop()
-    assert _ids(model, texts) == expected, server.log.read_text()[-3000:]
+    assert token_ids(model, texts) == expected, server.log.read_text()[-3000:]
 
 
 @pytest.mark.parametrize("attention", ["merge", "gather"])
@@ -156,8 +145,8 @@ def test_a_clashing_rotation_is_refused_and_outputs_stay_correct(tmp_path: Path)
                                   temperature=0, extra_body={"ignore_eos": True})
             a_text = first.choices[0].text + "".join(chunk.choices[0].text for chunk in stream)
             b_text = b_reply.result().choices[0].text  # 32 tokens: B ends after A, every step shared
-        assert _ids(model, [a_text]) == expected[:1]
-        assert _ids(model, [b_text])[0][:NEW_TOKENS] == expected[1]
+        assert token_ids(model, [a_text]) == expected[:1]
+        assert token_ids(model, [b_text])[0][:NEW_TOKENS] == expected[1]
         assert _wait_refused(server) >= 1
         c_out, c_cached = _cached(client, model, c)
         assert c_out == expected[2]

@@ -18,8 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from local_k8s import TLS_VOLUME, LocalCluster, LocalContainer, Processes, make_tls_secret, probe_ok, static_workers
-from manifests import (
+from helpers.k8s_manifests import (
     DEPLOY,
     ENV_REF,
     K8S_VERSION,
@@ -45,6 +44,15 @@ from manifests import (
     role,
     selects,
     tool,
+)
+from helpers.local_k8s import (
+    TLS_VOLUME,
+    LocalCluster,
+    LocalContainer,
+    Processes,
+    make_tls_secret,
+    probe_ok,
+    static_workers,
 )
 
 from tierserve.cli.main import build_parser
@@ -165,7 +173,7 @@ def _check_router_discovery(objects: list[dict], workloads: list[dict]) -> None:
     assert any("pods" in r["resources"] and {"get", "list", "watch"} <= set(r["verbs"]) for r in rules)
 
 
-# ---- 4. the manifests actually run (local_k8s.py) ----------------------------------------------
+# ---- 4. the manifests actually run (helpers/local_k8s.py) ----------------------------------------------
 
 STAGES = (("mooncake-master",), ("prefill", "decode"), ("router",))  # each waits for the one before
 

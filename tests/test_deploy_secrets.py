@@ -1,14 +1,13 @@
 """deploy/'s secrets (docs/tenancy.md): in every overlay the nodes and the
 router take the node token and the TLS files from Kubernetes Secrets, at the paths their flags name.
-Helpers from manifests.py; the cpu-demo run in test_deploy.py uses such a Secret's files."""
+Helpers from helpers/k8s_manifests.py; the cpu-demo run in test_deploy.py uses such a Secret's files."""
 
 from __future__ import annotations
 
 import re
 
 import pytest
-from local_k8s import TLS_VOLUME
-from manifests import (
+from helpers.k8s_manifests import (
     OVERLAYS,
     WORKLOAD_KINDS,
     command_line,
@@ -21,6 +20,7 @@ from manifests import (
     render,
     role,
 )
+from helpers.local_k8s import TLS_VOLUME
 
 TLS_SECRET = "tierserve-tls"
 TLS_FILES = {"--tls-cert": "tls.crt", "--tls-key": "tls.key", "--tls-ca": "ca.crt"}  # keys of the Secret

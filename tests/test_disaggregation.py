@@ -13,8 +13,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from cluster import NodeProcess, RouterProcess
-from pd_helpers import DECODE_ARGS, MAX_NEW, NODE_ARGS, PAGE, idle, metric, reference, wait_for
+from helpers.pd_nodes import DECODE_ARGS, MAX_NEW, NODE_ARGS, PAGE, idle, metric, reference
+from helpers.polling import wait_for
+from helpers.processes import NodeProcess, RouterProcess
 
 from tierserve.router.disaggregation import Disaggregation, ServedPath, uncached_tokens
 from tierserve.router.policies import CachedPrefix

@@ -41,8 +41,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_faults import Faults
-from engine_machine_world import (
+from helpers.engine_cache_faults import Faults
+from helpers.engine_machine_world import (
     MAX_NEW,
     PS,
     VOCAB,
@@ -57,7 +57,7 @@ from engine_machine_world import (
     sampling_params,
     tiny_model,
 )
-from hicache_fakes import assert_loads_tracked
+from helpers.hicache_fakes import assert_loads_tracked
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule

@@ -57,7 +57,7 @@ def _expected(model: Path, prompt: list[int]) -> list[int]:
 def test_cuda_l2_round_trips_give_the_cpu_output(tiny_llama: Path) -> None:
     """L1 -> L2 copies (non_blocking D2H) and L2 -> L1 loads (H2D, layer by layer) on CUDA: the
     host hit is read only after its copy completed, and the output equals the CPU's."""
-    from engine_helpers import run_one
+    from helpers.engine_runs import run_one
 
     target, fillers = _target_and_fillers()
     for backend in IOBackend:
@@ -75,7 +75,7 @@ def test_cuda_l2_round_trips_give_the_cpu_output(tiny_llama: Path) -> None:
 def test_cuda_l3_round_trip_gives_the_cpu_output(tiny_llama: Path, tmp_path: Path) -> None:
     """Pages copied to L2 and backed up to L3 on CUDA (the backup reads host pages only after the
     D2H copy landed) come back to another CUDA engine from storage."""
-    from engine_helpers import run_one
+    from helpers.engine_runs import run_one
 
     from tierserve.cache.options import PrefetchPolicy
 
@@ -95,8 +95,8 @@ def test_cuda_pd_handoff_equals_the_single_engine(long_llama: Path, tmp_path: Pa
     kernels before the transfer engine reads the pages."""
     import asyncio
 
-    from cluster import NodeProcess
-    from pd_helpers import CHUNK, MAX_NEW, PAGE, prompts, run_pd
+    from helpers.pd_nodes import CHUNK, MAX_NEW, PAGE, prompts, run_pd
+    from helpers.processes import NodeProcess
 
     args = ["--model", str(long_llama), "--device", "cuda", "--dtype", "float32", "--page-size", str(PAGE),
             "--chunked-prefill-size", str(CHUNK), "--max-total-tokens", "4096"]
@@ -119,24 +119,15 @@ def test_cuda_handoff_between_tp_sizes_through_staging(p: tuple[str, int], d: tu
     """One GPU, so the TP=2 side runs on the CPU (gloo): a CUDA prefill rank gathers its heads for
     two decode ranks in GPU staging, or two CPU prefill ranks write into a CUDA decode rank's
     staging, scattered into its pages on the GPU. Answers equal the single engine's."""
-    import asyncio
-
-    from cluster import NodeProcess
-    from pd_helpers import CHUNK, PAGE, reference, run_pd
-    from pd_helpers import prompts as pd_prompts
-    from tiny_models import make_tiny_model
+    from helpers.pd_nodes import CHUNK, PAGE, reference, run_pair
+    from helpers.tiny_models import make_tiny_model
 
     model = make_tiny_model("llama", tmp_path / "llama", heads=8, kv_heads=4, max_position=2048)
     args = ["--model", str(model), "--dtype", "float32", "--page-size", str(PAGE), "--chunked-prefill-size",
             str(CHUNK), "--max-total-tokens", "4096"]
-    nodes = [NodeProcess(role, [*args, "--device", device, "--tp-size", str(tp)], tmp_path / f"{role}.log")
-             for role, (device, tp) in (("prefill", p), ("decode", d))]
-    try:
-        prefill, decode = (n.wait_ready() for n in nodes)
-        batch = pd_prompts(4, seed=7)
-        got = [asyncio.run(run_pd(prefill.address, decode.address, f"gpu-mixed-{i}", q)) for i, q in enumerate(batch)]
-    finally:
-        for node in nodes:
-            node.stop()
+    (p_device, p_tp), (d_device, d_tp) = p, d
+    batch, got = run_pair([*args, "--device", p_device, "--tp-size", str(p_tp)],
+                          [*args, "--device", d_device, "--tp-size", str(d_tp)],
+                          (tmp_path / "prefill.log", tmp_path / "decode.log"), 7, "gpu-mixed-")
     assert [tokens for tokens, _ in got] == reference(model, batch)
     assert [r.transferred_bytes for _, r in got] == [len(q) * 2 * 2 * 4 * 16 * 4 for q in batch]

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import add_word_tokenizer, make_tiny_model
+from helpers.rank_servers import HEADS, complete, descendants, hf_greedy, prompts, start_server, wait_gone
+from helpers.tiny_models import add_word_tokenizer, make_tiny_model
 from tokenizers import Tokenizer
-from tp_server import HEADS, complete, descendants, hf_greedy, prompts, start_server, wait_gone
 
 pytestmark = [pytest.mark.gpu, pytest.mark.integration,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")]
@@ -39,23 +39,12 @@ def test_tp2_on_cuda_equals_transformers(family: str, tmp_path: Path) -> None:
 def test_pd_across_tp_sizes_on_cuda_equals_the_single_engine(p: int, d: int, tmp_path: Path) -> None:
     """Each rank's arena is GPU memory behind its own transfer engine: the handoff between TP sizes
     writes head sub-ranges GPU to GPU and the answers equal the single engine's."""
-    import asyncio
-
-    from cluster import NodeProcess
-    from pd_helpers import CHUNK, PAGE, reference, run_pd
-    from pd_helpers import prompts as pd_prompts
+    from helpers.pd_nodes import CHUNK, PAGE, reference, run_pair
 
     model = make_tiny_model("llama", tmp_path / "llama", heads=8, kv_heads=4, max_position=2048)
     args = ["--model", str(model), "--device", "cuda", "--dtype", "float32", "--page-size", str(PAGE),
             "--chunked-prefill-size", str(CHUNK), "--max-total-tokens", "4096"]
-    nodes = [NodeProcess("prefill", [*args, "--tp-size", str(p)], tmp_path / "p.log"),
-             NodeProcess("decode", [*args, "--tp-size", str(d)], tmp_path / "d.log")]
-    try:
-        prefill, decode = (n.wait_ready() for n in nodes)
-        batch = pd_prompts(4, seed=5)
-        got = [asyncio.run(run_pd(prefill.address, decode.address, f"gpu-tp-{i}", q)) for i, q in enumerate(batch)]
-    finally:
-        for node in nodes:
-            node.stop()
+    batch, got = run_pair([*args, "--tp-size", str(p)], [*args, "--tp-size", str(d)],
+                          (tmp_path / "p.log", tmp_path / "d.log"), 5, "gpu-tp-")
     assert [tokens for tokens, _ in got] == reference(model, batch)
     assert [r.transferred_bytes for _, r in got] == [len(q) * 2 * 2 * 4 * 16 * 4 for q in batch]

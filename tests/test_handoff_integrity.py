@@ -13,10 +13,11 @@ import grpc
 import httpx
 import pytest
 import torch
-from cluster import NodeProcess, free_port
-from pd_helpers import DECODE_ARGS, NODE_ARGS, greedy, idle, prompts, reference, release, reserve, run_pd, wait_for
-from prometheus_client.parser import text_string_to_metric_families
-from tiny_models import make_tiny_model
+from helpers import metrics
+from helpers.pd_nodes import DECODE_ARGS, NODE_ARGS, greedy, idle, prompts, reference, release, reserve, run_pd
+from helpers.polling import wait_for
+from helpers.processes import NodeProcess, free_port
+from helpers.tiny_models import make_tiny_model
 
 from tierserve.proto import tierserve_pb2 as pb
 from tierserve.proto import tierserve_pb2_grpc as pb_grpc
@@ -75,9 +76,8 @@ def decode(long_llama: Path, tmp_path_factory) -> Iterator[NodeProcess]:
 
 
 def _failures(node: NodeProcess) -> float:
-    text = httpx.get(f"http://127.0.0.1:{node.metrics_port}/metrics", timeout=10).text  # type: ignore[attr-defined]
-    samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
-    return next((s.value for s in samples if s.name == "tierserve_handoff_integrity_failures_total"), 0.0)
+    text = metrics.scrape(f"http://127.0.0.1:{node.metrics_port}")  # type: ignore[attr-defined]
+    return metrics.value(text, "tierserve_handoff_integrity_failures_total")
 
 
 async def _generate_without_digests(decode: str) -> grpc.StatusCode:
@@ -171,8 +171,8 @@ def test_through_the_router_a_corrupted_handoff_is_retried_and_answers_right(lon
                                                                               tmp_path: Path) -> None:
     """Every second handoff is corrupted: the router retries each refused one on a new try (the
     decode node not marked failed), so every request answers the reference's tokens."""
-    from cluster import RouterProcess
-    from logprob_checks import ids_of
+    from helpers.logprob_checks import ids_of
+    from helpers.processes import RouterProcess
 
     prefill = NodeProcess("prefill", ["--model", str(long_llama), *NODE_ARGS, "--handoff-integrity",
                                       "--fault-transfer-corrupt-rate", "0.5"], tmp_path / "p.log")

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
-from hicache_fakes import (
+from helpers.hicache_fakes import (
     DEVICE_PAGES,
     HOST_PAGES,
     MAX_TOKENS,
@@ -36,7 +37,7 @@ from hicache_fakes import (
     pick,
     value,
 )
-from hicache_invariants import L3Invariants
+from helpers.hicache_invariants import L3Invariants
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, rule
@@ -48,6 +49,8 @@ from tierserve.cache.host_pool import HostKVPool, HostLayout
 from tierserve.cache.prefetch import PrefetchTicket
 from tierserve.cache.radix_tree import path_to_root, subtree
 from tierserve.core.scope import CacheScope
+
+pytestmark = pytest.mark.fakes  # an L3 in a dict and executors stepped by hand (hicache_fakes)
 
 
 class L3Machine(L3Invariants, RuleBasedStateMachine):

@@ -24,6 +24,8 @@ import pytest
 from tierserve.router.k8s import DiscoveryEvent, DiscoveryKind, KubernetesDiscovery, pod_address
 from tierserve.router.roles import Role
 
+pytestmark = pytest.mark.fakes  # a loopback stand-in of the Kubernetes pods API
+
 NS = "serving"
 SELECTORS = {Role.PREFILL: "app.kubernetes.io/name=tierserve,tierserve.io/role=prefill",
              Role.DECODE: "app.kubernetes.io/name=tierserve,tierserve.io/role=decode"}

@@ -316,7 +316,7 @@ def test_subscriber_recovers_lost_events_through_a_snapshot() -> None:
 def test_engine_hicache_events_add_up_to_the_snapshot(tiny_llama) -> None:
     """Inserts, L1 -> L2 writes, L1 evictions and L2 -> L1 loads of a real HiCache engine."""
     import torch
-    from engine_helpers import run_one
+    from helpers.engine_runs import run_one
 
     from tierserve.cache.options import HiCacheOptions
     from tierserve.core.sampling import SamplingParams

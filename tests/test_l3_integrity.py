@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_helpers import run_one
-from test_mooncake_storage import PARAMS, _engine, _prompt, _settle, closing, long_llama, mooncake_master, plain
+from helpers.engine_runs import run_one
+from helpers.mooncake_engines import PARAMS, l3_engine, prompt_of, settle
 
 from tierserve.cache.device_pool import KVGeometry
 from tierserve.cache.host_pool import HostKVPool, HostLayout
@@ -20,7 +20,6 @@ from tierserve.cache.storage import create_backend
 from tierserve.cache.storage.mooncake import MooncakeStorage
 
 pytestmark = pytest.mark.integration
-__all__ = ["closing", "long_llama", "mooncake_master", "plain"]  # fixtures, imported to be found
 PAGES = 250  # per round; four rounds, one kind of corruption each
 
 
@@ -90,14 +89,14 @@ def test_a_thousand_corrupted_objects_are_each_a_counted_miss(mooncake_master, c
 
 def test_an_engine_recomputes_corrupted_pages_and_answers_as_without_a_cache(
         long_llama, plain: Callable[[list[int]], list[int]], mooncake_master, closing) -> None:
-    prompt = _prompt(18, 400)
-    first = _engine(long_llama, mooncake_master, closing)
+    prompt = prompt_of(18, 400)
+    first = l3_engine(long_llama, mooncake_master, closing)
     written: list[str] = []
     backend = first.cache.storage.storage
     set_from = backend.batch_set_from
     backend.batch_set_from = lambda keys, spans: written.extend(backend._names(keys)) or set_from(keys, spans)
     assert run_one(first, prompt, PARAMS)[0] == plain(prompt)
-    _settle(first)
+    settle(first)
     _, raw = _stores(mooncake_master, closing)
     rng = random.Random(7)
     for i, name in enumerate(written):  # every object of the prompt: each a different corruption
@@ -105,7 +104,7 @@ def test_an_engine_recomputes_corrupted_pages_and_answers_as_without_a_cache(
         kind = i % 3
         _rewrite(raw, name, _flip(rng, data) if kind == 0 else data[: len(data) // 2] if kind == 1
                  else raw._store.get(written[i - 1]))
-    second = _engine(long_llama, mooncake_master, closing)  # empty L1 and L2: it can only read L3
+    second = l3_engine(long_llama, mooncake_master, closing)  # empty L1 and L2: it can only read L3
     tokens, tiers = run_one(second, prompt, PARAMS)
     assert tokens == plain(prompt)
     failures = second.cache.storage.storage.stats()["integrity_failures"]

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from cluster import free_port, running_up
+from helpers.processes import free_port, running_up
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

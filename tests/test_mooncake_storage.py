@@ -6,52 +6,27 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from cluster import MasterProcess, free_port
-from engine_helpers import run_one
-from tiny_models import make_tiny_model
+from helpers.engine_runs import run_one
+from helpers.mooncake_engines import PAGE, PARAMS, SEGMENT, l3_engine, prompt_of, settle
+from helpers.processes import MasterProcess, free_port
 
 from tierserve.cache import storage_tier
-from tierserve.cache.options import HiCacheOptions, HostLayout, PrefetchPolicy
+from tierserve.cache.options import HostLayout
 from tierserve.cache.storage import StorageError, create_backend
 from tierserve.cache.storage.integrity import Trailers
 
 # Through our module, which sets Mooncake's environment defaults before Mooncake loads. A plain
 # import: `make test` installs Mooncake, so a failure here is a broken setup, not a reason to skip.
 from tierserve.cache.storage.mooncake import MooncakeStorage
-from tierserve.core.sampling import SamplingParams
-from tierserve.engine.config import EngineConfig
 from tierserve.engine.engine import Engine
 
 pytestmark = pytest.mark.integration
-PARAMS = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-PAGE = 16
-SEGMENT = 32 << 20  # per client: a few MiB of pages is all these tests store
-
-
-@pytest.fixture
-def mooncake_master(tmp_path: Path) -> Iterator[MasterProcess]:
-    """A fresh master per test (it starts in ~0.1 s); stopped at teardown, after the clients the
-    test opened through ``closing`` (closing a client while its master is down takes ~11 s)."""
-    master = MasterProcess(tmp_path / "mooncake_master.log")
-    assert Path(master.binary).exists(), "mooncake_master not found: run make setup (it installs the Mooncake wheel)"
-    master.start()
-    yield master
-    master.kill()
-
-
-@pytest.fixture
-def closing(mooncake_master: MasterProcess) -> Iterator[Callable[[Any], Any]]:
-    """Registers things with a ``close()`` to close at teardown, before the master stops."""
-    opened: list[Any] = []
-    yield lambda thing: opened.append(thing) or thing
-    for thing in reversed(opened):
-        thing.close()
 
 
 def _backend(master: MasterProcess, closing: Callable[[Any], Any]) -> MooncakeStorage:
@@ -164,40 +139,6 @@ def _try_set(store: MooncakeStorage) -> bool:
 # -- engines ---------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def long_llama(tmp_path_factory) -> Path:
-    """The tiny random Llama, with room for prompts past 512 tokens."""
-    return make_tiny_model("llama", tmp_path_factory.mktemp("llama2k"), max_position=2048)
-
-
-def _prompt(seed: int, n: int) -> list[int]:
-    return torch.randint(2, 384, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-@pytest.fixture(scope="module")
-def plain(long_llama: Path) -> Callable[[list[int]], list[int]]:
-    """Outputs of an engine without any prefix cache: what every cached run must reproduce."""
-    engine = Engine(EngineConfig(long_llama, dtype="float32", page_size=PAGE, max_total_tokens=2048,
-                                 disable_radix_cache=True))
-    return lambda prompt: engine.generate([prompt], PARAMS)[0]
-
-
-def _engine(model: Path, master: MasterProcess, closing, layout: HostLayout = HostLayout.PAGE_FIRST_DIRECT) -> Engine:
-    config = {"master_server_address": master.address, "global_segment_size": SEGMENT,
-              "local_buffer_size": 16 << 20, "prefetch_threshold": 64}
-    opts = HiCacheOptions(ratio=2.0, mem_layout=layout, storage_backend="mooncake",
-                          storage_config=config, prefetch_policy=PrefetchPolicy.WAIT_COMPLETE)
-    engine = Engine(EngineConfig(model, dtype="float32", page_size=PAGE, max_total_tokens=2048,
-                                 enable_hierarchical_cache=True, hicache=opts))
-    closing(engine.cache)
-    return engine
-
-
-def _settle(engine: Engine) -> None:
-    """Waits for L2 writes and the L3 backups they start (a failed backup counts as settled)."""
-    engine.cache.wait_background()
-
-
 TRAILERS = Trailers().buffer.nbytes  # cache/storage/integrity.py
 
 
@@ -211,13 +152,13 @@ def _registered_once(engine: Engine) -> bool:
 
 def test_second_engine_reads_the_first_engines_pages_from_mooncake(long_llama: Path, plain, mooncake_master,
                                                                   closing, caplog) -> None:
-    prompt = _prompt(7, 800)
-    first = _engine(long_llama, mooncake_master, closing)
+    prompt = prompt_of(7, 800)
+    first = l3_engine(long_llama, mooncake_master, closing)
     assert run_one(first, prompt, PARAMS)[0] == plain(prompt)
-    _settle(first)
+    settle(first)
     assert first.cache.storage.backed_up_pages == (800 + PARAMS.max_tokens - 1) // PAGE  # prompt + answer
     assert _registered_once(first)
-    second = _engine(long_llama, mooncake_master, closing)  # empty L1 and L2, its own client, same store
+    second = l3_engine(long_llama, mooncake_master, closing)  # empty L1 and L2, its own client, same store
     tokens, tiers = run_one(second, prompt, PARAMS)
     assert tokens == plain(prompt)
     assert tiers.get("storage", 0) >= 0.9 * 800, tiers
@@ -227,12 +168,12 @@ def test_second_engine_reads_the_first_engines_pages_from_mooncake(long_llama: P
 
 def test_layer_first_pages_go_through_mooncake_via_the_registered_staging_buffer(long_llama: Path, plain,
                                                                                  mooncake_master, closing) -> None:
-    prompt = _prompt(8, 400)
-    first = _engine(long_llama, mooncake_master, closing, HostLayout.LAYER_FIRST)
+    prompt = prompt_of(8, 400)
+    first = l3_engine(long_llama, mooncake_master, closing, HostLayout.LAYER_FIRST)
     assert run_one(first, prompt, PARAMS)[0] == plain(prompt)
-    _settle(first)
+    settle(first)
     assert first.cache.storage.backed_up_pages == (400 + PARAMS.max_tokens - 1) // PAGE
-    second = _engine(long_llama, mooncake_master, closing, HostLayout.LAYER_FIRST)
+    second = l3_engine(long_llama, mooncake_master, closing, HostLayout.LAYER_FIRST)
     tokens, tiers = run_one(second, prompt, PARAMS)
     assert tokens == plain(prompt) and tiers.get("storage", 0) >= 0.9 * 400, tiers
     for engine in (first, second):  # only the small staging buffer is registered, never the pool
@@ -245,11 +186,11 @@ def test_layer_first_pages_go_through_mooncake_via_the_registered_staging_buffer
 def test_a_master_killed_mid_run_degrades_to_l1_l2_then_l3_returns(long_llama: Path, plain, mooncake_master,
                                                                     closing, monkeypatch) -> None:
     monkeypatch.setattr(storage_tier, "RETRY_AFTER_S", 0.5)
-    prompts = [_prompt(10 + i, 320) for i in range(6)]
-    writer = _engine(long_llama, mooncake_master, closing)
+    prompts = [prompt_of(10 + i, 320) for i in range(6)]
+    writer = l3_engine(long_llama, mooncake_master, closing)
     assert run_one(writer, prompts[0], PARAMS)[0] == plain(prompts[0])
-    _settle(writer)  # prompts[0] is in L3: the next engine prefetches it
-    engine = _engine(long_llama, mooncake_master, closing)
+    settle(writer)  # prompts[0] is in L3: the next engine prefetches it
+    engine = l3_engine(long_llama, mooncake_master, closing)
     for i, prompt in enumerate(prompts[:4]):
         engine.add_request(f"kill{i}", prompt, PARAMS)
     outputs: dict[str, list[int]] = {}
@@ -261,9 +202,9 @@ def test_a_master_killed_mid_run_degrades_to_l1_l2_then_l3_returns(long_llama: P
         for out in engine.step():
             outputs[out.request_id] = outputs.get(out.request_id, []) + out.new_token_ids
     assert [outputs[f"kill{i}"] for i in range(4)] == [plain(p) for p in prompts[:4]]
-    _settle(engine)
+    settle(engine)
     assert run_one(engine, prompts[4], PARAMS)[0] == plain(prompts[4])  # its backup fails or is skipped
-    _settle(engine)
+    settle(engine)
     assert engine.cache.storage.failures >= 1
 
     mooncake_master.start()  # same port, empty store
@@ -275,7 +216,7 @@ def test_a_master_killed_mid_run_degrades_to_l1_l2_then_l3_returns(long_llama: P
         time.sleep(0.05)
     backed_up = engine.cache.storage.backed_up_pages
     assert run_one(engine, prompts[5], PARAMS)[0] == plain(prompts[5])
-    _settle(engine)
+    settle(engine)
     assert engine.cache.storage.backed_up_pages - backed_up == (320 + PARAMS.max_tokens - 1) // PAGE
     tokens, tiers = run_one(writer, prompts[5], PARAMS)  # the writer's client survived the restart too
     assert tokens == plain(prompts[5]) and tiers.get("storage", 0) >= 0.9 * 320, tiers

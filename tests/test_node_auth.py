@@ -11,8 +11,9 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
-from cluster import NodeProcess, RouterProcess, free_port, running_up, wait_until
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from helpers.polling import wait_until
+from helpers.processes import NodeProcess, RouterProcess, free_port, running_up
 
 from tierserve.core.node_auth import TLSFiles, client_interceptors, node_channel, read_token
 from tierserve.proto import tierserve_pb2 as pb

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_helpers import run_one
+from helpers.engine_runs import run_one
 
 from tierserve.cache import generated
 from tierserve.cache.hashing import page_keys

@@ -9,8 +9,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from cluster import NodeProcess
-from pd_helpers import (
+from helpers.pd_nodes import (
     DECODE_ARGS,
     GRACE_S,
     NODE_ARGS,
@@ -23,8 +22,9 @@ from pd_helpers import (
     release,
     reserve,
     run_pd,
-    wait_for,
 )
+from helpers.polling import wait_for
+from helpers.processes import NodeProcess
 
 from tierserve.proto import tierserve_pb2 as pb
 from tierserve.proto import tierserve_pb2_grpc as pb_grpc

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import grpc
 import pytest
-from cluster import NodeProcess
-from pd_helpers import NODE_ARGS, greedy, load, reference, wait_for
+from helpers.pd_nodes import NODE_ARGS, greedy, load, reference
+from helpers.polling import wait_for
+from helpers.processes import NodeProcess
 
 from tierserve.cache.allocator import PageAllocator
 from tierserve.cache.base import NoPrefixCache

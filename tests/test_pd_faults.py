@@ -13,8 +13,9 @@ from pathlib import Path
 
 import grpc
 import pytest
-from cluster import NodeProcess
-from pd_helpers import DECODE_ARGS, GRACE_S, NODE_ARGS, greedy, load, prompts, reference, reserve, run_pd, wait_for
+from helpers.pd_nodes import DECODE_ARGS, GRACE_S, NODE_ARGS, greedy, load, prompts, reference, reserve, run_pd
+from helpers.polling import wait_for, wait_for_async
+from helpers.processes import NodeProcess
 
 from tierserve.proto import tierserve_pb2 as pb
 from tierserve.proto import tierserve_pb2_grpc as pb_grpc
@@ -79,6 +80,12 @@ async def _running(address: str) -> bool:
         return False
 
 
+async def _handoff_started(address: str) -> bool:
+    """The prefill node holds a request: queued, prefilling, or its pages parked for a handoff."""
+    report = await load(address)
+    return report.waiting + report.running + report.kv_pages_parked > 0
+
+
 def test_injected_transfer_failures_fail_cleanly(long_llama: Path, decode: NodeProcess, tmp_path: Path) -> None:
     faulty = start_prefill(long_llama, tmp_path / "faulty.log", "--fault-transfer-rate", "0.1")
     batch = prompts(20, seed=3)
@@ -133,7 +140,7 @@ def test_frozen_decode_node_does_not_block_other_requests(long_llama: Path, deco
             return grpc.StatusCode.OK, False, time.monotonic() - start
 
         async def healthy() -> tuple[list[int], float]:
-            await asyncio.sleep(0.5)  # let the stuck handoff start first
+            await wait_for_async(lambda: _handoff_started(prefill.address), "the stuck handoff starts first", 10)
             start = time.monotonic()
             tokens, _ = await run_pd(prefill.address, decode.address, "free", prompt)
             return tokens, time.monotonic() - start

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import grpc
 import pytest
-from cluster import MasterProcess, NodeProcess
-from pd_helpers import NODE_ARGS, PAGE, greedy, load, reference, run_pd, wait_for
+from helpers.pd_nodes import NODE_ARGS, PAGE, greedy, load, reference, run_pd
+from helpers.polling import wait_for
+from helpers.processes import MasterProcess, NodeProcess
 
 from tierserve.cache.hashing import page_keys
 from tierserve.cache.storage.mooncake import MooncakeStorage

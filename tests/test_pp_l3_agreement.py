@@ -10,15 +10,14 @@ test can fail) each stage uses its own reads and this test fails."""
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from cluster import MasterProcess
-from test_pp_agreement import PAGE, PROMPT, _digest, _run
-from tiny_models import make_tiny_model
+from helpers.processes import MasterProcess
+from helpers.rank_agreement import PAGE, PROMPT, assert_same_tree_every_step, digest, run_agreed, run_ranks
+from helpers.tiny_models import make_tiny_model
 
 from tierserve.cache.factory import SKIP_AGREEMENT
 from tierserve.cache.options import HiCacheOptions, PrefetchPolicy
@@ -50,11 +49,11 @@ def _stage(rank: int, port: int, model: str, master: str, faults: dict, skip: bo
     config = _config(Path(model), master, faults, skip)
     engine = Engine(config, ranks=join(RankSpec(rank, STAGES, port, TIMEOUT_S), config, store))
     digests: list[str] = []
-    cold = _run(engine, "cold", PROMPT, digests)  # write-through, then backed up to L3 (steps until done)
+    cold = run_agreed(engine, "cold", PROMPT, digests)  # write-through, then backed up to L3 (steps until done)
     engine.cache.flush(True, True)  # L1 and L2 (every stage at the same point): the next match reads L3
-    digests.append(_digest(engine))
-    l3 = _run(engine, "l3", PROMPT, digests)
-    again = _run(engine, "again", PROMPT, digests)  # the tree both stages kept serves it
+    digests.append(digest(engine))
+    l3 = run_agreed(engine, "l3", PROMPT, digests)
+    again = run_agreed(engine, "again", PROMPT, digests)  # the tree both stages kept serves it
     Path(out).write_text(json.dumps({"cold": cold, "l3": l3, "again": again, "digests": digests}))
     engine.ranks.agree_min(0)  # neither leaves before the other is done
     engine.cache.close()
@@ -67,23 +66,6 @@ def model(tmp_path_factory) -> Path:
 
 
 
-def _run_stages(args: list[tuple]) -> list[int | None]:
-    """One spawned process per stage; their exit codes. A stage still running after its deadline
-    is killed (so a hung collective fails the test instead of hanging it)."""
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_stage, args=a) for a in args]
-    try:
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout=8 * TIMEOUT_S)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-    return [p.exitcode for p in procs]
-
-
 @pytest.mark.parametrize("fault", sorted(FAULTS))
 def test_stages_whose_l3_reads_differ_keep_the_same_tree_every_step(model: Path, master: MasterProcess,
                                                                     tmp_path: Path, fault: str) -> None:
@@ -91,12 +73,11 @@ def test_stages_whose_l3_reads_differ_keep_the_same_tree_every_step(model: Path,
     skip = os.environ.get("TIERSERVE_TEST_SKIP_AGREEMENT") == "1"
     outs = [tmp_path / f"stage{s}.json" for s in range(STAGES)]
     port = free_port()
-    codes = _run_stages([(s, port, str(model), master.address, faults, skip, str(outs[s])) for s in range(STAGES)])
+    codes = run_ranks(_stage, [(s, port, str(model), master.address, faults, skip, str(outs[s]))
+                       for s in range(STAGES)], 8 * TIMEOUT_S)
     assert codes == [0, 0], "a stage failed (diverged stages time out or disagree)"
     first, second = (json.loads(o.read_text()) for o in outs)
-    assert len(first["digests"]) == len(second["digests"])
-    for step, (a, b) in enumerate(zip(first["digests"], second["digests"], strict=True)):
-        assert a == b, f"the stages' trees differ after step {step}"
+    assert_same_tree_every_step(first, second)
     for r in (first, second):
         assert sum(r["cold"][1].values()) == 0, r["cold"]
         assert r["l3"][0] == r["cold"][0] and r["l3"][1]["storage"] == agreed_pages * PAGE, r["l3"]

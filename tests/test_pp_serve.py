@@ -11,27 +11,24 @@ import os
 import signal
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
-from tiny_models import add_word_tokenizer, make_tiny_model
-from tokenizers import Tokenizer
-from tp_server import (
+from helpers.rank_hicache import assert_hits_l1_then_l2
+from helpers.rank_servers import (
     HEADS,
-    NEW_TOKENS,
-    TPServer,
-    complete,
+    complete_all,
     descendants,
     hf_greedy,
     prompts,
     rank_pids,
     start_server,
+    token_ids,
     wait_exit,
     wait_gone,
 )
+from helpers.tiny_models import add_word_tokenizer, make_tiny_model
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -60,33 +57,19 @@ def reference(request, tmp_path_factory) -> tuple[Path, list[list[int]]]:
     return model, tokens
 
 
-def _ids(model: Path, texts: list[str]) -> list[list[int]]:
-    words = Tokenizer.from_file(str(model / "tokenizer.json"))
-    return [words.encode(text).ids for text in texts]
-
-
 @pytest.mark.parametrize(("tp_size", "pp_size"), [(1, 2), (2, 2)])
 def test_greedy_outputs_equal_transformers(reference, tmp_path: Path, tp_size: int, pp_size: int) -> None:
     model, expected = reference
     server = start_server(model, tp_size, tmp_path / "serve.log", "--pp-size", str(pp_size)).wait_healthy()
     ranks = descendants(server.proc.pid)
     try:
-        client = server.client()
-        with ThreadPoolExecutor(len(expected)) as pool:  # concurrent: they share steps
-            texts = list(pool.map(lambda p: complete(client, model.name, p), prompts()))
+        texts = complete_all(server, model, prompts())
     finally:
         server.stop()
-    assert _ids(model, texts) == expected
+    assert token_ids(model, texts) == expected
     assert server.proc.returncode == -15, server.log.read_text()[-3000:]
     assert wait_gone(ranks, 10) == []
     assert "stage=1/2" in server.log.read_text()  # the ranks really were two stages
-
-
-def _complete(server: TPServer, model: Path, prompt: list[int]) -> tuple[list[int], dict[str, int]]:
-    """Greedy answer as token ids, and the prompt's cached tokens by tier."""
-    body = {"model": model.name, "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
-    reply = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120).raise_for_status().json()
-    return _ids(model, [reply["choices"][0]["text"]])[0], reply["usage"]["cached_tokens_by_tier"]
 
 
 @pytest.mark.parametrize(("tp_size", "pp_size"), [(1, 2), (2, 2)])
@@ -97,13 +80,7 @@ def test_l1_and_l2_hits_answer_as_no_cache(model: Path, tmp_path: Path, tp_size:
     flags = ["--pp-size", str(pp_size), "--enable-hierarchical-cache", "--max-total-tokens", str(48 * PAGE)]
     server = start_server(model, tp_size, tmp_path / "serve.log", *flags).wait_healthy()
     try:
-        assert _complete(server, model, asked[0]) == (want[0], {"device": 0, "host": 0, "storage": 0})
-        answer, tiers = _complete(server, model, asked[0])
-        assert answer == want[0] and tiers["device"] >= 16 * PAGE, tiers
-        for i in (1, 2, 3):
-            assert _complete(server, model, asked[i])[0] == want[i]
-        answer, tiers = _complete(server, model, asked[0])
-        assert answer == want[0] and tiers["host"] > 0, tiers
+        assert_hits_l1_then_l2(server, model, asked, want)
     finally:
         server.stop()
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import make_tiny_model
+from helpers.tiny_models import make_tiny_model
 
 from tierserve.engine.procs.ranks import Ranks
 from tierserve.model.loader import load_model

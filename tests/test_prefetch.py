@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 import torch
-from hicache_fakes import OPTIONS as HALF_RESERVED
-from hicache_fakes import PS, SEED, MemoryStorage, keys_of
+from helpers.hicache_fakes import OPTIONS as HALF_RESERVED
+from helpers.hicache_fakes import PS, SEED, MemoryStorage, keys_of
 
 from tierserve.cache.allocator import PageAllocator
 from tierserve.cache.device_pool import DeviceKVPool, KVGeometry
@@ -21,6 +21,8 @@ from tierserve.cache.options import HiCacheOptions, PrefetchPolicy
 from tierserve.cache.prefetch import PrefetchOptions, PrefetchTicket, prefetch_timeout
 from tierserve.cache.sharded.cp_pages import PageOwnership
 from tierserve.cache.storage_tier import WINDOW
+
+pytestmark = pytest.mark.fakes  # an L3 in a dict (hicache_fakes.MemoryStorage) in place of Mooncake
 
 OPTIONS = PrefetchOptions(threshold_tokens=PS, max_reserved_fraction=1.0)
 

@@ -73,6 +73,13 @@ def _start_request(machine, tokens: list[int]) -> None:
     machine.held.append((tokens, hit.pages + pages, hit))
 
 
+def _finish_request(machine, data) -> list[int]:
+    """Releases one held request, drawn by ``data`` (a machine's ``finish`` rule): its tokens."""
+    tokens, pages, hit = machine.held.pop(data.draw(st.integers(0, len(machine.held) - 1)))
+    machine.cache.release(tokens, pages, len(tokens), hit)
+    return tokens
+
+
 class TreeMachine(RuleBasedStateMachine):
     """Random insert/match/lock/evict sequences against a reference: the set of cached prefixes."""
 
@@ -92,8 +99,7 @@ class TreeMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.held)
     @rule(data=st.data())
     def finish(self, data) -> None:
-        tokens, pages, hit = self.held.pop(data.draw(st.integers(0, len(self.held) - 1)))
-        self.cache.release(tokens, pages, len(tokens), hit)
+        tokens = _finish_request(self, data)
         for n in range(1, len(tokens) // 2 + 1):
             self.reference.setdefault(tuple(tokens[: 2 * n]), 0)
 
@@ -190,8 +196,7 @@ class HiCacheMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.held)
     @rule(data=st.data())
     def finish(self, data) -> None:
-        tokens, pages, hit = self.held.pop(data.draw(st.integers(0, len(self.held) - 1)))
-        self.cache.release(tokens, pages, len(tokens), hit)
+        _finish_request(self, data)
 
     @rule(n=st.integers(1, 12))
     def evict_device(self, n: int) -> None:

@@ -12,10 +12,11 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from cluster import MasterProcess, NodeProcess, RouterProcess, free_port
+from helpers.pd_nodes import load
+from helpers.polling import wait_for
+from helpers.processes import MasterProcess, NodeProcess, RouterProcess, free_port
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from pd_helpers import load, wait_for
 
 from tierserve.core.sampling import SamplingParams
 from tierserve.engine.config import EngineConfig

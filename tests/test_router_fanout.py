@@ -9,8 +9,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from cluster import NodeProcess, RouterProcess
-from pd_helpers import DECODE_ARGS, NODE_ARGS, load, metric, wait_for
+from helpers.pd_nodes import DECODE_ARGS, NODE_ARGS, load, metric
+from helpers.polling import wait_for
+from helpers.processes import NodeProcess, RouterProcess
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 SLOTS = 8  # the router runs this many choices at once and queues none: the rest of an n=16 get 429

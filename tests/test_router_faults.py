@@ -13,8 +13,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from cluster import NodeProcess, RouterProcess, free_port
-from pd_helpers import DECODE_ARGS, NODE_ARGS, load, wait_for
+from helpers.pd_nodes import DECODE_ARGS, NODE_ARGS, load
+from helpers.polling import wait_for
+from helpers.processes import NodeProcess, RouterProcess, free_port
 
 from tierserve.launch import http_ok
 from tierserve.router.registry import Registry, WorkerState

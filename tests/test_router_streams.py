@@ -15,8 +15,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from cluster import NodeProcess, RouterProcess
-from pd_helpers import load, metric, wait_for
+from helpers.pd_nodes import load, metric
+from helpers.polling import wait_for
+from helpers.processes import NodeProcess, RouterProcess
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 ARGS = ["--device", "cpu", "--dtype", "float32", "--max-total-tokens", "4096"]

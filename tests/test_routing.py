@@ -10,8 +10,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from cluster import NodeProcess, RouterProcess
-from pd_helpers import DECODE_ARGS, NODE_ARGS
+from helpers.pd_nodes import DECODE_ARGS, NODE_ARGS
+from helpers.processes import NodeProcess, RouterProcess
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 CONVERSATIONS, TURNS = 3, 3  # odd: round-robin cannot line turns up with nodes by chance

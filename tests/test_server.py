@@ -6,16 +6,17 @@ import json
 import socket
 import subprocess
 import sys
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
+from helpers import metrics
+from helpers.polling import wait_for
+from helpers.processes import ServeProcess
 
 from tierserve.launch import free_port
 
@@ -40,39 +41,6 @@ class Server:
         return httpx.Client(base_url=self.url, headers=headers, timeout=60)
 
 
-def _start(model: Path, log: Path, *flags: str) -> subprocess.Popen:
-    port = free_port()
-    cmd = [sys.executable, "-m", "tierserve.cli", "serve", "--model", str(model), "--port", str(port),
-           "--quiet-access-log", *flags]
-    with log.open("w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-    proc.port = port  # type: ignore[attr-defined]
-    return proc
-
-
-def _wait_healthy(proc: subprocess.Popen, url: str, log: Path) -> None:
-    deadline = time.monotonic() + STARTUP_DEADLINE_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)  # a polling interval, not a wait for readiness
-    raise TimeoutError(f"server not healthy after {STARTUP_DEADLINE_S}s:\n{log.read_text()[-4000:]}")
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
 def test_serve_on_a_taken_port_says_so_before_loading_the_model(tiny_llama: Path) -> None:
     """It loaded the model, then uvicorn could not bind: the reason came last, after the load."""
     port = free_port()
@@ -89,19 +57,17 @@ def test_serve_on_a_taken_port_says_so_before_loading_the_model(tiny_llama: Path
 def servers(tiny_llama: Path, builtin_model: Path, tmp_path_factory) -> Iterator[dict[str, Server]]:
     """Both servers start together so their model loads overlap."""
     logs = tmp_path_factory.mktemp("server-logs")
-    tiny = _start(tiny_llama, logs / "tiny.log", "--api-key", API_KEY, "--max-total-tokens", "2048")
-    smol = _start(builtin_model, logs / "smol.log", "--max-total-tokens", "4096", "--context-length", "2048")
-    started = {"tiny": (tiny, logs / "tiny.log", API_KEY), "smol": (smol, logs / "smol.log", None)}
+    tiny = ServeProcess(["--model", str(tiny_llama), "--api-key", API_KEY, "--max-total-tokens", "2048"],
+                        logs / "tiny.log")
+    smol = ServeProcess(["--model", str(builtin_model), "--max-total-tokens", "4096", "--context-length", "2048"],
+                        logs / "smol.log")
+    started = {"tiny": (tiny, API_KEY), "smol": (smol, None)}
     try:
-        out = {}
-        for name, (proc, log, key) in started.items():
-            url = f"http://127.0.0.1:{proc.port}"
-            _wait_healthy(proc, url, log)
-            out[name] = Server(url, proc, log, key)
-        yield out
+        yield {name: Server(node.wait_ready(STARTUP_DEADLINE_S).url, node.proc, node.log, key)
+               for name, (node, key) in started.items()}
     finally:
-        for proc, _, _ in started.values():
-            _stop(proc)
+        for node, _ in started.values():
+            node.stop()
 
 
 @pytest.fixture(scope="module")
@@ -120,21 +86,8 @@ def _model(server: Server) -> str:
     return server.client().models.list().data[0].id
 
 
-def _poll(check: Callable[[], bool], what: str, deadline_s: float = 30) -> None:
-    deadline = time.monotonic() + deadline_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
-
 def _metric(server: Server, name: str, **labels: str) -> float:
-    text = httpx.get(f"{server.url}/metrics", timeout=10).text
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                return sample.value
-    return 0.0
+    return metrics.value(metrics.scrape(server.url), name, **labels)
 
 
 # ---- auth, routing, errors -------------------------------------------------------------------
@@ -292,8 +245,8 @@ def test_client_disconnect_mid_stream_aborts(smol: Server):
         first = next(line for line in r.iter_lines() if line.startswith("data: "))
         assert json.loads(first.removeprefix("data: "))["choices"][0]["finish_reason"] is None
     # Leaving the block closed the connection long before 1500 tokens could be generated.
-    _poll(lambda: _metric(smol, "tierserve_requests_total", finish_reason="abort") == aborted + 1, "the abort")
-    _poll(lambda: _engine_idle(smol), "the engine to release every page")
+    wait_for(lambda: _metric(smol, "tierserve_requests_total", finish_reason="abort") == aborted + 1, "the abort", 30)
+    wait_for(lambda: _engine_idle(smol), "the engine to release every page", 30)
     assert httpx.get(f"{smol.url}/health", timeout=10).status_code == 200
     assert smol.client().completions.create(model=_model(smol), prompt="Hi", max_tokens=2).choices[0].text
 
@@ -303,8 +256,8 @@ def test_client_disconnect_while_waiting_for_full_response_aborts(smol: Server):
     body = {"prompt": "Once upon a time", "max_tokens": 1500, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{smol.url}/v1/completions", json=body, timeout=httpx.Timeout(60, read=1.0))
-    _poll(lambda: _metric(smol, "tierserve_requests_total", finish_reason="abort") == aborted + 1, "the abort")
-    _poll(lambda: _engine_idle(smol), "the engine to release every page")
+    wait_for(lambda: _metric(smol, "tierserve_requests_total", finish_reason="abort") == aborted + 1, "the abort", 30)
+    wait_for(lambda: _engine_idle(smol), "the engine to release every page", 30)
 
 
 def test_metrics_count_requests(smol: Server):

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 from fastapi.testclient import TestClient
+from helpers.tiny_models import make_noisy_draft, make_tiny_model
 from safetensors.torch import load_file
-from tiny_models import make_noisy_draft, make_tiny_model
 
 from tierserve.api.engine_backend import create_engine_app
 from tierserve.cli.main import build_parser

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-from cluster import NodeProcess, free_port
-from pd_helpers import CHUNK, DECODE_ARGS, NODE_ARGS, PAGE, greedy, node_metric
+from helpers.pd_nodes import CHUNK, DECODE_ARGS, NODE_ARGS, PAGE, greedy, node_metric
+from helpers.processes import NodeProcess, free_port
 from tokenizers import Tokenizer
 
 from tierserve.core.sampling import SamplingParams

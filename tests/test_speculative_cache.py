@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import make_noisy_draft, widen_kv_heads
+from helpers.tiny_models import make_noisy_draft, widen_kv_heads
 
 from tierserve.cache import hicache as hicache_module
 from tierserve.cache.base import PrefixHit

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import make_noisy_draft
+from helpers.tiny_models import make_noisy_draft
 
 from tierserve.core.sampling import SamplingParams
 from tierserve.engine.config import EngineConfig

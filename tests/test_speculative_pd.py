@@ -18,10 +18,10 @@ import grpc
 import httpx
 import pytest
 import torch
-from cluster import NodeProcess, free_port, running_up
-from logprob_checks import ids_of
-from pd_helpers import CHUNK, DECODE_ARGS, MAX_NEW, NODE_ARGS, PAGE, greedy, node_metric, reference
-from tiny_models import add_word_tokenizer, make_noisy_draft, make_tiny_model, widen_kv_heads
+from helpers.logprob_checks import ids_of
+from helpers.pd_nodes import CHUNK, DECODE_ARGS, MAX_NEW, NODE_ARGS, PAGE, greedy, node_metric, reference
+from helpers.processes import NodeProcess, free_port, running_up
+from helpers.tiny_models import add_word_tokenizer, make_noisy_draft, make_tiny_model, widen_kv_heads
 
 from tierserve.core.sampling import SamplingParams
 from tierserve.engine.config import EngineConfig

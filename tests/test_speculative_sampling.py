@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import make_tiny_model
+from helpers.tiny_models import make_tiny_model
 
 import tierserve.engine.spec.decoder as speculative
 from tierserve.core.sampling import SamplingParams

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 import torch
-from engine_helpers import run_one
-from tiny_models import make_tiny_model
+from helpers.engine_runs import run_one
+from helpers.tiny_models import make_tiny_model
 
 from tierserve.cache.device_pool import KVGeometry
 from tierserve.cache.host_pool import HostKVPool

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from cluster import NodeProcess, RouterProcess, free_port, running_up, stop, wait_until
-from test_server import _start
+from helpers.polling import wait_until
+from helpers.processes import NodeProcess, RouterProcess, ServeProcess, free_port, running_up
 
 from tierserve.api import openai as oa
 from tierserve.api.tenants import Tenant, TenantKeys, TenantLimiter
@@ -70,21 +70,12 @@ def test_limiter_counts_concurrency_and_the_sliding_minute() -> None:
 def server(tiny_llama: Path, tmp_path_factory) -> Iterator[str]:
     folder = tmp_path_factory.mktemp("tenants")
     (folder / "keys.json").write_text(json.dumps(KEYS))
-    proc = _start(tiny_llama, folder / "serve.log", "--api-keys", str(folder / "keys.json"),
-                  "--admin-api-key", "adm", "--max-total-tokens", "2048", "--page-size", "16")
-    url = f"http://127.0.0.1:{proc.port}"
+    server = ServeProcess(["--model", str(tiny_llama), "--api-keys", str(folder / "keys.json"), "--admin-api-key",
+                           "adm", "--max-total-tokens", "2048", "--page-size", "16"], folder / "serve.log")
     try:
-        wait_until(lambda: _healthy(url), "serve healthy", 180, proc, folder / "serve.log")
-        yield url
+        yield server.wait_ready(180).url
     finally:
-        stop(proc)
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=2).status_code == 200
-    except httpx.TransportError:
-        return False
+        server.stop()
 
 
 def complete(url: str, key: str, salt: str | None = "shared", **more) -> httpx.Response:

@@ -7,20 +7,18 @@ test can fail) each rank applies its own view, the ranks diverge, and this test 
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 from pathlib import Path
 
 import pytest
-import torch
 import torch.distributed as dist
-from cluster import MasterProcess
-from tiny_models import make_tiny_model
+from helpers.processes import MasterProcess
+from helpers.rank_agreement import PAGE, PROMPT, run_agreed, run_ranks, tree_of
+from helpers.tiny_models import make_tiny_model
 
 from tierserve.cache import hicache
 from tierserve.cache.factory import SKIP_AGREEMENT
 from tierserve.cache.options import HiCacheOptions, PrefetchPolicy
-from tierserve.core.sampling import SamplingParams
 from tierserve.engine.config import EngineConfig
 from tierserve.engine.engine import Engine
 from tierserve.engine.procs.ranks import HOST, RankSpec, join, leave
@@ -29,8 +27,6 @@ from tierserve.launch import free_port
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 COPY_PAGES = hicache.copy_pages
 
-PAGE = 4
-PROMPT = torch.randint(2, 384, (70,), generator=torch.Generator().manual_seed(5)).tolist()  # 17 full pages
 SHOWN_PAGES = 6  # what rank 1's faulty store admits to, or reads
 TIMEOUT_S = 30.0  # every collective's, and the deadline of each rank's loop
 LAG_S = 5.0  # rank 1's delay before each read call: far past the prefetch timeout below
@@ -51,38 +47,18 @@ def _config(model: Path, master: str, faults: dict | None = None, skip: bool = F
                         dist_timeout_s=TIMEOUT_S)
 
 
-def _run(engine: Engine, request_id: str) -> tuple[list[int], dict[str, int]]:
-    """Runs the prompt to its end, then steps until the cache's copies landed; every rank steps
-    while any rank has work (one collective per turn), so the ranks take the same steps. A request
-    that failed has tiers ``{"failed": 1}``."""
-    engine.add_request(request_id, PROMPT, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
-    tokens: list[int] = []
-    tiers: dict[str, int] = {}
-    while engine.ranks.agree_min(-int(engine.has_work())) < 0:
-        for out in engine.step():
-            tokens += out.new_token_ids
-            tiers = out.cached_by_tier or tiers
-        tiers = {"failed": 1} if engine.take_failures() else tiers
-    return tokens, tiers
-
-
-def _tree(engine: Engine) -> list[tuple[list[int], bool, bool]]:
-    nodes = engine.cache.tree.nodes()
-    return sorted((list(n.tokens), n.device is not None, n.host is not None) for n in nodes)
-
-
 def _rank(rank: int, port: int, model: str, master: str, fault: str, skip: bool, out: str) -> None:
     store = dist.TCPStore(HOST, port, 2, is_master=True, wait_for_workers=False) if rank == 0 else None
     ranks = join(RankSpec(rank, 2, port, TIMEOUT_S), _config(Path(model), master), store)
     writer = Engine(_config(Path(model), master), ranks=ranks)  # its segment holds the pages
-    cold, _ = _run(writer, "cold")
+    cold, _ = run_agreed(writer, "cold", PROMPT, count_failures=True)
     faults, policy, _ = FAULTS[fault]
     reader = Engine(_config(Path(model), master, faults, skip, policy), ranks=ranks)
-    warm, tiers = _run(reader, "warm")
-    tree = _tree(reader)
+    warm, tiers = run_agreed(reader, "warm", PROMPT, count_failures=True)
+    tree = tree_of(reader)
     flushed = reader.cache.flush(True, True)  # every rank at the same point, as the step bus makes them
     Path(out).write_text(json.dumps({"cold": cold, "warm": warm, "tiers": tiers, "tree": tree, "flushed": flushed,
-                                     "left": _tree(reader)}))
+                                     "left": tree_of(reader)}))
     ranks.agree_min(0)  # neither leaves (and drops its store segment) before the other is done
     for engine in (reader, writer):
         engine.cache.close()
@@ -94,23 +70,6 @@ def model(tmp_path_factory) -> Path:
     return make_tiny_model("llama", tmp_path_factory.mktemp("llama"), heads=8, kv_heads=4)
 
 
-def _run_ranks(target, args: list[tuple]) -> list[int | None]:
-    """Runs one spawned process per rank and returns their exit codes; a rank still running after
-    its deadline is killed (so a hung collective fails the test instead of hanging it)."""
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=target, args=a) for a in args]
-    try:
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout=4 * TIMEOUT_S)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-    return [p.exitcode for p in procs]
-
-
 @pytest.mark.parametrize("fault", sorted(FAULTS))
 def test_a_rank_with_a_shorter_l3_view_shortens_every_rank(model: Path, tmp_path: Path, fault: str) -> None:
     master = MasterProcess(tmp_path / "master.log").start()
@@ -118,7 +77,8 @@ def test_a_rank_with_a_shorter_l3_view_shortens_every_rank(model: Path, tmp_path
     outs = [tmp_path / f"rank{r}.json" for r in range(2)]
     port = free_port()
     try:
-        codes = _run_ranks(_rank, [(r, port, str(model), master.address, fault, skip, str(outs[r])) for r in range(2)])
+        codes = run_ranks(_rank, [(r, port, str(model), master.address, fault, skip, str(outs[r])) for r in range(2)],
+                          4 * TIMEOUT_S)
     finally:
         master.kill()
     assert codes == [0, 0], "a rank failed (diverged ranks time out or disagree)"
@@ -142,15 +102,15 @@ def _load_rank(rank: int, port: int, model: str, skip: bool, out: str) -> None:
     engine = Engine(config, ranks=join(RankSpec(rank, 2, port, TIMEOUT_S), config, store))
     if skip:  # each rank on its own: the failing rank fails alone, mid-step
         engine._agreed_load_failure = lambda batch: False
-    cold, _ = _run(engine, "cold")  # write-through: its pages reach L2
+    cold, _ = run_agreed(engine, "cold", PROMPT, count_failures=True)  # write-through: its pages reach L2
     engine.cache.flush(True, False)  # L2 only: the next match loads them into L1
     if rank == 1:
         hicache.copy_pages = _failing_loads
-    failed = _run(engine, "failed")
+    failed = run_agreed(engine, "failed", PROMPT, count_failures=True)
     hicache.copy_pages = COPY_PAGES
-    trees = [_tree(engine)]
-    warm = _run(engine, "warm")
-    Path(out).write_text(json.dumps({"cold": cold, "failed": failed, "warm": warm, "trees": [*trees, _tree(engine)]}))
+    trees = [tree_of(engine)]
+    warm = run_agreed(engine, "warm", PROMPT, count_failures=True)
+    Path(out).write_text(json.dumps({"cold": cold, "failed": failed, "warm": warm, "trees": [*trees, tree_of(engine)]}))
     engine.ranks.agree_min(0)
     engine.cache.close()
     leave()
@@ -160,7 +120,7 @@ def test_an_l2_load_failing_on_one_rank_fails_the_request_on_every_rank(model: P
     skip = os.environ.get("TIERSERVE_TEST_SKIP_AGREEMENT") == "1"
     outs = [tmp_path / f"rank{r}.json" for r in range(2)]
     port = free_port()
-    codes = _run_ranks(_load_rank, [(r, port, str(model), skip, str(outs[r])) for r in range(2)])
+    codes = run_ranks(_load_rank, [(r, port, str(model), skip, str(outs[r])) for r in range(2)], 4 * TIMEOUT_S)
     assert codes == [0, 0], "a rank failed (diverged ranks time out or disagree)"
     results = [json.loads(o.read_text()) for o in outs]
     assert results[0]["trees"] == results[1]["trees"]

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from tiny_models import add_word_tokenizer, make_tiny_model
-from tp_server import TPServer, descendants, rank_pids, start_server, wait_exit, wait_gone
+from helpers.rank_servers import TPServer, descendants, rank_pids, start_server, wait_exit, wait_gone
+from helpers.tiny_models import add_word_tokenizer, make_tiny_model
 
 pytestmark = pytest.mark.integration
 DEATH_DEADLINE_S = 30.0

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from logprob_checks import echo_completion, generated_logprobs
-from tp_server import start_server
+from helpers.logprob_checks import echo_completion, generated_logprobs
+from helpers.rank_servers import start_server
 
 pytestmark = pytest.mark.integration
 

@@ -12,10 +12,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-from cluster import NodeProcess, RouterProcess
-from pd_helpers import DECODE_ARGS, NODE_ARGS, load, wait_for
-from tiny_models import add_word_tokenizer, make_tiny_model
-from tp_server import descendants, rank_pids, wait_exit, wait_gone
+from helpers.pd_nodes import DECODE_ARGS, NODE_ARGS, load
+from helpers.polling import wait_for
+from helpers.processes import NodeProcess, RouterProcess
+from helpers.rank_servers import descendants, rank_pids, wait_exit, wait_gone
+from helpers.tiny_models import add_word_tokenizer, make_tiny_model
 
 from tierserve.core.sampling import SamplingParams
 from tierserve.engine.config import EngineConfig

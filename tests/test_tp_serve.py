@@ -4,13 +4,20 @@ concurrent requests (one batch) and prompts longer than a prefill chunk."""
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from tiny_models import add_word_tokenizer, make_tiny_model
-from tokenizers import Tokenizer
-from tp_server import HEADS, complete, descendants, hf_greedy, prompts, start_server, wait_gone
+from helpers.rank_servers import (
+    HEADS,
+    complete_all,
+    descendants,
+    hf_greedy,
+    prompts,
+    start_server,
+    token_ids,
+    wait_gone,
+)
+from helpers.tiny_models import add_word_tokenizer, make_tiny_model
 
 pytestmark = pytest.mark.integration
 
@@ -35,13 +42,10 @@ def test_greedy_outputs_equal_transformers(reference, tp_size: int, tmp_path: Pa
     server = start_server(model, tp_size, tmp_path / "serve.log").wait_healthy()
     ranks = descendants(server.proc.pid)
     try:
-        client = server.client()
-        with ThreadPoolExecutor(len(asked)) as pool:  # concurrent: they share steps
-            texts = list(pool.map(lambda p: complete(client, model.name, p), asked))
+        texts = complete_all(server, model, asked)
     finally:
         server.stop()
-    words = Tokenizer.from_file(str(model / "tokenizer.json"))
-    assert [words.encode(text).ids for text in texts] == expected
+    assert token_ids(model, texts) == expected
     # SIGTERM stopped rank 0 (no SIGKILL needed), and the ranks it started left with it.
     assert server.proc.returncode == -15, server.log.read_text()[-3000:]
     assert wait_gone(ranks, 10) == []

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.tiny_models import make_tiny_model
 from safetensors import safe_open
-from tiny_models import make_tiny_model
 
 from tierserve.core.model_config import ModelConfig
 from tierserve.core.sampling import SamplingParams

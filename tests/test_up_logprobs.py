@@ -7,8 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from cluster import free_port, running_up
-from logprob_checks import chat_logprobs, echo_completion, generated_logprobs, ids_of, post
+from helpers.logprob_checks import chat_logprobs, echo_completion, generated_logprobs, ids_of, post
+from helpers.processes import free_port, running_up
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import httpx
 import pytest
-from cluster import free_port
+from helpers.processes import free_port
 
 from tierserve.launch import Cluster, RestartPolicy, grpc_serving, tcp_open
 from tierserve.launch.supervisor import CrashLoop, Supervisor

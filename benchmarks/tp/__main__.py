@@ -9,7 +9,7 @@ order, medians of several rounds after a warm-up round:
    (``tp_handoff``).
 
 The model is a random Llama (hidden 512, 4 layers, 8 heads, 4 KV heads of 64, float32: 8 KiB of
-KV per token) with the word tokenizer of ``tests/tiny_models.py``. Logs go to ``--logs``.
+KV per token) with the word tokenizer of ``tests/helpers/tiny_models.py``. Logs go to ``--logs``.
 
     .venv/bin/python benchmarks/tp [--prompt-tokens 1536] [--decode-tokens 64] [--decode-batch 4] \\
         [--repeats 5] [--l3-repeats 15] [--l3-write-repeats 5] [--l3-plain] [--handoff-repeats 9] \\

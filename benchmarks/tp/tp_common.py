@@ -14,10 +14,11 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests"))  # tiny_models, cluster: the tests' helpers, reused
+sys.path.insert(0, str(ROOT / "tests"))  # helpers.tiny_models, helpers.processes: the tests' helpers, reused
 
-from cluster import MasterProcess, NodeProcess, stop, wait_until  # noqa: E402
-from tiny_models import _config, add_word_tokenizer  # noqa: E402
+from helpers.polling import wait_until  # noqa: E402
+from helpers.processes import MasterProcess, NodeProcess, stop  # noqa: E402
+from helpers.tiny_models import _config, add_word_tokenizer  # noqa: E402
 
 from tierserve.launch import free_port, http_ok  # noqa: E402
 
@@ -46,7 +47,7 @@ class ModelShape:
 
 
 def make_model(out_dir: Path, shape: ModelShape, seed: int = 0) -> Path:
-    """A random Llama of ``shape`` with the word tokenizer (as ``tests/tiny_models.py`` makes its
+    """A random Llama of ``shape`` with the word tokenizer (as ``tests/helpers/tiny_models.py`` makes its
     models, larger)."""
     import transformers
 

@@ -6,13 +6,16 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import openai
 import torch
-from cluster import stop, wait_until
+from tokenizers import Tokenizer
 
+from helpers.polling import wait_until
+from helpers.processes import stop
 from tierserve.launch import free_port, http_ok
 
 STARTUP_DEADLINE_S = 120.0
@@ -144,3 +147,16 @@ def wait_exit(proc: subprocess.Popen, deadline_s: float) -> int:
     except subprocess.TimeoutExpired:
         proc.kill()
         raise AssertionError(f"{proc.args[:4]} still running {deadline_s} s after a rank died") from None
+
+
+def complete_all(server: TPServer, model: Path, asked: list[list[int]]) -> list[str]:
+    """Every prompt's greedy answer text, all sent at once (concurrent: they share steps)."""
+    client = server.client()
+    with ThreadPoolExecutor(len(asked)) as pool:
+        return list(pool.map(lambda p: complete(client, model.name, p), asked))
+
+
+def token_ids(model: Path, texts: list[str]) -> list[list[int]]:
+    """Answer texts as token ids, through the model's word tokenizer."""
+    words = Tokenizer.from_file(str(model / "tokenizer.json"))
+    return [words.encode(text).ids for text in texts]

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 from hypothesis import strategies as st
-from tiny_models import add_word_tokenizer, make_noisy_draft, make_tiny_model, widen_kv_heads
 
+from helpers.tiny_models import add_word_tokenizer, make_noisy_draft, make_tiny_model, widen_kv_heads
 from tierserve.cache.hicache import HiCache
 from tierserve.cache.options import DraftLayout
 from tierserve.cache.radix_tree import RadixTree

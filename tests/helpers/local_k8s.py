@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-from cluster import free_port, wait_until
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from manifests import (
+
+from helpers.k8s_manifests import (
     DEPLOY,
     DISCOVERY_FLAGS,
     VENV_BIN,
@@ -31,6 +31,8 @@ from manifests import (
     role,
     selects,
 )
+from helpers.polling import wait_until
+from helpers.processes import free_port
 
 # ---- the TLS Secret's files ------------------------------------------------------------------
 

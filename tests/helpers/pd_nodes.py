@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 from pathlib import Path
 
 import grpc
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
+from helpers import metrics
 from tierserve.core.sampling import SamplingParams
 from tierserve.core.scope import CacheScope
 from tierserve.engine.config import EngineConfig
@@ -69,16 +68,24 @@ async def reserve(decode: str, rid: str, prompt: list[int], lease: float = 0.0) 
             pb.ReserveRequest(request_id=rid, prompt_ids=prompt, max_new_tokens=MAX_NEW, lease_seconds=lease))
 
 
-def wait_for(check, what: str, deadline_s: float) -> None:
-    """Polls ``check()`` (a bool, or an awaitable of one) until it is true."""
-    deadline = time.monotonic() + deadline_s
-    while not _value(check()):
-        assert time.monotonic() < deadline, f"{what} within {deadline_s} s"
-        time.sleep(0.05)  # poll interval
+async def reserve_for(decode: str, rid: str, prompt: list[int], source_tp: int) -> pb.ReserveResponse:
+    """A Reserve that names the prefill node's TP size (its writers), for 4 new tokens."""
+    async with grpc.aio.insecure_channel(decode) as channel:
+        return await pb_grpc.DecodeServiceStub(channel).Reserve(
+            pb.ReserveRequest(request_id=rid, prompt_ids=prompt, max_new_tokens=4, source_tp_size=source_tp))
 
 
-def _value(result) -> bool:
-    return asyncio.run(result) if asyncio.iscoroutine(result) else bool(result)
+async def prefill_into(prefill: str, rid: str, prompt: list[int], dest: pb.KVDestination) -> pb.PrefillResponse:
+    """A Prefill whose KV goes to ``dest`` (a destination a test may have altered)."""
+    async with grpc.aio.insecure_channel(prefill) as channel:
+        return await pb_grpc.PrefillServiceStub(channel).Prefill(
+            pb.PrefillRequest(request_id=rid, prompt_ids=prompt, sampling=greedy(), destination=dest))
+
+
+async def info(address: str) -> pb.NodeInfo:
+    """A node's Info (its role's sizes: TP, PP)."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        return await pb_grpc.NodeServiceStub(channel).Info(pb.InfoRequest())
 
 
 async def release(decode: str, rid: str, writer_stopped: bool) -> bool:
@@ -90,18 +97,15 @@ async def release(decode: str, rid: str, writer_stopped: bool) -> bool:
 
 def metric(router, name: str, **labels: str) -> float:
     """One sample of a router's (``RouterProcess``) /metrics; 0 while it has not appeared."""
-    for family in text_string_to_metric_families(httpx.get(f"{router.url}/metrics").text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                return sample.value
-    return 0.0
+    return metrics.value(httpx.get(f"{router.url}/metrics").text, name, **labels)
 
 
 def node_metric(node, name: str) -> float:
     """One sample of a node's (``NodeProcess``) /metrics, on the port its ``--metrics-port`` names."""
     port = node.proc.args[node.proc.args.index("--metrics-port") + 1]
-    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-    return next(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
+    found = metrics.find(metrics.scrape(f"http://127.0.0.1:{port}"), name)
+    assert found is not None, f"{name} not on the node's /metrics"
+    return found
 
 
 async def run_all(prefill: str, decode: str, batch: list[list[int]], tag: str, source_tp: int | None = None
@@ -115,3 +119,21 @@ async def idle(prefill: str, decode: str) -> bool:
     """Both nodes gave every page and staging byte back (nothing parked, used, reserved or staged)."""
     p, d = await load(prefill), await load(decode)
     return p.kv_pages_parked == 0 and d.kv_pages_used == 0 and d.reservations == 0 and d.staging_bytes_used == 0
+
+
+def run_pair(prefill_args: list[str], decode_args: list[str], logs: tuple[Path, Path], seed: int, tag: str
+             ) -> tuple[list[list[int]], list[tuple[list[int], pb.PrefillResponse]]]:
+    """Starts a prefill and a decode node (``NodeProcess``) with these arguments, sends four fresh
+    prompts of ``seed`` through them one at a time as the router does, and stops both: the prompts
+    and each one's tokens and Prefill response."""
+    from helpers.processes import NodeProcess
+
+    nodes = [NodeProcess("prefill", prefill_args, logs[0]), NodeProcess("decode", decode_args, logs[1])]
+    try:
+        prefill, decode = (n.wait_ready() for n in nodes)
+        batch = prompts(4, seed=seed)
+        return batch, [asyncio.run(run_pd(prefill.address, decode.address, f"{tag}{i}", q))
+                       for i, q in enumerate(batch)]
+    finally:
+        for node in nodes:
+            node.stop()

@@ -13,6 +13,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from helpers.polling import wait_until
+from tierserve.cache.storage.mooncake import MooncakeStorage
 from tierserve.launch import free_port, grpc_serving, http_ok, tcp_open
 
 
@@ -25,18 +27,6 @@ def stop(proc: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=10)
-
-
-def wait_until(ready, what: str, deadline_s: float, proc: subprocess.Popen | None = None, log: Path | None = None
-               ) -> None:
-    deadline = time.monotonic() + deadline_s
-    while not ready():
-        if proc is not None and proc.poll() is not None:
-            tail = log.read_text(errors="replace")[-3000:] if log else ""
-            raise RuntimeError(f"{what} exited with {proc.returncode}:\n{tail}")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} not ready after {deadline_s} s")
-        time.sleep(0.02)  # poll interval, not a wait for readiness
 
 
 class MasterProcess:
@@ -65,6 +55,26 @@ class MasterProcess:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(timeout=10)
+
+
+@contextmanager
+def master_running(log: Path) -> Iterator[MasterProcess]:
+    """A started ``mooncake_master`` for the block, killed after it."""
+    master = MasterProcess(log).start()
+    try:
+        yield master
+    finally:
+        master.kill()
+
+
+@contextmanager
+def store_client(master: MasterProcess) -> Iterator[MooncakeStorage]:
+    """A client of ``master``'s L3 that lends it no memory (it only asks what is there, or removes)."""
+    client = MooncakeStorage(master.address, global_segment_size=0, local_buffer_size=16 << 20)
+    try:
+        yield client
+    finally:
+        client.close()
 
 
 class NodeProcess:

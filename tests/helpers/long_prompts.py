@@ -12,15 +12,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-from cluster import MasterProcess
-from tiny_models import add_word_tokenizer, make_tiny_model
 from tokenizers import Tokenizer
-from tp_server import TPServer, start_server
 
+from helpers.polling import poll
+from helpers.processes import MasterProcess, store_client
+from helpers.rank_servers import TPServer, start_server
+from helpers.tiny_models import add_word_tokenizer, make_tiny_model
 from tierserve.cache.hashing import Namespace, page_keys
 from tierserve.cache.options import HostLayout, object_format
 from tierserve.cache.sharded.shards import HeadRange, object_key
-from tierserve.cache.storage.mooncake import MooncakeStorage
 from tierserve.model.identity import model_identity
 
 PAGE = 16
@@ -33,7 +33,7 @@ REQUEST_TIMEOUT_S = 1800.0  # a 128K-token prefill on two shared cores takes min
 
 
 def long_model(folder: Path) -> Path:
-    """The tiny Llama of ``tests/tiny_models.py`` with ``MAX_POSITION`` rope positions (rope_theta
+    """The tiny Llama of ``tests/helpers/tiny_models.py`` with ``MAX_POSITION`` rope positions (rope_theta
     10000 as every tiny model: the positions, not the frequencies, are what a long prompt tests)."""
     model = make_tiny_model("llama", folder, max_position=MAX_POSITION, heads=HEADS, kv_heads=KV_HEADS, layers=LAYERS)
     return add_word_tokenizer(model)
@@ -104,11 +104,6 @@ def wait_backed_up(master: MasterProcess, model: Path, tokens: list[int]) -> Non
                      object_format(HostLayout.PAGE_FIRST_DIRECT)).seed()
     keys = page_keys(seed, tokens[: len(tokens) // PAGE * PAGE], PAGE)
     names = [object_key(k, HeadRange(0, KV_HEADS, KV_HEADS)) for k in keys]
-    store = MooncakeStorage(master.address, global_segment_size=0, local_buffer_size=16 << 20)
-    try:
-        deadline = time.monotonic() + BACKUP_DEADLINE_S
-        while (stored := store.batch_exists(names)) < len(names):
-            assert time.monotonic() < deadline, f"{stored} of {len(names)} pages in L3 after {BACKUP_DEADLINE_S} s"
-            time.sleep(0.2)  # poll interval
-    finally:
-        store.close()
+    with store_client(master) as store:
+        poll(lambda: store.batch_exists(names), lambda stored: stored >= len(names),
+             f"all {len(names)} pages in L3 (pages stored)", BACKUP_DEADLINE_S, interval_s=0.2)

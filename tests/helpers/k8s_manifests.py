@@ -18,7 +18,7 @@ from typing import NoReturn
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 OVERLAYS = sorted(p.name for p in (DEPLOY / "k8s" / "overlays").iterdir() if p.is_dir())
 K8S_VERSION = "1.37.0"  # the newest schema kubernetes-validate 1.37.0 ships

@@ -109,6 +109,6 @@ def prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
 
 def model_with_words(out: Path) -> Path:
     """A tiny llama (2048 positions) whose token i reads "w<i>", so text gives the token ids back."""
-    from tiny_models import add_word_tokenizer, make_tiny_model
+    from helpers.tiny_models import add_word_tokenizer, make_tiny_model
 
     return add_word_tokenizer(make_tiny_model("llama", out, max_position=2048))

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections import Counter
 
-from hicache_fakes import CAP, PS, assert_loads_tracked, loaded, value
 from hypothesis.stateful import invariant
 
+from helpers.hicache_fakes import CAP, PS, assert_loads_tracked, loaded, value
 from tierserve.cache.hashing import page_keys
 from tierserve.cache.radix_tree import Node
 

@@ -1,0 +1,250 @@
+"""Prefill and decode nodes of different TP sizes (issue 14, item 4) or pipeline stages (issue 15,
+item 9) hand KV to each other: real node processes (each rank its own transfer engine over TCP; with
+stages, each stage's arena holding its layers only), driven through gRPC as the router drives them.
+Outputs equal the single engine; the handoff moves exactly the KV bytes of the uncached prompt; a
+destination that cannot be written (heads or layers with no rank) is refused with a clear error.
+
+Each layout ("tp", "pp") starts its nodes once for the module: "p1" and "d1" of one rank, "p2" and
+"d2" of two (TP 2, or PP 2 at TP 1)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from helpers.pd_nodes import (
+    DECODE_ARGS,
+    NODE_ARGS,
+    PAGE,
+    idle,
+    info,
+    load,
+    prefill_into,
+    prompts,
+    reference,
+    release,
+    reserve,
+    reserve_for,
+    run_all,
+    run_pd,
+)
+from helpers.polling import wait_for
+from helpers.processes import NodeProcess
+from helpers.tiny_models import make_tiny_model
+
+pytestmark = pytest.mark.integration
+LAYERS = {"tp": 2, "pp": 4}  # two stages of two layers at PP 2
+
+
+def token_bytes(layout: str) -> int:
+    """layers x (K, V) x the model's 4 KV heads x head dim x float32"""
+    return LAYERS[layout] * 2 * 4 * 16 * 4
+
+
+def sizes(layout: str, ranks: int) -> list[str]:
+    """The flags of a node of ``ranks`` ranks in ``layout`` (PP: at TP 1)."""
+    return ["--tp-size", str(ranks)] if layout == "tp" else ["--tp-size", "1", "--pp-size", str(ranks)]
+
+
+@pytest.fixture(scope="module", params=["tp", "pp"])
+def layout(request) -> str:
+    """The ranks' layout; a test of one layout only names it with ``ONLY_TP`` or ``ONLY_PP``."""
+    return request.param
+
+
+ONLY_TP = pytest.mark.parametrize("layout", ["tp"], indirect=True)
+ONLY_PP = pytest.mark.parametrize("layout", ["pp"], indirect=True)
+
+
+@pytest.fixture(scope="module")
+def model(layout: str, tmp_path_factory) -> Path:
+    return make_tiny_model("llama", tmp_path_factory.mktemp(f"{layout}_pd_llama"), heads=8, kv_heads=4,
+                           layers=LAYERS[layout], max_position=2048)
+
+
+@pytest.fixture(scope="module")
+def nodes(model: Path, layout: str, tmp_path_factory) -> Iterator[dict[str, NodeProcess]]:
+    """Prefill and decode nodes of one and two ranks: "p1", "p2", "d1", "d2"."""
+    logs = tmp_path_factory.mktemp(f"{layout}-pd-logs")
+    started = {f"{role[0]}{n}": NodeProcess(role, ["--model", str(model), *args, *sizes(layout, n)],
+                                            logs / f"{role}-{n}.log")
+               for role, args in (("prefill", NODE_ARGS), ("decode", DECODE_ARGS)) for n in (1, 2)}
+    try:
+        yield {name: node.wait_ready() for name, node in started.items()}
+    finally:
+        for node in started.values():
+            node.stop()
+
+
+def _check_pairing(model: Path, layout: str, prefill: str, decode: str, seed: int, tag: str) -> None:
+    """Fresh prompts through the pair: the single engine's answers, every head of every layer of
+    every token sent once, and every page (and staging byte) back on both nodes."""
+    batch = prompts(4, seed=seed)
+    results = asyncio.run(run_all(prefill, decode, batch, tag))
+    assert [tokens for tokens, _ in results] == reference(model, batch)
+    assert [r.transferred_bytes for _, r in results] == [len(p) * token_bytes(layout) for p in batch]
+    wait_for(lambda: idle(prefill, decode), "every page back on both nodes", 10)
+
+
+@pytest.mark.parametrize(("p", "d"), [("p2", "d1"), ("p1", "d2"), ("p2", "d2")])
+def test_outputs_equal_the_single_engine_across_sizes(model: Path, layout: str, nodes, p: str, d: str) -> None:
+    seed = {"tp": 0, "pp": 100}[layout] + int(p[1]) * 10 + int(d[1])  # fresh prompts: no decode node caches them
+    _check_pairing(model, layout, nodes[p].address, nodes[d].address, seed, f"{p}{d}-")
+
+
+def test_a_decode_cache_hit_moves_only_the_uncached_tokens(model: Path, layout: str, nodes) -> None:
+    prompt = prompts(1, seed={"tp": 11, "pp": 12}[layout])[0] + list(range(2, 2 + 3 * PAGE))
+    first, r1 = asyncio.run(run_pd(nodes["p2"].address, nodes["d2"].address, "hit-a", prompt))
+    again, r2 = asyncio.run(run_pd(nodes["p1"].address, nodes["d2"].address, "hit-b", prompt))
+    assert first == again == reference(model, [prompt])[0]
+    held = (len(prompt) - 1) // PAGE * PAGE  # whole pages below the last token, kept by D's radix cache
+    assert r1.transferred_bytes == len(prompt) * token_bytes(layout)
+    assert r2.transferred_bytes == (len(prompt) - held) * token_bytes(layout)
+
+
+def test_a_destination_missing_a_rank_is_refused_with_a_clear_error(layout: str, nodes) -> None:
+    """As if the decode node had only its rank 0: TP, heads 2 and 3 would go nowhere; PP, layers 2
+    and 3."""
+    prompt = list(range(2, 40))
+    dest = asyncio.run(reserve(nodes["d2"].address, "half", prompt)).destination
+    del dest.ranks[1]
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        asyncio.run(prefill_into(nodes["p2"].address, "half", prompt, dest))
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert {"tp": "hold no copy of KV heads [2, 3]",
+            "pp": "holds layers [2, 3] of 4 of KV head 0"}[layout] in refused.value.details()
+    asyncio.run(release(nodes["d2"].address, "half", True))
+
+
+def test_info_reports_the_sizes(layout: str, nodes) -> None:
+    infos = [asyncio.run(info(nodes[n].address)) for n in ("p1", "p2", "d1", "d2")]
+    assert [(i.tp_size, i.pp_size) for i in infos] == {"tp": [(1, 1), (2, 1), (1, 1), (2, 1)],
+                                                      "pp": [(1, 1), (1, 2), (1, 1), (1, 2)]}[layout]
+
+
+def test_the_destination_names_every_decode_rank(layout: str, nodes) -> None:
+    """TP: each rank's heads, a transfer engine per rank. PP: each stage's layers (of every head);
+    one rank holds them all; each stage's rank stages for TP 2 writers of its layers."""
+    if layout == "tp":
+        dest = asyncio.run(reserve(nodes["d2"].address, "ranks", list(range(2, 40)))).destination
+        assert [(r.kv_head_start, r.kv_heads) for r in dest.ranks] == [(0, 2), (2, 2)]
+        assert len({r.transfer_endpoint for r in dest.ranks}) == 2  # a transfer engine per rank
+        assert dest.transfer_endpoint == dest.ranks[0].transfer_endpoint
+        asyncio.run(release(nodes["d2"].address, "ranks", True))
+        return
+    dest = asyncio.run(reserve(nodes["d2"].address, "pp-ranks", list(range(2, 40)))).destination
+    assert [(r.layer_start, r.num_layers, r.kv_head_start, r.kv_heads) for r in dest.ranks] == [(0, 2, 0, 4),
+                                                                                                 (2, 2, 0, 4)]
+    asyncio.run(release(nodes["d2"].address, "pp-ranks", True))
+    (whole,) = asyncio.run(reserve(nodes["d1"].address, "pp-one", list(range(2, 40)))).destination.ranks
+    assert (whole.layer_start, whole.num_layers) == (0, LAYERS["pp"])
+    asyncio.run(release(nodes["d1"].address, "pp-one", True))
+    staged = asyncio.run(reserve_for(nodes["d2"].address, "pp-staged", list(range(2, 40)), source_tp=2)).destination
+    asyncio.run(release(nodes["d2"].address, "pp-staged", True))
+    assert [[(s.kv_head_start, s.kv_heads, s.tokens) for s in r.staged] for r in staged.ranks] == [
+        [(0, 2, 38), (2, 2, 38)]] * 2
+
+
+# ---- TP only: staging between TP sizes, replicated heads, long prompts ------------------------
+
+
+@ONLY_TP
+def test_long_prompts_between_tp_sizes_fit_the_transfer_engines_limits(model: Path, layout: str, nodes) -> None:
+    """Without staging (a Reserve that does not name the prefill node's TP size) head sub-ranges
+    move one block per token: 1,200-token prompts make 2,400 blocks per layer and rank, above what
+    one Mooncake engine takes in flight, three at once on the same engines."""
+    batch = [[2 + (i * 31 + j * 7) % 380 for j in range(1200)] for i in range(3)]
+    results = asyncio.run(run_all(nodes["p2"].address, nodes["d1"].address, batch, "long-", source_tp=0))
+    assert [tokens for tokens, _ in results] == reference(model, batch)
+    assert [r.transferred_bytes for _, r in results] == [len(p) * token_bytes(layout) for p in batch]
+
+
+@ONLY_TP
+def test_a_decode_rank_stages_what_prefill_ranks_of_fewer_heads_write(layout: str, nodes) -> None:
+    """D1 reserved for a TP=2 writer offers a staged part per prefill rank's heads (so each writes
+    whole slots of its own, coalesced); the staging goes back when the reservation ends."""
+    dest = asyncio.run(reserve_for(nodes["d1"].address, "staged", list(range(2, 40)), source_tp=2)).destination
+    assert [(s.kv_head_start, s.kv_heads, s.tokens) for s in dest.ranks[0].staged] == [(0, 2, 38), (2, 2, 38)]
+    assert asyncio.run(load(nodes["d1"].address)).staging_bytes_used >= 2 * 2 * 38 * 4 * 16 * 4
+    asyncio.run(release(nodes["d1"].address, "staged", True))
+    assert asyncio.run(load(nodes["d1"].address)).staging_bytes_used == 0
+    same = asyncio.run(reserve_for(nodes["d2"].address, "same", list(range(2, 40)), source_tp=2)).destination
+    assert [list(r.staged) for r in same.ranks] == [[], []]  # the same split: in place
+    asyncio.run(release(nodes["d2"].address, "same", True))
+
+
+@ONLY_TP
+def test_a_prefill_node_of_another_tp_size_than_the_reserve_named_is_refused(layout: str, nodes) -> None:
+    """D staged for TP=2 writers; a TP=1 prefill node would leave the parts unwritten and D would
+    scatter them over the pages: refused before anything is computed or sent."""
+    prompt = list(range(2, 40))
+    dest = asyncio.run(reserve_for(nodes["d1"].address, "wrong-tp", prompt, source_tp=2)).destination
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        asyncio.run(prefill_into(nodes["p1"].address, "wrong-tp", prompt, dest))
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "another prefill TP size than this node's 1" in refused.value.details()
+    asyncio.run(release(nodes["d1"].address, "wrong-tp", True))
+
+
+@ONLY_TP
+@pytest.mark.slow
+def test_every_decode_rank_scatters_its_staging_at_the_same_offset(model: Path, layout: str, nodes,
+                                                                   tmp_path: Path) -> None:
+    """Prefill TP=4 (one KV head per rank) into decode TP=2: both decode ranks stage two parts,
+    rank 0 names rank 1's from its own offset, and the answers equal the single engine's."""
+    prefill = NodeProcess("prefill", ["--model", str(model), *NODE_ARGS, "--tp-size", "4"], tmp_path / "p4.log")
+    try:
+        prefill.wait_ready()
+        batch = prompts(3, seed=41)
+        results = asyncio.run(run_all(prefill.address, nodes["d2"].address, batch, "p4d2-"))
+        wait_for(lambda: idle(prefill.address, nodes["d2"].address), "every page and staging byte back", 10)
+    finally:
+        prefill.stop()
+    assert [tokens for tokens, _ in results] == reference(model, batch)
+    assert [r.transferred_bytes for _, r in results] == [len(p) * token_bytes(layout) for p in batch]
+    dest = asyncio.run(reserve_for(nodes["d2"].address, "p4-parts", list(range(2, 40)), source_tp=4)).destination
+    asyncio.run(release(nodes["d2"].address, "p4-parts", True))
+    assert [[s.kv_head_start for s in r.staged] for r in dest.ranks] == [[0, 1], [2, 3]]
+
+
+# ---- PP only: stages between TP sizes ---------------------------------------------------------
+
+
+@ONLY_PP
+@pytest.mark.slow
+def test_stages_hand_over_between_tp_sizes_through_staging(model: Path, layout: str, nodes, tmp_path: Path) -> None:
+    """TP 2 x PP 2 on one side, TP 1 x PP 2 on the other: each stage's ranks of fewer heads write
+    into the decode rank's staging (P > D), or each stage's rank of more heads gathers (P < D)."""
+    args = ["--model", str(model), "--tp-size", "2", "--pp-size", "2"]
+    prefill = NodeProcess("prefill", [*NODE_ARGS, *args], tmp_path / "pt2p2.log")
+    decode = NodeProcess("decode", [*DECODE_ARGS, *args], tmp_path / "dt2p2.log")
+    try:
+        prefill.wait_ready(), decode.wait_ready()
+        _check_pairing(model, layout, prefill.address, nodes["d2"].address, 201, "t2p2-dp2-")
+        _check_pairing(model, layout, nodes["p2"].address, decode.address, 202, "pp2-dt2p2-")
+        _check_pairing(model, layout, prefill.address, nodes["d1"].address, 203, "t2p2-d1-")
+    finally:
+        prefill.stop()
+        decode.stop()
+
+
+def test_a_kv_head_replicated_on_both_sides_is_sent_once_per_decode_rank(tmp_path: Path) -> None:
+    """One KV head, TP 2 on both sides: both prefill ranks hold it, only the first sends it; both
+    decode ranks hold it, each gets its own copy (so twice the model's bytes arrive)."""
+    model = make_tiny_model("qwen3", tmp_path / "qwen3", heads=4, kv_heads=1, max_position=2048)
+    args = ["--model", str(model), "--tp-size", "2"]
+    prefill = NodeProcess("prefill", [*NODE_ARGS, *args], tmp_path / "p.log")
+    decode = NodeProcess("decode", [*DECODE_ARGS, *args], tmp_path / "d.log")
+    try:
+        prefill.wait_ready(), decode.wait_ready()
+        batch = prompts(3, seed=9)
+        results = asyncio.run(run_all(prefill.address, decode.address, batch, "replica-"))
+    finally:
+        prefill.stop()
+        decode.stop()
+    assert [tokens for tokens, _ in results] == reference(model, batch)
+    one_head = 2 * 2 * 1 * 16 * 4  # layers x (K, V) x 1 KV head x head dim x float32
+    assert [r.transferred_bytes for _, r in results] == [2 * len(p) * one_head for p in batch]

@@ -1,0 +1,218 @@
+"""HiCache on every rank of a multi-rank ``tierserve serve`` node (TP, CP or PP) through the OpenAI
+API, with a real ``mooncake_master`` per test:
+
+- at TP=2 and CP=2, answers served from L1, L2 and L3 equal ``transformers``' (no cache); at CP=2,
+  rank 0's host pool holds only its own pages while the node's L2 holds more than one rank's pool;
+- L3 pages written at one size are read at another, at least 90% of the prompt from storage, with
+  the same answer: TP 2 -> 1 and 4, TP 1 and 4 -> 2 (objects by KV head range); CP 2 -> 1 and 1 -> 2
+  (whole-page objects under the page key, each page written and restored by its owner rank);
+  PP 2 -> 2 and 1, PP 1 -> 2 (objects by layer range, each stage its own layers);
+- TP only: the finer objects a writer told the cluster's TP sizes stores serve a TP 2 reader; a
+  rank whose store shows fewer pages shortens the node's L3 hit; replicated KV heads are written
+  once and read at TP 1."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from helpers import metrics
+from helpers.polling import poll
+from helpers.processes import MasterProcess
+from helpers.rank_hicache import (
+    KV_HEADS,
+    PAGE,
+    assert_hits_l1_then_l2,
+    complete,
+    hicache_flags,
+    remove_from_l3,
+    seed,
+    wait_backed_up,
+    wait_in_l3,
+)
+from helpers.rank_servers import TPServer, hf_greedy, start_server
+from helpers.tiny_models import add_word_tokenizer, make_tiny_model
+
+from tierserve.cache.hashing import Namespace, page_keys
+from tierserve.cache.options import HostLayout, object_format
+from tierserve.cache.sharded.shards import HeadRange, LayerRange, object_key
+from tierserve.model.identity import model_identity
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+PROMPT_TOKENS = 70  # 17 full pages
+PP_LAYERS = 4  # two per stage at PP 2
+STATS_DEADLINE_S = 30.0
+SEEDS = {"tp": (11, 8), "cp": (15, 6), "pp": (21, 2)}  # each layout's prompts: (seed, how many), one per use
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    """Tiny Llamas of 8 heads and 4 KV heads with the word tokenizer: 2 layers (TP, CP), 4 (PP)."""
+    two = make_tiny_model("llama", tmp_path_factory.mktemp("llama"), heads=8, kv_heads=KV_HEADS)
+    four = make_tiny_model("llama", tmp_path_factory.mktemp("llama4"), heads=8, kv_heads=KV_HEADS, layers=PP_LAYERS)
+    two, four = add_word_tokenizer(two), add_word_tokenizer(four)
+    return {"tp": two, "cp": two, "pp": four}
+
+
+@pytest.fixture(scope="module")
+def asked() -> dict[str, list[list[int]]]:
+    """Each layout's distinct prompts of ``PROMPT_TOKENS``: no test's pages can serve another's."""
+    out = {}
+    for layout, (seed_, n) in SEEDS.items():
+        gen = torch.Generator().manual_seed(seed_)
+        out[layout] = [torch.randint(2, 384, (PROMPT_TOKENS,), generator=gen).tolist() for _ in range(n)]
+    return out
+
+
+@pytest.fixture(scope="module")
+def expected(models, asked) -> dict[str, list[list[int]]]:
+    return {layout: hf_greedy(models[layout], prompts) for layout, prompts in asked.items()}
+
+
+def serve(layout: str, model: Path, size: int, log: Path, master: MasterProcess, max_tokens: int = 2048,
+          faults: dict | None = None, tp_sizes: list[int] | None = None) -> TPServer:
+    """A healthy node of ``size`` ranks in ``layout`` (CP and PP at TP 1); ``max_tokens`` sizes one
+    rank's device pool (at CP=2 the node holds twice as many)."""
+    tp, ranks = (size, []) if layout == "tp" else (1, [f"--{layout}-size", str(size)])
+    flags = hicache_flags(master, max_tokens, faults, tp_sizes)
+    return start_server(model, tp, log, *ranks, *flags).wait_healthy()
+
+
+def read_back(layout: str, model: Path, size: int, log: Path, master: MasterProcess, prompt: list[int],
+              **flags) -> tuple[list[int], dict[str, int]]:
+    """``prompt``'s answer and cached tiers on a fresh node of ``size`` ranks, stopped after."""
+    reader = serve(layout, model, size, log, master, **flags)
+    try:
+        return complete(reader, model, prompt)
+    finally:
+        reader.stop()
+
+
+def pp_object_names(model: Path, tokens: list[int], pp_size: int) -> list[bytes]:
+    """Every object a TP=1 node of ``pp_size`` stages writes for the prompt's full pages."""
+    seed_ = Namespace(model_identity(model), "float32", PAGE, PP_LAYERS, KV_HEADS, 16,
+                      object_format(HostLayout.PAGE_FIRST_DIRECT)).seed()
+    keys = page_keys(seed_, tokens[: len(tokens) // PAGE * PAGE], PAGE)
+    per = PP_LAYERS // pp_size
+    ranges = [LayerRange(s * per, per, PP_LAYERS) for s in range(pp_size)]
+    return [object_key(k, HeadRange(0, KV_HEADS, KV_HEADS), r) for k in keys for r in ranges]
+
+
+def wait_written(layout: str, master: MasterProcess, model: Path, prompt: list[int], size: int) -> None:
+    """Polls L3 until it holds every object a writer of ``size`` ranks in ``layout`` stores for the
+    prompt: by KV head range (TP), whole pages under the page key as at TP 1 (CP), by layer range (PP)."""
+    if layout == "pp":
+        wait_in_l3(master, pp_object_names(model, prompt, size))
+    else:
+        wait_backed_up(master, model, prompt, size if layout == "tp" else 1)
+
+
+def assert_host_pool_holds_own_pages(server: TPServer) -> None:
+    """Rank 0 holds about half of the L2 pages in use (its own), never more than its own pool,
+    while the node's L2 holds more pages than one rank's pool: the host tier is sharded."""
+    gauges = poll(lambda: metrics.by_suffix(httpx.get(f"{server.url}/metrics", timeout=10).text, "tierserve_cache_"),
+                  lambda g: g.get("host_pages_used", 0) > g.get("host_rank_pages_total", 1e9),
+                  "L2 past one rank's pool on /metrics (stats are published a step late)", STATS_DEADLINE_S)
+    used, mine, pool = gauges["host_pages_used"], gauges["host_rank_pages_used"], gauges["host_rank_pages_total"]
+    assert gauges["host_pages_total"] == 2 * pool, gauges
+    assert mine <= pool and abs(2 * mine - used) <= 16, gauges  # an odd node is off by one page
+
+
+@pytest.mark.parametrize("layout", ["tp", "cp"])
+def test_two_ranks_answer_from_l1_l2_and_l3_equal_no_cache(models, asked, expected, master, tmp_path: Path,
+                                                           layout: str) -> None:
+    # TP: 48 device pages; CP: 24 per rank, 48 in all: three other prompts (22 pages each) push the
+    # first out of L1 into L2 only
+    model, asked, expected = models[layout], asked[layout], expected[layout]
+    writer = serve(layout, model, 2, tmp_path / "writer.log", master, max_tokens={"tp": 48, "cp": 24}[layout] * PAGE)
+    try:
+        assert_hits_l1_then_l2(writer, model, asked, expected)
+        if layout == "cp":
+            assert_host_pool_holds_own_pages(writer)
+        wait_written(layout, master, model, asked[1], 2)
+        answer, tiers = read_back(layout, model, 2, tmp_path / "reader.log", master, asked[1])
+        assert answer == expected[1] and tiers["storage"] >= 0.9 * PROMPT_TOKENS, tiers
+    finally:
+        writer.stop()
+
+
+@pytest.mark.parametrize(("layout", "writer_size", "reader_sizes", "prompt"), [
+    ("tp", 2, (1, 4), 4), ("tp", 1, (2,), 5), ("tp", 4, (2,), 6),
+    ("cp", 2, (1,), 4), ("cp", 1, (2,), 5),
+    ("pp", 2, (2, 1), 0), ("pp", 1, (2,), 1),
+], ids=["tp2-tp1-tp4", "tp1-tp2", "tp4-tp2", "cp2-cp1", "cp1-cp2", "pp2-pp2-pp1", "pp1-pp2"])
+def test_l3_pages_are_read_across_sizes(models, asked, expected, master, tmp_path: Path, layout: str,
+                                        writer_size: int, reader_sizes: tuple[int, ...], prompt: int) -> None:
+    """A prompt of its own per case (no other case's pages can serve it); the writer stays up: its
+    Mooncake segment holds the objects."""
+    model, asked, expected = models[layout], asked[layout], expected[layout]
+    writer = serve(layout, model, writer_size, tmp_path / "writer.log", master)
+    try:
+        assert complete(writer, model, asked[prompt]) == (expected[prompt], {"device": 0, "host": 0, "storage": 0})
+        wait_written(layout, master, model, asked[prompt], writer_size)
+        for size in reader_sizes:
+            answer, tiers = read_back(layout, model, size, tmp_path / f"reader-{size}.log", master, asked[prompt])
+            assert answer == expected[prompt], (writer_size, size)
+            assert tiers["storage"] >= 0.9 * PROMPT_TOKENS, (writer_size, size, tiers)
+    finally:
+        writer.stop()
+
+
+# ---- TP only -----------------------------------------------------------------------------------
+
+
+def test_a_tp1_writer_told_the_cluster_tp_sizes_stores_halves_that_tp2_ranks_read(models, asked, expected, master,
+                                                                                    tmp_path: Path) -> None:
+    """A TP=1 node with ``l3_tp_sizes`` [1, 2] stores every page whole and in halves; with the
+    whole objects removed, a TP=2 node still takes the prompt from L3, from the halves alone."""
+    model, asked, expected = models["tp"], asked["tp"], expected["tp"]
+    writer = serve("tp", model, 1, tmp_path / "writer.log", master, tp_sizes=[1, 2])
+    try:
+        assert complete(writer, model, asked[3])[0] == expected[3]
+        keys = page_keys(seed(model), asked[3][: PROMPT_TOKENS // PAGE * PAGE], PAGE)
+        wait_in_l3(master, keys + [object_key(k, HeadRange(h, 2, KV_HEADS)) for k in keys for h in (0, 2)])
+        remove_from_l3(master, keys)
+        answer, tiers = read_back("tp", model, 2, tmp_path / "reader.log", master, asked[3])
+        assert answer == expected[3] and tiers["storage"] >= 0.9 * PROMPT_TOKENS, tiers
+    finally:
+        writer.stop()
+
+
+def test_a_rank_that_sees_fewer_l3_pages_shortens_the_hit_of_the_node(models, asked, expected, master,
+                                                                      tmp_path: Path) -> None:
+    """Rank 1's store shows 6 pages (test fault, its process only): the node takes 6 pages from L3
+    on both ranks and computes the rest, with the answer of no cache."""
+    model, asked, expected = models["tp"], asked["tp"], expected["tp"]
+    writer = serve("tp", model, 2, tmp_path / "writer.log", master)
+    try:
+        assert complete(writer, model, asked[7])[0] == expected[7]
+        wait_backed_up(master, model, asked[7], 2)
+        reader = serve("tp", model, 2, tmp_path / "reader.log", master, faults={"ranks": [1], "exists_cap": 6})
+        try:
+            answer, tiers = complete(reader, model, asked[7])
+            again = complete(reader, model, asked[7])[0]  # its tree is whole on both ranks
+        finally:
+            reader.stop()
+        assert answer == again == expected[7] and tiers["storage"] == 6 * PAGE, tiers
+    finally:
+        writer.stop()
+
+
+def test_replicated_kv_heads_are_written_once_and_read_at_tp1(master, tmp_path: Path) -> None:
+    """Qwen3 with 2 KV heads at TP=4: ranks 0 and 2 write heads 0 and 1 (their neighbours replicate
+    them and write nothing); a TP=1 node reads both objects of every page."""
+    qwen3 = add_word_tokenizer(make_tiny_model("qwen3", tmp_path / "qwen3", heads=8, kv_heads=2))
+    prompt = torch.randint(2, 384, (PROMPT_TOKENS,), generator=torch.Generator().manual_seed(12)).tolist()
+    expected = hf_greedy(qwen3, [prompt])[0]
+    writer = serve("tp", qwen3, 4, tmp_path / "writer.log", master)
+    try:
+        assert complete(writer, qwen3, prompt)[0] == expected
+        keys = page_keys(seed(qwen3, 2), prompt[: PROMPT_TOKENS // PAGE * PAGE], PAGE)
+        wait_in_l3(master, [object_key(k, HeadRange(h, 1, 2)) for k in keys for h in (0, 1)])
+        answer, tiers = read_back("tp", qwen3, 1, tmp_path / "reader.log", master, prompt)
+        assert answer == expected and tiers["storage"] >= 0.9 * PROMPT_TOKENS, tiers
+    finally:
+        writer.stop()

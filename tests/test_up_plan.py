@@ -1,0 +1,165 @@
+"""``tierserve up``'s plans, with ``launch.up`` faked (nothing starts): engine flags, the L3
+config and sizes, restarts, role arguments, integrity and TLS, logging flags reach the right
+children, and each layout (TP, CP, PP) gives each role its sizes or is refused before any child
+starts. The clusters themselves run in ``test_up.py`` and ``test_up_ranks.py``."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from helpers.up_plans import capture_plans, child_args, children, plan_up, run_up
+
+from tierserve import launch
+from tierserve.cli.flags import engine_config, engine_flags
+from tierserve.cli.main import build_parser
+
+pytestmark = pytest.mark.fakes
+
+
+def test_engine_flags_are_forwarded_to_every_node() -> None:
+    args = build_parser().parse_args(["up", "--page-size", "32", "--enable-hierarchical-cache",
+                                      "--hicache-mem-layout", "page_first", "--max-total-tokens", "2048"])
+    flags = engine_flags(engine_config(args, Path("/m")))
+    assert flags == ["--page-size", "32", "--max-total-tokens", "2048", "--enable-hierarchical-cache",
+                     "--hicache-mem-layout", "page_first"]
+    assert build_parser().parse_args(["prefill", *flags]).page_size == 32  # the nodes accept them
+
+
+def test_the_users_l3_extra_config_reaches_the_nodes_with_the_masters_address(monkeypatch) -> None:
+    """``up`` merges ``--hicache-storage-backend-extra-config`` (prefetch settings) into the
+    Mooncake config it gives the nodes, instead of the nodes getting two and keeping the last."""
+    plans = capture_plans(monkeypatch)
+    assert run_up("--model", str(Path(__file__)), "--hicache-storage-backend-extra-config",
+                  '{"prefetch_threshold": 16}') == 0
+    plan = plans[0]
+    assert "--hicache-storage-backend-extra-config" not in plan.node_flags
+    node = build_parser().parse_args(["prefill", *plan.node_flags, *launch.l3_flags(plan, 5555)])
+    assert node.hicache_storage_backend_extra_config == {"prefetch_threshold": 16,
+                                                         "master_server_address": "127.0.0.1:5555",
+                                                         "global_segment_size": plan.l3_segment_bytes}
+
+
+def test_up_gives_each_node_a_share_of_the_l3_size_and_the_users_segment_size_wins(monkeypatch) -> None:
+    """The default Mooncake segment (256 MiB) evicted a conversation trace's prefixes before their
+    follow-ups came; ``up`` splits ``--l3-size-gb`` (default: a third of memory) between the nodes."""
+    plans = capture_plans(monkeypatch)
+    base = ["--model", "m", "--prefill-nodes", "2", "--decode-nodes", "2"]
+    assert run_up(*base, "--l3-size-gb", "8") == 0
+    node = build_parser().parse_args(["prefill", *launch.l3_flags(plans[-1], 5555)])
+    assert node.hicache_storage_backend_extra_config["global_segment_size"] == 2_000_000_000
+    assert run_up(*base) == 0
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert plans[-1].l3_segment_bytes == memory // 3 // 4
+    assert run_up(*base, "--hicache-storage-backend-extra-config", '{"global_segment_size": 1048576}') == 0
+    node = build_parser().parse_args(["prefill", *launch.l3_flags(plans[-1], 5555)])
+    assert node.hicache_storage_backend_extra_config["global_segment_size"] == 1048576
+
+
+def test_nodes_of_two_tp_sizes_write_the_l3_objects_of_both(monkeypatch) -> None:
+    """``--prefill-tp-size 2 --decode-tp-size 1``: every node also writes the other size's objects,
+    so a TP=2 rank reads what a TP=1 node wrote zero-copy (``l3_tp_sizes``); one size: nothing extra."""
+    plans = capture_plans(monkeypatch)
+    monkeypatch.setattr("tierserve.model.parallel.misfit", lambda *_: None)  # no model at /m
+    extra = ["--hicache-storage-backend-extra-config"]
+    for args, sizes in ((["--prefill-tp-size", "2"], [1, 2]), ([], None),
+                        (["--decode-tp-size", "4", *extra, '{"l3_tp_sizes": [4]}'], [4])):
+        assert run_up("--model", "m", *args) == 0
+        node = build_parser().parse_args(["prefill", *launch.l3_flags(plans[-1], 5555)])
+        assert node.hicache_storage_backend_extra_config.get("l3_tp_sizes") == sizes
+
+
+def test_restart_and_state_file_flags_reach_the_plan(monkeypatch, capsys) -> None:
+    plans = capture_plans(monkeypatch)
+    assert run_up("--state-file", "/tmp/up.json", "--restart-limit", "2", "--restart-window", "30") == 0
+    assert plans[0].state_file == Path("/tmp/up.json")
+    assert (plans[0].restart.max_deaths, plans[0].restart.window_s) == (2, 30.0)
+    assert run_up("--restart-limit", "0") == 2
+    assert "max_deaths" in capsys.readouterr().err
+
+
+def test_role_args_reach_only_their_role(monkeypatch) -> None:
+    """``--prefill-args`` and friends are how the reliability campaign injects transfer faults on
+    the prefill nodes alone and shortens the router's stream idle timeout."""
+    plans = capture_plans(monkeypatch)
+    assert run_up("--prefill-args", "--fault-transfer-rate 0.1", "--router-args", "--max-running-requests 7") == 0
+    by_name = children(plans[0])
+    assert by_name["prefill-0"][-2:] == ("--fault-transfer-rate", "0.1")
+    assert "--fault-transfer-rate" not in by_name["decode-0"]
+    assert by_name["router"][-2:] == ("--max-running-requests", "7")
+    assert child_args(by_name["prefill-0"]).fault_transfer_rate == 0.1
+
+
+def test_handoff_integrity_and_tls_reach_both_node_roles_and_tls_the_router(monkeypatch, tmp_path: Path) -> None:
+    plans = capture_plans(monkeypatch)
+    assert run_up("--handoff-integrity", "--tls", "--tls-dir", str(tmp_path)) == 0
+    by_name = children(plans[0])
+    for node in ("prefill-0", "decode-0"):
+        parsed = child_args(by_name[node])
+        assert parsed.handoff_integrity and parsed.tls_ca == tmp_path / "ca.pem" and parsed.tls_cert.exists()
+    router = child_args(by_name["router"])
+    assert router.tls_cert == tmp_path / "client.pem" and router.tls_ca == tmp_path / "ca.pem"
+    assert run_up("--tls-dir", str(tmp_path)) == 2  # needs --tls
+
+
+def test_up_gives_every_child_its_logging_flags(monkeypatch) -> None:
+    """Every child's lines go through ``up``'s stdout: ``--log-level`` and ``--quiet-access-log``
+    (no line per request) reach the nodes and the router (issue 17 item 5)."""
+    plans = capture_plans(monkeypatch)
+    args = build_parser().parse_args(["up", "--model", "m", "--log-level", "warning", "--quiet-access-log"])
+    assert run_up("--model", "m", "--log-level", "warning", "--quiet-access-log") == 0
+    plan = plans[0]
+    node = build_parser().parse_args(["decode", *plan.node_flags])
+    router = build_parser().parse_args(["router", *plan.router_flags])
+    assert (node.log_level, node.quiet_access_log) == (router.log_level, router.quiet_access_log) == ("warning", True)
+    assert router.disaggregation_threshold == args.disaggregation_threshold
+
+
+# ---- layouts: TP, CP and PP sizes per role ---------------------------------------------------
+
+
+def _layout_model(request, layout: str) -> Path:
+    return request.getfixturevalue("ranks_llama4" if layout == "pp" else "ranks_llama")
+
+
+@pytest.mark.parametrize(("layout", "flags", "fields", "expected"), [
+    ("tp", ["--prefill-tp-size", "2", "--decode-tp-size", "4", "--prefill-args", "--handoff-timeout 9"],
+     ("prefill.tp_size", "decode.tp_size", "prefill.handoff_timeout"), (2, 4, 9.0)),
+    ("cp", ["--prefill-cp-size", "2", "--decode-tp-size", "2"],
+     ("prefill.cp_size", "prefill.tp_size", "decode.cp_size", "decode.tp_size"), (2, 1, 1, 2)),
+    ("pp", ["--prefill-pp-size", "2", "--decode-pp-size", "4", "--prefill-tp-size", "2"],
+     ("prefill.tp_size", "prefill.pp_size", "decode.tp_size", "decode.pp_size"), (2, 2, 1, 4)),
+], ids=["tp", "cp", "pp"])
+def test_each_role_gets_its_layout_sizes(monkeypatch, request, layout: str, flags: list[str],
+                                         fields: tuple[str, ...], expected: tuple) -> None:
+    status, plans = plan_up(monkeypatch, _layout_model(request, layout), "--no-l3", *flags)
+    assert status == 0
+    by_name = children(plans[0])
+    roles = {"prefill": child_args(by_name["prefill-0"]), "decode": child_args(by_name["decode-0"])}
+    assert tuple(getattr(roles[f.split(".")[0]], f.split(".")[1]) for f in fields) == expected
+
+
+def test_nodes_get_no_tp_size_unless_asked(monkeypatch, ranks_llama: Path) -> None:
+    _, plans = plan_up(monkeypatch, ranks_llama, "--no-l3")
+    assert "--tp-size" not in [a for argv in children(plans[0]).values() for a in argv]
+
+
+@pytest.mark.parametrize(("layout", "flags", "message"), [
+    ("tp", ["--no-l3", "--decode-tp-size", "3"], "--decode-tp-size 3: tensor-parallel size 3 does not divide"),
+    ("tp", ["--no-l3", "--tp-size", "2"], "--prefill-tp-size, --decode-tp-size"),
+    ("cp", ["--cp-size", "2"], "--prefill-cp-size"),
+    ("cp", ["--prefill-cp-size", "2", "--prefill-tp-size", "2"],
+     "--prefill-tp-size 2 --prefill-cp-size 2: --cp-size with --tp-size or --pp-size is not supported"),
+    ("cp", ["--no-l3", "--prefill-cp-size", "2", "--prefill-pp-size", "2"],
+     "--prefill-tp-size 1 --prefill-pp-size 2 --prefill-cp-size 2: --cp-size with --tp-size or --pp-size"),
+    ("cp", ["--prefill-cp-size", "0"], "cp_size must be at least 1"),
+    ("pp", ["--no-l3", "--decode-pp-size", "3"], "--decode-tp-size 1 --decode-pp-size 3: pipeline-parallel size 3 "
+                                                 "does not divide the model's 4 layers"),
+    ("pp", ["--no-l3", "--pp-size", "2"], "--prefill-pp-size and --decode-pp-size"),
+], ids=["tp-decode-3", "tp-one-flag", "cp-one-flag", "cp-with-tp", "cp-with-pp", "cp-0", "pp-decode-3", "pp-one-flag"])
+def test_a_layout_size_that_cannot_run_is_refused_before_any_child_starts(monkeypatch, capsys, request, layout: str,
+                                                                          flags: list[str], message: str) -> None:
+    status, plans = plan_up(monkeypatch, _layout_model(request, layout), *flags)
+    assert status == 2 and plans == []
+    assert message in capsys.readouterr().err

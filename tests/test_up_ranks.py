@@ -1,0 +1,37 @@
+"""``tierserve up`` with multi-rank nodes: a real cluster whose prefill and decode nodes run
+different TP sizes, a CP prefill node (with L3), or pipeline stages on both sides (with L3) answers
+through the OpenAI API exactly as the single engine does, and says its layout in its banner. Its
+plans (the sizes each role gets, the sizes refused) are in ``test_up_plan.py``."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from helpers.pd_nodes import reference
+from helpers.processes import free_port, running_up
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+PROMPTS = [list(range(2, 7)), list(range(30, 100)), list(range(100, 140))]
+
+
+def _completion(port: int, prompt: list[int]) -> list[int]:
+    body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120)
+    assert reply.status_code == 200, reply.text
+    return [int(word.removeprefix("w")) for word in reply.json()["choices"][0]["text"].split()]
+
+
+@pytest.mark.parametrize(("layout", "flags", "banner"), [
+    ("tp", ["--no-l3", "--prefill-tp-size", "2", "--decode-tp-size", "1"], "at TP 2"),
+    ("tp", ["--no-l3", "--prefill-tp-size", "1", "--decode-tp-size", "2"], "at TP 2"),
+    ("cp", ["--prefill-cp-size", "2"], "1 prefill at CP 2, 1 decode, L3 on Mooncake"),
+    ("pp", ["--prefill-pp-size", "2", "--decode-pp-size", "2"], "1 prefill at PP 2, 1 decode at PP 2, L3 on Mooncake"),
+], ids=["tp2-tp1", "tp1-tp2", "cp2-l3", "pp2-pp2-l3"])
+def test_up_with_multi_rank_nodes_answers_as_the_single_engine(request, layout: str, flags: list[str],
+                                                               banner: str) -> None:
+    model = request.getfixturevalue("ranks_llama4" if layout == "pp" else "ranks_llama")
+    port = free_port()
+    with running_up(port, "--model", str(model), "--dtype", "float32", "--max-total-tokens", "2048", *flags) as lines:
+        assert [_completion(port, prompt) for prompt in PROMPTS] == reference(model, PROMPTS)
+        assert banner in "".join(lines)
