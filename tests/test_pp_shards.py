@@ -1,5 +1,7 @@
 """L3 objects by layer range (``cache.shards``, ``cache.shard_io``): every pipeline stage of every
-TP x PP size reads its heads of its layers from what any other TP x PP size wrote."""
+TP x PP size reads its heads of its layers from what any other TP x PP size wrote, on models whose
+layers the stages split evenly (4 layers) and unevenly (5 layers; 4 at PP 3), and a stage of a
+partition the user gave reads them too."""
 
 from __future__ import annotations
 
@@ -15,17 +17,20 @@ from tierserve.cache.sharded.shard_io import ShardIO
 from tierserve.cache.sharded.shards import HeadRange, KVShard, LayerRange, object_key
 from tierserve.cache.staging import page_io
 from tierserve.cache.storage.file import FileStorage
+from tierserve.model.pipeline import PipelineStage
 
 HEADS, LAYERS, PAGES = 4, 4, 5
 KEYS = page_keys(b"p" * 32, list(range(PAGES * 2)), 2)
-SIZES = [(1, 1), (1, 2), (2, 2), (1, 4), (4, 1)]  # (TP, PP)
+SIZES = [(1, 1), (1, 2), (2, 2), (1, 3), (1, 4), (4, 1)]  # (TP, PP)
 
 
-def _ranks(tp: int, pp: int) -> list[KVShard]:
-    """Every rank's shard of a TP x PP node: stage-major, as ``Ranks.kv_shard`` makes them."""
-    heads, layers = HEADS // tp, LAYERS // pp
+def _ranks(tp: int, pp: int, layers: int = LAYERS, partition: tuple[int, ...] | None = None) -> list[KVShard]:
+    """Every rank's shard of a TP x PP node: stage-major, each stage's layers as ``PipelineStage``
+    splits them, as ``Ranks.kv_shard`` makes them."""
+    heads = HEADS // tp
+    stages = [PipelineStage(s, pp, partition=partition).layers(layers) for s in range(pp)]
     return [KVShard(HeadRange(t * heads, heads, HEADS), s * tp + t, True, tp * pp,
-                    layers=LayerRange(s * layers, layers, LAYERS)) for s in range(pp) for t in range(tp)]
+                    layers=LayerRange(stages[s].start, len(stages[s]), layers)) for s in range(pp) for t in range(tp)]
 
 
 def _pool(shard: KVShard, layout: HostLayout) -> tuple[HostKVPool, ShardIO]:
@@ -41,23 +46,52 @@ def _mine(ref: torch.Tensor, shard: KVShard) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("layout", [HostLayout.PAGE_FIRST_DIRECT, HostLayout.LAYER_FIRST])
+@pytest.mark.parametrize("layers", [LAYERS, 5])
 @pytest.mark.parametrize("writer", SIZES)
 @pytest.mark.parametrize("reader", SIZES)
 def test_every_tp_pp_size_reads_every_other(tmp_path: Path, writer: tuple[int, int], reader: tuple[int, int],
-                                            layout: HostLayout) -> None:
-    store = FileStorage(tmp_path)
-    ref = torch.randn(LAYERS, 2, PAGES, 2, HEADS, 3, generator=torch.Generator().manual_seed(1))
-    for shard in _ranks(*writer):
+                                            layers: int, layout: HostLayout) -> None:
+    written = _ranks(*writer, layers)
+    _write(FileStorage(tmp_path), written, layout, layers)
+    for shard in _ranks(*reader, layers):  # direct where a writer's stage holds exactly these heads and layers
+        direct = any((w.heads, w.layers) == (shard.heads, shard.layers) for w in written)
+        assert _read(FileStorage(tmp_path), shard, layout, layers) == direct
+
+
+@pytest.mark.parametrize("writer", SIZES)
+def test_a_stage_of_a_given_partition_reads_every_default_split(tmp_path: Path, writer: tuple[int, int]) -> None:
+    """Stages of 1 + 4 layers (``--pp-layer-partition 1,4``) read what default splits wrote; a
+    writer of that partition reads its own objects back zero-copy."""
+    _write(FileStorage(tmp_path), _ranks(*writer, 5), HostLayout.PAGE_FIRST_DIRECT, 5)
+    for shard in _ranks(1, 2, 5, (1, 4)):
+        _read(FileStorage(tmp_path), shard, HostLayout.PAGE_FIRST_DIRECT, 5)
+    _write(FileStorage(tmp_path / "own"), _ranks(1, 2, 5, (1, 4)), HostLayout.PAGE_FIRST_DIRECT, 5)
+    for shard in _ranks(1, 2, 5, (1, 4)):
+        assert _read(FileStorage(tmp_path / "own"), shard, HostLayout.PAGE_FIRST_DIRECT, 5)
+
+
+def _reference(layers: int) -> torch.Tensor:
+    return torch.randn(layers, 2, PAGES, 2, HEADS, 3, generator=torch.Generator().manual_seed(1))
+
+
+def _write(store: FileStorage, shards: list[KVShard], layout: HostLayout, layers: int) -> None:
+    ref = _reference(layers)
+    for shard in shards:
         host, io = _pool(shard, layout)
         host.run_all_layers(0, PAGES).copy_(_mine(ref, shard))
         assert all(io.set_from(store, KEYS, list(range(PAGES))))
-    for shard in _ranks(*reader):
-        host, io = _pool(shard, layout)
-        probed, source = io.probe(store, KEYS)
-        assert probed == PAGES and source.direct == (writer == reader)
-        pages = [3, 1, 4, 0, 2]
-        assert all(io.get_into(store, source, KEYS, pages))
-        assert torch.equal(host.run_all_layers(0, PAGES)[:, :, pages], _mine(ref, shard))
+
+
+def _read(store: FileStorage, shard: KVShard, layout: HostLayout, layers: int) -> bool:
+    """Reads every page of ``shard`` from ``store``, checks it against the reference; whether the
+    read was direct (the writer's own objects)."""
+    host, io = _pool(shard, layout)
+    probed, source = io.probe(store, KEYS)
+    assert probed == PAGES
+    pages = [3, 1, 4, 0, 2]
+    assert all(io.get_into(store, source, KEYS, pages))
+    assert torch.equal(host.run_all_layers(0, PAGES)[:, :, pages], _mine(_reference(layers), shard))
+    return source.direct
 
 
 def test_a_stage_names_its_objects_by_layer_range() -> None:

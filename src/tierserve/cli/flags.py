@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tierserve.cache.options import DraftLayout, HiCacheOptions, HostLayout, IOBackend, PrefetchPolicy, WritePolicy
+from tierserve.core.layer_split import layer_partition
 from tierserve.core.storage import StorageKind
 from tierserve.engine.config import CPAttention, EngineConfig
 
@@ -53,7 +54,12 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     # Tensor parallelism: one process per rank (docs/tp.md).
     Flag("--tp-size", "tp_size", "tensor-parallel ranks (processes) of this node", int),
     # Pipeline parallelism: stages of contiguous layers, each of --tp-size ranks (docs/pp.md).
-    Flag("--pp-size", "pp_size", "pipeline stages of this node (serve, prefill, decode)", int),
+    Flag("--pp-size", "pp_size", "pipeline stages of this node (serve, prefill, decode); any layer count: the "
+         "default split gives the stages before the last one extra layer each where the size does not divide "
+         "them (vLLM's)", int),
+    Flag("--pp-layer-partition", "pp_layer_partition", "layers of each pipeline stage, e.g. 11,10,10 (one count "
+         "per stage, each at least 1, adding up to the model's layers; as vLLM's VLLM_PP_LAYER_PARTITION)",
+         layer_partition),
     # Context parallelism: the KV pages sharded over the ranks (docs/cp.md).
     Flag("--cp-size", "cp_size", "context-parallel ranks (processes): each stores 1/N of the KV pages", int),
     Flag("--cp-attention", "cp_attention", "CP: merge (layer 0 and short steps merge, later layers gather) "
@@ -139,6 +145,8 @@ def _get(config: EngineConfig, path: str) -> Any:
 def _text(value: Any) -> str:
     if isinstance(value, dict):
         return json.dumps(value)
+    if isinstance(value, tuple):  # --pp-layer-partition
+        return ",".join(map(str, value))
     return str(value.value if isinstance(value, Enum) else value)
 
 

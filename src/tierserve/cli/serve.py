@@ -66,14 +66,12 @@ def _keys_ok(args: argparse.Namespace) -> bool:
 
 def _fits(config: EngineConfig) -> bool:
     """Refuses, before any process starts, a TP size the model's heads or MLP cannot be split over,
-    or a PP size that does not divide its layers."""
+    or stages its layers cannot fill (more stages than layers, a partition that does not add up to them)."""
     from tierserve.model.parallel import misfit
 
-    problem = misfit(config.model_dir, config.tp_size, config.pp_size)
+    problem = misfit(config.model_dir, config.tp_size, config.pp_size, config.pp_layer_partition)
     if problem is not None:
-        sizes = f"--tp-size {config.tp_size} --pp-size {config.pp_size}" if config.pp_size > 1 \
-            else f"--tp-size {config.tp_size}"
-        print(f"tierserve: {sizes} does not fit {config.model_dir.name}: {problem}", file=sys.stderr)
+        print(f"tierserve: {config.layout_flags} does not fit {config.model_dir.name}: {problem}", file=sys.stderr)
     return problem is None
 
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from tierserve.cli.flags import add_engine_args, add_model_args, engine_config, engine_flags, model_dir, tenant_keys
 from tierserve.cli.router import add_disaggregation_args, add_policy_args
+from tierserve.core.layer_split import layer_partition
 from tierserve.engine.config import EngineConfig
 
 if TYPE_CHECKING:
@@ -34,6 +35,10 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
                    help="pipeline stages of every prefill node, each of --prefill-tp-size ranks")
     p.add_argument("--decode-pp-size", type=int, default=1,
                    help="pipeline stages of every decode node, each of --decode-tp-size ranks")
+    for role in ("prefill", "decode"):
+        p.add_argument(f"--{role}-pp-layer-partition", type=layer_partition, metavar="N,N,...",
+                       help=f"layers of each pipeline stage of every {role} node (as --pp-layer-partition; "
+                            "default: as even as can be, the extra layers on the stages before the last)")
     p.add_argument("--prefill-cp-size", type=int, default=1,
                    help="context-parallel ranks of every prefill node, each storing 1/N of the KV pages and "
                         "sending those to the decode node (decode nodes run without CP; not with TP or PP)")
@@ -77,6 +82,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     if folder is None:
         return 2
     try:
+        _node_only(args)
         config = engine_config(args, folder)
         restart = RestartPolicy(max_deaths=args.restart_limit, window_s=args.restart_window)
         _check_sizes(args, config)
@@ -93,7 +99,8 @@ def cmd_up(args: argparse.Namespace) -> int:
                        [*_router_flags(args), *_log_flags(args), *args.router_args], l3_config, segment,
                        args.state_file, restart, [*integrity, *args.prefill_args], [*integrity, *args.decode_args],
                        args.prefill_tp_size,
-                       args.decode_tp_size, args.prefill_pp_size, args.decode_pp_size, args.prefill_cp_size, tls)
+                       args.decode_tp_size, args.prefill_pp_size, args.decode_pp_size, args.prefill_cp_size, tls,
+                       args.prefill_pp_layer_partition, args.decode_pp_layer_partition)
     return up(plan, lambda base, children: _announce(args, base, children, tls))
 
 
@@ -108,6 +115,13 @@ def _tls(args: argparse.Namespace) -> ClusterTLS | None:
     return cluster_tls(args.tls_dir or Path(tempfile.mkdtemp(prefix="tierserve-tls-")), args.host)
 
 
+def _node_only(args: argparse.Namespace) -> None:
+    """``--pp-layer-partition`` names one node's stages: ``up`` takes it per role (``ValueError``)."""
+    if args.pp_layer_partition is not None:
+        raise ValueError("tierserve up: give the nodes' layer partitions with --prefill-pp-layer-partition and "
+                         "--decode-pp-layer-partition")
+
+
 def _check_sizes(args: argparse.Namespace, config: EngineConfig) -> None:
     """Each role's TP, PP and CP sizes, checked before any child starts (a node that cannot start
     would only be restarted until the crash-loop limit): ``ValueError`` saying why."""
@@ -119,23 +133,29 @@ def _check_sizes(args: argparse.Namespace, config: EngineConfig) -> None:
     if config.tp_size != 1 or config.pp_size != 1 or config.cp_size != 1:
         raise ValueError("tierserve up: give the nodes' sizes with --prefill-tp-size, --decode-tp-size, "
                          "--prefill-cp-size, --prefill-pp-size and --decode-pp-size")
-    for role, sizes in (("prefill", RoleSizes(args.prefill_tp_size, args.prefill_pp_size, args.prefill_cp_size)),
-                        ("decode", RoleSizes(args.decode_tp_size, args.decode_pp_size))):
+    for role, sizes in (("prefill", RoleSizes(args.prefill_tp_size, args.prefill_pp_size, args.prefill_cp_size,
+                                              args.prefill_pp_layer_partition)),
+                        ("decode", RoleSizes(args.decode_tp_size, args.decode_pp_size,
+                                             partition=args.decode_pp_layer_partition))):
         if sizes != RoleSizes():
             _check_role(role, sizes, replace(config, enable_hierarchical_cache=True) if not args.no_l3 else config)
 
 
 @dataclass(frozen=True)
 class RoleSizes:
-    """One role's rank counts: tensor ranks per stage, stages, context-parallel ranks."""
+    """One role's rank counts: tensor ranks per stage, stages, context-parallel ranks, and the stages'
+    layer counts (None: the default split)."""
 
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    partition: tuple[int, ...] | None = None
 
     def flags(self, role: str) -> str:
         """As given on the command line, e.g. '--prefill-tp-size 1 --prefill-cp-size 2'."""
         more = [f"--{role}-{name}-size {n}" for name, n in (("pp", self.pp), ("cp", self.cp)) if n != 1]
+        if self.partition is not None:
+            more.append(f"--{role}-pp-layer-partition {','.join(map(str, self.partition))}")
         return " ".join([f"--{role}-tp-size {self.tp}", *more])
 
 
@@ -144,10 +164,10 @@ def _check_role(role: str, sizes: RoleSizes, config: EngineConfig) -> None:
 
     flags = sizes.flags(role)
     try:  # the config's own checks (e.g. what runs at several ranks yet, CP with TP or PP)
-        replace(config, tp_size=sizes.tp, pp_size=sizes.pp, cp_size=sizes.cp)
+        replace(config, tp_size=sizes.tp, pp_size=sizes.pp, cp_size=sizes.cp, pp_layer_partition=sizes.partition)
     except ValueError as exc:
         raise ValueError(f"{flags}: {exc}") from None
-    if (problem := misfit(config.model_dir, sizes.tp, sizes.pp)) is not None:
+    if (problem := misfit(config.model_dir, sizes.tp, sizes.pp, sizes.partition)) is not None:
         raise ValueError(f"{flags}: {problem}")
 
 

@@ -8,6 +8,7 @@ from enum import Enum
 from pathlib import Path
 
 from tierserve.cache.options import CacheKind, DraftLayout, HiCacheOptions
+from tierserve.core.layer_split import PipelineParallelError, check_partition
 
 DEFAULT_SPEC_STEPS = 3
 
@@ -27,7 +28,9 @@ class EngineConfig:
     ``enable_hierarchical_cache`` adds the host-memory tier (L2) behind it. ``tp_size`` x ``pp_size``
     ranks (one process each, on devices from ``base_gpu_id`` on CUDA) share the model: ``pp_size``
     pipeline stages of contiguous layers, each split over ``tp_size`` tensor ranks; every collective
-    between them gives up after ``dist_timeout_s`` (docs/ranks.md, docs/pp.md).
+    between them gives up after ``dist_timeout_s`` (docs/ranks.md, docs/pp.md). ``pp_layer_partition``:
+    each stage's layer count (None: vLLM's default split, ``default_split``; its sum is checked against
+    the model by ``misfit`` before any process starts).
     ``cp_size`` ranks share the KV pages by context parallelism, each storing 1/cp_size of them
     (docs/cp.md), also in the host tier and L3; not yet with TP, PP or
     the decode role; ``cp_attention`` says where attention merges instead of gathering.
@@ -55,6 +58,7 @@ class EngineConfig:
     hicache: HiCacheOptions = field(default_factory=HiCacheOptions)
     tp_size: int = 1
     pp_size: int = 1
+    pp_layer_partition: tuple[int, ...] | None = None
     cp_size: int = 1
     cp_attention: CPAttention = CPAttention.MERGE
     base_gpu_id: int = 0
@@ -108,6 +112,11 @@ class EngineConfig:
             raise ValueError("tp_size must be at least 1")
         if self.pp_size < 1:
             raise ValueError("pp_size must be at least 1")
+        if self.pp_layer_partition is not None:
+            try:
+                check_partition(self.pp_layer_partition, self.pp_size)
+            except PipelineParallelError as exc:
+                raise ValueError(f"--pp-layer-partition: {exc}") from None
         self._check_context_parallel()
         if self.base_gpu_id < 0:
             raise ValueError("base_gpu_id must not be negative")
@@ -125,6 +134,14 @@ class EngineConfig:
             return
         if self.tp_size > 1 or self.pp_size > 1:
             raise ValueError("--cp-size with --tp-size or --pp-size is not supported yet: use one of them")
+
+    @property
+    def layout_flags(self) -> str:
+        """The TP and PP flags as given, for messages: '--tp-size 1 --pp-size 2 --pp-layer-partition 2,1'."""
+        pp = f" --pp-size {self.pp_size}" if self.pp_size > 1 else ""
+        partition = self.pp_layer_partition
+        return f"--tp-size {self.tp_size}{pp}" + (f" --pp-layer-partition {','.join(map(str, partition))}"
+                                                  if partition is not None else "")
 
     @property
     def num_ranks(self) -> int:

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
+from tierserve.core.layer_split import PipelineParallelError, check_layers
 from tierserve.core.model_config import ModelConfig
-from tierserve.model.pipeline import PipelineParallelError, check_layers
 
 
 class TensorParallelError(ValueError):
@@ -98,14 +98,14 @@ def check_model(cfg: ModelConfig, size: int) -> None:
             f"tensor-parallel size {size} does not divide the model's intermediate size {cfg.intermediate_size}")
 
 
-def misfit(model_dir: Path, size: int, pp_size: int = 1) -> str | None:
+def misfit(model_dir: Path, size: int, pp_size: int = 1, partition: tuple[int, ...] | None = None) -> str | None:
     """Why the model in ``model_dir`` cannot be split over ``size`` tensor ranks and ``pp_size``
-    pipeline stages, or None when it can: the one check ``serve``, the node roles and ``up`` run
-    before starting any process."""
+    pipeline stages (of ``partition``'s layers, when given), or None when it can: the one check
+    ``serve``, the node roles and ``up`` run before starting any process."""
     cfg = ModelConfig.from_dir(model_dir)
     try:
         check_model(cfg, size)
-        check_layers(cfg.num_layers, pp_size)
+        check_layers(cfg.num_layers, pp_size, partition)
     except (TensorParallelError, PipelineParallelError) as exc:
         return str(exc)
     return None

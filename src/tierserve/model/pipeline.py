@@ -4,6 +4,8 @@ hidden states come from and go (``docs/pp.md``).
 A node of ``pp_size`` S and ``tp_size`` T has S * T ranks; rank ``s * T + t`` is tensor rank t of
 stage s. Stage 0 embeds the tokens, the last stage applies the final norm and the LM head; between
 them each tensor rank sends its (replicated) hidden states to the same tensor rank of the next stage.
+Stages hold the layers of a partition: the one given (``--pp-layer-partition``) or vLLM's default
+split, as even as can be (``default_split``).
 """
 
 from __future__ import annotations
@@ -13,9 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-
-class PipelineParallelError(ValueError):
-    """The model cannot be split into this many stages; the message names the numbers."""
+from tierserve.core.layer_split import split_layers
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,7 @@ class PipelineStage:
     prev: int | None = None
     next: int | None = None
     group: dist.ProcessGroup | None = None
+    partition: tuple[int, ...] | None = None  # layers per stage; None: ``default_split``
 
     @property
     def first(self) -> bool:
@@ -39,11 +40,11 @@ class PipelineStage:
         return self.stage == self.size - 1
 
     def layers(self, num_layers: int) -> range:
-        """This stage's layers of a model of ``num_layers``; ``PipelineParallelError`` unless the
-        stages divide them evenly."""
-        check_layers(num_layers, self.size)
-        per_stage = num_layers // self.size
-        return range(self.stage * per_stage, (self.stage + 1) * per_stage)
+        """This stage's layers of a model of ``num_layers``: its share of ``partition`` (or of the
+        default split); ``PipelineParallelError`` when that does not split these layers."""
+        counts = split_layers(num_layers, self.size, self.partition)
+        start = sum(counts[: self.stage])
+        return range(start, start + counts[self.stage])
 
     def receive(self, rows: int, hidden: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """The previous stage's hidden states for ``rows`` tokens (every stage runs the same batch,
@@ -60,18 +61,11 @@ class PipelineStage:
 SOLE = PipelineStage()
 
 
-def stage_of(rank: int, tp_size: int, pp_size: int, group: dist.ProcessGroup | None = None) -> PipelineStage:
-    """The stage of global ``rank`` in a node of ``tp_size`` x ``pp_size`` ranks, with its peers."""
+def stage_of(rank: int, tp_size: int, pp_size: int, group: dist.ProcessGroup | None = None,
+             partition: tuple[int, ...] | None = None) -> PipelineStage:
+    """The stage of global ``rank`` in a node of ``tp_size`` x ``pp_size`` ranks, with its peers and
+    the node's layer ``partition`` (None: the default split)."""
     stage, tp_rank = divmod(rank, tp_size)
     prev = (stage - 1) * tp_size + tp_rank if stage > 0 else None
     nxt = (stage + 1) * tp_size + tp_rank if stage < pp_size - 1 else None
-    return PipelineStage(stage, pp_size, prev, nxt, group)
-
-
-def check_layers(num_layers: int, size: int) -> None:
-    """Raises ``PipelineParallelError`` unless ``size`` stages split ``num_layers`` evenly."""
-    if size < 1:
-        raise PipelineParallelError(f"pipeline-parallel size must be at least 1, not {size}")
-    if num_layers % size:
-        raise PipelineParallelError(
-            f"pipeline-parallel size {size} does not divide the model's {num_layers} layers")
+    return PipelineStage(stage, pp_size, prev, nxt, group, partition)

@@ -125,17 +125,16 @@ def _stop(node: Node | None, engine: Engine, procs: RankProcesses | None) -> Non
 
 def _check_fits(config: EngineConfig, role: pb.Role) -> None:
     """Refuses, before any process starts, a TP size the model's heads or MLP cannot be split over, a
-    PP size that does not divide its layers, and context parallelism on a decode node, which does
-    not run yet (docs/cp.md: a CP prefill node hands its KV to a
-    decode node without CP)."""
+    PP size above its layers or a layer partition that does not add up to them, and context
+    parallelism on a decode node, which does not run yet (docs/cp.md: a CP prefill node hands its
+    KV to a decode node without CP)."""
     if config.cp_size != 1 and role != pb.ROLE_PREFILL:
         print("tierserve: --cp-size is not supported on decode nodes (prefill nodes and tierserve serve only): "
               "a decode node without CP takes the KV of a CP prefill node", file=sys.stderr)
         raise SystemExit(2)
-    problem = misfit(config.model_dir, config.tp_size, config.pp_size)
+    problem = misfit(config.model_dir, config.tp_size, config.pp_size, config.pp_layer_partition)
     if problem is not None:
-        sizes = f"--tp-size {config.tp_size}" + (f" --pp-size {config.pp_size}" if config.pp_size > 1 else "")
-        print(f"tierserve: {sizes} does not fit {config.model_dir.name}: {problem}", file=sys.stderr)
+        print(f"tierserve: {config.layout_flags} does not fit {config.model_dir.name}: {problem}", file=sys.stderr)
         raise SystemExit(2)
 
 

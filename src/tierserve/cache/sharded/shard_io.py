@@ -36,9 +36,22 @@ class _Staging:
         self.lock = threading.Lock()
         self._pools: dict[tuple[int, int], HostKVPool] = {}
 
-    def pool(self, storage: StorageBackend, piece: Piece, objects: int) -> HostKVPool:
-        """A pool of at least ``objects`` objects shaped like ``piece``, attached to ``storage``."""
-        shape = (piece.heads.count, piece.layers.count)
+    def slots(self, storage: StorageBackend, objects: tuple[Piece, ...], pages: int) -> list[tuple[HostKVPool, int]]:
+        """Where each of ``pages`` pages' ``objects`` is staged: entry ``i * len(objects) + j`` is
+        object j of page i, a page of the pool of its shape (a source's objects differ in shape
+        where the stages that wrote them hold different layer counts)."""
+        shapes = [(o.heads.count, o.layers.count) for o in objects]
+        pools = {shape: self.pool(storage, shape, shapes.count(shape) * pages) for shape in set(shapes)}
+        used = dict.fromkeys(pools, 0)
+        out = []
+        for _ in range(pages):
+            for shape in shapes:
+                out.append((pools[shape], used[shape]))
+                used[shape] += 1
+        return out
+
+    def pool(self, storage: StorageBackend, shape: tuple[int, int], objects: int) -> HostKVPool:
+        """A pool of at least ``objects`` objects of ``shape`` (KV heads, layers), attached to ``storage``."""
         pool = self._pools.get(shape)
         if pool is None or pool.num_pages < objects:
             layout = HostLayout.PAGE_FIRST if self.host.layout is HostLayout.LAYER_FIRST else self.host.layout
@@ -137,12 +150,12 @@ class ShardIO:
              host_pages: list[int]) -> list[bool]:
         """One backend call into the read staging buffer, then this rank's heads out of it."""
         n = len(source.objects)
-        staging = self._reads.pool(storage, source.objects[0], len(page_keys) * n)
-        got = storage.batch_get_into(source.keys(page_keys), [staging.page_span(i) for i in range(len(page_keys) * n)])
+        slots = self._reads.slots(storage, source.objects, len(page_keys))
+        got = storage.batch_get_into(source.keys(page_keys), [pool.page_span(i) for pool, i in slots])
         ok = [all(got[i * n : (i + 1) * n]) for i in range(len(page_keys))]
         for i, page in enumerate(host_pages):
             if ok[i]:
-                for host, staged in self._overlaps(staging, i * n, source.objects, page):
+                for host, staged in self._overlaps(slots[i * n : (i + 1) * n], source.objects, page):
                     host.copy_(staged)
         return ok
 
@@ -151,16 +164,16 @@ class ShardIO:
         """This rank's heads of each page into the write staging buffer cut as ``source``'s
         objects, then one backend call storing them; per-page success."""
         n = len(source.objects)
-        staging = self._writes.pool(storage, source.objects[0], len(page_keys) * n)
+        slots = self._writes.slots(storage, source.objects, len(page_keys))
         for i, page in enumerate(host_pages):
-            for host, staged in self._overlaps(staging, i * n, source.objects, page):
+            for host, staged in self._overlaps(slots[i * n : (i + 1) * n], source.objects, page):
                 staged.copy_(host)
-        put = storage.batch_set_from(source.keys(page_keys), [staging.page_span(i) for i in range(len(page_keys) * n)])
+        put = storage.batch_set_from(source.keys(page_keys), [pool.page_span(i) for pool, i in slots])
         return [all(put[i * n : (i + 1) * n]) for i in range(len(page_keys))]
 
-    def _overlaps(self, staging: HostKVPool, first: int, objects: tuple[Piece, ...],
+    def _overlaps(self, slots: list[tuple[HostKVPool, int]], objects: tuple[Piece, ...],
                   page: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """For each object (staging page ``first + j``), its overlap with this rank's heads and
+        """For each object (staged at ``slots[j]``), its overlap with this rank's heads and
         layers as (host page ``page`` view, staging view), both [layers, 2, 1, page_size, heads,
         head_dim]; objects that share no layer with this rank yield nothing."""
         heads, layers = self.mine.heads, self.mine.layers
@@ -170,7 +183,8 @@ class ShardIO:
             l0, l1 = max(layers.start, obj.layers.start), min(layers.end, obj.layers.end)
             if h0 >= h1 or l0 >= l1:
                 continue
-            src = staging.run_all_layers(first + j, 1)
+            staging, at = slots[j]
+            src = staging.run_all_layers(at, 1)
             yield (_cut(dst, l0 - layers.start, l1 - l0, h0 - heads.start, h1 - h0),
                    _cut(src, l0 - obj.layers.start, l1 - l0, h0 - obj.heads.start, h1 - h0))
 

@@ -11,20 +11,23 @@ smaller shares (``finer_chunks``), which those ranks then read as their own.
 
 Pipeline stages cut the layers the same way: a stage's object holds its ``LayerRange`` of its
 heads (``Piece``), named by both ranges; the whole layer range adds nothing to the name, so a node
-without stages names its objects as before. A reader looks for covering objects among aligned
-layer chunks too (those of up to ``MAX_STAGES`` stages).
+without stages names its objects as before. Stages need not be equal (``default_split``), so a
+reader looks for covering objects among the layer ranges of the default split of every stage count
+up to ``MAX_STAGES`` (aligned chunks where the count divides the layers).
 """
 
 from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TypeVar
 
+from tierserve.core.layer_split import default_split
+
 R = TypeVar("R", bound="HeadRange")
-MAX_STAGES = 8  # layer chunks a reader looks for: those of up to this many pipeline stages
+MAX_STAGES = 8  # layer ranges a reader looks for: those of up to this many pipeline stages
 
 
 @dataclass(frozen=True)
@@ -122,27 +125,43 @@ def chunks(mine: R, chunk: int) -> list[R]:
     return [type(mine)(i * chunk, chunk, mine.total) for i in range(first, last + 1)]
 
 
-def covering(mine: Piece, chunk: int, layer_chunk: int | None = None) -> Source:
-    """The aligned objects of ``chunk`` heads and ``layer_chunk`` layers (default: ``mine``'s)
+def covering(mine: Piece, chunk: int, layers: tuple[LayerRange, ...] | None = None) -> Source:
+    """The aligned objects of ``chunk`` heads of the layer ranges ``layers`` (default: ``mine``'s)
     that cover ``mine``, layer-major."""
-    layers = chunks(mine.layers, layer_chunk or mine.layers.count)
-    objects = tuple(Piece(h, la) for la in layers for h in chunks(mine.heads, chunk))
+    objects = tuple(Piece(h, la) for la in layers or (mine.layers,) for h in chunks(mine.heads, chunk))
     return Source(objects, objects == (mine,))
 
 
-def _sizes(mine: HeadRange, allowed: Callable[[int], bool]) -> list[int]:
-    """Chunk sizes dividing ``mine.total`` that ``allowed``: own first, then larger ones (fewer
-    objects), then smaller."""
-    sizes = [c for c in range(1, mine.total + 1) if mine.total % c == 0 and c != mine.count and allowed(c)]
+def stage_ranges(mine: LayerRange, counts: tuple[int, ...]) -> tuple[LayerRange, ...]:
+    """The ranges of stages of ``counts`` layers each (in order from layer 0) that share a layer with ``mine``."""
+    ranges, start = [], 0
+    for count in counts:
+        if start < mine.end and mine.start < start + count:
+            ranges.append(LayerRange(start, count, mine.total))
+        start += count
+    return tuple(ranges)
+
+
+def layer_covers(mine: LayerRange) -> list[tuple[LayerRange, ...]]:
+    """The layer ranges of other stage layouts covering ``mine``: those of the default split of 1 to
+    ``MAX_STAGES`` stages, each once, fewest objects then fewest layers first (``mine`` itself left out)."""
+    covers = {stage_ranges(mine, default_split(mine.total, s)) for s in range(1, min(MAX_STAGES, mine.total) + 1)}
+    covers.discard((mine,))
+    return sorted(covers, key=lambda c: (len(c), c[-1].end - c[0].start, c[0].start))
+
+
+def _sizes(mine: HeadRange) -> list[int]:
+    """Chunk sizes dividing ``mine.total``: own first, then larger ones (fewer objects), then smaller."""
+    sizes = [c for c in range(1, mine.total + 1) if mine.total % c == 0 and c != mine.count]
     return [mine.count, *sorted(c for c in sizes if c > mine.count),
             *sorted((c for c in sizes if c < mine.count), reverse=True)]
 
 
 def sources(mine: Piece) -> list[Source]:
-    """Every way of reading ``mine``: own range first (zero-copy), then for each layer chunk
-    (own first, then those of up to ``MAX_STAGES`` stages) every head chunk size."""
-    layer_sizes = _sizes(mine.layers, lambda c: mine.layers.total // c <= MAX_STAGES)
-    return [covering(mine, h, la) for la in layer_sizes for h in _sizes(mine.heads, lambda c: True)]
+    """Every way of reading ``mine``: own range first (zero-copy), then for each layer cover (own
+    layers first, then ``layer_covers``) every head chunk size."""
+    covers = [(mine.layers,), *layer_covers(mine.layers)]
+    return [covering(mine, h, layers) for layers in covers for h in _sizes(mine.heads)]
 
 
 def rank_heads(total: int, tp_size: int) -> int:

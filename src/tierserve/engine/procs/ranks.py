@@ -144,7 +144,8 @@ def join(spec: RankSpec, config: EngineConfig, store: dist.Store | None = None) 
     _share_cpu(device, spec.size)
     tp_group = _tensor_group(spec.rank, config.tp_size, config.pp_size, timeout)
     tp = TensorParallel(spec.rank % config.tp_size, config.tp_size, tp_group)
-    stage = stage_of(spec.rank, config.tp_size, config.pp_size) if config.pp_size > 1 else SOLE
+    stage = stage_of(spec.rank, config.tp_size, config.pp_size, partition=config.pp_layer_partition) \
+        if config.pp_size > 1 else SOLE
     own = PageOwnership(spec.rank // config.tp_size, config.cp_size) if config.cp_size > 1 else PageOwnership()
     merge = dist.new_group(timeout=timeout) if config.cp_size > 1 else None
     return Ranks(tp, device, control, stage, own, merge)
