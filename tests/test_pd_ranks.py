@@ -4,8 +4,10 @@ stages, each stage's arena holding its layers only), driven through gRPC as the 
 Outputs equal the single engine; the handoff moves exactly the KV bytes of the uncached prompt; a
 destination that cannot be written (heads or layers with no rank) is refused with a clear error.
 
-Each layout ("tp", "pp") starts its nodes once for the module: "p1" and "d1" of one rank, "p2" and
-"d2" of two (TP 2, or PP 2 at TP 1)."""
+Each layout ("tp", "pp", "ppu") starts its nodes once for the module: "p1" and "d1" of one rank, "p2"
+and "d2" of several (TP 2; PP 2 at TP 1 on 4 layers; "ppu": PP 3 on 5 layers, uneven stages of 2, 2
+and 1 layers, the default split). A prefill node of a given partition (1 + 4 layers) hands over to
+the uneven PP 3 node and the reverse, no stage boundary shared."""
 
 from __future__ import annotations
 
@@ -36,7 +38,8 @@ from helpers.processes import NodeProcess
 from helpers.tiny_models import make_tiny_model
 
 pytestmark = pytest.mark.integration
-LAYERS = {"tp": 2, "pp": 4}  # two stages of two layers at PP 2
+LAYERS = {"tp": 2, "pp": 4, "ppu": 5}  # two stages of two layers at PP 2; 2 + 2 + 1 at PP 3
+MULTI = {"tp": 2, "pp": 2, "ppu": 3}  # the ranks of "p2" and "d2"
 
 
 def token_bytes(layout: str) -> int:
@@ -49,7 +52,7 @@ def sizes(layout: str, ranks: int) -> list[str]:
     return ["--tp-size", str(ranks)] if layout == "tp" else ["--tp-size", "1", "--pp-size", str(ranks)]
 
 
-@pytest.fixture(scope="module", params=["tp", "pp"])
+@pytest.fixture(scope="module", params=["tp", "pp", "ppu"])
 def layout(request) -> str:
     """The ranks' layout; a test of one layout only names it with ``ONLY_TP`` or ``ONLY_PP``."""
     return request.param
@@ -57,6 +60,7 @@ def layout(request) -> str:
 
 ONLY_TP = pytest.mark.parametrize("layout", ["tp"], indirect=True)
 ONLY_PP = pytest.mark.parametrize("layout", ["pp"], indirect=True)
+ONLY_UNEVEN = pytest.mark.parametrize("layout", ["ppu"], indirect=True)
 
 
 @pytest.fixture(scope="module")
@@ -67,11 +71,12 @@ def model(layout: str, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def nodes(model: Path, layout: str, tmp_path_factory) -> Iterator[dict[str, NodeProcess]]:
-    """Prefill and decode nodes of one and two ranks: "p1", "p2", "d1", "d2"."""
+    """Prefill and decode nodes of one rank and of ``MULTI`` ranks: "p1", "p2", "d1", "d2"."""
     logs = tmp_path_factory.mktemp(f"{layout}-pd-logs")
-    started = {f"{role[0]}{n}": NodeProcess(role, ["--model", str(model), *args, *sizes(layout, n)],
+    started = {f"{role[0]}{n}": NodeProcess(role, ["--model", str(model), *args, *sizes(layout, ranks)],
                                             logs / f"{role}-{n}.log")
-               for role, args in (("prefill", NODE_ARGS), ("decode", DECODE_ARGS)) for n in (1, 2)}
+               for role, args in (("prefill", NODE_ARGS), ("decode", DECODE_ARGS))
+               for n, ranks in ((1, 1), (2, MULTI[layout]))}
     try:
         yield {name: node.wait_ready() for name, node in started.items()}
     finally:
@@ -91,12 +96,13 @@ def _check_pairing(model: Path, layout: str, prefill: str, decode: str, seed: in
 
 @pytest.mark.parametrize(("p", "d"), [("p2", "d1"), ("p1", "d2"), ("p2", "d2")])
 def test_outputs_equal_the_single_engine_across_sizes(model: Path, layout: str, nodes, p: str, d: str) -> None:
-    seed = {"tp": 0, "pp": 100}[layout] + int(p[1]) * 10 + int(d[1])  # fresh prompts: no decode node caches them
+    # fresh prompts: no decode node caches them
+    seed = {"tp": 0, "pp": 100, "ppu": 300}[layout] + int(p[1]) * 10 + int(d[1])
     _check_pairing(model, layout, nodes[p].address, nodes[d].address, seed, f"{p}{d}-")
 
 
 def test_a_decode_cache_hit_moves_only_the_uncached_tokens(model: Path, layout: str, nodes) -> None:
-    prompt = prompts(1, seed={"tp": 11, "pp": 12}[layout])[0] + list(range(2, 2 + 3 * PAGE))
+    prompt = prompts(1, seed={"tp": 11, "pp": 12, "ppu": 13}[layout])[0] + list(range(2, 2 + 3 * PAGE))
     first, r1 = asyncio.run(run_pd(nodes["p2"].address, nodes["d2"].address, "hit-a", prompt))
     again, r2 = asyncio.run(run_pd(nodes["p1"].address, nodes["d2"].address, "hit-b", prompt))
     assert first == again == reference(model, [prompt])[0]
@@ -106,23 +112,24 @@ def test_a_decode_cache_hit_moves_only_the_uncached_tokens(model: Path, layout: 
 
 
 def test_a_destination_missing_a_rank_is_refused_with_a_clear_error(layout: str, nodes) -> None:
-    """As if the decode node had only its rank 0: TP, heads 2 and 3 would go nowhere; PP, layers 2
-    and 3."""
+    """As if the decode node lacked its rank 1: TP, heads 2 and 3 would go nowhere; PP, layers 2
+    and 3 (of 4; of 5 at PP 3)."""
     prompt = list(range(2, 40))
     dest = asyncio.run(reserve(nodes["d2"].address, "half", prompt)).destination
     del dest.ranks[1]
     with pytest.raises(grpc.aio.AioRpcError) as refused:
         asyncio.run(prefill_into(nodes["p2"].address, "half", prompt, dest))
     assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert {"tp": "hold no copy of KV heads [2, 3]",
-            "pp": "holds layers [2, 3] of 4 of KV head 0"}[layout] in refused.value.details()
+    assert {"tp": "hold no copy of KV heads [2, 3]", "pp": "holds layers [2, 3] of 4 of KV head 0",
+            "ppu": "holds layers [2, 3] of 5 of KV head 0"}[layout] in refused.value.details()
     asyncio.run(release(nodes["d2"].address, "half", True))
 
 
 def test_info_reports_the_sizes(layout: str, nodes) -> None:
     infos = [asyncio.run(info(nodes[n].address)) for n in ("p1", "p2", "d1", "d2")]
     assert [(i.tp_size, i.pp_size) for i in infos] == {"tp": [(1, 1), (2, 1), (1, 1), (2, 1)],
-                                                      "pp": [(1, 1), (1, 2), (1, 1), (1, 2)]}[layout]
+                                                      "pp": [(1, 1), (1, 2), (1, 1), (1, 2)],
+                                                      "ppu": [(1, 1), (1, 3), (1, 1), (1, 3)]}[layout]
 
 
 def test_the_destination_names_every_decode_rank(layout: str, nodes) -> None:
@@ -136,16 +143,17 @@ def test_the_destination_names_every_decode_rank(layout: str, nodes) -> None:
         asyncio.run(release(nodes["d2"].address, "ranks", True))
         return
     dest = asyncio.run(reserve(nodes["d2"].address, "pp-ranks", list(range(2, 40)))).destination
-    assert [(r.layer_start, r.num_layers, r.kv_head_start, r.kv_heads) for r in dest.ranks] == [(0, 2, 0, 4),
-                                                                                                 (2, 2, 0, 4)]
+    stages = {"pp": [(0, 2), (2, 2)], "ppu": [(0, 2), (2, 2), (4, 1)]}[layout]  # ppu: the default split, 2 + 2 + 1
+    assert [(r.layer_start, r.num_layers, r.kv_head_start, r.kv_heads) for r in dest.ranks] == [
+        (*s, 0, 4) for s in stages]
     asyncio.run(release(nodes["d2"].address, "pp-ranks", True))
     (whole,) = asyncio.run(reserve(nodes["d1"].address, "pp-one", list(range(2, 40)))).destination.ranks
-    assert (whole.layer_start, whole.num_layers) == (0, LAYERS["pp"])
+    assert (whole.layer_start, whole.num_layers) == (0, LAYERS[layout])
     asyncio.run(release(nodes["d1"].address, "pp-one", True))
     staged = asyncio.run(reserve_for(nodes["d2"].address, "pp-staged", list(range(2, 40)), source_tp=2)).destination
     asyncio.run(release(nodes["d2"].address, "pp-staged", True))
     assert [[(s.kv_head_start, s.kv_heads, s.tokens) for s in r.staged] for r in staged.ranks] == [
-        [(0, 2, 38), (2, 2, 38)]] * 2
+        [(0, 2, 38), (2, 2, 38)]] * len(stages)
 
 
 # ---- TP only: staging between TP sizes, replicated heads, long prompts ------------------------
@@ -229,6 +237,27 @@ def test_stages_hand_over_between_tp_sizes_through_staging(model: Path, layout: 
     finally:
         prefill.stop()
         decode.stop()
+
+
+@ONLY_UNEVEN
+@pytest.mark.slow
+def test_a_given_partition_hands_over_to_and_from_uneven_stages(model: Path, layout: str, nodes,
+                                                                 tmp_path: Path) -> None:
+    """Prefill and decode nodes of ``--pp-layer-partition 1,4`` against the PP 3 nodes (2 + 2 + 1):
+    each stage sends each of its layers to whichever stage holds it."""
+    args = ["--model", str(model), "--pp-size", "2", "--pp-layer-partition", "1,4"]
+    prefill = NodeProcess("prefill", [*NODE_ARGS, *args], tmp_path / "p14.log")
+    decode = NodeProcess("decode", [*DECODE_ARGS, *args], tmp_path / "d14.log")
+    try:
+        prefill.wait_ready(), decode.wait_ready()
+        _check_pairing(model, layout, prefill.address, nodes["d2"].address, 401, "p14-d3-")
+        _check_pairing(model, layout, nodes["p2"].address, decode.address, 402, "p3-d14-")
+        (first, second) = asyncio.run(reserve(decode.address, "p14-ranks", list(range(2, 40)))).destination.ranks
+        asyncio.run(release(decode.address, "p14-ranks", True))
+    finally:
+        prefill.stop()
+        decode.stop()
+    assert [(r.layer_start, r.num_layers) for r in (first, second)] == [(0, 1), (1, 4)]
 
 
 def test_a_kv_head_replicated_on_both_sides_is_sent_once_per_decode_rank(tmp_path: Path) -> None:

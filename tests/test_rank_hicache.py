@@ -6,7 +6,8 @@ API, with a real ``mooncake_master`` per test:
 - L3 pages written at one size are read at another, at least 90% of the prompt from storage, with
   the same answer: TP 2 -> 1 and 4, TP 1 and 4 -> 2 (objects by KV head range); CP 2 -> 1 and 1 -> 2
   (whole-page objects under the page key, each page written and restored by its owner rank);
-  PP 2 -> 2 and 1, PP 1 -> 2 (objects by layer range, each stage its own layers);
+  PP 2 -> 2 and 1, PP 1 -> 2 (objects by layer range, each stage its own layers); on 3 layers, uneven
+  stages: PP 2 (2 + 1) -> PP 3 and PP 1, PP 3 -> PP 2;
 - TP only: the finer objects a writer told the cluster's TP sizes stores serve a TP 2 reader; a
   rank whose store shows fewer pages shortens the node's L3 hit; replicated KV heads are written
   once and read at TP 1."""
@@ -39,22 +40,24 @@ from tierserve.cache.hashing import Namespace, page_keys
 from tierserve.cache.options import HostLayout, object_format
 from tierserve.cache.sharded.shards import HeadRange, LayerRange, object_key
 from tierserve.model.identity import model_identity
+from tierserve.model.pipeline import PipelineStage
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 PROMPT_TOKENS = 70  # 17 full pages
-PP_LAYERS = 4  # two per stage at PP 2
+PP_LAYERS = {"pp": 4, "ppu": 3}  # two per stage at PP 2; "ppu": uneven stages, 2 + 1 at PP 2
 STATS_DEADLINE_S = 30.0
-SEEDS = {"tp": (11, 8), "cp": (15, 6), "pp": (21, 2)}  # each layout's prompts: (seed, how many), one per use
+SEEDS = {"tp": (11, 8), "cp": (15, 6), "pp": (21, 2), "ppu": (31, 2)}  # each layout's prompts: (seed, how many)
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
-    """Tiny Llamas of 8 heads and 4 KV heads with the word tokenizer: 2 layers (TP, CP), 4 (PP)."""
+    """Tiny Llamas of 8 heads and 4 KV heads with the word tokenizer: 2 layers (TP, CP), 4 (PP), 3 (PP uneven)."""
     two = make_tiny_model("llama", tmp_path_factory.mktemp("llama"), heads=8, kv_heads=KV_HEADS)
-    four = make_tiny_model("llama", tmp_path_factory.mktemp("llama4"), heads=8, kv_heads=KV_HEADS, layers=PP_LAYERS)
-    two, four = add_word_tokenizer(two), add_word_tokenizer(four)
-    return {"tp": two, "cp": two, "pp": four}
+    more = {layout: add_word_tokenizer(make_tiny_model("llama", tmp_path_factory.mktemp(f"llama{n}"), heads=8,
+                                                       kv_heads=KV_HEADS, layers=n)) for layout, n in PP_LAYERS.items()}
+    two = add_word_tokenizer(two)
+    return {"tp": two, "cp": two, **more}
 
 
 @pytest.fixture(scope="module")
@@ -74,9 +77,9 @@ def expected(models, asked) -> dict[str, list[list[int]]]:
 
 def serve(layout: str, model: Path, size: int, log: Path, master: MasterProcess, max_tokens: int = 2048,
           faults: dict | None = None, tp_sizes: list[int] | None = None) -> TPServer:
-    """A healthy node of ``size`` ranks in ``layout`` (CP and PP at TP 1); ``max_tokens`` sizes one
-    rank's device pool (at CP=2 the node holds twice as many)."""
-    tp, ranks = (size, []) if layout == "tp" else (1, [f"--{layout}-size", str(size)])
+    """A healthy node of ``size`` ranks in ``layout`` (CP and PP at TP 1; "ppu": PP); ``max_tokens``
+    sizes one rank's device pool (at CP=2 the node holds twice as many)."""
+    tp, ranks = (size, []) if layout == "tp" else (1, [f"--{layout[:2]}-size", str(size)])
     flags = hicache_flags(master, max_tokens, faults, tp_sizes)
     return start_server(model, tp, log, *ranks, *flags).wait_healthy()
 
@@ -91,21 +94,22 @@ def read_back(layout: str, model: Path, size: int, log: Path, master: MasterProc
         reader.stop()
 
 
-def pp_object_names(model: Path, tokens: list[int], pp_size: int) -> list[bytes]:
-    """Every object a TP=1 node of ``pp_size`` stages writes for the prompt's full pages."""
-    seed_ = Namespace(model_identity(model), "float32", PAGE, PP_LAYERS, KV_HEADS, 16,
+def pp_object_names(model: Path, tokens: list[int], pp_size: int, layers: int) -> list[bytes]:
+    """Every object a TP=1 node of ``pp_size`` stages (the default split of ``layers``) writes for
+    the prompt's full pages."""
+    seed_ = Namespace(model_identity(model), "float32", PAGE, layers, KV_HEADS, 16,
                       object_format(HostLayout.PAGE_FIRST_DIRECT)).seed()
     keys = page_keys(seed_, tokens[: len(tokens) // PAGE * PAGE], PAGE)
-    per = PP_LAYERS // pp_size
-    ranges = [LayerRange(s * per, per, PP_LAYERS) for s in range(pp_size)]
+    stages = [PipelineStage(s, pp_size).layers(layers) for s in range(pp_size)]
+    ranges = [LayerRange(r.start, len(r), layers) for r in stages]
     return [object_key(k, HeadRange(0, KV_HEADS, KV_HEADS), r) for k in keys for r in ranges]
 
 
 def wait_written(layout: str, master: MasterProcess, model: Path, prompt: list[int], size: int) -> None:
     """Polls L3 until it holds every object a writer of ``size`` ranks in ``layout`` stores for the
     prompt: by KV head range (TP), whole pages under the page key as at TP 1 (CP), by layer range (PP)."""
-    if layout == "pp":
-        wait_in_l3(master, pp_object_names(model, prompt, size))
+    if layout.startswith("pp"):
+        wait_in_l3(master, pp_object_names(model, prompt, size, PP_LAYERS[layout]))
     else:
         wait_backed_up(master, model, prompt, size if layout == "tp" else 1)
 
@@ -142,8 +146,9 @@ def test_two_ranks_answer_from_l1_l2_and_l3_equal_no_cache(models, asked, expect
 @pytest.mark.parametrize(("layout", "writer_size", "reader_sizes", "prompt"), [
     ("tp", 2, (1, 4), 4), ("tp", 1, (2,), 5), ("tp", 4, (2,), 6),
     ("cp", 2, (1,), 4), ("cp", 1, (2,), 5),
-    ("pp", 2, (2, 1), 0), ("pp", 1, (2,), 1),
-], ids=["tp2-tp1-tp4", "tp1-tp2", "tp4-tp2", "cp2-cp1", "cp1-cp2", "pp2-pp2-pp1", "pp1-pp2"])
+    ("pp", 2, (2, 1), 0), ("pp", 1, (2,), 1), ("ppu", 2, (3, 1), 0), ("ppu", 3, (2,), 1),
+], ids=["tp2-tp1-tp4", "tp1-tp2", "tp4-tp2", "cp2-cp1", "cp1-cp2", "pp2-pp2-pp1", "pp1-pp2", "pp2of3-pp3-pp1",
+        "pp3-pp2of3"])
 def test_l3_pages_are_read_across_sizes(models, asked, expected, master, tmp_path: Path, layout: str,
                                         writer_size: int, reader_sizes: tuple[int, ...], prompt: int) -> None:
     """A prompt of its own per case (no other case's pages can serve it); the writer stays up: its
