@@ -19,6 +19,7 @@ from helpers.tiny_models import make_tiny_model
 from tierserve.cache import hicache
 from tierserve.cache.factory import SKIP_AGREEMENT
 from tierserve.cache.options import HiCacheOptions, PrefetchPolicy
+from tierserve.cache.sharded.agreement import SingleRank
 from tierserve.engine.config import EngineConfig
 from tierserve.engine.engine import Engine
 from tierserve.engine.procs.ranks import HOST, RankSpec, join, leave
@@ -100,8 +101,8 @@ def _load_rank(rank: int, port: int, model: str, skip: bool, out: str) -> None:
     config = EngineConfig(Path(model), device="cpu", dtype="float32", page_size=PAGE, max_total_tokens=512,
                           chunked_prefill_size=16, enable_hierarchical_cache=True, tp_size=2, dist_timeout_s=TIMEOUT_S)
     engine = Engine(config, ranks=join(RankSpec(rank, 2, port, TIMEOUT_S), config, store))
-    if skip:  # each rank on its own: the failing rank fails alone, mid-step
-        engine._agreed_load_failure = lambda batch: False
+    if skip:  # each rank judges its own restores: the failing rank fails alone, after the forward
+        engine.restore_agreement = SingleRank()
     cold, _ = run_agreed(engine, "cold", PROMPT, count_failures=True)  # write-through: its pages reach L2
     engine.cache.flush(True, False)  # L2 only: the next match loads them into L1
     if rank == 1:

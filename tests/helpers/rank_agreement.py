@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import multiprocessing as mp
+import time
 from collections.abc import Callable
 
 import torch
@@ -19,16 +20,21 @@ PROMPT = torch.randint(2, 384, (70,), generator=torch.Generator().manual_seed(5)
 
 
 def run_agreed(engine: Engine, request_id: str, prompt: list[int], digests: list[str] | None = None,
-               count_failures: bool = False) -> tuple[list[int], dict[str, int]]:
+               count_failures: bool = False, step_seconds: list[float] | None = None
+               ) -> tuple[list[int], dict[str, int]]:
     """Runs ``prompt`` to its end, then steps until the cache's copies landed; every rank steps
     while any rank has work (one collective per turn), so the ranks take the same steps. With
     ``digests``, records the tree's digest after every step; with ``count_failures``, a request
-    that failed has tiers ``{"failed": 1}``."""
+    that failed has tiers ``{"failed": 1}``; with ``step_seconds``, each ``step``'s wall time."""
     engine.add_request(request_id, prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     tokens: list[int] = []
     tiers: dict[str, int] = {}
     while engine.ranks.agree_min(-int(engine.has_work())) < 0:
-        for out in engine.step():
+        started = time.perf_counter()
+        outputs = engine.step()
+        if step_seconds is not None:
+            step_seconds.append(time.perf_counter() - started)
+        for out in outputs:
             tokens += out.new_token_ids
             tiers = out.cached_by_tier or tiers
         if count_failures:

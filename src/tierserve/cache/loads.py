@@ -19,6 +19,8 @@ from tierserve.cache.sharded.agreement import leading_true
 
 log = logging.getLogger(__name__)
 
+JOIN_TIMEOUT_S = 60.0  # a host memory copy that runs this long after it failed is hung
+
 
 class HostLoadError(RuntimeError):
     """Copying a prefix's KV from host memory failed: the request cannot use the pages it was lent."""
@@ -29,7 +31,8 @@ class LayerwiseLoad:
 
     ``finished()``: the copy stopped (well or not) and no longer writes its pages. ``done()``: it
     finished well, so its pages are usable; a failed load is never done, and every ``wait`` on it
-    raises ``HostLoadError``.
+    raises ``HostLoadError``. A load is failed when its copy raised or when a waiter gave it up
+    (``give_up``: not copied in time); a given-up copy stops after the layer it is copying.
     """
 
     def __init__(self, num_layers: int) -> None:
@@ -43,24 +46,39 @@ class LayerwiseLoad:
     def run(self, copy_layer: Callable[[int], None]) -> None:
         try:
             for i, event in enumerate(self._layers):
+                if self.error is not None:
+                    break  # given up: write nothing more
                 copy_layer(i)
                 event.set()
         except BaseException as exc:
-            self.error = exc  # before the events: whoever sees an event set sees the error
+            self.error = self.error or exc  # before the events: whoever sees an event set sees the error
+        if self.error is not None:
             for event in self._layers:
                 event.set()
 
-    def wait(self, layer: int) -> None:
-        self._layers[layer].wait()
+    def wait(self, layer: int, timeout: float | None = None) -> None:
+        """Blocks until layer ``layer`` is copied (-1: the whole copy), at most ``timeout`` seconds
+        (None: no bound); a copy not there by then is given up. Raises ``HostLoadError`` if the copy
+        failed or was given up."""
+        if not self._layers[layer].wait(None if timeout is None else max(0.0, timeout)):
+            self.give_up(TimeoutError(f"layer {layer} of an L2 -> L1 copy was not there within {timeout:.3g} s"))
         if self.error is not None:
             raise HostLoadError("loading KV from host memory failed") from self.error
+
+    def give_up(self, reason: BaseException) -> None:
+        """Fails the load now (its copy thread stops after its current layer, then ``finished``)."""
+        if self.error is None:
+            self.error = reason
 
     def finished(self) -> bool:
         return self._layers[-1].is_set()
 
-    def join(self) -> None:
-        """Blocks until the copy stopped writing its pages (a host memory copy: briefly)."""
-        self._layers[-1].wait()
+    def join(self, timeout: float = JOIN_TIMEOUT_S) -> None:
+        """Blocks until the copy stopped writing its pages (a host memory copy: briefly). A copy
+        that hangs past ``timeout`` raises ``RuntimeError``: its pages can never be freed safely,
+        so the rank stops (and its node with it, docs/ranks.md) rather than hang for good."""
+        if not self._layers[-1].wait(timeout):
+            raise RuntimeError(f"an L2 -> L1 copy still runs {timeout:.0f} s after it was given up")
 
     def done(self) -> bool:
         return self.finished() and self.error is None

@@ -17,8 +17,8 @@ from tierserve.cache.base import PrefixCache
 from tierserve.cache.device_pool import DeviceKVPool, KVGeometry
 from tierserve.cache.factory import build_cache
 from tierserve.cache.hashing import Namespace
-from tierserve.cache.loads import HostLoadError, LayerwiseLoad
-from tierserve.cache.options import CacheKind, object_format
+from tierserve.cache.loads import HostLoadError
+from tierserve.cache.options import object_format
 from tierserve.cache.sharded.cp_pages import page_allocator
 from tierserve.core.model_config import ModelConfig
 from tierserve.core.sampling import InvalidRequestError, SamplingParams
@@ -34,6 +34,7 @@ from tierserve.engine.procs.ranks import Ranks, single_rank
 from tierserve.engine.procs.token_share import token_share
 from tierserve.engine.request import FinishReason, Request, RequestOutput, RequestStatus
 from tierserve.engine.reservations import DEFAULT_TERMS, Reservations, ReservationTerms
+from tierserve.engine.restores import WAIT_SHARE, StepRestores, lent_failed
 from tierserve.engine.scheduler import Scheduler, SchedulerConfig, pages_for
 from tierserve.engine.spec.decoder import SpecDecoder
 from tierserve.engine.spec.draft_pools import DraftPlan
@@ -106,6 +107,7 @@ class Engine:
         cp = context_parallel(self.ranks.cp, self.pool, self.device, self.ranks.cp_merge, config.cp_attention)
         self.runner = ModelRunner(self.model, self.pool, self.device, token_share(self.ranks), cp)
         self.reservations = Reservations(self.allocator, self.cache, config.page_size)
+        self.restore_agreement = self.ranks.agreement()  # whether a step's restores failed anywhere
         self.before_step: list[Callable[[], None]] = []  # e.g. a prefill node's handoff agreement
         self.requests: dict[str, Request] = {}
         self.appender = Appender(eos_ids, self.max_model_len, self.requests, self.scheduler)
@@ -248,20 +250,20 @@ class Engine:
         self.reservations.tick(_clock(now))
         batch = self.scheduler.schedule()
         self.last_batch_size = len(batch)
-        if not batch or self._agreed_load_failure(batch):
+        if not batch:
             return []
+        restores = StepRestores.of(batch, self.config.dist_timeout_s * WAIT_SHARE)
         started = time.perf_counter()
-        try:
-            result = self._run(batch)
-        except HostLoadError as exc:  # only requests lent the failed copy fail; the rest rerun next step
-            self._fail_loads(batch, exc)
-            return []
+        result = self._run(batch, restores)
+        failed = self._fail_restores(batch, restores)
         prompt_tokens = sum(s.num_tokens for s in batch if s.num_tokens > 1)  # prefill chunks, not decodes
         self.cache.record_compute(prompt_tokens, time.perf_counter() - started)
         outputs = []
         for scheduled in batch:
             request = scheduled.request
             rid = request.request_id
+            if rid in failed:
+                continue
             request.advance(scheduled.num_tokens)
             request.prompt_logprobs += result.logprobs.prompt.get(rid, [])
             if rid in result.tokens:
@@ -272,9 +274,9 @@ class Engine:
             self.scheduler.checkpoint()
         return outputs
 
-    def _run(self, batch: list) -> StepResult:
+    def _run(self, batch: list, restores: StepRestores) -> StepResult:
         """The tokens each request of ``batch`` gets this step, in order (several when speculating)."""
-        return self.spec.run(batch) if self.spec is not None else self.runner.run(batch)
+        return self.spec.run(batch, restores) if self.spec is not None else self.runner.run(batch, restores)
 
     def take_failures(self) -> list[tuple[str, Exception]]:
         """Requests that failed alone (e.g. their prefix's host copy could not be loaded) since the
@@ -282,33 +284,22 @@ class Engine:
         failures, self.failures = self.failures, []
         return failures
 
-    def _fail_loads(self, batch: list, exc: HostLoadError) -> None:
-        for scheduled in batch:
-            if any(load.failed for load in scheduled.request.hit.loads):
-                self._fail_request(scheduled.request, exc)
+    def _fail_restores(self, batch: list, restores: StepRestores) -> set[str]:
+        """After the forward, on every rank at the same point: the ranks agree (one collective, in
+        steps with restores not yet landed) on the L2 -> L1 restores that failed, or were given up,
+        on any rank; the requests lent one fail on every rank and their step's results are dropped
+        (the rest of the batch keeps its own: they never read those pages). The next ``on_step``
+        drops the failed restore's device copies everywhere (docs/ranks.md). Returns their ids."""
+        failed = lent_failed(batch, restores.failed(self.restore_agreement))
+        for request in failed:
+            self._fail_request(request, HostLoadError("loading KV from host memory failed"))
+        return {r.request_id for r in failed}
 
     def _fail_request(self, request: Request, exc: Exception) -> None:
         log.warning("request %s failed: %s", request.request_id, exc)
         self.requests.pop(request.request_id, None)
         self.scheduler.remove(request)
         self.failures.append((request.request_id, exc))
-
-    def _agreed_load_failure(self, batch: list) -> bool:
-        """Several ranks with L2: a prefix's L2 -> L1 load may fail on one rank only, so when the
-        batch holds loads not yet agreed landed (the same on every rank), each rank waits for them
-        in full (no layer overlap) and the ranks agree (one collective) on the first request whose
-        load failed on any rank; it fails on every rank, the rest of the batch runs next step
-        (docs/ranks.md). True: that happened."""
-        if self.ranks.size == 1 or self.config.cache_kind is not CacheKind.HIERARCHICAL:
-            return False
-        if all(x.landed for s in batch for x in s.request.hit.loads):
-            return False
-        failed = (i for i, s in enumerate(batch) if any(_load_failed(x) for x in s.request.hit.loads))
-        first = self.ranks.agree_min(next(failed, len(batch)))
-        if first == len(batch):
-            return False
-        self._fail_request(batch[first].request, HostLoadError("loading KV from host memory failed on a rank"))
-        return True
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
         """Runs prompts to completion (a convenience for tests and benchmarks); returns output ids."""
@@ -371,15 +362,6 @@ class Engine:
 
 def _clock(now: float | None) -> float:
     return time.monotonic() if now is None else now
-
-
-def _load_failed(load: LayerwiseLoad) -> bool:
-    """Waits until ``load`` stopped copying; whether it failed."""
-    try:
-        load.wait(-1)
-    except HostLoadError:
-        return True
-    return False
 
 
 def _load_tokenizer(model_dir: Path) -> Tokenizer | None:

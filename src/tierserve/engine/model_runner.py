@@ -13,6 +13,7 @@ from tierserve.engine.cp.runner import CPRunner
 from tierserve.engine.logprob_rows import PromptRows, StepLogprobs, prompt_logprobs, prompt_rows, sampled_logprobs
 from tierserve.engine.procs.token_share import SoleSampler, TokenShare
 from tierserve.engine.request import Request
+from tierserve.engine.restores import StepRestores
 from tierserve.engine.scheduler import Scheduled, pages_for
 from tierserve.model.attention import AttentionBatch, ExtendSpan, LayerHooks
 from tierserve.model.llama import CausalLM
@@ -47,14 +48,16 @@ class ModelRunner:
         self.cp = cp  # None: this rank holds every page of its KV
 
     @torch.inference_mode()
-    def run(self, batch: list[Scheduled], hooks: LayerHooks | None = None) -> StepResult:
+    def run(self, batch: list[Scheduled], restores: StepRestores | None = None) -> StepResult:
         """Samples a token for each request that completed its pending tokens; logprobs are
-        computed (on the sampling rank) only for requests that asked."""
+        computed (on the sampling rank) only for requests that asked. Each layer's attention waits
+        for that layer of ``restores`` (default: the batch's, unbounded), whose failures the caller
+        judges after the step (``StepRestores.failed``)."""
         extends = [s for s in batch if not _is_decode(s)]
         decodes = [s for s in batch if _is_decode(s)]
         ordered = extends + decodes
         ids, positions, slots = self._flat_tokens(ordered)
-        attn = AttentionBatch(page_size=self.page_size, out_slots=slots, hooks=hooks or step_hooks(batch))
+        attn = AttentionBatch(page_size=self.page_size, out_slots=slots, hooks=step_hooks(batch, restores))
         attn.extends = self._extend_spans(extends)
         attn.decode_start = len(ids) - len(decodes)
         if decodes:
@@ -116,26 +119,26 @@ class ModelRunner:
 
 
 class _StepHooks:
-    """Holds each layer's attention until prefix pages being copied into the pool (e.g. from host
-    memory) have that layer in place, and tells handoffs when a layer's KV is written."""
+    """Holds each layer's attention until prefix pages being copied into the pool (from host
+    memory: ``restores``) have that layer in place, and tells handoffs when a layer's KV is written."""
 
-    def __init__(self, loads: list, handoffs: list[Scheduled]) -> None:
-        self.loads = loads
+    def __init__(self, restores: StepRestores, handoffs: list[Scheduled]) -> None:
+        self.restores = restores
         self.handoffs = handoffs
 
     def before_attention(self, layer_id: int) -> None:
-        for load in self.loads:
-            load.wait(layer_id)
+        self.restores.before_attention(layer_id)
 
     def after_kv_written(self, layer_id: int) -> None:
         for s in self.handoffs:
             s.request.handoff.on_layer(layer_id, s.request.pages, s.request.num_computed + s.num_tokens)
 
 
-def step_hooks(batch: list[Scheduled]) -> _StepHooks | None:
-    loads = [load for s in batch for load in s.request.hit.loads if not load.done()]
+def step_hooks(batch: list[Scheduled], restores: StepRestores | None = None) -> LayerHooks | None:
+    """The step's layer hooks (None when no restore or handoff needs them); ``restores``: see ``run``."""
+    restores = restores or StepRestores.of(batch)
     handoffs = [s for s in batch if s.request.handoff is not None]
-    return _StepHooks(loads, handoffs) if loads or handoffs else None
+    return _StepHooks(restores, handoffs) if restores.loads or handoffs else None
 
 
 def _is_decode(s: Scheduled) -> bool:

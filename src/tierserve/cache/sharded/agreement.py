@@ -58,3 +58,12 @@ class CollectiveMin:
         vector[: len(values)] = torch.tensor(values, dtype=torch.int64)
         torch.distributed.all_reduce(vector, op=torch.distributed.ReduceOp.MIN, group=self.group)
         return vector[: len(values)].tolist()
+
+
+def agreed_all(agreement: Agreement, flags: list[bool]) -> list[bool]:
+    """Per flag, whether it is true on every rank: one ``min`` per ``SLOTS`` flags, so ranks with
+    the same number of flags run the same number of collectives."""
+    agreed: list[bool] = []
+    for start in range(0, len(flags), SLOTS):
+        agreed += [v == 1 for v in agreement.min([int(f) for f in flags[start : start + SLOTS]])]
+    return agreed

@@ -18,6 +18,7 @@ from tierserve.engine.config import EngineConfig
 from tierserve.engine.logprob_rows import StepLogprobs, prompt_logprobs, prompt_rows, sampled_logprobs
 from tierserve.engine.model_runner import StepResult, sampling_batch, step_hooks
 from tierserve.engine.request import Request
+from tierserve.engine.restores import StepRestores
 from tierserve.engine.scheduler import Scheduled
 from tierserve.engine.spec.draft_pools import DraftKV
 from tierserve.engine.spec.sampling import RowSampling, draw, verify
@@ -82,8 +83,9 @@ class SpecDecoder:
         return max(0, min(self.steps, left - 1))
 
     @torch.inference_mode()
-    def run(self, batch: list[Scheduled]) -> StepResult:
-        hooks = step_hooks(batch)
+    def run(self, batch: list[Scheduled], restores: StepRestores | None = None) -> StepResult:
+        """One speculative step of ``batch``; ``restores`` as in ``ModelRunner.run``."""
+        hooks = step_hooks(batch, restores)
         drafts = self._propose([s for s in batch if s.draft_tokens > 0], hooks)
         spans = [self._target_span(s, drafts.get(s.request.request_id)) for s in batch]
         hidden = forward(self.target, self.pool, spans, hooks)
