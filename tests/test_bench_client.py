@@ -20,6 +20,8 @@ from tierserve.bench.tokens import TokenSpace
 from tierserve.bench.workloads import MultiTurnConfig, SharedPrefixConfig, multiturn, shared_prefix
 from tierserve.cli.main import main
 
+pytestmark = pytest.mark.fakes  # a stand-in OpenAI server answers the client
+
 SPACE = TokenSpace(384, 32)
 
 
