@@ -89,8 +89,9 @@ class RadixCache(SingleTier):
 def cp_storable(tree: RadixTree, ownership: PageOwnership, token_ids: Sequence[int], pages: list[int],
                 salt: str) -> int:
     """How many leading ``pages`` of a released sequence the tree may keep: all without CP, else
-    those that do not start a second rotation on the tree's path (``PageOwnership.storable``)."""
+    those that do not bring a second rotation onto the tree's path (``PageOwnership.storable``):
+    its host-only nodes included, which ``insert`` would give the sequence's device pages."""
     if ownership.size == 1:
         return len(pages)
-    path = tree.device_prefix(token_ids[: len(pages) * tree.page_size], salt)
-    return ownership.storable(path, pages)
+    path, on_device = tree.copies_along(token_ids[: len(pages) * tree.page_size], salt)
+    return ownership.storable(path, pages, on_device)

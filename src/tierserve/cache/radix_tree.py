@@ -195,15 +195,19 @@ class RadixTree:
         L1 pages not yet agreed landed); changes nothing."""
         return any(node.loading is not None for node, _ in self._along(token_ids, salt))
 
-    def device_prefix(self, token_ids: Sequence[int], salt: str = "") -> list[int]:
-        """The L1 pages of the longest page-aligned prefix of ``token_ids`` the tree holds on the
-        device, in order; changes nothing (no split, no touch)."""
+    def copies_along(self, token_ids: Sequence[int], salt: str = "") -> tuple[list[int], int]:
+        """The pages of the longest page-aligned prefix of ``token_ids`` the tree holds, in order:
+        each node's device pages, or its host pages where it has none (its L1 part comes first);
+        and how many of them are device pages. Changes nothing (no split, no touch)."""
         found: list[int] = []
+        on_device = 0
         for node, n in self._along(token_ids, salt):
-            if node.device is None:
+            copy = node.device if node.device is not None else node.host
+            if copy is None:  # no copy (none should be left so): the path stops here, as for ``match``
                 break
-            found += node.device[:n]
-        return found
+            found += copy[:n]
+            on_device += n if node.device is not None else 0
+        return found, on_device
 
     def _add_child(self, parent: Node, pages: list[tuple[int, ...]], device: list[int] | None = None,
                    host: list[int] | None = None) -> Node:

@@ -84,6 +84,7 @@ class StorageTier:
         self.agreed_healthy = True
         self.speed = SpeedModel()
         self.failures = self.backed_up_pages = self.prefetched_pages = 0
+        self.refused_pages = 0  # CP: prefetched pages not hung, as they would break a path's rotation
         self.decisions = {"wait": 0, "no_wait": 0}
         self.wake: Callable[[], None] = nothing  # the engine's: a request may be waiting on this lane
 
@@ -102,9 +103,11 @@ class StorageTier:
         return time.monotonic() >= self._down_until
 
     def stats(self) -> dict[str, float]:
-        """Its counters for ``/metrics``: pages backed up and prefetched, the ``auto`` policy's
-        decisions, failures (integrity failures among them) and the breaker's state."""
+        """Its counters for ``/metrics``: pages backed up and prefetched (and, under CP, prefetched
+        but refused for another rotation), the ``auto`` policy's decisions, failures (integrity
+        failures among them) and the breaker's state."""
         return {"l3_backup_pages_total": self.backed_up_pages, "l3_prefetch_pages_total": self.prefetched_pages,
+                "l3_prefetch_refused_pages_total": self.refused_pages,
                 "l3_prefetch_wait_decisions_total": self.decisions["wait"],
                 "l3_prefetch_no_wait_decisions_total": self.decisions["no_wait"],
                 "l3_failures_total": self.failures, "l3_healthy": float(self.healthy),
@@ -233,11 +236,22 @@ class StorageTier:
             self._consume(ticket, [])
             return 0
         keep = ticket.host_pages[skip:arrived]
+        if not self._continues(found.last_node, keep):
+            self.refused_pages += len(keep)
+            self._consume(ticket, [])
+            return 0
         self._consume(ticket, keep)
         node = self.tree.add_host_child(found.last_node, token_ids[have * ps : (ticket.start + arrived) * ps], keep)
         node.from_storage = True
         self.prefetched_pages += len(keep)
         return len(keep)
+
+    def _continues(self, node: Node, pages: list[int]) -> bool:
+        """Whether ``pages`` hung below ``node`` keep its path one rotation (``docs/cp.md``). They
+        continued the rotation of the path the prefetch extended when it was decided, but the tree
+        may have changed since (the prefix computed again, by a request of another rotation)."""
+        last = _last_page(node)
+        return not last or self.ownership.follows(last[0], pages) == len(pages)
 
     def drop(self, ticket: PrefetchTicket) -> None:
         """The request went away before its match."""

@@ -43,10 +43,19 @@ class PageOwnership:
             n += 1
         return n
 
-    def storable(self, tree_path: Sequence[int], pages: Sequence[int]) -> int:
-        """How many leading ``pages`` of a sequence the tree may keep: the ``len(tree_path)`` pages it
-        has already, then those that continue the rotation of its path (of the sequence's own first
-        page where the path is empty). Pages past that would mix two rotations: refused."""
+    def storable(self, tree_path: Sequence[int], pages: Sequence[int], on_device: int | None = None) -> int:
+        """How many leading ``pages`` of a sequence the tree may keep, given the pages the tree holds
+        along the sequence's path (``tree_path``: each node's device pages, or its host pages where
+        it has none; a page's copies share its owner) of which the first ``on_device`` (default: all)
+        are device pages. At those the tree keeps its own; at the host-only ones the tree would take
+        the sequence's pages, so they must have the host pages' owners; past the path they must
+        continue its rotation (the sequence's own first page's where the path is empty). The first
+        page that breaks this would mix two rotations on one path: it and the rest are refused."""
+        on_device = len(tree_path) if on_device is None else on_device
+        shared = min(len(tree_path), len(pages))
+        for i in range(on_device, shared):
+            if self.owner(pages[i]) != self.owner(tree_path[i]):
+                return i
         if len(pages) <= len(tree_path):
             return len(pages)
         if not tree_path:
