@@ -8,7 +8,7 @@ L3 calls run when the machine says so (one rank's copies land later than the oth
 or write may fail on one rank only (an L2 -> L1 load, an L1 -> L2 write, an L3 read cut short).
 Every decision those feed is taken on the value the ranks agreed (``on_step``'s ``agreement.min``,
 a real minimum over both ranks' values), and a request whose load failed on either rank fails on
-both, as ``Engine._agreed_load_failure`` decides. After every rule: both ranks hold the same tree
+both, as ``Engine._fail_restores`` decides. After every rule: both ranks hold the same tree
 (shape, logical page ids, tiers, loading and writing marks), and under CP every path of it is one
 rotation, in L1 and L2 alike.
 """
@@ -182,7 +182,7 @@ class RankPairMachine(RuleBasedStateMachine):
     def finish(self, data) -> None:
         """The request's forward ran and it finished: each rank first waits for its hit's loads
         (its own copies run until they stopped); if one failed on any rank, the request fails on
-        every rank, having computed nothing past its hit (``Engine._agreed_load_failure``)."""
+        every rank, having computed nothing past its hit (``Engine._fail_restores``)."""
         if (i := pick(data, self.running)) is None:
             return
         self._finish(self.running.pop(i))
