@@ -39,12 +39,13 @@ def test_zigzag_gives_every_rank_the_same_causal_work() -> None:
     assert max(work) == min(work), work
 
 
-def test_a_plan_splits_the_flat_rows_and_rank_0_samples() -> None:
-    seqs = [SplitSeq(0, 10, 0), SplitSeq(10, 3, 5), SplitSeq(13, 7, 0)]
-    plans = [SplitPlan.build(seqs, rank, 2, torch.device("cpu")) for rank in range(2)]
+def test_a_plan_splits_the_extends_rows_every_rank_computes_the_decodes_and_rank_0_samples() -> None:
+    seqs = [SplitSeq(0, 10, 0), SplitSeq(10, 3, 5), SplitSeq(13, 7, 0)]  # then 2 decodes: rows 20, 21
+    plans = [SplitPlan.build(seqs, rank, 2, torch.device("cpu"), decodes=2) for rank in range(2)]
     assert sorted(plans[0].perm.tolist()) == list(range(20))
-    assert sorted(plans[0].mine.tolist() + plans[1].mine.tolist()) == list(range(20))
-    last = [9, 12, 19]
+    assert sorted(plans[0].rows[0] + plans[1].rows[1]) == list(range(20))
+    assert all(plan.mine.tolist()[-2:] == [20, 21] for plan in plans)
+    last = [9, 12, 19, 20, 21]
     assert [plans[0].mine[i].item() for i in plans[0].local_rows(last)] == last
     with pytest.raises(ValueError, match="does not compute"):
         plans[1].local_rows(last)
@@ -79,13 +80,17 @@ def _split_steps(server: TPServer) -> float:
     return metrics.value(metrics.scrape(server.url), "tierserve_cp_split_steps_total")
 
 
+def _split_decodes(server: TPServer) -> float:
+    return metrics.value(metrics.scrape(server.url), "tierserve_cp_split_decodes_total")
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("cp", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_split_steps_answer_as_transformers(cp: int, tmp_path: Path) -> None:
     """A batch of a 1100-token prompt (a fresh chunk, then a chunk over a prefix: both split, the
-    rest replicated), a 300-token one and a 7-token one (in the split step with fewer tokens than
-    chunks), then a prompt that extends the long one by 300 tokens (hits its pages: a split over a
-    cached prefix)."""
+    rest replicated), a 300-token one and a 7-token one (which decode while the long one's chunks
+    split: mixed steps), then a prompt that extends the long one by 300 tokens (hits its pages: a
+    split over a cached prefix)."""
     heads, kv_heads = HEADS["llama"]
     model = add_word_tokenizer(make_tiny_model("llama", tmp_path / "llama", max_position=2048, heads=heads,
                                                kv_heads=kv_heads))
@@ -98,6 +103,7 @@ def test_split_steps_answer_as_transformers(cp: int, tmp_path: Path) -> None:
     try:
         assert token_ids(model, complete_all(server, model, asked)) == expected[:3], server.log.read_text()[-3000:]
         before = poll_settled(lambda: _split_steps(server), lambda steps: steps >= 2, DEADLINE_S)
+        assert poll_settled(lambda: _split_decodes(server), lambda decodes: decodes > 0, DEADLINE_S) > 0
         assert token_ids(model, complete_all(server, model, [turn])) == expected[3:]
         assert poll_settled(lambda: _split_steps(server), lambda steps: steps > before, DEADLINE_S) > before
     finally:

@@ -47,28 +47,26 @@ class CPRunner:
         self.split_clock = SplitClock()  # long steps whose tokens the ranks divided
 
     def step(self, ordered: list[Scheduled], attn: AttentionBatch, every_row: bool) -> CPStep:
-        """What the model runs on for ``ordered``: a long step of extends (at least
-        ``SPLIT_MIN_TOKENS`` new tokens, no decode, no need of ``every_row``'s hidden states, as
-        prompt logprobs have) splits its tokens between the ranks (``split.py``); any other step is
-        replicated, its attention set up by ``kv``. ``--cp-attention gather`` never splits."""
-        if every_row or not self._splits(ordered):
+        """What the model runs on for ``ordered`` (extends, then decodes): a long step (at least
+        ``SPLIT_MIN_TOKENS`` new tokens in its extends, no need of ``every_row``'s hidden states, as
+        prompt logprobs have) splits its extends' tokens between the ranks, every rank computing the
+        decodes (``split.py``); any other step is replicated, its attention set up by ``kv``.
+        ``--cp-attention gather`` never splits."""
+        extends = [s for s in ordered if not _is_decode(s)]
+        if every_row or self.attention is CPAttention.GATHER or sum(s.num_tokens for s in extends) < SPLIT_MIN_TOKENS:
             return CPStep(self.kv(ordered, attn))
         seqs, start = [], 0
         gather = self._sharded(ordered, attn)  # the prefix's pages, per layer, from their owners
-        for s in ordered:
+        for s in extends:
             computed = s.request.num_computed
             prefix = gather.plan.rows[self._tensor(s.request.pages[: pages_for(computed, self.page_size)])]
             seqs.append(SplitSeq(start, s.num_tokens, computed, prefix if computed else None))
             start += s.num_tokens
-        plan = SplitPlan.build(seqs, self.own.rank, self.own.size, self.device)
-        attn.partial = SplitAttention(plan, gather, attn.out_slots, self.merge_group, self.split_clock)
+        plan = SplitPlan.build(seqs, self.own.rank, self.own.size, self.device, len(ordered) - len(extends))
+        attn.partial = SplitAttention(plan, gather, attn, self.merge_group, self.split_clock)
         self.split_clock.steps += 1
+        self.split_clock.decodes += plan.decodes
         return CPStep(gather, plan)
-
-    def _splits(self, ordered: list[Scheduled]) -> bool:
-        if self.attention is CPAttention.GATHER or sum(s.num_tokens for s in ordered) < SPLIT_MIN_TOKENS:
-            return False
-        return not any(s.num_tokens == 1 and s.request.num_computed > 0 for s in ordered)  # decodes: replicated
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)
@@ -126,3 +124,8 @@ def context_parallel(own: PageOwnership, pool: DeviceKVPool, device: torch.devic
 def prefix_pages(ordered: list[Scheduled], page_size: int) -> set[int]:
     """The pages holding tokens computed before this step: what attention reads from their owners."""
     return {p for s in ordered for p in s.request.pages[: pages_for(s.request.num_computed, page_size)]}
+
+
+def _is_decode(s: Scheduled) -> bool:
+    """A decode (one token after computed ones): ``ModelRunner`` puts them after the extends."""
+    return s.num_tokens == 1 and s.request.num_computed > 0

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from tierserve.engine.cp.gather import LayerGather
 from tierserve.engine.cp.partial import combine
-from tierserve.model.attention import gather_pages
+from tierserve.model.attention import AttentionBatch, decode_attention, gather_pages
 
 SPLIT_MIN_TOKENS = 256  # a step with fewer new tokens stays replicated: docs/cp.md has the measurement
 
@@ -51,13 +51,16 @@ class Piece:
 
 @dataclass
 class SplitClock:
-    """Steps that split their tokens between the ranks, and the seconds in their K/V exchanges."""
+    """Steps that split their tokens between the ranks, the decodes they computed on every rank
+    (steps mixing a long chunk with decodes), and the seconds in their K/V exchanges."""
 
     steps: int = 0
+    decodes: int = 0
     seconds: float = 0.0
 
     def stats(self) -> dict[str, float]:
-        return {"cp_split_steps_total": float(self.steps), "cp_split_exchange_seconds_total": self.seconds}
+        return {"cp_split_steps_total": float(self.steps), "cp_split_decodes_total": float(self.decodes),
+                "cp_split_exchange_seconds_total": self.seconds}
 
 
 def zigzag(length: int, size: int) -> list[list[tuple[int, int]]]:
@@ -70,20 +73,23 @@ def zigzag(length: int, size: int) -> list[list[tuple[int, int]]]:
 
 @dataclass(frozen=True)
 class SplitPlan:
-    """Which flat rows each of ``size`` ranks computes (``rows[r]``, ascending), this rank's
-    ``pieces`` and ``mine`` (its rows as a tensor), and ``perm``: the flat row of each entry of the
-    ranks' rows concatenated in rank order (where an exchange puts what it gathered)."""
+    """Which of the extends' flat rows each of ``size`` ranks computes (``rows[r]``, ascending), the
+    ``decodes`` rows after them that every rank computes, this rank's ``pieces`` and ``mine`` (its
+    split rows, then the decodes', as a tensor), and ``perm``: the flat row of each entry of the ranks'
+    split rows concatenated in rank order (where an exchange puts what it gathered)."""
 
     rank: int
     seqs: list[SplitSeq]
     rows: list[list[int]]
+    decodes: int
     pieces: list[Piece]
     mine: torch.Tensor
     perm: torch.Tensor
 
     @classmethod
-    def build(cls, seqs: list[SplitSeq], rank: int, size: int, device: torch.device) -> SplitPlan:
-        """The same plan on every rank for the same ``seqs`` (only ``pieces`` and ``mine`` differ)."""
+    def build(cls, seqs: list[SplitSeq], rank: int, size: int, device: torch.device, decodes: int = 0) -> SplitPlan:
+        """The same plan on every rank for the same ``seqs`` and ``decodes`` (one token each, after the
+        extends in the flat batch); only ``pieces`` and ``mine`` differ."""
         rows: list[list[int]] = [[] for _ in range(size)]
         pieces: list[Piece] = []
         for i, s in enumerate(seqs):
@@ -92,12 +98,14 @@ class SplitPlan:
                     if r == rank and end > begin:
                         pieces.append(Piece(i, len(rows[r]), begin, end - begin))
                     rows[r] += range(s.start + begin, s.start + end)
+        end = seqs[-1].start + seqs[-1].length if seqs else 0
         as_tensor = lambda v: torch.tensor(v, dtype=torch.int64, device=device)  # noqa: E731
-        return cls(rank, seqs, rows, pieces, as_tensor(rows[rank]), as_tensor([x for r in rows for x in r]))
+        mine = as_tensor([*rows[rank], *range(end, end + decodes)])
+        return cls(rank, seqs, rows, decodes, pieces, mine, as_tensor([x for r in rows for x in r]))
 
     def local_rows(self, flat_rows: list[int]) -> list[int]:
         """This rank's row of each flat row (the sampler's: every sequence's last token is rank 0's)."""
-        index = {row: i for i, row in enumerate(self.rows[self.rank])}
+        index = {row: i for i, row in enumerate(self.mine.tolist())}
         missing = [row for row in flat_rows if row not in index]
         if missing:
             raise ValueError(f"rank {self.rank} does not compute flat rows {missing}")
@@ -108,31 +116,34 @@ class SplitAttention:
     """``PartialAttention`` (``model/attention.py``) of every layer of a split step.
 
     Contract: every rank of ``group`` builds it for the same batch (same ``plan`` up to its rank) over
-    the step's ``LayerGather`` ``store`` (``slots``: the step buffer's slot of every flat row); the
-    forward calls ``attend`` for each layer in order with this rank's rows only; each call runs one
-    all-gather whose shape every rank agrees on."""
+    the step's ``LayerGather`` ``store`` and ``batch`` (renumbered onto the step buffer: its
+    ``out_slots`` and decode pages); the forward calls ``attend`` for each layer in order with this
+    rank's rows only (``plan.mine``); each call runs one all-gather whose shape every rank agrees on."""
 
-    def __init__(self, plan: SplitPlan, store: LayerGather, slots: torch.Tensor, group: dist.ProcessGroup | None,
+    def __init__(self, plan: SplitPlan, store: LayerGather, batch: AttentionBatch, group: dist.ProcessGroup | None,
                  clock: SplitClock | None = None) -> None:
-        self.plan, self.store, self.slots, self.group, self.clock = plan, store, slots, group, clock
-        self.width = max(1, max(len(r) for r in plan.rows))  # every rank sends this many rows (padded)
+        self.plan, self.store, self.batch, self.group, self.clock = plan, store, batch, group, clock
+        self.width = max(1, *(len(r) for r in plan.rows))  # every rank sends this many rows (padded)
 
     def covers(self, layer_id: int) -> bool:
         return True
 
     def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """q [n, heads, dim], k/v [n, kv_heads, dim] of this rank's rows -> [n, heads * dim]."""
-        kv = self._exchange(torch.cat([k, v], dim=1))
+        split = len(self.plan.rows[self.plan.rank])  # this rank's extend rows; the decodes' after them
+        kv = torch.cat([self._exchange(torch.cat([k[:split], v[:split]], dim=1)), torch.cat([k, v], dim=1)[split:]])
         k_all, v_all = kv[:, : k.shape[1]], kv[:, k.shape[1]:]
         buffers = self.store.layer(layer_id)
         for buffer, new in zip(buffers, (k_all, v_all), strict=True):
-            buffer.view(buffer.shape[0], -1).index_copy_(0, self.slots, new.reshape(new.shape[0], -1))
+            buffer.view(buffer.shape[0], -1).index_copy_(0, self.batch.out_slots, new.reshape(new.shape[0], -1))
         self.store.after_kv_written(layer_id)  # the owners store their pages' new K/V
         out = torch.empty_like(q)
         for i, s in enumerate(self.plan.seqs):
             pieces = [p for p in self.plan.pieces if p.seq == i]
             if pieces:
                 self._attend_seq(s, pieces, q, out, (k_all, v_all), buffers, scale)
+        if self.plan.decodes:  # every rank: over the gathered prefix, as a replicated step would
+            out[split:] = decode_attention(q[split:], self.batch, buffers, scale)
         return out.flatten(1)
 
     def _attend_seq(self, s: SplitSeq, pieces: list[Piece], q: torch.Tensor, out: torch.Tensor,
