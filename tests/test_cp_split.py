@@ -1,22 +1,26 @@
 """CP's split step (``engine/cp/split.py``): the ranks divide a long step's new tokens in zigzag
 chunks; the pieces every rank attends, put together, equal causal attention over every key; and
 through the OpenAI API at CP 2 and 4, long steps split (fresh prompts, a later chunk over a prefix,
-a prompt extending a cached one, a batch with a short prompt) with greedy answers equal to
-``transformers``."""
+a prompt extending a cached one, decodes in the same steps) with greedy answers equal to
+``transformers``; a CP 2 prefill node whose steps split hands every token's KV, once, to a decode node."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 from helpers import metrics
+from helpers.pd_nodes import DECODE_ARGS, NODE_ARGS, TOKEN_BYTES, reference, run_all
 from helpers.polling import poll_settled
+from helpers.processes import NodeProcess
 from helpers.rank_servers import HEADS, TPServer, complete_all, hf_greedy, start_server, token_ids
 from helpers.tiny_models import add_word_tokenizer, make_tiny_model
 
 from tierserve.engine.cp.split import SPLIT_MIN_TOKENS, SplitPlan, SplitSeq, attend_piece, zigzag
+from tierserve.launch import free_port
 
 Q_HEADS, KV_HEADS, DIM = 4, 2, 8
 SCALE = DIM**-0.5
@@ -108,3 +112,27 @@ def test_split_steps_answer_as_transformers(cp: int, tmp_path: Path) -> None:
         assert poll_settled(lambda: _split_steps(server), lambda steps: steps > before, DEADLINE_S) > before
     finally:
         server.stop()
+
+
+@pytest.mark.integration
+def test_a_split_prefill_node_hands_every_token_once(tmp_path: Path) -> None:
+    """CP 2 prefill node (chunks of ``CHUNK``: its steps split) -> TP 1 decode node: the single
+    engine's answers, and the two ranks together send exactly the prompts' KV bytes (each owner its
+    pages, written there by the split's exchange)."""
+    model = make_tiny_model("llama", tmp_path / "llama", max_position=2048)
+    gen = torch.Generator().manual_seed(13)
+    batch = [torch.randint(2, 384, (n,), generator=gen).tolist() for n in (700, 300)]
+    port = free_port()
+    prefill_args = [*NODE_ARGS, "--chunked-prefill-size", str(CHUNK), "--cp-size", "2", "--metrics-port", str(port)]
+    nodes = [NodeProcess("prefill", ["--model", str(model), *prefill_args], tmp_path / "prefill.log"),
+             NodeProcess("decode", ["--model", str(model), *DECODE_ARGS], tmp_path / "decode.log")]
+    try:
+        prefill, decode = (node.wait_ready() for node in nodes)
+        results = asyncio.run(run_all(prefill.address, decode.address, batch, "split-"))
+        assert [tokens for tokens, _ in results] == reference(model, batch)
+        assert [r.transferred_bytes for _, r in results] == [len(p) * TOKEN_BYTES for p in batch]
+        steps = lambda: metrics.value(metrics.scrape(f"http://127.0.0.1:{port}"), "tierserve_cp_split_steps_total")  # noqa: E731
+        assert poll_settled(steps, lambda n: n >= 2, DEADLINE_S) >= 2
+    finally:
+        for node in nodes:
+            node.stop()
