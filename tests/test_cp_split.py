@@ -26,6 +26,7 @@ Q_HEADS, KV_HEADS, DIM = 4, 2, 8
 SCALE = DIM**-0.5
 CHUNK = 2 * SPLIT_MIN_TOKENS  # a prompt's chunks are long enough to split
 DEADLINE_S = 30.0
+SHORT_DECODES = 400  # the short prompt's tokens: it decodes while the long prompts prefill
 
 
 @pytest.mark.parametrize(("length", "size"), [(1, 2), (3, 4), (17, 2), (64, 4), (1000, 3)])
@@ -91,23 +92,28 @@ def _split_decodes(server: TPServer) -> float:
 @pytest.mark.integration
 @pytest.mark.parametrize("cp", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_split_steps_answer_as_transformers(cp: int, tmp_path: Path) -> None:
-    """A batch of a 1100-token prompt (a fresh chunk, then a chunk over a prefix: both split, the
-    rest replicated), a 300-token one and a 7-token one (which decode while the long one's chunks
-    split: mixed steps), then a prompt that extends the long one by 300 tokens (hits its pages: a
+    """While a short prompt decodes (its decodes join the split steps: mixed), a batch of a
+    1100-token prompt (a fresh chunk, then a chunk over a prefix: both split, the rest replicated)
+    and a 300-token one; then a prompt that extends the long one by 300 tokens (hits its pages: a
     split over a cached prefix)."""
     heads, kv_heads = HEADS["llama"]
     model = add_word_tokenizer(make_tiny_model("llama", tmp_path / "llama", max_position=2048, heads=heads,
                                                kv_heads=kv_heads))
     gen = torch.Generator().manual_seed(11)
-    asked = [torch.randint(2, 384, (n,), generator=gen).tolist() for n in (1100, 300, 7)]
+    short, *asked = (torch.randint(2, 384, (n,), generator=gen).tolist() for n in (7, 1100, 300))
     turn = asked[0] + torch.randint(2, 384, (300,), generator=gen).tolist()
-    expected = hf_greedy(model, [*asked, turn])
+    expected = hf_greedy(model, [short, *asked, turn])
     server = start_server(model, 1, tmp_path / "serve.log", "--cp-size", str(cp), "--chunked-prefill-size",
                           str(CHUNK), "--max-total-tokens", str(4096 // cp + 256)).wait_healthy()
     try:
-        assert token_ids(model, complete_all(server, model, asked)) == expected[:3], server.log.read_text()[-3000:]
-        before = poll_settled(lambda: _split_steps(server), lambda steps: steps >= 2, DEADLINE_S)
+        stream = server.client().completions.create(model=model.name, prompt=short, max_tokens=SHORT_DECODES,
+                                                    temperature=0, stream=True, extra_body={"ignore_eos": True})
+        first = next(iter(stream))  # decoding from here on, for longer than the batch's prefill takes
+        assert token_ids(model, complete_all(server, model, asked)) == expected[1:3], server.log.read_text()[-3000:]
+        short_text = first.choices[0].text + "".join(chunk.choices[0].text for chunk in stream)
+        assert token_ids(model, [short_text])[0][: len(expected[0])] == expected[0]
         assert poll_settled(lambda: _split_decodes(server), lambda decodes: decodes > 0, DEADLINE_S) > 0
+        before = poll_settled(lambda: _split_steps(server), lambda steps: steps >= 2, DEADLINE_S)
         assert token_ids(model, complete_all(server, model, [turn])) == expected[3:]
         assert poll_settled(lambda: _split_steps(server), lambda steps: steps > before, DEADLINE_S) > before
     finally:
