@@ -131,7 +131,7 @@ class SplitAttention:
     def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """q [n, heads, dim], k/v [n, kv_heads, dim] of this rank's rows -> [n, heads * dim]."""
         split = len(self.plan.rows[self.plan.rank])  # this rank's extend rows; the decodes' after them
-        kv = torch.cat([self._exchange(torch.cat([k[:split], v[:split]], dim=1)), torch.cat([k, v], dim=1)[split:]])
+        kv = torch.cat([self._exchange(torch.cat([k[:split], v[:split]], dim=1)), torch.cat([k[split:], v[split:]], 1)])
         k_all, v_all = kv[:, : k.shape[1]], kv[:, k.shape[1]:]
         buffers = self.store.layer(layer_id)
         for buffer, new in zip(buffers, (k_all, v_all), strict=True):
