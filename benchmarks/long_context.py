@@ -11,7 +11,14 @@
    waited for its layer's gather / time from the gather's start to the end of that wait), layer 0
    (started just before the forward, nothing to hide it) apart from the later layers (target:
    under 10%).
-3. Tokens held by L1 and L2 at CP=1 vs CP=2 for the same per-rank budgets (``--budget`` tokens of
+3. The split of the compute (``engine/cp/split.py``; ``--only split``): uncached TTFT of one fresh
+   prompt per round and length on four nodes without L3, up at once, in rotating order (the same
+   prompt on each, fresh to each, answers checked equal): CP=1 with one thread, CP=1 with two, CP=2
+   (one thread per rank: long steps split their tokens) and CP=2 with ``--cp-attention gather``
+   (every rank computes every token: the seed's protocol). Ratios are medians of per-round ratios:
+   equal per-rank resources (CP=2 / CP=1 one thread, target <= 0.6), equal total cores (CP=2 /
+   CP=1 two threads, target <= 1.05) and gather / default.
+4. Tokens held by L1 and L2 at CP=1 vs CP=2 for the same per-rank budgets (``--budget`` tokens of
    L1 per rank, L2 twice that), no L3: distinct prompts of ``--fill-tokens`` tokens, twice the CP=2
    node's L2 in all, then what each node's tiers hold.
 
@@ -19,12 +26,13 @@ The model is ``tests/helpers/long_prompts.py``'s tiny Llama (2 layers, hidden 64
 float32: 512 B of KV per token; 132K rope positions), pages of 16 tokens, prefill chunks of 4096.
 
     .venv/bin/python benchmarks/long_context.py [--lengths 32768 131072] [--repeats 3] \\
-        [--budget 16384] [--fill-tokens 4096] [--only ttft held] [--logs DIR]
+        [--budget 16384] [--fill-tokens 4096] [--only ttft split held] [--logs DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import statistics
@@ -48,6 +56,13 @@ CP_SIZES = (1, 2)
 NEW_TOKENS = 4
 WARM_UP_TOKENS = 2048
 SETTLE_DEADLINE_S = 120.0
+# The split part's nodes: CP size, OMP_NUM_THREADS of a CP=1 node (CP ranks take cores / ranks each), flags.
+SPLIT_NODES = {"cp1_1t": (1, "1", ()), "cp1_2t": (1, "2", ()), "cp2": (2, None, ()),
+               "cp2_gather": (2, None, ("--cp-attention", "gather"))}
+SPLIT_RATIOS = {"cp2 / cp1_1t (equal per-rank threads; target <= 0.6)": ("cp2", "cp1_1t"),
+                "cp2 / cp1_2t (equal total cores; target <= 1.05)": ("cp2", "cp1_2t"),
+                "cp2_gather / cp2 (the seed's replicated compute / the split)": ("cp2_gather", "cp2"),
+                "cp2_gather / cp1_2t (before the split, equal total cores)": ("cp2_gather", "cp1_2t")}
 GATHER = re.compile(r"^tierserve_cp_gather_(first|later)_(wait|span)_seconds_total (\S+)$", re.MULTILINE)
 MERGE = re.compile(r"^tierserve_cp_merge_seconds_total (\S+)$", re.MULTILINE)
 
@@ -150,6 +165,64 @@ def measure_ttft(model: Path, logs: Path, lengths: list[int], repeats: int) -> d
         nodes.stop()
 
 
+@contextlib.contextmanager
+def _threads(count: str | None):
+    """``OMP_NUM_THREADS`` for a node started inside (torch's default thread count; None: unset)."""
+    before = os.environ.pop("OMP_NUM_THREADS", None)
+    if count is not None:
+        os.environ["OMP_NUM_THREADS"] = count
+    try:
+        yield
+    finally:
+        os.environ.pop("OMP_NUM_THREADS", None)
+        if before is not None:
+            os.environ["OMP_NUM_THREADS"] = before
+
+
+def measure_split(model: Path, logs: Path, lengths: list[int], repeats: int) -> dict[int, list[dict[str, float]]]:
+    """``{length: rounds}`` of uncached TTFT per ``SPLIT_NODES`` node; a warm-up round first."""
+    nodes: dict[str, TPServer] = {}
+    try:
+        for name, (cp, threads, flags) in SPLIT_NODES.items():
+            with _threads(threads):
+                nodes[name] = start_node(model, cp, logs / f"split-{name}.log", *node_flags(max(lengths) // cp + 4096),
+                                         *flags)
+        _split_round(nodes, model, prompt(WARM_UP_TOKENS, 3000), 0)
+        out: dict[int, list[dict[str, float]]] = {n: [] for n in lengths}
+        for turn in range(repeats):
+            for n in lengths:
+                sample = _split_round(nodes, model, prompt(n, 3 * n + 17 * turn + 1), turn)
+                print(f"  {n} tokens, round {turn + 1}: " + ", ".join(f"{k} {v:.3g}" for k, v in sample.items()),
+                      flush=True)
+                out[n].append(sample)
+        return out
+    finally:
+        for node in nodes.values():
+            node.stop()
+
+
+def _split_round(nodes: dict[str, TPServer], model: Path, ids: list[int], turn: int) -> dict[str, float]:
+    """The prompt's uncached TTFT on every node (rotating order); the answers must be equal."""
+    sample, answers = {}, {}
+    for name in rotated(list(nodes), turn):
+        reply = stream(nodes[name], model, ids, NEW_TOKENS)
+        sample[name], answers[name] = reply.ttft_s, reply.tokens
+    if len({tuple(a) for a in answers.values()}) != 1:
+        raise RuntimeError(f"{len(ids)} tokens: the nodes answered differently: {answers}")
+    return sample
+
+
+def split_report(results: dict[int, list[dict[str, float]]]) -> list[str]:
+    names = list(SPLIT_NODES)
+    rows = [f"| prompt tokens | {' | '.join(f'{n} TTFT (s)' for n in names)} |", "|---:|" + "---:|" * len(names)]
+    rows += [f"| {n} | {' | '.join(f'{med(rounds, k):.2f}' for k in names)} |" for n, rounds in results.items()]
+    rows += ["", "| prompt tokens | ratio | median of per-round ratios |", "|---:|---|---:|"]
+    for n, rounds in results.items():
+        for label, (a, b) in SPLIT_RATIOS.items():
+            rows.append(f"| {n} | {label} | {statistics.median(r[a] / r[b] for r in rounds):.2f} |")
+    return rows
+
+
 def measure_held(model: Path, logs: Path, budget: int, fill_tokens: int) -> dict[int, dict[str, float]]:
     """What L1 and L2 hold (tokens) once distinct prompts worth twice the CP=2 node's L2 were sent,
     and their capacity, per CP size; every node with ``budget`` L1 tokens per rank, L2 twice that."""
@@ -232,7 +305,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--budget", type=int, default=16384, help="L1 tokens per rank for the tokens-held part")
     parser.add_argument("--fill-tokens", type=int, default=4096)
-    parser.add_argument("--only", nargs="+", choices=["ttft", "held"], default=["ttft", "held"])
+    parser.add_argument("--only", nargs="+", choices=["ttft", "split", "held"], default=["ttft", "split", "held"])
     parser.add_argument("--logs", type=Path, default=None, help="node logs (default: a temporary folder)")
     args = parser.parse_args()
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
@@ -245,6 +318,9 @@ def main() -> None:
         results = measure_ttft(model, logs, sorted(args.lengths), args.repeats)
         out += ["", "### TTFT, uncached vs from L3", "", *ttft_report(results),
                 "", "### Per-layer gather left exposed (CP=2, rank 0)", "", *gather_report(results)]
+    if "split" in args.only:
+        split = measure_split(model, logs, sorted(args.lengths), args.repeats)
+        out += ["", "### Uncached TTFT: the split of the compute (no L3)", "", *split_report(split)]
     if "held" in args.only:
         held = measure_held(model, logs, args.budget, args.fill_tokens)
         out += ["", "### Tokens held at the same per-rank budgets", "", *held_report(held, args.budget)]

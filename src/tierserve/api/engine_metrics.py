@@ -39,7 +39,8 @@ class StatsSource(Protocol):
 class EngineCollector:
     """Exports one stats snapshot per scrape: occupancy gauges, and the prefix cache's ``cache_*``
     keys as ``tierserve_cache_*`` (keys ending in ``_total`` are counters); under CP the gather clock's
-    ``cp_gather_*_seconds_total`` and the merge clock's ``cp_merge_*_total`` as ``tierserve_cp_*`` counters;
+    ``cp_gather_*_seconds_total``, the merge clock's ``cp_merge_*_total`` and the split clock's
+    ``cp_split_*_total`` as ``tierserve_cp_*`` counters;
     with speculative decoding the draft counters and, from them, the acceptance rate and tokens per
     verification step."""
 
@@ -54,7 +55,7 @@ class EngineCollector:
                 yield GaugeMetricFamily(_ENGINE_GAUGES[key], key.replace("_", " "), value=value)
             if key in _ENGINE_COUNTERS:
                 yield CounterMetricFamily(_ENGINE_COUNTERS[key], key.replace("_", " "), value=value)
-            if key.startswith(("cp_gather_", "cp_merge_")):  # CP's gather and merge clocks: counters
+            if key.startswith(("cp_gather_", "cp_merge_", "cp_split_")):  # CP's gather, merge, split clocks: counters
                 yield CounterMetricFamily(f"tierserve_{key.removesuffix('_total')}", key.replace("_", " "), value=value)
             if not key.startswith("cache_"):
                 continue

@@ -62,8 +62,9 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
          layer_partition),
     # Context parallelism: the KV pages sharded over the ranks (docs/cp.md).
     Flag("--cp-size", "cp_size", "context-parallel ranks (processes): each stores 1/N of the KV pages", int),
-    Flag("--cp-attention", "cp_attention", "CP: merge (layer 0 and short steps merge, later layers gather) "
-         "or gather (every layer gathers)", CPAttention),
+    Flag("--cp-attention", "cp_attention", "CP: merge (long steps split their tokens between the ranks, "
+         "short steps merge, others merge layer 0 and gather later layers) or gather (every rank computes every "
+         "token, every layer gathers)", CPAttention),
     Flag("--base-gpu-id", "base_gpu_id", "CUDA device of rank 0; rank r uses the next r-th", int),
     Flag("--dist-timeout", "dist_timeout_s", "seconds before a collective between ranks gives up", float),
     Flag("--disable-radix-cache", "disable_radix_cache", "do not reuse KV of shared prompt prefixes", SWITCH),

@@ -16,8 +16,8 @@ DEFAULT_SPEC_STEPS = 3
 class CPAttention(Enum):
     """How a CP rank's attention reads the pages other ranks own (docs/cp.md, merged attention)."""
 
-    MERGE = "merge"  # layer 0 and short steps merge partial attention; layers 1.. of longer steps gather
-    GATHER = "gather"  # every layer of every step gathers the prefix pages (the seed's protocol alone)
+    MERGE = "merge"  # long steps split their tokens; short steps merge; else layer 0 merges, layers 1.. gather
+    GATHER = "gather"  # every rank computes every token, every layer gathers (the seed's protocol alone)
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from tierserve.cache.device_pool import DeviceKVPool
-from tierserve.engine.cp.runner import CPRunner
+from tierserve.engine.cp.runner import CPRunner, CPStep
 from tierserve.engine.logprob_rows import PromptRows, StepLogprobs, prompt_logprobs, prompt_rows, sampled_logprobs
 from tierserve.engine.procs.token_share import SoleSampler, TokenShare
 from tierserve.engine.request import Request
@@ -35,7 +35,9 @@ class ModelRunner:
     Prefill chunks go first in the flat batch (each attends on its own), decode tokens last (all
     attend in one padded batched call). Only requests whose last pending token is in this step
     produce logits and a sampled token. With several ranks, ``tokens`` makes every rank return the
-    tokens rank 0 sampled; under context parallelism ``cp`` decides what the model reads its KV from.
+    tokens rank 0 sampled; under context parallelism ``cp`` decides what the model reads its KV from
+    and, for a long step, which of the step's rows this rank computes (rank 0 computes every row it
+    samples from).
     """
 
     def __init__(self, model: CausalLM, pool: DeviceKVPool, device: torch.device,
@@ -62,11 +64,16 @@ class ModelRunner:
         attn.decode_start = len(ids) - len(decodes)
         if decodes:
             attn.decode_pages, attn.decode_mask = self._decode_tables(decodes)
-        kv = self.cp.kv(ordered, attn) if self.cp is not None else self.pool
-        hidden = self.model(self._tensor(ids), self._tensor(positions), attn, kv)
-        rows, sampled = _rows_to_sample(ordered)
         logprobs, prompt = StepLogprobs(), prompt_rows(ordered)
-        tokens = self.tokens.share(ordered, len(rows), lambda: self._sample(hidden, rows, sampled, prompt, logprobs))
+        step = self.cp.step(ordered, attn, every_row=bool(prompt)) if self.cp is not None else CPStep(self.pool)
+        ids_t, positions_t = self._tensor(ids), self._tensor(positions)
+        if step.split is not None:  # this rank computes its share of the rows (docs/cp.md)
+            ids_t, positions_t = ids_t[step.split.mine], positions_t[step.split.mine]
+        hidden = self.model(ids_t, positions_t, attn, step.kv)
+        rows, sampled = _rows_to_sample(ordered)
+        local = step.split.local_rows if step.split is not None else list
+        tokens = self.tokens.share(ordered, len(rows),
+                                   lambda: self._sample(hidden, local(rows), sampled, prompt, logprobs))
         return StepResult({r.request_id: [t] for r, t in zip(sampled, tokens, strict=True)}, logprobs)
 
     def _sample(self, hidden: torch.Tensor, rows: list[int], requests: list[Request], prompt: list[PromptRows],

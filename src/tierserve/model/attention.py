@@ -127,12 +127,15 @@ class PagedAttention(nn.Module):
     def _decode(
         self, q: torch.Tensor, batch: AttentionBatch, k_pool: torch.Tensor, v_pool: torch.Tensor
     ) -> torch.Tensor:
-        k = gather_pages(k_pool, batch.decode_pages, batch.page_size).transpose(1, 2)
-        v = gather_pages(v_pool, batch.decode_pages, batch.page_size).transpose(1, 2)
-        o = F.scaled_dot_product_attention(
-            q.unsqueeze(2), k, v, attn_mask=batch.decode_mask, scale=self.scale, enable_gqa=True
-        )
-        return o.squeeze(2)
+        return decode_attention(q, batch, (k_pool, v_pool), self.scale)
+
+
+def decode_attention(q: torch.Tensor, batch: AttentionBatch, pool: tuple[torch.Tensor, torch.Tensor],
+                     scale: float) -> torch.Tensor:
+    """The batch's decode tokens q [B, heads, dim] over their pages (``decode_pages``, ``decode_mask``)."""
+    k, v = (gather_pages(p, batch.decode_pages, batch.page_size).transpose(1, 2) for p in pool)
+    o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=batch.decode_mask, scale=scale, enable_gqa=True)
+    return o.squeeze(2)
 
 
 def _store(pool: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:

@@ -1,7 +1,7 @@
 """Context parallelism's step: gather the cached prefix's pages from their owners, one layer at a
 time, into two alternating buffers (``docs/cp.md``).
 
-Every rank computes every new token (replicated compute); a logical page's KV is stored by its
+Every rank computes every new token (or, in a split step, its share: ``split.py``); a page's KV is stored by its
 owner only (``cache/sharded/cp_pages.py``). Attention then reads a temporary *step buffer* instead of the
 pool: rows ``[o * width, (o + 1) * width)`` hold owner ``o``'s prefix pages (gathered), the rows
 after them the step's pages that hold no earlier token (nothing to gather). The attention batch's

@@ -5,6 +5,8 @@ and sets up the attention batch and the KV store the model runs on accordingly."
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
@@ -14,8 +16,18 @@ from tierserve.engine.config import CPAttention
 from tierserve.engine.cp.gather import GatherClock, LayerGather, plan_rows, renumber
 from tierserve.engine.cp.merge import MergeClock, MergedAttention, own_writes, short_step
 from tierserve.engine.cp.partial import BatchedKeys, SeqKeys, SplitKeys
+from tierserve.engine.cp.split import SPLIT_MIN_TOKENS, SplitAttention, SplitClock, SplitPlan, SplitSeq
 from tierserve.engine.scheduler import Scheduled, pages_for
 from tierserve.model.attention import AttentionBatch, KVStore
+
+
+@dataclass(frozen=True)
+class CPStep:
+    """What the model runs on for one step: its KV store, and under a split step the rows this rank
+    computes (``split``; None: every row, the replicated step)."""
+
+    kv: KVStore
+    split: SplitPlan | None = None
 
 
 class CPRunner:
@@ -32,6 +44,32 @@ class CPRunner:
         self.attention = attention
         self.gather_clock = GatherClock()  # the exposed share of the per-layer gathers
         self.merge_clock = MergeClock()  # short steps merged instead of gathered
+        self.split_clock = SplitClock()  # long steps whose tokens the ranks divided
+
+    def step(self, ordered: list[Scheduled], attn: AttentionBatch, every_row: bool) -> CPStep:
+        """What the model runs on for ``ordered`` (extends, then decodes): a long step (at least
+        ``SPLIT_MIN_TOKENS`` new tokens in its extends, no need of ``every_row``'s hidden states, as
+        prompt logprobs have) splits its extends' tokens between the ranks, every rank computing the
+        decodes (``split.py``); any other step is replicated, its attention set up by ``kv``.
+        ``--cp-attention gather`` never splits."""
+        extends = [s for s in ordered if not _is_decode(s)]
+        if every_row or self.attention is CPAttention.GATHER or sum(s.num_tokens for s in extends) < SPLIT_MIN_TOKENS:
+            return CPStep(self.kv(ordered, attn))
+        seqs, start = [], 0
+        gather = self._sharded(ordered, attn)  # the prefix's pages, per layer, from their owners
+        for s in extends:
+            computed = s.request.num_computed
+            prefix = gather.plan.rows[self._tensor(s.request.pages[: pages_for(computed, self.page_size)])]
+            seqs.append(SplitSeq(start, s.num_tokens, computed, prefix if computed else None))
+            start += s.num_tokens
+        plan = SplitPlan.build(seqs, self.own.rank, self.own.size, self.device, len(ordered) - len(extends))
+        attn.partial = SplitAttention(plan, gather, attn, self.merge_group, self.split_clock)
+        self.split_clock.steps += 1
+        self.split_clock.decodes += plan.decodes
+        return CPStep(gather, plan)
+
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=self.device)
 
     def kv(self, ordered: list[Scheduled], attn: AttentionBatch) -> KVStore:
         """What the model reads and writes for ``ordered`` (``attn`` is set up to match). Every
@@ -53,8 +91,8 @@ class CPRunner:
         return self._sharded(ordered, attn, first=1)
 
     def stats(self) -> dict[str, float]:
-        """This rank's seconds spent waiting for per-layer gathers and its merged steps."""
-        return self.gather_clock.stats() | self.merge_clock.stats()
+        """This rank's seconds spent waiting for per-layer gathers, its merged and its split steps."""
+        return self.gather_clock.stats() | self.merge_clock.stats() | self.split_clock.stats()
 
     def _seq_keys(self, ordered: list[Scheduled]) -> list[SeqKeys]:
         seqs, start = [], 0
@@ -86,3 +124,8 @@ def context_parallel(own: PageOwnership, pool: DeviceKVPool, device: torch.devic
 def prefix_pages(ordered: list[Scheduled], page_size: int) -> set[int]:
     """The pages holding tokens computed before this step: what attention reads from their owners."""
     return {p for s in ordered for p in s.request.pages[: pages_for(s.request.num_computed, page_size)]}
+
+
+def _is_decode(s: Scheduled) -> bool:
+    """A decode (one token after computed ones): ``ModelRunner`` puts them after the extends."""
+    return s.num_tokens == 1 and s.request.num_computed > 0

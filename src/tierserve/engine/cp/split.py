@@ -1,0 +1,218 @@
+"""Context parallelism's split step: the ranks divide a long step's new tokens between them
+(``docs/cp.md``, "How the ranks split the compute").
+
+Each sequence's new tokens are cut into ``2N`` zigzag chunks and rank r computes chunks r and
+``2N-1-r`` (``zigzag``): a query at offset i of the step attends over ``prefix + i`` keys, so the
+pairs cost every rank the same, and rank 0 (the sampling rank under CP) holds every sequence's last
+token, the only hidden row sampling needs. A rank runs the embedding, projections, MLP and norms on
+its own rows only; at attention it exchanges its rows' new K/V with the other ranks (one all-gather
+per layer, ``SplitAttention._exchange``), so the owner of every page stores the step's KV of that
+page and every rank attends its queries over the cached prefix (gathered per layer from its owners,
+``engine/cp/gather.py``) plus every new key up to its position.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from tierserve.engine.cp.gather import LayerGather
+from tierserve.engine.cp.partial import combine
+from tierserve.model.attention import AttentionBatch, decode_attention, gather_pages
+
+SPLIT_MIN_TOKENS = 256  # a step with fewer new tokens stays replicated: docs/cp.md has the measurement
+
+
+@dataclass(frozen=True)
+class SplitSeq:
+    """One sequence of a split step: its new tokens' rows in the step's flat batch (``start``,
+    ``length``), the tokens before the step (``prefix``) and the step-buffer rows of their pages."""
+
+    start: int
+    length: int
+    prefix: int
+    prefix_rows: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A run of this rank's queries in one sequence: its first row among this rank's rows
+    (``local``), its offset among the sequence's new tokens (``offset``), its length."""
+
+    seq: int
+    local: int
+    offset: int
+    length: int
+
+
+@dataclass
+class SplitClock:
+    """Steps that split their tokens between the ranks, the decodes they computed on every rank
+    (steps mixing a long chunk with decodes), and the seconds in their K/V exchanges."""
+
+    steps: int = 0
+    decodes: int = 0
+    seconds: float = 0.0
+
+    def stats(self) -> dict[str, float]:
+        return {"cp_split_steps_total": float(self.steps), "cp_split_decodes_total": float(self.decodes),
+                "cp_split_exchange_seconds_total": self.seconds}
+
+
+def zigzag(length: int, size: int) -> list[list[tuple[int, int]]]:
+    """Per rank, the ``[begin, end)`` offsets of its two chunks of a sequence's ``length`` new tokens
+    (``2 * size`` chunks; rank r takes r and ``2 * size - 1 - r``; empty chunks where there are fewer
+    tokens than chunks). Rank 0 always holds the last token."""
+    bounds = [c * length // (2 * size) for c in range(2 * size + 1)]
+    return [[(bounds[r], bounds[r + 1]), (bounds[2 * size - 1 - r], bounds[2 * size - r])] for r in range(size)]
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    """Which of the extends' flat rows each of ``size`` ranks computes (``rows[r]``, ascending), the
+    ``decodes`` rows after them that every rank computes, this rank's ``pieces`` and ``mine`` (its
+    split rows, then the decodes', as a tensor), and ``perm``: the flat row of each entry of the ranks'
+    split rows concatenated in rank order (where an exchange puts what it gathered)."""
+
+    rank: int
+    seqs: list[SplitSeq]
+    rows: list[list[int]]
+    decodes: int
+    pieces: list[Piece]
+    mine: torch.Tensor
+    perm: torch.Tensor
+
+    @classmethod
+    def build(cls, seqs: list[SplitSeq], rank: int, size: int, device: torch.device, decodes: int = 0) -> SplitPlan:
+        """The same plan on every rank for the same ``seqs`` and ``decodes`` (one token each, after the
+        extends in the flat batch); only ``pieces`` and ``mine`` differ."""
+        rows: list[list[int]] = [[] for _ in range(size)]
+        pieces: list[Piece] = []
+        for i, s in enumerate(seqs):
+            for r, chunks in enumerate(zigzag(s.length, size)):
+                for begin, end in chunks:
+                    if r == rank and end > begin:
+                        pieces.append(Piece(i, len(rows[r]), begin, end - begin))
+                    rows[r] += range(s.start + begin, s.start + end)
+        end = seqs[-1].start + seqs[-1].length if seqs else 0
+        as_tensor = lambda v: torch.tensor(v, dtype=torch.int64, device=device)  # noqa: E731
+        mine = as_tensor([*rows[rank], *range(end, end + decodes)])
+        return cls(rank, seqs, rows, decodes, pieces, mine, as_tensor([x for r in rows for x in r]))
+
+    def local_rows(self, flat_rows: list[int]) -> list[int]:
+        """This rank's row of each flat row (the sampler's: every sequence's last token is rank 0's)."""
+        index = {row: i for i, row in enumerate(self.mine.tolist())}
+        missing = [row for row in flat_rows if row not in index]
+        if missing:
+            raise ValueError(f"rank {self.rank} does not compute flat rows {missing}")
+        return [index[row] for row in flat_rows]
+
+
+class SplitAttention:
+    """``PartialAttention`` (``model/attention.py``) of every layer of a split step.
+
+    Contract: every rank of ``group`` builds it for the same batch (same ``plan`` up to its rank) over
+    the step's ``LayerGather`` ``store`` and ``batch`` (renumbered onto the step buffer: its
+    ``out_slots`` and decode pages); the forward calls ``attend`` for each layer in order with this
+    rank's rows only (``plan.mine``); each call runs one all-gather whose shape every rank agrees on."""
+
+    def __init__(self, plan: SplitPlan, store: LayerGather, batch: AttentionBatch, group: dist.ProcessGroup | None,
+                 clock: SplitClock | None = None) -> None:
+        self.plan, self.store, self.batch, self.group, self.clock = plan, store, batch, group, clock
+        self.width = max(1, *(len(r) for r in plan.rows))  # every rank sends this many rows (padded)
+
+    def covers(self, layer_id: int) -> bool:
+        return True
+
+    def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """q [n, heads, dim], k/v [n, kv_heads, dim] of this rank's rows -> [n, heads * dim]."""
+        split = len(self.plan.rows[self.plan.rank])  # this rank's extend rows; the decodes' after them
+        kv = torch.cat([self._exchange(torch.cat([k[:split], v[:split]], dim=1)), torch.cat([k[split:], v[split:]], 1)])
+        k_all, v_all = kv[:, : k.shape[1]], kv[:, k.shape[1]:]
+        buffers = self.store.layer(layer_id)
+        for buffer, new in zip(buffers, (k_all, v_all), strict=True):
+            buffer.view(buffer.shape[0], -1).index_copy_(0, self.batch.out_slots, new.reshape(new.shape[0], -1))
+        self.store.after_kv_written(layer_id)  # the owners store their pages' new K/V
+        out = torch.empty_like(q)
+        for i, s in enumerate(self.plan.seqs):
+            pieces = [p for p in self.plan.pieces if p.seq == i]
+            if pieces:
+                self._attend_seq(s, pieces, q, out, (k_all, v_all), buffers, scale)
+        if self.plan.decodes:  # every rank: over the gathered prefix, as a replicated step would
+            out[split:] = decode_attention(q[split:], self.batch, buffers, scale)
+        return out.flatten(1)
+
+    def _attend_seq(self, s: SplitSeq, pieces: list[Piece], q: torch.Tensor, out: torch.Tensor,
+                    new: tuple[torch.Tensor, torch.Tensor], buffers: tuple[torch.Tensor, torch.Tensor],
+                    scale: float) -> None:
+        """Each piece's queries over the keys before it (prefix, then the step's) and its own (causal)."""
+        seen = max(p.offset for p in pieces)
+        page = self.store.page_size
+        keys = [_before(s, t[s.start: s.start + seen], b, page) for t, b in zip(new, buffers, strict=True)]
+        for p in pieces:
+            mine = slice(s.start + p.offset, s.start + p.offset + p.length)
+            old = [t[: s.prefix + p.offset] for t in keys]
+            out[p.local: p.local + p.length] = attend_piece(q[p.local: p.local + p.length], *old,
+                                                            new[0][mine], new[1][mine], scale)
+
+    def _exchange(self, mine: torch.Tensor) -> torch.Tensor:
+        """This rank's rows [n, ...] -> every flat row of the step, in flat order."""
+        started = time.perf_counter()
+        padded = mine.new_zeros((self.width, *mine.shape[1:]))
+        padded[: mine.shape[0]] = mine
+        parts = [torch.empty_like(padded) for _ in self.plan.rows]
+        dist.all_gather(parts, padded, group=self.group)
+        gathered = torch.cat([part[: len(rows)] for part, rows in zip(parts, self.plan.rows, strict=True)])
+        flat = torch.empty_like(gathered)
+        flat[self.plan.perm] = gathered
+        if self.clock is not None:
+            self.clock.seconds += time.perf_counter() - started
+        return flat
+
+
+def _before(s: SplitSeq, new: torch.Tensor, buffer: torch.Tensor, page_size: int) -> torch.Tensor:
+    """The sequence's keys (or values) at positions ``[0, prefix + len(new))``: the prefix's from the
+    step buffer (gathered from their owners), then ``new``."""
+    if s.prefix == 0:
+        return new
+    prefix = gather_pages(buffer, s.prefix_rows, page_size)[0, : s.prefix]
+    return torch.cat([prefix, new])
+
+
+def attend_piece(q: torch.Tensor, k_old: torch.Tensor, v_old: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                 scale: float, fused: bool | None = None) -> torch.Tensor:
+    """q [L, heads, dim] over every key of ``k_old`` (the positions before the piece, no mask) and of
+    ``k_new`` (the piece's own, causal; [L, kv_heads, dim]) -> [L, heads, dim]. ``fused``: two calls
+    of the fused CPU kernel (which returns the log-sum-exp) merged, rather than one masked call (the
+    default on CPU, where a mask over every key is materialised and slow)."""
+    fused = q.device.type == "cpu" if fused is None else fused
+    if k_old.shape[0] == 0:
+        return _sdpa(q, k_new, v_new, scale, causal=True)
+    if not fused:
+        keys, values = torch.cat([k_old, k_new]), torch.cat([v_old, v_new])
+        q_pos = torch.arange(q.shape[0], device=q.device) + k_old.shape[0]
+        mask = torch.arange(keys.shape[0], device=q.device)[None, :] <= q_pos[:, None]
+        return _sdpa(q, keys, values, scale, mask=mask)
+    parts = [_flash(q, k_old, v_old, scale, causal=False), _flash(q, k_new, v_new, scale, causal=True)]
+    out, _ = combine(torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]))
+    return out.to(q.dtype)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool = False,
+          mask: torch.Tensor | None = None) -> torch.Tensor:
+    qh, kh, vh = (t.transpose(0, 1)[None] for t in (q, k, v))
+    o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True)
+    return o[0].transpose(0, 1)
+
+
+def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """PyTorch's CPU flash attention with its log-sum-exp: out [Q, heads, dim] float32, lse [Q, heads]."""
+    group = q.shape[1] // k.shape[1]
+    qh, kh, vh = (t.transpose(0, 1)[None] for t in (q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)))
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qh, kh, vh, is_causal=causal, scale=scale)
+    return out[0].transpose(0, 1).float(), lse[0].transpose(0, 1).float()
