@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
@@ -50,6 +51,20 @@ def token_bytes(layout: str) -> int:
 def sizes(layout: str, ranks: int) -> list[str]:
     """The flags of a node of ``ranks`` ranks in ``layout`` (PP: at TP 1)."""
     return ["--tp-size", str(ranks)] if layout == "tp" else ["--tp-size", "1", "--pp-size", str(ranks)]
+
+
+@contextmanager
+def node_pair(args: list[str], logs: Path, name: str) -> Iterator[tuple[NodeProcess, NodeProcess]]:
+    """A prefill and a decode node started with ``args`` (their logs ``p<name>.log`` and
+    ``d<name>.log`` under ``logs``), ready, and stopped when the block ends."""
+    prefill = NodeProcess("prefill", [*NODE_ARGS, *args], logs / f"p{name}.log")
+    decode = NodeProcess("decode", [*DECODE_ARGS, *args], logs / f"d{name}.log")
+    try:
+        prefill.wait_ready(), decode.wait_ready()
+        yield prefill, decode
+    finally:
+        prefill.stop()
+        decode.stop()
 
 
 @pytest.fixture(scope="module", params=["tp", "pp", "ppu"])
@@ -227,16 +242,10 @@ def test_stages_hand_over_between_tp_sizes_through_staging(model: Path, layout: 
     """TP 2 x PP 2 on one side, TP 1 x PP 2 on the other: each stage's ranks of fewer heads write
     into the decode rank's staging (P > D), or each stage's rank of more heads gathers (P < D)."""
     args = ["--model", str(model), "--tp-size", "2", "--pp-size", "2"]
-    prefill = NodeProcess("prefill", [*NODE_ARGS, *args], tmp_path / "pt2p2.log")
-    decode = NodeProcess("decode", [*DECODE_ARGS, *args], tmp_path / "dt2p2.log")
-    try:
-        prefill.wait_ready(), decode.wait_ready()
+    with node_pair(args, tmp_path, "t2p2") as (prefill, decode):
         _check_pairing(model, layout, prefill.address, nodes["d2"].address, 201, "t2p2-dp2-")
         _check_pairing(model, layout, nodes["p2"].address, decode.address, 202, "pp2-dt2p2-")
         _check_pairing(model, layout, prefill.address, nodes["d1"].address, 203, "t2p2-d1-")
-    finally:
-        prefill.stop()
-        decode.stop()
 
 
 @ONLY_UNEVEN
@@ -246,17 +255,11 @@ def test_a_given_partition_hands_over_to_and_from_uneven_stages(model: Path, lay
     """Prefill and decode nodes of ``--pp-layer-partition 1,4`` against the PP 3 nodes (2 + 2 + 1):
     each stage sends each of its layers to whichever stage holds it."""
     args = ["--model", str(model), "--pp-size", "2", "--pp-layer-partition", "1,4"]
-    prefill = NodeProcess("prefill", [*NODE_ARGS, *args], tmp_path / "p14.log")
-    decode = NodeProcess("decode", [*DECODE_ARGS, *args], tmp_path / "d14.log")
-    try:
-        prefill.wait_ready(), decode.wait_ready()
+    with node_pair(args, tmp_path, "14") as (prefill, decode):
         _check_pairing(model, layout, prefill.address, nodes["d2"].address, 401, "p14-d3-")
         _check_pairing(model, layout, nodes["p2"].address, decode.address, 402, "p3-d14-")
         (first, second) = asyncio.run(reserve(decode.address, "p14-ranks", list(range(2, 40)))).destination.ranks
         asyncio.run(release(decode.address, "p14-ranks", True))
-    finally:
-        prefill.stop()
-        decode.stop()
     assert [(r.layer_start, r.num_layers) for r in (first, second)] == [(0, 1), (1, 4)]
 
 
@@ -265,15 +268,9 @@ def test_a_kv_head_replicated_on_both_sides_is_sent_once_per_decode_rank(tmp_pat
     decode ranks hold it, each gets its own copy (so twice the model's bytes arrive)."""
     model = make_tiny_model("qwen3", tmp_path / "qwen3", heads=4, kv_heads=1, max_position=2048)
     args = ["--model", str(model), "--tp-size", "2"]
-    prefill = NodeProcess("prefill", [*NODE_ARGS, *args], tmp_path / "p.log")
-    decode = NodeProcess("decode", [*DECODE_ARGS, *args], tmp_path / "d.log")
-    try:
-        prefill.wait_ready(), decode.wait_ready()
+    with node_pair(args, tmp_path, "") as (prefill, decode):
         batch = prompts(3, seed=9)
         results = asyncio.run(run_all(prefill.address, decode.address, batch, "replica-"))
-    finally:
-        prefill.stop()
-        decode.stop()
     assert [tokens for tokens, _ in results] == reference(model, batch)
     one_head = 2 * 2 * 1 * 16 * 4  # layers x (K, V) x 1 KV head x head dim x float32
     assert [r.transferred_bytes for _, r in results] == [2 * len(p) * one_head for p in batch]

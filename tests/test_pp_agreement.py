@@ -8,14 +8,21 @@ finished transfers, the trees differ at some step, and this test fails."""
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from helpers.rank_agreement import PAGE, PROMPT, assert_same_tree_every_step, digest, run_agreed, run_ranks
+from helpers.rank_agreement import (
+    PAGE,
+    PROMPT,
+    assert_same_tree_every_step,
+    digest,
+    rank_reports,
+    report_and_leave,
+    run_agreed,
+)
 from helpers.tiny_models import make_tiny_model
 
 from tierserve.cache import hicache
@@ -23,8 +30,7 @@ from tierserve.cache.factory import SKIP_AGREEMENT
 from tierserve.cache.options import HiCacheOptions
 from tierserve.engine.config import EngineConfig
 from tierserve.engine.engine import Engine
-from tierserve.engine.procs.ranks import HOST, RankSpec, join, leave
-from tierserve.launch import free_port
+from tierserve.engine.procs.ranks import HOST, RankSpec, join
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 COPY_PAGES = hicache.copy_pages
@@ -67,11 +73,8 @@ def _stage(rank: int, port: int, model: str, skip: bool, out: str) -> None:
     digests.append(digest(engine))
     l2 = run_agreed(engine, "l2", PROMPT, digests)  # loads, late on stage 0
     extended = run_agreed(engine, "extended", [*PROMPT, 7, 8, 9, 10, 11], digests)
-    Path(out).write_text(json.dumps({"cold": cold, "l1": l1, "l2": l2, "extended": extended, "digests": digests,
-                                     "host_layers": engine.cache.host.geometry.num_layers}))
-    engine.ranks.agree_min(0)  # neither leaves before the other is done
-    engine.cache.close()
-    leave()
+    report_and_leave(engine, out, {"cold": cold, "l1": l1, "l2": l2, "extended": extended, "digests": digests,
+                                   "host_layers": engine.cache.host.geometry.num_layers})
 
 
 @pytest.fixture(scope="module")
@@ -81,11 +84,8 @@ def model(tmp_path_factory) -> Path:
 
 def test_stages_with_transfers_lagging_differently_keep_the_same_tree_every_step(model: Path, tmp_path: Path) -> None:
     skip = os.environ.get("TIERSERVE_TEST_SKIP_AGREEMENT") == "1"
-    outs = [tmp_path / f"stage{s}.json" for s in range(STAGES)]
-    port = free_port()
-    codes = run_ranks(_stage, [(s, port, str(model), skip, str(outs[s])) for s in range(STAGES)], 6 * TIMEOUT_S)
-    assert codes == [0, 0], "a stage failed (diverged stages time out or disagree)"
-    first, second = (json.loads(o.read_text()) for o in outs)
+    first, second = rank_reports(_stage, lambda s, port, out: (s, port, str(model), skip, out), STAGES, tmp_path,
+                                 6 * TIMEOUT_S)
     assert_same_tree_every_step(first, second)
     for r in (first, second):
         assert r["host_layers"] == LAYERS // STAGES  # each stage's L2 holds its layers only

@@ -9,22 +9,28 @@ test can fail) each stage uses its own reads and this test fails."""
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 from helpers.processes import MasterProcess
-from helpers.rank_agreement import PAGE, PROMPT, assert_same_tree_every_step, digest, run_agreed, run_ranks
+from helpers.rank_agreement import (
+    PAGE,
+    PROMPT,
+    assert_same_tree_every_step,
+    digest,
+    rank_reports,
+    report_and_leave,
+    run_agreed,
+)
 from helpers.tiny_models import make_tiny_model
 
 from tierserve.cache.factory import SKIP_AGREEMENT
 from tierserve.cache.options import HiCacheOptions, PrefetchPolicy
 from tierserve.engine.config import EngineConfig
 from tierserve.engine.engine import Engine
-from tierserve.engine.procs.ranks import HOST, RankSpec, join, leave
-from tierserve.launch import free_port
+from tierserve.engine.procs.ranks import HOST, RankSpec, join
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -54,10 +60,7 @@ def _stage(rank: int, port: int, model: str, master: str, faults: dict, skip: bo
     digests.append(digest(engine))
     l3 = run_agreed(engine, "l3", PROMPT, digests)
     again = run_agreed(engine, "again", PROMPT, digests)  # the tree both stages kept serves it
-    Path(out).write_text(json.dumps({"cold": cold, "l3": l3, "again": again, "digests": digests}))
-    engine.ranks.agree_min(0)  # neither leaves before the other is done
-    engine.cache.close()
-    leave()
+    report_and_leave(engine, out, {"cold": cold, "l3": l3, "again": again, "digests": digests})
 
 
 @pytest.fixture(scope="module")
@@ -71,12 +74,8 @@ def test_stages_whose_l3_reads_differ_keep_the_same_tree_every_step(model: Path,
                                                                     tmp_path: Path, fault: str) -> None:
     faults, agreed_pages = FAULTS[fault]
     skip = os.environ.get("TIERSERVE_TEST_SKIP_AGREEMENT") == "1"
-    outs = [tmp_path / f"stage{s}.json" for s in range(STAGES)]
-    port = free_port()
-    codes = run_ranks(_stage, [(s, port, str(model), master.address, faults, skip, str(outs[s]))
-                       for s in range(STAGES)], 8 * TIMEOUT_S)
-    assert codes == [0, 0], "a stage failed (diverged stages time out or disagree)"
-    first, second = (json.loads(o.read_text()) for o in outs)
+    first, second = rank_reports(_stage, lambda s, port, out: (s, port, str(model), master.address, faults, skip, out),
+                                 STAGES, tmp_path, 8 * TIMEOUT_S)
     assert_same_tree_every_step(first, second)
     for r in (first, second):
         assert sum(r["cold"][1].values()) == 0, r["cold"]

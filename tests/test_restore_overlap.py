@@ -9,22 +9,20 @@ docs/ranks.md had it), and that test fails."""
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from helpers.rank_agreement import PAGE, PROMPT, run_agreed, run_ranks, tree_of
+from helpers.rank_agreement import PAGE, PROMPT, rank_reports, report_and_leave, run_agreed, tree_of
 from helpers.tiny_models import make_tiny_model
 
 from tierserve.cache import hicache
 from tierserve.core.sampling import SamplingParams
 from tierserve.engine.config import CPAttention, EngineConfig
 from tierserve.engine.engine import Engine
-from tierserve.engine.procs.ranks import HOST, RankSpec, join, leave
-from tierserve.launch import free_port
+from tierserve.engine.procs.ranks import HOST, RankSpec, join
 from tierserve.model import attention
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -81,10 +79,7 @@ def _overlap_rank(rank: int, port: int, model: str, first: bool, out: str) -> No
         _restores_first(engine)
     seconds: list[float] = []
     warm = run_agreed(engine, "warm", PROMPT, step_seconds=seconds)
-    Path(out).write_text(json.dumps({"cold": cold, "warm": warm, "first_step_s": seconds[0]}))
-    engine.ranks.agree_min(0)
-    engine.cache.close()
-    leave()
+    report_and_leave(engine, out, {"cold": cold, "warm": warm, "first_step_s": seconds[0]})
 
 
 @pytest.fixture(scope="module")
@@ -94,11 +89,8 @@ def model(tmp_path_factory) -> Path:
 
 def test_l2_restores_at_tp2_overlap_the_compute_layer_by_layer(model: Path, tmp_path: Path) -> None:
     first = os.environ.get("TIERSERVE_TEST_WAIT_RESTORES_FIRST") == "1"
-    outs = [tmp_path / f"rank{r}.json" for r in range(2)]
-    port = free_port()
-    codes = run_ranks(_overlap_rank, [(r, port, str(model), first, str(outs[r])) for r in range(2)], 4 * TIMEOUT_S)
-    assert codes == [0, 0], "a rank failed"
-    for r in (json.loads(o.read_text()) for o in outs):
+    for r in rank_reports(_overlap_rank, lambda r, port, out: (r, port, str(model), first, out), 2, tmp_path,
+                          4 * TIMEOUT_S):
         assert r["warm"][0] == r["cold"][0], "a restored prefix changed the answer"
         assert r["warm"][1].get("host", 0) >= 16 * PAGE, r["warm"]  # the prompt came from L2
         # the restoring step: its first layer's copy, then every layer's compute with the next copy
@@ -142,21 +134,15 @@ def _failure_rank(rank: int, port: int, model: str, layout: str, out: str) -> No
     hicache.copy_pages = COPY_PAGES
     trees = [tree_of(engine)]
     warm = run_agreed(engine, "warm", PROMPT)
-    Path(out).write_text(json.dumps({"cold": cold, "other": other, "pair": tokens, "failed": failed, "warm": warm,
-                                     "trees": [*trees, tree_of(engine)]}))
-    engine.ranks.agree_min(0)
-    engine.cache.close()
-    leave()
+    report_and_leave(engine, out, {"cold": cold, "other": other, "pair": tokens, "failed": failed, "warm": warm,
+                                   "trees": [*trees, tree_of(engine)]})
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_a_restore_failing_mid_forward_on_one_rank_fails_its_request_on_every_rank(
         model: Path, tmp_path: Path, layout: str) -> None:
-    outs = [tmp_path / f"rank{r}.json" for r in range(2)]
-    port = free_port()
-    codes = run_ranks(_failure_rank, [(r, port, str(model), layout, str(outs[r])) for r in range(2)], 4 * TIMEOUT_S)
-    assert codes == [0, 0], "a rank failed (diverged ranks time out or disagree)"
-    results = [json.loads(o.read_text()) for o in outs]
+    results = rank_reports(_failure_rank, lambda r, port, out: (r, port, str(model), layout, out), 2, tmp_path,
+                           4 * TIMEOUT_S)
     assert results[0]["trees"] == results[1]["trees"]
     for r in results:
         assert r["failed"] == ["restored"]

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 from helpers.processes import MasterProcess
-from helpers.rank_agreement import PAGE, PROMPT, run_agreed, run_ranks, tree_of
+from helpers.rank_agreement import PAGE, PROMPT, rank_reports, report_and_leave, run_agreed, tree_of
 from helpers.tiny_models import make_tiny_model
 
 from tierserve.cache import hicache
@@ -23,7 +23,6 @@ from tierserve.cache.sharded.agreement import SingleRank
 from tierserve.engine.config import EngineConfig
 from tierserve.engine.engine import Engine
 from tierserve.engine.procs.ranks import HOST, RankSpec, join, leave
-from tierserve.launch import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 COPY_PAGES = hicache.copy_pages
@@ -75,15 +74,11 @@ def model(tmp_path_factory) -> Path:
 def test_a_rank_with_a_shorter_l3_view_shortens_every_rank(model: Path, tmp_path: Path, fault: str) -> None:
     master = MasterProcess(tmp_path / "master.log").start()
     skip = os.environ.get("TIERSERVE_TEST_SKIP_AGREEMENT") == "1"
-    outs = [tmp_path / f"rank{r}.json" for r in range(2)]
-    port = free_port()
     try:
-        codes = run_ranks(_rank, [(r, port, str(model), master.address, fault, skip, str(outs[r])) for r in range(2)],
-                          4 * TIMEOUT_S)
+        results = rank_reports(_rank, lambda r, port, out: (r, port, str(model), master.address, fault, skip, out), 2,
+                               tmp_path, 4 * TIMEOUT_S)
     finally:
         master.kill()
-    assert codes == [0, 0], "a rank failed (diverged ranks time out or disagree)"
-    results = [json.loads(o.read_text()) for o in outs]
     assert results[0]["tree"] == results[1]["tree"]
     assert results[0]["flushed"] == results[1]["flushed"] and results[0]["left"] == results[1]["left"] == []
     assert results[0]["warm"] == results[0]["cold"] == results[1]["warm"]
@@ -111,19 +106,13 @@ def _load_rank(rank: int, port: int, model: str, skip: bool, out: str) -> None:
     hicache.copy_pages = COPY_PAGES
     trees = [tree_of(engine)]
     warm = run_agreed(engine, "warm", PROMPT, count_failures=True)
-    Path(out).write_text(json.dumps({"cold": cold, "failed": failed, "warm": warm, "trees": [*trees, tree_of(engine)]}))
-    engine.ranks.agree_min(0)
-    engine.cache.close()
-    leave()
+    report_and_leave(engine, out, {"cold": cold, "failed": failed, "warm": warm, "trees": [*trees, tree_of(engine)]})
 
 
 def test_an_l2_load_failing_on_one_rank_fails_the_request_on_every_rank(model: Path, tmp_path: Path) -> None:
     skip = os.environ.get("TIERSERVE_TEST_SKIP_AGREEMENT") == "1"
-    outs = [tmp_path / f"rank{r}.json" for r in range(2)]
-    port = free_port()
-    codes = run_ranks(_load_rank, [(r, port, str(model), skip, str(outs[r])) for r in range(2)], 4 * TIMEOUT_S)
-    assert codes == [0, 0], "a rank failed (diverged ranks time out or disagree)"
-    results = [json.loads(o.read_text()) for o in outs]
+    results = rank_reports(_load_rank, lambda r, port, out: (r, port, str(model), skip, out), 2, tmp_path,
+                           4 * TIMEOUT_S)
     assert results[0]["trees"] == results[1]["trees"]
     for r in results:
         assert r["failed"] == [[], {"failed": 1}]

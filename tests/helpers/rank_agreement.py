@@ -9,11 +9,14 @@ import json
 import multiprocessing as mp
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
 from tierserve.core.sampling import SamplingParams
 from tierserve.engine.engine import Engine
+from tierserve.engine.procs.ranks import leave
+from tierserve.launch import free_port
 
 PAGE = 4
 PROMPT = torch.randint(2, 384, (70,), generator=torch.Generator().manual_seed(5)).tolist()  # 17 full pages
@@ -71,6 +74,27 @@ def run_ranks(target: Callable[..., None], args: list[tuple], deadline_s: float)
             if p.is_alive():
                 p.kill()
     return [p.exitcode for p in procs]
+
+
+def report_and_leave(engine: Engine, out: str, report: dict) -> None:
+    """A rank's last act: writes its JSON ``report`` to ``out``, waits for the other ranks (none
+    leaves before every one is done), closes its cache and leaves the process group."""
+    Path(out).write_text(json.dumps(report))
+    engine.ranks.agree_min(0)
+    engine.cache.close()
+    leave()
+
+
+def rank_reports(target: Callable[..., None], args: Callable[[int, int, str], tuple], ranks: int, folder: Path,
+                 deadline_s: float) -> list[dict]:
+    """Runs ``target(*args(rank, port, out))`` in one spawned process per rank (``port``: a fresh one
+    for their rendezvous; ``out``: where the rank writes its JSON report), asserts that every rank
+    exited 0 (diverged ranks time out or disagree) and returns the reports in rank order."""
+    outs = [folder / f"rank{r}.json" for r in range(ranks)]
+    port = free_port()
+    codes = run_ranks(target, [args(r, port, str(outs[r])) for r in range(ranks)], deadline_s)
+    assert codes == [0] * ranks, f"a rank failed (diverged ranks time out or disagree): exit codes {codes}"
+    return [json.loads(o.read_text()) for o in outs]
 
 
 def assert_same_tree_every_step(first: dict, second: dict) -> None:
