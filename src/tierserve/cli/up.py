@@ -163,7 +163,7 @@ def _check_role(role: str, sizes: RoleSizes, config: EngineConfig) -> None:
     from tierserve.model.parallel import misfit
 
     flags = sizes.flags(role)
-    try:  # the config's own checks (e.g. what runs at several ranks yet, CP with TP or PP)
+    try:  # the config's own checks (e.g. a CP size below 1)
         replace(config, tp_size=sizes.tp, pp_size=sizes.pp, cp_size=sizes.cp, pp_layer_partition=sizes.partition)
     except ValueError as exc:
         raise ValueError(f"{flags}: {exc}") from None
