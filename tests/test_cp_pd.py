@@ -3,7 +3,9 @@ real node processes (each CP rank its own transfer engine over TCP, its pool hol
 it owns), driven through gRPC as the router drives them. Each CP rank sends the pages it owns, from
 its local slot, into the decode node's pages; outputs equal the single engine; the two ranks
 together move exactly the KV bytes of the uncached prompt (a rank sending every page would move
-twice that); a decode cache hit moves only the rest."""
+twice that); a decode cache hit moves only the rest. A TP 2 x CP 2 prefill node (four ranks, each
+sending its tensor rank's heads of the pages it owns) hands over to the same decode nodes, and a
+PP 2 x CP 2 one (each rank its stage's layer of the pages it owns) to the TP 1 node."""
 
 from __future__ import annotations
 
@@ -22,7 +24,9 @@ from tierserve.proto import tierserve_pb2 as pb
 pytestmark = pytest.mark.integration
 LAYERS = 2
 TOKEN_BYTES = LAYERS * 2 * 4 * 16 * 4  # layers x (K, V) x the model's 4 KV heads x head dim x float32
-SIZES = {"pc2": ("prefill", ["--cp-size", "2"]), "d1": ("decode", []), "dt2": ("decode", ["--tp-size", "2"])}
+SIZES = {"pc2": ("prefill", ["--cp-size", "2"]), "pt2c2": ("prefill", ["--tp-size", "2", "--cp-size", "2"]),
+         "pp2c2": ("prefill", ["--pp-size", "2", "--cp-size", "2"]), "d1": ("decode", []),
+         "dt2": ("decode", ["--tp-size", "2"])}
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +37,8 @@ def model(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def nodes(model: Path, tmp_path_factory) -> Iterator[dict[str, NodeProcess]]:
-    """A prefill node at CP 2 ("pc2"), decode nodes at TP 1 ("d1") and TP 2 ("dt2")."""
+    """Prefill nodes at CP 2 ("pc2"), TP 2 x CP 2 ("pt2c2") and PP 2 x CP 2 ("pp2c2"), decode nodes at
+    TP 1 ("d1") and TP 2 ("dt2")."""
     logs = tmp_path_factory.mktemp("cp-pd-logs")
     started = {name: NodeProcess(role, ["--model", str(model), *(NODE_ARGS if role == "prefill" else DECODE_ARGS),
                                         *sizes], logs / f"{name}.log")
@@ -56,10 +61,12 @@ def _check_pairing(model: Path, prefill: str, decode: str, batch: list[list[int]
     return [r for _, r in results]
 
 
-@pytest.mark.parametrize("d", ["d1", "dt2"])
-def test_outputs_equal_the_single_engine_from_cp_2(model: Path, nodes, d: str) -> None:
+@pytest.mark.parametrize(("p", "d"), [("pc2", "d1"), ("pc2", "dt2"), ("pt2c2", "d1"), ("pt2c2", "dt2"),
+                                      ("pp2c2", "d1")])
+def test_outputs_equal_the_single_engine_from_cp_2(model: Path, nodes, p: str, d: str) -> None:
     """Fresh prompts (one to five chunks: pages of both owners, rotations starting on either)."""
-    _check_pairing(model, nodes["pc2"].address, nodes[d].address, prompts(4, seed=300 + len(d)), f"pc2{d}-")
+    batch = prompts(4, seed=300 + 10 * list(SIZES).index(p) + len(d))  # each pair its own: no decode cache hit
+    _check_pairing(model, nodes[p].address, nodes[d].address, batch, f"{p}{d}-")
 
 
 def test_prefill_cache_hits_are_sent_by_their_owners(model: Path, nodes) -> None:
@@ -84,7 +91,8 @@ def test_a_decode_cache_hit_moves_only_the_uncached_tokens(model: Path, nodes) -
     assert r2.transferred_bytes == (len(more) - held) * TOKEN_BYTES
 
 
-def test_info_reports_one_tensor_rank(nodes) -> None:
-    """The router's Reserve names the prefill node's TP size: a CP rank holds every KV head."""
-    reply = asyncio.run(info(nodes["pc2"].address))
-    assert (reply.tp_size, reply.pp_size) == (1, 1)
+@pytest.mark.parametrize(("p", "tp", "pp"), [("pc2", 1, 1), ("pt2c2", 2, 1), ("pp2c2", 1, 2)])
+def test_info_reports_the_tensor_ranks_and_stages(nodes, p: str, tp: int, pp: int) -> None:
+    """The router's Reserve names the prefill node's TP size: a CP rank holds its tensor rank's KV heads."""
+    reply = asyncio.run(info(nodes[p].address))
+    assert (reply.tp_size, reply.pp_size) == (tp, pp)

@@ -2,12 +2,15 @@
 and gathering the cached prefix from the other) answers greedy requests through the OpenAI API
 exactly as ``transformers`` does: a batch of concurrent prompts over several prefill chunks,
 prompts that extend a cached prefix (its rotation continued, so each turn hits the whole previous
-one), and two concurrent prompts whose rotations clash (the second one's pages refused)."""
+one), and two concurrent prompts whose rotations clash (the second one's pages refused). Composed
+with TP and PP (TP 2 x CP 2, PP 2 x CP 2: four ranks each, one server start per layout) the batch
+and the turns answer the same; CP on a decode node is refused at start."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -31,11 +34,14 @@ from helpers.tiny_models import add_word_tokenizer, make_tiny_model
 pytestmark = pytest.mark.integration
 PAGE = 4  # tp_server's page size
 DEADLINE_S = 30.0
+# CP 2 composed: (TP size, other flags, layers); PP stages get two layers each, so each stage's
+# layer 0 merges and its layer 1 gathers (docs/cp.md)
+COMPOSED = {"tp2cp2": (2, [], 2), "pp2cp2": (1, ["--pp-size", "2"], 4)}
 
 
-def _model(family: str, folder: Path) -> Path:
+def _model(family: str, folder: Path, layers: int = 2) -> Path:
     heads, kv_heads = HEADS[family]
-    model = make_tiny_model(family, folder, heads=heads, kv_heads=kv_heads)
+    model = make_tiny_model(family, folder, heads=heads, kv_heads=kv_heads, layers=layers)
     return add_word_tokenizer(model)
 
 
@@ -79,13 +85,18 @@ def _wait_refused(server: TPServer) -> float:
     pytest.param("qwen3", "merge", marks=pytest.mark.slow)])
 def test_a_batch_with_chunked_prefill_equals_transformers(family: str, attention: str, tmp_path: Path) -> None:
     model = _model(family, tmp_path / family)
-    asked = prompts()  # up to 70 tokens: five 16-token prefill chunks
-    expected = hf_greedy(model, asked)
     server = _serve(model, tmp_path / "serve.log", attention)
     try:
-        texts = complete_all(server, model, asked)
+        _check_batch(model, server)
     finally:
         server.stop()
+
+
+def _check_batch(model: Path, server: TPServer) -> None:
+    """Four concurrent prompts of up to 70 tokens (five 16-token prefill chunks) answer as ``transformers``."""
+    asked = prompts()
+    expected = hf_greedy(model, asked)
+    texts = complete_all(server, model, asked)
     assert token_ids(model, texts) == expected, server.log.read_text()[-3000:]
 
 
@@ -97,29 +108,54 @@ def test_turns_extending_a_cached_prefix_hit_all_of_it(attention: str, tmp_path:
     left); with ``gather``, every layer of every step gathers (the seed's protocol alone)."""
     model = _model("llama", tmp_path / "llama")
     server = _serve(model, tmp_path / "serve.log", attention)
-    gen = torch.Generator().manual_seed(5)
     try:
-        client = server.client()
-        prompt, previous = torch.randint(2, 384, (30,), generator=gen).tolist(), 0
-        for turn in range(3):
-            out, cached = _cached(client, model, prompt)
-            assert out == hf_greedy(model, [prompt])[0], f"turn {turn}"
-            if previous:
-                assert cached == previous // PAGE * PAGE, f"turn {turn}: {cached} of {previous} cached"
-            previous = len(prompt) + NEW_TOKENS - 1  # the last answer token's KV is never computed
-            prompt = prompt + out + torch.randint(2, 384, (9,), generator=gen).tolist()
-        assert _refused_pages(server) == 0
-        clock = _wait_gathered(server)  # hits gather their prefix: the exposed share is measured
-        assert 0 <= clock["later_wait"] <= clock["later_span"] and clock["later_span"] > 0, clock
-        merges = _merges(server)
-        if attention == "merge":
-            assert clock["first_span"] == 0, clock
-            assert merges["short"] >= 3 * (NEW_TOKENS - 1) and merges["first_layer"] >= 2, merges
-        else:
-            assert 0 <= clock["first_wait"] <= clock["first_span"] and clock["first_span"] > 0, clock
-            assert merges == {"short": 0, "first_layer": 0}, merges
+        _check_turns(model, server, attention)
     finally:
         server.stop()
+
+
+def _check_turns(model: Path, server: TPServer, attention: str) -> None:
+    """Three turns, each extending the last: every answer is ``transformers``', every turn hits
+    the whole previous one, nothing is refused, and rank 0's clocks show where it merged or gathered."""
+    gen = torch.Generator().manual_seed(5)
+    client = server.client()
+    prompt, previous = torch.randint(2, 384, (30,), generator=gen).tolist(), 0
+    for turn in range(3):
+        out, cached = _cached(client, model, prompt)
+        assert out == hf_greedy(model, [prompt])[0], f"turn {turn}"
+        if previous:
+            assert cached == previous // PAGE * PAGE, f"turn {turn}: {cached} of {previous} cached"
+        previous = len(prompt) + NEW_TOKENS - 1  # the last answer token's KV is never computed
+        prompt = prompt + out + torch.randint(2, 384, (9,), generator=gen).tolist()
+    assert _refused_pages(server) == 0
+    clock = _wait_gathered(server)  # hits gather their prefix: the exposed share is measured
+    assert 0 <= clock["later_wait"] <= clock["later_span"] and clock["later_span"] > 0, clock
+    merges = _merges(server)
+    if attention == "merge":
+        assert clock["first_span"] == 0, clock
+        assert merges["short"] >= 3 * (NEW_TOKENS - 1) and merges["first_layer"] >= 2, merges
+    else:
+        assert 0 <= clock["first_wait"] <= clock["first_span"] and clock["first_span"] > 0, clock
+        assert merges == {"short": 0, "first_layer": 0}, merges
+
+
+@pytest.fixture(scope="module", params=list(COMPOSED))
+def composed(request, tmp_path_factory) -> Iterator[tuple[Path, TPServer]]:
+    """A tiny Llama and a healthy ``serve --cp-size 2`` composed with TP or PP (four ranks)."""
+    tp, flags, layers = COMPOSED[request.param]
+    folder = tmp_path_factory.mktemp(request.param)
+    model = _model("llama", folder / "llama", layers)
+    server = start_server(model, tp, folder / "serve.log", "--cp-size", "2", *flags).wait_healthy()
+    yield model, server
+    server.stop()
+
+
+def test_cp_composed_with_tp_or_pp_answers_batches_and_turns_as_transformers(composed) -> None:
+    """One start per layout: the concurrent batch over several chunks, then the turns (L1 hits of
+    the whole previous turn, merged decodes, gathered later layers), all ``transformers``' answers."""
+    model, server = composed
+    _check_batch(model, server)
+    _check_turns(model, server, "merge")
 
 
 def test_a_clashing_rotation_is_refused_and_outputs_stay_correct(tmp_path: Path) -> None:
@@ -156,10 +192,8 @@ def test_a_clashing_rotation_is_refused_and_outputs_stay_correct(tmp_path: Path)
 
 
 @pytest.mark.parametrize(("command", "flags", "says"), [
-    ("serve", ["--tp-size", "2"], "--cp-size with --tp-size or --pp-size is not supported"),
-    ("serve", ["--pp-size", "2"], "--cp-size with --tp-size or --pp-size is not supported"),
-    ("prefill", ["--tp-size", "2"], "--cp-size with --tp-size or --pp-size is not supported"),
     ("decode", [], "--cp-size is not supported on decode nodes"),
+    ("decode", ["--tp-size", "2"], "--cp-size is not supported on decode nodes"),
 ])
 def test_what_cp_does_not_run_with_yet_is_refused_at_start(command: str, flags: list[str], says: str,
                                                             tmp_path: Path) -> None:

@@ -8,12 +8,17 @@ API, with a real ``mooncake_master`` per test:
   (whole-page objects under the page key, each page written and restored by its owner rank);
   PP 2 -> 2 and 1, PP 1 -> 2 (objects by layer range, each stage its own layers); on 3 layers, uneven
   stages: PP 2 (2 + 1) -> PP 3 and PP 1, PP 3 -> PP 2;
+- composed: at TP 2 x CP 2 and PP 2 x CP 2 (four ranks each), answers from L1, L2 and L3 equal
+  ``transformers``'; L3 pages written at TP 2 x CP 2 are read at TP 1, CP 2 and TP 2, and pages
+  written at TP 1, CP 2 and TP 2 are read at TP 2 x CP 2 (objects by head range, each written by
+  its page's owner);
 - TP only: the finer objects a writer told the cluster's TP sizes stores serve a TP 2 reader; a
   rank whose store shows fewer pages shortens the node's L3 hit; replicated KV heads are written
   once and read at TP 1."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import httpx
@@ -47,17 +52,21 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 PROMPT_TOKENS = 70  # 17 full pages
 PP_LAYERS = {"pp": 4, "ppu": 3}  # two per stage at PP 2; "ppu": uneven stages, 2 + 1 at PP 2
 STATS_DEADLINE_S = 30.0
-SEEDS = {"tp": (11, 8), "cp": (15, 6), "pp": (21, 2), "ppu": (31, 2)}  # each layout's prompts: (seed, how many)
+# each layout's prompts: (seed, how many); "tpcp": TP 2 x CP 2, "ppcp": PP 2 x CP 2 (on the PP model)
+SEEDS = {"tp": (11, 8), "cp": (15, 6), "pp": (21, 2), "ppu": (31, 2), "tpcp": (41, 7), "ppcp": (51, 4)}
+WRITERS = {"tp": "tp2", "cp": "cp2", "tpcp": "tp2cp2", "ppcp": "pp2cp2"}  # the two- and four-rank nodes
+DEVICE_PAGES = {"tp": 48, "cp": 24, "tpcp": 24, "ppcp": 24}  # per rank: 48 in all, L1 of the L2 test
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
-    """Tiny Llamas of 8 heads and 4 KV heads with the word tokenizer: 2 layers (TP, CP), 4 (PP), 3 (PP uneven)."""
+    """Tiny Llamas of 8 heads and 4 KV heads with the word tokenizer: 2 layers (TP, CP, TP x CP), 4 (PP,
+    PP x CP), 3 (PP uneven)."""
     two = make_tiny_model("llama", tmp_path_factory.mktemp("llama"), heads=8, kv_heads=KV_HEADS)
     more = {layout: add_word_tokenizer(make_tiny_model("llama", tmp_path_factory.mktemp(f"llama{n}"), heads=8,
                                                        kv_heads=KV_HEADS, layers=n)) for layout, n in PP_LAYERS.items()}
     two = add_word_tokenizer(two)
-    return {"tp": two, "cp": two, **more}
+    return {"tp": two, "cp": two, "tpcp": two, "ppcp": more["pp"], **more}
 
 
 @pytest.fixture(scope="module")
@@ -79,15 +88,28 @@ def serve(layout: str, model: Path, size: int, log: Path, master: MasterProcess,
           faults: dict | None = None, tp_sizes: list[int] | None = None) -> TPServer:
     """A healthy node of ``size`` ranks in ``layout`` (CP and PP at TP 1; "ppu": PP); ``max_tokens``
     sizes one rank's device pool (at CP=2 the node holds twice as many)."""
-    tp, ranks = (size, []) if layout == "tp" else (1, [f"--{layout[:2]}-size", str(size)])
+    return start(f"{layout[:2]}{size}", model, log, master, max_tokens, faults, tp_sizes)
+
+
+def start(node: str, model: Path, log: Path, master: MasterProcess, max_tokens: int = 2048,
+          faults: dict | None = None, tp_sizes: list[int] | None = None) -> TPServer:
+    """A healthy node of the sizes ``node`` names, e.g. "tp2cp2" or "pp2" (sizes not named are 1)."""
+    sizes = dict(re.findall(r"(tp|cp|pp)(\d+)", node))
+    ranks = [flag for k in ("cp", "pp") if k in sizes for flag in (f"--{k}-size", sizes[k])]
     flags = hicache_flags(master, max_tokens, faults, tp_sizes)
-    return start_server(model, tp, log, *ranks, *flags).wait_healthy()
+    return start_server(model, int(sizes.get("tp", 1)), log, *ranks, *flags).wait_healthy()
 
 
 def read_back(layout: str, model: Path, size: int, log: Path, master: MasterProcess, prompt: list[int],
               **flags) -> tuple[list[int], dict[str, int]]:
     """``prompt``'s answer and cached tiers on a fresh node of ``size`` ranks, stopped after."""
-    reader = serve(layout, model, size, log, master, **flags)
+    return read_at(f"{layout[:2]}{size}", model, log, master, prompt, **flags)
+
+
+def read_at(node: str, model: Path, log: Path, master: MasterProcess, prompt: list[int],
+            **flags) -> tuple[list[int], dict[str, int]]:
+    """``prompt``'s answer and cached tiers on a fresh node of the sizes ``node`` names, stopped after."""
+    reader = start(node, model, log, master, **flags)
     try:
         return complete(reader, model, prompt)
     finally:
@@ -107,11 +129,14 @@ def pp_object_names(model: Path, tokens: list[int], pp_size: int, layers: int) -
 
 def wait_written(layout: str, master: MasterProcess, model: Path, prompt: list[int], size: int) -> None:
     """Polls L3 until it holds every object a writer of ``size`` ranks in ``layout`` stores for the
-    prompt: by KV head range (TP), whole pages under the page key as at TP 1 (CP), by layer range (PP)."""
-    if layout.startswith("pp"):
+    prompt: by KV head range (TP, TP 2 x CP 2 as TP 2), whole pages under the page key as at TP 1 (CP),
+    by layer range (PP, PP 2 x CP 2 as PP 2)."""
+    if layout == "ppcp":
+        wait_in_l3(master, pp_object_names(model, prompt, 2, PP_LAYERS["pp"]))
+    elif layout.startswith("pp"):
         wait_in_l3(master, pp_object_names(model, prompt, size, PP_LAYERS[layout]))
     else:
-        wait_backed_up(master, model, prompt, size if layout == "tp" else 1)
+        wait_backed_up(master, model, prompt, {"tp": size, "tpcp": 2}.get(layout, 1))
 
 
 def assert_host_pool_holds_own_pages(server: TPServer) -> None:
@@ -125,22 +150,49 @@ def assert_host_pool_holds_own_pages(server: TPServer) -> None:
     assert mine <= pool and abs(2 * mine - used) <= 16, gauges  # an odd node is off by one page
 
 
-@pytest.mark.parametrize("layout", ["tp", "cp"])
-def test_two_ranks_answer_from_l1_l2_and_l3_equal_no_cache(models, asked, expected, master, tmp_path: Path,
-                                                           layout: str) -> None:
-    # TP: 48 device pages; CP: 24 per rank, 48 in all: three other prompts (22 pages each) push the
-    # first out of L1 into L2 only
+@pytest.mark.parametrize(("layout", "readers"), [
+    ("tp", ("tp2",)), ("cp", ("cp2",)), ("tpcp", ("tp1", "cp2", "tp2")), ("ppcp", ("pp2cp2",)),
+], ids=["tp2", "cp2", "tp2cp2", "pp2cp2"])
+def test_multi_rank_nodes_answer_from_l1_l2_and_l3_equal_no_cache(models, asked, expected, master, tmp_path: Path,
+                                                                  layout: str, readers: tuple[str, ...]) -> None:
+    """TP: 48 device pages; CP (alone or composed): 24 per CP rank, 48 in all: three other prompts (22
+    pages each) push the first out of L1 into L2 only. Then the readers take a prompt from L3: the
+    writer's layout itself, or at TP 2 x CP 2 the TP 1, CP 2 and TP 2 nodes."""
     model, asked, expected = models[layout], asked[layout], expected[layout]
-    writer = serve(layout, model, 2, tmp_path / "writer.log", master, max_tokens={"tp": 48, "cp": 24}[layout] * PAGE)
+    writer = start(WRITERS[layout], model, tmp_path / "writer.log", master, max_tokens=DEVICE_PAGES[layout] * PAGE)
     try:
         assert_hits_l1_then_l2(writer, model, asked, expected)
-        if layout == "cp":
+        if layout != "tp":
             assert_host_pool_holds_own_pages(writer)
         wait_written(layout, master, model, asked[1], 2)
-        answer, tiers = read_back(layout, model, 2, tmp_path / "reader.log", master, asked[1])
-        assert answer == expected[1] and tiers["storage"] >= 0.9 * PROMPT_TOKENS, tiers
+        for node in readers:
+            answer, tiers = read_at(node, model, tmp_path / f"reader-{node}.log", master, asked[1])
+            assert answer == expected[1] and tiers["storage"] >= 0.9 * PROMPT_TOKENS, (node, tiers)
     finally:
         writer.stop()
+
+
+def test_l3_pages_written_at_tp1_cp2_and_tp2_are_read_at_tp2_x_cp2(models, asked, expected, master,
+                                                                   tmp_path: Path) -> None:
+    """Three writers, each its own prompt, stay up (their Mooncake segments hold the objects); one
+    TP 2 x CP 2 node reads each prompt from L3 with the writer's answer."""
+    model, asked, expected = models["tpcp"], asked["tpcp"], expected["tpcp"]
+    writers = {}
+    try:
+        for node, prompt, heads in (("tp1", 4, 1), ("cp2", 5, 1), ("tp2", 6, 2)):
+            writers[node] = start(node, model, tmp_path / f"writer-{node}.log", master)
+            assert complete(writers[node], model, asked[prompt])[0] == expected[prompt], node
+            wait_backed_up(master, model, asked[prompt], heads)
+        reader = start("tp2cp2", model, tmp_path / "reader.log", master)
+        try:
+            for prompt in (4, 5, 6):
+                answer, tiers = complete(reader, model, asked[prompt])
+                assert answer == expected[prompt] and tiers["storage"] >= 0.9 * PROMPT_TOKENS, (prompt, tiers)
+        finally:
+            reader.stop()
+    finally:
+        for writer in writers.values():
+            writer.stop()
 
 
 @pytest.mark.parametrize(("layout", "writer_size", "reader_sizes", "prompt"), [

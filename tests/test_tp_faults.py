@@ -1,6 +1,7 @@
 """A node of several ranks dies whole: a rank killed with SIGKILL mid-request takes the node down
-within 30 s (rank 0 exits non-zero, health stops answering), and no process of it is left; a TP
-size the model cannot be split over is refused before any rank starts."""
+within 30 s (rank 0 exits non-zero, health stops answering), and no process of it is left, at TP 2
+and at TP 2 x CP 2 (the last rank, in neither rank 0's tensor group nor its CP group); a TP size the
+model cannot be split over is refused before any rank starts."""
 
 from __future__ import annotations
 
@@ -45,11 +46,13 @@ def _stream_in_background(server: TPServer) -> threading.Event:
     return streaming
 
 
-@pytest.mark.parametrize("victim", ["worker", "rank0"])
-def test_a_killed_rank_takes_the_node_down(model: Path, victim: str, tmp_path: Path) -> None:
-    server = start_server(model, 2, tmp_path / "serve.log", "--max-total-tokens", "8192").wait_healthy()
+@pytest.mark.parametrize(("cp", "victim"), [(1, "worker"), (1, "rank0"), (2, "worker")],
+                         ids=["tp2-worker", "tp2-rank0", "tp2cp2-worker"])
+def test_a_killed_rank_takes_the_node_down(model: Path, cp: int, victim: str, tmp_path: Path) -> None:
+    server = start_server(model, 2, tmp_path / "serve.log", "--max-total-tokens", "8192",
+                          "--cp-size", str(cp)).wait_healthy()
     processes = descendants(server.proc.pid)
-    (worker,) = rank_pids(server.proc.pid, 1)
+    worker = rank_pids(server.proc.pid, 2 * cp - 1)[-1]  # the highest pid: the last rank spawned
     try:
         assert _stream_in_background(server).wait(60), "no token streamed"
         started = time.monotonic()

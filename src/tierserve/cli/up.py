@@ -41,7 +41,7 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
                             "default: as even as can be, the extra layers on the stages before the last)")
     p.add_argument("--prefill-cp-size", type=int, default=1,
                    help="context-parallel ranks of every prefill node, each storing 1/N of the KV pages and "
-                        "sending those to the decode node (decode nodes run without CP; not with TP or PP)")
+                        "sending those to the decode node (decode nodes run without CP)")
     p.add_argument("--no-l3", action="store_true", help="no mooncake_master: nodes keep L1 (and L2 if asked) only")
     p.add_argument("--l3-size-gb", type=float, default=None,
                    help="the L3 store's size in GB, split evenly between the nodes (default: a third of this "
@@ -163,7 +163,7 @@ def _check_role(role: str, sizes: RoleSizes, config: EngineConfig) -> None:
     from tierserve.model.parallel import misfit
 
     flags = sizes.flags(role)
-    try:  # the config's own checks (e.g. what runs at several ranks yet, CP with TP or PP)
+    try:  # the config's own checks (e.g. a CP size below 1)
         replace(config, tp_size=sizes.tp, pp_size=sizes.pp, cp_size=sizes.cp, pp_layer_partition=sizes.partition)
     except ValueError as exc:
         raise ValueError(f"{flags}: {exc}") from None

@@ -25,15 +25,16 @@ class EngineConfig:
     """``max_total_tokens`` sizes the KV pool (default: a fraction of free GPU memory on CUDA,
     16384 tokens on CPU). ``max_model_len`` caps prompt plus output (default: the model's).
     ``disable_radix_cache`` turns off reuse of earlier requests' KV for shared prompt prefixes;
-    ``enable_hierarchical_cache`` adds the host-memory tier (L2) behind it. ``tp_size`` x ``pp_size``
-    ranks (one process each, on devices from ``base_gpu_id`` on CUDA) share the model: ``pp_size``
+    ``enable_hierarchical_cache`` adds the host-memory tier (L2) behind it. ``tp_size`` x ``cp_size`` x
+    ``pp_size`` ranks (one process each, on devices from ``base_gpu_id`` on CUDA) share the model: ``pp_size``
     pipeline stages of contiguous layers, each split over ``tp_size`` tensor ranks; every collective
     between them gives up after ``dist_timeout_s`` (docs/ranks.md, docs/pp.md). ``pp_layer_partition``:
     each stage's layer count (None: vLLM's default split, ``default_split``; its sum is checked against
     the model by ``misfit`` before any process starts).
     ``cp_size`` ranks share the KV pages by context parallelism, each storing 1/cp_size of them
-    (docs/cp.md), also in the host tier and L3; not yet with TP, PP or
-    the decode role; ``cp_attention`` says where attention merges instead of gathering.
+    (docs/cp.md), also in the host tier and L3; each CP rank is a whole TP x PP replica of its own
+    processes (docs/cp.md, composed with TP and PP); not yet on the decode role (``_check_fits``);
+    ``cp_attention`` says where attention merges instead of gathering.
     ``speculative_draft_model_path`` turns on speculative decoding with that draft
     model (docs/speculative.md): ``speculative_num_steps`` draft tokens are
     proposed in a chain and verified as ``speculative_num_draft_tokens`` = steps + 1 tokens per step
@@ -127,13 +128,10 @@ class EngineConfig:
                              "and --base-gpu-id (one device per rank from there)")
 
     def _check_context_parallel(self) -> None:
-        """What context parallelism does not run with yet, refused before any process starts."""
+        """A CP size below 1, refused before any process starts (any TP x CP x PP the model fits runs;
+        the decode role's refusal is the node's, ``_check_fits``)."""
         if self.cp_size < 1:
             raise ValueError("cp_size must be at least 1")
-        if self.cp_size == 1:
-            return
-        if self.tp_size > 1 or self.pp_size > 1:
-            raise ValueError("--cp-size with --tp-size or --pp-size is not supported yet: use one of them")
 
     @property
     def layout_flags(self) -> str:
@@ -145,7 +143,7 @@ class EngineConfig:
 
     @property
     def num_ranks(self) -> int:
-        """The node's rank processes: every stage's tensor ranks, or every CP rank's (never both)."""
+        """The node's rank processes: every stage's tensor ranks of every CP rank (docs/ranks.md)."""
         return self.tp_size * self.pp_size * self.cp_size
 
     @property

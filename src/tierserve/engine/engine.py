@@ -104,7 +104,8 @@ class Engine:
         self.spec = SpecDecoder.of(config, self.model, self.pool, draft_kv)
         sched = SchedulerConfig(config.page_size, config.chunked_prefill_size, config.max_running_requests)
         self.scheduler = Scheduler(sched, self.allocator, self.cache, self.spec.lookahead if self.spec else None)
-        cp = context_parallel(self.ranks.cp, self.pool, self.device, self.ranks.cp_merge, config.cp_attention)
+        cp = context_parallel(self.ranks.cp, self.pool, self.device, self.ranks.cp_merge, config.cp_attention,
+                              self.ranks.cp_group)
         self.runner = ModelRunner(self.model, self.pool, self.device, token_share(self.ranks), cp)
         self.reservations = Reservations(self.allocator, self.cache, config.page_size)
         self.restore_agreement = self.ranks.agreement()  # whether a step's restores failed anywhere

@@ -34,13 +34,16 @@ class CPRunner:
     """This rank's side of every step under context parallelism (``own``: the pages it owns, of
     ``own.size`` ranks). Contract: every rank calls ``kv`` for the same batch, in the same order,
     and runs the model on what it returns (the collectives go over ``merge_group`` for merged
-    attention, the default group for gathers). ``attention`` says whether steps may merge at all."""
+    attention, ``group`` for gathers: the CP ranks holding this rank's heads of its layers, None
+    the default group). ``attention`` says whether steps may merge at all."""
 
     def __init__(self, own: PageOwnership, pool: DeviceKVPool, device: torch.device,
-                 merge_group: dist.ProcessGroup | None = None, attention: CPAttention = CPAttention.MERGE) -> None:
+                 merge_group: dist.ProcessGroup | None = None, attention: CPAttention = CPAttention.MERGE,
+                 group: dist.ProcessGroup | None = None) -> None:
         self.own, self.pool, self.device = own, pool, device
         self.page_size = pool.page_size
         self.merge_group = merge_group  # the merged attention's group (None: the default group)
+        self.group = group  # the gathers' group (None: the default group)
         self.attention = attention
         self.gather_clock = GatherClock()  # the exposed share of the per-layer gathers
         self.merge_clock = MergeClock()  # short steps merged instead of gathered
@@ -110,15 +113,17 @@ class CPRunner:
         plan = plan_rows(self.own, prefix_pages(ordered, self.page_size), touched,
                          self.pool.num_pages * self.own.size, self.device)
         slots = renumber(attn, plan.rows)
-        attn.hooks = LayerGather(self.own, self.pool, plan, slots, attn, attn.hooks, clock=self.gather_clock,
-                                 first=first)
+        attn.hooks = LayerGather(self.own, self.pool, plan, slots, attn, attn.hooks, self.group,
+                                 clock=self.gather_clock, first=first)
         return attn.hooks
 
 
 def context_parallel(own: PageOwnership, pool: DeviceKVPool, device: torch.device,
-                     merge_group: dist.ProcessGroup | None, attention: CPAttention) -> CPRunner | None:
-    """The ``CPRunner`` of a rank that shares its node's pages; None without context parallelism."""
-    return CPRunner(own, pool, device, merge_group, attention) if own.size > 1 else None
+                     merge_group: dist.ProcessGroup | None, attention: CPAttention,
+                     group: dist.ProcessGroup | None = None) -> CPRunner | None:
+    """The ``CPRunner`` of a rank that shares its node's pages (``group``: its CP group, for the
+    gathers); None without context parallelism."""
+    return CPRunner(own, pool, device, merge_group, attention, group) if own.size > 1 else None
 
 
 def prefix_pages(ordered: list[Scheduled], page_size: int) -> set[int]:

@@ -1,11 +1,12 @@
 """One rank's place in its node: process groups, device, tensor-parallel shard and pipeline stage.
 
-A node of ``tp_size`` T and ``pp_size`` S (or ``cp_size`` C, never both) is T * S (T * C) processes
-(``docs/ranks.md``, ``docs/pp.md``, ``docs/cp.md``); rank ``s * T + t`` is tensor rank
-t of stage s (of CP rank s). Rank 0 hosts the
-rendezvous store; every rank joins the model's group (NCCL on CUDA, gloo on CPU) and a gloo
-control group for the CPU messages that keep the ranks in step. Every group has a timeout, so no
-rank waits in a collective for ever.
+A node of ``tp_size`` T, ``cp_size`` C and ``pp_size`` S is T * C * S processes (``docs/ranks.md``,
+``docs/pp.md``, ``docs/cp.md``); rank ``(s * C + c) * T + t`` is tensor rank t of CP rank c of stage s
+(``RankLayout``). Rank 0 hosts the rendezvous store; every rank joins the model's group (NCCL on CUDA,
+gloo on CPU), a gloo control group over every rank for the CPU messages that keep the ranks in step,
+and the explicit groups of its place: its tensor group (same CP rank and stage), its CP groups (same
+tensor rank and stage: gathers, merged attention) and its pipeline peers (same tensor and CP rank).
+Every group has a timeout, so no rank waits in a collective for ever.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from tierserve.cache.sharded.agreement import Agreement, CollectiveMin, SingleRa
 from tierserve.cache.sharded.cp_pages import PageOwnership
 from tierserve.cache.sharded.shards import HeadRange, KVShard, LayerRange
 from tierserve.engine.config import EngineConfig
+from tierserve.engine.procs.rank_layout import RankLayout, RankPlace
 from tierserve.model.parallel import HeadShard, TensorParallel
 from tierserve.model.pipeline import SOLE, PipelineStage, stage_of
 
@@ -50,8 +52,10 @@ class RankSpec:
 class Ranks:
     """One rank's view of its node: its shard (``tp``), its device, ``control``, the gloo group of
     CPU messages over every rank (None: the default group, itself gloo on CPU), its pipeline stage
-    (``pp``) and its share of the KV pages (``cp``, docs/cp.md; a node
-    has stages or CP ranks, never both). ``rank`` and ``size`` count every rank of the node."""
+    (``pp``), its share of the KV pages (``cp``, docs/cp.md) and the groups of the CP ranks that hold
+    its heads of its layers (``cp_group`` for gathers, ``cp_merge`` for merged attention; None: the
+    default group, which is only right when the CP ranks are the whole node). ``rank`` and ``size``
+    count every rank of the node, numbered as ``RankLayout`` says."""
 
     tp: TensorParallel
     device: torch.device
@@ -59,19 +63,24 @@ class Ranks:
     pp: PipelineStage = SOLE
     cp: PageOwnership = field(default_factory=PageOwnership)
     cp_merge: dist.ProcessGroup | None = None  # CP: the merged attention's own group, not queued behind gathers
+    cp_group: dist.ProcessGroup | None = None  # CP: the per-layer gathers' group
+
+    @property
+    def layout(self) -> RankLayout:
+        return RankLayout(self.tp.size, self.cp.size, self.pp.size)
 
     @property
     def rank(self) -> int:
-        return (self.pp.stage + self.cp.rank) * self.tp.size + self.tp.rank  # one of the two is 0
+        return self.layout.rank(RankPlace(self.tp.rank, self.cp.rank, self.pp.stage))
 
     @property
     def size(self) -> int:
-        return self.tp.size * self.pp.size * self.cp.size
+        return self.layout.size
 
     @property
     def sampler(self) -> int:
-        """The rank that computes logits and samples: tensor rank 0 of the last stage."""
-        return (self.pp.size - 1) * self.tp.size
+        """The rank that computes logits and samples: tensor rank 0 of CP rank 0 of the last stage."""
+        return self.layout.sampler
 
     def agreement(self) -> Agreement:
         """The cache's per-step agreement over the control group (its timeout bounds each call)."""
@@ -142,23 +151,32 @@ def join(spec: RankSpec, config: EngineConfig, store: dist.Store | None = None) 
     dist.init_process_group(backend.value, store=store, rank=spec.rank, world_size=spec.size, timeout=timeout)
     control = dist.new_group(backend="gloo", timeout=timeout) if backend is Backend.NCCL else None
     _share_cpu(device, spec.size)
-    tp_group = _tensor_group(spec.rank, config.tp_size, config.pp_size, timeout)
-    tp = TensorParallel(spec.rank % config.tp_size, config.tp_size, tp_group)
-    stage = stage_of(spec.rank, config.tp_size, config.pp_size, partition=config.pp_layer_partition) \
+    layout = RankLayout(config.tp_size, config.cp_size, config.pp_size)
+    place = layout.place(spec.rank)
+    tp_group = _own_group(layout.tensor_groups(), layout.tensor_group_of(spec.rank), timeout)
+    tp = TensorParallel(place.tp, config.tp_size, tp_group)
+    # a stage's peers are the same tensor and CP rank of the next and previous stages: one stage width apart
+    stage = stage_of(spec.rank, layout.stage_width, config.pp_size, partition=config.pp_layer_partition) \
         if config.pp_size > 1 else SOLE
-    own = PageOwnership(spec.rank // config.tp_size, config.cp_size) if config.cp_size > 1 else PageOwnership()
-    merge = dist.new_group(timeout=timeout) if config.cp_size > 1 else None
-    return Ranks(tp, device, control, stage, own, merge)
+    if config.cp_size == 1:
+        return Ranks(tp, device, control, stage)
+    # always new groups, even over the whole node: on NCCL a merge queued behind a gather on one
+    # communicator would wait for it (docs/cp.md, merged attention)
+    gathers = _new_groups(layout.cp_groups(), timeout)[layout.cp_group_of(spec.rank)]
+    merges = _new_groups(layout.cp_groups(), timeout)[layout.cp_group_of(spec.rank)]
+    return Ranks(tp, device, control, stage, PageOwnership(place.cp, config.cp_size), merges, gathers)
 
 
-def _tensor_group(rank: int, tp_size: int, pp_size: int, timeout: timedelta) -> dist.ProcessGroup | None:
-    """The group of this rank's stage, for the tensor-parallel all-reduces: the default group
-    when there is one stage. Every rank creates every stage's group, in stage order (as
-    ``new_group`` requires), and keeps its own."""
-    if pp_size == 1:
-        return None
-    groups = [dist.new_group(list(range(s * tp_size, (s + 1) * tp_size)), timeout=timeout) for s in range(pp_size)]
-    return groups[rank // tp_size]
+def _own_group(groups: list[list[int]], mine: int, timeout: timedelta) -> dist.ProcessGroup | None:
+    """Group ``mine`` of ``groups`` (a partition of the node's ranks): the default group when it is the
+    only one, None too when it is one rank (no collective runs over it). Every rank creates every
+    group, in order (as ``new_group`` requires), and keeps its own."""
+    return None if len(groups) == 1 or len(groups[mine]) == 1 else _new_groups(groups, timeout)[mine]
+
+
+def _new_groups(groups: list[list[int]], timeout: timedelta) -> list[dist.ProcessGroup]:
+    """One process group per list of ranks, created in order on every rank."""
+    return [dist.new_group(ranks, timeout=timeout) for ranks in groups]
 
 
 def leave() -> None:
