@@ -89,13 +89,19 @@ def _split_decodes(server: TPServer) -> float:
     return metrics.value(metrics.scrape(server.url), "tierserve_cp_split_decodes_total")
 
 
+LAYOUTS = {"cp2": (1, 2, 1), "cp4": (1, 4, 1), "tp2cp2": (2, 2, 1), "pp2cp2": (1, 2, 2)}  # (TP, CP, PP)
+
+
 @pytest.mark.integration
-@pytest.mark.parametrize("cp", [2, pytest.param(4, marks=pytest.mark.slow)])
-def test_split_steps_answer_as_transformers(cp: int, tmp_path: Path) -> None:
+@pytest.mark.parametrize("layout", ["cp2", *(pytest.param(name, marks=pytest.mark.slow)
+                                             for name in ("cp4", "tp2cp2", "pp2cp2"))])
+def test_split_steps_answer_as_transformers(layout: str, tmp_path: Path) -> None:
     """While a short prompt decodes (its decodes join the split steps: mixed), a batch of a
     1100-token prompt (a fresh chunk, then a chunk over a prefix: both split, the rest replicated)
     and a 300-token one; then a prompt that extends the long one by 300 tokens (hits its pages: a
-    split over a cached prefix)."""
+    split over a cached prefix). Composed with TP (each CP rank a TP pair) and PP (each stage's CP
+    ranks split the same rows) too."""
+    tp, cp, pp = LAYOUTS[layout]
     heads, kv_heads = HEADS["llama"]
     model = add_word_tokenizer(make_tiny_model("llama", tmp_path / "llama", max_position=2048, heads=heads,
                                                kv_heads=kv_heads))
@@ -103,8 +109,9 @@ def test_split_steps_answer_as_transformers(cp: int, tmp_path: Path) -> None:
     short, *asked = (torch.randint(2, 384, (n,), generator=gen).tolist() for n in (7, 1100, 300))
     turn = asked[0] + torch.randint(2, 384, (300,), generator=gen).tolist()
     expected = hf_greedy(model, [short, *asked, turn])
-    server = start_server(model, 1, tmp_path / "serve.log", "--cp-size", str(cp), "--chunked-prefill-size",
-                          str(CHUNK), "--max-total-tokens", str(4096 // cp + 256)).wait_healthy()
+    server = start_server(model, tp, tmp_path / "serve.log", "--cp-size", str(cp), "--pp-size", str(pp),
+                          "--chunked-prefill-size", str(CHUNK),
+                          "--max-total-tokens", str(4096 // cp + 256)).wait_healthy()
     try:
         stream = server.client().completions.create(model=model.name, prompt=short, max_tokens=SHORT_DECODES,
                                                     temperature=0, stream=True, extra_body={"ignore_eos": True})
