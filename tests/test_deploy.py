@@ -9,7 +9,9 @@ setup installs every dev dependency: a missing one there is a broken setup, not 
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import io
 import re
 import subprocess
 from collections.abc import Iterator
@@ -32,6 +34,7 @@ from helpers.k8s_manifests import (
     container_env,
     containers,
     flag_value,
+    memory_bytes,
     missing,
     named_port,
     need_module,
@@ -43,6 +46,7 @@ from helpers.k8s_manifests import (
     render,
     role,
     selects,
+    stand_in_model,
     tool,
 )
 from helpers.local_k8s import (
@@ -55,7 +59,11 @@ from helpers.local_k8s import (
     static_workers,
 )
 
+from tierserve.cli.decode import _deadline_problem
+from tierserve.cli.flags import node_engine_config
 from tierserve.cli.main import build_parser
+from tierserve.node.server import _check_fits
+from tierserve.proto import tierserve_pb2 as pb
 
 # ---- 1. render and validate ----------------------------------------------------------------------
 
@@ -115,6 +123,81 @@ def test_every_command_line_parses(overlay: str) -> None:
         for container in containers(workload):
             env = container_env(container, objects, pod_fields(workload, "10.1.2.3"))
             check_command_line(command_line(container, env))
+
+
+def _node_lines(overlay: str) -> Iterator[tuple[dict, list[str]]]:
+    """(workload, argv of its node container) of every prefill and decode workload of the overlay."""
+    objects = render(overlay)
+    for workload in of_kind(objects, *WORKLOAD_KINDS):
+        if role(workload) in ("prefill", "decode"):
+            main = pod_spec(workload)["containers"][0]
+            yield workload, command_line(main, container_env(main, objects, pod_fields(workload, "10.1.2.3")))
+
+
+NODE_ROLES = {"prefill": pb.ROLE_PREFILL, "decode": pb.ROLE_DECODE}
+
+
+def pre_start_problem(argv: list[str], models: Path) -> str | None:
+    """What the node's own checks before starting any process say of ``argv`` (``run_role`` and the
+    role's command: flags in range, the decode deadline chain, the layout fitting the model, no CP on a
+    decode node), on a stand-in of the model it names; None when it would start."""
+    args = build_parser().parse_args(argv[1:])
+    args.model = stand_in_model(args.model.name, models)
+    said = io.StringIO()
+    with contextlib.redirect_stderr(said):
+        problem = _deadline_problem(args) if argv[1] == "decode" else None
+        config = node_engine_config(args) if problem is None else None
+        try:
+            if config is not None:
+                _check_fits(config, NODE_ROLES[argv[1]])
+        except SystemExit:
+            config = None
+    if problem is None and config is None:
+        problem = said.getvalue().strip() or "refused"
+    return problem
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_node_command_lines_pass_the_pre_start_checks(overlay: str, tmp_path: Path) -> None:
+    """A node that fails them exits with status 2 and Kubernetes restarts it until the crash-loop
+    back-off: every overlay's TP, CP and PP sizes must fit the model and the role."""
+    for workload, argv in _node_lines(overlay):
+        assert argv[1] == role(workload)
+        assert pre_start_problem(argv, tmp_path) is None, (role(workload), pre_start_problem(argv, tmp_path))
+
+
+@needs_kubectl
+def test_pre_start_checks_are_not_vacuous(tmp_path: Path) -> None:
+    lines = {role(w): argv for w, argv in _node_lines("gpu-rdma-tp2-cp2")}
+    assert "--cp-size=2" in lines["prefill"] and "--cp-size=2" not in lines["decode"]
+    assert "decode nodes" in pre_start_problem([*lines["decode"], "--cp-size=2"], tmp_path)
+    assert "does not fit" in pre_start_problem([*lines["prefill"], "--tp-size=3"], tmp_path)
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_node_resources_hold_every_rank(overlay: str) -> None:
+    """A node of N ranks (TP x CP x PP, ``docs/ranks.md``) gets one GPU per rank, counted from
+    ``--base-gpu-id`` among the pod's, a memory-backed /dev/shm for its collectives, and a memory
+    limit (= request) covering what it pins up front: ``--hicache-size`` per rank times its ranks, the
+    node's L3 segment (split between its ranks) and the /dev/shm volume (it counts against the limit);
+    the rest is the model's and the runtime's."""
+    for workload, argv in _node_lines(overlay):
+        args, spec = build_parser().parse_args(argv[1:]), pod_spec(workload)
+        ranks = args.tp_size * args.cp_size * args.pp_size
+        limits = spec["containers"][0]["resources"]["limits"]
+        gpus = int(limits.get("nvidia.com/gpu", 0))
+        assert gpus == (ranks + args.base_gpu_id if args.device.startswith("cuda") else 0), (role(workload), gpus)
+        shm = [v["emptyDir"] for v in spec.get("volumes", []) if v.get("emptyDir", {}).get("medium") == "Memory"]
+        mounts = {m["mountPath"] for m in spec["containers"][0]["volumeMounts"]}
+        assert ranks == 1 or (shm and "/dev/shm" in mounts), f"{role(workload)}: {ranks} ranks without /dev/shm"
+        l2 = ranks * int((args.hicache_size or 0) * 2**30)
+        l3 = args.hicache_storage_backend_extra_config["global_segment_size"]
+        pinned = l2 + l3 + sum(memory_bytes(v.get("sizeLimit", "0")) for v in shm)
+        limit = memory_bytes(limits["memory"])
+        assert pinned < limit, f"{role(workload)}: {ranks} ranks' L2 {l2 >> 30} GiB + L3 segment {l3 >> 30} GiB " \
+                               f"+ /dev/shm: {pinned >> 30} GiB, over the memory limit {limit >> 30} GiB"
 
 
 # ---- 3. the pieces fit together --------------------------------------------------------------------

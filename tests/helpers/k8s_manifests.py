@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import json
 import os
 import re
 import shutil
@@ -161,3 +162,35 @@ def flag_value(argv: list[str], flag: str) -> str:
     values = [a.split("=", 1)[1] for a in argv if a.startswith(flag + "=")]
     assert len(values) == 1, f"expected one {flag}=VALUE in {argv}"
     return values[0]
+
+
+# ---- the models the overlays name, as their config.json (the shapes the pre-start checks read) ----
+
+MODEL_CONFIGS = {
+    "SmolLM2-135M-Instruct": {  # the built-in model (cpu-demo)
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
+        "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "tie_word_embeddings": True},
+    "Qwen3-8B": {  # gpu-rdma's TIERSERVE_MODEL_DIR
+        "architectures": ["Qwen3ForCausalLM"], "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288,
+        "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+        "max_position_embeddings": 40960, "rope_theta": 1000000, "tie_word_embeddings": False},
+}
+
+
+def stand_in_model(name: str, parent: Path) -> Path:
+    """A folder named ``name`` holding only that model's config.json: what a node's checks before
+    it starts any process read (its weights are on the cluster's model volume, not here)."""
+    assert name in MODEL_CONFIGS, f"an overlay names the model {name}: add its config.json shape to MODEL_CONFIGS"
+    folder = parent / name
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(MODEL_CONFIGS[name]))
+    return folder
+
+
+_BINARY_UNITS = {"": 1, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+
+
+def memory_bytes(quantity: str) -> int:
+    """A Kubernetes memory quantity in bytes ('200Gi', '512Mi', plain bytes)."""
+    number, unit = re.fullmatch(r"(\d+)([KMGT]i)?", quantity).groups()
+    return int(number) * _BINARY_UNITS[unit or ""]
