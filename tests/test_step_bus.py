@@ -77,7 +77,7 @@ def test_every_command_is_published_in_order_before_the_step(tiny_llama: Path) -
 def test_a_failed_step_is_reported_to_the_bus(tiny_llama: Path) -> None:
     bus = RecordingBus()
     engine = Engine(EngineConfig(tiny_llama, dtype="float32", max_total_tokens=512))
-    engine.runner.run = lambda batch: (_ for _ in ()).throw(RuntimeError("collective timed out"))  # type: ignore
+    engine.runner.run = lambda *_: (_ for _ in ()).throw(RuntimeError("collective timed out"))  # type: ignore
     loop = EngineLoop(engine, bus).start()
 
     async def one() -> None:
