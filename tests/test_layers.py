@@ -357,17 +357,17 @@ def test_no_test_names_a_place_outside_the_repository() -> None:
 
 
 OUTSIDE = """\
-    \"\"\"Reads ../shared/traces and /work/shared in prose: a docstring, not a path.\"\"\"
+    \"\"\"Reads ../beside/traces and /srv/beside in prose: a docstring, not a path.\"\"\"
     import os
     from pathlib import Path
 
     HERE = Path(__file__).resolve().parent
     ROOT = HERE.parent
     DATA = HERE / "data" / "traces"
-    SHARED = Path(__file__).resolve().parents[2] / "shared" / "traces"
+    BESIDE = Path(__file__).resolve().parents[2] / "beside" / "traces"
     ABOVE = ROOT.parent
-    SIBLING = Path("../shared/traces/x.jsonl")
-    WORK = "/work/shared/traces"
+    SIBLING = Path("../beside/traces/x.jsonl")
+    SRV = "/srv/beside/traces"
     SCRATCH = Path("/tmp/up.json"), Path("/proc/self/stat"), "/v1/models"
     CACHE = Path.home() / ".cache" / "tierserve" / "models"
     SSH = Path.home() / ".ssh"
@@ -388,10 +388,10 @@ def test_the_outside_paths_check_fires(tmp_path: Path) -> None:
     (tmp_path / "tests" / "helpers" / "h.py").write_text(textwrap.dedent(OUTSIDE_HELPER), encoding="utf-8")
     assert outside_paths(tmp_path, "tests") == [
         "tests/helpers/h.py:4 climbs from __file__ out of the repository, to ..",
-        "tests/test_x.py:8 climbs from __file__ out of the repository, to ../shared/traces",
+        "tests/test_x.py:8 climbs from __file__ out of the repository, to ../beside/traces",
         "tests/test_x.py:9 climbs from __file__ out of the repository, to ..",
-        "tests/test_x.py:10 names '../shared/traces/x.jsonl', a path that climbs with '..'",
-        "tests/test_x.py:11 names '/work/shared/traces', an absolute path outside the repository",
+        "tests/test_x.py:10 names '../beside/traces/x.jsonl', a path that climbs with '..'",
+        "tests/test_x.py:11 names '/srv/beside/traces', an absolute path outside the repository",
         "tests/test_x.py:14 reads the home folder (Path.home()), other than ~/.cache/tierserve",
         "tests/test_x.py:15 names '~/.config/x', the home folder, other than ~/.cache/tierserve",
         "tests/test_x.py:16 reads HOME from the environment",

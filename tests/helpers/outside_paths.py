@@ -6,11 +6,11 @@ message per line that breaks one of these rules (none: the rule holds):
 1. A path computed from ``__file__`` stays inside the repository. The climb is followed through
    ``Path(...)``, ``.resolve()``, ``.absolute()``, ``.parent``, ``.parents[N]``, ``os.path.dirname``,
    ``/ "literal"`` and module-level names bound to such a path: ``Path(__file__).parents[2]`` in
-   ``tests/x.py`` is the folder beside the checkout (``../shared`` lives there) and fires.
-2. No string literal has a ``..`` path component (``"../shared/traces"``): it climbs from wherever
+   ``tests/x.py`` is the folder beside the checkout and fires.
+2. No string literal has a ``..`` path component (``"../beside/traces"``): it climbs from wherever
    the test runs.
 3. No string literal is an absolute path under a folder holding people's or the machine's files
-   (``DATA_ROOTS``: ``/work``, ``/home``, ``/etc``, ...). ``/proc``, ``/sys``, ``/dev`` (the kernel's)
+   (``DATA_ROOTS``: ``/home``, ``/srv``, ``/etc``, ...). ``/proc``, ``/sys``, ``/dev`` (the kernel's)
    and ``/tmp`` (scratch) are allowed, and ``/v1/models``-like strings are URL paths, not files.
 4. The home folder only as the model cache ``make test`` fills (``scripts/setup.sh``, ``make model``):
    ``Path.home()`` only as ``Path.home() / ".cache" / "tierserve" ...``, ``"~..."`` literals only under
