@@ -63,7 +63,6 @@ from tierserve.cli.decode import _deadline_problem
 from tierserve.cli.flags import node_engine_config
 from tierserve.cli.main import build_parser
 from tierserve.node.server import _check_fits
-from tierserve.proto import tierserve_pb2 as pb
 
 # ---- 1. render and validate ----------------------------------------------------------------------
 
@@ -134,13 +133,11 @@ def _node_lines(overlay: str) -> Iterator[tuple[dict, list[str]]]:
             yield workload, command_line(main, container_env(main, objects, pod_fields(workload, "10.1.2.3")))
 
 
-NODE_ROLES = {"prefill": pb.ROLE_PREFILL, "decode": pb.ROLE_DECODE}
-
 
 def pre_start_problem(argv: list[str], models: Path) -> str | None:
     """What the node's own checks before starting any process say of ``argv`` (``run_role`` and the
-    role's command: flags in range, the decode deadline chain, the layout fitting the model, no CP on a
-    decode node), on a stand-in of the model it names; None when it would start."""
+    role's command: flags in range, the decode deadline chain, the layout fitting the model), on a
+    stand-in of the model it names; None when it would start."""
     args = build_parser().parse_args(argv[1:])
     args.model = stand_in_model(args.model.name, models)
     said = io.StringIO()
@@ -149,7 +146,7 @@ def pre_start_problem(argv: list[str], models: Path) -> str | None:
         config = node_engine_config(args) if problem is None else None
         try:
             if config is not None:
-                _check_fits(config, NODE_ROLES[argv[1]])
+                _check_fits(config)
         except SystemExit:
             config = None
     if problem is None and config is None:
@@ -171,7 +168,7 @@ def test_node_command_lines_pass_the_pre_start_checks(overlay: str, tmp_path: Pa
 def test_pre_start_checks_are_not_vacuous(tmp_path: Path) -> None:
     lines = {role(w): argv for w, argv in _node_lines("gpu-rdma-tp2-cp2")}
     assert "--cp-size=2" in lines["prefill"] and "--cp-size=2" not in lines["decode"]
-    assert "decode nodes" in pre_start_problem([*lines["decode"], "--cp-size=2"], tmp_path)
+    assert "does not fit" in pre_start_problem([*lines["decode"], "--tp-size=3"], tmp_path)
     assert "does not fit" in pre_start_problem([*lines["prefill"], "--tp-size=3"], tmp_path)
 
 

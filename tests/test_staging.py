@@ -10,12 +10,13 @@ import ctypes
 import pytest
 import torch
 
+from tierserve.cache.sharded.cp_pages import PageOwnership
 from tierserve.core.transfer import TransferProtocol
 from tierserve.node.convert import staging_problem
 from tierserve.transfer.engine import PeerEngines, TransferEngineHandle
 from tierserve.transfer.faulty import HandoffFaults, with_faults
 from tierserve.transfer.handoff import HandoffResult, KVHandoff
-from tierserve.transfer.layout import HeadRange, KVArena, RankArena, plan_routes, route_blocks, token_runs
+from tierserve.transfer.layout import HeadRange, KVArena, RankArena, held_pages, plan_routes, route_blocks, token_runs
 from tierserve.transfer.receive_staging import ReceiveStaging, staged_heads
 from tierserve.transfer.staging import Gatherer, StagingArena, gathers
 
@@ -41,23 +42,29 @@ def _apply(blocks: list[tuple[int, int, int]]) -> None:
         ctypes.memmove(dst, src, n)
 
 
-def _expected(full: torch.Tensor, heads: HeadRange) -> torch.Tensor:
+WHOLE = PageOwnership()  # a decode rank without CP: every page
+
+
+def _expected(full: torch.Tensor, heads: HeadRange, owner: PageOwnership = WHOLE) -> torch.Tensor:
+    """What a decode rank holding ``heads`` of ``owner``'s pages (each at its local slot) must hold."""
     out = torch.zeros(LAYERS, 2, PAGES * PAGE, heads.count, DIM)
-    for t in range(START, END):
-        s, d = SRC_PAGES[t // PAGE] * PAGE + t % PAGE, DST_PAGES[t // PAGE] * PAGE + t % PAGE
+    for t in (t for t in range(START, END) if owner.owns(DST_PAGES[t // PAGE])):
+        s, d = SRC_PAGES[t // PAGE] * PAGE + t % PAGE, owner.local(DST_PAGES[t // PAGE]) * PAGE + t % PAGE
         out[:, :, d] = full[:, :, s, heads.start:heads.end]
     return out
 
 
-def _decode(d: int, source_tp: int) -> tuple[list[RankArena], list[torch.Tensor], list[ReceiveStaging]]:
-    """Decode ranks with staging for a writer of ``source_tp`` ranks, reserved as a node would."""
+def _decode(d: int, source_tp: int, cp: int = 1
+            ) -> tuple[list[RankArena], list[torch.Tensor], list[ReceiveStaging]]:
+    """Decode ranks (``d`` tensor ranks of each of ``cp`` CP ranks) with staging for a writer of
+    ``source_tp`` ranks, reserved as a node would."""
     dests, pools, receives = [], [], []
-    for heads in _split(d):
+    for owner, heads in ((PageOwnership(c, cp), h) for c in range(cp) for h in _split(d)):
         pool, arena = _pool(heads.count)
-        receive = ReceiveStaging(StagingArena(1 << 20), pool, arena, heads, HEADS)
+        receive = ReceiveStaging(StagingArena(1 << 20), pool, arena, heads, HEADS, owner)
         receive.stage("r", END, source_tp)
         parts = tuple(receive.parts("r", receive.staging.base, heads))
-        dests.append(RankArena(f"d{len(dests)}", arena, heads, parts, receive.staging.base))
+        dests.append(RankArena(f"d{len(dests)}", arena, heads, parts, receive.staging.base, owner=owner))
         pools.append(pool)
         receives.append(receive)
     return dests, pools, receives
@@ -71,7 +78,7 @@ def _send(p: int, full: torch.Tensor, dests: list[RankArena]) -> list[int]:
         src = KVArena(pool.data_ptr(), LAYERS, PAGES * PAGE, heads.count * HEAD_BYTES, PAGE)
         gatherer = Gatherer(StagingArena(1 << 20), pool, src)
         for route in plan_routes(heads, HEAD_BYTES, dests):
-            dst_pages = list(range(len(DST_PAGES))) if route.by_token else DST_PAGES
+            dst_pages = held_pages(route.owner, DST_PAGES, route.by_token)
             runs = token_runs(SRC_PAGES, dst_pages, START, END, PAGE)
             for layer in range(LAYERS):
                 if gathers(src, route):
@@ -83,15 +90,17 @@ def _send(p: int, full: torch.Tensor, dests: list[RankArena]) -> list[int]:
     return counts
 
 
-@pytest.mark.parametrize(("p", "d"), [(1, 2), (1, 4), (2, 4), (2, 1), (4, 1), (4, 2), (2, 2), (8, 2), (1, 8)])
-def test_every_decode_rank_gets_exactly_its_heads_in_coalesced_blocks(p: int, d: int) -> None:
+@pytest.mark.parametrize(("p", "d", "cp"), [(1, 2, 1), (1, 4, 1), (2, 4, 1), (2, 1, 1), (4, 1, 1), (4, 2, 1),
+                                           (2, 2, 1), (8, 2, 1), (1, 8, 1), (1, 1, 2), (2, 1, 2), (1, 2, 2),
+                                           (4, 2, 2)])
+def test_every_decode_rank_gets_exactly_its_heads_in_coalesced_blocks(p: int, d: int, cp: int) -> None:
+    """At decode CP 2 (``cp``) each rank gets its heads of the pages it owns only, at their local slots."""
     full = torch.randn(LAYERS, 2, PAGES * PAGE, HEADS, DIM)
-    dests, pools, receives = _decode(d, p)
+    dests, pools, receives = _decode(d, p, cp)
     counts = _send(p, full, dests)
-    for heads, pool, receive in zip(_split(d), pools, receives, strict=True):
-        sent = range(START, END)
-        receive.scatter("r", [DST_PAGES[t // PAGE] * PAGE + t % PAGE for t in sent], sent.start)
-        torch.testing.assert_close(pool, _expected(full, heads), rtol=0, atol=0)
+    for dest, pool, receive in zip(dests, pools, receives, strict=True):
+        receive.scatter("r", DST_PAGES, START, END)
+        torch.testing.assert_close(pool, _expected(full, dest.heads, dest.owner), rtol=0, atol=0)
         assert receive.staging.free_bytes == receive.staging.capacity  # the region went back
     runs = len(token_runs(SRC_PAGES, DST_PAGES, START, END, PAGE))
     assert max(counts) <= 2 * runs  # K and V per run: never one block per token

@@ -130,12 +130,14 @@ def _layout_model(request, layout: str) -> Path:
      ("prefill.cp_size", "prefill.tp_size", "decode.cp_size", "decode.tp_size"), (2, 1, 1, 2)),
     ("cp", ["--prefill-cp-size", "2", "--prefill-tp-size", "2"], ("prefill.cp_size", "prefill.tp_size"), (2, 2)),
     ("cp", ["--prefill-cp-size", "2", "--prefill-pp-size", "2"], ("prefill.cp_size", "prefill.pp_size"), (2, 2)),
+    ("cp", ["--prefill-tp-size", "2", "--prefill-cp-size", "2", "--decode-cp-size", "2"],
+     ("prefill.tp_size", "prefill.cp_size", "decode.cp_size", "decode.tp_size"), (2, 2, 2, 1)),
     ("pp", ["--prefill-pp-size", "2", "--decode-pp-size", "4", "--prefill-tp-size", "2"],
      ("prefill.tp_size", "prefill.pp_size", "decode.tp_size", "decode.pp_size"), (2, 2, 1, 4)),
     ("pp", ["--prefill-pp-size", "3", "--prefill-pp-layer-partition", "1,2,1", "--decode-pp-size", "3"],
      ("prefill.pp_size", "prefill.pp_layer_partition", "decode.pp_size", "decode.pp_layer_partition"),
      (3, (1, 2, 1), 3, None)),
-], ids=["tp", "cp", "cp-with-tp", "cp-with-pp", "pp", "pp-uneven"])
+], ids=["tp", "cp", "cp-with-tp", "cp-with-pp", "decode-cp", "pp", "pp-uneven"])
 def test_each_role_gets_its_layout_sizes(monkeypatch, request, layout: str, flags: list[str],
                                          fields: tuple[str, ...], expected: tuple) -> None:
     status, plans = plan_up(monkeypatch, _layout_model(request, layout), "--no-l3", *flags)
@@ -155,6 +157,7 @@ def test_nodes_get_no_tp_size_unless_asked(monkeypatch, ranks_llama: Path) -> No
     ("tp", ["--no-l3", "--tp-size", "2"], "--prefill-tp-size, --decode-tp-size"),
     ("cp", ["--cp-size", "2"], "--prefill-cp-size"),
     ("cp", ["--prefill-cp-size", "0"], "cp_size must be at least 1"),
+    ("cp", ["--decode-cp-size", "0"], "--decode-tp-size 1 --decode-cp-size 0: cp_size must be at least 1"),
     ("pp", ["--no-l3", "--decode-pp-size", "5"], "--decode-tp-size 1 --decode-pp-size 5: pipeline-parallel size 5 "
                                                  "is above the model's 4 layers"),
     ("pp", ["--no-l3", "--pp-size", "2"], "--prefill-pp-size and --decode-pp-size"),
@@ -163,7 +166,7 @@ def test_nodes_get_no_tp_size_unless_asked(monkeypatch, ranks_llama: Path) -> No
     ("pp", ["--no-l3", "--prefill-pp-size", "2", "--prefill-pp-layer-partition", "4"],
      "--prefill-pp-layer-partition 4: --pp-layer-partition: the layer partition 4 names 1 stage(s)"),
     ("pp", ["--no-l3", "--pp-layer-partition", "2,2"], "--prefill-pp-layer-partition and --decode-pp-layer-partition"),
-], ids=["tp-decode-3", "tp-one-flag", "cp-one-flag", "cp-0", "pp-decode-5", "pp-one-flag",
+], ids=["tp-decode-3", "tp-one-flag", "cp-one-flag", "cp-0", "decode-cp-0", "pp-decode-5", "pp-one-flag",
         "pp-partition-sum", "pp-partition-count", "pp-partition-one-flag"])
 def test_a_layout_size_that_cannot_run_is_refused_before_any_child_starts(monkeypatch, capsys, request, layout: str,
                                                                           flags: list[str], message: str) -> None:

@@ -11,7 +11,7 @@ release too, under ``write_through``). Nothing here waits: decoding never slows 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from tierserve.cache.allocator import PageAllocator
 from tierserve.cache.base import PrefixHit
@@ -21,18 +21,23 @@ from tierserve.cache.radix_tree import RadixTree, path_pages
 QUEUE_CAP = 64  # copies in flight beyond which a checkpoint copies nothing (its pages wait in L1)
 
 
+Storable = Callable[[Sequence[int], list[int], str], int]  # (tokens, pages, salt) -> how many the tree may take
+
+
 def checkpoint(tree: RadixTree, loads: Loads, allocator: PageAllocator, token_ids: Sequence[int], pages: list[int],
-               num_computed: int, hit: PrefixHit) -> PrefixHit | None:
+               num_computed: int, hit: PrefixHit, storable: Storable | None = None) -> PrefixHit | None:
     """Puts the full pages of ``token_ids[:num_computed]`` (held in ``pages``) in the tree and
     returns the hit that now lends them back, pinned, in place of ``hit`` (unpinned here); None
     when nothing changed (no new full page, a load under the hit not yet agreed landed, or a load of
     another request's still filling tree pages these would be swapped for). Pages the tree already
     held are swapped for the tree's (the hit's) and freed, so the caller's page table must become
     ``hit.pages + pages[len(hit.pages):]``. The caller then copies the new hit's path
-    (``copy_now``); a CP rank never checkpoints (its pages join the tree only through release,
-    which keeps the rotation)."""
+    (``copy_now``). ``storable`` (a CP rank: ``cp_storable``) bounds the pages put in the tree as
+    a release's are, so every path stays one rotation (``docs/cp.md``)."""
     ps = tree.page_size
     full = min(num_computed // ps, len(pages), loads.usable(pages))
+    if storable is not None:
+        full = min(full, storable(token_ids, pages[:full], hit.salt))
     if full <= len(hit.pages) or not all(load.landed for load in hit.loads):
         return None
     if tree.loading_under(token_ids[: full * ps], hit.salt):

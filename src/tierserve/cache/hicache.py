@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from functools import partial
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent import futures
@@ -244,10 +245,12 @@ class HiCache:
     def checkpoint(self, token_ids: Sequence[int], pages: list[int], num_computed: int,
                    hit: PrefixHit) -> PrefixHit | None:
         """Continuous offload (``cache/generated.py``): the hit's new full pages join the tree and
-        its path is copied to L2 whatever the write policy, unless the copy queue is full."""
-        if self.ownership.size > 1:
-            return None  # a CP rank's pages join the tree only through release, which keeps the rotation
-        lent = generated.checkpoint(self.tree, self.loads, self.allocator, token_ids, pages, num_computed, hit)
+        its path is copied to L2 whatever the write policy, unless the copy queue is full. Under CP
+        only the pages that keep the path one rotation join (as at release, uncounted: a later
+        checkpoint or the release counts what is refused); each owner copies its own."""
+        storable = partial(cp_storable, self.tree, self.ownership) if self.ownership.size > 1 else None
+        lent = generated.checkpoint(self.tree, self.loads, self.allocator, token_ids, pages, num_computed, hit,
+                                    storable)
         if lent is not None:
             self._offload(lent.handle, lent.num_tokens // self.page_size - len(hit.pages))
         return lent

@@ -41,7 +41,10 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
                             "default: as even as can be, the extra layers on the stages before the last)")
     p.add_argument("--prefill-cp-size", type=int, default=1,
                    help="context-parallel ranks of every prefill node, each storing 1/N of the KV pages and "
-                        "sending those to the decode node (decode nodes run without CP)")
+                        "sending those to the decode node's owners of them")
+    p.add_argument("--decode-cp-size", type=int, default=1,
+                   help="context-parallel ranks of every decode node, each storing 1/N of the KV pages (any "
+                        "pairing with the prefill layout works)")
     p.add_argument("--no-l3", action="store_true", help="no mooncake_master: nodes keep L1 (and L2 if asked) only")
     p.add_argument("--l3-size-gb", type=float, default=None,
                    help="the L3 store's size in GB, split evenly between the nodes (default: a third of this "
@@ -100,7 +103,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                        args.state_file, restart, [*integrity, *args.prefill_args], [*integrity, *args.decode_args],
                        args.prefill_tp_size,
                        args.decode_tp_size, args.prefill_pp_size, args.decode_pp_size, args.prefill_cp_size, tls,
-                       args.prefill_pp_layer_partition, args.decode_pp_layer_partition)
+                       args.prefill_pp_layer_partition, args.decode_pp_layer_partition, args.decode_cp_size)
     return up(plan, lambda base, children: _announce(args, base, children, tls))
 
 
@@ -132,11 +135,11 @@ def _check_sizes(args: argparse.Namespace, config: EngineConfig) -> None:
             raise ValueError(problem)
     if config.tp_size != 1 or config.pp_size != 1 or config.cp_size != 1:
         raise ValueError("tierserve up: give the nodes' sizes with --prefill-tp-size, --decode-tp-size, "
-                         "--prefill-cp-size, --prefill-pp-size and --decode-pp-size")
+                         "--prefill-cp-size, --decode-cp-size, --prefill-pp-size and --decode-pp-size")
     for role, sizes in (("prefill", RoleSizes(args.prefill_tp_size, args.prefill_pp_size, args.prefill_cp_size,
                                               args.prefill_pp_layer_partition)),
-                        ("decode", RoleSizes(args.decode_tp_size, args.decode_pp_size,
-                                             partition=args.decode_pp_layer_partition))):
+                        ("decode", RoleSizes(args.decode_tp_size, args.decode_pp_size, args.decode_cp_size,
+                                             args.decode_pp_layer_partition))):
         if sizes != RoleSizes():
             _check_role(role, sizes, replace(config, enable_hierarchical_cache=True) if not args.no_l3 else config)
 
@@ -211,7 +214,7 @@ def _headline(args: argparse.Namespace, base: str) -> str:
     l3 = "" if args.no_l3 else f", L3 on Mooncake: {l3_size_bytes(args) / 1e9:.1f} GB"
     return (f"tierserve is up: {base}/v1  ({args.prefill_nodes} prefill"
             f"{_sizes(args.prefill_tp_size, args.prefill_pp_size, args.prefill_cp_size)}, {args.decode_nodes} decode"
-            f"{_sizes(args.decode_tp_size, args.decode_pp_size)}{l3}; Ctrl+C stops it; a child that dies is restarted)")
+            f"{_sizes(args.decode_tp_size, args.decode_pp_size, args.decode_cp_size)}{l3}; Ctrl+C stops it; a child that dies is restarted)")
 
 
 def _sizes(tp: int, pp: int, cp: int = 1) -> str:

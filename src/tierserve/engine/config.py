@@ -33,7 +33,7 @@ class EngineConfig:
     the model by ``misfit`` before any process starts).
     ``cp_size`` ranks share the KV pages by context parallelism, each storing 1/cp_size of them
     (docs/cp.md), also in the host tier and L3; each CP rank is a whole TP x PP replica of its own
-    processes (docs/cp.md, composed with TP and PP); not yet on the decode role (``_check_fits``);
+    processes (docs/cp.md, composed with TP and PP), on every role;
     ``cp_attention`` says where attention merges instead of gathering.
     ``speculative_draft_model_path`` turns on speculative decoding with that draft
     model (docs/speculative.md): ``speculative_num_steps`` draft tokens are
@@ -128,8 +128,8 @@ class EngineConfig:
                              "and --base-gpu-id (one device per rank from there)")
 
     def _check_context_parallel(self) -> None:
-        """A CP size below 1, refused before any process starts (any TP x CP x PP the model fits runs;
-        the decode role's refusal is the node's, ``_check_fits``)."""
+        """A CP size below 1, refused before any process starts (any TP x CP x PP the model fits runs,
+        on every role)."""
         if self.cp_size < 1:
             raise ValueError("cp_size must be at least 1")
 

@@ -47,7 +47,7 @@ class ReservationStaging(Protocol):
 
     def holds(self, request_id: str) -> bool: ...
 
-    def scatter(self, request_id: str, slots: list[int], start: int) -> None: ...
+    def scatter(self, request_id: str, pages: list[int], start: int, end: int) -> None: ...
 
     def drop(self, request_id: str, free_at: float | None) -> None: ...
 
@@ -85,7 +85,9 @@ class Reservations:
         missing = pages_for(num_tokens, self.page_size) - len(hit.pages)
         if self.allocator.num_free < missing:
             self.cache.evict(missing - self.allocator.num_free)
-        pages = self.allocator.alloc(missing)
+        pages = self.allocator.alloc_after(hit.pages, missing)  # CP: the hit's rotation (docs/cp.md)
+        while pages is None and self.cache.evict(missing) > 0:  # CP: the owners it needs may still lack pages
+            pages = self.allocator.alloc_after(hit.pages, missing)
         if pages is None:
             self.cache.release(prompt, list(hit.pages), hit.num_tokens, hit)
             raise CapacityError(f"no room for {num_tokens} tokens of KV: {self.allocator.num_free} pages free "
@@ -101,10 +103,8 @@ class Reservations:
         if reservation is None:
             raise KeyError(f"no reservation {request_id!r} (unknown, released or its lease expired)")
         r = reservation.request
-        if self.staging is not None and self.staging.holds(request_id):  # else no slot list to build
-            sent = range(r.num_computed, len(r.prompt_ids))
-            self.staging.scatter(request_id, [r.pages[t // self.page_size] * self.page_size + t % self.page_size
-                                              for t in sent], sent.start)
+        if self.staging is not None:
+            self.staging.scatter(request_id, r.pages, r.num_computed, len(r.prompt_ids))
         return r
 
     def cancel(self, request_id: str, writer_stopped: bool, now: float) -> bool:

@@ -43,8 +43,8 @@ class ClusterPlan:
     unless that config names its own ``global_segment_size``. ``state_file``: where ``up`` keeps
     the children's roles, PIDs and ports as JSON (``launch.state``); None: nowhere.
     ``prefill_tp`` and ``decode_tp``: each node's rank processes (``--tp-size``) per role, per stage
-    of ``prefill_pp`` and ``decode_pp`` pipeline stages (``--pp-size``); ``prefill_cp``: each prefill
-    node's context-parallel ranks (``--cp-size``; decode nodes run without CP); ``prefill_pp_partition``
+    of ``prefill_pp`` and ``decode_pp`` pipeline stages (``--pp-size``); ``prefill_cp`` and
+    ``decode_cp``: each node's context-parallel ranks (``--cp-size``) per role; ``prefill_pp_partition``
     and ``decode_pp_partition``: each role's layers per stage (``--pp-layer-partition``; None: the
     default split). ``tls``: the nodes
     serve mutual TLS with its certificates and the router presents its client certificate
@@ -72,13 +72,14 @@ class ClusterPlan:
     tls: ClusterTLS | None = None
     prefill_pp_partition: tuple[int, ...] | None = None
     decode_pp_partition: tuple[int, ...] | None = None
+    decode_cp: int = 1
 
     def role_flags(self, role: ChildRole) -> list[str]:
         """A role's own flags: its TP, PP and CP sizes (when above 1), its layer partition (when
         given), then the user's ``--<role>-args``."""
         tp = {ChildRole.PREFILL: self.prefill_tp, ChildRole.DECODE: self.decode_tp}.get(role, 1)
         pp = {ChildRole.PREFILL: self.prefill_pp, ChildRole.DECODE: self.decode_pp}.get(role, 1)
-        cp = self.prefill_cp if role is ChildRole.PREFILL else 1
+        cp = {ChildRole.PREFILL: self.prefill_cp, ChildRole.DECODE: self.decode_cp}.get(role, 1)
         own = {ChildRole.PREFILL: self.prefill_flags, ChildRole.DECODE: self.decode_flags}.get(role, [])
         sizes = [f for flag, n in (("--tp-size", tp), ("--pp-size", pp), ("--cp-size", cp)) if n > 1
                  for f in (flag, str(n))]

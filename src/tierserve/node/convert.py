@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from tierserve.cache.device_pool import DeviceKVPool, KVGeometry
+from tierserve.cache.sharded.cp_pages import PageOwnership
 from tierserve.engine.engine import Engine
 from tierserve.proto import tierserve_pb2 as pb
 from tierserve.proto.sampling import from_proto as sampling_params
@@ -95,7 +96,8 @@ def kv_ranks(arenas: list[RankArena]) -> list[pb.KVRank]:
                       kv_head_start=a.heads.start, kv_heads=a.heads.count,
                       staged=[pb.KVStagedPart(kv_head_start=s.heads.start, kv_heads=s.heads.count,
                                               address=s.arena.base, tokens=s.arena.num_slots) for s in a.staged],
-                      layer_start=a.first_layer, num_layers=a.arena.num_layers)
+                      layer_start=a.first_layer, num_layers=a.arena.num_layers, cp_rank=a.owner.rank,
+                      cp_size=a.owner.size)
             for a in arenas]
 
 
@@ -110,11 +112,14 @@ def destination_ranks(dest: pb.KVDestination, head_bytes: int) -> list[RankArena
 
 
 def _rank_arena(r: pb.KVRank, i: pb.KVIdentity, head_bytes: int) -> RankArena:
-    """A destination rank; ``num_layers`` 0 (a node without stages): every layer of the model."""
+    """A destination rank; ``num_layers`` 0 (a node without stages): every layer of the model;
+    ``cp_size`` 0 (a node without context parallelism): every page."""
     layers = r.num_layers or i.num_layers
     arena = KVArena(r.base_address, layers, r.num_slots, r.kv_heads * head_bytes, i.page_size)
     staged = tuple(_staged_part(s, layers, i.page_size, head_bytes) for s in r.staged)
-    return RankArena(r.transfer_endpoint, arena, HeadRange(r.kv_head_start, r.kv_heads), staged, 0, r.layer_start)
+    owner = PageOwnership(r.cp_rank, r.cp_size or 1)
+    return RankArena(r.transfer_endpoint, arena, HeadRange(r.kv_head_start, r.kv_heads), staged, 0, r.layer_start,
+                     owner)
 
 
 def _staged_part(part: pb.KVStagedPart, layers: int, page_size: int, head_bytes: int) -> StagedPart:
@@ -125,17 +130,25 @@ def _staged_part(part: pb.KVStagedPart, layers: int, page_size: int, head_bytes:
 
 def heads_problem(dests: list[RankArena], num_kv_heads: int, max_page: int, num_layers: int) -> str | None:
     """Why a prefill node cannot write into these destination ranks, as a sentence, or None: every
-    KV head of every layer of the model needs a rank that holds it, and every rank the whole page
-    table."""
+    KV head of every layer of the model needs a rank that holds it (under context parallelism, one
+    of every CP rank: each holds its own pages), and every rank its pages of the page table."""
     for rank, dest in enumerate(dests):
         problem = _rank_problem(dest, num_kv_heads, max_page, num_layers)
         if problem is not None:
             return f"destination rank {rank}: {problem}"
-    missing = sorted(set(range(num_kv_heads)) - {h for d in dests for h in range(d.heads.start, d.heads.end)})
-    if missing:
-        return (f"the destination's {len(dests)} rank(s) hold no copy of KV heads {missing} of {num_kv_heads}: "
-                "this prefill-decode pairing cannot hand the KV over")
-    return _layers_problem(dests, num_kv_heads, num_layers)
+    sizes = {d.owner.size for d in dests}
+    if len(sizes) != 1 or any(not 0 <= d.owner.rank < d.owner.size for d in dests):
+        return f"the destination's ranks name inconsistent context-parallel places {[d.owner for d in dests]}"
+    for cp in range(sizes.pop()):
+        owners = [d for d in dests if d.owner.rank == cp]
+        missing = sorted(set(range(num_kv_heads)) - {h for d in owners for h in range(d.heads.start, d.heads.end)})
+        if missing:
+            return (f"the destination's {len(dests)} rank(s) hold no copy of KV heads {missing} of {num_kv_heads}"
+                    f"{f' on CP rank {cp}' if len(owners) < len(dests) else ''}: "
+                    "this prefill-decode pairing cannot hand the KV over")
+        if (problem := _layers_problem(owners, num_kv_heads, num_layers)) is not None:
+            return problem
+    return None
 
 
 def _layers_problem(dests: list[RankArena], num_kv_heads: int, num_layers: int) -> str | None:
@@ -157,7 +170,7 @@ def _rank_problem(dest: RankArena, num_kv_heads: int, max_page: int, num_layers:
         return f"holds layers [{dest.first_layer}, {dest.layers.end}) of a model with {num_layers}"
     if not dest.endpoint:
         return "names no transfer endpoint"
-    if (max_page + 1) * dest.arena.page_size > dest.arena.num_slots:
+    if (dest.owner.local(max_page) + 1) * dest.arena.page_size > dest.arena.num_slots:
         return "a destination page lies outside its arena"
     return None
 

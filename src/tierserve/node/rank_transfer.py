@@ -4,7 +4,8 @@ after its engine (``NodeRankRole.attach``) and the ranks gather every rank's are
 name them all in a ``KVDestination`` (decode) and every prefill rank knows its heads' routes. With
 pipeline stages a rank's arena holds its stage's layers only, and says which (``RankArena.first_layer``):
 each prefill rank sends its heads of its layers to the decode ranks holding those layers. With context
-parallelism (prefill nodes only) a rank's arena holds the pages it owns: each CP rank sends those."""
+parallelism a rank's arena holds the pages it owns: each CP prefill rank sends those, and each CP decode
+rank says which it holds (``RankArena.owner``), so every page goes to its owner (``docs/cp.md``)."""
 
 from __future__ import annotations
 
@@ -158,7 +159,8 @@ class NodeRankRole:
         if receiver is not None and receive is not None:
             receiver.register(receive.staging.buffer)
         base = receive.staging.base if receive else 0
-        own = RankArena(receiver.endpoint if receiver else "", arena(engine), held, (), base, own_layers(engine).start)
+        own = RankArena(receiver.endpoint if receiver else "", arena(engine), held, (), base, own_layers(engine).start,
+                        engine.ranks.cp)
         arenas = _gather(engine, own)
         return RankTransfer(engine, receiver, peers, arenas, self._board(engine), held if shard.writes else None,
                             gatherer, receive, o.integrity)
@@ -168,7 +170,8 @@ class NodeRankRole:
         if self.side is not Side.DECODE or self.options.staging_bytes <= 0:
             return None
         staging = StagingArena(self.options.staging_bytes, engine.pool.buffer.device)
-        receive = ReceiveStaging(staging, engine.pool.buffer, arena(engine), held, engine.model_config.num_kv_heads)
+        receive = ReceiveStaging(staging, engine.pool.buffer, arena(engine), held, engine.model_config.num_kv_heads,
+                                 engine.ranks.cp)
         engine.reservations.staging = receive
         return receive
 

@@ -82,7 +82,7 @@ def run_node(config: EngineConfig, options: NodeOptions, role: pb.Role, add_serv
     status 1 when another rank dies (``docs/ranks.md``)."""
     import uvloop
 
-    _check_fits(config, role)
+    _check_fits(config)
     side = NodeRankRole(Side.PREFILL if role == pb.ROLE_PREFILL else Side.DECODE, options.transfer())
     procs = RankProcesses(config, options.log_level, side) if config.num_ranks > 1 else None
     try:
@@ -123,15 +123,10 @@ def _stop(node: Node | None, engine: Engine, procs: RankProcesses | None) -> Non
     engine.cache.close()
 
 
-def _check_fits(config: EngineConfig, role: pb.Role) -> None:
+def _check_fits(config: EngineConfig) -> None:
     """Refuses, before any process starts, a TP size the model's heads or MLP cannot be split over, a
-    PP size above its layers or a layer partition that does not add up to them, and context
-    parallelism on a decode node, which does not run yet (docs/cp.md: a CP prefill node hands its
-    KV to a decode node without CP)."""
-    if config.cp_size != 1 and role != pb.ROLE_PREFILL:
-        print("tierserve: --cp-size is not supported on decode nodes (prefill nodes and tierserve serve only): "
-              "a decode node without CP takes the KV of a CP prefill node", file=sys.stderr)
-        raise SystemExit(2)
+    PP size above its layers or a layer partition that does not add up to them (any TP x CP x PP
+    runs on both roles, docs/cp.md)."""
     problem = misfit(config.model_dir, config.tp_size, config.pp_size, config.pp_layer_partition)
     if problem is not None:
         print(f"tierserve: {config.layout_flags} does not fit {config.model_dir.name}: {problem}", file=sys.stderr)

@@ -34,7 +34,7 @@ class KVIdentity(_message.Message):
     def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., page_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ...) -> None: ...
 
 class KVRank(_message.Message):
-    __slots__ = ("transfer_endpoint", "base_address", "num_slots", "kv_head_start", "kv_heads", "staged", "layer_start", "num_layers")
+    __slots__ = ("transfer_endpoint", "base_address", "num_slots", "kv_head_start", "kv_heads", "staged", "layer_start", "num_layers", "cp_rank", "cp_size")
     TRANSFER_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     BASE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -43,6 +43,8 @@ class KVRank(_message.Message):
     STAGED_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    CP_RANK_FIELD_NUMBER: _ClassVar[int]
+    CP_SIZE_FIELD_NUMBER: _ClassVar[int]
     transfer_endpoint: str
     base_address: int
     num_slots: int
@@ -51,7 +53,9 @@ class KVRank(_message.Message):
     staged: _containers.RepeatedCompositeFieldContainer[KVStagedPart]
     layer_start: int
     num_layers: int
-    def __init__(self, transfer_endpoint: _Optional[str] = ..., base_address: _Optional[int] = ..., num_slots: _Optional[int] = ..., kv_head_start: _Optional[int] = ..., kv_heads: _Optional[int] = ..., staged: _Optional[_Iterable[_Union[KVStagedPart, _Mapping]]] = ..., layer_start: _Optional[int] = ..., num_layers: _Optional[int] = ...) -> None: ...
+    cp_rank: int
+    cp_size: int
+    def __init__(self, transfer_endpoint: _Optional[str] = ..., base_address: _Optional[int] = ..., num_slots: _Optional[int] = ..., kv_head_start: _Optional[int] = ..., kv_heads: _Optional[int] = ..., staged: _Optional[_Iterable[_Union[KVStagedPart, _Mapping]]] = ..., layer_start: _Optional[int] = ..., num_layers: _Optional[int] = ..., cp_rank: _Optional[int] = ..., cp_size: _Optional[int] = ...) -> None: ...
 
 class KVStagedPart(_message.Message):
     __slots__ = ("kv_head_start", "kv_heads", "address", "tokens")

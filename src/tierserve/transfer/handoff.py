@@ -23,7 +23,7 @@ import torch
 from tierserve.cache.sharded.cp_pages import PageOwnership
 from tierserve.transfer.digest import SendDigests
 from tierserve.transfer.engine import EntryBudget, Link, Peers, TransferError
-from tierserve.transfer.layout import Block, KVArena, Route, Run, local_pages, route_blocks, token_runs
+from tierserve.transfer.layout import Block, KVArena, Route, Run, held_pages, local_pages, route_blocks, token_runs
 from tierserve.transfer.staging import Gatherer, Staged, gathers
 
 _DONE = None  # sentinel in the sender's queue: no more layers
@@ -109,6 +109,7 @@ class KVHandoff:
     when one is given (``transfer/staging.py``). ``pages`` (``on_layer``) are logical: under context
     parallelism (``owner`` of size above 1) this rank sends only the pages it owns, each from its
     local slot, into the destination's page of the same position; the other CP ranks send the rest.
+    A route into a CP decode rank carries only the pages that rank holds (``held_pages``).
     Batches go through ``engines`` (fault tests wrap it: ``transfer/faulty.py``). ``digests``: this
     rank's digests of what it sends."""
 
@@ -119,7 +120,6 @@ class KVHandoff:
         self.owner, self.digests = owner, digests
         self.target = ",".join(dict.fromkeys(r.target for r in routes))  # for messages
         self.dst_pages, self.prompt_len = dst_pages, prompt_len
-        self._positions = list(range(len(dst_pages)))  # "pages" of staging whose slot t is token t
         start = dst_start if routes else prompt_len
         self._sent = [start] * src.num_layers  # per layer: tokens before this are submitted
         self._cuda = cuda  # the source pool is on CUDA: blocks wait for their layer's kernels
@@ -209,7 +209,7 @@ class KVHandoff:
 
     def _runs(self, route: Route, pages: list[int], start: int, end: int) -> list[Run]:
         """Tokens ``[start, end)`` as runs into the page table, or into staging indexed by token."""
-        dst_pages = self._positions if route.by_token else self.dst_pages
+        dst_pages = held_pages(route.owner, self.dst_pages, route.by_token)
         return token_runs(local_pages(self.owner, pages), dst_pages, start, end, self.src.page_size)
 
     def _batches(self, route: Route, runs: list[Run], layer: int) -> list[_Batch]:

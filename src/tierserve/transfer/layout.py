@@ -58,6 +58,7 @@ class LayerRange:
 
 
 EVERY_LAYER = range(1 << 31)  # a route's source layers when neither side has pipeline stages
+EVERY_PAGE = PageOwnership()  # a destination rank without context parallelism holds every page
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,8 @@ class RankArena:
     """One rank of a destination node: its transfer engine, its arena, the model's KV heads it
     holds, and the staging it offers this request (none: every source writes in place). Its
     arena's layer i (and its staging's) is the model's layer ``first_layer + i``: a pipeline
-    stage holds only its layers."""
+    stage holds only its layers. ``owner``: the logical pages its arena holds (a decode node with
+    context parallelism: only those it owns, each at its local slot; ``docs/cp.md``)."""
 
     endpoint: str
     arena: KVArena
@@ -82,6 +84,7 @@ class RankArena:
     staged: tuple[StagedPart, ...] = ()
     staging_base: int = 0  # where the rank's staging arena starts (0: it has none)
     first_layer: int = 0
+    owner: PageOwnership = EVERY_PAGE
 
     @property
     def layers(self) -> LayerRange:
@@ -93,7 +96,8 @@ class Route:
     """Part of every token slot that goes to one destination rank: ``nbytes`` from ``src_offset``
     into a source slot, written at ``dst_offset`` into a slot of ``dst`` at ``target``; only the
     source's (arena) layers ``layers``, source layer l into destination layer ``l + layer_shift``
-    (pipeline stages on either side hold different layer ranges)."""
+    (pipeline stages on either side hold different layer ranges); only the pages ``owner`` says
+    the destination rank holds (a CP decode rank), each into its local slot."""
 
     target: str
     dst: KVArena
@@ -103,6 +107,7 @@ class Route:
     by_token: bool = False  # ``dst`` is staging: its slot t is token t, not the page table's slot
     layers: range = EVERY_LAYER
     layer_shift: int = 0
+    owner: PageOwnership = EVERY_PAGE
 
     def dst_layer(self, layer: int) -> int:
         return layer + self.layer_shift
@@ -122,10 +127,12 @@ def plan_routes(held: HeadRange, head_bytes: int, dests: list[RankArena], layers
         lo, hi = max(held.start, dest.heads.start), min(held.end, dest.heads.end)
         staged = next((s for s in dest.staged if s.heads == held), None)
         if staged is not None:
-            routes.append(Route(dest.endpoint, staged.arena, 0, 0, held.count * head_bytes, True, *shared))
+            routes.append(Route(dest.endpoint, staged.arena, 0, 0, held.count * head_bytes, True, *shared,
+                                dest.owner))
         elif lo < hi:
             routes.append(Route(dest.endpoint, dest.arena, (lo - held.start) * head_bytes,
-                                (lo - dest.heads.start) * head_bytes, (hi - lo) * head_bytes, False, *shared))
+                                (lo - dest.heads.start) * head_bytes, (hi - lo) * head_bytes, False, *shared,
+                                dest.owner))
     return routes
 
 
@@ -139,20 +146,21 @@ def _shared_layers(layers: LayerRange | None, dest: RankArena) -> tuple[range, i
     return range(lo - layers.start, hi - layers.start), layers.start - dest.first_layer
 
 
-def token_runs(src_pages: Sequence[int | None], dst_pages: Sequence[int], start: int, end: int, page_size: int
-               ) -> list[Run]:
+def token_runs(src_pages: Sequence[int | None], dst_pages: Sequence[int | None], start: int, end: int,
+               page_size: int) -> list[Run]:
     """Tokens ``[start, end)`` as (source slot, destination slot, tokens) runs that are
     consecutive on both sides: pages allocated together usually are, so a long prompt is a few
     runs rather than one entry per page. A source page None is not in this source's pool (under
-    context parallelism another rank owns it and sends it): its tokens are left out."""
+    context parallelism another rank owns it and sends it), a destination page None not in this
+    destination rank's (a CP decode node: another rank holds it): their tokens are left out."""
     runs: list[Run] = []
     token = start
     while token < end:
         page, offset = divmod(token, page_size)
         n = min(page_size - offset, end - token)
-        src = src_pages[page]
-        if src is not None:
-            _extend(runs, src * page_size + offset, dst_pages[page] * page_size + offset, n)
+        src, dst = src_pages[page], dst_pages[page]
+        if src is not None and dst is not None:
+            _extend(runs, src * page_size + offset, dst * page_size + offset, n)
         token += n
     return runs
 
@@ -164,6 +172,15 @@ def local_pages(owner: PageOwnership | None, pages: list[int]) -> list[int] | li
     if owner is None or owner.size == 1:
         return pages
     return [owner.local(p) if owner.owns(p) else None for p in pages]
+
+
+def held_pages(owner: PageOwnership, logical: Sequence[int], by_token: bool = False) -> list[int | None]:
+    """The destination side of ``token_runs`` for a rank holding ``owner``'s logical pages: page i
+    of the table ``logical`` as the rank's local page (``page // N``; ``by_token``: page i of
+    staging whose slot t is token t), or None where another CP rank of the destination holds it."""
+    if owner.size == 1:
+        return list(range(len(logical))) if by_token else list(logical)
+    return [(i if by_token else owner.local(p)) if owner.owns(p) else None for i, p in enumerate(logical)]
 
 
 def _extend(runs: list[Run], s: int, d: int, n: int) -> None:

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from tierserve.engine.engine import Engine
 from tierserve.engine.request import Request
 from tierserve.transfer.digest import MASK, DigestWeights, layer_digest, slots_of
+from tierserve.transfer.layout import local_pages
 
 
 @functools.cache
@@ -28,8 +29,8 @@ def engine_weights(engine: Engine) -> DigestWeights:
 
 def received_digests(engine: Engine, request: Request) -> list[int]:
     """This rank's part of the digests of ``request``'s tokens after its cached prefix, per model
-    layer (zero for layers of other stages)."""
-    pages, page_size = request.pages, engine.geometry.page_size
+    layer (zero for layers of other stages); under context parallelism, of the pages it owns."""
+    pages, page_size = local_pages(engine.ranks.cp, request.pages), engine.geometry.page_size
     slots, positions = slots_of(pages, request.num_computed, len(request.prompt_ids), page_size)
     shard, weights = engine.kv_shard, engine_weights(engine)
     heads = (0, shard.heads.count, shard.heads.start)

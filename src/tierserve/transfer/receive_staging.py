@@ -16,8 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
+from tierserve.cache.sharded.cp_pages import PageOwnership
 from tierserve.model.parallel import kv_heads_of
-from tierserve.transfer.layout import HeadRange, KVArena, StagedPart
+from tierserve.transfer.digest import slots_of
+from tierserve.transfer.layout import HeadRange, KVArena, StagedPart, local_pages
 from tierserve.transfer.staging import StagingArena, as_words, slot_view, word_size
 
 
@@ -58,12 +60,14 @@ def parts(region: Region, base: int, own: HeadRange, num_kv_heads: int, layers: 
 
 
 class ReceiveStaging:
-    """One decode rank's staging regions, by reservation; called from the engine's commands only."""
+    """One decode rank's staging regions, by reservation; called from the engine's commands only.
+    Under context parallelism (``owner``) a region still has a slot per prompt token, but the
+    writers fill, and ``scatter`` copies, only the tokens of the pages this rank owns."""
 
     def __init__(self, staging: StagingArena, pool: torch.Tensor, arena: KVArena, own: HeadRange,
-                 num_kv_heads: int) -> None:
+                 num_kv_heads: int, owner: PageOwnership | None = None) -> None:
         self.staging, self.arena, self.own, self.num_kv_heads = staging, arena, own, num_kv_heads
-        self.pool = pool
+        self.pool, self.owner = pool, owner or PageOwnership()
         self.regions: dict[str, Region] = {}
         self._quarantine: list[tuple[float, Region]] = []  # (free at, region)
 
@@ -100,16 +104,18 @@ class ReceiveStaging:
         return parts(region, base, own, self.num_kv_heads, self.arena.num_layers, self.head_bytes,
                      self.arena.page_size)
 
-    def scatter(self, request_id: str, slots: list[int], start: int) -> None:
-        """Copies tokens ``[start, start + len(slots))`` of every part into ``slots`` of the pool
-        (the prompt arrived), then frees the region."""
+    def scatter(self, request_id: str, pages: list[int], start: int, end: int) -> None:
+        """Copies tokens ``[start, end)`` of every part into their slots through the logical page
+        table ``pages`` (those of the pages this rank owns), then frees the region."""
         region = self.regions.pop(request_id, None)
         if region is None:
             return
-        index = torch.tensor(slots, dtype=torch.long, device=self.pool.device)
+        slots, positions = slots_of(local_pages(self.owner, pages), start, end, self.arena.page_size)
+        index = torch.from_numpy(slots).to(self.pool.device)
+        rows = torch.from_numpy(positions).to(self.pool.device)
         for part in parts(region, 0, self.own, self.num_kv_heads, self.arena.num_layers, self.head_bytes,
                           self.arena.page_size):
-            self._scatter_part(part, index, start)
+            self._scatter_part(part, index, rows)
         self.staging.free(region.offset, region.nbytes)
 
     def drop(self, request_id: str, free_at: float | None) -> None:
@@ -130,11 +136,11 @@ class ReceiveStaging:
             self._quarantine.remove(entry)
             self.staging.free(entry[1].offset, entry[1].nbytes)
 
-    def _scatter_part(self, part: StagedPart, index: torch.Tensor, start: int) -> None:
+    def _scatter_part(self, part: StagedPart, index: torch.Tensor, rows: torch.Tensor) -> None:
         a = part.arena  # its base is the offset into this rank's staging arena
         column = (part.heads.start - self.own.start) * self.head_bytes
         word = word_size(self.arena.slot_bytes, column, a.slot_bytes, a.base)
         staged = as_words(self.staging.view(a.base, a.num_layers * 2 * a.num_slots * a.slot_bytes), word)
-        rows = staged.view(a.num_layers, 2, a.num_slots, a.slot_bytes // word)[:, :, start: start + len(index)]
+        tokens = staged.view(a.num_layers, 2, a.num_slots, a.slot_bytes // word)[:, :, rows]
         slots = slot_view(self.pool, self.arena, word)
-        slots[:, :, index, column // word: (column + a.slot_bytes) // word] = rows
+        slots[:, :, index, column // word: (column + a.slot_bytes) // word] = tokens
