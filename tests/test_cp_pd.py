@@ -5,7 +5,11 @@ its local slot, into the decode node's pages; outputs equal the single engine; t
 together move exactly the KV bytes of the uncached prompt (a rank sending every page would move
 twice that); a decode cache hit moves only the rest. A TP 2 x CP 2 prefill node (four ranks, each
 sending its tensor rank's heads of the pages it owns) hands over to the same decode nodes, and a
-PP 2 x CP 2 one (each rank its stage's layer of the pages it owns) to the TP 1 node."""
+PP 2 x CP 2 one (each rank its stage's layer of the pages it owns) to the TP 1 node. A decode node
+with CP 2 ("dc2", issue 28 item 3) takes the KV of a CP 2, a TP 1 and a TP 2 x CP 2 prefill node, each
+page written into its owner's slot only (the TP 2 x CP 2 ranks through the decode ranks' receive
+staging); it continues the rotation of what it caches (a decode hit), and its continuous offload runs
+under CP (pages of running requests reach L3 through the owners)."""
 
 from __future__ import annotations
 
@@ -14,9 +18,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from helpers import metrics
 from helpers.pd_nodes import DECODE_ARGS, NODE_ARGS, PAGE, idle, info, prompts, reference, run_all, run_pd
 from helpers.polling import wait_for
-from helpers.processes import NodeProcess
+from helpers.processes import NodeProcess, free_port
 from helpers.tiny_models import make_tiny_model
 
 from tierserve.proto import tierserve_pb2 as pb
@@ -26,7 +31,9 @@ LAYERS = 2
 TOKEN_BYTES = LAYERS * 2 * 4 * 16 * 4  # layers x (K, V) x the model's 4 KV heads x head dim x float32
 SIZES = {"pc2": ("prefill", ["--cp-size", "2"]), "pt2c2": ("prefill", ["--tp-size", "2", "--cp-size", "2"]),
          "pp2c2": ("prefill", ["--pp-size", "2", "--cp-size", "2"]), "d1": ("decode", []),
-         "dt2": ("decode", ["--tp-size", "2"])}
+         "dt2": ("decode", ["--tp-size", "2"]), "p1": ("prefill", []),
+         "dc2": ("decode", ["--cp-size", "2", "--enable-hierarchical-cache", "--hicache-storage-backend", "file"])}
+DC2_METRICS = free_port()
 
 
 @pytest.fixture(scope="module")
@@ -37,11 +44,13 @@ def model(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def nodes(model: Path, tmp_path_factory) -> Iterator[dict[str, NodeProcess]]:
-    """Prefill nodes at CP 2 ("pc2"), TP 2 x CP 2 ("pt2c2") and PP 2 x CP 2 ("pp2c2"), decode nodes at
-    TP 1 ("d1") and TP 2 ("dt2")."""
+    """Prefill nodes at CP 2 ("pc2"), TP 2 x CP 2 ("pt2c2"), PP 2 x CP 2 ("pp2c2") and TP 1 ("p1"),
+    decode nodes at TP 1 ("d1"), TP 2 ("dt2") and CP 2 ("dc2", with L2 and a file L3)."""
     logs = tmp_path_factory.mktemp("cp-pd-logs")
+    l3 = ["--hicache-storage-backend-extra-config", f'{{"path": "{tmp_path_factory.mktemp("dc2-l3")}"}}',
+          "--metrics-port", str(DC2_METRICS)]
     started = {name: NodeProcess(role, ["--model", str(model), *(NODE_ARGS if role == "prefill" else DECODE_ARGS),
-                                        *sizes], logs / f"{name}.log")
+                                        *sizes, *(l3 if name == "dc2" else [])], logs / f"{name}.log")
                for name, (role, sizes) in SIZES.items()}
     try:
         yield {name: node.wait_ready() for name, node in started.items()}
@@ -62,9 +71,10 @@ def _check_pairing(model: Path, prefill: str, decode: str, batch: list[list[int]
 
 
 @pytest.mark.parametrize(("p", "d"), [("pc2", "d1"), ("pc2", "dt2"), ("pt2c2", "d1"), ("pt2c2", "dt2"),
-                                      ("pp2c2", "d1")])
+                                      ("pp2c2", "d1"), ("pc2", "dc2"), ("p1", "dc2"), ("pt2c2", "dc2")])
 def test_outputs_equal_the_single_engine_from_cp_2(model: Path, nodes, p: str, d: str) -> None:
-    """Fresh prompts (one to five chunks: pages of both owners, rotations starting on either)."""
+    """Fresh prompts (one to five chunks: pages of both owners, rotations starting on either); into
+    dc2, each page to its owner only (a rank writing every page would move twice the bytes)."""
     batch = prompts(4, seed=300 + 10 * list(SIZES).index(p) + len(d))  # each pair its own: no decode cache hit
     _check_pairing(model, nodes[p].address, nodes[d].address, batch, f"{p}{d}-")
 
@@ -80,18 +90,31 @@ def test_prefill_cache_hits_are_sent_by_their_owners(model: Path, nodes) -> None
     assert [r.cache.cached_tokens for r in responses] == [len(p) // PAGE * PAGE for p in batch]
 
 
-def test_a_decode_cache_hit_moves_only_the_uncached_tokens(model: Path, nodes) -> None:
-    prompt = prompts(1, seed=320)[0] + list(range(2, 2 + 3 * PAGE))
-    first, r1 = asyncio.run(run_pd(nodes["pc2"].address, nodes["d1"].address, "cp-hit-a", prompt))
+@pytest.mark.parametrize("d", ["d1", "dc2"])
+def test_a_decode_cache_hit_moves_only_the_uncached_tokens(model: Path, nodes, d: str) -> None:
+    """At dc2 the second prompt's new pages continue the cached prefix's rotation, and its decode
+    steps merge attention over a prefix whose pages both ranks hold."""
+    prompt = prompts(1, seed=320 + len(d))[0] + list(range(2, 2 + 3 * PAGE))
+    first, r1 = asyncio.run(run_pd(nodes["pc2"].address, nodes[d].address, f"cp-hit-a-{d}", prompt))
     more = prompt + list(range(5, 5 + 2 * PAGE + 3))  # extends it: D keeps the first prompt's whole pages
-    again, r2 = asyncio.run(run_pd(nodes["pc2"].address, nodes["d1"].address, "cp-hit-b", more))
+    again, r2 = asyncio.run(run_pd(nodes["pc2"].address, nodes[d].address, f"cp-hit-b-{d}", more))
     assert first == reference(model, [prompt])[0] and again == reference(model, [more])[0]
     held = len(prompt) // PAGE * PAGE
     assert r1.transferred_bytes == len(prompt) * TOKEN_BYTES
     assert r2.transferred_bytes == (len(more) - held) * TOKEN_BYTES
 
 
-@pytest.mark.parametrize(("p", "tp", "pp"), [("pc2", 1, 1), ("pt2c2", 2, 1), ("pp2c2", 1, 2)])
+def test_continuous_offload_runs_on_a_cp_decode_node(nodes) -> None:
+    """dc2's running requests put their full pages in the tree as they fill (not a no-op under CP:
+    ``HiCache.checkpoint``) and their owners back them up to L3; no page of theirs was refused."""
+    asyncio.run(run_pd(nodes["p1"].address, nodes["dc2"].address, "cp-offload", prompts(1, seed=330)[0] + [7] * 40))
+    text = lambda: metrics.scrape(f"http://127.0.0.1:{DC2_METRICS}")  # noqa: E731
+    assert metrics.value(text(), "tierserve_cache_offload_checkpoint_pages_total") > 0
+    wait_for(lambda: metrics.value(text(), "tierserve_cache_l3_backup_pages_total") > 0, "a backup to L3", 20)
+    assert metrics.value(text(), "tierserve_cache_cp_refused_pages_total") == 0
+
+
+@pytest.mark.parametrize(("p", "tp", "pp"), [("pc2", 1, 1), ("pt2c2", 2, 1), ("pp2c2", 1, 2), ("dc2", 1, 1)])
 def test_info_reports_the_tensor_ranks_and_stages(nodes, p: str, tp: int, pp: int) -> None:
     """The router's Reserve names the prefill node's TP size: a CP rank holds its tensor rank's KV heads."""
     reply = asyncio.run(info(nodes[p].address))

@@ -1,6 +1,7 @@
 """``tierserve up`` with multi-rank nodes: a real cluster whose prefill and decode nodes run
-different TP sizes, a CP prefill node (with L3), or pipeline stages on both sides (with L3) answers
-through the OpenAI API exactly as the single engine does, and says its layout in its banner. Its
+different TP sizes, a CP prefill node (with L3), pipeline stages on both sides (with L3), or a TP 2 x CP 2
+prefill node with a CP 2 decode node (with L3; answers equal to ``transformers``) answers through the
+OpenAI API exactly as the single engine does, and says its layout in its banner. Its
 plans (the sizes each role gets, the sizes refused) are in ``test_up_plan.py``."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import httpx
 import pytest
 from helpers.pd_nodes import reference
 from helpers.processes import free_port, running_up
+from helpers.rank_servers import hf_greedy
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -27,11 +29,14 @@ def _completion(port: int, prompt: list[int]) -> list[int]:
     ("tp", ["--no-l3", "--prefill-tp-size", "1", "--decode-tp-size", "2"], "at TP 2"),
     ("cp", ["--prefill-cp-size", "2"], "1 prefill at CP 2, 1 decode, L3 on Mooncake"),
     ("pp", ["--prefill-pp-size", "2", "--decode-pp-size", "2"], "1 prefill at PP 2, 1 decode at PP 2, L3 on Mooncake"),
-], ids=["tp2-tp1", "tp1-tp2", "cp2-l3", "pp2-pp2-l3"])
+    ("hf", ["--prefill-tp-size", "2", "--prefill-cp-size", "2", "--decode-cp-size", "2"],
+     "1 prefill at TP 2 x CP 2, 1 decode at CP 2, L3 on Mooncake"),
+], ids=["tp2-tp1", "tp1-tp2", "cp2-l3", "pp2-pp2-l3", "tp2cp2-cp2-l3"])
 def test_up_with_multi_rank_nodes_answers_as_the_single_engine(request, layout: str, flags: list[str],
                                                                banner: str) -> None:
     model = request.getfixturevalue("ranks_llama4" if layout == "pp" else "ranks_llama")
     port = free_port()
     with running_up(port, "--model", str(model), "--dtype", "float32", "--max-total-tokens", "2048", *flags) as lines:
-        assert [_completion(port, prompt) for prompt in PROMPTS] == reference(model, PROMPTS)
+        expected = [h[:12] for h in hf_greedy(model, PROMPTS)] if layout == "hf" else reference(model, PROMPTS)
+        assert [_completion(port, prompt) for prompt in PROMPTS] == expected
         assert banner in "".join(lines)
