@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import logging
 import time
-from functools import partial
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from tierserve.cache import generated
