@@ -214,7 +214,8 @@ def _headline(args: argparse.Namespace, base: str) -> str:
     l3 = "" if args.no_l3 else f", L3 on Mooncake: {l3_size_bytes(args) / 1e9:.1f} GB"
     return (f"tierserve is up: {base}/v1  ({args.prefill_nodes} prefill"
             f"{_sizes(args.prefill_tp_size, args.prefill_pp_size, args.prefill_cp_size)}, {args.decode_nodes} decode"
-            f"{_sizes(args.decode_tp_size, args.decode_pp_size, args.decode_cp_size)}{l3}; Ctrl+C stops it; a child that dies is restarted)")
+            f"{_sizes(args.decode_tp_size, args.decode_pp_size, args.decode_cp_size)}{l3}; "
+            "Ctrl+C stops it; a child that dies is restarted)")
 
 
 def _sizes(tp: int, pp: int, cp: int = 1) -> str:
