@@ -45,12 +45,15 @@ def model(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def nodes(model: Path, tmp_path_factory) -> Iterator[dict[str, NodeProcess]]:
     """Prefill nodes at CP 2 ("pc2"), TP 2 x CP 2 ("pt2c2"), PP 2 x CP 2 ("pp2c2") and TP 1 ("p1"),
-    decode nodes at TP 1 ("d1"), TP 2 ("dt2") and CP 2 ("dc2", with L2 and a file L3)."""
+    decode nodes at TP 1 ("d1"), TP 2 ("dt2") and CP 2 ("dc2", with L2 and a file L3); every handoff's KV
+    digested per layer and checked by the decode node (``--handoff-integrity``: each decode CP rank sums
+    the pages it owns, each prefill rank what each decode owner takes)."""
     logs = tmp_path_factory.mktemp("cp-pd-logs")
     l3 = ["--hicache-storage-backend-extra-config", f'{{"path": "{tmp_path_factory.mktemp("dc2-l3")}"}}',
           "--metrics-port", str(DC2_METRICS)]
     started = {name: NodeProcess(role, ["--model", str(model), *(NODE_ARGS if role == "prefill" else DECODE_ARGS),
-                                        *sizes, *(l3 if name == "dc2" else [])], logs / f"{name}.log")
+                                        *sizes, *(l3 if name == "dc2" else []), "--handoff-integrity"],
+                                 logs / f"{name}.log")
                for name, (role, sizes) in SIZES.items()}
     try:
         yield {name: node.wait_ready() for name, node in started.items()}

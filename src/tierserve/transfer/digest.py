@@ -124,7 +124,7 @@ class SendDigests:
         self.buffer, self.weights, self.first_layer = buffer, weights, first_layer
         self.held_start, self.head_bytes = heads
         self.sums = torch.zeros(num_layers, dtype=torch.int64, device=buffer.device)
-        self._tokens: tuple[tuple[int, int], np.ndarray, torch.Tensor] | None = None  # the last chunk's
+        self._tokens: tuple[tuple, np.ndarray, torch.Tensor] | None = None  # the last chunk's
 
     def add(self, layer: int, spans: list[tuple[int, int]], pages: Sequence[int | None], start: int, end: int,
             page_size: int) -> None:
@@ -140,9 +140,10 @@ class SendDigests:
     def _slots(self, pages: Sequence[int | None], start: int, end: int, page_size: int
                ) -> tuple[np.ndarray, torch.Tensor]:
         """Slots and position weights of a chunk, computed once for all its layers (same pages)."""
-        if self._tokens is None or self._tokens[0] != (start, end):
+        key = (start, end, tuple(pages[start // page_size: (end - 1) // page_size + 1]))  # CP: owners' pages differ
+        if self._tokens is None or self._tokens[0] != key:
             slots, positions = slots_of(pages, start, end, page_size)
-            self._tokens = ((start, end), slots, self.weights.positions(positions))
+            self._tokens = (key, slots, self.weights.positions(positions))
         return self._tokens[1], self._tokens[2]
 
     def values(self) -> list[int]:

@@ -145,8 +145,7 @@ class KVHandoff:
             return
         self._sent[layer] = end
         if self.digests is not None:
-            spans = [(r.src_offset, r.nbytes) for r in self.routes if layer in r.layers]
-            self.digests.add(layer, spans, local_pages(self.owner, pages), start, end, self.src.page_size)
+            self._digest(layer, local_pages(self.owner, pages), start, end)
         if self._error is None:
             now = time.monotonic()
             self._first_submit = self._first_submit or now
@@ -206,6 +205,19 @@ class KVHandoff:
     def all_submitted(self) -> bool:
         """Every layer of the whole prompt was submitted: only the peers' side can be left."""
         return all(sent >= self.prompt_len for sent in self._sent)
+
+    def _digest(self, layer: int, src: list[int] | list[int | None], start: int, end: int) -> None:
+        """Adds what ``layer``'s routes take of tokens ``[start, end)`` to the digests: per
+        destination CP owner, only the tokens of the pages it holds (so each token counts once per
+        destination head, as the decode ranks' sums count it: ``docs/cp.md``)."""
+        assert self.digests is not None
+        by_owner: dict[PageOwnership, list[tuple[int, int]]] = {}
+        for r in (r for r in self.routes if layer in r.layers):
+            by_owner.setdefault(r.owner, []).append((r.src_offset, r.nbytes))
+        for owner, spans in by_owner.items():
+            held = src if owner.size == 1 else [s if owner.owns(d) else None
+                                                for s, d in zip(src, self.dst_pages, strict=False)]
+            self.digests.add(layer, spans, held, start, end, self.src.page_size)
 
     def _runs(self, route: Route, pages: list[int], start: int, end: int) -> list[Run]:
         """Tokens ``[start, end)`` as runs into the page table, or into staging indexed by token."""
