@@ -56,8 +56,8 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "api": ("core", "proto", "structured", "cache.hashing", "cache.events"),
     "router": ("core", "api", "proto", "cache.hashing", "cache.events"),
     "launch": ("core",),  # `tierserve up` starts the other parts as processes, never imports them
-    "cli": ("core", "mooncake_env", "proto", "model", "cache", "engine", "structured", "transfer", "node", "prefill_node",
-            "decode_node", "bench", "api", "router", "launch"),
+    "cli": ("core", "mooncake_env", "proto", "model", "cache", "engine", "structured", "transfer", "node",
+            "prefill_node", "decode_node", "bench", "api", "router", "launch"),
 }
 TORCH_FREE = ("core", "structured", "bench", "api", "router", "launch")
 HEAVY = ("torch", "mooncake")  # top-level names the torch-free units must never reach

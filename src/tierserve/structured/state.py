@@ -18,8 +18,13 @@ class GrammarState:
         self.failed = False
 
     def fill(self, row: np.ndarray) -> None:
-        """Writes the allowed-token bits into ``row`` (int32, C-contiguous)."""
+        """Writes the allowed-token bits into ``row`` (int32, C-contiguous). A step over the parser's
+        bounds (``grammars.LIMITS``) fails the grammar: the row allows everything and the request ends
+        after this token (``done``), logged by the appender."""
         self.matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+        if self.matcher.is_error():
+            row[:] = -1
+            self.failed = True
 
     def consume(self, token: int) -> bool:
         """Advances over ``token``; False (and ``failed``) when the grammar forbids it."""
