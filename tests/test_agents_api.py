@@ -257,3 +257,10 @@ def test_tool_choice_none_keeps_tools_in_the_prompt_but_parses_nothing(tokenizer
     choice = _chat(backend, tools=[WEATHER], tool_choice="none").json()["choices"][0]
     assert choice["message"]["content"] == backend.pieces[0] and choice["finish_reason"] == "stop"
     assert backend.seen[0][1].constraint is None
+
+
+def test_the_cli_offers_every_tool_call_parser() -> None:
+    from tierserve.api.tool_parsers import ToolParserKind
+    from tierserve.cli.flags import TOOL_CALL_PARSERS
+
+    assert set(TOOL_CALL_PARSERS) == {k.value for k in ToolParserKind}
