@@ -264,3 +264,12 @@ def test_the_cli_offers_every_tool_call_parser() -> None:
     from tierserve.cli.flags import TOOL_CALL_PARSERS
 
     assert set(TOOL_CALL_PARSERS) == {k.value for k in ToolParserKind}
+
+
+def test_up_hands_its_chat_flags_to_the_router(monkeypatch: pytest.MonkeyPatch) -> None:
+    from helpers.up_plans import capture_plans, child_args, children, run_up
+
+    plans = capture_plans(monkeypatch)
+    assert run_up("--chat-template", str(TEMPLATE), "--tool-call-parser", "llama3_json", "--no-l3") == 0
+    router = child_args(children(plans[0])["router"])
+    assert router.chat_template == TEMPLATE.resolve() and router.tool_call_parser == "llama3_json"
