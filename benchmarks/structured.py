@@ -6,7 +6,10 @@ One engine of the built-in model (CPU, float32, ``--threads`` torch threads). Ea
 (``ignore_eos``) and under a schema that cannot end before ``--new-tokens`` (an object holding an
 array of at least that many integers), both greedy. Decode tokens/s counts the tokens after every
 request's first (the prefill is not timed). The table shows the medians of ``--repeats`` rounds and
-the median of the per-round ratios.
+the median of the per-round ratios. On a noisy machine the ratio swings by tens of percent, so the
+structured runs also time what structured outputs add to a step directly: filling the grammars'
+bitmask rows (``allowed_tokens``) and applying it to the logits (``apply_allowed``), as a share of
+their decode time.
 
 Compile: a fresh ``GrammarCompiler`` per repeat (its tokenizer is built first, timed on its own),
 then the first ``matcher`` of a 50-property schema (strings, integers, enums, a nested object) and
@@ -21,15 +24,19 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 import torch
 
 from tierserve.core.constraint import Constraint, ConstraintKind
 from tierserve.core.sampling import SamplingParams
+from tierserve.engine import model_runner
 from tierserve.engine.config import EngineConfig
 from tierserve.engine.engine import Engine
+from tierserve.model import sampling
 from tierserve.model.fetch import fetch_builtin_model
 from tierserve.structured import grammars
 from tierserve.structured.grammars import GrammarCompiler
@@ -51,17 +58,42 @@ def fifty_properties() -> Constraint:
     return Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(schema), strict=True)
 
 
-def decode_rate(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> float:
-    """Decode tokens/s after every request's first token."""
+class MaskClock:
+    """Seconds spent filling and applying grammar masks, while installed."""
+
+    def __init__(self) -> None:
+        self.seconds, self.share = 0.0, 0.0  # share: of the last timed run's decode time
+        self.on = False
+        for module, name in ((model_runner, "allowed_tokens"), (sampling, "apply_allowed")):
+            setattr(module, name, self._timed(getattr(module, name)))
+
+    def _timed(self, fn: Callable) -> Callable:
+        def timed(*args: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                self.seconds += (time.perf_counter() - start) if self.on else 0.0
+        return timed
+
+
+def decode_rate(engine: Engine, prompts: list[list[int]], params: SamplingParams,
+                clock: MaskClock | None = None) -> float:
+    """Decode tokens/s after every request's first token (``clock`` times the masks meanwhile)."""
     for i, prompt in enumerate(prompts):
         engine.add_request(f"b{time.monotonic_ns()}-{i}", prompt, params)
     first: set[str] = set()
     while len(first) < len(prompts):
         first |= {o.request_id for o in engine.step()}
     start, tokens = time.perf_counter(), 0
+    if clock is not None:
+        clock.on, clock.seconds = True, 0.0
     while engine.has_work():
         tokens += sum(len(o.new_token_ids) for o in engine.step())
-    return tokens / (time.perf_counter() - start)
+    elapsed = time.perf_counter() - start
+    if clock is not None:
+        clock.on, clock.share = False, clock.seconds / elapsed
+    return tokens / elapsed
 
 
 def decode_rounds(engine: Engine, args: argparse.Namespace) -> None:
@@ -70,18 +102,20 @@ def decode_rounds(engine: Engine, args: argparse.Namespace) -> None:
     free = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
     constrained = replace(free, ignore_eos=False, constraint=long_schema(args.new_tokens))
     decode_rate(engine, prompts, constrained)  # warm-up, and the schema compiled before timing
-    rows = []
+    clock, rows = MaskClock(), []
     for r in range(args.repeats):
-        order = [("free", free), ("schema", constrained)]
-        rates = dict((name, decode_rate(engine, prompts, p)) for name, p in (order if r % 2 == 0 else order[::-1]))
-        rows.append(rates)
+        order = [("free", free, None), ("schema", constrained, clock)]
+        rates = {name: decode_rate(engine, prompts, p, c) for name, p, c in (order if r % 2 == 0 else order[::-1])}
+        rows.append(rates | {"mask": clock.share})
         print(f"round {r}: free {rates['free']:.1f} tok/s, schema {rates['schema']:.1f} tok/s, "
-              f"ratio {rates['schema'] / rates['free']:.3f}", flush=True)
+              f"ratio {rates['schema'] / rates['free']:.3f}, masks {clock.share * 100:.2f}% of the schema run",
+              flush=True)
     med = {k: statistics.median(row[k] for row in rows) for k in ("free", "schema")}
     ratio = statistics.median(row["schema"] / row["free"] for row in rows)
     print(f"\ndecode tokens/s, batch {args.batch}, {args.new_tokens} tokens, medians of {args.repeats}: "
           f"free {med['free']:.1f}, schema {med['schema']:.1f}; schema/free {ratio:.3f} "
-          f"({(1 - ratio) * 100:+.1f}% slower)")
+          f"({(1 - ratio) * 100:+.1f}% slower); filling and applying the masks: "
+          f"{statistics.median(row['mask'] for row in rows) * 100:.2f}% of the schema runs' decode time")
 
 
 def compile_times(engine: Engine, args: argparse.Namespace) -> None:
