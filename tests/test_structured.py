@@ -135,3 +135,21 @@ def test_a_repeated_schema_compiles_once_and_a_bad_one_is_refused(engine: Engine
     with pytest.raises(InvalidRequestError, match="regex"):
         engine.add_request("x", [5, 6], replace(params, constraint=Constraint(ConstraintKind.REGEX, "a(")))
     assert not engine.has_work()
+
+
+def test_the_bitmask_allows_exactly_its_set_bits_and_nothing_past_its_words() -> None:
+    import torch
+
+    from tierserve.model.sampling import SamplingBatch, apply_allowed, sample
+
+    logits = torch.zeros(2, 70)
+    allowed = torch.zeros(2, 2, dtype=torch.int32)  # 64 tokens' bits: tokens 64-69 are never allowed
+    allowed[0, 0] = 1 << 5
+    allowed[1, 1] = -(1 << 31) | (1 << 3)  # tokens 63 and 35 (bit 31 is the sign bit)
+    out = apply_allowed(logits, allowed)
+    assert torch.isfinite(out[0]).nonzero().flatten().tolist() == [5]
+    assert torch.isfinite(out[1]).nonzero().flatten().tolist() == [35, 63]
+    assert torch.equal(logits, torch.zeros(2, 70))  # the caller's logits stay raw (logprobs read them)
+    batch = SamplingBatch([1.0, 1.0], [1.0, 1.0], [0, 0], [3, None], [0, 0], allowed=allowed)
+    for _ in range(5):
+        assert sample(logits, batch).tolist()[0] == 5 and sample(logits, batch).tolist()[1] in (35, 63)
