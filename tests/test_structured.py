@@ -64,6 +64,7 @@ def _text(engine: Engine, ids: list[int]) -> str:
     return engine.tokenizer.decode(ids)
 
 
+@pytest.mark.slow
 def test_sampled_outputs_always_match_the_schema_and_end_by_themselves(engine: Engine) -> None:
     params = SamplingParams(max_tokens=60, temperature=1.0, constraint=JSON)
     outs = engine.generate(_prompts(engine, 24), params)
