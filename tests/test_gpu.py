@@ -131,3 +131,22 @@ def test_cuda_handoff_between_tp_sizes_through_staging(p: tuple[str, int], d: tu
                           (tmp_path / "prefill.log", tmp_path / "decode.log"), 7, "gpu-mixed-")
     assert [tokens for tokens, _ in got] == reference(model, batch)
     assert [r.transferred_bytes for _, r in got] == [len(q) * 2 * 2 * 4 * 16 * 4 for q in batch]
+
+
+def test_cuda_structured_outputs_match_cpu(tmp_path: Path) -> None:
+    """The grammar's bitmask applied on the device: constrained greedy outputs equal the CPU's."""
+    import json
+
+    from helpers.tiny_models import BUILTIN_VOCAB, add_builtin_tokenizer, make_tiny_model
+
+    from tierserve.core.constraint import Constraint, ConstraintKind
+
+    model = add_builtin_tokenizer(make_tiny_model("qwen3", tmp_path / "qwen3", vocab_size=BUILTIN_VOCAB))
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "maximum": 999}}, "required": ["a"]}
+    params = SamplingParams(max_tokens=24, temperature=0,
+                            constraint=Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(schema)))
+    prompts = [[5, 6, 7], [100, 200, 300, 400]]
+    engines = [Engine(EngineConfig(model, device=d, dtype="float32", page_size=16, max_total_tokens=2048))
+               for d in ("cpu", "cuda")]
+    cpu, cuda = (e.generate(prompts, params) for e in engines)
+    assert cuda == cpu

@@ -46,19 +46,20 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "proto": ("core",),
     "model": ("core",),
     "cache": ("core", "mooncake_env"),
-    "engine": ("core", "model", "cache"),
+    "engine": ("core", "model", "cache", "structured"),
+    "structured": ("core",),  # llguidance grammars: torch-free, shared by the API's checks and the engine
     "transfer": ("core", "mooncake_env", "model", "cache", "engine"),
     "node": NODE_MAY_IMPORT,
     "prefill_node": ROLE_MAY_IMPORT,
     "decode_node": ROLE_MAY_IMPORT,
     "bench": ("core",),
-    "api": ("core", "proto", "cache.hashing", "cache.events"),
+    "api": ("core", "proto", "structured", "cache.hashing", "cache.events"),
     "router": ("core", "api", "proto", "cache.hashing", "cache.events"),
     "launch": ("core",),  # `tierserve up` starts the other parts as processes, never imports them
-    "cli": ("core", "mooncake_env", "proto", "model", "cache", "engine", "transfer", "node", "prefill_node",
-            "decode_node", "bench", "api", "router", "launch"),
+    "cli": ("core", "mooncake_env", "proto", "model", "cache", "engine", "structured", "transfer", "node",
+            "prefill_node", "decode_node", "bench", "api", "router", "launch"),
 }
-TORCH_FREE = ("core", "bench", "api", "router", "launch")
+TORCH_FREE = ("core", "structured", "bench", "api", "router", "launch")
 HEAVY = ("torch", "mooncake")  # top-level names the torch-free units must never reach
 SIBLINGS = {"prefill_node": ("decode_node",), "decode_node": ("prefill_node",)}
 CACHE_MUST_NOT_IMPORT = ("engine", "node", "prefill_node", "decode_node", "router", "api", "cli")
@@ -303,7 +304,8 @@ ROW_BREAKS = {
     "model": ("model/layers.py", "import torch\nfrom pkg.engine import loop\n",
               "pkg/model/layers.py:2 imports pkg.engine.loop (model may import only core)"),
     "engine": ("engine/runner.py", "from pkg.transfer import handoff\n",
-               "pkg/engine/runner.py:1 imports pkg.transfer.handoff (engine may import only core, model, cache)"),
+               "pkg/engine/runner.py:1 imports pkg.transfer.handoff (engine may import only core, model, cache, "
+               "structured)"),
     "transfer": ("transfer/handoff.py", "from pkg.node.server import serve\n",
                  "pkg/transfer/handoff.py:1 imports pkg.node.server "
                  "(transfer may import only core, mooncake_env, model, cache, engine)"),
@@ -341,7 +343,7 @@ def test_a_unit_without_a_row_fires_and_cli_may_not_import_it(tmp_path: Path) ->
     assert check_placed(tree) == ["pkg.plugins has no row in the layering table (give it one)"]
     assert check_allowed(tree) == [
         "pkg/cli/main.py:4 imports pkg.plugins.extra (cli may import only core, mooncake_env, proto, model, cache, "
-        "engine, transfer, node, prefill_node, decode_node, bench, api, router, launch)"
+        "engine, structured, transfer, node, prefill_node, decode_node, bench, api, router, launch)"
     ]
 
 

@@ -160,7 +160,7 @@ def test_bad_text_request_is_400(smol: Server, body: dict):
 
 def test_completion_usage_and_streaming(tiny: Server):
     client, prompt = tiny.client(), [5, 6, 7, 8, 9]
-    extra = {"ignore_eos": True, "unknown_field": "ignored"}
+    extra = {"ignore_eos": True, "metadata": {"run": "ignored on purpose"}}  # docs/agents.md: IGNORED_FIELDS
     full = client.completions.create(model=_model(tiny), prompt=prompt, max_tokens=8, temperature=0,
                                      extra_body=extra)
     assert full.choices[0].finish_reason == "length"

@@ -101,3 +101,23 @@ def widen_kv_heads(model_dir: Path, factor: int = 2) -> Path:
     config["num_key_value_heads"] = kv * factor
     (model_dir / "config.json").write_text(json.dumps(config))
     return model_dir
+
+
+BUILTIN_VOCAB = 49152  # the built-in model's (SmolLM2's) tokenizer
+
+
+def add_builtin_tokenizer(model_dir: Path, chat_template: str | None = None) -> Path:
+    """Gives a tiny model of ``BUILTIN_VOCAB`` tokens the built-in model's tokenizer (real BPE text,
+    what grammars and tool parsers need); ``chat_template`` replaces its template."""
+    import json
+    import shutil
+
+    from tierserve.model.fetch import fetch_builtin_model
+
+    source = fetch_builtin_model(progress=False)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(source / name, model_dir / name)
+    if chat_template is not None:
+        config = json.loads((model_dir / "tokenizer_config.json").read_text())
+        (model_dir / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": chat_template}))
+    return model_dir

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
+from functools import partial
 from typing import Any, TypeVar
 
 from fastapi import Depends, FastAPI, Request
@@ -27,11 +28,15 @@ from tierserve.api.choices import Choices, Job, make_jobs
 from tierserve.api.formats import ChatFormat, CompletionFormat, Delta
 from tierserve.api.logprobs import LogprobRenderer, LogprobShape
 from tierserve.api.metrics import ApiMetrics
+from tierserve.api.structured import json_schema
 from tierserve.api.tenants import TenantKeys, TenantLimiter
 from tierserve.api.tokenizer import ChatTemplateError, TextTokenizer
+from tierserve.api.tool_parsers import ToolParserKind, reader_for
+from tierserve.api.tools import ToolMode, ToolPlan
 from tierserve.core.outputs import FinishReason
-from tierserve.core.sampling import MAX_UINT32, InvalidRequestError
+from tierserve.core.sampling import MAX_UINT32, InvalidRequestError, SamplingParams
 from tierserve.core.scope import CacheScope
+from tierserve.structured import grammars
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -78,7 +83,7 @@ class _Api:
         self._check_model(body.model)
         texts = body.prompts()
         prompts = [self._prompt_ids(p) for p in texts]
-        params = body.sampling_params(oa.DEFAULT_COMPLETION_MAX_TOKENS)
+        params = _checked(body.sampling_params(oa.DEFAULT_COMPLETION_MAX_TOKENS))
         fmt = CompletionFormat(self.model_name, self._renderer(LogprobShape.COMPLETION, params.logprobs, body))
         echoes = [self._text_of(t) for t in texts] if body.echo else None
         jobs = make_jobs(fmt.id, prompts, params, body.num_choices, _scope(request, body.cache_salt), echoes)
@@ -87,10 +92,12 @@ class _Api:
     async def chat(self, request: Request) -> Response:
         body = oa.parse_body(oa.ChatCompletionRequest, await request.body())
         self._check_model(body.model)
-        text = self._render_chat(body.template_messages(), body.add_generation_prompt)
+        plan = _checked_tools(body.tool_plan())
+        text = self._render_chat(body.template_messages(), body.add_generation_prompt, plan.template_tools())
         ids = self._prompt_ids(self._need_tokenizer().encode(text, add_special_tokens=False))
-        params = body.sampling_params(default_max_tokens=self.max_model_len - len(ids))
-        fmt = ChatFormat(self.model_name, self._renderer(LogprobShape.CHAT, params.logprobs, body))
+        params = _checked(body.sampling_params(default_max_tokens=self.max_model_len - len(ids)))
+        readers = None if plan.mode is ToolMode.NONE else partial(reader_for, plan, self._tool_parser())
+        fmt = ChatFormat(self.model_name, self._renderer(LogprobShape.CHAT, params.logprobs, body), readers)
         jobs = make_jobs(fmt.id, [ids], params, body.num_choices, _scope(request, body.cache_salt))
         return await self._respond(request, jobs, fmt, body.stream, body.include_usage)
 
@@ -163,9 +170,16 @@ class _Api:
             raise oa.APIError(400, "this model has no tokenizer: send prompts as token ids to /v1/completions")
         return self.tokenizer
 
-    def _render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+    def _tool_parser(self) -> ToolParserKind:
+        tokenizer = self._need_tokenizer()
+        if tokenizer.tool_call_parser is not None:
+            return ToolParserKind(tokenizer.tool_call_parser)
+        return ToolParserKind.for_template(tokenizer.chat_template)
+
+    def _render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                     tools: list[dict[str, Any]] | None = None) -> str:
         try:
-            return self._need_tokenizer().apply_chat_template(messages, add_generation_prompt)
+            return self._need_tokenizer().apply_chat_template(messages, add_generation_prompt, tools)
         except ChatTemplateError as exc:
             raise oa.APIError(400, f"chat template: {exc}", param="messages") from None
 
@@ -180,6 +194,24 @@ class _Api:
             raise oa.APIError(400, f"this model's maximum context length is {self.max_model_len} tokens, "
                                    f"but the prompt has {len(ids)} tokens", param="prompt")
         return ids
+
+
+def _checked(params: SamplingParams) -> SamplingParams:
+    """``params`` once its structured output compiles within bounds (a 400 otherwise, before any
+    engine sees it: docs/structured.md)."""
+    if params.constraint is not None:
+        grammars.check(params.constraint)
+    return params
+
+
+def _checked_tools(plan: ToolPlan) -> ToolPlan:
+    """``plan`` once every tool's parameters compile as a JSON schema (a 400 names the tool)."""
+    for tool in plan.tools:
+        try:
+            grammars.check(json_schema(tool.function.schema(), False))
+        except InvalidRequestError as exc:
+            raise oa.APIError(400, f"tool {tool.function.name!r}: {exc}", param="tools") from None
+    return plan
 
 
 def _scope(request: Request, cache_salt: str | None) -> CacheScope:
@@ -198,8 +230,9 @@ async def _sse_events(choices: Choices, fmt: Format, num_choices: int,
         for chunk in fmt.opening_chunks(num_choices):
             yield oa.sse(chunk)
         async for delta in choices.events():
-            if delta.text or delta.finish_reason or delta.entries:
-                yield oa.sse(fmt.chunk(delta))
+            chunk = fmt.chunk(delta) if delta.text or delta.finish_reason or delta.entries else None
+            if chunk is not None:
+                yield oa.sse(chunk)
         if include_usage:
             yield oa.sse(fmt.usage_chunk(choices.usage()))
     except Exception as exc:

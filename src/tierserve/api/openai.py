@@ -1,8 +1,11 @@
 """The OpenAI-compatible HTTP API: request bodies, their sampling settings, response shapes, errors.
 
 Shared by the single-engine server and the router, so it imports neither torch nor any role.
-Request parsing is strict about types (``"max_tokens": "10"`` is a 400, as with OpenAI) and
-ignores fields it does not know. ``null`` means "not given" for every optional field.
+Request parsing is strict about types (``"max_tokens": "10"`` is a 400, as with OpenAI) and about
+names: a field it does not know is a 400 naming it, as OpenAI answers unknown parameters, except the
+fields of ``IGNORED_FIELDS`` (sent by common clients, harmless to drop) and those of
+``NEUTRAL_FIELDS`` at their neutral value (docs/agents.md). ``null`` means "not given" for every
+optional field, and an unknown field sent as ``null`` asks nothing, so it passes too.
 """
 
 from __future__ import annotations
@@ -13,6 +16,9 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from tierserve.api.logprobs import ChatLogprobs, CompletionLogprobs
+from tierserve.api.structured import ResponseFormat, StructuredOutputs
+from tierserve.api.tools import NamedToolChoice, Tool, ToolPlan
+from tierserve.core.constraint import Constraint
 from tierserve.core.sampling import MAX_LOGPROBS, InvalidRequestError, SamplingParams
 from tierserve.core.tiers import TIERS
 
@@ -40,8 +46,31 @@ class APIError(Exception):
 
 # ---- requests -------------------------------------------------------------------------------
 
+# Fields clients send that change nothing we do: accepted and dropped on purpose.
+IGNORED_FIELDS = frozenset({"metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"})
+# Fields accepted only at the value that means "off" (anything else is a 400: we would not honour it).
+NEUTRAL_FIELDS: dict[str, Any] = {"frequency_penalty": 0, "presence_penalty": 0, "logit_bias": {}, "best_of": 1,
+                                  "modalities": ["text"], "repetition_penalty": 1}
+
+
+class UnknownFieldsError(ValueError):
+    """Fields this server does not know or does not support as given."""
+
+
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_accepted_extras(cls, data: Any) -> Any:
+        """Drops unknown fields that ask nothing (``null``, ``IGNORED_FIELDS``, neutral values)."""
+        if not isinstance(data, dict):
+            return data
+        return {k: v for k, v in data.items() if k in cls.model_fields or not _asks_nothing(k, v)}
+
+
+def _asks_nothing(name: str, value: Any) -> bool:
+    return value is None or name in IGNORED_FIELDS or (name in NEUTRAL_FIELDS and value == NEUTRAL_FIELDS[name])
 
 
 class StreamOptions(_Body):
@@ -53,25 +82,56 @@ class TextPart(_Body):
     text: str
 
 
+class FunctionCallIn(_Body):
+    name: str
+    arguments: str
+
+
+class ToolCallIn(_Body):
+    """An assistant turn's tool call, as the client got it from us."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(_Body):
-    role: str
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
 
     @model_validator(mode="after")
     def _content_unless_assistant(self) -> ChatMessage:
         # Only an assistant turn (one that called tools) may come without content, as in OpenAI's API.
         if self.content is None and self.role != "assistant":
             raise ValueError(f"a {self.role!r} message needs content")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a 'tool' message needs tool_call_id")
         return self
 
     def template_dict(self) -> dict[str, Any]:
-        """The message as chat templates expect it: text parts joined by newlines, as vLLM does."""
+        """The message as chat templates expect it: text parts joined by newlines, tool calls' arguments
+        as objects (templates render them with ``tojson``), as vLLM does."""
         content = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content or [])
         out: dict[str, Any] = {"role": self.role, "content": content}
-        if self.name is not None:
-            out["name"] = self.name
+        for key in ("name", "tool_call_id"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _arguments(c.function.arguments)}} for c in self.tool_calls]
         return out
+
+
+def _arguments(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text  # the template sees what the client sent
 
 
 class _GenerateBody(_Body):
@@ -96,6 +156,8 @@ class _GenerateBody(_Body):
     user: str | None = None
     min_tokens: int | None = None
     return_tokens_as_token_ids: bool | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> _GenerateBody:
@@ -136,7 +198,15 @@ class _GenerateBody(_Body):
             logprobs=self.logprob_counts()[0],
             prompt_logprobs=self.logprob_counts()[1],
             prompt_logprobs_start=self.logprob_start() or 1,
+            constraint=self.constraint(),
         )
+
+    def constraint(self) -> Constraint | None:
+        """The structured output asked (docs/structured.md); at most one way of asking."""
+        asked = [c for c in (self.response_format, self.structured_outputs) if c is not None]
+        if len(asked) > 1:
+            raise InvalidRequestError("give response_format or structured_outputs, not both")
+        return asked[0].constraint() if asked else None
 
     def logprob_start(self) -> int | None:
         return None
@@ -178,6 +248,20 @@ class ChatCompletionRequest(_GenerateBody):
     add_generation_prompt: bool = True
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    def tool_plan(self) -> ToolPlan:
+        return ToolPlan.of(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+    def constraint(self) -> Constraint | None:
+        """A structured output, or the grammar of forced tool calls (``required``, a named function)."""
+        own, tools = super().constraint(), self.tool_plan().constraint()
+        if own is not None and tools is not None:
+            raise InvalidRequestError("tool_choice 'required' or a named function cannot be combined with a "
+                                      "response_format or structured_outputs")
+        return own or tools
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self) -> ChatCompletionRequest:
@@ -230,11 +314,14 @@ def _validation_error(exc: ValidationError) -> APIError:
     err = exc.errors(include_url=False)[0]
     if err["type"] == "json_invalid":
         return APIError(400, f"the request body is not valid JSON: {err['msg']}")
+    if any(e["type"] == "extra_forbidden" for e in exc.errors(include_url=False)):
+        return _unknown_fields(exc)
     loc = [str(part) for part in err["loc"]]
     if not loc:
         return APIError(400, f"invalid request body: {err['msg']}")
     if err["type"] == "missing":
         return APIError(400, f"missing required field '{'.'.join(loc)}'", param=loc[0])
+
     # Union members add their type names to the location; a plain sentence reads better.
     if loc[0] == "prompt":
         message = "prompt must be a string, a list of strings, a list of token ids or a list of such lists"
@@ -243,6 +330,15 @@ def _validation_error(exc: ValidationError) -> APIError:
         message = f"messages[{loc[1]}].content must be a string or a list of {{'type': 'text', 'text': ...}} parts"
         return APIError(400, message, param="messages")
     return APIError(400, f"invalid value for '{'.'.join(loc)}': {err['msg']}", param=loc[0])
+
+
+def _unknown_fields(exc: ValidationError) -> APIError:
+    """One 400 naming every field not known (or not supported as given), where it is."""
+    errors = exc.errors(include_url=False)
+    names = [".".join(str(p) for p in e["loc"]) for e in errors if e["type"] == "extra_forbidden"]
+    shown = ", ".join(f"'{n}'" for n in names)
+    return APIError(400, f"unsupported field(s) {shown}: this server does not know them or does not support them "
+                         "as given (see docs/agents.md for the fields it accepts and ignores)", param=names[0])
 
 
 # ---- responses ------------------------------------------------------------------------------
@@ -304,7 +400,8 @@ class CompletionResponse(BaseModel):
 
 class ChatMessageOut(BaseModel):
     role: str = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[dict[str, Any]] | None = Field(default=None, exclude_if=lambda v: not v)
 
 
 class ChatChoice(BaseModel):
@@ -325,7 +422,7 @@ class ChatCompletionResponse(BaseModel):
 
 class ChatChunkChoice(BaseModel):
     index: int
-    delta: dict[str, str]  # a dict so absent keys stay absent: {} in the last chunk, as OpenAI sends
+    delta: dict[str, Any]  # a dict so absent keys stay absent: {} in the last chunk, as OpenAI sends
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 

@@ -45,6 +45,7 @@ class TextTokenizer:
         eos = self.special_tokens.get("eos_token")
         eos_id = tokenizer.token_to_id(eos) if eos else None
         self.eos_token_ids = eos_token_ids | ({eos_id} if eos_id is not None else set())
+        self.tool_call_parser: str | None = None  # --tool-call-parser (None: chosen by the template)
 
     @classmethod
     def from_dir(cls, folder: str | Path) -> TextTokenizer:
@@ -77,9 +78,11 @@ class TextTokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None, **kwargs: Any
     ) -> str:
-        """Renders ``messages`` (dicts with ``role`` and ``content``) into the prompt text.
+        """Renders ``messages`` (dicts with ``role`` and ``content``) into the prompt text; ``tools``:
+        the request's tools in OpenAI's shape, as ``transformers`` passes them (docs/agents.md).
 
         Raises ``ChatTemplateError`` when the folder has no template or the template rejects the
         conversation. Extra ``kwargs`` are visible to the template, as in ``transformers``.
@@ -90,16 +93,25 @@ class TextTokenizer:
         try:
             template = _compile(self.chat_template)
             return template.render(
-                messages=messages, tools=None, documents=None,
+                messages=messages, tools=tools, documents=None,
                 add_generation_prompt=add_generation_prompt, **scope,
             )
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(str(exc)) from exc
 
 
-def try_load(folder: str | Path) -> TextTokenizer | None:
-    """The folder's tokenizer, or None when it has no ``tokenizer.json`` (token-id-only models)."""
-    return TextTokenizer.from_dir(folder) if (Path(folder) / "tokenizer.json").is_file() else None
+def try_load(folder: str | Path, chat_template: Path | None = None,
+             tool_call_parser: str | None = None) -> TextTokenizer | None:
+    """The folder's tokenizer, or None when it has no ``tokenizer.json`` (token-id-only models);
+    ``chat_template``: a Jinja file that replaces the folder's template (``--chat-template``, e.g. one
+    that knows tools); ``tool_call_parser``: ``--tool-call-parser`` (docs/agents.md)."""
+    if not (Path(folder) / "tokenizer.json").is_file():
+        return None
+    tokenizer = TextTokenizer.from_dir(folder)
+    if chat_template is not None:
+        tokenizer.chat_template = Path(chat_template).read_text(encoding="utf-8")
+    tokenizer.tool_call_parser = tool_call_parser
+    return tokenizer
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -166,6 +166,24 @@ def add_model_args(p: argparse.ArgumentParser, served_name: bool = True) -> None
         p.add_argument("--served-model-name", help="model name in the API (default: the model folder's name)")
 
 
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # api/tool_parsers.py's ToolParserKind values (torch-free names)
+
+
+def add_chat_args(p: argparse.ArgumentParser) -> None:
+    """``--chat-template`` and ``--tool-call-parser``: how chat requests and tool calls read (docs/agents.md)."""
+    p.add_argument("--chat-template", type=Path, metavar="FILE",
+                   help="a Jinja chat template replacing the model's (e.g. one that renders tools)")
+    p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS,
+                   help="the model's tool-call markup: hermes (Qwen2/Qwen3 <tool_call>) or llama3_json "
+                        "(default: hermes when the chat template mentions <tool_call>, else llama3_json)")
+
+
+def chat_flags(args: argparse.Namespace) -> list[str]:
+    """``add_chat_args``' flags as given, for a child process (``up``'s router)."""
+    template = ["--chat-template", str(args.chat_template.resolve())] if args.chat_template else []
+    return template + (["--tool-call-parser", args.tool_call_parser] if args.tool_call_parser else [])
+
+
 def add_api_key_args(p: argparse.ArgumentParser, admin: str) -> None:
     """``--api-key`` or ``--api-keys`` on the API routes and ``--admin-api-key`` enabling ``admin``."""
     keys = p.add_mutually_exclusive_group()

@@ -8,7 +8,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tierserve.cli.flags import add_api_key_args, add_listen_args, add_model_args, model_dir, tenant_keys
+from tierserve.cli.flags import (
+    add_api_key_args,
+    add_chat_args,
+    add_listen_args,
+    add_model_args,
+    model_dir,
+    tenant_keys,
+)
 from tierserve.cli.node import add_node_token_args
 
 if TYPE_CHECKING:
@@ -44,6 +51,7 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
     p.add_argument("--context-length", type=int, help="max prompt + output tokens (default: the model's)")
     add_api_key_args(p, "the /workers admin routes")
+    add_chat_args(p)
     add_policy_args(p)
     add_node_token_args(p)
     p.add_argument("--tls-server-name", metavar="NAME",
@@ -93,6 +101,7 @@ def router_config(args: argparse.Namespace, folder: Path) -> RouterConfig:
 
     return RouterConfig(
         model_dir=folder, prefill=args.prefill, decode=args.decode, served_model_name=args.served_model_name,
+        chat_template=args.chat_template, tool_call_parser=args.tool_call_parser,
         context_length=args.context_length, keys=tenant_keys(args), admin_api_key=args.admin_api_key,
         prefill_policy=args.prefill_policy, decode_policy=args.decode_policy,
         options=RouterOptions(max_running=args.max_running_requests, max_queued=args.max_queued_requests,

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from tierserve.cli.flags import (
     add_api_key_args,
+    add_chat_args,
     add_engine_args,
     add_listen_args,
     add_model_args,
@@ -28,6 +29,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     add_listen_args(p, 8000)
     add_model_args(p)
     add_api_key_args(p, "the /admin routes (L3 attach/detach/status/clear)")
+    add_chat_args(p)
     add_engine_args(p)
 
 
@@ -117,7 +119,8 @@ def _serve(args: argparse.Namespace, engine: Engine, on_ready: Callable[[], None
     loop = EngineLoop(engine, bus).start()
     try:
         name = args.served_model_name or engine.model_config.name
-        app = create_engine_app(loop, try_load(engine.config.model_dir), name, args.tenant_keys, args.admin_api_key)
+        tokenizer = try_load(engine.config.model_dir, args.chat_template, args.tool_call_parser)
+        app = create_engine_app(loop, tokenizer, name, args.tenant_keys, args.admin_api_key)
         run_http(app, args.host, args.port, on_ready)
     finally:
         loop.stop()  # tells the other ranks to stop

@@ -12,7 +12,16 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tierserve.cli.flags import add_engine_args, add_model_args, engine_config, engine_flags, model_dir, tenant_keys
+from tierserve.cli.flags import (
+    add_chat_args,
+    add_engine_args,
+    add_model_args,
+    chat_flags,
+    engine_config,
+    engine_flags,
+    model_dir,
+    tenant_keys,
+)
 from tierserve.cli.router import add_disaggregation_args, add_policy_args
 from tierserve.core.layer_split import layer_partition
 from tierserve.engine.config import EngineConfig
@@ -25,6 +34,7 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="the router's address")
     p.add_argument("--port", type=int, default=8000, help="the router's port")
     add_model_args(p, served_name=False)
+    add_chat_args(p)
     p.add_argument("--prefill-nodes", type=int, default=1)
     p.add_argument("--decode-nodes", type=int, default=1)
     p.add_argument("--prefill-tp-size", type=int, default=1,
@@ -199,8 +209,8 @@ def _router_flags(args: argparse.Namespace) -> list[str]:
     file = args.api_keys and args.api_keys.resolve()  # the router may run elsewhere than here
     keys = [str(f) for flag, value in (("--api-key", args.api_key), ("--api-keys", file),
                                        ("--admin-api-key", args.admin_api_key)) if value for f in (flag, value)]
-    return [*keys, "--prefill-policy", args.prefill_policy.value, "--decode-policy", args.decode_policy.value,
-            "--disaggregation-threshold", str(args.disaggregation_threshold)]
+    return [*keys, *chat_flags(args), "--prefill-policy", args.prefill_policy.value, "--decode-policy",
+            args.decode_policy.value, "--disaggregation-threshold", str(args.disaggregation_threshold)]
 
 
 def _announce(args: argparse.Namespace, base: str, children: list[str], tls: ClusterTLS | None = None) -> None:

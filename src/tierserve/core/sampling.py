@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from tierserve.core.constraint import MAX_SPEC_BYTES, Constraint
+
 # What the control plane can carry (its fields are uint32, int32, uint64 and float32).
 MAX_UINT32, MAX_INT32, MAX_UINT64 = 2**32 - 1, 2**31 - 1, 2**64 - 1
 MAX_FLOAT32 = 3.4028234663852886e38
@@ -29,6 +31,8 @@ class SamplingParams:
     logprobs); ``prompt_logprobs`` the same for the prompt tokens from ``prompt_logprobs_start`` (at
     least 1: the first token has none) on, which the engine must compute, not take from the cache
     (docs/cli.md).
+
+    ``constraint``: the grammar every output token must keep (docs/structured.md); None: free text.
     """
 
     max_tokens: int = 16
@@ -44,6 +48,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     prompt_logprobs_start: int = 1
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -71,6 +76,10 @@ class SamplingParams:
              f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}"),
             (0 <= self.prompt_logprobs_start <= MAX_UINT32,
              f"the prompt logprobs' start must be in [0, 2^32), got {self.prompt_logprobs_start}"),
+            (self.constraint is None or 0 < len(self.constraint.spec.encode()) <= MAX_SPEC_BYTES,
+             f"a structured-output spec must be 1 to {MAX_SPEC_BYTES} bytes"),
+            (self.constraint is None or not self.min_tokens,
+             "min_tokens cannot be combined with structured outputs (the grammar decides where the output ends)"),
         ]
         for ok, message in checks:
             if not ok:

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import logging
+
 from tierserve.core.outputs import TokenLogprob
 from tierserve.engine.request import FinishReason, Request, RequestOutput, RequestStatus
 from tierserve.engine.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
 
 
 class Appender:
@@ -41,6 +45,8 @@ class Appender:
 
     def append(self, request: Request, token: int, logprob: TokenLogprob | None = None) -> RequestOutput:
         request.output_ids.append(token)
+        if request.grammar is not None and not request.grammar.consume(token):
+            log.warning("request %s: token %d breaks its structured output; it ends", request.request_id, token)
         text = request.text.push(token) if request.text is not None else ""
         reason = self._finish_reason(request, token)
         if reason is None:
@@ -58,6 +64,8 @@ class Appender:
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_ids):
             return FinishReason.STOP
         if request.text is not None and request.text.stopped:
+            return FinishReason.STOP
+        if request.grammar is not None and request.grammar.done:  # complete: nothing may follow
             return FinishReason.STOP
         if len(request.output_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH

@@ -41,6 +41,7 @@ from tierserve.engine.spec.draft_pools import DraftPlan
 from tierserve.engine.text_stream import TextStream
 from tierserve.model.identity import model_identity
 from tierserve.model.loader import load_model, resolve_dtype
+from tierserve.structured.grammars import GrammarCompiler
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,7 @@ class Engine:
             raise ValueError(f"context length {self.max_model_len} exceeds the model's "
                              f"{self.model_config.max_position} positions")
         self.tokenizer = _load_tokenizer(model_dir)
+        self._grammars: GrammarCompiler | None = None  # built at the first structured output
         eos_ids = set(self.model_config.eos_token_ids) | _generation_eos(model_dir)
         heads = self.ranks.tp.heads(self.model_config.num_heads, self.model_config.num_kv_heads)
         self.geometry = KVGeometry(  # this rank's KV heads of its stage's layers only
@@ -172,6 +174,8 @@ class Engine:
         ``check`` (the handoff's digests, ``--handoff-integrity``) may refuse the KV that arrived:
         the pages are then freed, none cached, and ``HandoffCheckError`` raised."""
         self._check_params(params)
+        if params.constraint is not None:  # compiled (or refused) before the reservation is taken
+            self.grammars().matcher(params.constraint)
         request = self.reservations.take(request_id)
         problem = check(self, request) if check is not None else None
         if problem is not None:
@@ -198,6 +202,19 @@ class Engine:
             request.text = TextStream(self.tokenizer, params.stop, params.skip_special_tokens, params.min_tokens)
         if params.min_tokens:
             request.banned = tuple(params.stop_token_ids) + (() if params.ignore_eos else tuple(self.eos_ids))
+        c = params.constraint
+        if c is not None:  # after a migration the grammar resumes after the prompt's generated tail
+            request.grammar = self.grammars().state(c, request.prompt_ids)
+
+    def grammars(self) -> GrammarCompiler:
+        """The compiler of structured outputs for this model's tokenizer (docs/structured.md)."""
+        if self._grammars is None:
+            path = Path(self.config.model_dir) / "tokenizer.json"
+            if not path.is_file():
+                raise InvalidRequestError("structured outputs need the model's tokenizer.json")
+            self._grammars = GrammarCompiler(path.read_text(encoding="utf-8"), sorted(self.eos_ids),
+                                             self.model_config.vocab_size)
+        return self._grammars
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stops a waiting or running request and frees its pages; None if it is unknown."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tierserve.cache.device_pool import DeviceKVPool
@@ -163,6 +164,7 @@ def _rows_to_sample(ordered: list[Scheduled]) -> tuple[list[int], list[Request]]
 
 
 def sampling_batch(requests: list[Request]) -> SamplingBatch:
+    """The requests' sampling rows; a structured output's row takes its grammar's allowed tokens."""
     return SamplingBatch(
         temperatures=[0.0 if r.params.greedy else r.params.temperature for r in requests],
         top_ps=[r.params.top_p for r in requests],
@@ -170,4 +172,19 @@ def sampling_batch(requests: list[Request]) -> SamplingBatch:
         seeds=[r.params.seed for r in requests],
         positions=[r.num_tokens for r in requests],  # the sampled token's index in prompt + output
         banned=[r.banned_now() for r in requests],
+        allowed=allowed_tokens(requests),
     )
+
+
+def allowed_tokens(requests: list[Request]) -> torch.Tensor | None:
+    """The bitmask of what each request's grammar allows next (all ones for free rows); None
+    when no request has a grammar, the usual case, at no cost."""
+    grammars = [r.grammar for r in requests]
+    words = next((g.words for g in grammars if g is not None), 0)
+    if not words:
+        return None
+    rows = np.full((len(requests), words), -1, dtype=np.int32)
+    for row, grammar in zip(rows, grammars, strict=True):
+        if grammar is not None:
+            grammar.fill(row)
+    return torch.from_numpy(rows)

@@ -13,6 +13,7 @@ from tierserve.core.sampling import SamplingParams
 from tierserve.core.scope import NO_SCOPE, CacheScope
 from tierserve.engine.handoff import Handoff
 from tierserve.engine.text_stream import TextStream
+from tierserve.structured.state import GrammarState
 
 __all__ = ["FinishReason", "Request", "RequestOutput", "RequestStatus"]
 
@@ -59,6 +60,7 @@ class Request:
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     prompt_logprobs_next: int = 0  # set from params: 1, or the prompt length when none are asked
     banned: tuple[int, ...] = ()  # EOS and stop ids, never sampled before params.min_tokens
+    grammar: GrammarState | None = None  # params.constraint's state (docs/structured.md)
 
     def __post_init__(self) -> None:
         wanted = self.params.prompt_logprobs is not None

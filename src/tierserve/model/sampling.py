@@ -20,6 +20,8 @@ class SamplingBatch:
     decode node after a migration: docs/migration.md). Unseeded rows share the default
     generator. ``banned[i]``: token ids row i must not
     sample (EOS and stop ids before ``min_tokens``); empty lists, the usual case, cost nothing.
+    ``allowed``: int32 bitmask rows [n, words] (bit t % 32 of word t // 32 set: token t may be sampled;
+    tokens past the last word may not), on any device; None: every token (docs/structured.md).
     """
 
     temperatures: list[float]
@@ -28,6 +30,7 @@ class SamplingBatch:
     seeds: list[int | None]
     positions: list[int]
     banned: list[list[int]] = field(default_factory=list)
+    allowed: torch.Tensor | None = None
 
     @property
     def all_greedy(self) -> bool:
@@ -36,7 +39,7 @@ class SamplingBatch:
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Token ids [n] for float32 logits [n, vocab]."""
-    logits = _without_banned(logits, batch.banned)
+    logits = _without_banned(apply_allowed(logits, batch.allowed), batch.banned)
     greedy = logits.argmax(dim=-1)
     if batch.all_greedy:
         return greedy
@@ -46,6 +49,19 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     sampled = (probs / noise).argmax(dim=-1)  # exponential race == sampling from probs
     is_greedy = torch.tensor([t == 0 for t in batch.temperatures], device=logits.device)
     return torch.where(is_greedy, greedy, sampled)
+
+
+def apply_allowed(logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+    """``logits`` with the tokens ``allowed`` does not allow at -inf (a copy; None: ``logits`` itself)."""
+    if allowed is None:
+        return logits
+    vocab = logits.shape[-1]
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    bits = (allowed.to(logits.device, non_blocking=True)[:, :, None] >> shifts) & 1
+    keep = bits.reshape(allowed.shape[0], -1)[:, :vocab].bool()
+    if keep.shape[1] < vocab:
+        keep = torch.nn.functional.pad(keep, (0, vocab - keep.shape[1]))
+    return logits.masked_fill(~keep, float("-inf"))
 
 
 def _without_banned(logits: torch.Tensor, banned: list[list[int]]) -> torch.Tensor:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from tierserve.core.constraint import Constraint, ConstraintKind
 from tierserve.core.outputs import TokenLogprob
-from tierserve.core.sampling import SamplingParams
+from tierserve.core.sampling import InvalidRequestError, SamplingParams
 from tierserve.proto import tierserve_pb2 as pb
 
 
@@ -17,6 +18,7 @@ def from_proto(options: pb.SamplingOptions) -> SamplingParams:
         logprobs=options.logprobs if options.HasField("logprobs") else None,
         prompt_logprobs=options.prompt_logprobs if options.HasField("prompt_logprobs") else None,
         prompt_logprobs_start=options.prompt_logprobs_start,
+        constraint=constraint_from_proto(options.constraint) if options.HasField("constraint") else None,
     )
 
 
@@ -26,7 +28,23 @@ def to_proto(params: SamplingParams) -> pb.SamplingOptions:
         seed=params.seed, stop=params.stop, stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos,
         skip_special_tokens=params.skip_special_tokens, min_tokens=params.min_tokens, logprobs=params.logprobs,
         prompt_logprobs=params.prompt_logprobs, prompt_logprobs_start=params.prompt_logprobs_start,
+        constraint=constraint_to_proto(params.constraint) if params.constraint is not None else None,
     )
+
+
+_KINDS = {kind: pb.ConstraintKind.Value(f"CONSTRAINT_KIND_{kind.name}") for kind in ConstraintKind}
+
+
+def constraint_to_proto(c: Constraint) -> pb.Constraint:
+    return pb.Constraint(kind=_KINDS[c.kind], spec=c.spec, strict=c.strict, resumed=c.resumed)
+
+
+def constraint_from_proto(msg: pb.Constraint) -> Constraint:
+    """Raises ``InvalidRequestError`` for a kind this side does not know."""
+    kind = next((k for k, v in _KINDS.items() if v == msg.kind), None)
+    if kind is None:
+        raise InvalidRequestError(f"unknown structured-output kind {msg.kind}")
+    return Constraint(kind, msg.spec, msg.strict, msg.resumed)
 
 
 def logprob_to_proto(lp: TokenLogprob) -> pb.TokenLogprob:

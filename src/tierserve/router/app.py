@@ -51,6 +51,8 @@ class RouterConfig:
     drain_timeout_s: float = 600.0  # a removed worker's running requests get this long to finish
     node_token: str | None = None  # sent on every call to the nodes (core/node_auth.py)
     tls: TLSFiles | None = None  # TLS to the nodes: their CA, and this router's certificate for mutual TLS
+    chat_template: Path | None = None  # --chat-template, --tool-call-parser (docs/agents.md)
+    tool_call_parser: str | None = None
 
 
 Task = Callable[[Registry], Any]  # a background coroutine function run for the app's lifetime
@@ -62,7 +64,8 @@ def create_router_app(config: RouterConfig, registry: Registry, tasks: list[Task
     backend = PDBackend(registry, make_policy(config.prefill_policy), make_policy(config.decode_policy),
                         config.options, config.context_length or model.max_position, caches.lookup)
     name = config.served_model_name or config.model_dir.name
-    app = create_app(backend, try_load(config.model_dir), name, ApiMetrics(_RouterCollector(registry, backend, caches)),
+    tokenizer = try_load(config.model_dir, config.chat_template, config.tool_call_parser)
+    app = create_app(backend, tokenizer, name, ApiMetrics(_RouterCollector(registry, backend, caches)),
                      config.keys, config.admin_api_key)
     _add_worker_routes(app, registry, admin_guard(config.admin_api_key, config.keys))
     initial = [(Role.PREFILL, a) for a in config.prefill] + [(Role.DECODE, a) for a in config.decode]

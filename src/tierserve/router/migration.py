@@ -131,11 +131,14 @@ def _count(stats: Migrations, progress: _Progress, lost: DecodeLost, request: Re
 def resumed(request: Resumable, produced: list[int], n: int) -> Any:
     """``request`` continued after ``produced``: those tokens join the prompt; ``max_tokens`` and
     ``min_tokens`` shrink by their count; prompt logprobs were sent already and are not asked again
-    (asking would also keep the prefill node from reusing cached KV)."""
+    (asking would also keep the prefill node from reusing cached KV); a structured output's grammar
+    resumes after them."""
     sampling = pb.SamplingOptions()
     sampling.CopyFrom(request.sampling)
     sampling.max_tokens = request.sampling.max_tokens - len(produced)
     sampling.min_tokens = max(0, sampling.min_tokens - len(produced))
     sampling.ClearField("prompt_logprobs")
+    if sampling.HasField("constraint"):  # the grammar's state is rebuilt from them (docs/structured.md)
+        sampling.constraint.resumed = request.sampling.constraint.resumed + len(produced)
     return replace(request, id=f"{request.id}-m{n}", prompt=request.prompt + produced, sampling=sampling,
                    resumed=len(produced))

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from tierserve.cache.device_pool import DeviceKVPool
@@ -27,7 +28,7 @@ from tierserve.model.attention import LayerHooks
 from tierserve.model.llama import CausalLM
 from tierserve.model.loader import load_model
 from tierserve.model.logprobs import token_logprobs
-from tierserve.model.sampling import sample
+from tierserve.model.sampling import apply_allowed, sample
 
 
 @dataclass
@@ -123,7 +124,7 @@ class SpecDecoder:
         the target's distribution when asked (the logits row before each kept token)."""
         tokens, dists = drafted
         logits = self.target.logits(hidden)
-        kept = verify(tokens, dists, logits, _row(request))
+        kept = verify(tokens, dists, apply_allowed(logits, draft_masks(request, tokens)), _row(request))
         accepted = len(kept) - 1
         # The chain wrote draft KV for the pending token and all drafts but the last.
         request.draft_computed = request.num_tokens + min(accepted, len(tokens) - 1)
@@ -174,6 +175,28 @@ class SpecDecoder:
         for s in batch:
             s.request.draft_computed = s.request.num_computed + s.num_tokens
         return hidden
+
+
+def draft_masks(request: Request, drafts: list[int]) -> torch.Tensor | None:
+    """What a structured output's grammar allows at each of the k + 1 positions a verification
+    decides (docs/structured.md): the grammar steps through the drafts and is rolled back after, so
+    a draft it forbids has target probability 0 and is rejected. Rows after a draft it forbids, or
+    after it completed, allow everything: verification never gets past that draft."""
+    grammar = request.grammar
+    if grammar is None:
+        return None
+    rows = np.full((len(drafts) + 1, grammar.words), -1, dtype=np.int32)
+    valid = grammar.matcher.validate_tokens(drafts)  # leaves the state as it is
+    taken = 0
+    for i in range(valid + 1):
+        if grammar.done:
+            break
+        grammar.fill(rows[i])
+        if i < valid:
+            grammar.consume(drafts[i])
+            taken += 1
+    grammar.rollback(taken)
+    return torch.from_numpy(rows)
 
 
 def _completes(s: Scheduled) -> bool:
