@@ -118,3 +118,34 @@ def test_lpm_admits_the_longest_cached_prefix_first(tiny_llama: Path) -> None:
         engine.add_request("hit", prompts[1], GREEDY)
         engine.step()
         assert engine.scheduler.running[0].request_id == first
+
+
+class _Handoff:
+    """A handoff still reading the request's pages until ``done`` is set (a prefill node's)."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def on_layer(self, layer: int, pages: list[int], end: int) -> None:
+        pass
+
+    def busy(self) -> bool:
+        return not self.done
+
+
+def test_a_prompt_whose_handoff_still_reads_it_is_hit_meanwhile(tiny_llama: Path) -> None:
+    """Prefill role: the request ends after its prompt, its pages parked while the handoff reads
+    them; they are in the tree already, so the same prompt hits them, and every page returns once
+    the handoff ends."""
+    prompt = _tokens(PREFIX + 3, 9)
+    engine = _engine(tiny_llama)
+    handoff = _Handoff()
+    engine.add_request("a", prompt, SamplingParams(max_tokens=1, temperature=0), handoff=handoff)
+    engine.step()
+    assert engine.scheduler.parked, "a's pages are parked while its handoff is busy"
+    engine.add_request("b", prompt, SamplingParams(max_tokens=1, temperature=0))
+    (out,) = engine.step()  # b: admitted, computes its last tokens only, done
+    assert out.finished and out.cached_tokens == (len(prompt) - 1) // PAGE * PAGE
+    handoff.done = True
+    engine.step()
+    assert not engine.scheduler.parked and engine.stats()["kv_pages_used"] == 0
