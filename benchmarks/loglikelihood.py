@@ -21,6 +21,10 @@ noisy machine's load changes hit them alike; a run's rate is its requests over t
 questions took. Reported are median requests/s over repetitions and the on/off ratio.
 
     .venv/bin/python benchmarks/loglikelihood.py [--questions 8] [--context 256] [--repeats 3] [--threads N]
+        [--ways echo start none]
+
+Prompt tokens computed per request are the prompt tokens not reported cached (a request's cached
+tokens are its match at admission, in-flight shared pages included: docs/cache.md).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from tierserve.core.sampling import SamplingParams
+from tierserve.core.scope import CacheScope
 from tierserve.engine.config import EngineConfig
 from tierserve.engine.engine import Engine
 from tierserve.model.fetch import fetch_builtin_model
@@ -73,15 +78,15 @@ def question(engine: Engine, way: str, choices: list[Request], salt: str | None)
     started, cached = time.perf_counter(), 0
     for r in choices:
         rid = f"q{next(_ids)}"
-        engine.add_request(rid, r.prompt, params(way, r), cache_salt=salt or rid)
+        engine.add_request(rid, r.prompt, params(way, r), scope=CacheScope(cache_salt=salt or rid))
     while engine.has_work():
         cached += sum(o.cached_tokens for o in engine.step() if o.finished)
     return time.perf_counter() - started, cached
 
 
-def repetition(engine: Engine, questions: list[list[Request]]) -> dict[tuple[str, bool], tuple]:
+def repetition(engine: Engine, questions: list[list[Request]], ways: list[str]) -> dict[tuple[str, bool], tuple]:
     """(requests/s, cached tokens) of every (way, cache on) run, interleaved question by question."""
-    runs = [(way, on) for way in WAYS for on in (True, False)]
+    runs = [(way, on) for way in ways for on in (True, False)]
     salts = {(way, on): f"run-{next(_ids)}" if on else None for way, on in runs}
     seconds, cached = dict.fromkeys(runs, 0.0), dict.fromkeys(runs, 0)
     for q, choices in enumerate(questions):
@@ -101,22 +106,27 @@ def main() -> None:
     ap.add_argument("--choice", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--ways", nargs="+", choices=WAYS, default=list(WAYS))
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     model = fetch_builtin_model(progress=False)
     engine = Engine(EngineConfig(model, dtype="float32", page_size=16, max_total_tokens=32768))
     questions = workload(args, engine.model_config.vocab_size)
-    results = [repetition(engine, questions) for _ in range(args.repeats)]
+    results = [repetition(engine, questions, args.ways) for _ in range(args.repeats)]
     rates = {r: [res[r][0] for res in results] for r in results[0]}
     cached = {r: results[-1][r][1] for r in results[0]}
     print(f"model={model.name} float32 threads={torch.get_num_threads()} questions={args.questions} "
           f"context={args.context} question={args.question} choice={args.choice} repeats={args.repeats}")
-    print("| logprobs | cache on req/s | cache off req/s | on/off | cached tokens per run (on) |")
-    print("|---|---:|---:|---:|---:|")
-    for way in WAYS:
+    requests = [r for q in questions for r in q]
+    prompt = sum(len(r.prompt) for r in requests)
+    print("| logprobs | cache on req/s | cache off req/s | on/off | cached tokens per run (on) | prompt tokens "
+          "computed per request (on) |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for way in args.ways:
         on, off = statistics.median(rates[way, True]), statistics.median(rates[way, False])
-        print(f"| {way} | {on:.2f} | {off:.2f} | {on / off:.2f} | {cached[way, True]} |")
+        computed = (prompt - cached[way, True]) / len(requests)
+        print(f"| {way} | {on:.2f} | {off:.2f} | {on / off:.2f} | {cached[way, True]} of {prompt} | {computed:.1f} |")
 
 
 if __name__ == "__main__":

@@ -80,7 +80,9 @@ def test_generated_pages_reach_l3_while_running_and_another_engine_continues(tin
     held = -(-(len(history) - 1) // PAGE)  # every page with KV; the checkpointed ones are pinned tree pages
     assert first.stats()["kv_pages_used"] >= held and first.stats()["kv_pages_cached"] == 0
     assert _in_l3(first, tmp_path, history[:-1]) == (len(history) - 1) // PAGE  # the last token has no KV yet
-    assert first.cache.stats()["offload_checkpoint_pages_total"] >= (len(history) - 1) // PAGE
+    stats = first.cache.stats()  # the prompt's pages joined as computed (in-flight sharing), the rest by checkpoints
+    assert stats["offload_checkpoint_pages_total"] + stats["inflight_shared_pages_total"] >= (len(history) - 1) // PAGE
+    assert stats["inflight_shared_pages_total"] == len(_prompt()) // PAGE
     second = _engine(tiny_llama, tmp_path)
     rest, tiers = run_one(second, history, SamplingParams(max_tokens=MAX_NEW - 90, temperature=0, ignore_eos=True))
     assert so_far + rest == expected
@@ -110,7 +112,9 @@ def test_a_full_copy_queue_defers_copies_instead_of_waiting(tiny_llama: Path, tm
     engine.add_request("r", _prompt(), GREEDY)
     so_far = _step_until(engine, "r", 60)
     engine.cache.wait_background()
-    assert _in_l3(engine, tmp_path, _prompt()) == 0
+    # the prompt's pages joined while computed (in-flight sharing), written through as a release would;
+    # no generated page is copied
+    assert _in_l3(engine, tmp_path, (_prompt() + so_far)[:-1]) == len(_prompt()) // PAGE
     assert engine.cache.stats()["offload_deferred_pages_total"] > 0
     assert engine.cache.stats()["offload_checkpoint_pages_total"] == 0
     assert so_far + _step_until(engine, "r", MAX_NEW - 60) == expected

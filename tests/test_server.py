@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 import socket
 import subprocess
 import sys
@@ -181,6 +182,19 @@ def test_n_choices_and_prompt_batches(tiny: Server):
                                          extra_body={"ignore_eos": True})
     assert sorted(c.index for c in r.choices) == [0, 1, 2, 3]
     assert r.usage.prompt_tokens == 5 and r.usage.completion_tokens == 12
+
+
+def test_n_choices_compute_the_prompt_once(tiny: Server):
+    """``n`` greedy choices of one fresh prompt (docs/cache.md, in-flight sharing): one computes the
+    prompt, the others its last partial page and last token only; all give the same text."""
+    rng = random.Random(uuid.uuid4().int)  # a prompt no earlier test cached
+    prompt = [rng.randrange(2, 384) for _ in range(100)]
+    before = _metric(tiny, "tierserve_prefill_tokens_computed_total")
+    r = tiny.client().completions.create(model=_model(tiny), prompt=[prompt], n=4, max_tokens=3, temperature=0,
+                                         extra_body={"ignore_eos": True})
+    computed = _metric(tiny, "tierserve_prefill_tokens_computed_total") - before
+    assert len({c.text for c in r.choices}) == 1
+    assert computed <= len(prompt) + 3 * 16, computed  # 16: serve's default page size
 
 
 # ---- text and chat (built-in model) ----------------------------------------------------------

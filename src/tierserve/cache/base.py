@@ -101,6 +101,24 @@ class PrefixCache(Protocol):
         when nothing changed. Only the hierarchical cache does it (continuous offload)."""
         ...
 
+    def share(self, token_ids: Sequence[int], pages: list[int], num_full: int, hit: PrefixHit) -> PrefixHit | None:
+        """In-flight sharing (docs/cache.md): the first ``num_full`` of a running request's ``pages``
+        hold the KV of ``token_ids``' first full pages: they join the cache now, pinned, so later
+        requests hit them. Returns the hit that replaces ``hit`` (its pages are ``pages[:num_full]``:
+        the page table does not change), or None when nothing changed."""
+        ...
+
+    @property
+    def shares_in_flight(self) -> bool:
+        """Whether ``share`` may share anything (the scheduler holds back a request for a prefix
+        another one is computing only then)."""
+        ...
+
+    def cached_prefix(self, token_ids: Sequence[int], scope: CacheScope = NO_SCOPE) -> int:
+        """How many leading pages of ``token_ids`` a ``match`` would find in L1 or L2 now; pins and
+        changes nothing (the longest-prefix-match schedule order)."""
+        ...
+
     def evict(self, num_pages: int) -> int:
         """Frees up to ``num_pages`` unpinned pages to the allocator; returns how many it freed."""
         ...
@@ -166,6 +184,7 @@ class SingleTier:
     ``stats`` (and a tree, if they keep prefixes)."""
 
     busy = False
+    shares_in_flight = False
 
     def prefetch(self, token_ids: Sequence[int], scope: CacheScope = NO_SCOPE) -> PrefetchTicket | None:
         return None
@@ -185,6 +204,12 @@ class SingleTier:
     def checkpoint(self, token_ids: Sequence[int], pages: list[int], num_computed: int,
                    hit: PrefixHit) -> PrefixHit | None:
         return None  # no slower tier to offload to: pages join the cache at release
+
+    def share(self, token_ids: Sequence[int], pages: list[int], num_full: int, hit: PrefixHit) -> PrefixHit | None:
+        return None
+
+    def cached_prefix(self, token_ids: Sequence[int], scope: CacheScope = NO_SCOPE) -> int:
+        return 0
 
     def flush(self, device: bool, host: bool) -> tuple[int, int]:
         return (self.evict(sys.maxsize) if device else 0), 0

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from tierserve.cache import generated
+from tierserve.cache import generated, inflight
 from tierserve.cache.allocator import PageAllocator
 from tierserve.cache.base import PrefixHit, Snapshot
 from tierserve.cache.device_pool import DeviceKVPool
@@ -94,7 +94,8 @@ class HiCache:
         self._writes: list[_Write] = []
         self.loads = Loads(self.tree, allocator)
         self.counters: Counter[str] = Counter()  # engine thread only
-        for name in ("cp_refused_pages_total", "offload_checkpoint_pages_total", "offload_deferred_pages_total"):
+        for name in ("cp_refused_pages_total", "offload_checkpoint_pages_total", "offload_deferred_pages_total",
+                     "inflight_shared_pages_total"):
             self.counters[name] += 0  # always published
         self.agreement = agreement or SingleRank()
         self.l3 = L3Slot(self._storage_tier, lambda: self.busy)
@@ -254,6 +255,24 @@ class HiCache:
         if lent is not None:
             self._offload(lent.handle, lent.num_tokens // self.page_size - len(hit.pages))
         return lent
+
+    shares_in_flight = True
+
+    def share(self, token_ids: Sequence[int], pages: list[int], num_full: int, hit: PrefixHit) -> PrefixHit | None:
+        """In-flight sharing (``cache/inflight.py``); the new path is copied to L2 as the write policy
+        says of a release (``write_through``: now)."""
+        num_full = min(num_full, self.loads.usable(pages))
+        num_full = cp_storable(self.tree, self.ownership, token_ids, pages[:num_full], hit.salt)
+        lent = inflight.share(self.tree, token_ids, pages, num_full, hit, self.loads)
+        if lent is None:
+            return None
+        self.counters["inflight_shared_pages_total"] += len(lent.pages) - len(hit.pages)
+        if self.config.write_policy is WritePolicy.WRITE_THROUGH:
+            self.write_path(lent.handle)
+        return lent
+
+    def cached_prefix(self, token_ids: Sequence[int], scope: CacheScope = NO_SCOPE) -> int:
+        return self.tree.cached_pages(token_ids, scope.salt)
 
     def _offload(self, node: Node, new_pages: int) -> None:
         """A checkpoint's copies to L2: every node on ``node``'s path still without one, whatever

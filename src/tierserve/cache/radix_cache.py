@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from tierserve.cache import inflight
 from tierserve.cache.allocator import PageAllocator
 from tierserve.cache.base import PrefixHit, SingleTier, Snapshot
 from tierserve.cache.events import KVEventListener
@@ -39,6 +40,7 @@ class RadixCache(SingleTier):
         self.num_cached_pages = 0
         self.evicted_pages = 0
         self.refused_pages = 0
+        self.shared_pages = 0
 
     def match(self, token_ids: Sequence[int], ticket: PrefetchTicket | None = None,
               scope: CacheScope = NO_SCOPE) -> PrefixHit:
@@ -57,6 +59,19 @@ class RadixCache(SingleTier):
         if hit.handle is not None:
             self.tree.unlock(hit.handle)
 
+    shares_in_flight = True
+
+    def share(self, token_ids: Sequence[int], pages: list[int], num_full: int, hit: PrefixHit) -> PrefixHit | None:
+        num_full = cp_storable(self.tree, self.ownership, token_ids, pages[:num_full], hit.salt)
+        lent = inflight.share(self.tree, token_ids, pages, num_full, hit)
+        if lent is not None:
+            self.shared_pages += len(lent.pages) - len(hit.pages)
+            self.num_cached_pages += len(lent.pages) - len(hit.pages)  # tree pages, as a hit's are
+        return lent
+
+    def cached_prefix(self, token_ids: Sequence[int], scope: CacheScope = NO_SCOPE) -> int:
+        return self.tree.cached_pages(token_ids, scope.salt)
+
     def _storable(self, token_ids: Sequence[int], pages: list[int], salt: str) -> int:
         """How many of ``pages`` the tree may take: all of them without CP."""
         keep = cp_storable(self.tree, self.ownership, token_ids, pages, salt)
@@ -73,7 +88,8 @@ class RadixCache(SingleTier):
         return len(device)
 
     def stats(self) -> dict[str, float]:
-        return {"device_evicted_pages_total": self.evicted_pages, "cp_refused_pages_total": self.refused_pages}
+        return {"device_evicted_pages_total": self.evicted_pages, "cp_refused_pages_total": self.refused_pages,
+                "inflight_shared_pages_total": self.shared_pages}
 
     def on_step(self) -> None:
         pass

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from tierserve.cache.options import DraftLayout, HiCacheOptions, HostLayout, IOBackend, PrefetchPolicy, WritePolicy
 from tierserve.core.layer_split import layer_partition
 from tierserve.core.storage import StorageKind
-from tierserve.engine.config import CPAttention, EngineConfig
+from tierserve.engine.config import CPAttention, EngineConfig, SchedulePolicy
 
 if TYPE_CHECKING:
     from tierserve.api.tenants import TenantKeys
@@ -49,6 +49,8 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("--mem-fraction-static", "mem_fraction_static", "GPU memory share for the KV pool", float),
     Flag("--chunked-prefill-size", "chunked_prefill_size", "prompt tokens per step", int),
     Flag("--max-running-requests", "max_running_requests", "requests in the running batch", int),
+    Flag("--schedule-policy", "schedule_policy", "the order waiting requests are admitted in: lpm (longest "
+         "cached prefix first) or fcfs (arrival order)", SchedulePolicy),
     Flag("--context-length", "max_model_len", "max prompt + output tokens (default: the model's)", int),
     Flag("--seed", "seed", "random seed", int),
     # Tensor parallelism: one process per rank (docs/tp.md).

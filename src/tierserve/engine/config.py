@@ -20,6 +20,13 @@ class CPAttention(Enum):
     GATHER = "gather"  # every rank computes every token, every layer gathers (the seed's protocol alone)
 
 
+class SchedulePolicy(Enum):
+    """The order waiting requests are admitted in (``Scheduler._order``; SGLang's names)."""
+
+    LPM = "lpm"  # longest cached prefix first (in-flight shared pages included): requests that share go together
+    FCFS = "fcfs"  # arrival order
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """``max_total_tokens`` sizes the KV pool (default: a fraction of free GPU memory on CUDA,
@@ -42,7 +49,8 @@ class EngineConfig:
     ``speculative_draft_layout`` says where the draft's KV is cached (``DraftLayout``).
     ``offload_generated``: running requests hand each page they fill to the prefix cache at once,
     so the hierarchical cache copies it on to L2 and L3 while they run (decode nodes: continuous
-    offload, docs/cache.md)."""
+    offload, docs/cache.md). ``schedule_policy``: the order waiting requests are admitted in
+    (``SchedulePolicy``)."""
 
     model_dir: Path
     device: str = "auto"
@@ -52,6 +60,7 @@ class EngineConfig:
     mem_fraction_static: float = 0.85
     chunked_prefill_size: int = 2048
     max_running_requests: int = 256
+    schedule_policy: SchedulePolicy = SchedulePolicy.LPM
     max_model_len: int | None = None
     seed: int = 0
     disable_radix_cache: bool = False

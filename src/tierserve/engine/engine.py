@@ -35,7 +35,7 @@ from tierserve.engine.procs.token_share import token_share
 from tierserve.engine.request import FinishReason, Request, RequestOutput, RequestStatus
 from tierserve.engine.reservations import DEFAULT_TERMS, Reservations, ReservationTerms
 from tierserve.engine.restores import WAIT_SHARE, StepRestores, lent_failed
-from tierserve.engine.scheduler import Scheduler, SchedulerConfig, pages_for
+from tierserve.engine.scheduler import Scheduled, Scheduler, SchedulerConfig, pages_for
 from tierserve.engine.spec.decoder import SpecDecoder
 from tierserve.engine.spec.draft_pools import DraftPlan
 from tierserve.engine.text_stream import TextStream
@@ -104,7 +104,8 @@ class Engine:
         self.cache = (prefix_cache or self._build_cache)(self.allocator, self.pool)
         draft_kv = self.draft.store(self.pool, self.draft_pool, self.geometry.num_layers) if self.draft else None
         self.spec = SpecDecoder.of(config, self.model, self.pool, draft_kv)
-        sched = SchedulerConfig(config.page_size, config.chunked_prefill_size, config.max_running_requests)
+        sched = SchedulerConfig(config.page_size, config.chunked_prefill_size, config.max_running_requests,
+                                config.schedule_policy)
         self.scheduler = Scheduler(sched, self.allocator, self.cache, self.spec.lookahead if self.spec else None)
         cp = context_parallel(self.ranks.cp, self.pool, self.device, self.ranks.cp_merge, config.cp_attention,
                               self.ranks.cp_group)
@@ -116,6 +117,7 @@ class Engine:
         self.appender = Appender(eos_ids, self.max_model_len, self.requests, self.scheduler)
         self.failures: list[tuple[str, Exception]] = []
         self.last_batch_size = 0
+        self.prefill_tokens_computed = 0  # prompt tokens this engine computed (not taken from the cache)
         self._generate_ids = itertools.count()  # the same on every rank, as ids must be
         log.info("engine ready: model=%s device=%s dtype=%s kv_pages=%d page_size=%d rank=%d/%d stage=%d/%d "
                  "layers=%d-%d namespace=%s", model_dir.name, self.device, self.dtype, self.num_pages,
@@ -245,6 +247,8 @@ class Engine:
             "kv_pages_cached": cached,
             "kv_pages_total": self.allocator.num_pages,
             "preemptions": self.scheduler.num_preemptions,
+            "prefill_tokens_computed": self.prefill_tokens_computed,
+            "schedule_held_steps": self.scheduler.num_held,
             "reservations": len(self.reservations.active),
             "reservation_pages_quarantined": self.reservations.quarantined_pages,
             "reservation_staging_bytes": self.reservations.staging.used_bytes if self.reservations.staging else 0,
@@ -276,13 +280,17 @@ class Engine:
         failed = self._fail_restores(batch, restores)
         prompt_tokens = sum(s.num_tokens for s in batch if s.num_tokens > 1)  # prefill chunks, not decodes
         self.cache.record_compute(prompt_tokens, time.perf_counter() - started)
+        self.prefill_tokens_computed += sum(_prompt_tokens(s) for s in batch)
         outputs = []
         for scheduled in batch:
             request = scheduled.request
             rid = request.request_id
             if rid in failed:
                 continue
+            prefilled = _prompt_tokens(scheduled) > 0
             request.advance(scheduled.num_tokens)
+            if prefilled:  # before the append, which may release it (docs/cache.md, in-flight sharing)
+                self.scheduler.share(request)
             request.prompt_logprobs += result.logprobs.prompt.get(rid, [])
             if rid in result.tokens:
                 outputs.append(self.appender.append_all(request, result.tokens[rid], result.logprobs.sampled.get(rid)))
@@ -376,6 +384,12 @@ class Engine:
             tokens = int(free * self.config.mem_fraction_static) // (self.geometry.bytes_per_token + self.draft_bytes)
         tokens = tokens or CPU_DEFAULT_TOKENS
         return max(1, tokens // self.config.page_size)
+
+
+def _prompt_tokens(scheduled: Scheduled) -> int:
+    """Prompt tokens ``scheduled`` computes (before the step advanced its request)."""
+    request = scheduled.request
+    return max(0, min(scheduled.num_tokens, len(request.prompt_ids) - request.num_computed))
 
 
 def _clock(now: float | None) -> float:

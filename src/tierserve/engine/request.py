@@ -59,6 +59,7 @@ class Request:
     spec_accepted_tokens: int = 0
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     prompt_logprobs_next: int = 0  # set from params: 1, or the prompt length when none are asked
+    held_steps: int = 0  # steps it waited for a prefix another request was computing (``Scheduler._held``)
     banned: tuple[int, ...] = ()  # EOS and stop ids, never sampled before params.min_tokens
     grammar: GrammarState | None = None  # params.constraint's state (docs/structured.md)
 

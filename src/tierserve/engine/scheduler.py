@@ -1,10 +1,15 @@
 """Continuous batching with chunked prefill over a paged KV pool.
 
 Each step every running request gets its next tokens (one when decoding, a chunk while its
-prompt is being prefilled), then waiting requests are admitted in arrival order while the
-prefill budget and free pages last. When a running request needs a page and none is free, the
-prefix cache is asked to evict, and failing that the newest running request is preempted: its
-pages are released and it waits again at the head of the queue, to be recomputed.
+prompt is being prefilled), then waiting requests are admitted while the prefill budget and free
+pages last: in arrival order (``fcfs``) or longest cached prefix first (``lpm``). When a running
+request needs a page and none is free, the prefix cache is asked to evict, and failing that the
+newest running request is preempted: its pages are released and it waits again at the head of the
+queue, to be recomputed.
+
+In-flight sharing (docs/cache.md): the full prompt pages a step computed join the prefix cache at
+once (``share``), and a waiting request whose prefix a running request is computing right now waits
+for those pages (``_held``), at most as many steps as computing that prefix itself would take.
 """
 
 from __future__ import annotations
@@ -15,17 +20,22 @@ from dataclasses import dataclass, field
 
 from tierserve.cache.allocator import PageAllocator
 from tierserve.cache.base import PrefixCache, PrefixHit
+from tierserve.engine.config import SchedulePolicy
 from tierserve.engine.request import Request, RequestStatus
+
+LPM_MAX_WAITING = 128  # past this queue length ``lpm`` admits in arrival order (SGLang's cut-off too)
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     """``chunked_prefill_size``: prompt tokens computed per step across requests (the prefill
-    budget; decode tokens do not count). ``max_running_requests``: batch size limit."""
+    budget; decode tokens do not count). ``max_running_requests``: batch size limit. ``policy``:
+    the order waiting requests are admitted in."""
 
     page_size: int
     chunked_prefill_size: int = 2048
     max_running_requests: int = 256
+    policy: SchedulePolicy = SchedulePolicy.LPM
 
 
 @dataclass
@@ -53,6 +63,19 @@ def pages_for(num_tokens: int, page_size: int) -> int:
     return -(-num_tokens // page_size)
 
 
+def common_pages(a: list[int], b: list[int], page_size: int) -> int:
+    """How many leading full pages ``a`` and ``b`` have in common."""
+    n, end = 0, min(len(a), len(b)) // page_size
+    while n < end and a[n * page_size : (n + 1) * page_size] == b[n * page_size : (n + 1) * page_size]:
+        n += 1
+    return n
+
+
+def _prefix(request: Request) -> list[int]:
+    """The tokens of ``request`` the prefix cache may serve."""
+    return request.token_ids()[: request.cacheable_prefix()]
+
+
 class Scheduler:
     """Decides what runs each step; owns the waiting queue, the running list and their pages."""
 
@@ -67,6 +90,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.parked: list[_Parked] = []
         self.num_preemptions = 0
+        self.num_held = 0  # request-steps spent waiting for a prefix another request was computing
 
     def add(self, request: Request) -> None:
         request.prefetch = self.cache.prefetch(request.token_ids(), request.scope)
@@ -109,10 +133,21 @@ class Scheduler:
         while its handoff may still read them they are parked and given back by a later step."""
         tokens, computed = request.token_ids(), self._cacheable(request)
         if request.handoff is not None and request.handoff.busy():
+            self.share(request)  # visible to other requests while its handoff reads the pages
             self.parked.append(_Parked(request, tokens, request.pages, computed, request.hit))
         else:
             self.cache.release(tokens, request.pages, computed, request.hit)
         request.pages, request.hit = [], PrefixHit()
+
+    def share(self, request: Request) -> None:
+        """In-flight sharing: ``request``'s computed full prompt pages join the prefix cache now,
+        pinned by it (``PrefixCache.share``); its page table does not change. Called after a step
+        that computed prompt tokens, at the same point on every rank (docs/ranks.md)."""
+        full = min(self._cacheable(request), len(request.prompt_ids)) // self.config.page_size
+        if full > len(request.hit.pages):
+            hit = self.cache.share(request.token_ids(), request.pages, full, request.hit)
+            if hit is not None:
+                request.hit = hit
 
     def _cacheable(self, request: Request) -> int:
         """Tokens whose KV the cache may keep: with a draft, only those whose draft KV is computed
@@ -148,11 +183,14 @@ class Scheduler:
                     r.hit = hit
 
     def _admit(self, batch: list[Scheduled], budget: int) -> None:
-        """Admits waiting requests in arrival order, passing over those still prefetching."""
-        for request in list(self.waiting):
+        """Admits waiting requests in ``_order``, passing over those still prefetching and those
+        held for a prefix another request is computing."""
+        if budget <= 0 or len(self.running) >= self.config.max_running_requests:
+            return
+        for request in self._order():
             if budget <= 0 or len(self.running) >= self.config.max_running_requests:
                 break
-            if not self.cache.ready(request.prefetch):
+            if not self.cache.ready(request.prefetch) or self._held(request):
                 continue
             self._match(request)
             n = min(request.tokens_to_compute(), budget)
@@ -165,6 +203,39 @@ class Scheduler:
             self.running.append(request)
             batch.append(Scheduled(request, n))
             budget -= n
+
+    def _order(self) -> list[Request]:
+        """The waiting requests in the order to admit them: ``lpm``, the most pages already cached
+        first (ties, and queues over ``LPM_MAX_WAITING``, in queue order); ``fcfs``, queue order.
+        Tree state only, so every rank orders alike."""
+        waiting = list(self.waiting)
+        if self.config.policy is not SchedulePolicy.LPM or not 1 < len(waiting) <= LPM_MAX_WAITING:
+            return waiting
+        return sorted(waiting, key=lambda r: -self.cache.cached_prefix(_prefix(r), r.scope))
+
+    def _held(self, request: Request) -> bool:
+        """Whether ``request`` waits (this step) for pages of its prefix that a running request is
+        computing now and has not yet shared: held at most as many steps in all as computing that
+        prefix itself would take (``chunked_prefill_size`` tokens a step), then it computes it."""
+        if not self.cache.shares_in_flight:
+            return False
+        tokens = _prefix(request)
+        coming = max((self._coming(tokens, request.scope.salt, r) for r in self.running), default=0)
+        if not coming or request.held_steps >= pages_for(coming * self.config.page_size,
+                                                          self.config.chunked_prefill_size):
+            return False
+        request.held_steps += 1
+        self.num_held += 1
+        return True
+
+    def _coming(self, tokens: list[int], salt: str, sharer: Request) -> int:
+        """Full pages of ``tokens`` that ``sharer`` (running) computes and will share but has not yet
+        (0 if none): the pages they have in common, when more than ``sharer`` already shared."""
+        prompt = sharer.prompt_ids
+        if sharer.num_computed >= len(prompt) or sharer.scope.salt != salt or tokens[:1] != prompt[:1]:
+            return 0
+        common = common_pages(tokens, prompt, self.config.page_size)
+        return common if common > len(sharer.hit.pages) else 0
 
     def _match(self, request: Request) -> None:
         hit = self.cache.match(request.token_ids()[: request.cacheable_prefix()], request.prefetch, request.scope)
