@@ -15,11 +15,13 @@ from pathlib import Path
 
 import httpx
 import pytest
+from helpers.polling import poll
 from helpers.rank_servers import TPServer, descendants, rank_pids, start_server, wait_exit, wait_gone
 from helpers.tiny_models import add_word_tokenizer, make_tiny_model
 
 pytestmark = pytest.mark.integration
 DEATH_DEADLINE_S = 30.0
+HELD_FOR_S = 4.0  # twice the --dist-timeout of the slow-start test
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +85,34 @@ def test_a_frozen_rank_times_out_and_takes_the_node_down(model: Path, tmp_path: 
     finally:
         server.stop()
     assert "lost step with the other ranks" in server.log.read_text()
+
+
+def test_a_rank_slow_to_start_is_waited_for_past_the_dist_timeout(model: Path, tmp_path: Path) -> None:
+    """Starting a rank is not a step: a worker frozen before it joins for longer than --dist-timeout
+    (as on a loaded machine) still joins when it goes on, and the node serves."""
+    server = start_server(model, 2, tmp_path / "serve.log", "--dist-timeout", "2")
+    try:
+        (worker,) = poll(lambda: _worker_pids(server.proc.pid), lambda pids: len(pids) == 1, "rank 1 spawned", 60,
+                         interval_s=0.005)
+        os.kill(worker, signal.SIGSTOP)  # long before it imported torch and reached the rendezvous
+        time.sleep(HELD_FOR_S)  # the fault's length (past the 2 s timeout), not a wait for readiness
+        os.kill(worker, signal.SIGCONT)
+        server.wait_healthy()
+        assert _stream_in_background(server).wait(60), "no token streamed"
+    finally:
+        server.stop()
+
+
+def _worker_pids(parent: int) -> list[int]:
+    """The node's spawned ranks (multiprocessing's resource tracker is a child too)."""
+    return [pid for pid in descendants(parent) if b"spawn_main" in _cmdline(pid)]
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""  # it ended while we read
 
 
 def test_a_tp_size_that_does_not_fit_is_refused(model: Path) -> None:

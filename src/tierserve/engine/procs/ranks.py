@@ -37,6 +37,9 @@ class Backend(Enum):
     NCCL = "nccl"
 
 
+STARTUP_TIMEOUT_S = 300.0  # how long a node's ranks may take to start before they give up on each other
+
+
 @dataclass(frozen=True)
 class RankSpec:
     """What a rank needs to join its node: its rank, the node's size, the rendezvous store's port
@@ -148,6 +151,7 @@ def join(spec: RankSpec, config: EngineConfig, store: dist.Store | None = None) 
     backend = Backend.NCCL if device.type == "cuda" else Backend.GLOO
     if backend is Backend.NCCL:
         torch.cuda.set_device(device)
+    _wait_all_arrived(store, spec)
     dist.init_process_group(backend.value, store=store, rank=spec.rank, world_size=spec.size, timeout=timeout)
     control = dist.new_group(backend="gloo", timeout=timeout) if backend is Backend.NCCL else None
     _share_cpu(device, spec.size)
@@ -165,6 +169,16 @@ def join(spec: RankSpec, config: EngineConfig, store: dist.Store | None = None) 
     gathers = _new_groups(layout.cp_groups(), timeout)[layout.cp_group_of(spec.rank)]
     merges = _new_groups(layout.cp_groups(), timeout)[layout.cp_group_of(spec.rank)]
     return Ranks(tp, device, control, stage, PageOwnership(place.cp, config.cp_size), merges, gathers)
+
+
+def _wait_all_arrived(store: dist.Store, spec: RankSpec) -> None:
+    """Waits until every rank of the node reached its join, at most ``STARTUP_TIMEOUT_S`` (or the
+    collective timeout, if longer): starting a rank (imports, device, a loaded machine) is not a
+    step, so ``--dist-timeout`` must not bound it; the rendezvous that follows then finds every rank
+    there. A rank that dies meanwhile takes the node down through the watchdog (docs/ranks.md)."""
+    store.set(f"arrived/{spec.rank}", b"1")
+    wait = timedelta(seconds=max(STARTUP_TIMEOUT_S, spec.timeout_s))
+    store.wait([f"arrived/{rank}" for rank in range(spec.size)], wait)
 
 
 def _own_group(groups: list[list[int]], mine: int, timeout: timedelta) -> dist.ProcessGroup | None:
