@@ -3,7 +3,8 @@
 .PHONY: setup model up test lint
 
 VENV := .venv
-PYTEST_FLAGS ?= -p no:cacheprovider
+# two workers (pytest-xdist), each taking whole files: module-scoped clusters start once; CI has two cores
+PYTEST_FLAGS ?= -p no:cacheprovider -n 2 --dist loadfile
 
 setup:
 	bash scripts/setup.sh

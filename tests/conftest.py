@@ -22,6 +22,19 @@ from helpers.tiny_models import FAMILIES, add_word_tokenizer, make_tiny_model
 from tierserve.cache.storage.mooncake import MooncakeStorage
 
 
+# `make test` runs the files on two workers (pytest-xdist, a whole file each): the longest go first, or
+# one started last would run alone at the end while the other worker idles.
+LONGEST_FIRST = ("test_rank_hicache", "test_cp_long", "test_pp_serve", "test_pd_ranks", "test_router",
+                 "test_agents_e2e", "test_router_streams", "test_speculative_builtin", "test_tp_serve",
+                 "test_lm_eval", "test_cp_serve", "test_cp_pd", "test_up_ranks", "test_speculative_sampling")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Orders the longest files first (a stable sort: the rest keep their order, every worker alike)."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))
+
+
 @pytest.fixture(scope="session", params=FAMILIES)
 def tiny_model(request, tmp_path_factory) -> Path:
     return make_tiny_model(request.param, tmp_path_factory.mktemp(request.param))
