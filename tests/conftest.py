@@ -21,7 +21,6 @@ from helpers.tiny_models import FAMILIES, add_word_tokenizer, make_tiny_model
 
 from tierserve.cache.storage.mooncake import MooncakeStorage
 
-
 # `make test` runs the files on two workers (pytest-xdist, a whole file each): the longest go first, or
 # one started last would run alone at the end while the other worker idles.
 LONGEST_FIRST = ("test_rank_hicache", "test_cp_long", "test_pp_serve", "test_pd_ranks", "test_router",
