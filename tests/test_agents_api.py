@@ -12,6 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
+from helpers.idle_backend import IdleBackend
 
 from tierserve.api.app import create_app
 from tierserve.api.metrics import ApiMetrics
@@ -31,7 +32,7 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "description"
 USER = [{"role": "user", "content": "Weather in Paris?"}]
 
 
-class ScriptedBackend:
+class ScriptedBackend(IdleBackend):
     """Answers every request with ``pieces`` of text, one output each; records the params it got."""
 
     max_model_len = 4096
@@ -47,15 +48,6 @@ class ScriptedBackend:
             last = i == len(self.pieces) - 1
             reason = FinishReason.STOP if last else None
             yield RequestOutput(request_id, [i], piece, last, reason, len(prompt_ids), i + 1)
-
-    def healthy(self) -> bool:
-        return True
-
-    def ready(self) -> bool:
-        return True
-
-    async def debug_state(self) -> dict[str, Any]:
-        return {}
 
 
 @pytest.fixture(scope="module")

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from typing import Any
 
 import httpx
 import pytest
+from helpers.idle_backend import IdleBackend
 from helpers.metrics import samples
 
 from tierserve.api.app import create_app
@@ -23,7 +23,7 @@ from tierserve.core.scope import CacheScope
 pytestmark = pytest.mark.fakes  # a backend that raises in place of an engine
 
 
-class BuggyBackend:
+class BuggyBackend(IdleBackend):
     """A backend with a bug: every request raises ``KeyError``."""
 
     max_model_len = 64
@@ -32,15 +32,6 @@ class BuggyBackend:
                        *, buffered: bool = False) -> AsyncIterator[RequestOutput]:
         raise KeyError("a bug")
         yield  # an async generator, as backends are
-
-    def healthy(self) -> bool:
-        return True
-
-    def ready(self) -> bool:
-        return True
-
-    async def debug_state(self) -> dict[str, Any]:
-        return {}
 
 
 def _errors(metrics_text: str, status: str) -> float:
