@@ -3,8 +3,9 @@
 .PHONY: setup model up test lint
 
 VENV := .venv
-# two workers (pytest-xdist), each taking whole files: module-scoped clusters start once; CI has two cores
-PYTEST_FLAGS ?= -p no:cacheprovider -n 2 --dist loadfile
+# two workers (pytest-xdist), each taking whole files: module-scoped clusters start once; CI has two cores.
+# --no-loadscope-reorder: keep tests/conftest.py's longest-first order (xdist would order files by test count)
+PYTEST_FLAGS ?= -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder
 
 setup:
 	bash scripts/setup.sh
