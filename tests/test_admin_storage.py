@@ -9,6 +9,7 @@ import httpx
 import pytest
 import torch
 from helpers.engine_runs import run_one
+from helpers.injected_faults import node_env, write_faults
 from helpers.polling import poll, wait_until
 from helpers.processes import ServeProcess
 from helpers.rank_hicache import seed as tp_seed
@@ -68,6 +69,11 @@ def test_admin_routes(tiny_llama: Path, tmp_path: Path) -> None:
         assert r.status_code == 409 and "already attached" in r.json()["error"]["message"]
         r = httpx.post(f"{url}/admin/storage/attach", headers=admin, content=b"{not json")
         assert r.status_code == 400
+        for switch in ("fault_injection", "unsafe_skip_agreement"):  # test-only: never from a request
+            test_only = {"backend": "file", "extra_config": {"path": str(tmp_path / "l3"), switch: {}}}
+            r = httpx.post(f"{url}/admin/storage/attach", headers=admin, json=test_only)
+            assert r.status_code == 400 and f"'{switch}' is a test-only switch" in r.json()["error"]["message"]
+            assert r.json()["error"]["param"] == "extra_config"
         assert httpx.post(f"{url}/admin/storage/detach", headers=admin).json() == {"attached": False}
     finally:
         server.stop()
@@ -113,15 +119,18 @@ def test_admin_routes_at_tp2_act_on_every_rank(tmp_path: Path) -> None:
     attach, which a rank still attached would refuse, succeeds); once attached both ranks back
     up their heads; a detach detaches both."""
     model = add_word_tokenizer(make_tiny_model("llama", tmp_path / "llama", heads=8, kv_heads=4))
+    faults = write_faults(tmp_path / "faults.json")  # read again at each attach: rewritten below
     server = start_server(model, 2, tmp_path / "server.log", "--enable-hierarchical-cache",
-                          "--admin-api-key", "adm").wait_healthy()
+                          "--admin-api-key", "adm", env=node_env(faults)).wait_healthy()
     l3 = {"path": str(tmp_path / "l3")}
     try:
         for failing in (1, 0):
-            reply = _post(server.url, "attach", l3 | {"fault_injection": {"ranks": [failing], "unreachable": True}})
+            write_faults(faults, {"ranks": [failing], "unreachable": True})
+            reply = _post(server.url, "attach", l3)
             assert reply.status_code == 502, reply.text
             assert f"rank {failing}: test fault" in reply.json()["error"]["message"]
             assert httpx.get(f"{server.url}/admin/storage", headers=ADMIN).json() == {"attached": False}
+        write_faults(faults)
         assert _post(server.url, "attach", l3).json()["attached"]
         reply = _post(server.url, "attach", l3)
         assert reply.status_code == 409 and "rank 0: an L3 backend is already attached" in reply.text

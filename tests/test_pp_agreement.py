@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+from helpers.injected_faults import inject_here
 from helpers.rank_agreement import (
     PAGE,
     PROMPT,
@@ -26,8 +27,6 @@ from helpers.rank_agreement import (
 from helpers.tiny_models import make_tiny_model
 
 from tierserve.cache import hicache
-from tierserve.cache.factory import SKIP_AGREEMENT
-from tierserve.cache.options import HiCacheOptions
 from tierserve.engine.config import EngineConfig
 from tierserve.engine.engine import Engine
 from tierserve.engine.procs.ranks import HOST, RankSpec, join
@@ -43,10 +42,9 @@ LAG_S = 0.2  # the lagging stage's delay per copy call: many engine steps long
 DELAYS = {0: (0.0, LAG_S), 1: (LAG_S, 0.0)}
 
 
-def _config(model: Path, skip: bool) -> EngineConfig:
-    options = HiCacheOptions(storage_config={SKIP_AGREEMENT: skip})
+def _config(model: Path) -> EngineConfig:
     return EngineConfig(model, device="cpu", dtype="float32", page_size=PAGE, max_total_tokens=512,
-                        chunked_prefill_size=16, enable_hierarchical_cache=True, hicache=options, pp_size=STAGES,
+                        chunked_prefill_size=16, enable_hierarchical_cache=True, pp_size=STAGES,
                         dist_timeout_s=TIMEOUT_S)
 
 
@@ -63,7 +61,8 @@ def _lagging_copies(stage: int):
 
 def _stage(rank: int, port: int, model: str, skip: bool, out: str) -> None:
     store = dist.TCPStore(HOST, port, STAGES, is_master=True, wait_for_workers=False) if rank == 0 else None
-    config = _config(Path(model), skip)
+    inject_here(Path(f"{out}.faults.json"), skip_agreement=skip)  # before the engine builds its cache
+    config = _config(Path(model))
     engine = Engine(config, ranks=join(RankSpec(rank, STAGES, port, TIMEOUT_S), config, store))
     hicache.copy_pages = _lagging_copies(engine.ranks.pp.stage)
     digests: list[str] = []

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+from helpers.injected_faults import inject_here
 from helpers.processes import MasterProcess
 from helpers.rank_agreement import (
     PAGE,
@@ -26,7 +27,6 @@ from helpers.rank_agreement import (
 )
 from helpers.tiny_models import make_tiny_model
 
-from tierserve.cache.factory import SKIP_AGREEMENT
 from tierserve.cache.options import HiCacheOptions, PrefetchPolicy
 from tierserve.engine.config import EngineConfig
 from tierserve.engine.engine import Engine
@@ -40,9 +40,9 @@ TIMEOUT_S = 20.0  # every collective's
 FAULTS = {"short_and_slow": ({"exists_cap": 6, "get_delay_s": 0.3}, 6), "failing": ({"get_cap": 5}, 5)}
 
 
-def _config(model: Path, master: str, faults: dict, skip: bool) -> EngineConfig:
+def _config(model: Path, master: str) -> EngineConfig:
     l3 = {"master_server_address": master, "global_segment_size": 64 << 20, "local_buffer_size": 16 << 20,
-          "prefetch_threshold": 2 * PAGE, "fault_injection": {"ranks": [1], **faults}, SKIP_AGREEMENT: skip}
+          "prefetch_threshold": 2 * PAGE}
     policy = PrefetchPolicy.WAIT_COMPLETE
     options = HiCacheOptions(storage_backend="mooncake", storage_config=l3, prefetch_policy=policy)
     return EngineConfig(model, device="cpu", dtype="float32", page_size=PAGE, max_total_tokens=512,
@@ -52,7 +52,8 @@ def _config(model: Path, master: str, faults: dict, skip: bool) -> EngineConfig:
 
 def _stage(rank: int, port: int, model: str, master: str, faults: dict, skip: bool, out: str) -> None:
     store = dist.TCPStore(HOST, port, STAGES, is_master=True, wait_for_workers=False) if rank == 0 else None
-    config = _config(Path(model), master, faults, skip)
+    inject_here(Path(f"{out}.faults.json"), {"ranks": [1], **faults}, skip)  # before the engine reads them
+    config = _config(Path(model), master)
     engine = Engine(config, ranks=join(RankSpec(rank, STAGES, port, TIMEOUT_S), config, store))
     digests: list[str] = []
     cold = run_agreed(engine, "cold", PROMPT, digests)  # write-through, then backed up to L3 (steps until done)

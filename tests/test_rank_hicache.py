@@ -25,6 +25,7 @@ import httpx
 import pytest
 import torch
 from helpers import metrics
+from helpers.injected_faults import node_env, write_faults
 from helpers.polling import poll
 from helpers.processes import MasterProcess
 from helpers.rank_hicache import (
@@ -87,7 +88,8 @@ def expected(models, asked) -> dict[str, list[list[int]]]:
 def serve(layout: str, model: Path, size: int, log: Path, master: MasterProcess, max_tokens: int = 2048,
           faults: dict | None = None, tp_sizes: list[int] | None = None) -> TPServer:
     """A healthy node of ``size`` ranks in ``layout`` (CP and PP at TP 1; "ppu": PP); ``max_tokens``
-    sizes one rank's device pool (at CP=2 the node holds twice as many)."""
+    sizes one rank's device pool (at CP=2 the node holds twice as many); ``faults``: its test L3
+    faults (``helpers.injected_faults``, in a file beside ``log``)."""
     return start(f"{layout[:2]}{size}", model, log, master, max_tokens, faults, tp_sizes)
 
 
@@ -96,8 +98,9 @@ def start(node: str, model: Path, log: Path, master: MasterProcess, max_tokens: 
     """A healthy node of the sizes ``node`` names, e.g. "tp2cp2" or "pp2" (sizes not named are 1)."""
     sizes = dict(re.findall(r"(tp|cp|pp)(\d+)", node))
     ranks = [flag for k in ("cp", "pp") if k in sizes for flag in (f"--{k}-size", sizes[k])]
-    flags = hicache_flags(master, max_tokens, faults, tp_sizes)
-    return start_server(model, int(sizes.get("tp", 1)), log, *ranks, *flags).wait_healthy()
+    flags = hicache_flags(master, max_tokens, tp_sizes)
+    env = node_env(write_faults(log.with_suffix(".faults.json"), faults)) if faults else None
+    return start_server(model, int(sizes.get("tp", 1)), log, *ranks, *flags, env=env).wait_healthy()
 
 
 def read_back(layout: str, model: Path, size: int, log: Path, master: MasterProcess, prompt: list[int],

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.injected_faults import write_faults
 
 from tierserve.cache.device_pool import KVGeometry
 from tierserve.cache.hashing import page_keys
@@ -23,6 +24,7 @@ from tierserve.cache.sharded.shards import (
 )
 from tierserve.cache.staging import page_io
 from tierserve.cache.storage.file import FileStorage
+from tierserve.core.test_hooks import FAULTS_ENV
 
 HEADS = 4
 PAGES = 5
@@ -169,14 +171,18 @@ class Recording(FileStorage):
         self.config = config
 
 
-def test_each_rank_gets_its_share_of_the_segment_and_its_faults(tmp_path: Path) -> None:
+def test_each_rank_gets_its_share_of_the_segment_and_its_faults(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     from tierserve.cache.factory import rank_backend
     from tierserve.cache.storage.faulty import FaultyStorage
 
-    config = {"module_path": __name__, "class_name": "Recording", "path": str(tmp_path),
-              "global_segment_size": 1000, "fault_injection": {"ranks": [1], "exists_cap": 2}}
-    rank0 = rank_backend("dynamic", config, KVShard(HeadRange(0, 2, HEADS), 0, True, 2))
-    rank1 = rank_backend("dynamic", config, KVShard(HeadRange(2, 2, HEADS), 1, True, 2))
+    config = {"module_path": __name__, "class_name": "Recording", "path": str(tmp_path), "global_segment_size": 1000}
+    faults = write_faults(tmp_path / "faults.json", {"ranks": [1], "exists_cap": 2})
+    monkeypatch.setenv(FAULTS_ENV, str(faults))  # the tests' channel, never the config
+    first, second = KVShard(HeadRange(0, 2, HEADS), 0, True, 2), KVShard(HeadRange(2, 2, HEADS), 1, True, 2)
+    with pytest.raises(ValueError, match="'fault_injection' is a test-only switch"):
+        rank_backend("dynamic", config | {"fault_injection": {"ranks": [1]}}, second)
+    rank0, rank1 = rank_backend("dynamic", config, first), rank_backend("dynamic", config, second)
     assert isinstance(rank0, Recording) and rank0.config["global_segment_size"] == 500
     assert isinstance(rank1, FaultyStorage) and rank1.faults.exists_cap == 2
     _, io = _pool(_shard(0, 1), HostLayout.PAGE_FIRST_DIRECT)

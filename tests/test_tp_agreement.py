@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+from helpers.injected_faults import inject_here
 from helpers.processes import MasterProcess
 from helpers.rank_agreement import PAGE, PROMPT, rank_reports, report_and_leave, run_agreed, tree_of
 from helpers.tiny_models import make_tiny_model
 
 from tierserve.cache import hicache
-from tierserve.cache.factory import SKIP_AGREEMENT
 from tierserve.cache.options import HiCacheOptions, PrefetchPolicy
 from tierserve.cache.sharded.agreement import SingleRank
 from tierserve.engine.config import EngineConfig
@@ -36,11 +36,9 @@ FAULTS = {"exists": ({"ranks": [1], "exists_cap": SHOWN_PAGES}, PrefetchPolicy.W
           "lags": ({"ranks": [1], "get_delay_s": LAG_S}, PrefetchPolicy.TIMEOUT, 0)}
 
 
-def _config(model: Path, master: str, faults: dict | None = None, skip: bool = False,
-            policy: PrefetchPolicy = PrefetchPolicy.WAIT_COMPLETE) -> EngineConfig:
+def _config(model: Path, master: str, policy: PrefetchPolicy = PrefetchPolicy.WAIT_COMPLETE) -> EngineConfig:
     l3 = {"master_server_address": master, "global_segment_size": 32 << 20, "local_buffer_size": 8 << 20,
-          "prefetch_threshold": 2 * PAGE, "prefetch_timeout_base": 0.5, "prefetch_timeout_per_ki_token": 0.0,
-          "fault_injection": faults, SKIP_AGREEMENT: skip}
+          "prefetch_threshold": 2 * PAGE, "prefetch_timeout_base": 0.5, "prefetch_timeout_per_ki_token": 0.0}
     hicache = HiCacheOptions(storage_backend="mooncake", storage_config=l3, prefetch_policy=policy)
     return EngineConfig(model, device="cpu", dtype="float32", page_size=PAGE, max_total_tokens=512,
                         chunked_prefill_size=16, enable_hierarchical_cache=True, hicache=hicache, tp_size=2,
@@ -53,7 +51,8 @@ def _rank(rank: int, port: int, model: str, master: str, fault: str, skip: bool,
     writer = Engine(_config(Path(model), master), ranks=ranks)  # its segment holds the pages
     cold, _ = run_agreed(writer, "cold", PROMPT, count_failures=True)
     faults, policy, _ = FAULTS[fault]
-    reader = Engine(_config(Path(model), master, faults, skip, policy), ranks=ranks)
+    inject_here(Path(f"{out}.faults.json"), faults, skip)  # the reader's alone: built after this
+    reader = Engine(_config(Path(model), master, policy), ranks=ranks)
     warm, tiers = run_agreed(reader, "warm", PROMPT, count_failures=True)
     tree = tree_of(reader)
     flushed = reader.cache.flush(True, True)  # every rank at the same point, as the step bus makes them

@@ -23,12 +23,12 @@ KV_HEADS = 4  # the tests' models: TP 1, 2 and 4 hold 4, 2 and 1 of them
 BACKUP_DEADLINE_S = 60.0
 
 
-def hicache_flags(master: MasterProcess, max_tokens: int = 2048, faults: dict | None = None,
-                  tp_sizes: list[int] | None = None) -> list[str]:
+def hicache_flags(master: MasterProcess, max_tokens: int = 2048, tp_sizes: list[int] | None = None) -> list[str]:
     """HiCache with L3 on ``master`` (prefetch from two pages on, waited for), a device pool of
-    ``max_tokens`` per rank, optional test faults and the cluster's TP sizes for finer objects."""
+    ``max_tokens`` per rank and the cluster's TP sizes for finer objects (test faults are no flag:
+    ``helpers.injected_faults``)."""
     l3 = {"master_server_address": master.address, "global_segment_size": 64 << 20, "local_buffer_size": 16 << 20,
-          "prefetch_threshold": 2 * PAGE, "fault_injection": faults, "l3_tp_sizes": tp_sizes}
+          "prefetch_threshold": 2 * PAGE, "l3_tp_sizes": tp_sizes}
     return ["--enable-hierarchical-cache", "--hicache-storage-backend", "mooncake",
             "--hicache-storage-backend-extra-config", json.dumps(l3), "--hicache-storage-prefetch-policy",
             "wait_complete", "--max-total-tokens", str(max_tokens)]

@@ -3,6 +3,7 @@ models and answers, start, wait for health against a deadline, list the node's p
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -70,15 +71,16 @@ class TPServer:
         stop(self.proc)
 
 
-def start_server(model: Path, tp_size: int, log: Path, *flags: str) -> TPServer:
+def start_server(model: Path, tp_size: int, log: Path, *flags: str, env: dict[str, str] | None = None) -> TPServer:
     """Starts ``serve`` (not waiting for it): float32, small pages and 16-token prefill chunks, so
-    prompts of a few dozen tokens take several chunks."""
+    prompts of a few dozen tokens take several chunks; ``env`` adds to the test's environment
+    (``helpers.injected_faults.node_env``)."""
     port = free_port()
     cmd = [sys.executable, "-m", "tierserve.cli", "serve", "--model", str(model), "--port", str(port),
            "--tp-size", str(tp_size), "--dtype", "float32", "--page-size", "4", "--max-total-tokens", "2048",
            "--chunked-prefill-size", "16", "--quiet-access-log", *flags]
     with log.open("w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     return TPServer(proc, port, log)
 
 

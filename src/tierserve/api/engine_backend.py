@@ -22,6 +22,7 @@ from tierserve.core.outputs import RequestOutput
 from tierserve.core.sampling import SamplingParams
 from tierserve.core.scope import CacheScope
 from tierserve.core.storage import StorageAction, StorageAdminError, StorageBusyError, StorageKind
+from tierserve.core.test_hooks import refuse_test_switches
 
 if TYPE_CHECKING:
     from tierserve.engine.loop import EngineLoop
@@ -97,7 +98,18 @@ def _storage_body(raw: bytes) -> tuple[StorageKind | None, dict[str, Any]]:
         raise oa.APIError(400, "the body is not valid JSON") from None
     if not isinstance(body, dict):
         raise oa.APIError(400, "the body must be a JSON object")
-    return _kind(body.get("backend")), body.get("extra_config") or {}
+    return _kind(body.get("backend")), _extra_config(body.get("extra_config") or {})
+
+
+def _extra_config(config: object) -> dict[str, Any]:
+    """An attach's extra config: a JSON object without test-only switches (``core/test_hooks.py``)."""
+    if not isinstance(config, dict):
+        raise oa.APIError(400, "extra_config must be a JSON object", param="extra_config")
+    try:
+        refuse_test_switches(config)
+    except ValueError as exc:
+        raise oa.APIError(400, str(exc), param="extra_config") from None
+    return config
 
 
 def _kind(name: object) -> StorageKind | None:

@@ -20,9 +20,8 @@ from tierserve.cache.sharded.shards import KVShard, finer_chunks
 from tierserve.cache.storage import StorageBackend, StorageError, create_backend
 from tierserve.cache.storage.faulty import FaultyStorage, StorageFaults
 from tierserve.core.storage import StorageKind
+from tierserve.core.test_hooks import FaultSwitch, injected, refuse_test_switches
 
-# Test-only extra-config key: each rank applies its own L3 view, unagreed (ranks then diverge).
-SKIP_AGREEMENT = "unsafe_skip_agreement"
 # Extra-config key: the TP sizes of the nodes sharing this L3 (docs/tp.md).
 L3_TP_SIZES = "l3_tp_sizes"
 
@@ -53,7 +52,7 @@ def build_cache(kind: CacheKind, allocator: PageAllocator, pool: DeviceKVPool, s
     host = HostKVPool(pool.geometry, num_host, options.mem_layout, pin_memory=pinned, ownership=ownership)
     storage = rank_backend(options.storage_backend, options.storage_config, shard) if options.storage_backend \
         else None
-    if options.storage_config.get(SKIP_AGREEMENT):  # test-only: shows what the agreement prevents
+    if injected(FaultSwitch.SKIP_AGREEMENT):  # tests only (docs/faults.md): shows what the agreement prevents
         agreement = SingleRank()
     sidecar = SidecarKV.beside(draft, host, pinned) if draft is not None else None
     return HiCache(allocator, pool, host, seed, hicache_config(options), storage, agreement, shard, ownership, sidecar)
@@ -70,13 +69,14 @@ def cluster_shard(shard: KVShard, config: dict) -> KVShard:
 
 def rank_backend(kind: StorageKind | str, extra: dict[str, Any], shard: KVShard) -> StorageBackend:
     """This rank's L3 backend of ``kind`` from the extra config ``extra`` (at start-up and on a
-    run-time attach), wrapped in the extra config's test faults when they name this rank. Each rank
-    has its own client: a ``global_segment_size`` given is the node's, split between its ranks
-    (``tierserve up`` sizes L3 per node)."""
+    run-time attach; ``ValueError`` when it names a test-only switch), wrapped in the tests' injected
+    faults when they name this rank (``core/test_hooks.py``). Each rank has its own client: a
+    ``global_segment_size`` given is the node's, split between its ranks (``tierserve up`` sizes L3 per node)."""
+    refuse_test_switches(extra)
     config = dict(extra)
     if "global_segment_size" in config:
         config["global_segment_size"] = int(config["global_segment_size"]) // shard.ranks
-    faults = StorageFaults.from_config(config)
+    faults = StorageFaults.parse(injected(FaultSwitch.STORAGE_FAULTS))
     mine = shard.rank in faults.ranks
     if mine and faults.unreachable:
         raise StorageError(f"test fault: rank {shard.rank} cannot reach the store")

@@ -7,6 +7,7 @@ from enum import Enum
 from typing import Any
 
 from tierserve.core.storage import StorageKind
+from tierserve.core.test_hooks import refuse_test_switches
 
 
 class CacheKind(Enum):
@@ -68,7 +69,7 @@ class HiCacheOptions:
     """The host tier: ``ratio`` x the device pool, or ``size_gb`` when given (``--hicache-*``), and
     the optional L3 ``storage_backend`` configured by ``storage_config`` (the extra-config JSON;
     it also overrides the prefetch threshold and timeouts). A backend given by name is parsed
-    (``ValueError`` for an unknown one)."""
+    (``ValueError`` for an unknown one, or for a test-only switch in ``storage_config``: ``core/test_hooks.py``)."""
 
     ratio: float = 2.0
     size_gb: float | None = None
@@ -81,5 +82,6 @@ class HiCacheOptions:
     prefetch_policy: PrefetchPolicy = PrefetchPolicy.AUTO
 
     def __post_init__(self) -> None:
+        refuse_test_switches(self.storage_config)
         if self.storage_backend is not None:
             object.__setattr__(self, "storage_backend", StorageKind.parse(self.storage_backend))

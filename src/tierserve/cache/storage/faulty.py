@@ -1,6 +1,6 @@
 """Test-only L3 faults for one rank: a store that shows fewer pages, fails reads past a count,
-reads slowly, or cannot be reached at all (``docs/ranks.md``). Enabled
-by the extra config's ``fault_injection`` object, for the ranks it names; never in production configs."""
+reads slowly, or cannot be reached at all (``docs/ranks.md``). Enabled by the ``fault_injection``
+object of the tests' fault file (``core/test_hooks.py``), for the ranks it names; a node's config cannot."""
 
 from __future__ import annotations
 
@@ -27,9 +27,9 @@ class StorageFaults:
     unreachable: bool = False
 
     @classmethod
-    def from_config(cls, config: dict[str, Any]) -> StorageFaults:
-        """From the extra config's ``fault_injection`` object (none: no faults)."""
-        raw = config.get("fault_injection") or {}
+    def parse(cls, raw: dict[str, Any] | None) -> StorageFaults:
+        """From the tests' ``fault_injection`` object (None: no faults)."""
+        raw = raw or {}
         cap = {k: int(raw[k]) for k in ("exists_cap", "get_cap") if raw.get(k) is not None}
         return cls(tuple(int(r) for r in raw.get("ranks", ())), get_delay_s=float(raw.get("get_delay_s", 0.0)),
                    unreachable=bool(raw.get("unreachable", False)), **cap)

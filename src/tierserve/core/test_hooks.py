@@ -1,0 +1,40 @@
+"""Test-only switches: L3 fault injection and the multi-rank agreement turned off (``docs/faults.md``,
+test-only switches). They exist to show a test can fail, so they are reachable from tests only: the
+environment variable ``TIERSERVE_TEST_FAULTS`` names a JSON file of them, which only the test helpers
+set (never a flag, a config key, the CLI or a deploy manifest). A node's extra config or a run-time
+attach that names one is refused: one JSON key must never turn a production node's safety off."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+FAULTS_ENV = "TIERSERVE_TEST_FAULTS"
+
+
+class FaultSwitch(Enum):
+    """A key of the tests' fault file; each is refused in a node's config."""
+
+    SKIP_AGREEMENT = "unsafe_skip_agreement"  # each rank applies its own L3 view, unagreed (ranks diverge)
+    STORAGE_FAULTS = "fault_injection"  # a rank's L3 misbehaves (``StorageFaults``)
+
+
+def refuse_test_switches(config: Mapping[str, Any]) -> None:
+    """``ValueError`` naming the first test-only switch that ``config`` (an L3 extra config) holds."""
+    for switch in FaultSwitch:
+        if switch.value in config:
+            raise ValueError(f"{switch.value!r} is a test-only switch, refused in a node's L3 extra config "
+                             f"(tests set it through {FAULTS_ENV}; docs/faults.md)")
+
+
+def injected(switch: FaultSwitch) -> Any:
+    """The value the tests' fault file gives ``switch``; None without ``TIERSERVE_TEST_FAULTS`` or
+    the key. Read at each call, so a test may change the file between a node's run-time attaches."""
+    path = os.environ.get(FAULTS_ENV)
+    if not path:
+        return None
+    return json.loads(Path(path).read_text()).get(switch.value)
