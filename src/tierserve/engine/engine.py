@@ -278,18 +278,17 @@ class Engine:
         started = time.perf_counter()
         result = self._run(batch, restores)
         failed = self._fail_restores(batch, restores)
-        prompt_tokens = sum(s.num_tokens for s in batch if s.num_tokens > 1)  # prefill chunks, not decodes
-        self.cache.record_compute(prompt_tokens, time.perf_counter() - started)
-        self.prefill_tokens_computed += sum(_prompt_tokens(s) for s in batch)
+        prefilled = [_prompt_tokens(s) for s in batch]  # before the step advances the requests
+        self.cache.record_compute(sum(prefilled), time.perf_counter() - started)
+        self.prefill_tokens_computed += sum(prefilled)
         outputs = []
-        for scheduled in batch:
+        for scheduled, prompt_tokens in zip(batch, prefilled, strict=True):
             request = scheduled.request
             rid = request.request_id
             if rid in failed:
                 continue
-            prefilled = _prompt_tokens(scheduled) > 0
             request.advance(scheduled.num_tokens)
-            if prefilled:  # before the append, which may release it (docs/cache.md, in-flight sharing)
+            if prompt_tokens:  # before the append, which may release it (docs/cache.md, in-flight sharing)
                 self.scheduler.share(request)
             request.prompt_logprobs += result.logprobs.prompt.get(rid, [])
             if rid in result.tokens:
