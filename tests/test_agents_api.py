@@ -128,11 +128,13 @@ def test_bad_structured_and_tool_requests_are_a_400_before_any_engine(
     assert backend.seen == []
 
 
-def test_a_grammar_over_the_size_bound_is_a_400(tokenizer_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_grammar_over_the_size_bound_is_a_400(tokenizer_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                                request: pytest.FixtureRequest) -> None:
     """A schema whose grammar passes the parser's size limit (``structured/grammars.py``; lowered here
     so that a small schema passes it) is refused, never compiled."""
     monkeypatch.setitem(grammars.LIMITS, "max_grammar_size", 100)
-    monkeypatch.setattr(grammars, "_CHECKED", type(grammars._CHECKED)())
+    grammars._checked.cache_clear()  # checks under the lowered limit must neither come from nor outlive the cache
+    request.addfinalizer(grammars._checked.cache_clear)
     schema = {"type": "object", "properties": {f"p{i}": {"enum": [f"v{j}" for j in range(20)]} for i in range(20)}}
     backend = ScriptedBackend()
     error = _error(_chat(backend, response_format={"type": "json_schema", "json_schema": {"name": "big",

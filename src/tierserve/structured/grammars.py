@@ -3,8 +3,8 @@ compiled matchers so an agent's repeated schema compiles once (docs/structured.m
 
 from __future__ import annotations
 
+import functools
 import json
-from collections import OrderedDict
 from typing import Any
 
 import llguidance as llg
@@ -56,23 +56,15 @@ def check(c: Constraint) -> None:
         raise InvalidRequestError(problem)
 
 
-_CHECKED: OrderedDict[tuple, str] = OrderedDict()
-
-
+@functools.lru_cache(maxsize=CACHE_ENTRIES)
 def _checked(key: tuple[ConstraintKind, str, bool]) -> str:
-    if key in _CHECKED:
-        _CHECKED.move_to_end(key)
-        return _CHECKED[key]
+    """The problem with the constraint ``key`` names ("" if none)."""
     c = Constraint(*key)
     try:
         error = llg.LLMatcher.validate_grammar(grammar_text(c), None, limits=limits())
     except InvalidRequestError as exc:
         error = str(exc).removeprefix(f"invalid {c.kind.value}: ")
-    problem = f"invalid {c.kind.value}: {error}" if error else ""
-    _CHECKED[key] = problem
-    if len(_CHECKED) > CACHE_ENTRIES:
-        _CHECKED.popitem(last=False)
-    return problem
+    return f"invalid {c.kind.value}: {error}" if error else ""
 
 
 class GrammarCompiler:
@@ -82,20 +74,16 @@ class GrammarCompiler:
     def __init__(self, tokenizer_json: str, eos_ids: list[int], vocab_size: int) -> None:
         self.tokenizer = llg.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos_ids)
         self.vocab_size = vocab_size
-        self._cache: OrderedDict[tuple, llg.LLMatcher] = OrderedDict()
-        self.compiles = 0  # grammars compiled (cache misses), for tests and stats
+        self._compiled = functools.lru_cache(maxsize=CACHE_ENTRIES)(self._compile)  # refusals are not kept
+
+    @property
+    def compiles(self) -> int:
+        """Grammars compiled so far (the cache's misses)."""
+        return self._compiled.cache_info().misses
 
     def matcher(self, c: Constraint) -> llg.LLMatcher:
         """A fresh matcher for ``c`` at the grammar's start; raises ``InvalidRequestError``."""
-        key = c.key()
-        template = self._cache.get(key)
-        if template is None:
-            template = self._compile(c)
-            self._cache[key] = template
-            if len(self._cache) > CACHE_ENTRIES:
-                self._cache.popitem(last=False)
-        self._cache.move_to_end(key)
-        return template.deep_copy()
+        return self._compiled(c.key()).deep_copy()
 
     def state(self, c: Constraint, prompt_ids: list[int]) -> GrammarState:
         """A request's grammar state after the tokens it generated before a migration (``c.resumed``
@@ -107,8 +95,8 @@ class GrammarCompiler:
             raise InvalidRequestError(f"the resumed output does not match its {c.kind.value}")
         return state
 
-    def _compile(self, c: Constraint) -> llg.LLMatcher:
-        self.compiles += 1
+    def _compile(self, key: tuple[ConstraintKind, str, bool]) -> llg.LLMatcher:
+        c = Constraint(*key)
         matcher = llg.LLMatcher(self.tokenizer, grammar_text(c), log_level=0, limits=limits())
         if matcher.is_error():
             raise InvalidRequestError(f"invalid {c.kind.value}: {matcher.get_error()}")
