@@ -156,16 +156,12 @@ class NamedReader(Reader):
 
     def __init__(self, name: str) -> None:
         super().__init__()
-        self.name, self.arguments = name, ""
+        self.name = name
 
     def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
         if not self.calls:
-            header = self._call(self.name, "")
-            self.arguments += text
-            self.calls[0].arguments = self.arguments
-            return "", [header | {"function": {"name": self.name, "arguments": text}}]
-        self.arguments += text
-        self.calls[0].arguments = self.arguments
+            return "", [self._call(self.name, text)]
+        self.calls[0].arguments += text
         return "", [{"index": 0, "function": {"arguments": text}}] if text else []
 
 
