@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import random
 import socket
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -281,3 +283,20 @@ def test_metrics_count_requests(smol: Server):
     assert _metric(smol, "tierserve_generation_tokens_total") == before + 3
     assert _metric(smol, "tierserve_time_to_first_token_seconds_count") > 0
     assert _metric(smol, "tierserve_e2e_request_latency_seconds_count") > 0
+
+
+def test_an_idle_connection_outlives_the_clients_pool_expiry(tiny: Server) -> None:
+    """httpx and the openai SDK reuse a pooled connection idle for up to 5 s; a server that closes at
+    5 s too races them and loses the request sent as it closes. Past those 5 s the connection still
+    answers."""
+    host, port = tiny.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    try:
+        conn.request("GET", "/health")
+        assert conn.getresponse().read() == b'{"status":"ok"}'
+        time.sleep(httpx.Limits().keepalive_expiry + 1)  # the idle time under test, not a wait for readiness
+        conn.sock.setblocking(False)
+        with pytest.raises(BlockingIOError):  # an open socket has nothing to read; a closed one reads b""
+            conn.sock.recv(1)
+    finally:
+        conn.close()

@@ -8,6 +8,11 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
+# Longer than the 5 s for which httpx (so the openai SDK) and aiohttp keep an idle connection pooled:
+# with uvicorn's own 5 s both sides expire it at once, and a request sent on it as the server closes
+# it is lost ("Server disconnected without sending a response"). nginx keeps 75 s.
+KEEP_ALIVE_S = 75
+
 
 class _Uvicorn(uvicorn.Server):
     """uvicorn that calls ``on_ready`` once its socket is listening."""
@@ -24,5 +29,6 @@ class _Uvicorn(uvicorn.Server):
 
 def run_http(app: FastAPI, host: str, port: int, on_ready: Callable[[], None] | None = None) -> None:
     """Serves ``app`` with uvicorn on uvloop until SIGINT/SIGTERM."""
-    uv_config = uvicorn.Config(app, host=host, port=port, loop="uvloop", log_config=None, timeout_graceful_shutdown=5)
+    uv_config = uvicorn.Config(app, host=host, port=port, loop="uvloop", log_config=None,
+                               timeout_graceful_shutdown=5, timeout_keep_alive=KEEP_ALIVE_S)
     _Uvicorn(uv_config, on_ready).run()
