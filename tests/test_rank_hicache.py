@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -55,7 +56,7 @@ PP_LAYERS = {"pp": 4, "ppu": 3}  # two per stage at PP 2; "ppu": uneven stages, 
 STATS_DEADLINE_S = 30.0
 # each layout's prompts: (seed, how many); "tpcp": TP 2 x CP 2, "ppcp": PP 2 x CP 2 (on the PP model)
 SEEDS = {"tp": (11, 8), "cp": (15, 6), "pp": (21, 2), "ppu": (31, 2), "tpcp": (41, 7), "ppcp": (51, 4)}
-WRITERS = {"tp": "tp2", "cp": "cp2", "tpcp": "tp2cp2", "ppcp": "pp2cp2"}  # the two- and four-rank nodes
+WRITERS = {"tp": "tp2", "cp": "cp2", "ppcp": "pp2cp2"}  # the two- and four-rank nodes
 DEVICE_PAGES = {"tp": 48, "cp": 24, "tpcp": 24, "ppcp": 24}  # per rank: 48 in all, L1 of the L2 test
 
 
@@ -85,38 +86,42 @@ def expected(models, asked) -> dict[str, list[list[int]]]:
     return {layout: hf_greedy(models[layout], prompts) for layout, prompts in asked.items()}
 
 
-def serve(layout: str, model: Path, size: int, log: Path, master: MasterProcess, max_tokens: int = 2048,
+def spawn(node: str, model: Path, log: Path, master: MasterProcess, max_tokens: int = 2048,
           faults: dict | None = None, tp_sizes: list[int] | None = None) -> TPServer:
-    """A healthy node of ``size`` ranks in ``layout`` (CP and PP at TP 1; "ppu": PP); ``max_tokens``
-    sizes one rank's device pool (at CP=2 the node holds twice as many); ``faults``: its test L3
-    faults (``helpers.injected_faults``, in a file beside ``log``)."""
-    return start(f"{layout[:2]}{size}", model, log, master, max_tokens, faults, tp_sizes)
-
-
-def start(node: str, model: Path, log: Path, master: MasterProcess, max_tokens: int = 2048,
-          faults: dict | None = None, tp_sizes: list[int] | None = None) -> TPServer:
-    """A healthy node of the sizes ``node`` names, e.g. "tp2cp2" or "pp2" (sizes not named are 1)."""
-    sizes = dict(re.findall(r"(tp|cp|pp)(\d+)", node))
+    """Starts (not waiting) a node of the sizes ``node`` names, e.g. "tp2cp2" or "pp2" (sizes not
+    named are 1; a suffix after "-" only tells two nodes of one layout apart)."""
+    sizes = dict(re.findall(r"(tp|cp|pp)(\d+)", node.split("-")[0]))
     ranks = [flag for k in ("cp", "pp") if k in sizes for flag in (f"--{k}-size", sizes[k])]
     flags = hicache_flags(master, max_tokens, tp_sizes)
     env = node_env(write_faults(log.with_suffix(".faults.json"), faults)) if faults else None
-    return start_server(model, int(sizes.get("tp", 1)), log, *ranks, *flags, env=env).wait_healthy()
+    return start_server(model, int(sizes.get("tp", 1)), log, *ranks, *flags, env=env)
 
 
-def read_back(layout: str, model: Path, size: int, log: Path, master: MasterProcess, prompt: list[int],
-              **flags) -> tuple[list[int], dict[str, int]]:
-    """``prompt``'s answer and cached tiers on a fresh node of ``size`` ranks, stopped after."""
-    return read_at(f"{layout[:2]}{size}", model, log, master, prompt, **flags)
+class Nodes:
+    """A test's nodes of one model, started together (their loads overlap) and stopped together. A
+    node plays every part it has in the test, writer of one prompt and reader of another, each
+    prompt new to it, so it reads that prompt from L3 as a fresh node would; writers stay up (their
+    Mooncake segments hold the objects)."""
 
+    def __init__(self, model: Path, logs: Path, master: MasterProcess, *names: str,
+                 options: dict[str, dict[str, Any]] | None = None) -> None:
+        """``options``: a node's ``spawn`` keywords (``max_tokens``, ``faults``, ``tp_sizes``) by name."""
+        self._up: dict[str, TPServer] = {}
+        try:
+            for name in names:
+                self._up[name] = spawn(name, model, logs / f"{name}.log", master, **(options or {}).get(name, {}))
+            for node in self._up.values():
+                node.wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
 
-def read_at(node: str, model: Path, log: Path, master: MasterProcess, prompt: list[int],
-            **flags) -> tuple[list[int], dict[str, int]]:
-    """``prompt``'s answer and cached tiers on a fresh node of the sizes ``node`` names, stopped after."""
-    reader = start(node, model, log, master, **flags)
-    try:
-        return complete(reader, model, prompt)
-    finally:
-        reader.stop()
+    def __getitem__(self, name: str) -> TPServer:
+        return self._up[name]
+
+    def stop(self) -> None:
+        for node in self._up.values():
+            node.stop()
 
 
 def pp_object_names(model: Path, tokens: list[int], pp_size: int, layers: int) -> list[bytes]:
@@ -153,72 +158,80 @@ def assert_host_pool_holds_own_pages(server: TPServer) -> None:
     assert mine <= pool and abs(2 * mine - used) <= 16, gauges  # an odd node is off by one page
 
 
-@pytest.mark.parametrize(("layout", "readers"), [
-    ("tp", ("tp2",)), ("cp", ("cp2",)), ("tpcp", ("tp1", "cp2", "tp2")), ("ppcp", ("pp2cp2",)),
-], ids=["tp2", "cp2", "tp2cp2", "pp2cp2"])
+@pytest.mark.parametrize(("layout", "reader"), [("tp", "tp2"), ("cp", "cp2"), ("ppcp", "pp2cp2")],
+                         ids=["tp2", "cp2", "pp2cp2"])
 def test_multi_rank_nodes_answer_from_l1_l2_and_l3_equal_no_cache(models, asked, expected, master, tmp_path: Path,
-                                                                  layout: str, readers: tuple[str, ...]) -> None:
+                                                                  layout: str, reader: str) -> None:
     """TP: 48 device pages; CP (alone or composed): 24 per CP rank, 48 in all: three other prompts (22
-    pages each) push the first out of L1 into L2 only. Then the readers take a prompt from L3: the
-    writer's layout itself, or at TP 2 x CP 2 the TP 1, CP 2 and TP 2 nodes."""
+    pages each) push the first out of L1 into L2 only. Then a node of the writer's layout takes a
+    prompt from L3."""
     model, asked, expected = models[layout], asked[layout], expected[layout]
-    writer = start(WRITERS[layout], model, tmp_path / "writer.log", master, max_tokens=DEVICE_PAGES[layout] * PAGE)
+    writer = WRITERS[layout]
+    nodes = Nodes(model, tmp_path, master, writer, f"{reader}-reader",
+                  options={writer: {"max_tokens": DEVICE_PAGES[layout] * PAGE}})
     try:
-        assert_hits_l1_then_l2(writer, model, asked, expected)
+        assert_hits_l1_then_l2(nodes[writer], model, asked, expected)
         if layout != "tp":
-            assert_host_pool_holds_own_pages(writer)
+            assert_host_pool_holds_own_pages(nodes[writer])
         wait_written(layout, master, model, asked[1], 2)
-        for node in readers:
-            answer, tiers = read_at(node, model, tmp_path / f"reader-{node}.log", master, asked[1])
-            assert answer == expected[1] and tiers["storage"] >= 0.9 * PROMPT_TOKENS, (node, tiers)
+        answer, tiers = complete(nodes[f"{reader}-reader"], model, asked[1])
+        assert answer == expected[1] and tiers["storage"] >= 0.9 * PROMPT_TOKENS, tiers
     finally:
-        writer.stop()
+        nodes.stop()
 
 
-def test_l3_pages_written_at_tp1_cp2_and_tp2_are_read_at_tp2_x_cp2(models, asked, expected, master,
-                                                                   tmp_path: Path) -> None:
-    """Three writers, each its own prompt, stay up (their Mooncake segments hold the objects); one
-    TP 2 x CP 2 node reads each prompt from L3 with the writer's answer."""
+def test_tp2_x_cp2_pages_are_read_at_tp1_cp2_and_tp2_and_theirs_at_tp2_x_cp2(models, asked, expected, master,
+                                                                            tmp_path: Path) -> None:
+    """A TP 2 x CP 2 node (24 device pages per CP rank, 48 in all) answers from L1, L2 and L3 as no
+    cache; the TP 1, CP 2 and TP 2 nodes read its prompt from L3, then each writes a prompt of its
+    own that the TP 2 x CP 2 node reads from L3, each with the writer's answer."""
     model, asked, expected = models["tpcp"], asked["tpcp"], expected["tpcp"]
-    writers = {}
+    others = {"tp1": (4, 1), "cp2": (5, 1), "tp2": (6, 2)}  # node: (its prompt, its KV head ranges)
+    nodes = Nodes(model, tmp_path, master, "tp2cp2", *others,
+                  options={"tp2cp2": {"max_tokens": DEVICE_PAGES["tpcp"] * PAGE}})
     try:
-        for node, prompt, heads in (("tp1", 4, 1), ("cp2", 5, 1), ("tp2", 6, 2)):
-            writers[node] = start(node, model, tmp_path / f"writer-{node}.log", master)
-            assert complete(writers[node], model, asked[prompt])[0] == expected[prompt], node
+        assert_hits_l1_then_l2(nodes["tp2cp2"], model, asked, expected)
+        assert_host_pool_holds_own_pages(nodes["tp2cp2"])
+        wait_written("tpcp", master, model, asked[1], 2)
+        for node, (prompt, heads) in others.items():
+            answer, tiers = complete(nodes[node], model, asked[1])
+            assert answer == expected[1] and tiers["storage"] >= 0.9 * PROMPT_TOKENS, (node, tiers)
+            assert complete(nodes[node], model, asked[prompt])[0] == expected[prompt], node
             wait_backed_up(master, model, asked[prompt], heads)
-        reader = start("tp2cp2", model, tmp_path / "reader.log", master)
-        try:
-            for prompt in (4, 5, 6):
-                answer, tiers = complete(reader, model, asked[prompt])
-                assert answer == expected[prompt] and tiers["storage"] >= 0.9 * PROMPT_TOKENS, (prompt, tiers)
-        finally:
-            reader.stop()
+        for prompt, _ in others.values():
+            answer, tiers = complete(nodes["tp2cp2"], model, asked[prompt])
+            assert answer == expected[prompt] and tiers["storage"] >= 0.9 * PROMPT_TOKENS, (prompt, tiers)
     finally:
-        for writer in writers.values():
-            writer.stop()
+        nodes.stop()
 
 
-@pytest.mark.parametrize(("layout", "writer_size", "reader_sizes", "prompt"), [
-    ("tp", 2, (1, 4), 4), ("tp", 1, (2,), 5), ("tp", 4, (2,), 6),
-    ("cp", 2, (1,), 4), ("cp", 1, (2,), 5),
-    ("pp", 2, (2, 1), 0), ("pp", 1, (2,), 1), ("ppu", 2, (3, 1), 0), ("ppu", 3, (2,), 1),
-], ids=["tp2-tp1-tp4", "tp1-tp2", "tp4-tp2", "cp2-cp1", "cp1-cp2", "pp2-pp2-pp1", "pp1-pp2", "pp2of3-pp3-pp1",
-        "pp3-pp2of3"])
-def test_l3_pages_are_read_across_sizes(models, asked, expected, master, tmp_path: Path, layout: str,
-                                        writer_size: int, reader_sizes: tuple[int, ...], prompt: int) -> None:
-    """A prompt of its own per case (no other case's pages can serve it); the writer stays up: its
-    Mooncake segment holds the objects."""
+# each layout's cases, (writer, readers, prompt), over one set of nodes: "-b" is a second node of one layout
+ACROSS = {
+    "tp": (("tp2", ("tp1", "tp4"), 4), ("tp1", ("tp2",), 5), ("tp4", ("tp2",), 6)),
+    "cp": (("cp2", ("cp1",), 4), ("cp1", ("cp2",), 5)),
+    "pp": (("pp2", ("pp2-b", "pp1"), 0), ("pp1", ("pp2",), 1)),
+    "ppu": (("pp2", ("pp3", "pp1"), 0), ("pp3", ("pp2",), 1)),  # 3 layers: PP 2 is uneven (2 + 1)
+}
+
+
+@pytest.mark.parametrize("layout", list(ACROSS))
+def test_l3_pages_are_read_across_sizes(models, asked, expected, master, tmp_path: Path, layout: str) -> None:
+    """TP 2 -> 1 and 4, 1 -> 2, 4 -> 2; CP 2 -> 1, 1 -> 2; PP 2 -> 2 and 1, 1 -> 2; uneven PP 2 of 3
+    layers -> 3 and 1, 3 -> 2. A prompt of its own per case (no other case's pages can serve it)."""
     model, asked, expected = models[layout], asked[layout], expected[layout]
-    writer = serve(layout, model, writer_size, tmp_path / "writer.log", master)
+    names = dict.fromkeys(n for writer, readers, _ in ACROSS[layout] for n in (writer, *readers))
+    nodes = Nodes(model, tmp_path, master, *names)
     try:
-        assert complete(writer, model, asked[prompt]) == (expected[prompt], {"device": 0, "host": 0, "storage": 0})
-        wait_written(layout, master, model, asked[prompt], writer_size)
-        for size in reader_sizes:
-            answer, tiers = read_back(layout, model, size, tmp_path / f"reader-{size}.log", master, asked[prompt])
-            assert answer == expected[prompt], (writer_size, size)
-            assert tiers["storage"] >= 0.9 * PROMPT_TOKENS, (writer_size, size, tiers)
+        for writer, readers, prompt in ACROSS[layout]:
+            assert complete(nodes[writer], model, asked[prompt]) == (expected[prompt], {"device": 0, "host": 0,
+                                                                                         "storage": 0})
+            wait_written(layout, master, model, asked[prompt], int(writer[2]))
+            for reader in readers:
+                answer, tiers = complete(nodes[reader], model, asked[prompt])
+                assert answer == expected[prompt], (writer, reader)
+                assert tiers["storage"] >= 0.9 * PROMPT_TOKENS, (writer, reader, tiers)
     finally:
-        writer.stop()
+        nodes.stop()
 
 
 # ---- TP only -----------------------------------------------------------------------------------
@@ -229,16 +242,16 @@ def test_a_tp1_writer_told_the_cluster_tp_sizes_stores_halves_that_tp2_ranks_rea
     """A TP=1 node with ``l3_tp_sizes`` [1, 2] stores every page whole and in halves; with the
     whole objects removed, a TP=2 node still takes the prompt from L3, from the halves alone."""
     model, asked, expected = models["tp"], asked["tp"], expected["tp"]
-    writer = serve("tp", model, 1, tmp_path / "writer.log", master, tp_sizes=[1, 2])
+    nodes = Nodes(model, tmp_path, master, "tp1", "tp2", options={"tp1": {"tp_sizes": [1, 2]}})
     try:
-        assert complete(writer, model, asked[3])[0] == expected[3]
+        assert complete(nodes["tp1"], model, asked[3])[0] == expected[3]
         keys = page_keys(seed(model), asked[3][: PROMPT_TOKENS // PAGE * PAGE], PAGE)
         wait_in_l3(master, keys + [object_key(k, HeadRange(h, 2, KV_HEADS)) for k in keys for h in (0, 2)])
         remove_from_l3(master, keys)
-        answer, tiers = read_back("tp", model, 2, tmp_path / "reader.log", master, asked[3])
+        answer, tiers = complete(nodes["tp2"], model, asked[3])
         assert answer == expected[3] and tiers["storage"] >= 0.9 * PROMPT_TOKENS, tiers
     finally:
-        writer.stop()
+        nodes.stop()
 
 
 def test_a_rank_that_sees_fewer_l3_pages_shortens_the_hit_of_the_node(models, asked, expected, master,
@@ -246,19 +259,16 @@ def test_a_rank_that_sees_fewer_l3_pages_shortens_the_hit_of_the_node(models, as
     """Rank 1's store shows 6 pages (test fault, its process only): the node takes 6 pages from L3
     on both ranks and computes the rest, with the answer of no cache."""
     model, asked, expected = models["tp"], asked["tp"], expected["tp"]
-    writer = serve("tp", model, 2, tmp_path / "writer.log", master)
+    nodes = Nodes(model, tmp_path, master, "tp2", "tp2-reader",
+                  options={"tp2-reader": {"faults": {"ranks": [1], "exists_cap": 6}}})
     try:
-        assert complete(writer, model, asked[7])[0] == expected[7]
+        assert complete(nodes["tp2"], model, asked[7])[0] == expected[7]
         wait_backed_up(master, model, asked[7], 2)
-        reader = serve("tp", model, 2, tmp_path / "reader.log", master, faults={"ranks": [1], "exists_cap": 6})
-        try:
-            answer, tiers = complete(reader, model, asked[7])
-            again = complete(reader, model, asked[7])[0]  # its tree is whole on both ranks
-        finally:
-            reader.stop()
+        answer, tiers = complete(nodes["tp2-reader"], model, asked[7])
+        again = complete(nodes["tp2-reader"], model, asked[7])[0]  # its tree is whole on both ranks
         assert answer == again == expected[7] and tiers["storage"] == 6 * PAGE, tiers
     finally:
-        writer.stop()
+        nodes.stop()
 
 
 def test_replicated_kv_heads_are_written_once_and_read_at_tp1(master, tmp_path: Path) -> None:
@@ -267,12 +277,12 @@ def test_replicated_kv_heads_are_written_once_and_read_at_tp1(master, tmp_path: 
     qwen3 = add_word_tokenizer(make_tiny_model("qwen3", tmp_path / "qwen3", heads=8, kv_heads=2))
     prompt = torch.randint(2, 384, (PROMPT_TOKENS,), generator=torch.Generator().manual_seed(12)).tolist()
     expected = hf_greedy(qwen3, [prompt])[0]
-    writer = serve("tp", qwen3, 4, tmp_path / "writer.log", master)
+    nodes = Nodes(qwen3, tmp_path, master, "tp4", "tp1")
     try:
-        assert complete(writer, qwen3, prompt)[0] == expected
+        assert complete(nodes["tp4"], qwen3, prompt)[0] == expected
         keys = page_keys(seed(qwen3, 2), prompt[: PROMPT_TOKENS // PAGE * PAGE], PAGE)
         wait_in_l3(master, [object_key(k, HeadRange(h, 1, 2)) for k in keys for h in (0, 1)])
-        answer, tiers = read_back("tp", qwen3, 1, tmp_path / "reader.log", master, prompt)
+        answer, tiers = complete(nodes["tp1"], qwen3, prompt)
         assert answer == expected and tiers["storage"] >= 0.9 * PROMPT_TOKENS, tiers
     finally:
-        writer.stop()
+        nodes.stop()
