@@ -20,7 +20,7 @@ from tierserve.cache.host_pool import HostKVPool, HostLayout
 from tierserve.cache.options import HiCacheOptions, PrefetchPolicy
 from tierserve.cache.prefetch import PrefetchOptions, PrefetchTicket, prefetch_timeout
 from tierserve.cache.sharded.cp_pages import PageOwnership
-from tierserve.cache.storage_tier import WINDOW
+from tierserve.cache.storage_tier import PENDING_FLOOR_S, WINDOW
 
 pytestmark = pytest.mark.fakes  # an L3 in a dict (hicache_fakes.MemoryStorage) in place of Mooncake
 
@@ -305,3 +305,44 @@ def test_prefetch_keeps_the_l2_prefix_it_extends() -> None:
         assert hit.num_tokens == 3 * PS, f"the request found {hit.num_tokens // PS} of 3 pages"
     finally:
         cache.close()
+
+
+def test_a_prefetch_waits_for_pages_another_node_is_still_writing() -> None:
+    """The store holds 2 of a prompt's 4 pages; the other 2 land a moment later (another node's
+    backup in flight). Told they are pending, the prefetch asks again and reads all 4; not told,
+    it reads the 2 it found (the control)."""
+    store = MemoryStorage()
+    told, untold = [5] * 8 + [9], [6] * 8 + [9]
+    for tokens in (told, untold):
+        _stored(store, tokens[:4])
+    cache = _cache(PrefetchPolicy.WAIT_COMPLETE, store)
+    waits, control = cache.prefetch(told, l3_pending=4), cache.prefetch(untold)
+    _steps_until(cache, lambda: control.decided, "the control's probe was decided")
+    landing = threading.Timer(0.2, lambda: [_stored(store, tokens[:-1]) for tokens in (told, untold)])
+    landing.start()
+    _steps_until(cache, lambda: cache.ready(waits) and cache.ready(control), "both prefetches became ready")
+    landing.join()
+    assert (waits.agreed_arrived, control.agreed_arrived) == (4, 2)
+    assert cache.stats()["l3_prefetch_backup_waits_total"] == 1
+    for ticket in (waits, control):
+        cache.cancel(ticket)
+    cache.wait_background()
+    cache.close()
+
+
+def test_pending_pages_that_never_land_are_awaited_as_long_as_writing_them_takes() -> None:
+    """With a write speed measured here, pending pages are awaited for twice the time writing them
+    takes plus a floor, not the ticket's timeout; then the request goes on with what the store has."""
+    store = MemoryStorage()
+    tokens = [4] * 8 + [9]
+    _stored(store, tokens[:2])
+    cache = _cache(PrefetchPolicy.WAIT_COMPLETE, store)
+    cache.storage.speed.record_write(1 << 30, 1.0)  # 1 GiB/s: 4 pages are written at once
+    ticket = cache.prefetch(tokens, l3_pending=4)
+    bound = ticket.pending_until - ticket.created
+    assert bound == pytest.approx(PENDING_FLOOR_S, abs=0.01) and bound < ticket.timeout
+    _steps_until(cache, lambda: cache.ready(ticket), "the prefetch gave up waiting")
+    assert ticket.agreed_arrived == 1 and ticket.awaited and time.monotonic() >= ticket.pending_until
+    cache.cancel(ticket)
+    cache.wait_background()
+    cache.close()

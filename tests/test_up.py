@@ -8,12 +8,19 @@ import signal
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx
 import pytest
+from helpers.injected_faults import node_env, write_faults
 from helpers.processes import free_port, running_up, start_up
 
+from tierserve.engine.config import EngineConfig
+
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+PAGE_SIZE = EngineConfig.page_size  # up's default
+WRITE_DELAY_S = 0.8  # each L3 write call of the nodes (test fault): a follow-up finds the backup in flight
 
 
 def test_up_serves_chat_and_stops_cleanly_on_ctrl_c() -> None:
@@ -38,22 +45,26 @@ def test_up_serves_chat_and_stops_cleanly_on_ctrl_c() -> None:
             proc.wait()
 
 
-def test_a_prompt_sent_twice_is_served_from_storage_by_the_other_prefill_node_with_the_defaults() -> None:
-    """Round robin sends the second copy to the node that never saw it: with the default prefetch
-    policy it waits for L3, so most of the prompt comes from storage instead of being recomputed
-    (with best_effort, the old default, an idle node took none of it from storage)."""
+def test_a_prompt_sent_twice_is_served_from_storage_by_the_other_prefill_node_with_the_defaults(tmp_path: Path
+                                                                                                 ) -> None:
+    """Round robin sends the second copy, right after the first, to the node that never saw it,
+    while the first node's L3 backup is still in flight (its writes take ``WRITE_DELAY_S``, a test
+    fault). The router tells it the pages are on their way, so it waits for them and takes most of
+    the prompt from storage instead of recomputing it (without that word it found none)."""
     port = free_port()
     prompt = [1000 + (i * 37) % 40000 for i in range(2000)]
     body = {"prompt": prompt, "max_tokens": 4, "temperature": 0}
+    faults = write_faults(tmp_path / "faults.json", {"ranks": [0], "set_delay_s": WRITE_DELAY_S})
     with running_up(port, "--prefill-nodes", "2", "--prefill-policy", "round_robin", "--max-total-tokens",
-                    "8192") as lines:
+                    "8192", env=node_env(faults)) as lines:
         usages = [httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=300).json()["usage"]
                   for _ in range(2)]
         state = httpx.get(f"http://127.0.0.1:{port}/debug/state", timeout=10).json()
-    routes = [r["prefill"] for r in state["routes"]][-2:]
-    assert len(set(routes)) == 2, f"both copies went to {routes}"
+    routes = state["routes"][-2:]
+    assert routes[0]["prefill"] != routes[1]["prefill"], f"both copies went to {routes}"
+    assert routes[1]["l3_pending_pages"] >= 0.9 * len(prompt) / PAGE_SIZE, routes
     assert usages[0]["cached_tokens_by_tier"]["storage"] == 0
-    assert usages[1]["cached_tokens_by_tier"]["storage"] >= 0.8 * len(prompt), (usages, "".join(lines[-30:]))
+    assert usages[1]["cached_tokens_by_tier"]["storage"] >= 0.9 * len(prompt), (usages, "".join(lines[-30:]))
 
 
 def test_up_on_a_taken_port_stops_at_once_starting_nothing() -> None:

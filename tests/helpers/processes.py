@@ -161,11 +161,14 @@ class ServeProcess:
         stop(self.proc)
 
 
-def start_up(port: int, *flags: str) -> tuple[subprocess.Popen, list[str]]:
+def start_up(port: int, *flags: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, list[str]]:
     """``tierserve up`` with ``flags`` (always through a prefill node unless they name another
-    ``--disaggregation-threshold``), once it printed its banner; its output lines so far."""
+    ``--disaggregation-threshold``), once it printed its banner; its output lines so far. ``env``
+    adds to the test's environment, for ``up`` and so for every node it starts
+    (``helpers.injected_faults.node_env``)."""
     cmd = [sys.executable, "-m", "tierserve.cli", "up", "--port", str(port), "--device", "cpu", *ALWAYS_PD, *flags]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, **(env or {})})
     lines: list[str] = []
     up = threading.Event()
 
@@ -185,11 +188,11 @@ def start_up(port: int, *flags: str) -> tuple[subprocess.Popen, list[str]]:
 
 
 @contextmanager
-def running_up(port: int, *flags: str) -> Iterator[list[str]]:
+def running_up(port: int, *flags: str, env: dict[str, str] | None = None) -> Iterator[list[str]]:
     """``start_up``'s cluster for the block, then stopped with Ctrl-C; yields its output lines
     (they grow while it runs). The output is printed when the block fails; when it passed, ``up``
     must exit cleanly (0) within a minute of the signal."""
-    proc, lines = start_up(port, *flags)
+    proc, lines = start_up(port, *flags, env=env)
     try:
         yield lines
     except BaseException:

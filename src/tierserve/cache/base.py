@@ -68,10 +68,13 @@ class PrefixCache(Protocol):
     ``release`` the engine owns none of the request's pages.
     """
 
-    def prefetch(self, token_ids: Sequence[int], scope: CacheScope = NO_SCOPE) -> PrefetchTicket | None:
+    def prefetch(self, token_ids: Sequence[int], scope: CacheScope = NO_SCOPE,
+                 l3_pending: int = 0) -> PrefetchTicket | None:
         """A new request arrived: start fetching its prefix from slower tiers; returns a ticket
         (or None) that the scheduler passes to ``ready``, ``match`` or ``cancel``. ``scope`` (the
-        request's tenant and ``cache_salt``) separates namespaces: they never share cached pages."""
+        request's tenant and ``cache_salt``) separates namespaces: they never share cached pages.
+        ``l3_pending``: the prompt's leading pages another node is writing to L3 now, worth waiting
+        for (bounded) rather than recomputing."""
         ...
 
     def ready(self, ticket: PrefetchTicket | None) -> bool:
@@ -186,7 +189,8 @@ class SingleTier:
     busy = False
     shares_in_flight = False
 
-    def prefetch(self, token_ids: Sequence[int], scope: CacheScope = NO_SCOPE) -> PrefetchTicket | None:
+    def prefetch(self, token_ids: Sequence[int], scope: CacheScope = NO_SCOPE,
+                 l3_pending: int = 0) -> PrefetchTicket | None:
         return None
 
     def ready(self, ticket: PrefetchTicket | None) -> bool:

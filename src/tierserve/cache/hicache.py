@@ -166,8 +166,9 @@ class HiCache:
 
     # -- the engine hook -------------------------------------------------------------------------
 
-    def prefetch(self, token_ids: Sequence[int], scope: CacheScope = NO_SCOPE) -> PrefetchTicket | None:
-        return self.storage.start(token_ids, scope.salt) if self.storage is not None else None
+    def prefetch(self, token_ids: Sequence[int], scope: CacheScope = NO_SCOPE,
+                 l3_pending: int = 0) -> PrefetchTicket | None:
+        return self.storage.start(token_ids, scope.salt, l3_pending) if self.storage is not None else None
 
     def ready(self, ticket: PrefetchTicket | None) -> bool:
         if ticket is None or self.storage is None:

@@ -49,6 +49,11 @@ class PrefetchTicket:
     hard_timeout: float = 30.0  # after this no policy waits, ``wait_complete`` included (a hung store)
     prefix: list[int] = field(default_factory=list)  # the prompt tokens before ``start`` (pinned while reserving)
     salt: str = ""
+    # leading ``keys`` another node is writing to L3 now (the router says so): the probe asks again
+    # until the store has them or ``pending_until`` (``docs/cache.md``, "Backups in flight")
+    pending: int = 0
+    pending_until: float = 0.0
+    awaited: bool = False  # L3 worker: probed again at least once for pending pages
     source: Source | None = None  # L3 worker: the objects that hold this rank's heads (set with ``probed``)
     host_pages: list[int] = field(default_factory=list)
     probed: int = -1  # L3 worker: how many leading keys the store has (-1: not asked yet)
@@ -74,6 +79,11 @@ class PrefetchTicket:
         """0: in time; 1: past ``timeout``; 2: past ``hard_timeout`` as well."""
         age = time.monotonic() - self.created
         return int(age > self.timeout) + int(age > self.hard_timeout)
+
+    def awaits_backup(self, probed: int) -> bool:
+        """Whether a probe that found ``probed`` pages should be asked again: pages said to be on
+        their way are not all there yet, the bound has not passed and the request is still wanted."""
+        return probed < self.pending and time.monotonic() < self.pending_until and not self.cancel.is_set()
 
     def finished(self) -> bool:
         """Nothing is or will be read: given up, or the reader stopped (this rank's view)."""

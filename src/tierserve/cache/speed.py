@@ -11,19 +11,31 @@ MIN_PREFILL_TOKENS = 16  # steps with fewer prompt tokens say little about prefi
 
 
 class SpeedModel:
-    """L3 read bandwidth (bytes/s, fed by prefetch readers on the L3 worker) and prefill speed
-    (tokens/s, fed by the engine thread). Until a speed is measured it is taken as favourable to
-    waiting: the first reads then measure L3."""
+    """L3 read and write bandwidth (bytes/s, fed by the prefetch reader and the backup writer on
+    the L3 lanes) and prefill speed (tokens/s, fed by the engine thread). Until a speed is measured
+    it is taken as favourable to waiting: the first reads then measure L3."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.read_bps = 0.0
+        self.write_bps = 0.0
         self.prefill_tps = 0.0
 
     def record_read(self, nbytes: int, seconds: float) -> None:
         if nbytes > 0 and seconds > 0:
             with self._lock:
                 self.read_bps = _average(self.read_bps, nbytes / seconds)
+
+    def record_write(self, nbytes: int, seconds: float) -> None:
+        if nbytes > 0 and seconds > 0:
+            with self._lock:
+                self.write_bps = _average(self.write_bps, nbytes / seconds)
+
+    def write_seconds(self, nbytes: int) -> float | None:
+        """How long writing ``nbytes`` to L3 takes, from this node's own backups (the other nodes
+        write to the same store); None until measured."""
+        with self._lock:
+            return nbytes / self.write_bps if self.write_bps else None
 
     def record_prefill(self, tokens: int, seconds: float) -> None:
         if tokens >= MIN_PREFILL_TOKENS and seconds > 0:

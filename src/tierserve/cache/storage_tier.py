@@ -36,6 +36,13 @@ WINDOW = 24  # prefetches in one step's agreement (5 slots each); the window mov
 BACKUP_CALL_PAGES = 1024  # pages per put call: with puts of 4096 pages (a CP=2 rank's half of a 128K-token
 # prompt) 231 of the prompt's 8192 pages failed at once with Mooncake TRANSFER_FAIL; 2048-page puts and
 # 1024-page calls never did (one run each, on 2 CPU cores: the cause inside Mooncake is not established)
+# Pages another node is writing to L3 now (``docs/cache.md``, "Backups in flight"): the store is asked
+# again every PENDING_PROBE_S, for as long as writing them takes here (PENDING_SLACK times this node's
+# own measured write time, plus PENDING_FLOOR_S for the writer's L1 -> L2 copy and the router's view
+# lagging), never past the ticket's timeout.
+PENDING_PROBE_S = 0.05
+PENDING_SLACK = 2.0
+PENDING_FLOOR_S = 0.5
 
 
 def nothing() -> None:
@@ -84,6 +91,7 @@ class StorageTier:
         self.agreed_healthy = True
         self.speed = SpeedModel()
         self.failures = self.backed_up_pages = self.prefetched_pages = 0
+        self.backup_waits = 0  # prefetches that probed again for pages another node was writing
         self.refused_pages = 0  # CP: prefetched pages not hung, as they would break a path's rotation
         self.decisions = {"wait": 0, "no_wait": 0}
         self.wake: Callable[[], None] = nothing  # the engine's: a request may be waiting on this lane
@@ -104,12 +112,14 @@ class StorageTier:
 
     def stats(self) -> dict[str, float]:
         """Its counters for ``/metrics``: pages backed up and prefetched (and, under CP, prefetched
-        but refused for another rotation), the ``auto`` policy's decisions, failures (integrity
+        but refused for another rotation), the ``auto`` policy's decisions, prefetches that waited
+        for another node's backup, failures (integrity
         failures among them) and the breaker's state."""
         return {"l3_backup_pages_total": self.backed_up_pages, "l3_prefetch_pages_total": self.prefetched_pages,
                 "l3_prefetch_refused_pages_total": self.refused_pages,
                 "l3_prefetch_wait_decisions_total": self.decisions["wait"],
                 "l3_prefetch_no_wait_decisions_total": self.decisions["no_wait"],
+                "l3_prefetch_backup_waits_total": self.backup_waits,
                 "l3_failures_total": self.failures, "l3_healthy": float(self.healthy),
                 "l3_integrity_failures_total": getattr(self.storage, "integrity_failures", 0)}
 
@@ -120,19 +130,31 @@ class StorageTier:
 
     # -- prefetch --------------------------------------------------------------------------------
 
-    def start(self, token_ids: Sequence[int], salt: str) -> PrefetchTicket | None:
+    def start(self, token_ids: Sequence[int], salt: str, pending: int = 0) -> PrefetchTicket | None:
         """A ticket when the prompt extends beyond L1 + L2 by at least the threshold; the L3 worker
-        then asks the store how much of the rest it has. No L3 call here (engine thread)."""
+        then asks the store how much of the rest it has. No L3 call here (engine thread).
+        ``pending``: the prompt's leading pages another node is writing to L3 now; the store is
+        asked again until it has them, for as long as writing them takes (``PENDING_SLACK``)."""
         ps = self.tree.page_size
         local, total = self.tree.cached_pages(token_ids, salt), len(token_ids) // ps
         if not self.agreed_healthy or (total - local) * ps < self.options.threshold_tokens:
             return None
         keys = page_keys(salted_seed(self.tree.seed, salt), token_ids[: total * ps], ps)[local:]
-        ticket = PrefetchTicket(local, keys, prefetch_timeout(self.options, len(keys) * ps), self.options.timeout_max,
-                          list(token_ids[: local * ps]), salt)
+        timeout = prefetch_timeout(self.options, len(keys) * ps)
+        on_way = max(0, min(pending, total) - local)
+        ticket = PrefetchTicket(local, keys, timeout, self.options.timeout_max, list(token_ids[: local * ps]), salt,
+                                pending=on_way, pending_until=time.monotonic() + self._backup_wait(on_way, timeout))
         self.tickets.append(ticket)
         self._reader.submit(self._probe, ticket).add_done_callback(self._woken)
         return ticket
+
+    def _backup_wait(self, pages: int, timeout: float) -> float:
+        """Seconds a probe waits for ``pages`` another node is writing: as long as this node takes
+        to write as many (under CP, its ranks write side by side), the ticket's timeout until a
+        write was measured here, never longer."""
+        share = -(-pages // self.ownership.size)
+        seconds = self.speed.write_seconds(share * self.host.geometry.bytes_per_page)
+        return timeout if seconds is None else min(timeout, PENDING_SLACK * seconds + PENDING_FLOOR_S)
 
     def _woken(self, _: Future) -> None:
         """A probe or read ended (any thread): the engine steps now to act on it, not at its next poll."""
@@ -144,11 +166,32 @@ class StorageTier:
             ticket.probed = 0
             return
         try:
-            probed, ticket.source = self.io.probe(self.storage, ticket.keys)
-            ticket.probed = probed  # ``source`` is read only by ``_read``, later on this same lane
+            probed, source = self.io.probe(self.storage, ticket.keys)
         except Exception as exc:  # any backend error is a miss
             ticket.probed = 0
             self._fail("exists", exc)
+            return
+        if ticket.awaits_backup(probed):
+            self._probe_later(ticket)
+            return
+        ticket.source = source  # read only by ``_read``, later on this same lane
+        ticket.probed = probed
+
+    def _probe_later(self, ticket: PrefetchTicket) -> None:
+        """Probes again after ``PENDING_PROBE_S``, not holding the lane meanwhile: other requests'
+        probes and reads go on."""
+        if not ticket.awaited:
+            ticket.awaited = True
+            self.backup_waits += 1
+        timer = threading.Timer(PENDING_PROBE_S, self._probe_again, (ticket,))
+        timer.daemon = True
+        timer.start()
+
+    def _probe_again(self, ticket: PrefetchTicket) -> None:
+        try:
+            self._reader.submit(self._probe, ticket).add_done_callback(self._woken)
+        except RuntimeError:  # the lanes closed meanwhile: nothing will be read
+            ticket.probed = 0
 
     def ready(self, ticket: PrefetchTicket, policy: PrefetchPolicy) -> bool:
         """Whether the request may be admitted now, on agreed values only. No request waits on L3
@@ -290,9 +333,13 @@ class StorageTier:
             return 0
         # A put of a stored key is a no-op in stores that say so: no exists call first.
         skip = 0 if self.storage.put_skips_existing else self.io.exists(self.storage, keys)
-        return sum(sum(self.io.set_from(self.storage, keys[at : at + BACKUP_CALL_PAGES],
-                                        host_pages[at : at + BACKUP_CALL_PAGES]))
-                   for at in range(skip, len(keys), BACKUP_CALL_PAGES))
+        started = time.perf_counter()
+        written = sum(sum(self.io.set_from(self.storage, keys[at : at + BACKUP_CALL_PAGES],
+                                           host_pages[at : at + BACKUP_CALL_PAGES]))
+                      for at in range(skip, len(keys), BACKUP_CALL_PAGES))
+        mine = sum(map(self.ownership.owns, host_pages[skip:]))  # the bytes this rank wrote (CP: its own pages)
+        self.speed.record_write(mine * self.host.geometry.bytes_per_page, time.perf_counter() - started)
+        return written
 
     def wait_backups(self, timeout: float) -> None:
         futures.wait([b.future for b in self._backups], timeout=timeout)

@@ -49,9 +49,10 @@ class AddRequest:
     scope: CacheScope = NO_SCOPE
     handoff: Handoff | None = None
     plan: SharedPlan | None = None
+    l3_pending: int = 0  # the prompt's leading pages another node is writing to L3 now
 
     def apply(self, engine: Engine) -> RequestOutput | None:
-        engine.add_request(self.request_id, self.prompt_ids, self.params, self.scope, self.handoff)
+        engine.add_request(self.request_id, self.prompt_ids, self.params, self.scope, self.handoff, self.l3_pending)
         return None
 
 

@@ -139,14 +139,15 @@ class Engine:
 
     def add_request(
         self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, scope: CacheScope = NO_SCOPE,
-        handoff: Handoff | None = None,
+        handoff: Handoff | None = None, l3_pending: int = 0,
     ) -> None:
         """Queues a request; raises ``InvalidRequestError`` if it can never be served. Requests
         of different ``scope`` (tenant, ``cache_salt``) never share cached KV. ``handoff`` receives
-        the prompt's KV layer by layer as it is computed."""
+        the prompt's KV layer by layer as it is computed. ``l3_pending``: the prompt's leading pages
+        another node is writing to L3 now (``PrefixCache.prefetch``)."""
         prompt = list(prompt_ids)
         self._validate(request_id, prompt, params)
-        request = Request(request_id, prompt, params, scope=scope, handoff=handoff)
+        request = Request(request_id, prompt, params, scope=scope, handoff=handoff, l3_pending=l3_pending)
         self._prepare(request)
         self.requests[request_id] = request
         self.scheduler.add(request)

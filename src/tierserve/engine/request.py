@@ -46,6 +46,7 @@ class Request:
     hit: PrefixHit = field(default_factory=PrefixHit)
     prefetch: PrefetchTicket | None = None  # the prefix cache's ticket until admission
     scope: CacheScope = NO_SCOPE  # requests of different scopes (tenant, cache_salt) never share cached KV
+    l3_pending: int = 0  # leading prompt pages another node is writing to L3 now (the router's word, docs/cache.md)
     cached_tokens: int = 0
     cached_by_tier: dict[str, int] = field(default_factory=dict)
     status: RequestStatus = RequestStatus.WAITING

@@ -93,7 +93,7 @@ class Scheduler:
         self.num_held = 0  # request-steps spent waiting for a prefix another request was computing
 
     def add(self, request: Request) -> None:
-        request.prefetch = self.cache.prefetch(request.token_ids(), request.scope)
+        request.prefetch = self.cache.prefetch(request.token_ids(), request.scope, request.l3_pending)
         self.waiting.append(request)
 
     def has_work(self) -> bool:

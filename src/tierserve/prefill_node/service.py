@@ -110,7 +110,8 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         """This rank's handoff and the command that adds the request: at several ranks every rank
         builds its own handoff from the plan and they agree on when all ended (``node/handoffs.py``)."""
         ranks, opts = self.node.ranks, self.options
-        add = AddRequest(request.request_id, tuple(prompt), params, CacheScope.of(request))
+        add = AddRequest(request.request_id, tuple(prompt), params, CacheScope.of(request),
+                         l3_pending=request.l3_pending_pages)
         if ranks.board is None:
             handoff = ranks.handoff(plan, opts.faults)
             return handoff, replace(add, handoff=handoff)
@@ -134,7 +135,8 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             params = sampling_params(request.sampling)
             if params.max_tokens != 1:
                 raise InvalidRequestError("a Prefill without a destination serves max_tokens 1 only")
-            add = AddRequest(request.request_id, tuple(request.prompt_ids), params, CacheScope.of(request))
+            add = AddRequest(request.request_id, tuple(request.prompt_ids), params, CacheScope.of(request),
+                             l3_pending=request.l3_pending_pages)
             first = await asyncio.wait_for(self._compute(add), request.timeout_seconds or self.options.timeout_s)
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))

@@ -213,7 +213,7 @@ class ReserveResponse(_message.Message):
     def __init__(self, destination: _Optional[_Union[KVDestination, _Mapping]] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_ids", "sampling", "cache_salt", "destination", "timeout_seconds", "tenant")
+    __slots__ = ("request_id", "prompt_ids", "sampling", "cache_salt", "destination", "timeout_seconds", "tenant", "l3_pending_pages")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -221,6 +221,7 @@ class PrefillRequest(_message.Message):
     DESTINATION_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    L3_PENDING_PAGES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingOptions
@@ -228,7 +229,8 @@ class PrefillRequest(_message.Message):
     destination: KVDestination
     timeout_seconds: float
     tenant: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., cache_salt: _Optional[str] = ..., destination: _Optional[_Union[KVDestination, _Mapping]] = ..., timeout_seconds: _Optional[float] = ..., tenant: _Optional[str] = ...) -> None: ...
+    l3_pending_pages: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., cache_salt: _Optional[str] = ..., destination: _Optional[_Union[KVDestination, _Mapping]] = ..., timeout_seconds: _Optional[float] = ..., tenant: _Optional[str] = ..., l3_pending_pages: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token", "cache", "transferred_bytes", "transfer_seconds", "exposed_transfer_seconds", "first_logprob", "prompt_logprobs", "kv_digests", "text", "finish_reason")

@@ -9,8 +9,8 @@ import contextlib
 import logging
 import random
 from collections import deque
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, replace
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import astuple, dataclass, replace
 from typing import Any, TypeVar
 
 import grpc
@@ -33,7 +33,7 @@ from tierserve.router.disaggregation import (
     prefill_alone,
 )
 from tierserve.router.migration import DecodeLost, LostReason, Migrations, draining, migrating
-from tierserve.router.policies import CachedPrefix, Policy
+from tierserve.router.policies import CachedPrefix, Policy, PrefixLookup
 from tierserve.router.registry import Registry, Worker
 from tierserve.router.roles import Role
 
@@ -63,6 +63,7 @@ class _Request:
     scope: CacheScope  # the API key's tenant and the client's salt: the cache namespace, on the nodes too
     buffered: bool  # the client sees nothing before the end (one merged output)
     resumed: int = 0  # the prompt's last tokens this request generated before a migration
+    l3_pending: int = 0  # one try's: leading prompt pages another prefill node holds (``_pending_in_l3``)
 
 
 class PDBackend:
@@ -134,9 +135,9 @@ class PDBackend:
                 self.retries += 1
                 await asyncio.sleep(self._backoff(attempt, deadline))
             attempt += 1
-            pair = self._pick(request)
+            pair, tried = self._pick(request)
             try:
-                async with contextlib.aclosing(self._attempt(pair, request, attempt)) as outputs:
+                async with contextlib.aclosing(self._attempt(pair, tried, attempt)) as outputs:
                     async for out in outputs:
                         yield out
                 return
@@ -194,7 +195,7 @@ class PDBackend:
         """A one-token request on the prefill node alone: its first token is the answer."""
         try:
             response = await prefill_alone(prefill.channel, rid, request.prompt, request.sampling, request.scope,
-                                           self.options.timeout_s)
+                                           self.options.timeout_s, request.l3_pending)
         except grpc.aio.AioRpcError as exc:
             self._blame(prefill, exc.code(), exc.details() or "")
             raise _Retry(f"prefill on {prefill.address}: {exc.code().name} {exc.details()}") from exc
@@ -206,9 +207,10 @@ class PDBackend:
         delay = min(1.0, self.options.backoff_s * 2 ** min(attempt - 1, 10)) * (0.5 + random.random())
         return max(0.0, min(delay, deadline - asyncio.get_running_loop().time()))
 
-    def _pick(self, request: _Request) -> _Pair:
+    def _pick(self, request: _Request) -> tuple[_Pair, _Request]:
         """The decode worker, then the path (``Disaggregation``: what the decode worker holds of
-        the prompt, the tokens asked for), then the prefill worker if the path has one."""
+        the prompt, the tokens asked for), then the prefill worker if the path has one; and the
+        request as this try sends it (the pages it may find arriving in L3)."""
         prefills, decodes = self.registry.available(Role.PREFILL), self.registry.available(Role.DECODE)
         if not decodes:
             raise oa.APIError(503, "no healthy decode worker", code="unavailable")
@@ -227,10 +229,12 @@ class PDBackend:
         prefill = self.prefill_policy.pick(prefills, lookup) if path is not ServedPath.DECODE_ONLY else None
         if prefill is not None:
             cached = lookup(prefill)
-            route |= {"prefill": prefill.address, "prefill_cached_pages": [cached.device, cached.host]}
+            request = replace(request, l3_pending=_pending_in_l3(prefill, prefills, lookup))
+            route |= {"prefill": prefill.address, "prefill_cached_pages": [cached.device, cached.host],
+                      "l3_pending_pages": request.l3_pending}
         self.routes.append(route)
         log.debug("route: %s", route)
-        return prefill, None if path is ServedPath.PREFILL_ONLY else decode
+        return (prefill, None if path is ServedPath.PREFILL_ONLY else decode), request
 
     async def _prefill(self, pair: tuple[Worker, Worker], rid: str, request: _Request
                        ) -> tuple[pd_flow.Pair, pd_flow.Prefilled]:
@@ -238,7 +242,8 @@ class PDBackend:
         stubs = pd_flow.Pair.connect(prefill.channel, decode.channel)
         try:
             done = await pd_flow.prefill(stubs, rid, request.prompt, request.sampling, request.scope,
-                                         self.options.timeout_s, prefill.info.tp_size if prefill.info else 0)
+                                         self.options.timeout_s, prefill.info.tp_size if prefill.info else 0,
+                                         request.l3_pending)
         except pd_flow.HandoffFailed as exc:  # a transfer into a dead or frozen D is D's failure, not P's
             self._blame(decode if exc.destination_failed else prefill, exc.code, str(exc))
             raise _Retry(f"prefill on {prefill.address}: {exc}") from exc
@@ -297,6 +302,15 @@ def _decode_failed(decode: Worker, produced: bool, what: str, status: int, reaso
         return _Retry(f"generate on {decode.address}: {what}")
     error = oa.APIError(status, f"decode worker {decode.address} {what} mid-stream", code="decode_failed")
     return DecodeLost(decode.address, reason, error)
+
+
+def _pending_in_l3(chosen: Worker, prefills: Sequence[Worker], lookup: PrefixLookup) -> int:
+    """The prompt's leading pages another prefill node holds (L1 and L2) beyond what ``chosen``
+    does: under write-through that node is writing them to L3, or has, so ``chosen`` may wait for
+    them there rather than compute them (``docs/cache.md``, "Backups in flight"); 0 if none holds more."""
+    own = sum(astuple(lookup(chosen)))
+    most = max((sum(astuple(lookup(w))) for w in prefills if w is not chosen), default=0)
+    return most if most > own else 0
 
 
 def _log_retry(request_id: str, pair: _Pair, exc: _Retry, again: bool) -> None:

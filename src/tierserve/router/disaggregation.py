@@ -67,11 +67,11 @@ async def generate_local(channel: object, request_id: str, prompt_ids: list[int]
 
 
 async def prefill_alone(channel: object, request_id: str, prompt_ids: list[int], sampling: pb.SamplingOptions,
-                        scope: CacheScope, timeout_s: float) -> pb.PrefillResponse:
+                        scope: CacheScope, timeout_s: float, l3_pending: int = 0) -> pb.PrefillResponse:
     """A one-token request on the prefill node alone; raises the gRPC error."""
     return await pb_grpc.PrefillServiceStub(channel).Prefill(pb.PrefillRequest(
         request_id=request_id, prompt_ids=prompt_ids, sampling=sampling, cache_salt=scope.cache_salt,
-        tenant=scope.tenant, timeout_seconds=timeout_s), timeout=timeout_s + 1.0)
+        tenant=scope.tenant, timeout_seconds=timeout_s, l3_pending_pages=l3_pending), timeout=timeout_s + 1.0)
 
 
 def alone_output(request_id: str, prompt_len: int, response: pb.PrefillResponse, sampling: pb.SamplingOptions

@@ -61,11 +61,13 @@ class Prefilled:
 
 
 async def prefill(pair: Pair, request_id: str, prompt_ids: list[int], sampling: pb.SamplingOptions,
-                  scope: CacheScope = NO_SCOPE, timeout_s: float = 60.0, source_tp: int = 0) -> Prefilled:
+                  scope: CacheScope = NO_SCOPE, timeout_s: float = 60.0, source_tp: int = 0,
+                  l3_pending: int = 0) -> Prefilled:
     """Reserve on D then Prefill on P; releases the reservation on any failure and raises
     ``HandoffFailed`` or the gRPC error. ``source_tp``: P's TP size (``NodeInfo.tp_size``; 0 if
     unknown), so D can stage what P's ranks write when they hold fewer heads than D's. ``scope``
     (the API key's tenant, the client's salt) is sent to both nodes, which file the pages under it.
+    ``l3_pending``: the prompt's leading pages another node is writing to L3 (``PrefillRequest``).
 
     The deadlines form one chain (``docs/faults.md``): D grants a lease for the
     whole leg (it may grant less than asked), P's deadline ends ``LEASE_MARGIN_S`` before that
@@ -85,7 +87,7 @@ async def prefill(pair: Pair, request_id: str, prompt_ids: list[int], sampling: 
     try:
         response = await pair.prefill.Prefill(pb.PrefillRequest(
             request_id=request_id, prompt_ids=prompt_ids, sampling=sampling, cache_salt=scope.cache_salt,
-            tenant=scope.tenant, destination=dest, timeout_seconds=deadline,
+            tenant=scope.tenant, destination=dest, timeout_seconds=deadline, l3_pending_pages=l3_pending,
         ), timeout=deadline + LEASE_MARGIN_S / 2)
     except grpc.aio.AioRpcError as exc:
         await release(pair, dest.reservation_id, writer_stopped=writer_stopped(exc))
