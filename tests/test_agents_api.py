@@ -172,6 +172,18 @@ def test_tools_reach_the_template_and_history_renders_tool_turns(tokenizer_dir: 
     assert "<tool_response>\nsunny, 21C\n</tool_response>" in prompt
 
 
+def test_tokenize_counts_a_tools_request_as_chat_builds_its_prompt(tokenizer_dir: Path) -> None:
+    """``/tokenize`` takes chat ``tools`` (as vLLM's): its tokens are the prompt the chat request sends."""
+    backend = ScriptedBackend()
+    assert _chat(backend, tools=[WEATHER]).status_code == 200
+    counted = _post(backend, "/tokenize", {"messages": USER, "tools": [WEATHER]}).json()
+    plain = _post(backend, "/tokenize", {"messages": USER}).json()
+    assert counted["tokens"] == backend.seen[0][0] and counted["count"] > plain["count"]
+    assert "tools" in _error(_post(backend, "/tokenize", {"prompt": "hi", "tools": [WEATHER]}))["message"]
+    bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}
+    assert "'f'" in _error(_post(backend, "/tokenize", {"messages": USER, "tools": [bad]}))["message"]
+
+
 def test_auto_parses_hermes_markup_with_content_around_it(tokenizer_dir: Path) -> None:
     backend = ScriptedBackend()
     backend.pieces = ["Let me check.", "\n<tool", '_call>\n{"name": "get_weather", "arg', 'uments": {"city": "Paris"}}',

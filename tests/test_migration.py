@@ -2,13 +2,16 @@
 spare decode node and, per test, a victim decode node and a router that sends every request to the
 victim. The victim dies (SIGKILL) or drains (SIGTERM) mid-stream; every request continues on the
 spare, re-prefilled from the prompt plus the tokens it produced, and ends as an uninterrupted run
-would (greedy, and seeded sampling at temperature 0.8). 16 concurrent streams: about 2 s of decoding
-on 2 CPU cores. Gaps and the L3 share of the re-prefill are measured by ``benchmarks/migration.py``."""
+would (greedy, greedy under a grammar, and seeded sampling at temperature 0.8). 16 concurrent
+streams: about 2 s of decoding on 2 CPU cores. Gaps and the L3 share of the re-prefill are measured
+by ``benchmarks/migration.py``."""
 
 from __future__ import annotations
 
+import re
 import signal
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -16,7 +19,9 @@ import pytest
 from helpers.migration_streams import ARGS, PAGE, Stream, l3_args, model_with_words, prompts, start_all, wait_streaming
 from helpers.pd_nodes import metric
 from helpers.processes import MasterProcess, NodeProcess, RouterProcess
+from helpers.tiny_models import WORD_REGEX
 
+from tierserve.core.constraint import Constraint, ConstraintKind
 from tierserve.core.sampling import SamplingParams
 from tierserve.engine.config import EngineConfig
 from tierserve.engine.engine import Engine
@@ -24,6 +29,7 @@ from tierserve.engine.engine import Engine
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 ADMIN = {"Authorization": "Bearer k"}
 CONCURRENT, PROMPT, MAX_NEW, CUT = 16, 40, 300, 40  # CUT: tokens every stream got before the fault
+CONSTRAINED = 4  # of the 16 streams killed mid-stream: these decode under a grammar
 
 
 @pytest.fixture(scope="module")
@@ -102,14 +108,20 @@ def migrated(router: RouterProcess) -> dict:
 
 def test_sigkill_mid_stream_every_request_completes_identically(words: Path, shared, victim) -> None:
     """16 greedy streams, their decode node SIGKILLed after 40 tokens each: all 16 complete with the
-    tokens (and the text) of an uninterrupted run, each migrated once, re-prefilled partly from L3."""
+    tokens (and the text) of an uninterrupted run, each migrated once, re-prefilled partly from L3.
+    The first ``CONSTRAINED`` decode under a regex (docs/structured.md): the spare rebuilds the
+    grammar's state from the tokens so far, so they too end as one engine's constrained run."""
     _, _, spare = shared
     node, router = victim
     batch = prompts(CONCURRENT, PROMPT)
-    streams = [Stream(body(p, stream=True)) for p in batch]
+    regex = {"structured_outputs": {"regex": WORD_REGEX}}
+    streams = [Stream(body(p, stream=True, **(regex if i < CONSTRAINED else {}))) for i, p in enumerate(batch)]
     fault_midway(router, spare, node, streams, signal.SIGKILL)
-    expected = reference(words, batch, SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True))
-    assert [s.tokens for s in streams] == expected
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
+    expected = reference(words, batch[:CONSTRAINED], replace(params, constraint=Constraint(ConstraintKind.REGEX,
+                                                                                           WORD_REGEX)))
+    assert all(re.fullmatch(r"( w[2-9][0-9]?)+", s.text) for s in streams[:CONSTRAINED])
+    assert [s.tokens for s in streams] == expected + reference(words, batch[CONSTRAINED:], params)
     assert all(s.usage["completion_tokens"] == MAX_NEW and s.usage["prompt_tokens"] == PROMPT for s in streams)
     state = migrated(router)
     assert state["migrations"] == CONCURRENT and state["migrations_by_reason"]["failed"] == CONCURRENT

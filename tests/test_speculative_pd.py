@@ -21,23 +21,27 @@ import torch
 from helpers.logprob_checks import ids_of
 from helpers.pd_nodes import CHUNK, DECODE_ARGS, MAX_NEW, NODE_ARGS, PAGE, greedy, node_metric, reference
 from helpers.processes import NodeProcess, free_port, running_up
-from helpers.tiny_models import add_word_tokenizer, make_noisy_draft, make_tiny_model, widen_kv_heads
+from helpers.tiny_models import WORD_REGEX, add_word_tokenizer, make_noisy_draft, make_tiny_model, widen_kv_heads
 
+from tierserve.core.constraint import Constraint, ConstraintKind
+from tierserve.core.outputs import TokenLogprob
 from tierserve.core.sampling import SamplingParams
 from tierserve.engine.config import EngineConfig
 from tierserve.engine.engine import Engine
 from tierserve.node.convert import destination_draft, draft_message, sidecar_problem
 from tierserve.node.rank_transfer import HandoffPlan, NodeRankRole, RankTransfer, Side, TransferOptions
 from tierserve.proto import tierserve_pb2 as pb
+from tierserve.proto.sampling import logprob_from_proto, to_proto
 from tierserve.router import pd_flow
 
 pytestmark = pytest.mark.integration
+WORD_REGEX_IDS = {*range(2, 10), *range(20, 100)}  # the words WORD_REGEX allows
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
-    """The tiny llama with a word tokenizer (the API answers in text too)."""
-    return add_word_tokenizer(make_tiny_model("llama", tmp_path_factory.mktemp("llama")))
+    """The tiny llama with a word tokenizer (the API answers in text too; grammars can read it)."""
+    return add_word_tokenizer(make_tiny_model("llama", tmp_path_factory.mktemp("llama")), byte_level=True)
 
 
 @pytest.fixture(scope="module")
@@ -124,6 +128,48 @@ def test_pd_handoff_carries_the_draft_state(tiny: Path, spec_pair) -> None:
     assert node_metric(decode, "tierserve_spec_prompt_catch_up_tokens_total") == 0
     assert node_metric(decode, "tierserve_spec_draft_tokens_total") > 0
 
+
+def test_pd_speculation_under_a_grammar_equals_one_engine(tiny: Path, spec_pair) -> None:
+    """A regex-constrained greedy request through the pair (docs/structured.md): P samples the first
+    token under the grammar, D verifies the unconstrained drafts under its mask, so forbidden drafts
+    are refused; output, accepted drafts and masked logprobs (allowed tokens only) equal one
+    speculating engine's, and the output the plain engine's."""
+    prefill, decode, draft = spec_pair
+    params = SamplingParams(max_tokens=2 * MAX_NEW, temperature=0, ignore_eos=True, logprobs=3,
+                            constraint=Constraint(ConstraintKind.REGEX, WORD_REGEX))
+    prompt = _prompts()[2]
+    got = asyncio.run(_run_constrained(prefill.address, decode.address, prompt, to_proto(params)))
+    plain = Engine(EngineConfig(tiny, dtype="float32", page_size=PAGE, max_total_tokens=4096)).generate([prompt],
+                                                                                                        params)
+    spec = _engine(tiny, draft, cache=False)
+    spec.add_request("0", prompt, params)
+    outs = [o for _ in range(4 * MAX_NEW) if spec.has_work() for o in spec.step()]
+    want = [lp for o in outs for lp in o.logprobs or []]
+    assert got.tokens == plain[0] == [lp.token_id for lp in want]
+    assert got.accepted == outs[-1].spec_accepted_tokens and got.drafted > got.accepted  # some drafts refused
+    assert [lp.logprob for lp in got.logprobs] == pytest.approx([lp.logprob for lp in want], abs=1e-4)
+    assert all(t in WORD_REGEX_IDS for lp in got.logprobs for t, _ in lp.top)
+
+
+@dataclasses.dataclass
+class _Run:
+    tokens: list[int]
+    accepted: int
+    drafted: int
+    logprobs: list[TokenLogprob]
+
+
+async def _run_constrained(prefill: str, decode: str, prompt: list[int], sampling: pb.SamplingOptions) -> _Run:
+    """As the router, with ``sampling``: the output, its drafts and the logprobs (P's first, then D's)."""
+    async with grpc.aio.insecure_channel(prefill) as p, grpc.aio.insecure_channel(decode) as d:
+        pair = pd_flow.Pair.connect(p, d)
+        done = await pd_flow.prefill(pair, "constrained", prompt, sampling, timeout_s=60)
+        run = _Run([], 0, 0, [logprob_from_proto(done.response.first_logprob)])
+        async for chunk in pd_flow.generate(pair, done, sampling):
+            run.tokens += chunk.token_ids
+            run.logprobs += [logprob_from_proto(lp) for lp in chunk.logprobs]
+            run.accepted, run.drafted = chunk.spec_accepted_tokens, chunk.spec_draft_tokens
+        return run
 
 
 @pytest.mark.slow

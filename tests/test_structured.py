@@ -1,11 +1,12 @@
 """Structured outputs in the engine (docs/structured.md), on a tiny Qwen3 with the built-in model's
 tokenizer: sampled outputs always match their schema, regex or choice; the grammar survives a
 migration (rebuilt from the tokens so far) and speculative decoding (drafts verified under the mask)
-with the same greedy output; logprobs come with it; a schema compiles once."""
+with the same greedy output; logprobs are of the masked distribution; a schema compiles once."""
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -15,6 +16,7 @@ import pytest
 from helpers.tiny_models import BUILTIN_VOCAB, add_builtin_tokenizer, make_noisy_draft, make_tiny_model
 
 from tierserve.core.constraint import Constraint, ConstraintKind
+from tierserve.core.outputs import TokenLogprob
 from tierserve.core.sampling import InvalidRequestError, SamplingParams
 from tierserve.engine.config import EngineConfig
 from tierserve.engine.engine import Engine
@@ -28,6 +30,8 @@ SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", 
                                                                               "maximum": 99},
                          "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2}}}
 JSON = Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(SCHEMA))
+CHOICES = ["yes", "no", "maybe not"]
+CHOICE = Constraint(ConstraintKind.CHOICE, json.dumps(CHOICES))
 
 
 @dataclass(frozen=True)
@@ -85,14 +89,34 @@ def test_regex_and_choice_hold_greedy_and_sampled(engine: Engine) -> None:
             assert _text(engine, ids) in ("yes", "no", "maybe not")
 
 
-def test_logprobs_come_with_structured_outputs(engine: Engine) -> None:
-    """Logprobs are of the raw distribution (docs/structured.md): every sampled token has a finite one."""
-    engine.add_request("lp", _prompts(engine, 1)[0], SamplingParams(max_tokens=40, temperature=1.0, logprobs=2,
-                                                                    constraint=JSON))
+def test_logprobs_are_of_the_distribution_the_grammar_masked(engine: Engine) -> None:
+    """Logprobs of a constrained request are of the masked distribution (docs/structured.md): every
+    listed token is one the grammar allowed, and since a choice allows fewer than 20 tokens at each
+    step, the 20 best are all of them and carry all the mass (the raw distribution's 20 best of
+    49152 tokens carry far less)."""
+    lps = _logprobs(engine, "lp", _prompts(engine, 1)[0], SamplingParams(max_tokens=20, temperature=1.0, seed=3,
+                                                                          logprobs=20, constraint=CHOICE))
+    _assert_masked(engine, lps)
+
+
+def _logprobs(engine: Engine, rid: str, prompt: list[int], params: SamplingParams) -> list[TokenLogprob]:
+    """The sampled tokens' logprobs of one request run to its end (by the grammar: ``stop``)."""
+    engine.add_request(rid, prompt, params)
     outs = [o for _ in range(100) if engine.has_work() for o in engine.step()]
-    entries = [lp for o in outs for lp in o.logprobs or []]
-    assert len(entries) == sum(len(o.new_token_ids) for o in outs) and all(lp.logprob > float("-inf") for lp in entries)
     assert outs[-1].finish_reason is FinishReason.STOP
+    entries = [lp for o in outs for lp in o.logprobs or []]
+    assert len(entries) == sum(len(o.new_token_ids) for o in outs)
+    return entries
+
+
+def _assert_masked(engine: Engine, lps: list[TokenLogprob]) -> None:
+    text = ""
+    for lp in lps:
+        assert all(any(c.startswith(text + _text(engine, [t])) for c in CHOICES) for t, _ in lp.top)
+        assert sum(math.exp(v) for _, v in lp.top) == pytest.approx(1.0, abs=1e-4)
+        assert dict(lp.top)[lp.token_id] == pytest.approx(lp.logprob, abs=1e-6)
+        text += _text(engine, [lp.token_id])
+    assert text in CHOICES
 
 
 def test_a_migrated_request_resumes_its_grammar_after_the_tokens_so_far(engine: Engine) -> None:
@@ -125,6 +149,12 @@ def test_speculative_decoding_keeps_the_constrained_greedy_output(model: Path, e
     assert stats["spec_draft_tokens"] > stats["spec_accepted_tokens"] > 0  # drafts ran, some were refused
     for ids in spec.generate(prompts, replace(params, temperature=1.0, seed=7)):
         jsonschema.validate(json.loads(_text(spec, ids)), SCHEMA)
+    # The kept tokens' logprobs are of the masked rows verification read, the plain engine's values.
+    asked = SamplingParams(max_tokens=20, temperature=0, logprobs=20, constraint=CHOICE)
+    plain, lps = _logprobs(engine, "p", prompts[0], asked), _logprobs(spec, "s", prompts[0], asked)
+    _assert_masked(spec, lps)
+    assert [lp.token_id for lp in lps] == [lp.token_id for lp in plain]
+    assert [lp.logprob for lp in lps] == pytest.approx([lp.logprob for lp in plain], abs=1e-4)
 
 
 def test_a_repeated_schema_compiles_once_and_a_bad_one_is_refused(engine: Engine) -> None:
@@ -150,7 +180,7 @@ def test_the_bitmask_allows_exactly_its_set_bits_and_nothing_past_its_words() ->
     out = apply_allowed(logits, allowed)
     assert torch.isfinite(out[0]).nonzero().flatten().tolist() == [5]
     assert torch.isfinite(out[1]).nonzero().flatten().tolist() == [35, 63]
-    assert torch.equal(logits, torch.zeros(2, 70))  # the caller's logits stay raw (logprobs read them)
+    assert torch.equal(logits, torch.zeros(2, 70))  # a copy: the caller's logits stay as they were
     batch = SamplingBatch([1.0, 1.0], [1.0, 1.0], [0, 0], [3, None], [0, 0], allowed=allowed)
     for _ in range(5):
         assert sample(logits, batch).tolist()[0] == 5 and sample(logits, batch).tolist()[1] in (35, 63)

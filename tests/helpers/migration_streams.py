@@ -44,7 +44,7 @@ class Stream:
 
     @property
     def tokens(self) -> list[int]:
-        """The word tokenizer's text ("w12 w7 ...") as token ids."""
+        """The word tokenizer's text (" w12 w7 ...") as token ids."""
         return [int(w[1:]) for w in self.text.split()]
 
     def longest_gap(self) -> float:
@@ -108,7 +108,8 @@ def prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
 
 
 def model_with_words(out: Path) -> Path:
-    """A tiny llama (2048 positions) whose token i reads "w<i>", so text gives the token ids back."""
+    """A tiny llama (2048 positions) whose token i reads " w<i>", so text gives the token ids back;
+    its byte-level vocabulary takes grammars (``WORD_REGEX``)."""
     from helpers.tiny_models import add_word_tokenizer, make_tiny_model
 
-    return add_word_tokenizer(make_tiny_model("llama", out, max_position=2048))
+    return add_word_tokenizer(make_tiny_model("llama", out, max_position=2048), byte_level=True)

@@ -50,15 +50,30 @@ def make_tiny_model(family: str, out_dir: Path, seed: int = 0, max_position: int
     return out_dir
 
 
-def add_word_tokenizer(model_dir: Path, vocab_size: int = 384) -> Path:
+def add_word_tokenizer(model_dir: Path, vocab_size: int = 384, byte_level: bool = False) -> Path:
     """Gives a tiny model a tokenizer whose token i is the word ``w<i>``, so an API that answers in
-    text answers in token ids too: ``decode`` joins the words with spaces, ``encode`` splits them."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    text answers in token ids too: ``decode`` joins the words with spaces, ``encode`` splits them.
+    ``byte_level``: token i is " w<i>" in GPT-2's byte-level alphabet (decoded text starts with a
+    space), a vocabulary llguidance can read, so requests with a grammar run on the model; a grammar
+    over it must not force bytes that are part of a word (docs/structured.md, ``WORD_REGEX``)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
+    prefix = "\u0120" if byte_level else ""  # "Ġ": the byte-level alphabet's space
+    tokenizer = Tokenizer(models.WordLevel({f"{prefix}w{i}": i for i in range(vocab_size)}, unk_token=f"{prefix}w0"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    if byte_level:
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+            [tokenizer.pre_tokenizer, pre_tokenizers.ByteLevel(add_prefix_space=True, use_regex=False)])
+        tokenizer.decoder = decoders.ByteLevel()
     tokenizer.save(str(model_dir / "tokenizer.json"))
     return model_dir
+
+
+# A regex over a byte-level word vocabulary (``add_word_tokenizer(byte_level=True)``): 400 words of
+# w2-w99, never complete within a test's tokens (no EOS). llguidance tokenizes the bytes every
+# continuation shares ("forced") with the model's tokenizer, which cannot spell " w" alone: the
+# alternative "x", which no token spells, leaves nothing forced.
+WORD_REGEX = "( w[2-9][0-9]?|x){400}"
 
 
 def make_noisy_draft(target_dir: Path, out_dir: Path, scale: float, seed: int = 0) -> Path:

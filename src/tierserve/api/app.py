@@ -124,8 +124,9 @@ class _Api:
         body = oa.parse_body(oa.TokenizeRequest, await request.body())
         self._check_model(body.model)
         tokenizer = self._need_tokenizer()
-        if body.messages is not None:
-            text = self._render_chat([m.template_dict() for m in body.messages], body.add_generation_prompt)
+        if body.messages is not None:  # rendered and encoded as chat does, its tools checked as chat checks them
+            tools = _checked_tools(body.tool_plan()).template_tools()
+            text = self._render_chat([m.template_dict() for m in body.messages], body.add_generation_prompt, tools)
             ids = tokenizer.encode(text, add_special_tokens=False)
         else:
             ids = tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)

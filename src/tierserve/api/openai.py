@@ -284,11 +284,14 @@ class ChatCompletionRequest(_GenerateBody):
 
 
 class TokenizeRequest(_Body):
-    """``/tokenize``: either ``prompt`` text or chat ``messages`` (rendered with the chat template)."""
+    """``/tokenize``: either ``prompt`` text or chat ``messages`` (rendered with the chat template),
+    with the ``tools`` a chat request would send, as vLLM's, so a client counts a tools request's
+    prompt tokens exactly as ``/v1/chat/completions`` builds them."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
@@ -296,7 +299,13 @@ class TokenizeRequest(_Body):
     def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt or messages")
+        if self.tools is not None and self.messages is None:
+            raise ValueError("tools go with messages, not a prompt")
         return self
+
+    def tool_plan(self) -> ToolPlan:
+        """The tools as a chat request's (no choice: they are only rendered into the prompt)."""
+        return ToolPlan.of(self.tools, None, None)
 
 
 BodyT = TypeVar("BodyT", bound=BaseModel)

@@ -4,12 +4,13 @@ attention reads the pages other ranks own."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 from tierserve.cache.device_pool import DeviceKVPool
+from tierserve.core.outputs import TokenLogprob
 from tierserve.engine.cp.runner import CPRunner, CPStep
 from tierserve.engine.logprob_rows import PromptRows, StepLogprobs, prompt_logprobs, prompt_rows, sampled_logprobs
 from tierserve.engine.procs.token_share import SoleSampler, TokenShare
@@ -18,7 +19,7 @@ from tierserve.engine.restores import StepRestores
 from tierserve.engine.scheduler import Scheduled, pages_for
 from tierserve.model.attention import AttentionBatch, ExtendSpan, LayerHooks
 from tierserve.model.llama import CausalLM
-from tierserve.model.sampling import SamplingBatch, sample
+from tierserve.model.sampling import SamplingBatch, apply_allowed, sample
 
 
 @dataclass
@@ -83,9 +84,7 @@ class ModelRunner:
             logprobs.prompt = prompt_logprobs(hidden, prompt, self.model.logits)
         if not rows:
             return []
-        logits = self.model.logits(hidden[self._tensor(rows)])
-        tokens = sample(logits, sampling_batch(requests)).tolist()
-        logprobs.sampled = sampled_logprobs(logits, requests, tokens)
+        tokens, logprobs.sampled = sample_requests(self.model.logits(hidden[self._tensor(rows)]), requests)
         return tokens
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
@@ -161,6 +160,16 @@ def _rows_to_sample(ordered: list[Scheduled]) -> tuple[list[int], list[Request]]
             rows.append(end - 1)
             requests.append(s.request)
     return rows, requests
+
+
+def sample_requests(logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], dict[str, list[TokenLogprob]]]:
+    """One token per row of ``logits`` for ``requests``, and the logprobs of those that asked. Both
+    read the distribution a structured output's grammar masked (docs/structured.md): a token it
+    forbids is never drawn nor listed, and the drawn one's logprob is over the allowed tokens only."""
+    batch = sampling_batch(requests)
+    logits = apply_allowed(logits, batch.allowed)
+    tokens = sample(logits, replace(batch, allowed=None)).tolist()
+    return tokens, sampled_logprobs(logits, requests, tokens)
 
 
 def sampling_batch(requests: list[Request]) -> SamplingBatch:

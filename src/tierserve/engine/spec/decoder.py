@@ -16,8 +16,8 @@ import torch
 from tierserve.cache.device_pool import DeviceKVPool
 from tierserve.core.outputs import TokenLogprob
 from tierserve.engine.config import EngineConfig
-from tierserve.engine.logprob_rows import StepLogprobs, prompt_logprobs, prompt_rows, sampled_logprobs
-from tierserve.engine.model_runner import StepResult, sampling_batch, step_hooks
+from tierserve.engine.logprob_rows import StepLogprobs, prompt_logprobs, prompt_rows
+from tierserve.engine.model_runner import StepResult, sample_requests, step_hooks
 from tierserve.engine.request import Request
 from tierserve.engine.restores import StepRestores
 from tierserve.engine.scheduler import Scheduled
@@ -28,7 +28,7 @@ from tierserve.model.attention import LayerHooks
 from tierserve.model.llama import CausalLM
 from tierserve.model.loader import load_model
 from tierserve.model.logprobs import token_logprobs
-from tierserve.model.sampling import apply_allowed, sample
+from tierserve.model.sampling import apply_allowed
 
 
 @dataclass
@@ -96,10 +96,9 @@ class SpecDecoder:
         plain = [i for i, s in enumerate(batch) if _completes(s) and s.request.request_id not in drafts]
         if plain:
             requests = [batch[i].request for i in plain]
-            logits = self.target.logits(torch.cat([hidden[i][-1:] for i in plain]))
-            tokens = sample(logits, sampling_batch(requests)).tolist()
+            tokens, sampled = sample_requests(self.target.logits(torch.cat([hidden[i][-1:] for i in plain])), requests)
             out.tokens |= {r.request_id: [t] for r, t in zip(requests, tokens, strict=True)}
-            logprobs.sampled |= sampled_logprobs(logits, requests, tokens)
+            logprobs.sampled |= sampled
         for s, h in zip(batch, hidden, strict=True):
             if s.request.request_id in drafts:
                 self._verify(s.request, drafts[s.request.request_id], h, out)
@@ -121,10 +120,11 @@ class SpecDecoder:
     def _verify(self, request: Request, drafted: tuple[list[int], list], hidden: torch.Tensor,
                 out: StepResult) -> None:
         """Puts the tokens verification keeps for ``request`` in ``out``, with their logprobs under
-        the target's distribution when asked (the logits row before each kept token)."""
+        the target's distribution when asked (the logits row before each kept token, masked by a
+        structured output's grammar as verification read it: docs/structured.md)."""
         tokens, dists = drafted
-        logits = self.target.logits(hidden)
-        kept = verify(tokens, dists, apply_allowed(logits, draft_masks(request, tokens)), _row(request))
+        logits = apply_allowed(self.target.logits(hidden), draft_masks(request, tokens))
+        kept = verify(tokens, dists, logits, _row(request))
         accepted = len(kept) - 1
         # The chain wrote draft KV for the pending token and all drafts but the last.
         request.draft_computed = request.num_tokens + min(accepted, len(tokens) - 1)
