@@ -113,8 +113,7 @@ class StorageTier:
     def stats(self) -> dict[str, float]:
         """Its counters for ``/metrics``: pages backed up and prefetched (and, under CP, prefetched
         but refused for another rotation), the ``auto`` policy's decisions, prefetches that waited
-        for another node's backup, failures (integrity
-        failures among them) and the breaker's state."""
+        for another node's backup, failures (integrity failures among them) and the breaker's state."""
         return {"l3_backup_pages_total": self.backed_up_pages, "l3_prefetch_pages_total": self.prefetched_pages,
                 "l3_prefetch_refused_pages_total": self.refused_pages,
                 "l3_prefetch_wait_decisions_total": self.decisions["wait"],
