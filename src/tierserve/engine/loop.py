@@ -8,6 +8,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +28,7 @@ from tierserve.engine.engine import Engine
 from tierserve.engine.handoff import Handoff, KVCheck
 from tierserve.engine.procs.step_bus import SoleBus, StepBus
 from tierserve.engine.request import RequestOutput
+from tierserve.engine.step_watch import StepWatch
 
 log = logging.getLogger(__name__)
 STATS_INTERVAL_S = 0.01  # a busy engine republishes its occupancy at most this often
@@ -67,11 +69,15 @@ class EngineLoop:
     only, so at several ranks it must not change the engine's requests or cache; ``apply`` runs
     an ``EngineCall`` on every rank and answers rank 0's result. A ``CollectiveCall`` is sent to
     the other ranks before rank 0 applies it, so all enter its collectives together.
+
+    ``watch`` (several ranks): times every loop turn that talks to the other ranks; a turn past its
+    bound makes ``healthy`` false until it ends (``engine/step_watch.py``).
     """
 
-    def __init__(self, engine: Engine, bus: StepBus | None = None) -> None:
+    def __init__(self, engine: Engine, bus: StepBus | None = None, watch: StepWatch | None = None) -> None:
         self.engine = engine
         self.bus = bus or SoleBus()
+        self.watch = watch
         self._stats = engine.stats()  # the engine thread does not run yet
         self._published = 0.0
         self._commands: queue.SimpleQueue[_Submit | AbortRequest | _Call | _Wake | None] = queue.SimpleQueue()
@@ -90,6 +96,11 @@ class EngineLoop:
     @property
     def is_alive(self) -> bool:
         return self._thread.is_alive()
+
+    @property
+    def healthy(self) -> bool:
+        """The engine thread runs and its current turn (if watched) is within its bound; any thread."""
+        return self.is_alive and not (self.watch is not None and self.watch.overdue())
 
     @property
     def num_requests(self) -> int:
@@ -188,10 +199,15 @@ class EngineLoop:
         """Loop turns until asked to stop: commands, then (told to every rank) whether a step runs."""
         while self._drain(self._wait()):
             step, now = self.engine.has_work(), time.monotonic()
-            self.bus.publish(step, now)
-            if step:
-                self._step(now)
+            with self._watched(learn=step):
+                self.bus.publish(step, now)
+                if step:
+                    self._step(now)
             self._publish()
+
+    def _watched(self, learn: bool) -> AbstractContextManager[None]:
+        """The watchdog's span around a turn that waits for the other ranks (nothing at one rank)."""
+        return nullcontext() if self.watch is None else self.watch.span(learn)
 
     def _publish(self, force: bool = False) -> None:
         """Engine thread: a fresh occupancy snapshot, always before waiting idle."""
@@ -240,7 +256,8 @@ class EngineLoop:
         try:
             self.bus.record(submit.command)
             if getattr(submit.command, "collective", False):
-                self.bus.publish(False, time.monotonic())  # the other ranks enter its collectives with this one
+                with self._watched(learn=False):
+                    self.bus.publish(False, time.monotonic())  # the other ranks enter its collectives with this one
             first = submit.command.apply(self.engine)
         except Exception as exc:
             submit.sink(exc)
@@ -258,7 +275,8 @@ class EngineLoop:
             command.done(None, exc)
             return
         if isinstance(command.shared, CollectiveCall):
-            self.bus.publish(False, time.monotonic())  # the other ranks enter its collectives with this one
+            with self._watched(learn=False):
+                self.bus.publish(False, time.monotonic())  # the other ranks enter its collectives with this one
         try:
             result = command.fn(self.engine)
         except Exception as exc:
