@@ -1,13 +1,15 @@
 """Rank 0's per-step watchdog (``engine/step_watch.py``, ``docs/ranks.md``): a loop turn that waits for
 the other ranks past its bound makes ``/health`` and ``/readiness`` answer 503, and a node's gRPC health
 NOT_SERVING, until it ends; the bound
-follows the rule documented there. Unit tests, one process: a bus whose broadcast blocks stands for a
-frozen rank (``tests/test_tp_faults.py`` freezes a real one)."""
+follows the rule documented there. Background work with nothing to schedule backs off (``engine/loop.py``).
+Unit tests, one process: a bus whose broadcast blocks stands for a frozen rank (``tests/test_tp_faults.py``
+freezes a real one)."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from pathlib import Path
 
 from fastapi.testclient import TestClient
@@ -19,7 +21,7 @@ from tierserve.core.sampling import SamplingParams
 from tierserve.engine.commands import EngineCall, EngineCommand
 from tierserve.engine.config import EngineConfig
 from tierserve.engine.engine import Engine
-from tierserve.engine.loop import EngineLoop
+from tierserve.engine.loop import IDLE_POLL_MAX_S, EngineLoop
 from tierserve.engine.step_watch import HISTORY, STEP_FACTOR, STEP_FLOOR_S, StepWatch
 from tierserve.node.server import _follow_engine
 
@@ -149,3 +151,30 @@ def test_grpc_health_follows_the_engines_health() -> None:
         return seen
 
     assert asyncio.run(run()) == [not_serving, serving]
+
+
+class CountingBus(FreezableBus):
+    def __init__(self) -> None:
+        super().__init__()
+        self.steps = 0
+
+    def publish(self, step: bool, now: float) -> None:
+        self.steps += step
+
+
+def test_background_work_with_nothing_to_schedule_backs_off_instead_of_stepping_every_few_ms(tiny_llama: Path) -> None:
+    """A stuck L3 read keeps the cache busy with no batch to run: the loop's turns (at several ranks a
+    broadcast and a collective each) thin out to one per ``IDLE_POLL_MAX_S``, not one per 5 ms."""
+    bus = CountingBus()
+    bus.idle_wait = 1.0
+    engine = Engine(EngineConfig(tiny_llama, dtype="float32", page_size=16, max_total_tokens=512))
+    engine.has_work = lambda: True  # type: ignore[method-assign]  # background work that never ends
+    loop = EngineLoop(engine, bus).start()
+    try:
+        wait_for(lambda: bus.steps >= 6, "the loop backs off to its longest wait", 10, interval_s=0.001)
+        first, started = bus.steps, time.monotonic()
+        wait_for(lambda: bus.steps >= first + 10, "ten more steps", 10, interval_s=0.001)
+        took = time.monotonic() - started
+    finally:
+        loop.stop()
+    assert took >= 8 * IDLE_POLL_MAX_S, f"10 empty steps in {took:.3f} s"  # 5 ms apart: 0.05 s

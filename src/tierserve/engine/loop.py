@@ -33,6 +33,11 @@ from tierserve.engine.step_watch import StepWatch
 log = logging.getLogger(__name__)
 STATS_INTERVAL_S = 0.01  # a busy engine republishes its occupancy at most this often
 RESERVED_WAIT_S = 0.05  # only reservations pending: a lease or a quarantine ends at most this late
+# A step that scheduled nothing while background work is pending (an L3 read, an L2 write): the next
+# turn waits this long, doubling each such turn up to IDLE_POLL_MAX_S (several ranks: each turn is a
+# broadcast and a collective on every rank). What the wait is for wakes it (``set_waker``).
+IDLE_POLL_S = 0.005
+IDLE_POLL_MAX_S = 0.05
 
 
 @dataclass
@@ -80,6 +85,7 @@ class EngineLoop:
         self.watch = watch
         self._stats = engine.stats()  # the engine thread does not run yet
         self._published = 0.0
+        self._idle_poll = IDLE_POLL_S
         self._commands: queue.SimpleQueue[_Submit | AbortRequest | _Call | _Wake | None] = queue.SimpleQueue()
         self._sinks: dict[str, Callable[[RequestOutput | BaseException], None]] = {}
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
@@ -219,15 +225,19 @@ class EngineLoop:
         """How long to wait for a command: when idle, forever (several ranks: until the bus must
         speak again); with only reservations waiting for their KV, until a lease may end (what
         starts them is a command, which wakes the wait: a decode node does not poll for its
-        handoffs); a moment when the last step could schedule nothing (e.g. every page pinned)
-        so the thread does not spin; else not at all."""
-        if not self.engine.has_work():
-            return self.bus.idle_wait
-        if self.engine.last_batch_size:
-            return 0.0
+        handoffs); when the last step could schedule nothing (e.g. every page pinned, a stuck L3
+        read) a moment that doubles each such turn (``IDLE_POLL_S`` to ``IDLE_POLL_MAX_S``) so the
+        thread neither spins nor steps a collective every few ms; else not at all."""
+        if not self.engine.has_work() or self.engine.last_batch_size:
+            self._idle_poll = IDLE_POLL_S
+            return 0.0 if self.engine.has_work() else self.bus.idle_wait
         if self.engine.only_reservations():
             return min(RESERVED_WAIT_S, self.bus.idle_wait or RESERVED_WAIT_S)
-        return 0.005
+        return self._back_off()
+
+    def _back_off(self) -> float:
+        wait, self._idle_poll = self._idle_poll, min(2 * self._idle_poll, IDLE_POLL_MAX_S)
+        return wait
 
     def _drain(self, wait: float | None) -> bool:
         """Applies queued commands, first waiting up to ``wait`` seconds (None: until one comes);
