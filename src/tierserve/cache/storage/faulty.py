@@ -1,9 +1,11 @@
 """Test-only L3 faults for one rank: a store that shows fewer pages, fails reads past a count,
-reads slowly, or cannot be reached at all (``docs/ranks.md``). Enabled by the ``fault_injection``
-object of the tests' fault file (``core/test_hooks.py``), for the ranks it names; a node's config cannot."""
+reads slowly, whose writes never return, or cannot be reached at all (``docs/ranks.md``). Enabled by
+the ``fault_injection`` object of the tests' fault file (``core/test_hooks.py``), for the ranks it
+names; a node's config cannot."""
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -17,14 +19,16 @@ from tierserve.cache.storage.base import StorageBackend
 class StorageFaults:
     """``exists_cap``: a probe finds at most this many leading objects; ``get_cap``: a read call
     fails every object after its first ``get_cap``; ``get_delay_s``: each read call sleeps first;
-    ``unreachable``: creating the backend fails (as a store that refuses the rank's client would).
-    ``ranks``: the ranks that suffer them."""
+    ``unreachable``: creating the backend fails (as a store that refuses the rank's client would);
+    ``hang_writes``: every write call blocks for ever (a store that stopped answering: shutdown must
+    still end, ``cache/lanes.py``). ``ranks``: the ranks that suffer them."""
 
     ranks: tuple[int, ...] = ()
     exists_cap: int | None = None
     get_cap: int | None = None
     get_delay_s: float = 0.0
     unreachable: bool = False
+    hang_writes: bool = False
 
     @classmethod
     def parse(cls, raw: dict[str, Any] | None) -> StorageFaults:
@@ -32,11 +36,12 @@ class StorageFaults:
         raw = raw or {}
         cap = {k: int(raw[k]) for k in ("exists_cap", "get_cap") if raw.get(k) is not None}
         return cls(tuple(int(r) for r in raw.get("ranks", ())), get_delay_s=float(raw.get("get_delay_s", 0.0)),
-                   unreachable=bool(raw.get("unreachable", False)), **cap)
+                   unreachable=bool(raw.get("unreachable", False)), hang_writes=bool(raw.get("hang_writes", False)),
+                   **cap)
 
 
 class FaultyStorage(StorageBackend):
-    """``inner`` with ``faults`` applied to its probes and reads; writes pass through."""
+    """``inner`` with ``faults`` applied to its probes, reads and writes."""
 
     def __init__(self, inner: StorageBackend, faults: StorageFaults) -> None:
         self.inner, self.faults = inner, faults
@@ -58,6 +63,8 @@ class FaultyStorage(StorageBackend):
         return got + [False] * (len(keys) - len(got))
 
     def batch_set_from(self, keys: list[bytes], spans: list[torch.Tensor]) -> list[bool]:
+        if self.faults.hang_writes:
+            threading.Event().wait()  # never set: the call never returns
         return self.inner.batch_set_from(keys, spans)
 
     def get(self, key: bytes) -> bytes | None:
