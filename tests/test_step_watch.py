@@ -79,6 +79,9 @@ class FreezableBus:
     def record(self, command: EngineCommand | EngineCall) -> None:
         pass
 
+    def failed(self) -> None:
+        pass
+
     def publish(self, step: bool, now: float) -> None:
         if step and not self.thawed.is_set():
             self.blocked.set()

@@ -265,11 +265,16 @@ class EngineLoop:
         request_id = submit.command.request_id
         try:
             self.bus.record(submit.command)
+        except Exception as exc:
+            submit.sink(exc)
+            return
+        try:
             if getattr(submit.command, "collective", False):
                 with self._watched(learn=False):
                     self.bus.publish(False, time.monotonic())  # the other ranks enter its collectives with this one
             first = submit.command.apply(self.engine)
         except Exception as exc:
+            self.bus.failed()  # the other ranks must fail it too
             submit.sink(exc)
             return
         self._sinks[request_id] = submit.sink
@@ -290,6 +295,8 @@ class EngineLoop:
         try:
             result = command.fn(self.engine)
         except Exception as exc:
+            if command.shared is not None:
+                self.bus.failed()  # the other ranks must fail it too
             command.done(None, exc)
             return
         self._publish(force=True)
