@@ -26,7 +26,7 @@ pytestmark = pytest.mark.integration
 DEATH_DEADLINE_S = 30.0
 HELD_FOR_S = 4.0  # twice the --dist-timeout of the slow-start test
 UNHEALTHY_WITHIN_S = 5.0  # a frozen rank's node reports unhealthy this soon (docs/ranks.md)
-FROZEN_DIST_TIMEOUT_S = 12  # long enough to thaw a rank after its node turned unhealthy
+FROZEN_DIST_TIMEOUT_S = 10  # long enough to thaw a rank after its node turned unhealthy
 
 
 @pytest.fixture(scope="module")
@@ -108,11 +108,11 @@ def test_a_frozen_rank_turns_the_node_unhealthy_and_past_the_dist_timeout_takes_
     (worker,) = rank_pids(server.proc.pid, 1)
     done: list[str] = []
     try:
-        assert _stream_to_end(server, 400, done).wait(60), "no token streamed"
+        assert _stream_to_end(server, 200, done).wait(60), "no token streamed"
         os.kill(worker, signal.SIGSTOP)
         stopped = time.monotonic()
         wait_for(lambda: not server.healthy(), "/health non-200 with rank 1 stopped", UNHEALTHY_WITHIN_S)
-        assert time.monotonic() - stopped < FROZEN_DIST_TIMEOUT_S / 2, "thawed too late to test a thaw"
+        assert time.monotonic() - stopped < FROZEN_DIST_TIMEOUT_S - 3, "thawed too late to test a thaw"
         os.kill(worker, signal.SIGCONT)
         wait_for(server.healthy, "/health 200 once rank 1 goes on", 10)
         wait_for(lambda: done, "the frozen request's end", 120)
