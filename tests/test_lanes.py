@@ -35,6 +35,7 @@ def test_a_call_that_never_returns_is_abandoned_after_the_bound() -> None:
     never.set()
 
 
+@pytest.mark.integration
 def test_an_abandoned_lane_does_not_hold_the_process_exit() -> None:
     code = ("import threading; from tierserve.cache.lanes import Lane, close_lanes; "
             "lane = Lane('x'); lane.submit(threading.Event().wait); print(close_lanes([lane], 'x', 0.1))")
