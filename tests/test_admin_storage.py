@@ -10,10 +10,11 @@ import pytest
 import torch
 from helpers.engine_runs import run_one
 from helpers.injected_faults import node_env, write_faults
-from helpers.polling import poll, wait_until
+from helpers.metrics import scrape, value
+from helpers.polling import poll, wait_for, wait_until
 from helpers.processes import ServeProcess
 from helpers.rank_hicache import seed as tp_seed
-from helpers.rank_servers import complete, start_server
+from helpers.rank_servers import complete, descendants, start_server, wait_exit, wait_gone
 from helpers.tiny_models import add_word_tokenizer, make_tiny_model
 
 from tierserve.cache.hashing import page_keys
@@ -25,6 +26,7 @@ from tierserve.engine.config import EngineConfig
 from tierserve.engine.engine import Engine
 
 PARAMS = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+STOPS_WITHIN_S = 15.0  # SIGTERM to exit, whatever L3 does (docs/faults.md)
 
 
 def test_engine_attach_use_detach(tiny_llama: Path, tmp_path: Path) -> None:
@@ -117,7 +119,8 @@ def test_admin_routes_at_tp2_act_on_every_rank(tmp_path: Path) -> None:
     """Attach, detach and their failures through ``/admin/storage`` on a node of two ranks: a rank
     that cannot reach the store fails the whole attach and leaves no rank attached (the next
     attach, which a rank still attached would refuse, succeeds); once attached both ranks back
-    up their heads; a detach detaches both."""
+    up their heads; a detach detaches both. With a store whose writes never return, the node
+    still stops within 15 s of SIGTERM (each rank abandons its L3 lanes, ``cache/lanes.py``)."""
     model = add_word_tokenizer(make_tiny_model("llama", tmp_path / "llama", heads=8, kv_heads=4))
     faults = write_faults(tmp_path / "faults.json")  # read again at each attach: rewritten below
     server = start_server(model, 2, tmp_path / "server.log", "--enable-hierarchical-cache",
@@ -141,6 +144,14 @@ def test_admin_routes_at_tp2_act_on_every_rank(tmp_path: Path) -> None:
         assert _when_idle(server.url, "detach").json() == {"attached": False}
         reply = _post(server.url, "detach")
         assert reply.status_code == 409 and "no L3 backend is attached" in reply.text
+        write_faults(faults, {"ranks": [0, 1], "hang_writes": True})  # the next attach's store never answers a write
         assert _post(server.url, "attach", l3).json()["attached"]  # no rank kept the detached one
+        complete(server.client(), model.name, prompt[::-1])  # a new prompt: its backups hang on both ranks
+        wait_for(lambda: value(scrape(server.url), "tierserve_cache_l3_backups_in_flight") >= 1, "a hung backup", 30)
+        processes = descendants(server.proc.pid)
+        server.proc.terminate()
+        assert wait_exit(server.proc, STOPS_WITHIN_S) == 0, server.log.read_text()[-3000:]
+        assert wait_gone(processes, 5) == []
     finally:
         server.stop()
+    assert server.log.read_text().count("abandoning the L3 lanes") == 2  # rank 0 and rank 1

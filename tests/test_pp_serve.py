@@ -86,7 +86,7 @@ def test_greedy_outputs_equal_transformers(reference, tmp_path: Path, tp_size: i
     finally:
         server.stop()
     assert token_ids(model, texts) == expected
-    assert server.proc.returncode == -15, server.log.read_text()[-3000:]
+    assert server.proc.returncode == 0, server.log.read_text()[-3000:]
     assert wait_gone(ranks, 10) == []
     log = server.log.read_text()
     partition = layer_partition(flags[-1]) if flags else None

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tierserve.core.sampling import SamplingParams
+from tierserve.core.sampling import InvalidRequestError, SamplingParams
 from tierserve.engine.commands import AbortRequest, AddRequest, EngineCommand
 from tierserve.engine.config import EngineConfig
 from tierserve.engine.engine import Engine
@@ -31,9 +31,13 @@ class RecordingBus:
         self.times: list[float] = []
         self.stopped = False
         self.errors: list[BaseException] = []
+        self.failures: list[EngineCommand] = []  # commands marked failed on rank 0
 
     def record(self, command: EngineCommand) -> None:
         self.pending.append(command)
+
+    def failed(self) -> None:
+        self.failures.append(self.pending[-1])
 
     def publish(self, step: bool, now: float) -> None:
         self.turns.append((tuple(self.pending), step))
@@ -90,6 +94,25 @@ def test_a_failed_step_is_reported_to_the_bus(tiny_llama: Path) -> None:
     finally:
         loop.stop()
     assert [str(e) for e in bus.errors] == ["collective timed out"]
+
+
+def test_a_command_that_fails_on_rank_0_is_marked_failed_for_the_other_ranks(tiny_llama: Path) -> None:
+    """The other ranks must fail it too (``engine/procs/worker.py``); one that went well is not marked."""
+    bus = RecordingBus()
+    loop = EngineLoop(Engine(EngineConfig(tiny_llama, dtype="float32", max_total_tokens=512)), bus).start()
+
+    async def run() -> None:
+        with pytest.raises(InvalidRequestError, match="the prompt is empty"):
+            async for _ in loop.generate("empty", [], SamplingParams(max_tokens=2)):
+                pass
+        async for _ in loop.generate("fine", [5, 6], SamplingParams(max_tokens=2)):
+            pass
+
+    try:
+        asyncio.run(run())
+    finally:
+        loop.stop()
+    assert [c.request_id for c in bus.failures] == ["empty"]
 
 
 def test_a_handoff_cannot_cross_ranks() -> None:

@@ -1,10 +1,13 @@
 """A node of several ranks dies whole: a rank killed with SIGKILL mid-request takes the node down
 within 30 s (rank 0 exits non-zero, health stops answering), and no process of it is left, at TP 2
-and at TP 2 x CP 2 (the last rank, in neither rank 0's tensor group nor its CP group); a TP size the
-model cannot be split over is refused before any rank starts."""
+and at TP 2 x CP 2 (the last rank, in neither rank 0's tensor group nor its CP group); a frozen rank
+turns the node unhealthy within 5 s, healthy again when it goes on, and takes it down past
+--dist-timeout; a TP size the model cannot be split over is refused before any rank starts."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -15,13 +18,15 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers.polling import poll
+from helpers.polling import poll, wait_for
 from helpers.rank_servers import TPServer, descendants, rank_pids, start_server, wait_exit, wait_gone
 from helpers.tiny_models import add_word_tokenizer, make_tiny_model
 
 pytestmark = pytest.mark.integration
 DEATH_DEADLINE_S = 30.0
 HELD_FOR_S = 4.0  # twice the --dist-timeout of the slow-start test
+UNHEALTHY_WITHIN_S = 5.0  # a frozen rank's node reports unhealthy this soon (docs/ranks.md)
+FROZEN_DIST_TIMEOUT_S = 10  # long enough to thaw a rank after its node turned unhealthy
 
 
 @pytest.fixture(scope="module")
@@ -71,20 +76,57 @@ def test_a_killed_rank_takes_the_node_down(model: Path, cp: int, victim: str, tm
         assert "exited with signal SIGKILL" in log or "lost step with the other ranks" in log, log[-3000:]
 
 
-def test_a_frozen_rank_times_out_and_takes_the_node_down(model: Path, tmp_path: Path) -> None:
-    """SIGSTOP, not death: rank 0 waits in a collective at most --dist-timeout, then the node goes down."""
-    server = start_server(model, 2, tmp_path / "serve.log", "--max-total-tokens", "8192", "--dist-timeout", "3")
+def _stream_to_end(server: TPServer, max_tokens: int, done: list[str]) -> threading.Event:
+    """Starts a streaming request of ``max_tokens``; the event is set at its first token, and ``done``
+    gets its finish reason (or the error that ended it)."""
+    streaming = threading.Event()
+
+    def run() -> None:
+        body = {"prompt": list(range(2, 60)), "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+        try:
+            with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as reply:
+                for line in reply.iter_lines():
+                    streaming.set()
+                    if line.startswith("data: {") and (reason := json.loads(line[6:])["choices"][0]["finish_reason"]):
+                        done.append(reason)
+        except httpx.HTTPError as exc:
+            done.append(repr(exc))
+
+    threading.Thread(target=run, daemon=True).start()
+    return streaming
+
+
+def test_a_frozen_rank_turns_the_node_unhealthy_and_past_the_dist_timeout_takes_it_down(model: Path,
+                                                                                         tmp_path: Path) -> None:
+    """SIGSTOP of rank 1 with a request in flight: rank 0's step is overdue (engine/step_watch.py), so
+    /health answers 503 within UNHEALTHY_WITHIN_S; SIGCONT within --dist-timeout: healthy again and the
+    request completes. Stopped again past --dist-timeout: rank 0's collective times out and the node exits 1."""
+    server = start_server(model, 2, tmp_path / "serve.log", "--max-total-tokens", "8192",
+                          "--dist-timeout", str(FROZEN_DIST_TIMEOUT_S))
     server.wait_healthy()
     processes = descendants(server.proc.pid)
     (worker,) = rank_pids(server.proc.pid, 1)
+    done: list[str] = []
     try:
+        assert _stream_to_end(server, 200, done).wait(60), "no token streamed"
+        os.kill(worker, signal.SIGSTOP)
+        stopped = time.monotonic()
+        wait_for(lambda: not server.healthy(), "/health non-200 with rank 1 stopped", UNHEALTHY_WITHIN_S)
+        assert time.monotonic() - stopped < FROZEN_DIST_TIMEOUT_S - 3, "thawed too late to test a thaw"
+        os.kill(worker, signal.SIGCONT)
+        wait_for(server.healthy, "/health 200 once rank 1 goes on", 10)
+        wait_for(lambda: done, "the frozen request's end", 120)
+        assert done == ["length"], server.log.read_text()[-3000:]
         assert _stream_in_background(server).wait(60), "no token streamed"
         os.kill(worker, signal.SIGSTOP)
         assert wait_exit(server.proc, DEATH_DEADLINE_S) == 1, server.log.read_text()[-3000:]
         assert wait_gone(processes, 10) == []  # the frozen rank was killed, not left stopped
     finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(worker, signal.SIGCONT)
         server.stop()
-    assert "lost step with the other ranks" in server.log.read_text()
+    log = server.log.read_text()
+    assert "past its bound" in log and "healthy again" in log and "lost step with the other ranks" in log
 
 
 def test_a_rank_slow_to_start_is_waited_for_past_the_dist_timeout(model: Path, tmp_path: Path) -> None:

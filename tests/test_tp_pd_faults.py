@@ -1,6 +1,8 @@
 """A rank of a prefill or decode node of several ranks, SIGKILLed under load through the router: the
 node exits within 30 s with none of its processes left, and every request (non-streaming, so none
-had been sent anything) is retried on the other pair and answers as the single engine does."""
+had been sent anything) is retried on the other pair and answers as the single engine does. The
+decode node's rank is first frozen (SIGSTOP): the node says NOT_SERVING within 5 s and the router
+stops sending to it, still with no request failing."""
 
 from __future__ import annotations
 
@@ -10,8 +12,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import grpc
 import httpx
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from helpers.metrics import find, scrape
 from helpers.pd_nodes import DECODE_ARGS, NODE_ARGS, load
 from helpers.polling import wait_for
 from helpers.processes import NodeProcess, RouterProcess
@@ -24,6 +29,8 @@ from tierserve.engine.engine import Engine
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 DEATH_DEADLINE_S = 30.0
+UNHEALTHY_WITHIN_S = 5.0  # a node whose rank is frozen says so this soon (docs/ranks.md)
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 NEW_TOKENS = 120
 PROMPTS = [[2 + (i * 7 + j) % 380 for j in range(40 + 30 * i)] for i in range(6)]
 
@@ -60,6 +67,21 @@ async def _busy(address: str) -> bool:
     return report.running > 0
 
 
+def _freeze_and_see_it_dropped(rank1: int, victim: NodeProcess, router: RouterProcess) -> None:
+    """SIGSTOP of the victim's rank 1 mid-request: the node, still running, says NOT_SERVING within
+    UNHEALTHY_WITHIN_S (rank 0's step is overdue, engine/step_watch.py) and the router stops sending to it."""
+    os.kill(rank1, signal.SIGSTOP)
+    wait_for(lambda: _health(victim.address) == NOT_SERVING, "the frozen node says NOT_SERVING", UNHEALTHY_WITHIN_S)
+    assert victim.proc.poll() is None  # unhealthy, not dead: --dist-timeout (120 s) has not passed
+    wait_for(lambda: find(scrape(router.url), "tierserve_worker_available", worker=victim.address) == 0,
+             "the router stops sending to the frozen node", 10)
+
+
+def _health(address: str) -> int:
+    with grpc.insecure_channel(address) as channel:
+        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2).status
+
+
 @pytest.mark.parametrize("victim_role", ["decode", "prefill"])
 def test_a_killed_rank_takes_its_node_down_and_the_router_retries(model: Path, tmp_path: Path,
                                                                    victim_role: str) -> None:
@@ -77,8 +99,11 @@ def test_a_killed_rank_takes_its_node_down_and_the_router_retries(model: Path, t
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
             futures = [pool.submit(_complete, router.url, p) for p in PROMPTS]
             wait_for(lambda: _busy(victim.address), "the victim works on a request", 60)
+            (rank1,) = rank_pids(victim.proc.pid, 1)
+            if victim_role == "decode":
+                _freeze_and_see_it_dropped(rank1, victim, router)
             killed = time.monotonic()
-            os.kill(rank_pids(victim.proc.pid, 1)[0], signal.SIGKILL)
+            os.kill(rank1, signal.SIGKILL)
             assert wait_exit(victim.proc, DEATH_DEADLINE_S) == 1, victim.log.read_text()[-3000:]
             assert wait_gone(processes, DEATH_DEADLINE_S - (time.monotonic() - killed)) == []
             answers = [_tokens(f.result(timeout=180)) for f in futures]

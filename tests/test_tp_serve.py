@@ -46,6 +46,6 @@ def test_greedy_outputs_equal_transformers(reference, tp_size: int, tmp_path: Pa
     finally:
         server.stop()
     assert token_ids(model, texts) == expected
-    # SIGTERM stopped rank 0 (no SIGKILL needed), and the ranks it started left with it.
-    assert server.proc.returncode == -15, server.log.read_text()[-3000:]
+    # SIGTERM stopped rank 0 cleanly (no SIGKILL needed: status 0), and the ranks it started left with it.
+    assert server.proc.returncode == 0, server.log.read_text()[-3000:]
     assert wait_gone(ranks, 10) == []

@@ -99,7 +99,7 @@ class L3Invariants:
     @invariant()
     def only_the_l3_worker_calls_l3(self) -> None:
         if self.threaded:
-            lanes = {"hicache-l3-backup_0", "hicache-l3-prefetch_0"}
+            lanes = {"hicache-l3-backup", "hicache-l3-prefetch"}
             assert self.store.callers <= lanes, f"L3 called from {sorted(self.store.callers)}"
 
     @invariant()

@@ -42,10 +42,11 @@ class EngineBackend:
         return self.loop.generate(request_id, prompt_ids, params, scope)
 
     def healthy(self) -> bool:
-        return self.loop.is_alive
+        """The engine thread runs and no step is overdue (several ranks: a frozen rank, docs/ranks.md)."""
+        return self.loop.healthy
 
     def ready(self) -> bool:
-        return self.loop.is_alive
+        return self.loop.healthy
 
     async def debug_state(self) -> dict[str, Any]:
         """Occupancy as of the engine's last step (its published snapshot)."""

@@ -13,7 +13,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent import futures
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -27,6 +27,7 @@ from tierserve.cache.events import KVEventListener
 from tierserve.cache.host_pool import HostKVPool, copy_pages
 from tierserve.cache.host_writes import WRITE_BACK_LOW_WATERMARK, assign_host, dirty_lru, end_failed_write
 from tierserve.cache.l3_slot import L3Slot
+from tierserve.cache.lanes import Lane, close_lanes
 from tierserve.cache.loads import LayerwiseLoad, Loads
 from tierserve.cache.options import IOBackend, PrefetchPolicy, WritePolicy
 from tierserve.cache.prefetch import PrefetchOptions, PrefetchTicket
@@ -89,8 +90,8 @@ class HiCache:
         self.shard = shard or KVShard.whole(host.geometry.num_kv_heads)
         self.page_size = device.page_size
         self.tree = RadixTree(self.page_size, seed)
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicache-write")
-        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicache-load")
+        self._worker = Lane("hicache-write")
+        self._loader = Lane("hicache-load")
         self._writes: list[_Write] = []
         self.loads = Loads(self.tree, allocator)
         self.counters: Counter[str] = Counter()  # engine thread only
@@ -118,8 +119,8 @@ class HiCache:
         return self.tree.num_device_pages - self.tree.num_pinned_device_pages
 
     def close(self) -> None:
-        self._worker.shutdown(wait=True)
-        self._loader.shutdown(wait=True)
+        """Stops the L2 lanes (waiting a bounded time, ``close_lanes``), then the L3 tier."""
+        close_lanes((self._worker, self._loader), "L2")
         self.l3.close()
 
     def flush(self, device: bool, host: bool) -> tuple[int, int]:

@@ -13,12 +13,13 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent import futures
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from tierserve.cache.draft_kv import SidecarIO
 from tierserve.cache.hashing import page_keys, salted_seed
 from tierserve.cache.host_pool import HostKVPool
+from tierserve.cache.lanes import Lane, close_lanes
 from tierserve.cache.options import PrefetchPolicy
 from tierserve.cache.prefetch import PrefetchOptions, PrefetchTicket, prefetch_timeout
 from tierserve.cache.radix_tree import Node, RadixTree
@@ -79,8 +80,8 @@ class StorageTier:
         self._host_pages = host_pages
         # Two lanes: a prefetch (probe, then read) is on a request's critical path and must never
         # queue behind backups, which pile up under load.
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicache-l3-backup")
-        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicache-l3-prefetch")
+        self._worker = Lane("hicache-l3-backup")
+        self._reader = Lane("hicache-l3-prefetch")
         self._backups: list[_Backup] = []
         self.tickets: list[PrefetchTicket] = []  # every prefetch not yet retired, oldest first
         self._window: list[PrefetchTicket] = []  # the tickets of this step's agreement
@@ -113,8 +114,10 @@ class StorageTier:
     def stats(self) -> dict[str, float]:
         """Its counters for ``/metrics``: pages backed up and prefetched (and, under CP, prefetched
         but refused for another rotation), the ``auto`` policy's decisions, prefetches that waited
-        for another node's backup, failures (integrity failures among them) and the breaker's state."""
+        for another node's backup, failures (integrity failures among them), the breaker's state and
+        the backups in flight (a stuck store shows)."""
         return {"l3_backup_pages_total": self.backed_up_pages, "l3_prefetch_pages_total": self.prefetched_pages,
+                "l3_backups_in_flight": float(self.backups_in_flight),
                 "l3_prefetch_refused_pages_total": self.refused_pages,
                 "l3_prefetch_wait_decisions_total": self.decisions["wait"],
                 "l3_prefetch_no_wait_decisions_total": self.decisions["no_wait"],
@@ -123,9 +126,10 @@ class StorageTier:
                 "l3_integrity_failures_total": getattr(self.storage, "integrity_failures", 0)}
 
     def close(self) -> None:
-        self._worker.shutdown(wait=True)
-        self._reader.shutdown(wait=True)
-        self.storage.close()
+        """Stops the lanes (a bounded wait, ``close_lanes``), then the store's client; a client with a
+        call still in flight on an abandoned lane is not closed under it but left to the process's exit."""
+        if close_lanes((self._worker, self._reader), "L3"):
+            self.storage.close()
 
     # -- prefetch --------------------------------------------------------------------------------
 

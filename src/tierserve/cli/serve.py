@@ -5,7 +5,9 @@ on rank 0."""
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -114,14 +116,30 @@ def _serve(args: argparse.Namespace, engine: Engine, on_ready: Callable[[], None
     from tierserve.api.tokenizer import try_load
     from tierserve.engine.loop import EngineLoop
     from tierserve.engine.procs.step_bus import LeaderBus
+    from tierserve.engine.step_watch import StepWatch
 
     bus = LeaderBus(engine.ranks, ranks.fail) if ranks is not None else None
-    loop = EngineLoop(engine, bus).start()
+    watch = StepWatch(engine.config.dist_timeout_s) if ranks is not None else None
+    loop = EngineLoop(engine, bus, watch).start()
     try:
         name = args.served_model_name or engine.model_config.name
         tokenizer = try_load(engine.config.model_dir, args.chat_template, args.tool_call_parser)
         app = create_engine_app(loop, tokenizer, name, args.tenant_keys, args.admin_api_key)
+        _exit_cleanly_on_sigterm()
         run_http(app, args.host, args.port, on_ready)
     finally:
         loop.stop()  # tells the other ranks to stop
         engine.cache.close()  # stops the L2/L3 workers and closes the L3 client
+
+
+def _exit_cleanly_on_sigterm() -> None:
+    """uvicorn, once it stopped on SIGTERM, raises the signal again with the handler it found: the
+    default one would end the process there, before the engine, the other ranks and the L2/L3 lanes
+    stop and the L3 client unmounts (docs/ranks.md, stop). ``SystemExit`` instead runs those ``finally``
+    blocks and exits 0."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _raise_exit)
+
+
+def _raise_exit(signum: int, frame: object) -> None:
+    raise SystemExit(0)

@@ -37,6 +37,12 @@ class CollectiveCall:
     it on the step bus before applying it (``EngineLoop``), so every rank enters them together."""
 
 
+def runs_collectives(command: EngineCommand | EngineCall) -> bool:
+    """Rank 0 publishes ``command`` before applying it (``CollectiveCall``, or a command whose
+    ``collective`` is true), so its ranks agree on its outcome inside it."""
+    return isinstance(command, CollectiveCall) or bool(getattr(command, "collective", False))
+
+
 @dataclass(frozen=True)
 class AddRequest:
     """``Engine.add_request``. A ``handoff`` is this process's own object: it never crosses ranks;

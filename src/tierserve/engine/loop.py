@@ -8,6 +8,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,10 +28,16 @@ from tierserve.engine.engine import Engine
 from tierserve.engine.handoff import Handoff, KVCheck
 from tierserve.engine.procs.step_bus import SoleBus, StepBus
 from tierserve.engine.request import RequestOutput
+from tierserve.engine.step_watch import StepWatch
 
 log = logging.getLogger(__name__)
 STATS_INTERVAL_S = 0.01  # a busy engine republishes its occupancy at most this often
 RESERVED_WAIT_S = 0.05  # only reservations pending: a lease or a quarantine ends at most this late
+# A step that scheduled nothing while background work is pending (an L3 read, an L2 write): the next
+# turn waits this long, doubling each such turn up to IDLE_POLL_MAX_S (several ranks: each turn is a
+# broadcast and a collective on every rank). What the wait is for wakes it (``set_waker``).
+IDLE_POLL_S = 0.005
+IDLE_POLL_MAX_S = 0.05
 
 
 @dataclass
@@ -67,13 +74,18 @@ class EngineLoop:
     only, so at several ranks it must not change the engine's requests or cache; ``apply`` runs
     an ``EngineCall`` on every rank and answers rank 0's result. A ``CollectiveCall`` is sent to
     the other ranks before rank 0 applies it, so all enter its collectives together.
+
+    ``watch`` (several ranks): times every loop turn that talks to the other ranks; a turn past its
+    bound makes ``healthy`` false until it ends (``engine/step_watch.py``).
     """
 
-    def __init__(self, engine: Engine, bus: StepBus | None = None) -> None:
+    def __init__(self, engine: Engine, bus: StepBus | None = None, watch: StepWatch | None = None) -> None:
         self.engine = engine
         self.bus = bus or SoleBus()
+        self.watch = watch
         self._stats = engine.stats()  # the engine thread does not run yet
         self._published = 0.0
+        self._idle_poll = IDLE_POLL_S
         self._commands: queue.SimpleQueue[_Submit | AbortRequest | _Call | _Wake | None] = queue.SimpleQueue()
         self._sinks: dict[str, Callable[[RequestOutput | BaseException], None]] = {}
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
@@ -90,6 +102,11 @@ class EngineLoop:
     @property
     def is_alive(self) -> bool:
         return self._thread.is_alive()
+
+    @property
+    def healthy(self) -> bool:
+        """The engine thread runs and its current turn (if watched) is within its bound; any thread."""
+        return self.is_alive and not (self.watch is not None and self.watch.overdue())
 
     @property
     def num_requests(self) -> int:
@@ -188,10 +205,15 @@ class EngineLoop:
         """Loop turns until asked to stop: commands, then (told to every rank) whether a step runs."""
         while self._drain(self._wait()):
             step, now = self.engine.has_work(), time.monotonic()
-            self.bus.publish(step, now)
-            if step:
-                self._step(now)
+            with self._watched(learn=step):
+                self.bus.publish(step, now)
+                if step:
+                    self._step(now)
             self._publish()
+
+    def _watched(self, learn: bool) -> AbstractContextManager[None]:
+        """The watchdog's span around a turn that waits for the other ranks (nothing at one rank)."""
+        return nullcontext() if self.watch is None else self.watch.span(learn)
 
     def _publish(self, force: bool = False) -> None:
         """Engine thread: a fresh occupancy snapshot, always before waiting idle."""
@@ -203,15 +225,19 @@ class EngineLoop:
         """How long to wait for a command: when idle, forever (several ranks: until the bus must
         speak again); with only reservations waiting for their KV, until a lease may end (what
         starts them is a command, which wakes the wait: a decode node does not poll for its
-        handoffs); a moment when the last step could schedule nothing (e.g. every page pinned)
-        so the thread does not spin; else not at all."""
-        if not self.engine.has_work():
-            return self.bus.idle_wait
-        if self.engine.last_batch_size:
-            return 0.0
+        handoffs); when the last step could schedule nothing (e.g. every page pinned, a stuck L3
+        read) a moment that doubles each such turn (``IDLE_POLL_S`` to ``IDLE_POLL_MAX_S``) so the
+        thread neither spins nor steps a collective every few ms; else not at all."""
+        if not self.engine.has_work() or self.engine.last_batch_size:
+            self._idle_poll = IDLE_POLL_S
+            return 0.0 if self.engine.has_work() else self.bus.idle_wait
         if self.engine.only_reservations():
             return min(RESERVED_WAIT_S, self.bus.idle_wait or RESERVED_WAIT_S)
-        return 0.005
+        return self._back_off()
+
+    def _back_off(self) -> float:
+        wait, self._idle_poll = self._idle_poll, min(2 * self._idle_poll, IDLE_POLL_MAX_S)
+        return wait
 
     def _drain(self, wait: float | None) -> bool:
         """Applies queued commands, first waiting up to ``wait`` seconds (None: until one comes);
@@ -239,10 +265,16 @@ class EngineLoop:
         request_id = submit.command.request_id
         try:
             self.bus.record(submit.command)
+        except Exception as exc:
+            submit.sink(exc)
+            return
+        try:
             if getattr(submit.command, "collective", False):
-                self.bus.publish(False, time.monotonic())  # the other ranks enter its collectives with this one
+                with self._watched(learn=False):
+                    self.bus.publish(False, time.monotonic())  # the other ranks enter its collectives with this one
             first = submit.command.apply(self.engine)
         except Exception as exc:
+            self.bus.failed()  # the other ranks must fail it too
             submit.sink(exc)
             return
         self._sinks[request_id] = submit.sink
@@ -258,10 +290,13 @@ class EngineLoop:
             command.done(None, exc)
             return
         if isinstance(command.shared, CollectiveCall):
-            self.bus.publish(False, time.monotonic())  # the other ranks enter its collectives with this one
+            with self._watched(learn=False):
+                self.bus.publish(False, time.monotonic())  # the other ranks enter its collectives with this one
         try:
             result = command.fn(self.engine)
         except Exception as exc:
+            if command.shared is not None:
+                self.bus.failed()  # the other ranks must fail it too
             command.done(None, exc)
             return
         self._publish(force=True)

@@ -23,6 +23,7 @@ from tierserve.engine.engine import Engine
 from tierserve.engine.loop import EngineLoop
 from tierserve.engine.procs.spawn import RankProcesses
 from tierserve.engine.procs.step_bus import LeaderBus
+from tierserve.engine.step_watch import StepWatch
 from tierserve.model.parallel import misfit
 from tierserve.node.kv_events import advertised_endpoint, start_kv_events
 from tierserve.node.metrics import NodeMetrics
@@ -33,6 +34,7 @@ from tierserve.proto import tierserve_pb2_grpc as pb_grpc
 from tierserve.transfer.engine import PeerEngines, TransferEngineHandle
 
 log = logging.getLogger(__name__)
+HEALTH_POLL_S = 0.25  # how often gRPC health reads the engine's (``EngineLoop.healthy``: a step overdue)
 
 
 @dataclass(frozen=True)
@@ -105,7 +107,8 @@ def _start(engine: Engine, ranks: RankTransfer, options: NodeOptions, procs: Ran
     if options.kv_events_port is not None:  # before the engine thread starts: the tree is its alone then
         curve = CurveKeys.from_token(options.node_token) if options.node_token else None
         kv_events = start_kv_events(engine, f"tcp://{options.host}:{options.kv_events_port}", curve=curve)
-    loop = EngineLoop(engine, LeaderBus(engine.ranks, procs.fail) if procs else None)
+    loop = EngineLoop(engine, LeaderBus(engine.ranks, procs.fail) if procs else None,
+                      StepWatch(engine.config.dist_timeout_s) if procs else None)
     node = Node(engine, loop.start(), ranks.receiver, ranks.peers, NodeMetrics(loop), kv_events, ranks)
     if options.metrics_port is not None:
         node.metrics.serve(options.host, options.metrics_port)
@@ -148,8 +151,9 @@ async def _serve(node: Node, options: NodeOptions, role: pb.Role, add_service: A
     if port == 0:
         raise OSError(f"cannot listen on {options.host}:{options.port}")
     await server.start()
-    for name in ("", service_name, "tierserve.v1.NodeService"):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    names = ("", service_name, "tierserve.v1.NodeService")
+    await _set_health(health_servicer, names, serving=True)
+    follow = asyncio.create_task(_follow_engine(node.loop, health_servicer, names))
     log.info("%s node ready: grpc=%s:%d transfer=%s namespace=%s", pb.Role.Name(role).removeprefix("ROLE_").lower(),
              options.host, port, node.transfer.endpoint, node.engine.namespace.digest())
     stop = asyncio.Event()
@@ -157,7 +161,26 @@ async def _serve(node: Node, options: NodeOptions, role: pb.Role, add_service: A
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     await stop.wait()
     log.info("stopping: refusing new work, draining for up to 5 s")
+    follow.cancel()
     await health_servicer.enter_graceful_shutdown()
     for drain in node.drain:
         await drain()
     await server.stop(grace=5)
+
+
+async def _set_health(servicer: health.aio.HealthServicer, names: tuple[str, ...], serving: bool) -> None:
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in names:
+        await servicer.set(name, status)
+
+
+async def _follow_engine(loop: EngineLoop, servicer: health.aio.HealthServicer, names: tuple[str, ...]) -> None:
+    """gRPC health says what HTTP ``/health`` says: NOT_SERVING while a step is overdue (a frozen rank,
+    ``engine/step_watch.py``), so the router stops sending here within a health check, SERVING again
+    once it ended."""
+    serving = True
+    while True:
+        await asyncio.sleep(HEALTH_POLL_S)
+        if loop.healthy != serving:
+            serving = not serving
+            await _set_health(servicer, names, serving)

@@ -1,9 +1,11 @@
 """Test-only L3 faults for one rank: a store that shows fewer pages, fails reads past a count,
-reads or writes slowly, or cannot be reached at all (``docs/ranks.md``). Enabled by the ``fault_injection``
-object of the tests' fault file (``core/test_hooks.py``), for the ranks it names; a node's config cannot."""
+reads or writes slowly, whose writes never return, or cannot be reached at all (``docs/ranks.md``).
+Enabled by the ``fault_injection`` object of the tests' fault file (``core/test_hooks.py``), for the
+ranks it names; a node's config cannot."""
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -18,8 +20,9 @@ class StorageFaults:
     """``exists_cap``: a probe finds at most this many leading objects; ``get_cap``: a read call
     fails every object after its first ``get_cap``; ``get_delay_s``: each read call sleeps first;
     ``set_delay_s``: each write call sleeps first (a backup stays in flight); ``unreachable``:
-    creating the backend fails (as a store that refuses the rank's client would). ``ranks``: the
-    ranks that suffer them."""
+    creating the backend fails (as a store that refuses the rank's client would); ``hang_writes``:
+    every write call blocks for ever (a store that stopped answering: shutdown must still end,
+    ``cache/lanes.py``). ``ranks``: the ranks that suffer them."""
 
     ranks: tuple[int, ...] = ()
     exists_cap: int | None = None
@@ -27,6 +30,7 @@ class StorageFaults:
     get_delay_s: float = 0.0
     set_delay_s: float = 0.0
     unreachable: bool = False
+    hang_writes: bool = False
 
     @classmethod
     def parse(cls, raw: dict[str, Any] | None) -> StorageFaults:
@@ -35,7 +39,7 @@ class StorageFaults:
         cap = {k: int(raw[k]) for k in ("exists_cap", "get_cap") if raw.get(k) is not None}
         delays = {k: float(raw[k]) for k in ("get_delay_s", "set_delay_s") if raw.get(k) is not None}
         return cls(tuple(int(r) for r in raw.get("ranks", ())), unreachable=bool(raw.get("unreachable", False)),
-                   **cap, **delays)
+                   hang_writes=bool(raw.get("hang_writes", False)), **cap, **delays)
 
 
 class FaultyStorage(StorageBackend):
@@ -61,6 +65,8 @@ class FaultyStorage(StorageBackend):
         return got + [False] * (len(keys) - len(got))
 
     def batch_set_from(self, keys: list[bytes], spans: list[torch.Tensor]) -> list[bool]:
+        if self.faults.hang_writes:
+            threading.Event().wait()  # never set: the call never returns
         time.sleep(self.faults.set_delay_s)
         return self.inner.batch_set_from(keys, spans)
 

@@ -13,6 +13,7 @@ from multiprocessing.process import BaseProcess
 
 from tierserve.engine.commands import RankRole
 from tierserve.engine.config import EngineConfig
+from tierserve.engine.procs.failure_report import reported_failures
 from tierserve.engine.procs.ranks import Ranks, RankSpec, join, rendezvous
 from tierserve.engine.procs.worker import run_rank
 
@@ -37,8 +38,10 @@ class RankProcesses:
         return join(self._spec(0), self.config, self.store)
 
     def fail(self, reason: str) -> None:
-        """Takes the node down: kills every other rank and exits this process with status 1."""
-        log.error("stopping the node: %s", reason)
+        """Takes the node down: kills every other rank and exits this process with status 1. The
+        message names what the failed ranks reported (``report_failure``)."""
+        told = "".join(f"; {failure}" for failure in reported_failures(self.store, self.config.num_ranks))
+        log.error("stopping the node: %s%s", reason, told)
         self._kill()
         logging.shutdown()
         os._exit(1)  # a thread blocked in a collective must not keep the process (and its port) alive

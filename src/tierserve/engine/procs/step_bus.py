@@ -35,18 +35,22 @@ class StepMessage:
     step: bool = False
     stop: bool = False
     now: float = 0.0
+    failed: frozenset[int] = frozenset()  # the indexes of ``commands`` that raised on rank 0
 
 
 class StepBus(Protocol):
-    """Rank 0's end. ``record`` each command as it is applied, ``publish`` once per loop turn, before
-    its step, with the time the step uses; ``stop`` ends the other ranks (commands recorded since
-    the last turn are not sent: no step follows them). ``idle_wait`` bounds an idle wait for
-    commands (None: wait for ever); ``lost`` is called when a step or a broadcast failed, after
-    which the ranks may no longer be in step."""
+    """Rank 0's end. ``record`` each command as it is applied (then ``failed`` if applying it raised
+    here: the other ranks must fail it too), ``publish`` once per loop turn, before its step, with
+    the time the step uses; ``stop`` ends the other ranks (commands recorded since the last turn are
+    not sent: no step follows them). ``idle_wait`` bounds an idle wait for commands (None: wait for
+    ever); ``lost`` is called when a step or a broadcast failed, after which the ranks may no longer
+    be in step."""
 
     idle_wait: float | None
 
     def record(self, command: EngineCommand | EngineCall) -> None: ...
+
+    def failed(self) -> None: ...
 
     def publish(self, step: bool, now: float) -> None: ...
 
@@ -61,6 +65,9 @@ class SoleBus:
     idle_wait: float | None = None
 
     def record(self, command: EngineCommand | EngineCall) -> None:
+        pass
+
+    def failed(self) -> None:
         pass
 
     def publish(self, step: bool, now: float) -> None:
@@ -81,13 +88,20 @@ class LeaderBus:
     on_lost: Callable[[str], None]
     idle_wait: float | None = KEEPALIVE_S
     _pending: list[EngineCommand | EngineCall] = field(default_factory=list)
+    _failed: set[int] = field(default_factory=set)
 
     def record(self, command: EngineCommand | EngineCall) -> None:
         self._pending.append(for_other_ranks(command))  # raises for what cannot cross processes
 
+    def failed(self) -> None:
+        """The command recorded last raised here. A collective one went out before it was applied
+        (nothing pending): its ranks agree on its outcome themselves."""
+        if self._pending:
+            self._failed.add(len(self._pending) - 1)
+
     def publish(self, step: bool, now: float) -> None:
-        commands, self._pending = tuple(self._pending), []
-        _send(self.ranks, StepMessage(commands, step, now=now))
+        commands, failed, self._pending, self._failed = tuple(self._pending), frozenset(self._failed), [], set()
+        _send(self.ranks, StepMessage(commands, step, now=now, failed=failed))
 
     def stop(self) -> None:
         _send(self.ranks, StepMessage(stop=True))
@@ -107,15 +121,16 @@ class FollowerBus:
         dist.broadcast(header, src=0, group=self.ranks.control)
         flags, size, now = _Flags(int(header[0])), int(header[1]), _float(int(header[2]))
         commands: tuple[EngineCommand | EngineCall, ...] = ()
+        failed: frozenset[int] = frozenset()
         if size:
             payload = torch.empty(size, dtype=torch.uint8)
             dist.broadcast(payload, src=0, group=self.ranks.control)
-            commands = pickle.loads(payload.numpy().tobytes())
-        return StepMessage(commands, _Flags.STEP in flags, _Flags.STOP in flags, now)
+            commands, failed = pickle.loads(payload.numpy().tobytes())
+        return StepMessage(commands, _Flags.STEP in flags, _Flags.STOP in flags, now, failed)
 
 
 def _send(ranks: Ranks, message: StepMessage) -> None:
-    payload = pickle.dumps(message.commands) if message.commands else b""
+    payload = pickle.dumps((message.commands, message.failed)) if message.commands else b""
     flags = (_Flags.STEP if message.step else 0) | (_Flags.STOP if message.stop else 0)
     header = [int(flags), len(payload), _bits(message.now)]  # the exact float: every rank compares the same time
     dist.broadcast(torch.tensor(header, dtype=torch.int64), src=0, group=ranks.control)

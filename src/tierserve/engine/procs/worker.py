@@ -10,9 +10,10 @@ import os
 import signal
 import sys
 
-from tierserve.engine.commands import Bind, RankRole
+from tierserve.engine.commands import Bind, EngineCall, EngineCommand, RankRole, runs_collectives
 from tierserve.engine.config import EngineConfig
 from tierserve.engine.engine import Engine
+from tierserve.engine.procs.failure_report import CommandMismatch, report_failure
 from tierserve.engine.procs.ranks import RankSpec, join, leave
 from tierserve.engine.procs.step_bus import FollowerBus, StepMessage
 
@@ -23,18 +24,38 @@ _PR_SET_PDEATHSIG = 1
 def follow(engine: Engine, bus: FollowerBus, bind: Bind = lambda command: command) -> None:
     """Applies rank 0's messages (each command through ``bind``, the role's) until the stop
     message. Outputs and errors are rank 0's to report: fed the same commands, this rank's engine
-    produced the same ones."""
+    produced the same ones. A command that fails here and not on rank 0, or the other way round,
+    raises ``CommandMismatch`` naming it and the error (the rank then fails, and rank 0 stops the
+    node with that message: ``report_failure``)."""
     while not (message := bus.receive()).stop:
-        _apply(engine, message, bind)
+        apply_message(engine, message, bind)
 
 
-def _apply(engine: Engine, message: StepMessage, bind: Bind) -> None:
-    for command in message.commands:
-        with contextlib.suppress(Exception):  # rank 0 answered this request with the same error
-            bind(command).apply(engine)
+def apply_message(engine: Engine, message: StepMessage, bind: Bind) -> None:
+    """One message of rank 0's: its commands, in order, then its step if it has one."""
+    for index, command in enumerate(message.commands):
+        _apply_one(engine, command, bind, failed_on_leader=index in message.failed)
     if message.step:
         engine.step(message.now)  # rank 0's clock: leases expire at the same step on every rank
         engine.take_failures()
+
+
+def _apply_one(engine: Engine, command: EngineCommand | EngineCall, bind: Bind, failed_on_leader: bool) -> None:
+    """Applies one command; its outcome must be rank 0's, except for a collective one, whose ranks
+    agree on its outcome themselves (rank 0 published it before it knew its own)."""
+    try:
+        bind(command).apply(engine)
+    except Exception as exc:
+        if not failed_on_leader and not runs_collectives(command):
+            raise CommandMismatch(f"{_named(command)} failed on this rank, not on rank 0: {exc!r}") from exc
+        return  # rank 0 answered this request with the same error
+    if failed_on_leader:
+        raise CommandMismatch(f"{_named(command)} failed on rank 0, not on this rank")
+
+
+def _named(command: EngineCommand | EngineCall) -> str:
+    request_id = getattr(command, "request_id", None)
+    return type(command).__name__ + (f" of request {request_id}" if request_id else "")
 
 
 def run_rank(spec: RankSpec, config: EngineConfig, parent_pid: int, log_level: str,
@@ -52,8 +73,9 @@ def run_rank(spec: RankSpec, config: EngineConfig, parent_pid: int, log_level: s
         follow(engine, FollowerBus(ranks), bind)
         engine.cache.close()  # as rank 0 does: an L3 client left mounted would be given objects it cannot hold
         leave()
-    except BaseException:
+    except BaseException as exc:
         log.exception("rank %d failed; the node goes down", spec.rank)
+        report_failure(spec, exc)  # rank 0 names it when it stops the node
         logging.shutdown()
         os._exit(1)  # no interpreter teardown: a collective in another thread must not hold us
 

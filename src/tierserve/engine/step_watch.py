@@ -1,0 +1,71 @@
+"""Rank 0's per-step watchdog (``docs/ranks.md``, a frozen rank): a loop turn (the step broadcast and the
+step, whose collectives wait for every rank) that runs past its bound makes the node report unhealthy on
+its health endpoints until the turn ends. The bound of a turn:
+
+    min(max(STEP_FLOOR_S, STEP_FACTOR x the slowest of the last HISTORY turns that stepped), dist_timeout / 2)
+
+The floor keeps a slow CPU step, or a machine's hiccup, from being called a freeze; the factor lets a node
+whose steps are long (big prefill chunks) have a longer bound; half the ``--dist-timeout`` reports a frozen
+rank before its collective times out and the node exits. A turn that ran past its bound is not learnt
+from: a freeze must not lengthen the bound of the next one.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+log = logging.getLogger(__name__)
+STEP_FLOOR_S = 3.0  # never overdue sooner: a tiny model's CPU step on a loaded machine stays well inside
+STEP_FACTOR = 4.0
+HISTORY = 32
+
+
+class StepWatch:
+    """The engine thread opens a ``span`` around each loop turn; any thread asks ``overdue``. Reads
+    and writes are of single attributes (atomic under the GIL): no lock."""
+
+    def __init__(self, dist_timeout_s: float, floor_s: float = STEP_FLOOR_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.floor_s, self.cap_s, self.clock = floor_s, dist_timeout_s / 2, clock
+        self._recent: deque[float] = deque(maxlen=HISTORY)
+        self._started: float | None = None
+        self._reported = False
+
+    @property
+    def bound_s(self) -> float:
+        """How long the current turn may run before the node reports unhealthy (the rule above)."""
+        slowest = max(self._recent, default=0.0)
+        return min(max(self.floor_s, STEP_FACTOR * slowest), self.cap_s)
+
+    @contextmanager
+    def span(self, learn: bool) -> Iterator[None]:
+        """Watches the block; ``learn``: its time, when within its bound, lengthens later bounds."""
+        bound, started = self.bound_s, self.clock()
+        self._started = started
+        try:
+            yield
+        finally:
+            self._started = None
+            self._ended(self.clock() - started, bound, learn)
+
+    def overdue(self) -> bool:
+        """The turn running now has run past its bound (any thread); logged once per turn."""
+        started = self._started
+        if started is None or self.clock() - started <= self.bound_s:
+            return False
+        if not self._reported:
+            self._reported = True
+            log.error("rank 0's step has run %.1f s, past its bound of %.1f s (a rank frozen or a collective "
+                      "stuck): the node reports unhealthy until it ends", self.clock() - started, self.bound_s)
+        return True
+
+    def _ended(self, took: float, bound: float, learn: bool) -> None:
+        if took > bound:
+            log.warning("rank 0's step ended after %.1f s, past its bound of %.1f s: healthy again", took, bound)
+        elif learn:
+            self._recent.append(took)
+        self._reported = False

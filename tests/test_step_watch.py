@@ -1,0 +1,183 @@
+"""Rank 0's per-step watchdog (``engine/step_watch.py``, ``docs/ranks.md``): a loop turn that waits for
+the other ranks past its bound makes ``/health`` and ``/readiness`` answer 503, and a node's gRPC health
+NOT_SERVING, until it ends; the bound
+follows the rule documented there. Background work with nothing to schedule backs off (``engine/loop.py``).
+Unit tests, one process: a bus whose broadcast blocks stands for a frozen rank (``tests/test_tp_faults.py``
+freezes a real one)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+
+from fastapi.testclient import TestClient
+from grpc_health.v1 import health, health_pb2
+from helpers.polling import wait_for
+
+from tierserve.api.engine_backend import create_engine_app
+from tierserve.core.sampling import SamplingParams
+from tierserve.engine.commands import EngineCall, EngineCommand
+from tierserve.engine.config import EngineConfig
+from tierserve.engine.engine import Engine
+from tierserve.engine.loop import IDLE_POLL_MAX_S, EngineLoop
+from tierserve.engine.step_watch import HISTORY, STEP_FACTOR, STEP_FLOOR_S, StepWatch
+from tierserve.node.server import _follow_engine
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_bound_is_the_floor_then_a_multiple_of_the_slowest_recent_step_capped_by_the_dist_timeout() -> None:
+    clock = Clock()
+    watch = StepWatch(dist_timeout_s=120, clock=clock)
+    assert watch.bound_s == STEP_FLOOR_S  # nothing learnt: the floor
+    for took in (0.5, 2.0, 1.0):
+        with watch.span(learn=True):
+            clock.now += took
+    assert watch.bound_s == STEP_FACTOR * 2.0
+    for _ in range(HISTORY):  # the slow step leaves the window
+        with watch.span(learn=True):
+            clock.now += 0.01
+    assert watch.bound_s == STEP_FLOOR_S
+    assert StepWatch(dist_timeout_s=4, clock=clock).bound_s == 2.0  # reported before the collective times out
+
+
+def test_a_turn_is_overdue_only_past_its_bound_and_an_overdue_one_is_not_learnt() -> None:
+    clock = Clock()
+    watch = StepWatch(dist_timeout_s=120, clock=clock)
+    assert not watch.overdue()  # no turn running
+    with watch.span(learn=True):
+        clock.now += STEP_FLOOR_S
+        assert not watch.overdue()
+        clock.now += 0.1
+        assert watch.overdue()
+    assert not watch.overdue()
+    assert watch.bound_s == STEP_FLOOR_S  # the frozen turn did not lengthen the next bound
+    with watch.span(learn=False):
+        clock.now += 1.0
+    assert watch.bound_s == STEP_FLOOR_S  # a turn without a step (a keepalive) teaches nothing
+
+
+class FreezableBus:
+    """A ``StepBus`` of several ranks whose broadcast blocks while ``frozen`` is clear, as rank 0's
+    collectives do when a rank is stopped."""
+
+    idle_wait: float | None = 0.05
+
+    def __init__(self) -> None:
+        self.thawed = threading.Event()
+        self.thawed.set()
+        self.blocked = threading.Event()
+
+    def record(self, command: EngineCommand | EngineCall) -> None:
+        pass
+
+    def failed(self) -> None:
+        pass
+
+    def publish(self, step: bool, now: float) -> None:
+        if step and not self.thawed.is_set():
+            self.blocked.set()
+            self.thawed.wait(60)
+
+    def stop(self) -> None:
+        self.thawed.set()
+
+    def lost(self, error: BaseException) -> None:
+        raise AssertionError(f"lost: {error!r}")
+
+
+def _generate(loop: EngineLoop, tokens: list[int]) -> None:
+    async def run() -> None:
+        params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+        async for out in loop.generate("frozen", [5, 6, 7], params):
+            tokens.extend(out.new_token_ids)
+
+    asyncio.run(run())
+
+
+def test_a_frozen_step_makes_the_node_unhealthy_until_it_ends(tiny_llama: Path) -> None:
+    bus = FreezableBus()
+    engine = Engine(EngineConfig(tiny_llama, dtype="float32", page_size=16, max_total_tokens=512))
+    loop = EngineLoop(engine, bus, StepWatch(dist_timeout_s=120, floor_s=0.3)).start()
+    tokens: list[int] = []
+    try:
+        with TestClient(create_engine_app(loop, None, "tiny")) as client:
+            assert client.get("/health").status_code == 200
+            bus.thawed.clear()
+            request = threading.Thread(target=_generate, args=(loop, tokens))
+            request.start()
+            assert bus.blocked.wait(30), "the request's step never reached the bus"
+            wait_for(lambda: client.get("/health").status_code == 503, "/health 503 while the step is frozen", 10)
+            assert client.get("/readiness").status_code == 503
+            bus.thawed.set()
+            wait_for(lambda: client.get("/health").status_code == 200, "/health 200 once the step ended", 10)
+            request.join(30)
+    finally:
+        bus.thawed.set()
+        loop.stop()
+    assert len(tokens) == 20  # the frozen request completed
+
+
+class ToggledLoop:
+    healthy = True
+
+
+async def _health_status(servicer: health.aio.HealthServicer) -> int:
+    reply = await servicer.Check(health_pb2.HealthCheckRequest(service=""), None)
+    return reply.status
+
+
+def test_grpc_health_follows_the_engines_health() -> None:
+    """A prefill or decode node's gRPC health (what the router checks) says what ``/health`` says."""
+    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+
+    async def run() -> list[int]:
+        loop, servicer, seen = ToggledLoop(), health.aio.HealthServicer(), []
+        await servicer.set("", serving)
+        follow = asyncio.create_task(_follow_engine(loop, servicer, ("",)))  # type: ignore[arg-type]
+        for healthy, expected in ((False, not_serving), (True, serving)):
+            loop.healthy = healthy
+            for _ in range(200):  # up to 10 s
+                if await _health_status(servicer) == expected:
+                    break
+                await asyncio.sleep(0.05)  # poll interval
+            seen.append(await _health_status(servicer))
+        follow.cancel()
+        return seen
+
+    assert asyncio.run(run()) == [not_serving, serving]
+
+
+class CountingBus(FreezableBus):
+    def __init__(self) -> None:
+        super().__init__()
+        self.steps = 0
+
+    def publish(self, step: bool, now: float) -> None:
+        self.steps += step
+
+
+def test_background_work_with_nothing_to_schedule_backs_off_instead_of_stepping_every_few_ms(tiny_llama: Path) -> None:
+    """A stuck L3 read keeps the cache busy with no batch to run: the loop's turns (at several ranks a
+    broadcast and a collective each) thin out to one per ``IDLE_POLL_MAX_S``, not one per 5 ms."""
+    bus = CountingBus()
+    bus.idle_wait = 1.0
+    engine = Engine(EngineConfig(tiny_llama, dtype="float32", page_size=16, max_total_tokens=512))
+    engine.has_work = lambda: True  # type: ignore[method-assign]  # background work that never ends
+    loop = EngineLoop(engine, bus).start()
+    try:
+        wait_for(lambda: bus.steps >= 6, "the loop backs off to its longest wait", 10, interval_s=0.001)
+        first, started = bus.steps, time.monotonic()
+        wait_for(lambda: bus.steps >= first + 10, "ten more steps", 10, interval_s=0.001)
+        took = time.monotonic() - started
+    finally:
+        loop.stop()
+    assert took >= 8 * IDLE_POLL_MAX_S, f"10 empty steps in {took:.3f} s"  # 5 ms apart: 0.05 s
