@@ -181,3 +181,22 @@ def test_background_work_with_nothing_to_schedule_backs_off_instead_of_stepping_
     finally:
         loop.stop()
     assert took >= 8 * IDLE_POLL_MAX_S, f"10 empty steps in {took:.3f} s"  # 5 ms apart: 0.05 s
+
+
+def test_a_long_step_that_scheduled_more_tokens_is_within_its_bound_and_learnt() -> None:
+    """After decode steps of one token (0.5 s each), a 100-token prefill chunk taking 10 s is what its
+    tokens lead to expect, not a freeze: within its bound, and learnt."""
+    clock = Clock()
+    watch = StepWatch(dist_timeout_s=120, clock=clock)
+    for _ in range(3):
+        with watch.span(learn=True, work=lambda: 1):
+            clock.now += 0.5
+    assert watch.bound_s == STEP_FLOOR_S  # 4 x 0.5 s for one token is under the floor
+    with watch.span(learn=True, work=lambda: 100):
+        clock.now += 10.0
+        assert not watch.overdue()
+    with watch.span(learn=True, work=lambda: 1):
+        clock.now += 1.0
+        assert not watch.overdue()
+        clock.now += STEP_FLOOR_S
+        assert watch.overdue(), "a one-token step is still bounded by the floor"

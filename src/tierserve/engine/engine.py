@@ -117,6 +117,7 @@ class Engine:
         self.appender = Appender(eos_ids, self.max_model_len, self.requests, self.scheduler)
         self.failures: list[tuple[str, Exception]] = []
         self.last_batch_size = 0
+        self.last_step_tokens = 0  # tokens the last step scheduled (the watchdog's expected time, engine/step_watch.py)
         self.prefill_tokens_computed = 0  # prompt tokens this engine computed (not taken from the cache)
         self._generate_ids = itertools.count()  # the same on every rank, as ids must be
         log.info("engine ready: model=%s device=%s dtype=%s kv_pages=%d page_size=%d rank=%d/%d stage=%d/%d "
@@ -272,7 +273,7 @@ class Engine:
             hook()
         self.reservations.tick(_clock(now))
         batch = self.scheduler.schedule()
-        self.last_batch_size = len(batch)
+        self.last_batch_size, self.last_step_tokens = len(batch), sum(s.num_tokens for s in batch)
         if not batch:
             return []
         restores = StepRestores.of(batch, self.config.dist_timeout_s * WAIT_SHARE)

@@ -213,7 +213,10 @@ class EngineLoop:
 
     def _watched(self, learn: bool) -> AbstractContextManager[None]:
         """The watchdog's span around a turn that waits for the other ranks (nothing at one rank)."""
-        return nullcontext() if self.watch is None else self.watch.span(learn)
+        return nullcontext() if self.watch is None else self.watch.span(learn, self._step_tokens)
+
+    def _step_tokens(self) -> int:
+        return self.engine.last_step_tokens
 
     def _publish(self, force: bool = False) -> None:
         """Engine thread: a fresh occupancy snapshot, always before waiting idle."""

@@ -1,11 +1,13 @@
 """Rank 0's per-step watchdog (``docs/ranks.md``, a frozen rank): a loop turn (the step broadcast and the
 step, whose collectives wait for every rank) that runs past its bound makes the node report unhealthy on
-its health endpoints until the turn ends. The bound of a turn:
+its health endpoints until the turn ends. The bound of a turn is derived from its expected time:
 
-    min(max(STEP_FLOOR_S, STEP_FACTOR x the slowest of the last HISTORY turns that stepped), dist_timeout / 2)
+    min(max(STEP_FLOOR_S, STEP_FACTOR x rate x the tokens its step scheduled), dist_timeout / 2)
 
-The floor keeps a slow CPU step, or a machine's hiccup, from being called a freeze; the factor lets a node
-whose steps are long (big prefill chunks) have a longer bound; half the ``--dist-timeout`` reports a frozen
+with ``rate`` the slowest seconds per scheduled token of the last HISTORY turns that stepped. The floor
+keeps a slow CPU step, or a machine's hiccup, from being called a freeze; scaling by the step's tokens
+lets a long prefill chunk after a run of short decode steps take its time (a bound learnt from step times
+alone flagged every such chunk, and never learnt from them); half the ``--dist-timeout`` reports a frozen
 rank before its collective times out and the node exits. A turn that ran past its bound is not learnt
 from: a freeze must not lengthen the bound of the next one.
 """
@@ -24,6 +26,10 @@ STEP_FACTOR = 4.0
 HISTORY = 32
 
 
+def _one() -> int:
+    return 1
+
+
 class StepWatch:
     """The engine thread opens a ``span`` around each loop turn; any thread asks ``overdue``. Reads
     and writes are of single attributes (atomic under the GIL): no lock."""
@@ -31,26 +37,29 @@ class StepWatch:
     def __init__(self, dist_timeout_s: float, floor_s: float = STEP_FLOOR_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.floor_s, self.cap_s, self.clock = floor_s, dist_timeout_s / 2, clock
-        self._recent: deque[float] = deque(maxlen=HISTORY)
+        self._rates: deque[float] = deque(maxlen=HISTORY)  # seconds per scheduled token of recent turns
+        self._work: Callable[[], int] = _one
         self._started: float | None = None
         self._reported = False
 
     @property
     def bound_s(self) -> float:
         """How long the current turn may run before the node reports unhealthy (the rule above)."""
-        slowest = max(self._recent, default=0.0)
-        return min(max(self.floor_s, STEP_FACTOR * slowest), self.cap_s)
+        rate = max(self._rates, default=0.0)
+        return min(max(self.floor_s, STEP_FACTOR * rate * max(1, self._work())), self.cap_s)
 
     @contextmanager
-    def span(self, learn: bool) -> Iterator[None]:
-        """Watches the block; ``learn``: its time, when within its bound, lengthens later bounds."""
-        bound, started = self.bound_s, self.clock()
+    def span(self, learn: bool, work: Callable[[], int] = _one) -> Iterator[None]:
+        """Watches the block; ``learn``: its time per token, when within its bound, lengthens later
+        bounds. ``work``: the tokens the turn's step scheduled (read from any thread: the last step's
+        until this one has scheduled)."""
+        self._work, started = work, self.clock()
         self._started = started
         try:
             yield
         finally:
             self._started = None
-            self._ended(self.clock() - started, bound, learn)
+            self._ended(self.clock() - started, learn)
 
     def overdue(self) -> bool:
         """The turn running now has run past its bound (any thread); logged once per turn."""
@@ -63,9 +72,10 @@ class StepWatch:
                       "stuck): the node reports unhealthy until it ends", self.clock() - started, self.bound_s)
         return True
 
-    def _ended(self, took: float, bound: float, learn: bool) -> None:
+    def _ended(self, took: float, learn: bool) -> None:
+        bound = self.bound_s
         if took > bound:
             log.warning("rank 0's step ended after %.1f s, past its bound of %.1f s: healthy again", took, bound)
         elif learn:
-            self._recent.append(took)
+            self._rates.append(took / max(1, self._work()))
         self._reported = False
