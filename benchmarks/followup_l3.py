@@ -8,12 +8,18 @@ first answered (no pause): round robin sends it to the node that never saw it. R
 source, medians over ``--repeats`` rounds (alternating which cluster goes first): the share of the second
 request's prompt served from L3, and its time over the first's (both end to end, ``--max-tokens`` tokens).
 
+``--write-delay S`` slows every L3 write call of the nodes by S seconds (the tests' fault channel,
+``tests/helpers/injected_faults.py``): a store slower than this machine's local one (a remote store over
+TCP, or a backup of a 100K-token prompt of a large model), so that the follow-up finds the backup in
+flight. Both sources must read that fault (the commit that added the count does: compare against a copy of
+it with ``_pending_in_l3`` returning 0).
+
 ``--model long`` is the tests' tiny long-context Llama (``tests/helpers/long_prompts.py``: 512 B of KV per
 token, so 32K tokens are 16 MiB to back up), ``--model builtin`` the built-in SmolLM2-135M (its KV is 46 KiB
 per token in float32: a 2K prompt is 92 MiB).
 
     .venv/bin/python benchmarks/followup_l3.py [--before-src DIR] [--model builtin|long] [--lengths 2048]
-        [--prefill-cp-size 1] [--repeats 3]
+        [--prefill-cp-size 1] [--write-delay 0] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # the tests' model and process helpers, reused
+from helpers.injected_faults import node_env, write_faults  # noqa: E402
 from helpers.long_prompts import long_model  # noqa: E402
 from helpers.processes import ALWAYS_PD, stop  # noqa: E402
 
@@ -45,9 +52,9 @@ VOCAB = {"builtin": 49152, "long": 384}
 class Cluster:
     """`tierserve up` importing tierserve from ``src``; ready once it printed its banner."""
 
-    def __init__(self, name: str, src: Path, logs: Path, flags: list[str]) -> None:
+    def __init__(self, name: str, src: Path, logs: Path, flags: list[str], env: dict[str, str]) -> None:
         self.name, self.port = name, free_port()
-        env = os.environ | {"PYTHONPATH": str(src)}
+        env = os.environ | env | {"PYTHONPATH": str(src)}
         cmd = [sys.executable, "-m", "tierserve.cli", "up", "--port", str(self.port), "--device", "cpu",
                "--quiet-access-log", "--prefill-nodes", "2", "--prefill-policy", "round_robin", *ALWAYS_PD, *flags]
         self.log = logs / f"{name}.log"
@@ -104,7 +111,7 @@ def run(clusters: list[Cluster], args: argparse.Namespace) -> dict[tuple[str, in
 
 def report(rows: dict[tuple[str, int], list[dict[str, float]]], args: argparse.Namespace) -> None:
     print(f"model={args.model}, CPU, prefill CP={args.prefill_cp_size}, max_tokens={args.max_tokens}, "
-          f"repeats={args.repeats} (medians)")
+          f"L3 write delay={args.write_delay} s, repeats={args.repeats} (medians)")
     print("| source | prompt tokens | second request: share from L3 | second / first time | first (s) |")
     print("|---|---:|---:|---:|---:|")
     for (name, length), runs in rows.items():
@@ -127,13 +134,16 @@ def main() -> None:
     ap.add_argument("--prefill-cp-size", type=int, default=1)
     ap.add_argument("--max-total-tokens", type=int, default=8192, help="per node: 40960 for 32K prompts")
     ap.add_argument("--max-tokens", type=int, default=4)
+    ap.add_argument("--write-delay", type=float, default=0.0, help="seconds added to every L3 write call")
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
     logs = Path(tempfile.mkdtemp(prefix="followup-l3-"))
     own = flags(args, logs)
-    clusters = [Cluster("after", ROOT / "src", logs, own)]
+    slow = {"ranks": list(range(args.prefill_cp_size)), "set_delay_s": args.write_delay}
+    env = node_env(write_faults(logs / "faults.json", slow)) if args.write_delay else {}
+    clusters = [Cluster("after", ROOT / "src", logs, own, env)]
     if args.before_src is not None:
-        clusters.append(Cluster("before", args.before_src, logs, own))
+        clusters.append(Cluster("before", args.before_src, logs, own, env))
     try:
         for c in clusters:
             c.wait_ready()
