@@ -346,3 +346,17 @@ def test_pending_pages_that_never_land_are_awaited_as_long_as_writing_them_takes
     cache.cancel(ticket)
     cache.wait_background()
     cache.close()
+
+
+def test_pending_pages_are_never_awaited_longer_than_computing_them_would_take() -> None:
+    store = MemoryStorage()
+    tokens = [3] * 8 + [9]
+    cache = _cache(PrefetchPolicy.WAIT_COMPLETE, store)
+    cache.storage.speed.record_write(1, 1.0)  # a store so slow that the write bound is the ticket's timeout
+    cache.storage.speed.record_prefill(80, 1.0)  # 80 tokens/s: the 4 pending pages (8 tokens) in 0.1 s
+    ticket = cache.prefetch(tokens, l3_pending=4)
+    assert ticket.pending_until - ticket.created == pytest.approx(0.1, abs=0.01)
+    _steps_until(cache, lambda: cache.ready(ticket), "the prefetch gave up waiting")
+    cache.cancel(ticket)
+    cache.wait_background()
+    cache.close()

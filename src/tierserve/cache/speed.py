@@ -37,6 +37,11 @@ class SpeedModel:
         with self._lock:
             return nbytes / self.write_bps if self.write_bps else None
 
+    def compute_seconds(self, tokens: int) -> float | None:
+        """How long computing ``tokens`` prompt tokens takes here; None until measured."""
+        with self._lock:
+            return tokens / self.prefill_tps if self.prefill_tps else None
+
     def record_prefill(self, tokens: int, seconds: float) -> None:
         if tokens >= MIN_PREFILL_TOKENS and seconds > 0:
             with self._lock:

@@ -40,7 +40,7 @@ BACKUP_CALL_PAGES = 1024  # pages per put call: with puts of 4096 pages (a CP=2 
 # Pages another node is writing to L3 now (``docs/cache.md``, "Backups in flight"): the store is asked
 # again every PENDING_PROBE_S, for as long as writing them takes here (PENDING_SLACK times this node's
 # own measured write time, plus PENDING_FLOOR_S for the writer's L1 -> L2 copy and the router's view
-# lagging), never past the ticket's timeout.
+# lagging), never longer than computing them would take, nor past the ticket's timeout.
 PENDING_PROBE_S = 0.05
 PENDING_SLACK = 2.0
 PENDING_FLOOR_S = 0.5
@@ -153,11 +153,14 @@ class StorageTier:
 
     def _backup_wait(self, pages: int, timeout: float) -> float:
         """Seconds a probe waits for ``pages`` another node is writing: as long as this node takes
-        to write as many (under CP, its ranks write side by side), the ticket's timeout until a
-        write was measured here, never longer."""
+        to write as many (under CP, its ranks write side by side), and never longer than computing
+        them here would take (each once measured), nor than the ticket's timeout."""
         share = -(-pages // self.ownership.size)
-        seconds = self.speed.write_seconds(share * self.host.geometry.bytes_per_page)
-        return timeout if seconds is None else min(timeout, PENDING_SLACK * seconds + PENDING_FLOOR_S)
+        write = self.speed.write_seconds(share * self.host.geometry.bytes_per_page)
+        compute = self.speed.compute_seconds(pages * self.tree.page_size)
+        bounds = [timeout, *([PENDING_SLACK * write + PENDING_FLOOR_S] if write is not None else []),
+                  *([compute] if compute is not None else [])]
+        return min(bounds)
 
     def _woken(self, _: Future) -> None:
         """A probe or read ended (any thread): the engine steps now to act on it, not at its next poll."""
