@@ -126,18 +126,6 @@ def test_a_named_function_streams_valid_arguments_as_deltas(client: openai.OpenA
     assert reasons[0] == "tool_calls"
 
 
-def test_auto_parses_the_model_own_tool_call_markup(serve: openai.OpenAI) -> None:
-    """``auto`` reads ``<tool_call>`` markup out of what the model generated; the markup is the
-    greedy output here because a grammar chose it (``structured_outputs``), a random model would
-    never write it."""
-    markup = r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(Paris|Rome)"\}\}\n</tool_call>'
-    reply = serve.chat.completions.create(model=_model(serve), messages=ASK, tools=[WEATHER], temperature=0,
-                                          max_tokens=40, extra_body={"structured_outputs": {"regex": markup}})
-    choice = reply.choices[0]
-    assert choice.finish_reason == "tool_calls" and choice.message.content is None
-    assert json.loads(choice.message.tool_calls[0].function.arguments)["city"] in ("Paris", "Rome")
-
-
 def test_a_two_turn_agent_loop_is_served_from_the_first_turn_prefix(client: openai.OpenAI) -> None:
     """Call, tool result, answer: the second turn's prompt starts with the first's (system prompt,
     tools, question), which the prefix cache serves."""

@@ -10,11 +10,11 @@ FAMILIES = ("llama", "qwen2", "qwen3")
 
 
 def _config(family: str, max_position: int = 512, heads: int = 4, kv_heads: int = 2, layers: int = 2,
-            vocab_size: int = 384):
+            vocab_size: int = 384, hidden_size: int = 64):
     import transformers
 
     common = dict(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=128, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_position,
         initializer_range=0.2, rms_norm_eps=1e-6, tie_word_embeddings=False,
         bos_token_id=0, eos_token_id=1,
@@ -29,16 +29,17 @@ def _config(family: str, max_position: int = 512, heads: int = 4, kv_heads: int 
 
 
 def make_tiny_model(family: str, out_dir: Path, seed: int = 0, max_position: int = 512, heads: int = 4,
-                    kv_heads: int = 2, layers: int = 2, vocab_size: int = 384) -> Path:
+                    kv_heads: int = 2, layers: int = 2, vocab_size: int = 384, hidden_size: int = 64) -> Path:
     """Saves a random ``family`` model to ``out_dir`` and returns it. Qwen2's q/k/v biases and
     Qwen3's q/k norms get random non-trivial values (their defaults, zero and one, hide bugs).
     ``max_position`` is the model's context length (max_position_embeddings); ``heads`` and
-    ``kv_heads`` its attention and KV heads (Llama and Qwen3 keep head_dim 16, Qwen2 has 64 / heads);
-    ``layers`` its decoder layers, ``vocab_size`` its tokens (ids 0 and 1 are BOS and EOS)."""
+    ``kv_heads`` its attention and KV heads (Llama and Qwen3 keep head_dim 16, Qwen2 has hidden_size / heads);
+    ``layers`` its decoder layers, ``vocab_size`` its tokens (ids 0 and 1 are BOS and EOS), ``hidden_size``
+    its residual width."""
     import transformers
 
     torch.manual_seed(seed)
-    config = _config(family, max_position, heads, kv_heads, layers, vocab_size)
+    config = _config(family, max_position, heads, kv_heads, layers, vocab_size, hidden_size)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, param in model.named_parameters():
