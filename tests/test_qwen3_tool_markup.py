@@ -60,6 +60,10 @@ def test_transformers_and_tierserve_greedy_both_spell_the_call(model: Path, toke
     import transformers
 
     prompt = _prompt_ids(tokenizer)
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(model)
+    hf_prompt = hf_tokenizer.apply_chat_template(ASK, tools=[WEATHER], chat_template=TEMPLATE.read_text(),
+                                                 add_generation_prompt=True, tokenize=False)
+    assert hf_tokenizer.encode(hf_prompt, add_special_tokens=False) == prompt  # the same prompt, both ways
     reference = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
     generated = reference.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False)[0, len(prompt):]
     assert generated.tolist() == expected_reply(model)  # the call's pieces, then EOS (<|im_end|>)
