@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -150,3 +151,22 @@ def test_cuda_structured_outputs_match_cpu(tmp_path: Path) -> None:
                for d in ("cpu", "cuda")]
     cpu, cuda = (e.generate(prompts, params) for e in engines)
     assert cuda == cpu
+
+
+def test_a_cuda_rank_joins_nccl_with_the_node_fault_settings(tiny_llama: Path) -> None:
+    """One CUDA rank joins its node's groups: NCCL for the model, a gloo control group, and the NCCL
+    fault settings in its environment before the group formed (``nccl_settings``); a collective runs."""
+    import torch.distributed as dist
+
+    from tierserve.engine.procs.ranks import RankSpec, join, nccl_settings, rendezvous
+
+    store = rendezvous(1, 60.0)
+    ranks = join(RankSpec(0, 1, store.port, 60.0), EngineConfig(tiny_llama, device="cuda"), store)
+    try:
+        assert dist.get_backend() == "nccl" and ranks.control is not None
+        assert all(os.environ.get(k) is not None for k in nccl_settings(60.0))
+        total = torch.ones(4, device=ranks.device)
+        dist.all_reduce(total)
+        assert total.tolist() == [1.0] * 4
+    finally:
+        dist.destroy_process_group()

@@ -15,7 +15,7 @@ from tierserve.cache.sharded.cp_pages import PageOwnership
 from tierserve.cache.sharded.shards import HeadRange, KVShard, LayerRange
 from tierserve.engine.config import EngineConfig
 from tierserve.engine.procs.rank_layout import RankLayout, RankPlace
-from tierserve.engine.procs.ranks import Ranks
+from tierserve.engine.procs.ranks import Ranks, nccl_settings
 from tierserve.model.parallel import TensorParallel
 from tierserve.model.pipeline import PipelineStage, stage_of
 
@@ -90,3 +90,13 @@ def test_cp_composes_with_tp_and_pp_in_the_config(tp: int, pp: int) -> None:
 def test_a_cp_size_below_one_is_refused() -> None:
     with pytest.raises(ValueError, match="cp_size must be at least 1"):
         EngineConfig(model_dir=Path("m"), cp_size=0)
+
+
+def test_nccl_groups_abort_and_exit_on_a_timeout_and_the_monitor_waits_past_it() -> None:
+    """A CUDA rank's NCCL settings (``nccl_settings``, set before its groups form; ``test_gpu.py`` joins
+    one): a timed-out collective aborts the communicator and ends the process, as a gloo rank's error
+    does; the heartbeat monitor gives the collective's own timeout its chance first."""
+    for timeout_s in (10.0, 120.0, 600.0):
+        settings = nccl_settings(timeout_s)
+        assert settings["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1" and settings["TORCH_NCCL_ENABLE_MONITORING"] == "1"
+        assert int(settings["TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"]) >= 2 * timeout_s

@@ -141,6 +141,17 @@ def rendezvous(size: int, timeout_s: float) -> dist.TCPStore:
     return dist.TCPStore(HOST, 0, size, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
 
 
+def nccl_settings(timeout_s: float) -> dict[str, str]:
+    """How a CUDA rank's NCCL groups fail (``docs/faults.md``): a collective past ``timeout_s`` (the
+    ``--dist-timeout`` every group is made with) or an NCCL error aborts the communicator and ends the
+    process (``TORCH_NCCL_ASYNC_ERROR_HANDLING`` 1; torch's default 3 ends it without the abort), so the
+    rank exits as a gloo rank does and its node goes down; a watchdog thread itself stuck in a CUDA or
+    NCCL call ends the process once no heartbeat came for twice that timeout (the monitor, after the
+    collective's own timeout had its chance)."""
+    return {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "TORCH_NCCL_ENABLE_MONITORING": "1",
+            "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": str(max(60, int(2 * timeout_s)))}
+
+
 def join(spec: RankSpec, config: EngineConfig, store: dist.Store | None = None) -> Ranks:
     """Joins the node's groups as ``spec.rank`` (rank 0 passes the store it hosts); returns the rank's
     view. Blocks until every rank joined or ``spec.timeout_s`` passed."""
@@ -151,6 +162,8 @@ def join(spec: RankSpec, config: EngineConfig, store: dist.Store | None = None) 
     backend = Backend.NCCL if device.type == "cuda" else Backend.GLOO
     if backend is Backend.NCCL:
         torch.cuda.set_device(device)
+        for name, value in nccl_settings(spec.timeout_s).items():
+            os.environ.setdefault(name, value)  # read by ProcessGroupNCCL when the group forms; an operator's own win
     _wait_all_arrived(store, spec)
     dist.init_process_group(backend.value, store=store, rank=spec.rank, world_size=spec.size, timeout=timeout)
     control = dist.new_group(backend="gloo", timeout=timeout) if backend is Backend.NCCL else None
