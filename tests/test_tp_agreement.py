@@ -1,20 +1,28 @@
 """Two real ranks (gloo, real ``mooncake_master``) whose L3 views differ: rank 1's store shows
 fewer pages, its reads fail past a count, or they lag past the prefetch timeout. With the per-step
 agreement both ranks take only the shorter prefix from L3, end with the same tree and answer as
-without a cache. With the agreement switched off (``TIERSERVE_TEST_SKIP_AGREEMENT=1``, to prove the
-test can fail) each rank applies its own view, the ranks diverge, and this test fails."""
+without a cache. The negative controls (``agreement-off``, run by ``make test``; a case with one fault
+of each kind) switch the agreement off: each rank applies its own view, the ranks diverge, and the same
+checks fail."""
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 from helpers.injected_faults import inject_here
 from helpers.processes import MasterProcess
-from helpers.rank_agreement import PAGE, PROMPT, rank_reports, report_and_leave, run_agreed, tree_of
+from helpers.rank_agreement import (
+    PAGE,
+    PROMPT,
+    holds_only_with_the_agreement,
+    rank_reports,
+    report_and_leave,
+    run_agreed,
+    tree_of,
+)
 from helpers.tiny_models import make_tiny_model
 
 from tierserve.cache import hicache
@@ -69,19 +77,23 @@ def model(tmp_path_factory) -> Path:
     return make_tiny_model("llama", tmp_path_factory.mktemp("llama"), heads=8, kv_heads=4)
 
 
-@pytest.mark.parametrize("fault", sorted(FAULTS))
-def test_a_rank_with_a_shorter_l3_view_shortens_every_rank(model: Path, tmp_path: Path, fault: str) -> None:
-    master = MasterProcess(tmp_path / "master.log").start()
-    skip = os.environ.get("TIERSERVE_TEST_SKIP_AGREEMENT") == "1"
-    try:
-        results = rank_reports(_rank, lambda r, port, out: (r, port, str(model), master.address, fault, skip, out), 2,
-                               tmp_path, 4 * TIMEOUT_S)
-    finally:
-        master.kill()
-    assert results[0]["tree"] == results[1]["tree"]
-    assert results[0]["flushed"] == results[1]["flushed"] and results[0]["left"] == results[1]["left"] == []
-    assert results[0]["warm"] == results[0]["cold"] == results[1]["warm"]
-    assert results[0]["tiers"].get("storage", 0) == FAULTS[fault][2] * PAGE, results[0]["tiers"]
+@pytest.mark.parametrize(("fault", "agreed"), [*((f, True) for f in sorted(FAULTS)), ("exists", False)],
+                         ids=[*sorted(FAULTS), "exists-agreement-off"])
+def test_a_rank_with_a_shorter_l3_view_shortens_every_rank(model: Path, tmp_path: Path, fault: str,
+                                                           agreed: bool) -> None:
+    def check() -> None:
+        master = MasterProcess(tmp_path / "master.log").start()
+        try:
+            results = rank_reports(_rank, lambda r, port, out: (r, port, str(model), master.address, fault,
+                                                                not agreed, out), 2, tmp_path, 4 * TIMEOUT_S)
+        finally:
+            master.kill()
+        assert results[0]["tree"] == results[1]["tree"]
+        assert results[0]["flushed"] == results[1]["flushed"] and results[0]["left"] == results[1]["left"] == []
+        assert results[0]["warm"] == results[0]["cold"] == results[1]["warm"]
+        assert results[0]["tiers"].get("storage", 0) == FAULTS[fault][2] * PAGE, results[0]["tiers"]
+
+    holds_only_with_the_agreement(agreed, check)
 
 
 def _failing_loads(*args: object) -> None:
@@ -108,11 +120,15 @@ def _load_rank(rank: int, port: int, model: str, skip: bool, out: str) -> None:
     report_and_leave(engine, out, {"cold": cold, "failed": failed, "warm": warm, "trees": [*trees, tree_of(engine)]})
 
 
-def test_an_l2_load_failing_on_one_rank_fails_the_request_on_every_rank(model: Path, tmp_path: Path) -> None:
-    skip = os.environ.get("TIERSERVE_TEST_SKIP_AGREEMENT") == "1"
-    results = rank_reports(_load_rank, lambda r, port, out: (r, port, str(model), skip, out), 2, tmp_path,
-                           4 * TIMEOUT_S)
-    assert results[0]["trees"] == results[1]["trees"]
-    for r in results:
-        assert r["failed"] == [[], {"failed": 1}]
-        assert r["warm"][0] == r["cold"] == results[0]["cold"] and r["warm"][1].get("host", 0) > 0, r["warm"]
+@pytest.mark.parametrize("agreed", [True, False], ids=["agreed", "agreement-off"])
+def test_an_l2_load_failing_on_one_rank_fails_the_request_on_every_rank(model: Path, tmp_path: Path,
+                                                                       agreed: bool) -> None:
+    def check() -> None:
+        results = rank_reports(_load_rank, lambda r, port, out: (r, port, str(model), not agreed, out), 2, tmp_path,
+                               4 * TIMEOUT_S)
+        assert results[0]["trees"] == results[1]["trees"]
+        for r in results:
+            assert r["failed"] == [[], {"failed": 1}]
+            assert r["warm"][0] == r["cold"] == results[0]["cold"] and r["warm"][1].get("host", 0) > 0, r["warm"]
+
+    holds_only_with_the_agreement(agreed, check)

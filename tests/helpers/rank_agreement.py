@@ -102,3 +102,17 @@ def assert_same_tree_every_step(first: dict, second: dict) -> None:
     assert len(first["digests"]) == len(second["digests"])
     for step, (a, b) in enumerate(zip(first["digests"], second["digests"], strict=True)):
         assert a == b, f"the stages' trees differ after step {step}"
+
+
+def holds_only_with_the_agreement(agreed: bool, check: Callable[[], None]) -> None:
+    """Runs ``check`` (the ranks, then what they must agree on). With the agreement switched off (the
+    negative control, each rank applying its own view) the same check must fail: the ranks diverge,
+    time out or disagree, so the test can tell the agreement is what holds them together."""
+    if agreed:
+        check()
+        return
+    try:
+        check()
+    except AssertionError:
+        return
+    raise AssertionError("the ranks stayed together with the agreement switched off: the test cannot fail")
