@@ -25,8 +25,8 @@ from tierserve.cache.storage.mooncake import MooncakeStorage
 # long file starts last and runs alone while the other worker idles. By time taken in a full run
 # (pytest --durations=0, summed per file; those under ~40 s keep collection order after these).
 LONGEST_FIRST = (
-    "test_rank_hicache", "test_pp_serve", "test_cp_long", "test_pd_ranks", "test_router", "test_cp_pd",
-    "test_agents_e2e", "test_router_streams", "test_speculative_builtin", "test_tp_serve", "test_lm_eval",
+    "test_rank_hicache", "test_pd_ranks", "test_pp_serve", "test_cp_long", "test_router", "test_cp_pd",
+    "test_agents_e2e", "test_speculative_builtin", "test_tp_serve", "test_lm_eval", "test_router_streams",
     "test_cp_serve", "test_up_ranks", "test_speculative_sampling", "test_builtin_model", "test_cp_split",
     "test_server", "test_tp_pd_faults", "test_handoff_integrity", "test_tp_faults", "test_speculative",
     "test_speculative_pd", "test_migration", "test_pd_ranks_l3", "test_offload", "test_pd_faults",

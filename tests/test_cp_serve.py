@@ -74,12 +74,26 @@ def _wait_gathered(server: TPServer) -> dict[str, float]:
     return poll_settled(lambda: _gather_clock(server), lambda clock: clock.get("later_span", 0) != 0, DEADLINE_S)
 
 
-@pytest.mark.parametrize(("family", "attention"), [
-    ("llama", "merge"), ("llama", "gather"), pytest.param("qwen2", "merge", marks=pytest.mark.slow),
-    pytest.param("qwen3", "merge", marks=pytest.mark.slow)])
-def test_a_batch_with_chunked_prefill_equals_transformers(family: str, attention: str, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> Path:
+    return _model("llama", tmp_path_factory.mktemp("llama") / "llama")
+
+
+@pytest.fixture(scope="module", params=["merge", "gather"])
+def llama_server(request, llama: Path, tmp_path_factory) -> Iterator[tuple[str, TPServer]]:
+    """A healthy ``serve --cp-size 2`` of ``llama`` per ``--cp-attention``, shared by the tests of
+    that attention (each start spends seconds; they all read it, nothing breaks it)."""
+    server = _serve(llama, tmp_path_factory.mktemp(f"cp-{request.param}") / "serve.log", request.param)
+    yield request.param, server
+    server.stop()
+
+
+@pytest.mark.parametrize("family", [pytest.param("qwen2", marks=pytest.mark.slow),
+                                    pytest.param("qwen3", marks=pytest.mark.slow)])
+def test_a_batch_with_chunked_prefill_equals_transformers(family: str, tmp_path: Path) -> None:
+    """Other families than Llama (``test_llama_batch_then_turns_answer_as_transformers``), merged attention."""
     model = _model(family, tmp_path / family)
-    server = _serve(model, tmp_path / "serve.log", attention)
+    server = _serve(model, tmp_path / "serve.log")
     try:
         _check_batch(model, server)
     finally:
@@ -94,18 +108,15 @@ def _check_batch(model: Path, server: TPServer) -> None:
     assert token_ids(model, texts) == expected, server.log.read_text()[-3000:]
 
 
-@pytest.mark.parametrize("attention", ["merge", "gather"])
-def test_turns_extending_a_cached_prefix_hit_all_of_it(attention: str, tmp_path: Path) -> None:
-    """Each turn is the previous prompt, its answer and new words: its pages continue the previous
-    turn's rotation, so the tree keeps them and the next turn hits every full page of it. With
-    ``merge``, decodes merge every layer and chunks after a hit merge layer 0 (no layer 0 gather is
-    left); with ``gather``, every layer of every step gathers (the seed's protocol alone)."""
-    model = _model("llama", tmp_path / "llama")
-    server = _serve(model, tmp_path / "serve.log", attention)
-    try:
-        _check_turns(model, server, attention)
-    finally:
-        server.stop()
+def test_llama_batch_then_turns_answer_as_transformers(llama: Path, llama_server: tuple[str, TPServer]) -> None:
+    """The batch (``_check_batch``), then turns on the same server (one per attention): each turn is
+    the previous prompt, its answer and new words, so its pages continue the previous turn's
+    rotation, the tree keeps them and the next turn hits every full page of it. With ``merge``,
+    decodes merge every layer and chunks after a hit merge layer 0 (no layer 0 gather is left); with
+    ``gather``, every layer of every step gathers (the seed's protocol alone)."""
+    attention, server = llama_server
+    _check_batch(llama, server)
+    _check_turns(llama, server, attention)
 
 
 def _check_turns(model: Path, server: TPServer, attention: str) -> None:
@@ -152,33 +163,30 @@ def test_cp_composed_with_tp_or_pp_answers_batches_and_turns_as_transformers(com
     _check_turns(model, server, "merge")
 
 
-def test_a_prefix_shared_in_flight_continues_its_rotation(tmp_path: Path) -> None:
+@pytest.mark.parametrize("llama_server", ["merge"], indirect=True)
+def test_a_prefix_shared_in_flight_continues_its_rotation(llama: Path, llama_server: tuple[str, TPServer]) -> None:
     """A and B share a 24-token prefix and B arrives while A still runs: A's prompt pages joined the
     tree as A computed them (in-flight sharing, docs/cache.md), so B hits the prefix and its own pages
     continue that rotation: none refused, and C, which extends B's prompt, hits all of it. Every
     answer equals transformers. (Pages of another rotation are refused: tests/test_cp_pages.py.)"""
-    model = _model("llama", tmp_path / "llama")
+    model, (_, server) = llama, llama_server
     gen = torch.Generator().manual_seed(7)
     prefix = torch.randint(2, 384, (24,), generator=gen).tolist()
     a = [*prefix, 11, *torch.randint(2, 384, (11,), generator=gen).tolist()]
     b = [*prefix, 12, *torch.randint(2, 384, (11,), generator=gen).tolist()]
     c = b + torch.randint(2, 384, (8,), generator=gen).tolist()
     expected = hf_greedy(model, [a, b, c])
-    server = _serve(model, tmp_path / "serve.log")
-    try:
-        client = server.client()
-        stream = client.completions.create(model=model.name, prompt=a, max_tokens=NEW_TOKENS, temperature=0,
-                                           stream=True, extra_body={"ignore_eos": True})
-        first = next(iter(stream))  # A's prompt is computed (and shared) before B arrives
-        with ThreadPoolExecutor(1) as pool:
-            b_reply = pool.submit(_cached, client, model, b)
-            a_text = first.choices[0].text + "".join(chunk.choices[0].text for chunk in stream)
-            b_out, b_cached = b_reply.result()
-        assert token_ids(model, [a_text]) == expected[:1]
-        assert b_out == expected[1] and b_cached == len(prefix)
-        c_out, c_cached = _cached(client, model, c)
-        assert c_out == expected[2]
-        assert c_cached == len(b)  # B's own pages continued the prefix's rotation: all stored
-        assert _refused_pages(server) == 0
-    finally:
-        server.stop()
+    client = server.client()
+    stream = client.completions.create(model=model.name, prompt=a, max_tokens=NEW_TOKENS, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True})
+    first = next(iter(stream))  # A's prompt is computed (and shared) before B arrives
+    with ThreadPoolExecutor(1) as pool:
+        b_reply = pool.submit(_cached, client, model, b)
+        a_text = first.choices[0].text + "".join(chunk.choices[0].text for chunk in stream)
+        b_out, b_cached = b_reply.result()
+    assert token_ids(model, [a_text]) == expected[:1]
+    assert b_out == expected[1] and b_cached == len(prefix)
+    c_out, c_cached = _cached(client, model, c)
+    assert c_out == expected[2]
+    assert c_cached == len(b)  # B's own pages continued the prefix's rotation: all stored
+    assert _refused_pages(server) == 0

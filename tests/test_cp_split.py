@@ -92,23 +92,31 @@ def _split_decodes(server: TPServer) -> float:
 LAYOUTS = {"cp2": (1, 2, 1), "cp4": (1, 4, 1), "tp2cp2": (2, 2, 1), "pp2cp2": (1, 2, 2)}  # (TP, CP, PP)
 
 
+@pytest.fixture(scope="module")
+def split_reference(tmp_path_factory) -> tuple[Path, list[list[int]], list[list[int]]]:
+    """The model every layout serves, the short prompt, the 1100- and 300-token ones and the turn
+    extending the first by 300, and what ``transformers`` answers to each (once for all layouts)."""
+    heads, kv_heads = HEADS["llama"]
+    model = add_word_tokenizer(make_tiny_model("llama", tmp_path_factory.mktemp("split") / "llama", max_position=2048,
+                                               heads=heads, kv_heads=kv_heads))
+    gen = torch.Generator().manual_seed(11)
+    short, *asked = (torch.randint(2, 384, (n,), generator=gen).tolist() for n in (7, 1100, 300))
+    turn = asked[0] + torch.randint(2, 384, (300,), generator=gen).tolist()
+    asked = [short, *asked, turn]
+    return model, asked, hf_greedy(model, asked)
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("layout", ["cp2", *(pytest.param(name, marks=pytest.mark.slow)
                                              for name in ("cp4", "tp2cp2", "pp2cp2"))])
-def test_split_steps_answer_as_transformers(layout: str, tmp_path: Path) -> None:
+def test_split_steps_answer_as_transformers(layout: str, split_reference, tmp_path: Path) -> None:
     """While a short prompt decodes (its decodes join the split steps: mixed), a batch of a
     1100-token prompt (a fresh chunk, then a chunk over a prefix: both split, the rest replicated)
     and a 300-token one; then a prompt that extends the long one by 300 tokens (hits its pages: a
     split over a cached prefix). Composed with TP (each CP rank a TP pair) and PP (each stage's CP
     ranks split the same rows) too."""
     tp, cp, pp = LAYOUTS[layout]
-    heads, kv_heads = HEADS["llama"]
-    model = add_word_tokenizer(make_tiny_model("llama", tmp_path / "llama", max_position=2048, heads=heads,
-                                               kv_heads=kv_heads))
-    gen = torch.Generator().manual_seed(11)
-    short, *asked = (torch.randint(2, 384, (n,), generator=gen).tolist() for n in (7, 1100, 300))
-    turn = asked[0] + torch.randint(2, 384, (300,), generator=gen).tolist()
-    expected = hf_greedy(model, [short, *asked, turn])
+    model, (short, *asked, turn), expected = split_reference
     server = start_server(model, tp, tmp_path / "serve.log", "--cp-size", str(cp), "--pp-size", str(pp),
                           "--chunked-prefill-size", str(CHUNK),
                           "--max-total-tokens", str(4096 // cp + 256)).wait_healthy()

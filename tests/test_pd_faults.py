@@ -33,6 +33,16 @@ def decode(long_llama: Path, tmp_path_factory) -> Iterator[NodeProcess]:
         node.stop()
 
 
+@pytest.fixture(scope="module")
+def plain_prefill(long_llama: Path, tmp_path_factory) -> Iterator[NodeProcess]:
+    """A prefill node without faults, shared (none kills or freezes it; each start spends seconds)."""
+    node = NodeProcess("prefill", ["--model", str(long_llama), *NODE_ARGS], tmp_path_factory.mktemp("p") / "p.log")
+    try:
+        yield node.wait_ready()
+    finally:
+        node.stop()
+
+
 def start_prefill(model: Path, log: Path, *extra: str) -> NodeProcess:
     return NodeProcess("prefill", ["--model", str(model), *NODE_ARGS, *extra], log).wait_ready()
 
@@ -42,8 +52,8 @@ async def pages_back(address: str) -> bool:
     return report.kv_pages_used == 0 and report.reservations == 0
 
 
-def test_prefill_killed_mid_handoff_leaves_decode_healthy(long_llama: Path, decode: NodeProcess, tmp_path: Path
-                                                          ) -> None:
+def test_prefill_killed_mid_handoff_leaves_decode_healthy(long_llama: Path, decode: NodeProcess,
+                                                          plain_prefill: NodeProcess, tmp_path: Path) -> None:
     victim = start_prefill(long_llama, tmp_path / "victim.log", "--chunked-prefill-size", "16")
     prompt = [2 + (i * 7) % 380 for i in range(1800)]  # ~110 prefill steps: a wide window to kill in
     outcome: list[BaseException | None] = []
@@ -64,13 +74,10 @@ def test_prefill_killed_mid_handoff_leaves_decode_healthy(long_llama: Path, deco
     assert outcome[0].code == grpc.StatusCode.UNAVAILABLE
     wait_for(lambda: pages_back(decode.address), "the decode node reclaims every page", GRACE_S + 15)
 
-    survivor = start_prefill(long_llama, tmp_path / "survivor.log")
-    try:
-        batch = prompts(3, seed=11)
-        got = [asyncio.run(run_pd(survivor.address, decode.address, f"after-{i}", p))[0] for i, p in enumerate(batch)]
-        assert got == reference(long_llama, batch)
-    finally:
-        survivor.stop()
+    survivor = plain_prefill
+    batch = prompts(3, seed=11)
+    got = [asyncio.run(run_pd(survivor.address, decode.address, f"after-{i}", p))[0] for i, p in enumerate(batch)]
+    assert got == reference(long_llama, batch)
 
 
 async def _running(address: str) -> bool:
@@ -119,9 +126,9 @@ def test_injected_transfer_failures_fail_cleanly(long_llama: Path, decode: NodeP
         faulty.stop()
 
 
-def test_frozen_decode_node_does_not_block_other_requests(long_llama: Path, decode: NodeProcess, tmp_path: Path
-                                                          ) -> None:
-    prefill = start_prefill(long_llama, tmp_path / "p.log")
+def test_frozen_decode_node_does_not_block_other_requests(long_llama: Path, decode: NodeProcess,
+                                                          plain_prefill: NodeProcess, tmp_path: Path) -> None:
+    prefill = plain_prefill
     frozen = NodeProcess("decode", ["--model", str(long_llama), *DECODE_ARGS], tmp_path / "frozen.log").wait_ready()
     prompt = prompts(1, seed=5)[0] * 4
     try:
@@ -159,7 +166,6 @@ def test_frozen_decode_node_does_not_block_other_requests(long_llama: Path, deco
         wait_for(lambda: pages_back(decode.address), "the healthy decode node is clean", 15)
     finally:
         frozen.stop()
-        prefill.stop()
 
 
 def test_a_release_sent_while_the_decode_node_is_frozen_lands_when_it_thaws(decode: NodeProcess, monkeypatch

@@ -61,11 +61,21 @@ def client(cluster) -> openai.OpenAI:
 
 
 @pytest.fixture(scope="module")
-def expected(builtin_model: Path) -> list[str]:
-    engine = Engine(EngineConfig(builtin_model, device="cpu", dtype="float32", max_total_tokens=4096))
-    ids = [engine.tokenizer.encode(p).ids for p in PROMPTS]
-    outs = engine.generate(ids, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
-    return [engine.tokenizer.decode(o, skip_special_tokens=True) for o in outs]
+def single(builtin_model: Path) -> Engine:
+    """The single engine every answer through the router must equal (one load of the model)."""
+    return Engine(EngineConfig(builtin_model, device="cpu", dtype="float32", max_total_tokens=4096))
+
+
+def _generate(engine: Engine, ids: list[list[int]], params: SamplingParams) -> list[str]:
+    """``engine``'s answers to ``ids`` from an empty cache (as a fresh engine's: no hit of an earlier call)."""
+    engine.cache.flush(True, True)
+    return [engine.tokenizer.decode(o, skip_special_tokens=True) for o in engine.generate(ids, params)]
+
+
+@pytest.fixture(scope="module")
+def expected(single: Engine) -> list[str]:
+    ids = [single.tokenizer.encode(p).ids for p in PROMPTS]
+    return _generate(single, ids, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
 
 
 def complete(router: RouterProcess, prompt, **fields) -> httpx.Response:
@@ -85,31 +95,30 @@ def test_openai_client_gets_the_single_engine_text(client: openai.OpenAI, expect
         assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == want
 
 
-def test_openai_chat_streaming_and_second_turn_hits_the_cache(client: openai.OpenAI, builtin_model: Path) -> None:
+def test_openai_chat_streaming_and_second_turn_hits_the_cache(client: openai.OpenAI, builtin_model: Path,
+                                                              single: Engine) -> None:
     question = "Tell me about the history of the city of Paris in detail. " * 8
     messages = [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": question}]
     first = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, max_tokens=16,
                                            temperature=0)
     answer = first.choices[0].message.content
-    assert answer == _single_engine_chat(builtin_model, messages, 16)
+    assert answer == _single_engine_chat(builtin_model, single, messages, 16)
     messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "And its population?"}]
     stream = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, max_tokens=16,
                                             temperature=0, stream=True, stream_options={"include_usage": True})
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert text == _single_engine_chat(builtin_model, messages, 16)
+    assert text == _single_engine_chat(builtin_model, single, messages, 16)
     second = chunks[-1].usage
     assert second.prompt_tokens_details.cached_tokens > (first.usage.prompt_tokens_details.cached_tokens or 0)
 
 
-def _single_engine_chat(model: Path, messages: list[dict], max_tokens: int) -> str:
+def _single_engine_chat(model: Path, engine: Engine, messages: list[dict], max_tokens: int) -> str:
     from tierserve.api.tokenizer import try_load
 
     tokenizer = try_load(model)
     ids = tokenizer.encode(tokenizer.apply_chat_template(messages, True), add_special_tokens=False)
-    engine = Engine(EngineConfig(model, device="cpu", dtype="float32", max_total_tokens=4096))
-    out = engine.generate([ids], SamplingParams(max_tokens=max_tokens, temperature=0))[0]
-    return engine.tokenizer.decode(out, skip_special_tokens=True)
+    return _generate(engine, [ids], SamplingParams(max_tokens=max_tokens, temperature=0))[0]
 
 
 def test_streaming_with_usage_reports_cached_tokens_by_tier(cluster, expected: list[str]) -> None:
@@ -214,38 +223,28 @@ def test_admin_workers_api_and_no_healthy_decode(cluster) -> None:
     assert complete(router, "hi").status_code == 200
 
 
-def test_a_worker_with_another_namespace_is_refused(builtin_model: Path, cluster, tmp_path: Path) -> None:
+def test_a_worker_of_another_namespace_is_refused_and_identified_again_at_its_address(builtin_model: Path, cluster,
+                                                                                     tmp_path: Path) -> None:
+    """A worker of another namespace (another page size) is refused and the others serve. Another
+    process at the same address (a restart with other weights or settings) is checked again:
+    accepted once the right one is there, refused again when its namespace differs. (One test:
+    each decode node of the built-in model takes seconds to start.)"""
     router, _, _ = cluster
-    other = NodeProcess("decode", ["--model", str(builtin_model), *ARGS, "--page-size", "32"],
-                        tmp_path / "other.log").wait_ready()
+    port = free_port()
+    body = {"role": "decode", "address": f"127.0.0.1:{port}"}
+    node = NodeProcess("decode", ["--model", str(builtin_model), *ARGS, "--page-size", "32"], tmp_path / "other.log",
+                       port=port).wait_ready()
     try:
-        r = httpx.post(f"{router.url}/workers", json={"role": "decode", "address": other.address}, headers=ADMIN)
+        r = httpx.post(f"{router.url}/workers", json=body, headers=ADMIN)
         assert r.json()["state"] == "refused" and "namespace" in r.json()["reason"]
         assert complete(router, "hi").status_code == 200  # served by the others
-    finally:
-        httpx.request("DELETE", f"{router.url}/workers", json={"role": "decode", "address": other.address},
-                      headers=ADMIN)
-        other.stop()
-
-
-def test_a_worker_that_comes_back_at_its_address_is_identified_again(builtin_model: Path, cluster,
-                                                                     tmp_path: Path) -> None:
-    """Another process at the same address (a restart with other weights or settings) is checked
-    again: refused when its namespace differs, accepted again once the right one is back."""
-    router, _, _ = cluster
-    port, body = free_port(), None
-    node = NodeProcess("decode", ["--model", str(builtin_model), *ARGS], tmp_path / "a.log", port=port).wait_ready()
-    try:
-        body = {"role": "decode", "address": node.address}
-        assert httpx.post(f"{router.url}/workers", json=body, headers=ADMIN).json()["state"] == "healthy"
-        for extra, state in ((["--page-size", "32"], "refused"), ([], "healthy")):
+        for extra, state in (([], "healthy"), (["--page-size", "32"], "refused")):
             node.stop()
             node = NodeProcess("decode", ["--model", str(builtin_model), *ARGS, *extra], tmp_path / f"{state}.log",
                                port=port).wait_ready()
             wait_for(lambda s=state: _worker_state(router, body["address"]) == s, f"the new process is {state}", 30)
     finally:
-        if body is not None:
-            httpx.request("DELETE", f"{router.url}/workers", json=body, headers=ADMIN)
+        httpx.request("DELETE", f"{router.url}/workers", json=body, headers=ADMIN)
         node.stop()
 
 

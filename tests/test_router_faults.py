@@ -8,6 +8,7 @@ import asyncio
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -35,9 +36,21 @@ def node(role: str, model: Path, log: Path, *extra: str, port: int | None = None
     return NodeProcess(role, ["--model", str(model), *args, *extra], log, port=port)
 
 
-def test_prefill_killed_mid_request_is_retried_on_another_node(long_llama: Path, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def prefill(long_llama: Path, tmp_path_factory) -> Iterator[NodeProcess]:
+    """A plain prefill node the tests share (none kills it; each start spends seconds): the spare
+    of the first test, the prefill node of the others."""
+    shared = node("prefill", long_llama, tmp_path_factory.mktemp("prefill") / "p.log")
+    try:
+        yield shared.wait_ready()
+    finally:
+        shared.stop()
+
+
+def test_prefill_killed_mid_request_is_retried_on_another_node(long_llama: Path, prefill: NodeProcess,
+                                                               tmp_path: Path) -> None:
     victim = node("prefill", long_llama, tmp_path / "victim.log", "--chunked-prefill-size", "16").wait_ready()
-    spare = node("prefill", long_llama, tmp_path / "spare.log").wait_ready()
+    spare = prefill
     decode = node("decode", long_llama, tmp_path / "decode.log").wait_ready()
     router = RouterProcess(["--model", str(long_llama), "--prefill", victim.address, "--decode", decode.address,
                             "--admin-api-key", "k", "--health-check-interval", "0.5"], tmp_path / "r.log").wait_ready()
@@ -56,7 +69,7 @@ def test_prefill_killed_mid_request_is_retried_on_another_node(long_llama: Path,
         assert httpx.get(f"{router.url}/debug/state", headers=ADMIN).json()["retries"] >= 1
         wait_for(lambda: _clean(decode.address), "the decode node frees the dead attempt's pages", 20)
     finally:
-        for proc in (router, victim, spare, decode):
+        for proc in (router, victim, decode):
             proc.stop()
 
 
@@ -88,8 +101,8 @@ def test_a_restart_between_two_health_checks_is_identified_again(long_llama: Pat
         first.stop()
 
 
-def test_all_decode_nodes_down_gives_503_quickly_and_recovers(long_llama: Path, tmp_path: Path) -> None:
-    prefill = node("prefill", long_llama, tmp_path / "p.log").wait_ready()
+def test_all_decode_nodes_down_gives_503_quickly_and_recovers(long_llama: Path, prefill: NodeProcess,
+                                                              tmp_path: Path) -> None:
     decode = node("decode", long_llama, tmp_path / "d.log").wait_ready()
     router = RouterProcess(["--model", str(long_llama), "--prefill", prefill.address, "--decode", decode.address,
                             "--health-check-interval", "0.5"], tmp_path / "r.log").wait_ready()
@@ -109,7 +122,7 @@ def test_all_decode_nodes_down_gives_503_quickly_and_recovers(long_llama: Path, 
         r = complete(router, prompt)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 12
     finally:
-        for proc in (router, prefill, decode, revived):
+        for proc in (router, decode, revived):
             if proc is not None:
                 proc.stop()
 
@@ -123,8 +136,8 @@ async def _clean(address: str) -> bool:
     return report.kv_pages_used == 0 and report.reservations == 0
 
 
-def test_a_burst_bigger_than_the_decode_pool_waits_instead_of_failing(long_llama: Path, tmp_path: Path) -> None:
-    prefill = node("prefill", long_llama, tmp_path / "p.log").wait_ready()
+def test_a_burst_bigger_than_the_decode_pool_waits_instead_of_failing(long_llama: Path, prefill: NodeProcess,
+                                                                      tmp_path: Path) -> None:
     small = ["--model", str(long_llama), *DECODE_ARGS, "--max-total-tokens", "512"]  # room for two at a time
     decode = NodeProcess("decode", small, tmp_path / "d.log").wait_ready()
     router = RouterProcess(["--model", str(long_llama), "--prefill", prefill.address, "--decode", decode.address],
@@ -136,5 +149,5 @@ def test_a_burst_bigger_than_the_decode_pool_waits_instead_of_failing(long_llama
         assert codes == [200] * 5
         assert httpx.get(f"{router.url}/debug/state").json()["retries"] >= 1  # some had to wait
     finally:
-        for proc in (router, prefill, decode):
+        for proc in (router, decode):
             proc.stop()

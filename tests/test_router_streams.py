@@ -35,14 +35,50 @@ def prefill(builtin_model: Path, tmp_path_factory) -> Iterator[NodeProcess]:
         node.stop()
 
 
-class Cluster:
-    """The shared prefill node, fresh decode nodes and a router over them; stops what it started."""
+class DecodePool:
+    """Decode nodes of the built-in model shared by the module's tests (each start loads the model
+    for seconds): a test takes fresh or idle ones; those alive when its cluster stops come back once
+    idle (a node a test killed does not), and the module stops them at its end."""
 
-    def __init__(self, model: Path, prefill: NodeProcess, logs: Path, decodes: int, *router_args: str) -> None:
-        self.decodes = [NodeProcess("decode", ["--model", str(model), *ARGS], logs / f"d{i}.log")
-                        for i in range(decodes)]
-        for node in self.decodes:
-            node.wait_ready()
+    def __init__(self, model: Path, logs: Path) -> None:
+        self.model, self.logs, self.idle, self.started = model, logs, [], 0
+
+    def take(self, count: int) -> list[NodeProcess]:
+        taken, self.idle = self.idle[:count], self.idle[count:]
+        fresh = [self._start() for _ in range(count - len(taken))]
+        return [*taken, *(node.wait_ready() for node in fresh)]
+
+    def _start(self) -> NodeProcess:
+        self.started += 1
+        return NodeProcess("decode", ["--model", str(self.model), *ARGS], self.logs / f"d{self.started}.log")
+
+    def give_back(self, nodes: list[NodeProcess]) -> None:
+        """The nodes still running, once they hold no request, page or reservation."""
+        for node in nodes:
+            if node.proc.poll() is not None:
+                continue
+            node.signal(signal.SIGCONT)  # a test that failed may have left it frozen
+            wait_for(lambda n=node: _idle(n.address), f"{node.address} holds nothing before the next test", 30)
+            self.idle.append(node)
+
+    def stop(self) -> None:
+        for node in self.idle:
+            node.stop()
+
+
+@pytest.fixture(scope="module")
+def decode_pool(builtin_model: Path, tmp_path_factory) -> Iterator[DecodePool]:
+    pool = DecodePool(builtin_model, tmp_path_factory.mktemp("decodes"))
+    yield pool
+    pool.stop()
+
+
+class Cluster:
+    """The shared prefill node, decode nodes of the pool and a router over them."""
+
+    def __init__(self, model: Path, prefill: NodeProcess, pool: DecodePool, logs: Path, decodes: int,
+                 *router_args: str) -> None:
+        self.pool, self.decodes = pool, pool.take(decodes)
         workers = [a for d in self.decodes for a in ("--decode", d.address)]
         self.router_log = logs / "router.log"
         self.router = RouterProcess(["--model", str(model), "--prefill", prefill.address, *workers,
@@ -50,8 +86,8 @@ class Cluster:
                                     self.router_log).wait_ready()
 
     def stop(self) -> None:
-        for proc in (self.router, *self.decodes):
-            proc.stop()
+        self.router.stop()
+        self.pool.give_back(self.decodes)
 
     def running_decode(self) -> NodeProcess:
         """The decode node that runs the (one) request in flight, once it does."""
@@ -64,11 +100,11 @@ def _runs(node: NodeProcess) -> bool:
 
 
 @pytest.fixture()
-def cluster_factory(builtin_model: Path, prefill: NodeProcess, tmp_path: Path) -> Iterator:
+def cluster_factory(builtin_model: Path, prefill: NodeProcess, decode_pool: DecodePool, tmp_path: Path) -> Iterator:
     made: list[Cluster] = []
 
     def make(decodes: int, *router_args: str) -> Cluster:
-        made.append(Cluster(builtin_model, prefill, tmp_path, decodes, *router_args))
+        made.append(Cluster(builtin_model, prefill, decode_pool, tmp_path, decodes, *router_args))
         return made[-1]
 
     yield make

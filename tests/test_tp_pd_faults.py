@@ -42,7 +42,9 @@ def model(tmp_path_factory) -> Path:
     return add_word_tokenizer(folder)
 
 
-def _expected(model: Path) -> list[list[int]]:
+@pytest.fixture(scope="module")
+def expected(model: Path) -> list[list[int]]:
+    """The single engine's answers (both victims' clusters must give them)."""
     engine = Engine(EngineConfig(model, device="cpu", dtype="float32", page_size=16, max_total_tokens=4096))
     return engine.generate(PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True))
 
@@ -83,8 +85,8 @@ def _health(address: str) -> int:
 
 
 @pytest.mark.parametrize("victim_role", ["decode", "prefill"])
-def test_a_killed_rank_takes_its_node_down_and_the_router_retries(model: Path, tmp_path: Path,
-                                                                   victim_role: str) -> None:
+def test_a_killed_rank_takes_its_node_down_and_the_router_retries(model: Path, expected: list[list[int]],
+                                                                   tmp_path: Path, victim_role: str) -> None:
     other_role = "prefill" if victim_role == "decode" else "decode"
     victim = _node(victim_role, model, tmp_path / "victim.log", 2)
     spare = _node(victim_role, model, tmp_path / "spare.log", 1)
@@ -110,7 +112,7 @@ def test_a_killed_rank_takes_its_node_down_and_the_router_retries(model: Path, t
     finally:
         for proc in (router, *nodes):
             proc.stop()
-    assert answers == _expected(model)
+    assert answers == expected
     log = victim.log.read_text()  # the watchdog saw the death, or a collective broke on the dead peer first
     assert "exited with signal SIGKILL" in log or "lost step with the other ranks" in log, log[-3000:]
     # a request D lost before its first token is retried on a new pair; one D already streamed is

@@ -32,10 +32,11 @@ BACKUP_DEADLINE_S = 300.0
 REQUEST_TIMEOUT_S = 1800.0  # a 128K-token prefill on two shared cores takes minutes
 
 
-def long_model(folder: Path) -> Path:
+def long_model(folder: Path, heads: int = HEADS, kv_heads: int = KV_HEADS) -> Path:
     """The tiny Llama of ``tests/helpers/tiny_models.py`` with ``MAX_POSITION`` rope positions (rope_theta
-    10000 as every tiny model: the positions, not the frequencies, are what a long prompt tests)."""
-    model = make_tiny_model("llama", folder, max_position=MAX_POSITION, heads=HEADS, kv_heads=KV_HEADS, layers=LAYERS)
+    10000 as every tiny model: the positions, not the frequencies, are what a long prompt tests);
+    ``heads`` and ``kv_heads`` of ``HEAD_DIM`` (attention over a long prompt costs in proportion to them)."""
+    model = make_tiny_model("llama", folder, max_position=MAX_POSITION, heads=heads, kv_heads=kv_heads, layers=LAYERS)
     return add_word_tokenizer(model)
 
 
@@ -100,10 +101,11 @@ def _ids(model: Path, text: str) -> list[int]:
 def wait_backed_up(master: MasterProcess, model: Path, tokens: list[int]) -> None:
     """Polls the store until every full page of ``tokens`` is there as a whole-page object (what a
     CP node writes, each page by its owner, and any node reads); backups run after the answer."""
-    seed = Namespace(model_identity(model), "float32", PAGE, LAYERS, KV_HEADS, HEAD_DIM,
+    kv_heads = json.loads((model / "config.json").read_text())["num_key_value_heads"]  # long_model's
+    seed = Namespace(model_identity(model), "float32", PAGE, LAYERS, kv_heads, HEAD_DIM,
                      object_format(HostLayout.PAGE_FIRST_DIRECT)).seed()
     keys = page_keys(seed, tokens[: len(tokens) // PAGE * PAGE], PAGE)
-    names = [object_key(k, HeadRange(0, KV_HEADS, KV_HEADS)) for k in keys]
+    names = [object_key(k, HeadRange(0, kv_heads, kv_heads)) for k in keys]
     with store_client(master) as store:
         poll(lambda: store.batch_exists(names), lambda stored: stored >= len(names),
              f"all {len(names)} pages in L3 (pages stored)", BACKUP_DEADLINE_S, interval_s=0.2)
