@@ -64,7 +64,9 @@ class MaskClock:
     def __init__(self) -> None:
         self.seconds, self.share = 0.0, 0.0  # share: of the last timed run's decode time
         self.on = False
-        for module, name in ((model_runner, "allowed_tokens"), (sampling, "apply_allowed")):
+        # the runner masks before sampling (its own ``apply_allowed``); ``sample`` only when given a mask
+        for module, name in ((model_runner, "allowed_tokens"), (model_runner, "apply_allowed"),
+                             (sampling, "apply_allowed")):
             setattr(module, name, self._timed(getattr(module, name)))
 
     def _timed(self, fn: Callable) -> Callable:
