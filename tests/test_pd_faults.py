@@ -15,7 +15,7 @@ import grpc
 import pytest
 from helpers.pd_nodes import DECODE_ARGS, GRACE_S, NODE_ARGS, greedy, load, prompts, reference, reserve, run_pd
 from helpers.polling import wait_for, wait_for_async
-from helpers.processes import NodeProcess
+from helpers.processes import NodeProcess, node_running
 
 from tierserve.proto import tierserve_pb2 as pb
 from tierserve.proto import tierserve_pb2_grpc as pb_grpc
@@ -26,21 +26,17 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def decode(long_llama: Path, tmp_path_factory) -> Iterator[NodeProcess]:
-    node = NodeProcess("decode", ["--model", str(long_llama), *DECODE_ARGS], tmp_path_factory.mktemp("d") / "d.log")
-    try:
-        yield node.wait_ready()
-    finally:
-        node.stop()
+    log = tmp_path_factory.mktemp("d") / "d.log"
+    with node_running("decode", ["--model", str(long_llama), *DECODE_ARGS], log) as node:
+        yield node
 
 
 @pytest.fixture(scope="module")
 def plain_prefill(long_llama: Path, tmp_path_factory) -> Iterator[NodeProcess]:
     """A prefill node without faults, shared (none kills or freezes it; each start spends seconds)."""
-    node = NodeProcess("prefill", ["--model", str(long_llama), *NODE_ARGS], tmp_path_factory.mktemp("p") / "p.log")
-    try:
-        yield node.wait_ready()
-    finally:
-        node.stop()
+    log = tmp_path_factory.mktemp("p") / "p.log"
+    with node_running("prefill", ["--model", str(long_llama), *NODE_ARGS], log) as node:
+        yield node
 
 
 def start_prefill(model: Path, log: Path, *extra: str) -> NodeProcess:

@@ -17,7 +17,7 @@ import httpx
 import pytest
 from helpers.pd_nodes import load, metric
 from helpers.polling import wait_for
-from helpers.processes import NodeProcess, RouterProcess
+from helpers.processes import NodeProcess, RouterProcess, node_running
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 ARGS = ["--device", "cpu", "--dtype", "float32", "--max-total-tokens", "4096"]
@@ -28,11 +28,9 @@ LONG = 150  # tokens: several seconds of decoding on a CPU, a wide window to act
 
 @pytest.fixture(scope="module")
 def prefill(builtin_model: Path, tmp_path_factory) -> Iterator[NodeProcess]:
-    node = NodeProcess("prefill", ["--model", str(builtin_model), *ARGS], tmp_path_factory.mktemp("p") / "p.log")
-    try:
-        yield node.wait_ready()
-    finally:
-        node.stop()
+    log = tmp_path_factory.mktemp("p") / "p.log"
+    with node_running("prefill", ["--model", str(builtin_model), *ARGS], log) as node:
+        yield node
 
 
 class DecodePool:

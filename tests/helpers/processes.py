@@ -161,6 +161,16 @@ class ServeProcess:
         stop(self.proc)
 
 
+@contextmanager
+def node_running(role: str, args: list[str], log: Path) -> Iterator[NodeProcess]:
+    """A ready ``tierserve prefill|decode`` for the block, stopped after it."""
+    node = NodeProcess(role, args, log)
+    try:
+        yield node.wait_ready()
+    finally:
+        node.stop()
+
+
 def start_up(port: int, *flags: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, list[str]]:
     """``tierserve up`` with ``flags`` (always through a prefill node unless they name another
     ``--disaggregation-threshold``), once it printed its banner; its output lines so far. ``env``
