@@ -229,7 +229,7 @@ class PDBackend:
         prefill = self.prefill_policy.pick(prefills, lookup) if path is not ServedPath.DECODE_ONLY else None
         if prefill is not None:
             cached = lookup(prefill)
-            request = replace(request, l3_pending=_pending_in_l3(prefill, prefills, lookup))
+            request = replace(request, l3_pending=_pending_in_l3(prefill, cached, prefills, lookup))
             route |= {"prefill": prefill.address, "prefill_cached_pages": [cached.device, cached.host],
                       "l3_pending_pages": request.l3_pending}
         self.routes.append(route)
@@ -304,11 +304,12 @@ def _decode_failed(decode: Worker, produced: bool, what: str, status: int, reaso
     return DecodeLost(decode.address, reason, error)
 
 
-def _pending_in_l3(chosen: Worker, prefills: Sequence[Worker], lookup: PrefixLookup) -> int:
+def _pending_in_l3(chosen: Worker, cached: CachedPrefix, prefills: Sequence[Worker], lookup: PrefixLookup) -> int:
     """The prompt's leading pages another prefill node holds (L1 and L2) beyond what ``chosen``
-    does: under write-through that node is writing them to L3, or has, so ``chosen`` may wait for
-    them there rather than compute them (``docs/cache.md``, "Backups in flight"); 0 if none holds more."""
-    own = sum(astuple(lookup(chosen)))
+    does (``cached``): under write-through that node is writing them to L3, or has, so ``chosen`` may
+    wait for them there rather than compute them (``docs/cache.md``, "Backups in flight"); 0 if none
+    holds more."""
+    own = sum(astuple(cached))
     most = max((sum(astuple(lookup(w))) for w in prefills if w is not chosen), default=0)
     return most if most > own else 0
 
