@@ -31,7 +31,7 @@ LONGEST_FIRST = (
     "test_server", "test_tp_pd_faults", "test_handoff_integrity", "test_tp_faults", "test_speculative",
     "test_speculative_pd", "test_migration", "test_pd_ranks_l3", "test_offload", "test_pd_faults",
     "test_node_auth", "test_deploy", "test_speculative_cache", "test_engine_machine", "test_up", "test_tenants",
-    "test_structured", "test_router_faults", "test_restore_overlap", "test_model_hf", "test_tp_agreement",
+    "test_structured", "test_router_faults", "test_restore_overlap", "test_model_hf", "test_rank_agreement",
     "test_api_logprobs", "test_up_supervise",
 )
 
