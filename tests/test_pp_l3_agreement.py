@@ -4,12 +4,11 @@ serve it again from L3 while stage 1's store shows fewer pages and reads slowly,
 past some page (test faults, stage 1 only). Every stage consumes the same agreed acknowledgement
 of how far every stage read (the per-step agreement), so after every step both hold the same tree
 (a digest per step), both take the same shorter prefix from L3 and compute the rest, and answer as
-without a cache. With the agreement switched off (``TIERSERVE_TEST_SKIP_AGREEMENT=1``, to prove the
-test can fail) each stage uses its own reads and this test fails."""
+without a cache. The negative control (``agreement-off``, run by ``make test``) switches the agreement
+off: each stage uses its own reads, and the same checks fail."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -21,6 +20,7 @@ from helpers.rank_agreement import (
     PROMPT,
     assert_same_tree_every_step,
     digest,
+    holds_only_with_the_agreement,
     rank_reports,
     report_and_leave,
     run_agreed,
@@ -38,6 +38,7 @@ STAGES = 2
 TIMEOUT_S = 20.0  # every collective's
 # stage 1's store: shows 6 of the prompt's 17 pages and reads slowly, or fails reads past 5 pages
 FAULTS = {"short_and_slow": ({"exists_cap": 6, "get_delay_s": 0.3}, 6), "failing": ({"get_cap": 5}, 5)}
+CASES = [*((f, True) for f in sorted(FAULTS)), ("failing", False)]  # (fault, agreed): one negative control
 
 
 def _config(model: Path, master: str) -> EngineConfig:
@@ -70,15 +71,18 @@ def model(tmp_path_factory) -> Path:
 
 
 
-@pytest.mark.parametrize("fault", sorted(FAULTS))
+@pytest.mark.parametrize(("fault", "agreed"), CASES, ids=[f"{f}{'' if ok else '-agreement-off'}" for f, ok in CASES])
 def test_stages_whose_l3_reads_differ_keep_the_same_tree_every_step(model: Path, master: MasterProcess,
-                                                                    tmp_path: Path, fault: str) -> None:
+                                                                    tmp_path: Path, fault: str, agreed: bool) -> None:
     faults, agreed_pages = FAULTS[fault]
-    skip = os.environ.get("TIERSERVE_TEST_SKIP_AGREEMENT") == "1"
-    first, second = rank_reports(_stage, lambda s, port, out: (s, port, str(model), master.address, faults, skip, out),
-                                 STAGES, tmp_path, 8 * TIMEOUT_S)
-    assert_same_tree_every_step(first, second)
-    for r in (first, second):
-        assert sum(r["cold"][1].values()) == 0, r["cold"]
-        assert r["l3"][0] == r["cold"][0] and r["l3"][1]["storage"] == agreed_pages * PAGE, r["l3"]
-        assert r["again"][0] == r["cold"][0] and r["again"][1]["device"] >= 16 * PAGE, r["again"]
+
+    def check() -> None:
+        first, second = rank_reports(_stage, lambda s, port, out: (s, port, str(model), master.address, faults,
+                                                                   not agreed, out), STAGES, tmp_path, 8 * TIMEOUT_S)
+        assert_same_tree_every_step(first, second)
+        for r in (first, second):
+            assert sum(r["cold"][1].values()) == 0, r["cold"]
+            assert r["l3"][0] == r["cold"][0] and r["l3"][1]["storage"] == agreed_pages * PAGE, r["l3"]
+            assert r["again"][0] == r["cold"][0] and r["again"][1]["device"] >= 16 * PAGE, r["again"]
+
+    holds_only_with_the_agreement(agreed, check)
