@@ -22,7 +22,7 @@ from tierserve.engine.commands import EngineCall, EngineCommand
 from tierserve.engine.config import EngineConfig
 from tierserve.engine.engine import Engine
 from tierserve.engine.loop import IDLE_POLL_MAX_S, EngineLoop
-from tierserve.engine.step_watch import HISTORY, STEP_FACTOR, STEP_FLOOR_S, StepWatch
+from tierserve.engine.step_watch import HISTORY, LARGE_STEP_TOKENS, STEP_FACTOR, STEP_FLOOR_S, StepWatch
 from tierserve.node.server import _follow_engine
 
 
@@ -200,3 +200,20 @@ def test_a_long_step_that_scheduled_more_tokens_is_within_its_bound_and_learnt()
         assert not watch.overdue()
         clock.now += STEP_FLOOR_S
         assert watch.overdue(), "a one-token step is still bounded by the floor"
+
+
+def test_a_long_step_of_a_loaded_prefill_node_is_bounded_by_its_large_steps_not_scaled_small_ones() -> None:
+    """Prefill chunks of 1,000 tokens take 1 s (1 ms a token); one slow 1-token turn (0.5 s: mostly fixed
+    cost, a loaded machine) must not scale into the next chunk's bound (0.5 s x 1,000 tokens: the cap, 60 s,
+    so a frozen rank went unreported for a whole 20 s freeze in the reliability campaign)."""
+    clock = Clock()
+    watch = StepWatch(dist_timeout_s=120, clock=clock)
+    for tokens, took in ((1000, 1.0), (1000, 1.0), (1, 0.5)):
+        with watch.span(learn=True, work=lambda tokens=tokens: tokens):
+            clock.now += took
+    with watch.span(learn=False, work=lambda: 1000):
+        assert watch.bound_s == STEP_FACTOR * 1.0  # 1,000 tokens at the large turns' 1 ms a token
+        clock.now += STEP_FACTOR * 1.0 + 0.1
+        assert watch.overdue(), "a frozen rank is reported within a few of its steps' times"
+    with watch.span(learn=False, work=lambda: LARGE_STEP_TOKENS - 1):
+        assert watch.bound_s == STEP_FLOOR_S  # a small turn: the slowest small one's 0.5 s, under the floor

@@ -2,14 +2,18 @@
 step, whose collectives wait for every rank) that runs past its bound makes the node report unhealthy on
 its health endpoints until the turn ends. The bound of a turn is derived from its expected time:
 
-    min(max(STEP_FLOOR_S, STEP_FACTOR x rate x the tokens its step scheduled), dist_timeout / 2)
+    min(max(STEP_FLOOR_S, STEP_FACTOR x expected(the tokens its step scheduled)), dist_timeout / 2)
 
-with ``rate`` the slowest seconds per scheduled token of the last HISTORY turns that stepped. The floor
-keeps a slow CPU step, or a machine's hiccup, from being called a freeze; scaling by the step's tokens
-lets a long prefill chunk after a run of short decode steps take its time (a bound learnt from step times
-alone flagged every such chunk, and never learnt from them); half the ``--dist-timeout`` reports a frozen
-rank before its collective times out and the node exits. A turn that ran past its bound is not learnt
-from: a freeze must not lengthen the bound of the next one.
+from the last HISTORY turns that stepped. Once some of them were large (at least LARGE_STEP_TOKENS tokens),
+``expected(n)`` is the larger of the slowest small turn and n x the slowest seconds per token of the large
+ones; before that, n x the slowest seconds per token of any. The floor keeps a slow CPU step, or a
+machine's hiccup, from being called a freeze; scaling by the step's tokens lets a long prefill chunk after
+a run of short decode steps take its time (a bound learnt from step times alone flagged every such chunk,
+and never learnt from them). The per-token rate comes from large turns once there are some: a small
+turn's time is mostly fixed cost, and scaled by a long chunk's tokens it put that chunk's bound at the cap
+(a frozen rank of a loaded prefill node went unreported for the whole freeze, benchmarks/RELIABILITY.md).
+Half the ``--dist-timeout`` reports a frozen rank before its collective times out and the node exits. A
+turn that ran past its bound is not learnt from: a freeze must not lengthen the bound of the next one.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ log = logging.getLogger(__name__)
 STEP_FLOOR_S = 3.0  # never overdue sooner: a tiny model's CPU step on a loaded machine stays well inside
 STEP_FACTOR = 4.0
 HISTORY = 32
+LARGE_STEP_TOKENS = 64  # a turn of at least this many tokens measures the per-token cost, not the fixed one
 
 
 def _one() -> int:
@@ -37,7 +42,7 @@ class StepWatch:
     def __init__(self, dist_timeout_s: float, floor_s: float = STEP_FLOOR_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.floor_s, self.cap_s, self.clock = floor_s, dist_timeout_s / 2, clock
-        self._rates: deque[float] = deque(maxlen=HISTORY)  # seconds per scheduled token of recent turns
+        self._turns: deque[tuple[int, float]] = deque(maxlen=HISTORY)  # (tokens, seconds) of recent turns
         self._work: Callable[[], int] = _one
         self._started: float | None = None
         self._reported = False
@@ -45,8 +50,15 @@ class StepWatch:
     @property
     def bound_s(self) -> float:
         """How long the current turn may run before the node reports unhealthy (the rule above)."""
-        rate = max(self._rates, default=0.0)
-        return min(max(self.floor_s, STEP_FACTOR * rate * max(1, self._work())), self.cap_s)
+        return min(max(self.floor_s, STEP_FACTOR * self._expected(max(1, self._work()))), self.cap_s)
+
+    def _expected(self, tokens: int) -> float:
+        """A turn of ``tokens`` tokens takes about this long, from the recent turns (the rule above)."""
+        large = [took / n for n, took in self._turns if n >= LARGE_STEP_TOKENS]
+        if not large:
+            return tokens * max((took / n for n, took in self._turns), default=0.0)
+        small = max((took for n, took in self._turns if n < LARGE_STEP_TOKENS), default=0.0)
+        return max(small, tokens * max(large))
 
     @contextmanager
     def span(self, learn: bool, work: Callable[[], int] = _one) -> Iterator[None]:
@@ -77,5 +89,5 @@ class StepWatch:
         if took > bound:
             log.warning("rank 0's step ended after %.1f s, past its bound of %.1f s: healthy again", took, bound)
         elif learn:
-            self._rates.append(took / max(1, self._work()))
+            self._turns.append((max(1, self._work()), took))
         self._reported = False
