@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 from faults.cluster import Cluster
-from faults.experiments import EXPERIMENTS, Experiment, Row, loaded, settle, transfer_failures
+from faults.experiments import EXPERIMENTS, RANK_EXPERIMENTS, Experiment, Row, loaded, settle, transfer_failures
 from faults.report import write
 from faults.workload import Reference, make_model, requests
 
@@ -36,13 +36,16 @@ from tierserve.model.fetch import fetch_builtin_model
 NODE_FLAGS = ["--device", "cpu", "--max-total-tokens", "8192", "--enable-hierarchical-cache", "--log-level", "warning"]
 ROUTER_ARGS = "--stream-idle-timeout 5 --health-check-interval 0.5"
 TRANSFER_FAULT_RATE = 0.1
+RANK_LAYOUT = ["--prefill-tp-size", "2", "--prefill-cp-size", "2", "--decode-pp-size", "2"]
 PREAMBLE = [
     "The cluster: `tierserve up` with 2 prefill and 2 decode nodes (L1 8,192 tokens, L2, L3 on a real "
     "`mooncake_master`), the router with `--stream-idle-timeout 5`, all on a 2-layer random Llama that speaks "
     "the built-in tokenizer, on this machine's CPUs; beside it a node without prefix cache gives the "
     "reference. Requests are greedy with `ignore_eos`, prompts share 8 long system prompts (cache hits in "
     "every tier), half of them stream. The transfer-failure experiment runs on a second cluster whose "
-    "prefill nodes fail every tenth handoff (`--prefill-args '--fault-transfer-rate 0.1'`).",
+    "prefill nodes fail every tenth handoff (`--prefill-args '--fault-transfer-rate 0.1'`). The rank faults run on "
+    "a third cluster of multi-rank nodes: prefill nodes at TP 2 x CP 2 (4 ranks each), decode nodes at PP 2; "
+    "the frozen or killed process is one rank (a TP rank, a CP rank, a PP stage), not the node's rank 0.",
     "",
     "- *succeeded*: 200 and `[DONE]` (leaving on purpose counts as success in the disconnect experiment; a "
     "clean 429 is the fan-out's answer). *wrong outputs*: successful choices whose text differs from the "
@@ -108,17 +111,20 @@ def main() -> int:
     p.add_argument("--workdir", type=Path, help="logs and the tiny model (default: a temporary folder)")
     args = p.parse_args()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="tierserve-reliability-"))
-    chosen = [e for e in [*EXPERIMENTS, transfer_failures] if not args.only or e.__name__ in args.only.split(",")]
+    every = [*EXPERIMENTS, transfer_failures, *RANK_EXPERIMENTS]
+    chosen = [e for e in every if not args.only or e.__name__ in args.only.split(",")]
     model = make_model(workdir / "tiny-llama", fetch_builtin_model(progress=False))
     ref_proc, ref_url = start_reference(model, workdir)
     try:
         reference = Reference(ref_url, model.name)
-        main_experiments = [e for e in chosen if e is not transfer_failures]
+        main_experiments = [e for e in chosen if e in EXPERIMENTS]
         rows = with_cluster(model, workdir / "cluster", reference, main_experiments, [], 0.0) \
             if main_experiments else []
         if transfer_failures in chosen:
             faulty = ["--prefill-args", f"--fault-transfer-rate {TRANSFER_FAULT_RATE}"]
             rows += with_cluster(model, workdir / "faulty", reference, [transfer_failures], faulty, TRANSFER_FAULT_RATE)
+        if rank_experiments := [e for e in chosen if e in RANK_EXPERIMENTS]:
+            rows += with_cluster(model, workdir / "ranks", reference, rank_experiments, RANK_LAYOUT, 0.0)
     finally:
         ref_proc.terminate()
         ref_proc.wait()

@@ -73,6 +73,13 @@ class Cluster:
     def kill(self, name: str, sig: int) -> None:
         os.kill(self.child(name)["pid"], sig)
 
+    def rank_pid(self, name: str, rank: int) -> int:
+        """The PID of rank ``rank`` (>= 1) of node ``name``: its rank processes are its children that are
+        not multiprocessing's resource tracker, spawned in rank order (``engine/procs/spawn.py``)."""
+        pids = sorted(pid for pid in _descendants(self.child(name)["pid"])
+                      if b"resource_tracker" not in _cmdline(pid))
+        return pids[rank - 1]
+
     async def unused_after(self, name: str, deadline_s: float = 10.0) -> float:
         """Seconds from now until the router lists node ``name`` as not available."""
         address, started = f"127.0.0.1:{self.child(name)['grpc_port']}", time.monotonic()
@@ -143,3 +150,27 @@ def _rss_mb(pid: int) -> float:
     line = next(x for x in status.splitlines() if x.startswith("VmRSS"))
     return int(line.split()[1]) / 1024
 
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every live process below ``pid`` (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # it ended while we read
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""

@@ -4,6 +4,7 @@ counts; ``settle`` then checks that every node gave its pages back."""
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import time
 from collections import Counter
@@ -100,6 +101,51 @@ async def freeze_decode(cluster: Cluster, reference: Reference) -> Row:
     return await loaded(cluster, reference, row, requests(300, seed=7), 16, fault)
 
 
+def kill_rank(role: str, rank: int, what: str, seed: int) -> Experiment:
+    """SIGKILL of one rank of the first ``role`` node: the rank's death takes its node down (every rank
+    leaves), the router retries what had not streamed, ``up`` restarts the node."""
+    async def experiment(cluster: Cluster, reference: Reference) -> Row:
+        row, name = Row(f"kill -9 {what} under 32 concurrent"), cluster.first(role)
+        stopped = 0.0
+
+        async def fault() -> None:
+            nonlocal stopped
+            os.kill(cluster.rank_pid(name, rank), signal.SIGKILL)
+            stopped = time.monotonic()
+            row.notes.append(f"{what}: the router stopped using the node after "
+                             f"{await cluster.unused_after(name):.2f} s")
+
+        row = await loaded(cluster, reference, row, requests(300, seed=seed), 32, fault)
+        row.recovery_s = await cluster.wait_back(name) - stopped
+        return row
+
+    experiment.__name__ = f"kill_{role}_rank{rank}"
+    return experiment
+
+
+def freeze_rank(role: str, rank: int, what: str, seed: int) -> Experiment:
+    """SIGSTOP of one rank of the first ``role`` node for 20 s (within ``--dist-timeout``): rank 0's step
+    is overdue, the node says it is unhealthy (docs/ranks.md, the step watchdog), the router sends
+    elsewhere, and SIGCONT brings the node back."""
+    async def experiment(cluster: Cluster, reference: Reference) -> Row:
+        row, name = Row(f"SIGSTOP of {what} for 20 s"), cluster.first(role)
+
+        async def fault() -> None:
+            pid, frozen = cluster.rank_pid(name, rank), time.monotonic()
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                row.notes.append(f"{what} frozen: the router stopped using the node after "
+                                 f"{await cluster.unused_after(name):.2f} s")
+                await asyncio.sleep(20 - (time.monotonic() - frozen))  # the length of the freeze is the experiment
+            finally:
+                os.kill(pid, signal.SIGCONT)
+
+        return await loaded(cluster, reference, row, requests(300, seed=seed), 16, fault)
+
+    experiment.__name__ = f"freeze_{role}_rank{rank}"
+    return experiment
+
+
 async def transfer_failures(cluster: Cluster, reference: Reference) -> Row:
     row = Row(f"{cluster.transfer_fault_rate:.0%} injected transfer failures")
     return await loaded(cluster, reference, row, requests(1000, seed=8), 16)
@@ -170,6 +216,17 @@ def _only_quarantine(held: dict[str, dict[str, float]]) -> bool:
     """A node's ``pages`` count includes its quarantined ones."""
     return all(set(h) <= {"pages", "quarantined"} and h.get("pages") == h.get("quarantined") for h in held.values())
 
+
+# on a cluster of multi-rank nodes (``reliability.py``, RANK_LAYOUT): prefill TP 2 x CP 2 (rank (c * 2) + t,
+# docs/ranks.md), decode PP 2
+RANK_EXPERIMENTS: list[Experiment] = [
+    freeze_rank("prefill", 1, "a TP rank of a TP2xCP2 prefill node", 20),
+    kill_rank("prefill", 1, "a TP rank of a TP2xCP2 prefill node", 21),
+    freeze_rank("prefill", 2, "a CP rank of a TP2xCP2 prefill node", 22),
+    kill_rank("prefill", 2, "a CP rank of a TP2xCP2 prefill node", 23),
+    freeze_rank("decode", 1, "PP stage 1 of a PP2 decode node", 24),
+    kill_rank("decode", 1, "PP stage 1 of a PP2 decode node", 25),
+]
 
 EXPERIMENTS: list[Experiment] = [
     soak, kill_node("prefill", "a prefill node", 2), kill_node("decode", "a decode node", 3),
