@@ -42,7 +42,8 @@ PREAMBLE = [
     "the built-in tokenizer, on this machine's CPUs; beside it a node without prefix cache gives the "
     "reference. Requests are greedy with `ignore_eos`, prompts share 8 long system prompts (cache hits in "
     "every tier), half of them stream. The transfer-failure experiment runs on a second cluster whose "
-    "prefill nodes fail every tenth handoff (`--prefill-args '--fault-transfer-rate 0.1'`).",
+    "prefill nodes fail every tenth handoff (`{\"handoff_faults\": {\"rate\": 0.1}}` in the tests' fault file, "
+    "`TIERSERVE_TEST_FAULTS`, in `up`'s environment).",
     "",
     "- *succeeded*: 200 and `[DONE]` (leaving on purpose counts as success in the disconnect experiment; a "
     "clean 429 is the fan-out's answer). *wrong outputs*: successful choices whose text differs from the "
@@ -89,10 +90,10 @@ async def run(cluster: Cluster, reference: Reference, experiments: list[Experime
 
 
 def with_cluster(model: Path, workdir: Path, reference: Reference, experiments: list[Experiment],
-                 extra: list[str], fault_rate: float) -> list[Row]:
+                 fault_rate: float) -> list[Row]:
     workdir.mkdir(parents=True, exist_ok=True)
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-    cluster = Cluster(model, workdir, vocab, [*NODE_FLAGS, "--router-args", ROUTER_ARGS, *extra],
+    cluster = Cluster(model, workdir, vocab, [*NODE_FLAGS, "--router-args", ROUTER_ARGS],
                       fault_rate)
     try:
         cluster.wait_ready()
@@ -114,11 +115,10 @@ def main() -> int:
     try:
         reference = Reference(ref_url, model.name)
         main_experiments = [e for e in chosen if e is not transfer_failures]
-        rows = with_cluster(model, workdir / "cluster", reference, main_experiments, [], 0.0) \
+        rows = with_cluster(model, workdir / "cluster", reference, main_experiments, 0.0) \
             if main_experiments else []
         if transfer_failures in chosen:
-            faulty = ["--prefill-args", f"--fault-transfer-rate {TRANSFER_FAULT_RATE}"]
-            rows += with_cluster(model, workdir / "faulty", reference, [transfer_failures], faulty, TRANSFER_FAULT_RATE)
+            rows += with_cluster(model, workdir / "faulty", reference, [transfer_failures], TRANSFER_FAULT_RATE)
     finally:
         ref_proc.terminate()
         ref_proc.wait()
