@@ -43,8 +43,9 @@ PREAMBLE = [
     "the built-in tokenizer, on this machine's CPUs; beside it a node without prefix cache gives the "
     "reference. Requests are greedy with `ignore_eos`, prompts share 8 long system prompts (cache hits in "
     "every tier), half of them stream. The transfer-failure experiment runs on a second cluster whose "
-    "prefill nodes fail every tenth handoff (`--prefill-args '--fault-transfer-rate 0.1'`). The rank faults run on "
-    "a third cluster of multi-rank nodes: prefill nodes at TP 2 x CP 2 (4 ranks each), decode nodes at PP 2; "
+    "prefill nodes fail every tenth handoff (`{\"handoff_faults\": {\"rate\": 0.1}}` in the tests' fault file, "
+    "`TIERSERVE_TEST_FAULTS`, in `up`'s environment). The rank faults run "
+    "on a third cluster of multi-rank nodes: prefill nodes at TP 2 x CP 2 (4 ranks each), decode nodes at PP 2; "
     "the frozen or killed process is one rank (a TP rank, a CP rank, a PP stage), not the node's rank 0.",
     "",
     "- *succeeded*: 200 and `[DONE]` (leaving on purpose counts as success in the disconnect experiment; a "
@@ -92,10 +93,11 @@ async def run(cluster: Cluster, reference: Reference, experiments: list[Experime
 
 
 def with_cluster(model: Path, workdir: Path, reference: Reference, experiments: list[Experiment],
-                 extra: list[str], fault_rate: float) -> list[Row]:
+                 fault_rate: float, layout: list[str] | None = None) -> list[Row]:
+    """``layout``: more ``up`` flags (the nodes' rank sizes)."""
     workdir.mkdir(parents=True, exist_ok=True)
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-    cluster = Cluster(model, workdir, vocab, [*NODE_FLAGS, "--router-args", ROUTER_ARGS, *extra],
+    cluster = Cluster(model, workdir, vocab, [*NODE_FLAGS, "--router-args", ROUTER_ARGS, *(layout or [])],
                       fault_rate)
     try:
         cluster.wait_ready()
@@ -118,13 +120,12 @@ def main() -> int:
     try:
         reference = Reference(ref_url, model.name)
         main_experiments = [e for e in chosen if e in EXPERIMENTS]
-        rows = with_cluster(model, workdir / "cluster", reference, main_experiments, [], 0.0) \
+        rows = with_cluster(model, workdir / "cluster", reference, main_experiments, 0.0) \
             if main_experiments else []
         if transfer_failures in chosen:
-            faulty = ["--prefill-args", f"--fault-transfer-rate {TRANSFER_FAULT_RATE}"]
-            rows += with_cluster(model, workdir / "faulty", reference, [transfer_failures], faulty, TRANSFER_FAULT_RATE)
+            rows += with_cluster(model, workdir / "faulty", reference, [transfer_failures], TRANSFER_FAULT_RATE)
         if rank_experiments := [e for e in chosen if e in RANK_EXPERIMENTS]:
-            rows += with_cluster(model, workdir / "ranks", reference, rank_experiments, RANK_LAYOUT, 0.0)
+            rows += with_cluster(model, workdir / "ranks", reference, rank_experiments, 0.0, RANK_LAYOUT)
     finally:
         ref_proc.terminate()
         ref_proc.wait()

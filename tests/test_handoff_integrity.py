@@ -1,6 +1,6 @@
 """``--handoff-integrity``: the prefill node digests the KV it hands over, per layer, and the decode
 node checks what landed before decoding (``transfer/digest.py``). Unit tests of the digest, then
-real nodes whose handoffs write wrong bytes for real (``--fault-transfer-corrupt-rate``): every
+real nodes whose handoffs write wrong bytes for real (``corrupt_rate`` in the tests' fault file): every
 corrupted handoff is a failed request (DATA_LOSS, counted, pages freed), never a wrong token."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import httpx
 import pytest
 import torch
 from helpers import metrics
+from helpers.injected_faults import handoff_env
 from helpers.pd_nodes import DECODE_ARGS, NODE_ARGS, greedy, idle, prompts, reference, release, reserve, run_pd
 from helpers.polling import wait_for
 from helpers.processes import NodeProcess, free_port
@@ -113,10 +114,10 @@ def test_corrupted_handoffs_fail_with_data_loss_never_a_wrong_token(long_llama: 
     """Every fourth handoff writes one layer's K where its V goes and back. Without digests that
     is a wrong answer; with them each is a counted DATA_LOSS whose pages come back, and every
     other request answers as the reference does."""
-    plain = NodeProcess("prefill", ["--model", str(long_llama), *NODE_ARGS, "--fault-transfer-corrupt-rate", "1"],
-                        tmp_path / "plain.log")
-    checked = NodeProcess("prefill", ["--model", str(long_llama), *NODE_ARGS, "--handoff-integrity",
-                                      "--fault-transfer-corrupt-rate", "0.25"], tmp_path / "checked.log")
+    plain = NodeProcess("prefill", ["--model", str(long_llama), *NODE_ARGS], tmp_path / "plain.log",
+                        handoff_env(tmp_path / "plain.json", corrupt_rate=1.0))
+    checked = NodeProcess("prefill", ["--model", str(long_llama), *NODE_ARGS, "--handoff-integrity"],
+                          tmp_path / "checked.log", handoff_env(tmp_path / "checked.json", corrupt_rate=0.25))
     batch = [p + [7] * 40 for p in prompts(12, seed=11)]  # at least two pages each: both K and V runs
     expected = reference(long_llama, batch)
     try:
@@ -145,8 +146,8 @@ def test_digests_add_up_across_ranks_on_both_sides(tmp_path: Path) -> None:
     answer as the reference does (no false alarm)."""
     model = make_tiny_model("llama", tmp_path / "llama", heads=8, kv_heads=4, max_position=2048)
     on = ["--model", str(model), "--handoff-integrity"]
-    prefill = NodeProcess("prefill", [*on, *NODE_ARGS, "--tp-size", "2", "--fault-transfer-corrupt-rate", "0.5"],
-                          tmp_path / "p.log")
+    prefill = NodeProcess("prefill", [*on, *NODE_ARGS, "--tp-size", "2"], tmp_path / "p.log",
+                          handoff_env(tmp_path / "faults.json", corrupt_rate=0.5))
     decodes = [NodeProcess("decode", [*on, *DECODE_ARGS, "--tp-size", str(tp)], tmp_path / f"d{tp}.log")
                for tp in (1, 2)]
     batch = [p + [9] * 40 for p in prompts(4, seed=5)]
@@ -174,8 +175,8 @@ def test_through_the_router_a_corrupted_handoff_is_retried_and_answers_right(lon
     from helpers.logprob_checks import ids_of
     from helpers.processes import RouterProcess
 
-    prefill = NodeProcess("prefill", ["--model", str(long_llama), *NODE_ARGS, "--handoff-integrity",
-                                      "--fault-transfer-corrupt-rate", "0.5"], tmp_path / "p.log")
+    prefill = NodeProcess("prefill", ["--model", str(long_llama), *NODE_ARGS, "--handoff-integrity"],
+                          tmp_path / "p.log", handoff_env(tmp_path / "faults.json", corrupt_rate=0.5))
     batch = [p + [5] * 40 for p in prompts(4, seed=23)]
     expected = reference(long_llama, batch)
     try:

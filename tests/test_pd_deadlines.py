@@ -11,6 +11,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from helpers.injected_faults import handoff_env
 from helpers.pd_nodes import NODE_ARGS, greedy, load, reference
 from helpers.polling import wait_for
 from helpers.processes import NodeProcess
@@ -35,7 +36,8 @@ def nodes(long_llama: Path, tmp_path_factory) -> Iterator[dict[str, NodeProcess]
     procs = {
         "decode": NodeProcess("decode", [*model, *NODE_ARGS, "--reservation-grace", str(GRACE_S), "--lease-seconds",
                                          str(MAX_LEASE_S), "--max-lease-seconds", str(MAX_LEASE_S)], logs / "d.log"),
-        "slow": NodeProcess("prefill", [*model, *NODE_ARGS, "--fault-transfer-delay", str(DELAY_S)], logs / "s.log"),
+        "slow": NodeProcess("prefill", [*model, *NODE_ARGS], logs / "s.log",
+                            handoff_env(logs / "slow.json", delay_s=DELAY_S)),
         "healthy": NodeProcess("prefill", [*model, *NODE_ARGS], logs / "h.log"),
     }
     try:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from helpers.injected_faults import handoff_env
 from helpers.pd_nodes import DECODE_ARGS, GRACE_S, NODE_ARGS, greedy, load, prompts, reference, reserve, run_pd
 from helpers.polling import wait_for, wait_for_async
 from helpers.processes import NodeProcess, node_running
@@ -39,8 +40,8 @@ def plain_prefill(long_llama: Path, tmp_path_factory) -> Iterator[NodeProcess]:
         yield node
 
 
-def start_prefill(model: Path, log: Path, *extra: str) -> NodeProcess:
-    return NodeProcess("prefill", ["--model", str(model), *NODE_ARGS, *extra], log).wait_ready()
+def start_prefill(model: Path, log: Path, *extra: str, env: dict[str, str] | None = None) -> NodeProcess:
+    return NodeProcess("prefill", ["--model", str(model), *NODE_ARGS, *extra], log, env).wait_ready()
 
 
 async def pages_back(address: str) -> bool:
@@ -90,7 +91,7 @@ async def _handoff_started(address: str) -> bool:
 
 
 def test_injected_transfer_failures_fail_cleanly(long_llama: Path, decode: NodeProcess, tmp_path: Path) -> None:
-    faulty = start_prefill(long_llama, tmp_path / "faulty.log", "--fault-transfer-rate", "0.1")
+    faulty = start_prefill(long_llama, tmp_path / "faulty.log", env=handoff_env(tmp_path / "faults.json", rate=0.1))
     batch = prompts(20, seed=3)
     expected = reference(long_llama, batch)
 

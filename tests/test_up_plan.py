@@ -80,15 +80,26 @@ def test_restart_and_state_file_flags_reach_the_plan(monkeypatch, capsys) -> Non
 
 
 def test_role_args_reach_only_their_role(monkeypatch) -> None:
-    """``--prefill-args`` and friends are how the reliability campaign injects transfer faults on
-    the prefill nodes alone and shortens the router's stream idle timeout."""
+    """``--prefill-args`` and friends reach their role alone, e.g. the reliability campaign's shorter
+    stream idle timeout for the router."""
     plans = capture_plans(monkeypatch)
-    assert run_up("--prefill-args", "--fault-transfer-rate 0.1", "--router-args", "--max-running-requests 7") == 0
+    assert run_up("--prefill-args", "--handoff-timeout 30", "--router-args", "--max-running-requests 7") == 0
     by_name = children(plans[0])
-    assert by_name["prefill-0"][-2:] == ("--fault-transfer-rate", "0.1")
-    assert "--fault-transfer-rate" not in by_name["decode-0"]
+    assert by_name["prefill-0"][-2:] == ("--handoff-timeout", "30")
+    assert "--handoff-timeout" not in by_name["decode-0"]
     assert by_name["router"][-2:] == ("--max-running-requests", "7")
-    assert child_args(by_name["prefill-0"]).fault_transfer_rate == 0.1
+    assert child_args(by_name["prefill-0"]).handoff_timeout == 30.0
+
+
+def test_a_role_flag_its_role_does_not_take_stops_up_at_once(monkeypatch, capsys) -> None:
+    """The test-only ``--fault-transfer-*`` flags are gone (docs/faults.md): ``up`` refuses them, and
+    any other unknown role flag, before a child starts, instead of restarting crashing children."""
+    plans = capture_plans(monkeypatch)
+    assert run_up("--prefill-args", "--fault-transfer-rate 0.1") == 2
+    assert "--prefill-args: tierserve prefill does not take --fault-transfer-rate 0.1" in capsys.readouterr().err
+    assert run_up("--decode-args", "--handoff-timeout 3") == 2  # a prefill flag, not a decode one
+    assert "tierserve decode does not take --handoff-timeout 3" in capsys.readouterr().err
+    assert plans == []
 
 
 def test_handoff_integrity_and_tls_reach_both_node_roles_and_tls_the_router(monkeypatch, tmp_path: Path) -> None:

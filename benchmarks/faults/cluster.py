@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 
+from tierserve.core.test_hooks import FAULTS_ENV, FaultSwitch
 from tierserve.launch.probes import free_port, grpc_serving, http_ok, tcp_open
 
 HELD_GAUGES = {  # a node at rest holds none of these
@@ -24,6 +25,15 @@ HELD_GAUGES = {  # a node at rest holds none of these
 }
 
 
+def _handoff_faults(path: Path, rate: float) -> dict[str, str]:
+    """The environment entry of a cluster whose prefill nodes fail ``rate`` of their handoffs: a fault
+    file at ``path`` (``core/test_hooks.py``; the decode nodes ignore its key); none for 0."""
+    if not rate:
+        return {}
+    path.write_text(json.dumps({FaultSwitch.HANDOFF_FAULTS.value: {"rate": rate}}))
+    return {FAULTS_ENV: str(path)}
+
+
 class Cluster:
     """``tierserve up`` with 2 prefill and 2 decode nodes, L3 and an admin key."""
 
@@ -31,14 +41,17 @@ class Cluster:
 
     def __init__(self, model_dir: Path, workdir: Path, vocab: int, flags: list[str],
                  transfer_fault_rate: float) -> None:
+        """``transfer_fault_rate``: that share of the prefill nodes' handoffs fails for real, injected
+        through the tests' fault file in ``up``'s environment (``docs/faults.md``: no flag does it)."""
         self.model, self.vocab, self.transfer_fault_rate = model_dir.name, vocab, transfer_fault_rate
         self.state_file, self.log = workdir / "state.json", workdir / "up.log"
         self.url = f"http://127.0.0.1:{free_port()}"
         args = ["--model", str(model_dir), "--port", self.url.rsplit(":", 1)[1], "--prefill-nodes", "2",
                 "--decode-nodes", "2", "--admin-api-key", self.admin_key, "--state-file", str(self.state_file),
                 *flags]
+        env = {**os.environ, **_handoff_faults(workdir / "faults.json", transfer_fault_rate)}
         self.proc = subprocess.Popen([sys.executable, "-m", "tierserve.cli", "up", *args], stdout=self.log.open("w"),
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+                                     stderr=subprocess.STDOUT, start_new_session=True, env=env)
 
     def wait_ready(self, deadline_s: float = 600.0) -> Cluster:
         self._until(lambda: http_ok(f"{self.url}/readiness") and self._all_up(), "the cluster", deadline_s)

@@ -13,13 +13,23 @@ from typing import Any
 from tierserve.core.test_hooks import FAULTS_ENV, FaultSwitch
 
 
-def write_faults(path: Path, storage: dict[str, Any] | None = None, skip_agreement: bool = False) -> Path:
+def write_faults(path: Path, storage: dict[str, Any] | None = None, skip_agreement: bool = False,
+                 handoff: dict[str, float] | None = None) -> Path:
     """Writes the fault file at ``path``: ``storage`` (``StorageFaults``' fields, e.g. ``{"ranks": [1],
-    "exists_cap": 6}``) and the agreement switched off when ``skip_agreement``; read again at each
-    cache build and run-time attach, so a test may rewrite it between attaches."""
-    faults = {FaultSwitch.STORAGE_FAULTS.value: storage, FaultSwitch.SKIP_AGREEMENT.value: skip_agreement}
+    "exists_cap": 6}``), the agreement switched off when ``skip_agreement``, and ``handoff``
+    (``HandoffFaults``' fields, e.g. ``{"corrupt_rate": 0.5}``, read by a prefill node at start). The
+    L3 keys are read again at each cache build and run-time attach, so a test may rewrite it between
+    attaches."""
+    faults = {FaultSwitch.STORAGE_FAULTS.value: storage, FaultSwitch.SKIP_AGREEMENT.value: skip_agreement,
+              FaultSwitch.HANDOFF_FAULTS.value: handoff}
     path.write_text(json.dumps(faults))
     return path
+
+
+def handoff_env(path: Path, **faults: float) -> dict[str, str]:
+    """The environment of a prefill node the test starts whose handoffs get ``faults``
+    (``HandoffFaults``' fields: ``rate``, ``delay_s``, ``corrupt_rate``), through a fault file at ``path``."""
+    return node_env(write_faults(path, handoff=faults))
 
 
 def node_env(path: Path) -> dict[str, str]:

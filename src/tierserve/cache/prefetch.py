@@ -63,6 +63,9 @@ class PrefetchTicket:
     leftover: list[int] = field(default_factory=list)
     arrived: int = 0
     failed: bool = False
+    # engine thread: its read was stuck past ``hard_timeout`` on some rank; its host pages are out of the
+    # prefetch reservations, quarantined until every rank's reader returned (``StorageTier._abandon``)
+    abandoned: bool = False
     # what every rank agreed on at the last step boundary that covered this ticket (see cache/sharded/agreement.py)
     agreed_probed: int = -1
     agreed_arrived: int = 0

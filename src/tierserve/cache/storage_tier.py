@@ -92,6 +92,7 @@ class StorageTier:
         self.agreed_healthy = True
         self.speed = SpeedModel()
         self.failures = self.backed_up_pages = self.prefetched_pages = 0
+        self.abandoned = 0  # prefetches whose read was stuck past ``timeout_max`` (``_abandon``)
         self.backup_waits = 0  # prefetches that probed again for pages another node was writing
         self.refused_pages = 0  # CP: prefetched pages not hung, as they would break a path's rotation
         self.decisions = {"wait": 0, "no_wait": 0}
@@ -115,9 +116,13 @@ class StorageTier:
         """Its counters for ``/metrics``: pages backed up and prefetched (and, under CP, prefetched
         but refused for another rotation), the ``auto`` policy's decisions, prefetches that waited
         for another node's backup, failures (integrity failures among them), the breaker's state and
-        the backups in flight (a stuck store shows)."""
+        the backups in flight (a stuck store shows); host pages reserved for prefetches, prefetches
+        abandoned as stuck and the host pages they hold in quarantine until their reads return."""
         return {"l3_backup_pages_total": self.backed_up_pages, "l3_prefetch_pages_total": self.prefetched_pages,
                 "l3_backups_in_flight": float(self.backups_in_flight),
+                "l3_prefetch_reserved_pages": float(self._reserved),
+                "l3_prefetch_abandoned_total": self.abandoned,
+                "l3_prefetch_quarantined_pages": float(sum(map(_quarantined, self.tickets))),
                 "l3_prefetch_refused_pages_total": self.refused_pages,
                 "l3_prefetch_wait_decisions_total": self.decisions["wait"],
                 "l3_prefetch_no_wait_decisions_total": self.decisions["no_wait"],
@@ -312,7 +317,8 @@ class StorageTier:
         ticket.consumed = True
         kept = set(keep)
         ticket.leftover = [p for p in ticket.host_pages if p not in kept]
-        self._reserved -= len(ticket.host_pages)
+        if not ticket.abandoned:  # an abandoned ticket's reservation ended then
+            self._reserved -= len(ticket.host_pages)
         self._retire([ticket])
 
     def _retire(self, tickets: list[PrefetchTicket]) -> None:
@@ -388,7 +394,23 @@ class StorageTier:
             t.agreed_done, t.agreed_overdue, t.agreed_vote = bool(agreed[i + 2]), agreed[i + 3], agreed[i + 4]
             if not t.decided and t.agreed_probed >= 0:
                 self._decide(t)
+            if t.host_pages and t.agreed_overdue >= 2 and not t.agreed_done and not t.abandoned:
+                self._abandon(t)
         self._retire([t for t in self._window if t in self.tickets])
+
+    def _abandon(self, ticket: PrefetchTicket) -> None:
+        """A read still running on some rank past ``timeout_max`` (agreed, so every rank at once): the
+        request computes what did not arrive (``ready`` admits it), the reader is asked to stop and
+        its pages leave the prefetch reservations. They are not freed: the stuck call may still
+        write into them, so they stay quarantined (``l3_prefetch_quarantined_pages``) until every
+        rank's reader returned, then are freed as any consumed ticket's (``_retire``)."""
+        ticket.abandoned = True
+        ticket.stop()
+        self.abandoned += 1
+        if not ticket.consumed:  # a consumed ticket's reservation ended at its match
+            self._reserved -= len(ticket.host_pages)
+        log.warning("L3 prefetch of %d pages stuck past %.0f s: abandoned, the request computes them; its host "
+                    "pages are quarantined until the read returns", len(ticket.host_pages), ticket.hard_timeout)
 
     def _apply_backups(self, done: int) -> None:
         for b in self._backups[:done]:
@@ -407,6 +429,14 @@ class StorageTier:
                 log.warning("L3 %s failed (%s); serving from L1 + L2, retrying L3 in %.0f s", what, exc,
                             RETRY_AFTER_S)
             self._down_until = time.monotonic() + RETRY_AFTER_S
+
+
+def _quarantined(ticket: PrefetchTicket) -> int:
+    """Host pages an abandoned ticket holds only because its stuck read may still write into them:
+    what its request did not keep (before its match: what had not arrived)."""
+    if not ticket.abandoned:
+        return 0
+    return len(ticket.leftover) if ticket.consumed else len(ticket.host_pages) - ticket.agreed_arrived
 
 
 def _last_page(node: Node | None) -> list[int]:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tierserve.cli.decode import add_decode_args
 from tierserve.cli.flags import (
     add_chat_args,
     add_engine_args,
@@ -22,7 +23,8 @@ from tierserve.cli.flags import (
     model_dir,
     tenant_keys,
 )
-from tierserve.cli.router import add_disaggregation_args, add_policy_args
+from tierserve.cli.prefill import add_prefill_args
+from tierserve.cli.router import add_disaggregation_args, add_policy_args, add_router_args
 from tierserve.core.layer_split import layer_partition
 from tierserve.engine.config import EngineConfig
 
@@ -82,7 +84,7 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     for role in ("prefill", "decode", "router"):
         p.add_argument(f"--{role}-args", type=shlex.split, default=[], metavar="'FLAGS'",
                        help=f"more flags for every {role} (one quoted string), e.g. "
-                            + ("'--fault-transfer-rate 0.1'" if role == "prefill" else
+                            + ("'--handoff-timeout 30'" if role == "prefill" else
                                "'--reservation-grace 60'" if role == "decode" else "'--max-running-requests 64'"))
     add_engine_args(p)
 
@@ -96,6 +98,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         return 2
     try:
         _node_only(args)
+        _check_role_args(args)
         config = engine_config(args, folder)
         restart = RestartPolicy(max_deaths=args.restart_limit, window_s=args.restart_window)
         _check_sizes(args, config)
@@ -126,6 +129,21 @@ def _tls(args: argparse.Namespace) -> ClusterTLS | None:
             raise ValueError("--tls-dir needs --tls")
         return None
     return cluster_tls(args.tls_dir or Path(tempfile.mkdtemp(prefix="tierserve-tls-")), args.host)
+
+
+ROLE_PARSERS = {"prefill": add_prefill_args, "decode": add_decode_args, "router": add_router_args}
+
+
+def _check_role_args(args: argparse.Namespace) -> None:
+    """``ValueError`` naming a ``--ROLE-args`` flag that role's parser does not know, so a typo or a
+    removed flag (the test-only ``--fault-transfer-*``) stops ``up`` at once instead of crash-looping
+    every child of that role until ``--restart-limit``."""
+    for role, add_args in ROLE_PARSERS.items():
+        parser = argparse.ArgumentParser(prog=f"tierserve {role}", add_help=False)
+        add_args(parser)
+        _, unknown = parser.parse_known_args(getattr(args, f"{role}_args"))
+        if unknown:
+            raise ValueError(f"--{role}-args: tierserve {role} does not take {' '.join(unknown)}")
 
 
 def _node_only(args: argparse.Namespace) -> None:

@@ -1,8 +1,9 @@
-"""Test-only switches: L3 fault injection and the multi-rank agreement turned off (``docs/faults.md``,
-test-only switches). They exist to show a test can fail, so they are reachable from tests only: the
-environment variable ``TIERSERVE_TEST_FAULTS`` names a JSON file of them, which only the test helpers
-set (never a flag, a config key, the CLI or a deploy manifest). A node's extra config or a run-time
-attach that names one is refused: one JSON key must never turn a production node's safety off."""
+"""Test-only switches: L3 and handoff fault injection and the multi-rank agreement turned off
+(``docs/faults.md``, test-only switches). They exist to show a test can fail, so they are reachable
+from tests only: the environment variable ``TIERSERVE_TEST_FAULTS`` names a JSON file of them, which
+only the test helpers and the benchmarks' test tooling set (never a flag, a config key, the CLI or a
+deploy manifest). A node's extra config or a run-time attach that names one is refused: one JSON key
+must never turn a production node's safety off."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ class FaultSwitch(Enum):
 
     SKIP_AGREEMENT = "unsafe_skip_agreement"  # each rank applies its own L3 view, unagreed (ranks diverge)
     STORAGE_FAULTS = "fault_injection"  # a rank's L3 misbehaves (``StorageFaults``)
+    HANDOFF_FAULTS = "handoff_faults"  # a prefill node's KV handoffs fail, lag or write wrong bytes (``HandoffFaults``)
 
 
 def refuse_test_switches(config: Mapping[str, Any]) -> None:

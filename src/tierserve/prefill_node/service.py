@@ -33,7 +33,7 @@ from tierserve.proto import tierserve_pb2 as pb
 from tierserve.proto import tierserve_pb2_grpc as pb_grpc
 from tierserve.proto.sampling import logprob_to_proto
 from tierserve.proto.trailers import DESTINATION_FAILED, WRITER_STOPPED, flag  # the trailers the router reads
-from tierserve.transfer.faulty import HandoffFaults
+from tierserve.transfer.faulty import NO_FAULTS, HandoffFaults
 from tierserve.transfer.handoff import HandoffResult
 from tierserve.transfer.sender import SenderHandoff
 
@@ -45,19 +45,12 @@ CONFIRM_STOP_S = 0.5  # a failed Prefill waits this long for its in-flight batch
 
 @dataclass(frozen=True)
 class PrefillOptions:
-    """``timeout_s`` bounds compute plus handoff when the request gives none. For fault tests
-    only: ``fault_rate`` makes that share of handoffs fail for real, ``fault_delay_s`` holds each
-    handoff's first batch that long, ``fault_corrupt_rate`` makes that share write wrong bytes
-    (see ``transfer/faulty.py``)."""
+    """``timeout_s`` bounds compute plus handoff when the request gives none. ``faults``, for fault
+    tests only, make handoffs fail, lag or write wrong bytes (``transfer/faulty.py``; they come from
+    the tests' fault file, never a flag: ``injected_handoff_faults``)."""
 
     timeout_s: float = 60.0
-    fault_rate: float = 0.0
-    fault_delay_s: float = 0.0
-    fault_corrupt_rate: float = 0.0
-
-    @property
-    def faults(self) -> HandoffFaults:
-        return HandoffFaults(self.fault_rate, self.fault_delay_s, self.fault_corrupt_rate)
+    faults: HandoffFaults = NO_FAULTS
 
 
 class PrefillServicer(pb_grpc.PrefillServiceServicer):

@@ -1,15 +1,16 @@
 """Test-only transfer faults for a prefill node's handoffs (``docs/faults.md``): a handoff whose
 first batch fails for real, lands late, or writes wrong bytes. They wrap the ``Peers`` a
 ``KVHandoff`` submits through, as ``cache/storage/faulty.py`` wraps a storage backend, so the
-handoff itself has no fault code. Enabled by the prefill node's ``--fault-transfer-*`` flags;
-never in production."""
+handoff itself has no fault code. Reachable from tests only: the ``handoff_faults`` key of the
+tests' fault file (``core/test_hooks.py``), read by the prefill node at start; never a flag."""
 
 from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
+from tierserve.core.test_hooks import FaultSwitch, injected
 from tierserve.transfer.engine import EntryBudget, Link, Peers
 from tierserve.transfer.layout import Block
 
@@ -35,6 +36,16 @@ class HandoffFaults:
 
 
 NO_FAULTS = HandoffFaults()
+
+
+def injected_handoff_faults() -> HandoffFaults:
+    """The handoff faults the tests' fault file gives (``{"handoff_faults": {"rate": 0.1}}``, the
+    fields of ``HandoffFaults``); ``NO_FAULTS`` without one. ``ValueError`` for an unknown field."""
+    given = injected(FaultSwitch.HANDOFF_FAULTS) or {}
+    unknown = set(given) - {f.name for f in fields(HandoffFaults)}
+    if unknown:
+        raise ValueError(f"unknown handoff fault fields {sorted(unknown)} in the tests' fault file")
+    return HandoffFaults(**given)
 
 
 def with_faults(peers: Peers, faults: HandoffFaults) -> Peers:

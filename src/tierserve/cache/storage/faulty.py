@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,7 +23,9 @@ class StorageFaults:
     ``set_delay_s``: each write call sleeps first (a backup stays in flight); ``unreachable``:
     creating the backend fails (as a store that refuses the rank's client would); ``hang_writes``:
     every write call blocks for ever (a store that stopped answering: shutdown must still end,
-    ``cache/lanes.py``). ``ranks``: the ranks that suffer them."""
+    ``cache/lanes.py``); ``hold_reads_until``: every read call blocks until a file exists at this
+    path (a store that stopped answering reads; the test creates the file to let them return, so
+    it can see what a stuck prefetch leaves behind). ``ranks``: the ranks that suffer them."""
 
     ranks: tuple[int, ...] = ()
     exists_cap: int | None = None
@@ -31,6 +34,7 @@ class StorageFaults:
     set_delay_s: float = 0.0
     unreachable: bool = False
     hang_writes: bool = False
+    hold_reads_until: str | None = None
 
     @classmethod
     def parse(cls, raw: dict[str, Any] | None) -> StorageFaults:
@@ -39,7 +43,8 @@ class StorageFaults:
         cap = {k: int(raw[k]) for k in ("exists_cap", "get_cap") if raw.get(k) is not None}
         delays = {k: float(raw[k]) for k in ("get_delay_s", "set_delay_s") if raw.get(k) is not None}
         return cls(tuple(int(r) for r in raw.get("ranks", ())), unreachable=bool(raw.get("unreachable", False)),
-                   hang_writes=bool(raw.get("hang_writes", False)), **cap, **delays)
+                   hang_writes=bool(raw.get("hang_writes", False)), hold_reads_until=raw.get("hold_reads_until"),
+                   **cap, **delays)
 
 
 class FaultyStorage(StorageBackend):
@@ -59,6 +64,8 @@ class FaultyStorage(StorageBackend):
         return self.inner.exists_each(keys)
 
     def batch_get_into(self, keys: list[bytes], spans: list[torch.Tensor]) -> list[bool]:
+        if self.faults.hold_reads_until is not None:
+            _hold_until(Path(self.faults.hold_reads_until))
         time.sleep(self.faults.get_delay_s)
         cap = len(keys) if self.faults.get_cap is None else self.faults.get_cap
         got = self.inner.batch_get_into(keys[:cap], spans[:cap])
@@ -87,3 +94,13 @@ class FaultyStorage(StorageBackend):
 
     def attach_host_buffer(self, buffer: torch.Tensor) -> None:
         self.inner.attach_host_buffer(buffer)
+
+
+HOLD_POLL_S = 0.02  # how often a held read looks for its release file
+
+
+def _hold_until(release: Path) -> None:
+    """Blocks the calling thread until ``release`` exists, with no bound: a store call that does not
+    return until the test says so."""
+    while not release.exists():
+        time.sleep(HOLD_POLL_S)
