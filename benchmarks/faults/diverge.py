@@ -135,8 +135,9 @@ def main() -> int:
     rest = decode(model, prefill(model, ids + tokens[:k])[0], token, args.max_tokens - k - 1)
     greedy_rest = tok.decode([*tokens[:k], token, *(s.token for s in rest)])[: len(got)] == got
     print(f"request {index} of seed {args.seed}: {len(ids)} prompt tokens; the reference gives {want!r}")
+    survived = min((s.margin for s in steps[:k]), default=float("nan"))  # a wrong first token: none before
     print(f"leaves it at step {k} of {args.max_tokens}: took {tok.decode([token])!r} (rank {rank}), "
-          f"margin there {steps[k].margin:.4g}; smallest margin before: {min(s.margin for s in steps[:k]):.4g}")
+          f"margin there {steps[k].margin:.4g}; smallest margin before: {survived:.4g}")
     print(f"the rest is the greedy continuation after it: {greedy_rest}")
     if args.page_scan:
         print("zeroed (layer, page) that reproduce it:", page_scan(model, tok, ids, first, args.max_tokens - 1, got))
