@@ -219,7 +219,14 @@ def _only_quarantine(held: dict[str, dict[str, float]]) -> bool:
 
 # on a cluster of multi-rank nodes (``reliability.py``, RANK_LAYOUT): prefill TP 2 x CP 2 (rank (c * 2) + t,
 # docs/ranks.md), decode PP 2
+async def soak_ranks(cluster: Cluster, reference: Reference) -> Row:
+    """No fault: the multi-rank cluster's own baseline (a wrong output here is not a fault's)."""
+    return await loaded(cluster, reference, Row("soak: 1,000 requests on the multi-rank cluster"),
+                        requests(1000, seed=19), 16)
+
+
 RANK_EXPERIMENTS: list[Experiment] = [
+    soak_ranks,
     freeze_rank("prefill", 1, "a TP rank of a TP2xCP2 prefill node", 20),
     kill_rank("prefill", 1, "a TP rank of a TP2xCP2 prefill node", 21),
     freeze_rank("prefill", 2, "a CP rank of a TP2xCP2 prefill node", 22),
