@@ -1,7 +1,9 @@
-"""A shared prefix computed once (docs/cache.md, in-flight sharing), through the API of `tierserve serve`.
+"""A shared prefix computed once (docs/cache.md, in-flight sharing), through the API of `tierserve serve`
+(``--mode serve``) or of `tierserve up` (``--mode up``: one prefill and one decode node, always PD, as the tests
+run it; the cluster is ``followup_l3.py``'s).
 
-Starts `tierserve serve` on the built-in model (CPU) from this checkout and, with ``--before-src DIR``, a
-second one from another copy of the source (e.g. the commit before in-flight sharing:
+Starts the server on the built-in model (CPU) from this checkout and, with ``--before-src DIR``, a second one
+from another copy of the source (e.g. the commit before in-flight sharing:
 ``git archive <commit> src | tar -x -C DIR``), and sends both, alternating which goes first each round:
 
 - ``shared``: ``--concurrency`` requests at once sharing a ``--prefix``-token prefix, each with its own
@@ -16,7 +18,8 @@ second one from another copy of the source (e.g. the commit before in-flight sha
 Every round uses fresh random prefixes (nothing cached from an earlier round). Reported: medians over
 ``--repeats`` rounds and the after/before ratio of the medians.
 
-    .venv/bin/python benchmarks/shared_prefix.py [--before-src DIR] [--prefix 512] [--concurrency 8] [--repeats 3]
+    .venv/bin/python benchmarks/shared_prefix.py [--mode serve|up] [--before-src DIR] [--prefix 512]
+        [--concurrency 8] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -30,9 +33,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from enum import Enum
 from pathlib import Path
 
 import httpx
+from followup_l3 import Cluster
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # the tests' polling and process helpers, reused
@@ -41,8 +46,15 @@ from helpers.processes import stop  # noqa: E402
 
 from tierserve.launch import free_port, http_ok  # noqa: E402
 
-PAGE = 16  # serve's default --page-size
+PAGE = 16  # serve's and up's default --page-size
 VOCAB = 49152  # the built-in model's
+
+
+class Mode(Enum):
+    """Which command serves the API."""
+
+    SERVE = "serve"
+    UP = "up"
 
 
 class Server:
@@ -63,6 +75,13 @@ class Server:
 
     def wait_ready(self) -> None:
         wait_until(lambda: http_ok(self.url + "/health"), self.name, 300.0, self.proc, self.log)
+
+
+def start(mode: Mode, name: str, src: Path, logs: Path, flags: list[str]) -> Server | Cluster:
+    """A ``mode`` server importing tierserve from ``src``, starting (``wait_ready`` waits for it)."""
+    if mode is Mode.UP:
+        return Cluster(name, src, logs, flags, {})
+    return Server(name, src, logs, flags)
 
 
 async def complete(client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int, n: int = 1,
@@ -126,7 +145,7 @@ async def equal_outputs(client: httpx.AsyncClient, url: str, work: Workload) -> 
     return together == alone
 
 
-async def run(servers: list[Server], args: argparse.Namespace) -> None:
+async def run(servers: list[Server | Cluster], args: argparse.Namespace) -> None:
     work = Workload(args)
     rows: dict[str, list[dict[str, float]]] = {s.name: [] for s in servers}
     async with httpx.AsyncClient(timeout=600) as client:
@@ -140,8 +159,8 @@ async def run(servers: list[Server], args: argparse.Namespace) -> None:
 
 
 def report(rows: dict[str, list[dict[str, float]]], equal: dict[str, bool], args: argparse.Namespace) -> None:
-    print(f"built-in model, CPU, prefix={args.prefix} question={args.question} concurrency={args.concurrency} "
-          f"n={args.n} max_tokens={args.max_tokens} repeats={args.repeats} (medians)")
+    print(f"tierserve {args.mode.value}, built-in model, CPU, prefix={args.prefix} question={args.question} "
+          f"concurrency={args.concurrency} n={args.n} max_tokens={args.max_tokens} repeats={args.repeats} (medians)")
     keys = ["shared_s", "cached_share", "n1_s", "n_s", "n_over_1_plus_decode"]
     print("| server | " + " | ".join(keys) + " | outputs equal one-by-one |")
     print("|---|" + "---:|" * len(keys) + "---|")
@@ -155,6 +174,8 @@ def report(rows: dict[str, list[dict[str, float]]], equal: dict[str, bool], args
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mode", type=Mode, choices=list(Mode), default=Mode.SERVE, metavar="{serve,up}",
+                    help="serve: one engine; up: a cluster (1 prefill, 1 decode, always PD)")
     ap.add_argument("--before-src", type=Path, help="a tierserve src folder to compare against")
     ap.add_argument("--prefix", type=int, default=512)
     ap.add_argument("--question", type=int, default=24)
@@ -162,12 +183,12 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--flags", default="", help="more serve flags for both servers")
+    ap.add_argument("--flags", default="", help="more serve (resp. up) flags for both servers")
     args = ap.parse_args()
     logs = Path(tempfile.mkdtemp(prefix="shared-prefix-"))
-    servers = [Server("after", ROOT / "src", logs, args.flags.split())]
+    servers = [start(args.mode, "after", ROOT / "src", logs, args.flags.split())]
     if args.before_src is not None:
-        servers.append(Server("before", args.before_src, logs, args.flags.split()))
+        servers.append(start(args.mode, "before", args.before_src, logs, args.flags.split()))
     try:
         for s in servers:
             s.wait_ready()
