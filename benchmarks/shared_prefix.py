@@ -16,10 +16,12 @@ from another copy of the source (e.g. the commit before in-flight sharing:
   (each with its own ``cache_salt``, so none reuses another's KV).
 
 Every round uses fresh random prefixes (nothing cached from an earlier round). Reported: medians over
-``--repeats`` rounds and the after/before ratio of the medians.
+``--repeats`` rounds and the after/before ratio of the medians. Both servers run throughout, or with
+``--one-at-a-time`` each is started for its round and stopped after it (a warm-up request each time; the
+output check on a source's first round): half the memory, for a machine that cannot hold two clusters.
 
     .venv/bin/python benchmarks/shared_prefix.py [--mode serve|up] [--before-src DIR] [--prefix 512]
-        [--concurrency 8] [--repeats 3]
+        [--concurrency 8] [--repeats 3] [--one-at-a-time]
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from enum import Enum
 from pathlib import Path
 
@@ -48,6 +52,8 @@ from tierserve.launch import free_port, http_ok  # noqa: E402
 
 PAGE = 16  # serve's and up's default --page-size
 VOCAB = 49152  # the built-in model's
+Rows = dict[str, list[dict[str, float]]]  # per source name, one row per round
+Source = tuple[str, Path]  # its name and its tierserve src folder
 
 
 class Mode(Enum):
@@ -145,20 +151,59 @@ async def equal_outputs(client: httpx.AsyncClient, url: str, work: Workload) -> 
     return together == alone
 
 
-async def run(servers: list[Server | Cluster], args: argparse.Namespace) -> None:
-    work = Workload(args)
-    rows: dict[str, list[dict[str, float]]] = {s.name: [] for s in servers}
+async def run(servers: list[Server | Cluster], work: Workload, rows: Rows, equal: dict[str, bool]) -> None:
+    """Every server running at once: warm-ups, the output check, then the rounds, alternating the order."""
     async with httpx.AsyncClient(timeout=600) as client:
         for s in servers:  # warm-up (first-request costs), outside the timing
             await shared(client, s.url, work.shared()[:2], 2)
-        equal = {s.name: await equal_outputs(client, s.url, work) for s in servers}
-        for r in range(args.repeats):
-            for s in servers[r % len(servers):] + servers[: r % len(servers)]:
+        equal |= {s.name: await equal_outputs(client, s.url, work) for s in servers}
+        for r in range(work.args.repeats):
+            for s in rotated(servers, r):
                 rows[s.name].append(await one_round(client, s.url, work))
-    report(rows, equal, args)
 
 
-def report(rows: dict[str, list[dict[str, float]]], equal: dict[str, bool], args: argparse.Namespace) -> None:
+async def visit(server: Server | Cluster, work: Workload, rows: Rows, equal: dict[str, bool]) -> None:
+    """One round on a server just started: its warm-up, the output check on its source's first visit."""
+    async with httpx.AsyncClient(timeout=600) as client:
+        await shared(client, server.url, work.shared()[:2], 2)
+        if server.name not in equal:
+            equal[server.name] = await equal_outputs(client, server.url, work)
+        rows[server.name].append(await one_round(client, server.url, work))
+
+
+def rotated(items: list, r: int) -> list:
+    """Round ``r``'s order: the list rotated by ``r``, so each goes first in turn."""
+    return items[r % len(items):] + items[: r % len(items)]
+
+
+@contextmanager
+def started(args: argparse.Namespace, source: Source, logs: Path) -> Iterator[Server | Cluster]:
+    """The source's server for the block (not yet ready), stopped after it."""
+    server = start(args.mode, *source, logs, args.flags.split())
+    try:
+        yield server
+    finally:
+        stop(server.proc)
+
+
+def all_at_once(sources: list[Source], logs: Path, work: Workload, rows: Rows, equal: dict[str, bool]) -> None:
+    with ExitStack() as stack:
+        servers = [stack.enter_context(started(work.args, s, logs)) for s in sources]
+        for s in servers:
+            s.wait_ready()
+        asyncio.run(run(servers, work, rows, equal))
+
+
+def one_at_a_time(sources: list[Source], logs: Path, work: Workload, rows: Rows, equal: dict[str, bool]) -> None:
+    """A fresh server per source and round, alone on the machine (half the memory of ``all_at_once``)."""
+    for r in range(work.args.repeats):
+        for source in rotated(sources, r):
+            with started(work.args, source, logs) as server:
+                server.wait_ready()
+                asyncio.run(visit(server, work, rows, equal))
+
+
+def report(rows: Rows, equal: dict[str, bool], args: argparse.Namespace) -> None:
     print(f"tierserve {args.mode.value}, built-in model, CPU, prefix={args.prefix} question={args.question} "
           f"concurrency={args.concurrency} n={args.n} max_tokens={args.max_tokens} repeats={args.repeats} (medians)")
     keys = ["shared_s", "cached_share", "n1_s", "n_s", "n_over_1_plus_decode"]
@@ -184,18 +229,15 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--flags", default="", help="more serve (resp. up) flags for both servers")
+    ap.add_argument("--one-at-a-time", action="store_true",
+                    help="start each server for its round and stop it after, instead of all running throughout")
     args = ap.parse_args()
     logs = Path(tempfile.mkdtemp(prefix="shared-prefix-"))
-    servers = [start(args.mode, "after", ROOT / "src", logs, args.flags.split())]
-    if args.before_src is not None:
-        servers.append(start(args.mode, "before", args.before_src, logs, args.flags.split()))
-    try:
-        for s in servers:
-            s.wait_ready()
-        asyncio.run(run(servers, args))
-    finally:
-        for s in servers:
-            stop(s.proc)
+    sources = [("after", ROOT / "src")] + ([("before", args.before_src)] if args.before_src is not None else [])
+    rows: Rows = {name: [] for name, _ in sources}
+    equal: dict[str, bool] = {}
+    (one_at_a_time if args.one_at_a_time else all_at_once)(sources, logs, Workload(args), rows, equal)
+    report(rows, equal, args)
     print(f"logs: {logs}")
 
 
