@@ -159,7 +159,7 @@ async def run(servers: list[Server | Cluster], work: Workload, rows: Rows, equal
         equal |= {s.name: await equal_outputs(client, s.url, work) for s in servers}
         for r in range(work.args.repeats):
             for s in rotated(servers, r):
-                rows[s.name].append(await one_round(client, s.url, work))
+                record(rows, s.name, await one_round(client, s.url, work))
 
 
 async def visit(server: Server | Cluster, work: Workload, rows: Rows, equal: dict[str, bool]) -> None:
@@ -168,7 +168,13 @@ async def visit(server: Server | Cluster, work: Workload, rows: Rows, equal: dic
         await shared(client, server.url, work.shared()[:2], 2)
         if server.name not in equal:
             equal[server.name] = await equal_outputs(client, server.url, work)
-        rows[server.name].append(await one_round(client, server.url, work))
+        record(rows, server.name, await one_round(client, server.url, work))
+
+
+def record(rows: Rows, name: str, row: dict[str, float]) -> None:
+    """Keeps a round's row and prints it at once (a run cut short still shows its rounds)."""
+    rows[name].append(row)
+    print(f"round {len(rows[name])} {name}: " + ", ".join(f"{k}={v:.3f}" for k, v in row.items()), flush=True)
 
 
 def rotated(items: list, r: int) -> list:
