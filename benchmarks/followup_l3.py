@@ -50,13 +50,14 @@ VOCAB = {"builtin": 49152, "long": 384}
 
 
 class Cluster:
-    """`tierserve up` importing tierserve from ``src``; ready once it printed its banner."""
+    """`tierserve up` (always PD) importing tierserve from ``src``, with ``flags`` on top; ready once it printed
+    its banner. Also started by ``shared_prefix.py --mode up``."""
 
     def __init__(self, name: str, src: Path, logs: Path, flags: list[str], env: dict[str, str]) -> None:
         self.name, self.port = name, free_port()
         env = os.environ | env | {"PYTHONPATH": str(src)}
         cmd = [sys.executable, "-m", "tierserve.cli", "up", "--port", str(self.port), "--device", "cpu",
-               "--quiet-access-log", "--prefill-nodes", "2", "--prefill-policy", "round_robin", *ALWAYS_PD, *flags]
+               "--quiet-access-log", *ALWAYS_PD, *flags]
         self.log = logs / f"{name}.log"
         self._up = threading.Event()
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
@@ -120,7 +121,8 @@ def report(rows: dict[tuple[str, int], list[dict[str, float]]], args: argparse.N
 
 
 def flags(args: argparse.Namespace, models: Path) -> list[str]:
-    own = ["--prefill-cp-size", str(args.prefill_cp_size), "--max-total-tokens", str(args.max_total_tokens)]
+    own = ["--prefill-nodes", "2", "--prefill-policy", "round_robin", "--prefill-cp-size", str(args.prefill_cp_size),
+           "--max-total-tokens", str(args.max_total_tokens)]
     if args.model == "long":
         own += ["--model", str(long_model(models / "long")), "--dtype", "float32", "--chunked-prefill-size", "4096"]
     return own

@@ -1,7 +1,9 @@
-"""A shared prefix computed once (docs/cache.md, in-flight sharing), through the API of `tierserve serve`.
+"""A shared prefix computed once (docs/cache.md, in-flight sharing), through the API of `tierserve serve`
+(``--mode serve``) or of `tierserve up` (``--mode up``: one prefill and one decode node, always PD, as the tests
+run it; the cluster is ``followup_l3.py``'s).
 
-Starts `tierserve serve` on the built-in model (CPU) from this checkout and, with ``--before-src DIR``, a
-second one from another copy of the source (e.g. the commit before in-flight sharing:
+Starts the server on the built-in model (CPU) from this checkout and, with ``--before-src DIR``, a second one
+from another copy of the source (e.g. the commit before in-flight sharing:
 ``git archive <commit> src | tar -x -C DIR``), and sends both, alternating which goes first each round:
 
 - ``shared``: ``--concurrency`` requests at once sharing a ``--prefix``-token prefix, each with its own
@@ -14,9 +16,12 @@ second one from another copy of the source (e.g. the commit before in-flight sha
   (each with its own ``cache_salt``, so none reuses another's KV).
 
 Every round uses fresh random prefixes (nothing cached from an earlier round). Reported: medians over
-``--repeats`` rounds and the after/before ratio of the medians.
+``--repeats`` rounds and the after/before ratio of the medians. Both servers run throughout, or with
+``--one-at-a-time`` each is started for its round and stopped after it (a warm-up request each time; the
+output check on a source's first round): half the memory, for a machine that cannot hold two clusters.
 
-    .venv/bin/python benchmarks/shared_prefix.py [--before-src DIR] [--prefix 512] [--concurrency 8] [--repeats 3]
+    .venv/bin/python benchmarks/shared_prefix.py [--mode serve|up] [--before-src DIR] [--prefix 512]
+        [--concurrency 8] [--repeats 3] [--one-at-a-time]
 """
 
 from __future__ import annotations
@@ -30,9 +35,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from enum import Enum
 from pathlib import Path
 
 import httpx
+from followup_l3 import Cluster
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # the tests' polling and process helpers, reused
@@ -41,8 +50,17 @@ from helpers.processes import stop  # noqa: E402
 
 from tierserve.launch import free_port, http_ok  # noqa: E402
 
-PAGE = 16  # serve's default --page-size
+PAGE = 16  # serve's and up's default --page-size
 VOCAB = 49152  # the built-in model's
+Rows = dict[str, list[dict[str, float]]]  # per source name, one row per round
+Source = tuple[str, Path]  # its name and its tierserve src folder
+
+
+class Mode(Enum):
+    """Which command serves the API."""
+
+    SERVE = "serve"
+    UP = "up"
 
 
 class Server:
@@ -63,6 +81,13 @@ class Server:
 
     def wait_ready(self) -> None:
         wait_until(lambda: http_ok(self.url + "/health"), self.name, 300.0, self.proc, self.log)
+
+
+def start(mode: Mode, name: str, src: Path, logs: Path, flags: list[str]) -> Server | Cluster:
+    """A ``mode`` server importing tierserve from ``src``, starting (``wait_ready`` waits for it)."""
+    if mode is Mode.UP:
+        return Cluster(name, src, logs, flags, {})
+    return Server(name, src, logs, flags)
 
 
 async def complete(client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int, n: int = 1,
@@ -126,22 +151,67 @@ async def equal_outputs(client: httpx.AsyncClient, url: str, work: Workload) -> 
     return together == alone
 
 
-async def run(servers: list[Server], args: argparse.Namespace) -> None:
-    work = Workload(args)
-    rows: dict[str, list[dict[str, float]]] = {s.name: [] for s in servers}
+async def run(servers: list[Server | Cluster], work: Workload, rows: Rows, equal: dict[str, bool]) -> None:
+    """Every server running at once: warm-ups, the output check, then the rounds, alternating the order."""
     async with httpx.AsyncClient(timeout=600) as client:
         for s in servers:  # warm-up (first-request costs), outside the timing
             await shared(client, s.url, work.shared()[:2], 2)
-        equal = {s.name: await equal_outputs(client, s.url, work) for s in servers}
-        for r in range(args.repeats):
-            for s in servers[r % len(servers):] + servers[: r % len(servers)]:
-                rows[s.name].append(await one_round(client, s.url, work))
-    report(rows, equal, args)
+        equal |= {s.name: await equal_outputs(client, s.url, work) for s in servers}
+        for r in range(work.args.repeats):
+            for s in rotated(servers, r):
+                record(rows, s.name, await one_round(client, s.url, work))
 
 
-def report(rows: dict[str, list[dict[str, float]]], equal: dict[str, bool], args: argparse.Namespace) -> None:
-    print(f"built-in model, CPU, prefix={args.prefix} question={args.question} concurrency={args.concurrency} "
-          f"n={args.n} max_tokens={args.max_tokens} repeats={args.repeats} (medians)")
+async def visit(server: Server | Cluster, work: Workload, rows: Rows, equal: dict[str, bool]) -> None:
+    """One round on a server just started: its warm-up, the output check on its source's first visit."""
+    async with httpx.AsyncClient(timeout=600) as client:
+        await shared(client, server.url, work.shared()[:2], 2)
+        if server.name not in equal:
+            equal[server.name] = await equal_outputs(client, server.url, work)
+        record(rows, server.name, await one_round(client, server.url, work))
+
+
+def record(rows: Rows, name: str, row: dict[str, float]) -> None:
+    """Keeps a round's row and prints it at once (a run cut short still shows its rounds)."""
+    rows[name].append(row)
+    print(f"round {len(rows[name])} {name}: " + ", ".join(f"{k}={v:.3f}" for k, v in row.items()), flush=True)
+
+
+def rotated(items: list, r: int) -> list:
+    """Round ``r``'s order: the list rotated by ``r``, so each goes first in turn."""
+    return items[r % len(items):] + items[: r % len(items)]
+
+
+@contextmanager
+def started(args: argparse.Namespace, source: Source, logs: Path) -> Iterator[Server | Cluster]:
+    """The source's server for the block (not yet ready), stopped after it."""
+    server = start(args.mode, *source, logs, args.flags.split())
+    try:
+        yield server
+    finally:
+        stop(server.proc)
+
+
+def all_at_once(sources: list[Source], logs: Path, work: Workload, rows: Rows, equal: dict[str, bool]) -> None:
+    with ExitStack() as stack:
+        servers = [stack.enter_context(started(work.args, s, logs)) for s in sources]
+        for s in servers:
+            s.wait_ready()
+        asyncio.run(run(servers, work, rows, equal))
+
+
+def one_at_a_time(sources: list[Source], logs: Path, work: Workload, rows: Rows, equal: dict[str, bool]) -> None:
+    """A fresh server per source and round, alone on the machine (half the memory of ``all_at_once``)."""
+    for r in range(work.args.repeats):
+        for source in rotated(sources, r):
+            with started(work.args, source, logs) as server:
+                server.wait_ready()
+                asyncio.run(visit(server, work, rows, equal))
+
+
+def report(rows: Rows, equal: dict[str, bool], args: argparse.Namespace) -> None:
+    print(f"tierserve {args.mode.value}, built-in model, CPU, prefix={args.prefix} question={args.question} "
+          f"concurrency={args.concurrency} n={args.n} max_tokens={args.max_tokens} repeats={args.repeats} (medians)")
     keys = ["shared_s", "cached_share", "n1_s", "n_s", "n_over_1_plus_decode"]
     print("| server | " + " | ".join(keys) + " | outputs equal one-by-one |")
     print("|---|" + "---:|" * len(keys) + "---|")
@@ -155,6 +225,8 @@ def report(rows: dict[str, list[dict[str, float]]], equal: dict[str, bool], args
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mode", type=Mode, choices=list(Mode), default=Mode.SERVE, metavar="{serve,up}",
+                    help="serve: one engine; up: a cluster (1 prefill, 1 decode, always PD)")
     ap.add_argument("--before-src", type=Path, help="a tierserve src folder to compare against")
     ap.add_argument("--prefix", type=int, default=512)
     ap.add_argument("--question", type=int, default=24)
@@ -162,19 +234,16 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--flags", default="", help="more serve flags for both servers")
+    ap.add_argument("--flags", default="", help="more serve (resp. up) flags for both servers")
+    ap.add_argument("--one-at-a-time", action="store_true",
+                    help="start each server for its round and stop it after, instead of all running throughout")
     args = ap.parse_args()
     logs = Path(tempfile.mkdtemp(prefix="shared-prefix-"))
-    servers = [Server("after", ROOT / "src", logs, args.flags.split())]
-    if args.before_src is not None:
-        servers.append(Server("before", args.before_src, logs, args.flags.split()))
-    try:
-        for s in servers:
-            s.wait_ready()
-        asyncio.run(run(servers, args))
-    finally:
-        for s in servers:
-            stop(s.proc)
+    sources = [("after", ROOT / "src")] + ([("before", args.before_src)] if args.before_src is not None else [])
+    rows: Rows = {name: [] for name, _ in sources}
+    equal: dict[str, bool] = {}
+    (one_at_a_time if args.one_at_a_time else all_at_once)(sources, logs, Workload(args), rows, equal)
+    report(rows, equal, args)
     print(f"logs: {logs}")
 
 
