@@ -112,21 +112,33 @@ class PDBackend:
         (``_follow``; docs/pd.md, n choices)."""
         lead = sibling.group.lead() if sibling is not None else None
         try:
-            await self._admit()  # a follower takes its slot first: admission answers as for n requests
-            try:
-                request = _Request(request_id, prompt_ids, to_proto(params), scope, buffered)
-                if sibling is not None:
-                    request = replace(request, lead=lead) if sibling.index == 0 else \
-                        replace(request, fork=await self._follow(lead))
+            async with self._slot():  # a follower takes its slot first: admission answers as for n requests
+                request = await self._choice(_Request(request_id, prompt_ids, to_proto(params), scope, buffered),
+                                             sibling, lead)
                 tries = migrating(self._attempts, request, self.options.max_migrations, self.migrations)
                 async with contextlib.aclosing(_merged(tries) if buffered else tries) as outputs:
                     async for out in outputs:
                         yield out
-            finally:
-                self._slots.release()
         finally:
             if sibling is not None and sibling.index == 0:
                 _settle(lead, None)  # the leader ended (failed, cancelled) before its KV reached a decode node
+
+    @contextlib.asynccontextmanager
+    async def _slot(self) -> AsyncIterator[None]:
+        """One of ``max_running`` slots, held for the block (``_admit``)."""
+        await self._admit()
+        try:
+            yield
+        finally:
+            self._slots.release()
+
+    async def _choice(self, request: _Request, sibling: Sibling | None, lead: asyncio.Future[object] | None
+                      ) -> _Request:
+        """``request`` as a choice: a leader carries where it tells its siblings its decode node,
+        a follower the decode node it is forked to (None: its own way)."""
+        if sibling is None:
+            return request
+        return replace(request, lead=lead) if sibling.index == 0 else replace(request, fork=await self._follow(lead))
 
     async def _follow(self, lead: asyncio.Future[object] | None) -> Worker | None:
         """The decode node holding the leader's prompt KV, once its first output came (it is then
@@ -154,7 +166,8 @@ class PDBackend:
     async def _attempts(self, request: _Request) -> AsyncIterator[RequestOutput]:
         """Tries pairs until one serves the request. A failed pair uses up a retry; a decode node
         with no room (a burst) does not: the request waits with backoff, up to its deadline, as in
-        a queue. Each decision is logged once, with its reason and the pair."""
+        a queue. Each decision is logged once, with its reason and the pair. A forked sibling's first
+        try goes to its leader's decode node (``_forked``), its later ones their own way."""
         last_error, failures, attempt = "no attempt", 0, 0
         deadline = asyncio.get_running_loop().time() + self.options.timeout_s
         while failures <= self.options.max_retries:
