@@ -42,7 +42,7 @@ class ScriptedBackend(IdleBackend):
         self.seen: list[tuple[list[int], SamplingParams]] = []
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, scope: CacheScope,
-                       *, buffered: bool = False) -> AsyncIterator[RequestOutput]:
+                       *, buffered: bool = False, sibling: object = None) -> AsyncIterator[RequestOutput]:
         self.seen.append((prompt_ids, params))
         for i, piece in enumerate(self.pieces):
             last = i == len(self.pieces) - 1

@@ -29,7 +29,7 @@ class BuggyBackend(IdleBackend):
     max_model_len = 64
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, scope: CacheScope,
-                       *, buffered: bool = False) -> AsyncIterator[RequestOutput]:
+                       *, buffered: bool = False, sibling: object = None) -> AsyncIterator[RequestOutput]:
         raise KeyError("a bug")
         yield  # an async generator, as backends are
 

@@ -149,3 +149,23 @@ def test_a_prompt_whose_handoff_still_reads_it_is_hit_meanwhile(tiny_llama: Path
     handoff.done = True
     engine.step()
     assert not engine.scheduler.parked and engine.stats()["kv_pages_used"] == 0
+
+
+def test_a_started_reservations_prompt_is_hit_by_the_next_step(tiny_llama: Path) -> None:
+    """Decode role: a reservation whose prompt arrived starts (``start_reserved``); its full prompt
+    pages are in the tree at once, so the same prompt added right after (a sibling choice the
+    router forks here, docs/pd.md) hits them in the very next step and computes at most a page.
+    Before, they joined only at release (or a HiCache node's checkpoint after that step)."""
+    prompt = _tokens(PREFIX + 3, 11)
+    engine = _engine(tiny_llama)
+    engine.reserve("a", prompt, 4)
+    engine.start_reserved("a", 5, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    engine.add_request("b", prompt, SamplingParams(max_tokens=1, temperature=0))
+    before = engine.prefill_tokens_computed
+    outs = {o.request_id: o for o in engine.step()}
+    full = (len(prompt) - 1) // PAGE * PAGE
+    assert outs["b"].cached_tokens == full
+    assert engine.prefill_tokens_computed - before == len(prompt) - full <= PAGE
+    while engine.has_work():
+        engine.step()
+    assert engine.stats()["kv_pages_used"] == 0

@@ -3,12 +3,39 @@ prefill/decode pairs)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from tierserve.core.outputs import RequestOutput
 from tierserve.core.sampling import SamplingParams
 from tierserve.core.scope import CacheScope
+
+
+@dataclass(eq=False)
+class Siblings:
+    """The ``size`` choices of one prompt (``n`` > 1): one object the API gives each of them. Choice
+    0 leads: a backend may compute the prompt once for it and run the others from its KV (the
+    router does, ``docs/pd.md``, "n choices"). ``lead`` is where the backend tells the others,
+    once, what the leader left them (a value only the backend reads; None: each goes its own way)."""
+
+    size: int
+    _lead: asyncio.Future[object] | None = field(default=None, repr=False)
+
+    def lead(self) -> asyncio.Future[object]:
+        """The leader's outcome, made on first use (on the running event loop)."""
+        if self._lead is None:
+            self._lead = asyncio.get_running_loop().create_future()
+        return self._lead
+
+
+@dataclass(frozen=True)
+class Sibling:
+    """Choice ``index`` of ``group`` (0: the leader)."""
+
+    index: int
+    group: Siblings
 
 
 class Backend(Protocol):
@@ -24,12 +51,15 @@ class Backend(Protocol):
     the backend never takes one back.
 
     ``scope``: the API key's tenant and the client's ``cache_salt``; requests of different tenants
-    never share cached KV, whatever their ``cache_salt`` (``core.scope.CacheScope``)."""
+    never share cached KV, whatever their ``cache_salt`` (``core.scope.CacheScope``).
+
+    ``sibling``: the request is one of a prompt's ``n`` choices (``Siblings``); a backend may ignore
+    it (one engine: in-flight sharing already computes the prompt once, ``docs/cache.md``)."""
 
     max_model_len: int
 
     def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, scope: CacheScope,
-                 *, buffered: bool = False) -> AsyncIterator[RequestOutput]: ...
+                 *, buffered: bool = False, sibling: Sibling | None = None) -> AsyncIterator[RequestOutput]: ...
 
     def healthy(self) -> bool:
         """The process can serve (``/health``)."""

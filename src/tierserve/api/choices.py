@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
 from tierserve.api import openai as oa
-from tierserve.api.backend import Backend
+from tierserve.api.backend import Backend, Sibling, Siblings
 from tierserve.api.formats import ChoiceResult, Delta, Entries
 from tierserve.api.metrics import ApiMetrics
 from tierserve.core.outputs import RequestOutput
@@ -21,7 +21,8 @@ from tierserve.core.tiers import TIERS
 @dataclass
 class Job:
     """One engine request: choice ``index`` of the response; ``counts_prompt`` for one choice per
-    prompt; ``echo``: the prompt's text, put in front of the choice's text (None: no echo)."""
+    prompt; ``echo``: the prompt's text, put in front of the choice's text (None: no echo);
+    ``sibling``: which of its prompt's ``n`` > 1 choices it is (None when ``n`` is 1)."""
 
     index: int
     request_id: str
@@ -30,19 +31,23 @@ class Job:
     counts_prompt: bool
     scope: CacheScope = NO_SCOPE  # the API key's tenant (it, not the client, decides) and the client's salt
     echo: str | None = None
+    sibling: Sibling | None = None
 
 
 def make_jobs(response_id: str, prompts: list[list[int]], params: SamplingParams, n: int, scope: CacheScope,
               echoes: list[str] | None = None) -> list[Job]:
     """``n`` choices per prompt; with a seed, choice ``i`` uses ``seed + i`` so they differ;
-    ``echoes``: each prompt's text to echo; ``scope``: the request's cache namespace."""
+    ``echoes``: each prompt's text to echo; ``scope``: the request's cache namespace. The ``n``
+    choices of a prompt are ``Siblings`` (choice 0 leads) when ``n`` > 1."""
     jobs = []
     for p, ids in enumerate(prompts):
+        group = Siblings(n) if n > 1 else None
         for i in range(n):
             choice_params = params if params.seed is None or i == 0 else replace(params, seed=params.seed + i)
             index = p * n + i
             echo = echoes[p] if echoes is not None else None
-            jobs.append(Job(index, f"{response_id}-{index}", ids, choice_params, i == 0, scope, echo))
+            sibling = Sibling(i, group) if group is not None else None
+            jobs.append(Job(index, f"{response_id}-{index}", ids, choice_params, i == 0, scope, echo, sibling))
     return jobs
 
 
@@ -67,7 +72,7 @@ class Choices:
         last, failed = None, False
         try:
             async for out in self._backend.generate(job.request_id, job.prompt_ids, job.params, job.scope,
-                                                    buffered=self._buffered):
+                                                    buffered=self._buffered, sibling=job.sibling):
                 if out.new_token_ids:
                     now = time.monotonic()
                     (self._metrics.ttft if last is None else self._metrics.itl).observe(now - prev)

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response
 from tierserve.api import openai as oa
 from tierserve.api.app import create_app
 from tierserve.api.auth import admin_guard, check_admin_key
+from tierserve.api.backend import Sibling
 from tierserve.api.engine_metrics import EngineCollector
 from tierserve.api.metrics import ApiMetrics
 from tierserve.api.tenants import TenantKeys
@@ -36,9 +37,10 @@ class EngineBackend:
         self.max_model_len = loop.engine.max_model_len
 
     def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, scope: CacheScope,
-                 *, buffered: bool = False) -> AsyncIterator[RequestOutput]:
+                 *, buffered: bool = False, sibling: Sibling | None = None) -> AsyncIterator[RequestOutput]:
         """Outputs as the engine makes them, ``buffered`` or not: one engine has nowhere else to
-        retry, so holding them back would only delay them."""
+        retry, so holding them back would only delay them. ``sibling`` is ignored: the engine's
+        in-flight sharing already computes a prompt's ``n`` choices' prompt once."""
         return self.loop.generate(request_id, prompt_ids, params, scope)
 
     def healthy(self) -> bool:

@@ -173,8 +173,9 @@ class Engine:
     def start_reserved(self, request_id: str, first_token: int, params: SamplingParams,
                        resumed: int = 0, check: KVCheck | None = None) -> RequestOutput:
         """The prompt's KV is in the reserved pages and ``first_token`` was sampled from it: the
-        request joins the running batch; returns the output for the first token. ``resumed``: the
-        prompt's last tokens were generated elsewhere (a migration), and the text continues theirs.
+        request joins the running batch and its full prompt pages the prefix cache (in-flight
+        sharing); returns the output for the first token. ``resumed``: the prompt's last tokens
+        were generated elsewhere (a migration), and the text continues theirs.
         ``check`` (the handoff's digests, ``--handoff-integrity``) may refuse the KV that arrived:
         the pages are then freed, none cached, and ``HandoffCheckError`` raised."""
         self._check_params(params)
@@ -194,6 +195,10 @@ class Engine:
         request.first_token_at = time.monotonic()
         self.requests[request_id] = request
         self.scheduler.running.append(request)
+        # The received prompt pages join the tree now, before the first output leaves (the router
+        # sends a prompt's other choices here once it sees it: docs/pd.md, n choices); a command,
+        # so at the same point on every rank (docs/ranks.md).
+        self.scheduler.share(request)
         return self.appender.append(request, first_token)
 
     def cancel_reservation(self, request_id: str, writer_stopped: bool, now: float | None = None) -> bool:

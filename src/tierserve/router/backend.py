@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 import grpc
 
 from tierserve.api import openai as oa
+from tierserve.api.backend import Sibling
 from tierserve.core.outputs import FinishReason, RequestOutput, TokenLogprob
 from tierserve.core.sampling import InvalidRequestError, SamplingParams
 from tierserve.core.scope import CacheScope
@@ -64,6 +65,8 @@ class _Request:
     buffered: bool  # the client sees nothing before the end (one merged output)
     resumed: int = 0  # the prompt's last tokens this request generated before a migration
     l3_pending: int = 0  # one try's: leading prompt pages another prefill node holds (``_pending_in_l3``)
+    lead: asyncio.Future[object] | None = None  # a leading choice's: where its siblings learn its decode node
+    fork: Worker | None = None  # a sibling choice's: the decode node holding its leader's prompt KV
 
 
 class PDBackend:
@@ -82,6 +85,7 @@ class PDBackend:
         self.migrations = Migrations()
         self.disaggregation = Disaggregation(options.disaggregation_threshold)
         self.served = {path: 0 for path in ServedPath}  # tries started per path
+        self.forks = 0  # sibling choices sent to their leader's decode node (docs/pd.md, n choices)
         self.routes: deque[dict[str, object]] = deque(maxlen=256)  # recent decisions, for operators and tests
 
     @property
@@ -97,22 +101,57 @@ class PDBackend:
 
     async def debug_state(self) -> dict[str, Any]:
         return {"workers": [w.describe() for w in self.registry.listed()], "queued": self._queued,
-                "retries": self.retries, "served": {p.value: n for p, n in self.served.items()},
+                "retries": self.retries, "served": {p.value: n for p, n in self.served.items()}, "forks": self.forks,
                 "routes": list(self.routes)} | self.migrations.state()
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, scope: CacheScope,
-                       *, buffered: bool = False) -> AsyncIterator[RequestOutput]:
+                       *, buffered: bool = False, sibling: Sibling | None = None) -> AsyncIterator[RequestOutput]:
         """``buffered``: see ``Backend``; such a request gets one output, when it finished (after
-        any migrations)."""
+        any migrations). ``sibling``: one of a prompt's ``n`` choices; the leader (choice 0) goes
+        through a pair, the others wait for its prompt KV on its decode node and run there
+        (``_follow``; docs/pd.md, n choices)."""
+        lead = sibling.group.lead() if sibling is not None else None
+        try:
+            async with self._slot():  # a follower takes its slot first: admission answers as for n requests
+                request = await self._choice(_Request(request_id, prompt_ids, to_proto(params), scope, buffered),
+                                             sibling, lead)
+                tries = migrating(self._attempts, request, self.options.max_migrations, self.migrations)
+                async with contextlib.aclosing(_merged(tries) if buffered else tries) as outputs:
+                    async for out in outputs:
+                        yield out
+        finally:
+            if sibling is not None and sibling.index == 0:
+                _settle(lead, None)  # the leader ended (failed, cancelled) before its KV reached a decode node
+
+    @contextlib.asynccontextmanager
+    async def _slot(self) -> AsyncIterator[None]:
+        """One of ``max_running`` slots, held for the block (``_admit``)."""
         await self._admit()
         try:
-            request = _Request(request_id, prompt_ids, to_proto(params), scope, buffered)
-            tries = migrating(self._attempts, request, self.options.max_migrations, self.migrations)
-            async with contextlib.aclosing(_merged(tries) if buffered else tries) as outputs:
-                async for out in outputs:
-                    yield out
+            yield
         finally:
             self._slots.release()
+
+    async def _choice(self, request: _Request, sibling: Sibling | None, lead: asyncio.Future[object] | None
+                      ) -> _Request:
+        """``request`` as a choice: a leader carries where it tells its siblings its decode node,
+        a follower the decode node it is forked to (None: its own way)."""
+        if sibling is None:
+            return request
+        return replace(request, lead=lead) if sibling.index == 0 else replace(request, fork=await self._follow(lead))
+
+    async def _follow(self, lead: asyncio.Future[object] | None) -> Worker | None:
+        """The decode node holding the leader's prompt KV, once its first output came (it is then
+        in that node's tree: ``Engine.start_reserved``); None when the leader failed before, went
+        nowhere a follower can go, or took longer than a prefill leg's deadline: the follower
+        then goes its own way, as a request of its own."""
+        if lead is None:
+            return None
+        with contextlib.suppress(TimeoutError):
+            decode = await asyncio.wait_for(asyncio.shield(lead), self.options.timeout_s)
+            if isinstance(decode, Worker) and decode in self.registry.available(Role.DECODE):
+                return decode
+        return None
 
     async def _admit(self) -> None:
         if self._slots.locked() and self._queued >= self.options.max_queued:
@@ -127,7 +166,8 @@ class PDBackend:
     async def _attempts(self, request: _Request) -> AsyncIterator[RequestOutput]:
         """Tries pairs until one serves the request. A failed pair uses up a retry; a decode node
         with no room (a burst) does not: the request waits with backoff, up to its deadline, as in
-        a queue. Each decision is logged once, with its reason and the pair."""
+        a queue. Each decision is logged once, with its reason and the pair. A forked sibling's first
+        try goes to its leader's decode node (``_forked``), its later ones their own way."""
         last_error, failures, attempt = "no attempt", 0, 0
         deadline = asyncio.get_running_loop().time() + self.options.timeout_s
         while failures <= self.options.max_retries:
@@ -135,13 +175,15 @@ class PDBackend:
                 self.retries += 1
                 await asyncio.sleep(self._backoff(attempt, deadline))
             attempt += 1
-            pair, tried = self._pick(request)
+            fork = request.fork if attempt == 1 and not request.resumed else None  # later tries: its own way
+            pair, tried = self._forked(fork, request) if fork is not None else self._pick(request)
             try:
                 async with contextlib.aclosing(self._attempt(pair, tried, attempt)) as outputs:
                     async for out in outputs:
                         yield out
                 return
             except _Retry as exc:
+                _settle(request.lead, None)  # a leader's KV reached no decode node: its siblings go their own way
                 last_error = str(exc)
                 failures += 0 if exc.busy and asyncio.get_running_loop().time() < deadline else 1
                 _log_retry(request.id, pair, exc, again=failures <= self.options.max_retries)
@@ -150,6 +192,8 @@ class PDBackend:
     async def _attempt(self, pair: _Pair, request: _Request, attempt: int) -> AsyncIterator[RequestOutput]:
         """One try on one pair (or one node alone), counted in the workers' load until it ends."""
         prefill, decode = pair
+        if decode is None:
+            _settle(request.lead, None)  # a one-token leader: nothing for its siblings to decode from
         used = [w for w in pair if w is not None]
         for worker in used:
             worker.begin()
@@ -163,6 +207,7 @@ class PDBackend:
                 outputs = self._disaggregated((prefill, decode), rid, request)
             async with contextlib.aclosing(outputs) as results:
                 async for out in results:
+                    _settle(request.lead, decode)  # its first output: the prompt's KV is in decode's tree
                     yield out
         finally:
             for worker in used:
@@ -206,6 +251,18 @@ class PDBackend:
         """Jittered exponential delay, at most 1 s and never past the deadline."""
         delay = min(1.0, self.options.backoff_s * 2 ** min(attempt - 1, 10)) * (0.5 + random.random())
         return max(0.0, min(delay, deadline - asyncio.get_running_loop().time()))
+
+    def _forked(self, decode: Worker, request: _Request) -> tuple[_Pair, _Request]:
+        """A sibling choice's first try: the whole request on its leader's decode node
+        (``GenerateLocal``), which holds the prompt's full pages: it computes at most the last
+        partial page and the last token, and samples its own first token."""
+        self.served[ServedPath.DECODE_ONLY] += 1
+        self.forks += 1
+        route = {"path": ServedPath.DECODE_ONLY.value, "fork": True, "decode": decode.address,
+                 "prompt_tokens": len(request.prompt)}
+        self.routes.append(route)
+        log.debug("route: %s", route)
+        return (None, decode), request
 
     def _pick(self, request: _Request) -> tuple[_Pair, _Request]:
         """The decode worker, then the path (``Disaggregation``: what the decode worker holds of
@@ -302,6 +359,12 @@ def _decode_failed(decode: Worker, produced: bool, what: str, status: int, reaso
         return _Retry(f"generate on {decode.address}: {what}")
     error = oa.APIError(status, f"decode worker {decode.address} {what} mid-stream", code="decode_failed")
     return DecodeLost(decode.address, reason, error)
+
+
+def _settle(lead: asyncio.Future[object] | None, decode: Worker | None) -> None:
+    """Tells a leader's siblings, once, where its prompt KV is (None: nowhere they can use)."""
+    if lead is not None and not lead.done():
+        lead.set_result(decode)
 
 
 def _pending_in_l3(chosen: Worker, cached: CachedPrefix, prefills: Sequence[Worker], lookup: PrefixLookup) -> int:
