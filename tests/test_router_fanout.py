@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 from helpers import metrics
+from helpers.injected_faults import handoff_env
 from helpers.pd_nodes import DECODE_ARGS, GRACE_S, NODE_ARGS, PAGE, load, metric
 from helpers.polling import wait_for
 from helpers.processes import NodeProcess, RouterProcess, free_port
@@ -198,8 +199,8 @@ def test_a_leader_whose_handoff_fails_leaves_its_siblings_to_their_own_pairs(mod
     """Every fourth handoff of this prefill node fails (the 4th: choice 0's, after three warm-ups):
     the siblings go their own way, choice 0 is retried, every choice completes, nothing leaks."""
     _, decode = nodes
-    faulty = NodeProcess("prefill", ["--model", str(model), *NODE_ARGS, "--fault-transfer-rate", "0.25"],
-                         tmp_path / "p.log")
+    faulty = NodeProcess("prefill", ["--model", str(model), *NODE_ARGS], tmp_path / "p.log",
+                         env=handoff_env(tmp_path / "faults.json", rate=0.25))
     router = None
     try:
         faulty.wait_ready()
