@@ -14,6 +14,12 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One compute thread per process: `make test` runs two workers on two cores, each starting nodes of
+# their own, so the cores are always oversubscribed, and torch's OpenMP threads then spin at every
+# parallel region waiting for a sibling that is not running (a 135M model's 16 tokens took 20 s of
+# CPU instead of 2). Set before torch is imported; node processes the tests start inherit it
+# (multi-rank nodes already give each rank cores // ranks threads, 1 here).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from helpers.mooncake_engines import PARAMS, plain_engine
 from helpers.processes import MasterProcess, master_running, store_client
