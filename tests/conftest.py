@@ -14,6 +14,12 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One compute thread per process: `make test` runs two workers on two cores, each starting nodes of
+# their own, so the cores are always oversubscribed, and torch's OpenMP threads then spin at every
+# parallel region waiting for a sibling that is not running (a 135M model's 16 tokens took 20 s of
+# CPU instead of 2). Set before torch is imported; node processes the tests start inherit it
+# (multi-rank nodes already give each rank cores // ranks threads, 1 here).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from helpers.mooncake_engines import PARAMS, plain_engine
 from helpers.processes import MasterProcess, master_running, store_client
@@ -26,13 +32,14 @@ from tierserve.cache.storage.mooncake import MooncakeStorage
 # (pytest --durations=0, summed per file; those under ~40 s keep collection order after these).
 LONGEST_FIRST = (
     "test_rank_hicache", "test_pd_ranks", "test_pp_serve", "test_cp_long", "test_router", "test_cp_pd",
-    "test_agents_e2e", "test_speculative_builtin", "test_tp_serve", "test_lm_eval", "test_router_streams",
-    "test_cp_serve", "test_up_ranks", "test_speculative_sampling", "test_builtin_model", "test_cp_split",
-    "test_server", "test_cp_pp_pd_faults", "test_tp_pd_faults", "test_handoff_integrity", "test_tp_faults",
+    "test_agents_e2e", "test_tp_serve", "test_lm_eval", "test_router_streams",
+    "test_cp_serve", "test_up_ranks", "test_speculative_sampling", "test_cp_split",
+    "test_server", "test_cp_pp_pd_faults", "test_rank_agreement", "test_pp_l3_agreement", "test_tp_pd_faults",
+    "test_handoff_integrity", "test_tp_faults",
     "test_speculative", "test_speculative_pd", "test_migration", "test_pd_ranks_l3", "test_offload", "test_pd_faults",
     "test_node_auth", "test_deploy", "test_speculative_cache", "test_engine_machine", "test_up", "test_tenants",
-    "test_structured", "test_router_faults", "test_restore_overlap", "test_model_hf", "test_rank_agreement",
-    "test_api_logprobs", "test_up_supervise",
+    "test_structured", "test_router_faults", "test_restore_overlap", "test_cp_gather_overlap", "test_model_hf",
+    "test_api_logprobs", "test_up_supervise", "test_speculative_builtin", "test_builtin_model",
 )
 
 

@@ -4,15 +4,16 @@ stages, each stage's arena holding its layers only), driven through gRPC as the 
 Outputs equal the single engine; the handoff moves exactly the KV bytes of the uncached prompt; a
 destination that cannot be written (heads or layers with no rank) is refused with a clear error.
 
-Each layout ("tp", "pp", "ppu") starts its nodes once for the module: "p1" and "d1" of one rank, "p2"
-and "d2" of several (TP 2; PP 2 at TP 1 on 4 layers; "ppu": PP 3 on 5 layers, uneven stages of 2, 2
-and 1 layers, the default split). A prefill node of a given partition (1 + 4 layers) hands over to
-the uneven PP 3 node and the reverse, no stage boundary shared."""
+Each layout ("tp", "pp", "ppu") starts "p2" and "d2" of several ranks once for the module (TP 2 and PP 2
+at TP 1, both on 4 layers; "ppu": PP 3 on 5 layers, uneven stages of 2, 2 and 1 layers, the default
+split); "p1" and "d1", of one rank, are started once per model, so "tp" and "pp" share theirs. A prefill
+node of a given partition (1 + 4 layers) hands over to the uneven PP 3 node and the reverse, no stage
+boundary shared."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -35,11 +36,11 @@ from helpers.pd_nodes import (
     run_pd,
 )
 from helpers.polling import wait_for
-from helpers.processes import NodeProcess
+from helpers.processes import NodeProcess, stop_all
 from helpers.tiny_models import make_tiny_model
 
 pytestmark = pytest.mark.integration
-LAYERS = {"tp": 2, "pp": 4, "ppu": 5}  # two stages of two layers at PP 2; 2 + 2 + 1 at PP 3
+LAYERS = {"tp": 4, "pp": 4, "ppu": 5}  # two stages of two layers at PP 2; 2 + 2 + 1 at PP 3
 MULTI = {"tp": 2, "pp": 2, "ppu": 3}  # the ranks of "p2" and "d2"
 
 
@@ -63,8 +64,7 @@ def node_pair(args: list[str], logs: Path, name: str) -> Iterator[tuple[NodeProc
         prefill.wait_ready(), decode.wait_ready()
         yield prefill, decode
     finally:
-        prefill.stop()
-        decode.stop()
+        stop_all((prefill.proc, decode.proc))
 
 
 @pytest.fixture(scope="module", params=["tp", "pp", "ppu"])
@@ -79,24 +79,51 @@ ONLY_UNEVEN = pytest.mark.parametrize("layout", ["ppu"], indirect=True)
 
 
 @pytest.fixture(scope="module")
-def model(layout: str, tmp_path_factory) -> Path:
-    return make_tiny_model("llama", tmp_path_factory.mktemp(f"{layout}_pd_llama"), heads=8, kv_heads=4,
-                           layers=LAYERS[layout], max_position=2048)
+def models(tmp_path_factory) -> dict[int, Path]:
+    """The module's tiny Llamas (8 heads, 4 KV heads) by their number of layers, each made once."""
+    return {layers: make_tiny_model("llama", tmp_path_factory.mktemp(f"pd_llama{layers}"), heads=8, kv_heads=4,
+                                    layers=layers, max_position=2048)
+            for layers in sorted(set(LAYERS.values()))}
 
 
 @pytest.fixture(scope="module")
-def nodes(model: Path, layout: str, tmp_path_factory) -> Iterator[dict[str, NodeProcess]]:
-    """Prefill and decode nodes of one rank and of ``MULTI`` ranks: "p1", "p2", "d1", "d2"."""
-    logs = tmp_path_factory.mktemp(f"{layout}-pd-logs")
-    started = {f"{role[0]}{n}": NodeProcess(role, ["--model", str(model), *args, *sizes(layout, ranks)],
-                                            logs / f"{role}-{n}.log")
-               for role, args in (("prefill", NODE_ARGS), ("decode", DECODE_ARGS))
-               for n, ranks in ((1, 1), (2, MULTI[layout]))}
+def model(models: dict[int, Path], layout: str) -> Path:
+    return models[LAYERS[layout]]
+
+
+def _start(model: Path, ranks_flags: list[str], logs: Path, name: str) -> dict[str, NodeProcess]:
+    """A prefill node ``p<name>`` and a decode node ``d<name>`` of ``model``, started (not yet ready),
+    their logs under ``logs``."""
+    return {f"{role[0]}{name}": NodeProcess(role, ["--model", str(model), *args, *ranks_flags],
+                                            logs / f"{role}-{name}.log")
+            for role, args in (("prefill", NODE_ARGS), ("decode", DECODE_ARGS))}
+
+
+@pytest.fixture(scope="module")
+def one_rank_nodes(models: dict[int, Path], tmp_path_factory) -> Iterator[Callable[[Path], dict[str, NodeProcess]]]:
+    """"p1" and "d1" (one rank: the same node whatever the layout) of a model, started on first use and
+    kept for the module: the "tp" and "pp" layouts share the 4-layer model's."""
+    started: dict[Path, dict[str, NodeProcess]] = {}
+
+    def of(model: Path) -> dict[str, NodeProcess]:
+        if model not in started:
+            started[model] = _start(model, sizes("tp", 1), tmp_path_factory.mktemp(f"{model.name}-logs"), "1")
+        return {name: node.wait_ready() for name, node in started[model].items()}
+
     try:
-        yield {name: node.wait_ready() for name, node in started.items()}
+        yield of
     finally:
-        for node in started.values():
-            node.stop()
+        stop_all(node.proc for pair in started.values() for node in pair.values())
+
+
+@pytest.fixture(scope="module")
+def nodes(model: Path, layout: str, one_rank_nodes, tmp_path_factory) -> Iterator[dict[str, NodeProcess]]:
+    """Prefill and decode nodes of one rank and of ``MULTI`` ranks: "p1", "p2", "d1", "d2"."""
+    multi = _start(model, sizes(layout, MULTI[layout]), tmp_path_factory.mktemp(f"{layout}-pd-logs"), "2")
+    try:
+        yield {**one_rank_nodes(model), **{name: node.wait_ready() for name, node in multi.items()}}
+    finally:
+        stop_all(node.proc for node in multi.values())
 
 
 def _check_pairing(model: Path, layout: str, prefill: str, decode: str, seed: int, tag: str) -> None:

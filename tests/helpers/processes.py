@@ -9,7 +9,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -22,6 +22,20 @@ def stop(proc: subprocess.Popen) -> None:
     """SIGTERM, then SIGKILL if it is still running after 20 s."""
     if proc.poll() is None:
         proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def stop_all(procs: Iterable[subprocess.Popen]) -> None:
+    """``stop`` for several processes at once: SIGTERM to each, then waits for each, so that their
+    shutdowns overlap instead of following one another."""
+    running = [proc for proc in procs if proc.poll() is None]
+    for proc in running:
+        proc.terminate()
+    for proc in running:
         try:
             proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
