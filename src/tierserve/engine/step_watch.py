@@ -4,14 +4,16 @@ its health endpoints until the turn ends. The bound of a turn is derived from it
 
     min(max(STEP_FLOOR_S, STEP_FACTOR x expected(the tokens its step scheduled)), dist_timeout / 2)
 
-from the last HISTORY turns that stepped. Once some of them were large (at least LARGE_STEP_TOKENS tokens),
-``expected(n)`` is the larger of the slowest small turn and n x the slowest seconds per token of the large
-ones; before that, n x the slowest seconds per token of any. The floor keeps a slow CPU step, or a
+from the last HISTORY turns that stepped. For a large turn (at least LARGE_STEP_TOKENS tokens), once some
+recent ones were large, ``expected(n)`` is the larger of the slowest small turn and n x the slowest seconds
+per token of the large ones; otherwise n x the slowest seconds per token of any. The floor keeps a slow CPU step, or a
 machine's hiccup, from being called a freeze; scaling by the step's tokens lets a long prefill chunk after
 a run of short decode steps take its time (a bound learnt from step times alone flagged every such chunk,
-and never learnt from them). The per-token rate comes from large turns once there are some: a small
-turn's time is mostly fixed cost, and scaled by a long chunk's tokens it put that chunk's bound at the cap
-(a frozen rank of a loaded prefill node went unreported for the whole freeze, benchmarks/RELIABILITY.md).
+and never learnt from them). A large turn's per-token rate comes from large turns once there are some: a
+small turn's time is mostly fixed cost, and scaled by a long chunk's tokens it put that chunk's bound at the
+cap (a frozen rank of a loaded prefill node went unreported for the whole freeze, benchmarks/RELIABILITY.md).
+Small turns (decode batches) keep the any-turn rate: bounded by the slowest small turn alone, the decode
+nodes of an overloaded machine called their own slow batches freezes (benchmarks/RELIABILITY.md).
 Half the ``--dist-timeout`` reports a frozen rank before its collective times out and the node exits. A
 turn that ran past its bound is not learnt from: a freeze must not lengthen the bound of the next one.
 """
@@ -55,7 +57,7 @@ class StepWatch:
     def _expected(self, tokens: int) -> float:
         """A turn of ``tokens`` tokens takes about this long, from the recent turns (the rule above)."""
         large = [took / n for n, took in self._turns if n >= LARGE_STEP_TOKENS]
-        if not large:
+        if tokens < LARGE_STEP_TOKENS or not large:
             return tokens * max((took / n for n, took in self._turns), default=0.0)
         small = max((took for n, took in self._turns if n < LARGE_STEP_TOKENS), default=0.0)
         return max(small, tokens * max(large))
