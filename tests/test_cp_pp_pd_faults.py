@@ -17,14 +17,20 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
-import httpx
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from helpers.metrics import find, scrape
-from helpers.pd_nodes import DECODE_ARGS, NODE_ARGS, load
+from helpers.pd_nodes import load
 from helpers.polling import wait_for
 from helpers.processes import NodeProcess, RouterProcess
+from helpers.rank_faults import (
+    DEATH_DEADLINE_S,
+    NOT_SERVING,
+    UNHEALTHY_WITHIN_S,
+    complete,
+    fault_node,
+    grpc_health,
+    word_tokens,
+)
 from helpers.rank_servers import descendants, rank_pids, wait_exit, wait_gone
 from helpers.tiny_models import add_word_tokenizer, make_tiny_model
 
@@ -33,9 +39,6 @@ from tierserve.engine.config import EngineConfig
 from tierserve.engine.engine import Engine
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-DEATH_DEADLINE_S = 30.0
-UNHEALTHY_WITHIN_S = 5.0  # a node whose rank is frozen says so this soon (docs/ranks.md)
-NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 NEW_TOKENS = 60
 # the victims, nodes of two ranks: name -> (role, layout)
 LAYOUTS = {"decode-cp2": ("decode", ["--cp-size", "2"]), "decode-pp2": ("decode", ["--pp-size", "2"]),
@@ -70,8 +73,8 @@ def expected(model: Path) -> dict[str, list[list[int]]]:
 @pytest.fixture(scope="module")
 def cluster(model: Path, tmp_path_factory) -> Iterator[Cluster]:
     logs = tmp_path_factory.mktemp("cp-pp-faults-logs")
-    victims = {name: _node(role, model, logs / f"{name}.log", flags) for name, (role, flags) in LAYOUTS.items()}
-    others = [_node(role, model, logs / f"spare-{role}.log", []) for role in ("decode", "prefill")]
+    victims = {name: fault_node(role, model, logs / f"{name}.log", flags) for name, (role, flags) in LAYOUTS.items()}
+    others = [fault_node(role, model, logs / f"spare-{role}.log", []) for role in ("decode", "prefill")]
     nodes = [*victims.values(), *others]
     router = None
     try:
@@ -85,36 +88,16 @@ def cluster(model: Path, tmp_path_factory) -> Iterator[Cluster]:
             proc.stop()
 
 
-def _node(role: str, model: Path, log: Path, layout: list[str]) -> NodeProcess:
-    args = DECODE_ARGS if role == "decode" else [*NODE_ARGS, "--chunked-prefill-size", "16"]
-    return NodeProcess(role, ["--model", str(model), *args, *layout], log)
-
-
-def _complete(url: str, prompt: list[int]) -> httpx.Response:
-    body = {"prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
-    return httpx.post(f"{url}/v1/completions", json=body, timeout=180)
-
-
-def _tokens(response: httpx.Response) -> list[int]:
-    assert response.status_code == 200, response.text
-    return [int(word.removeprefix("w")) for word in response.json()["choices"][0]["text"].split()]
-
-
 async def _busy(address: str) -> bool:
     report = await load(address)
     return report.running + report.waiting > 0
-
-
-def _health(address: str) -> int:
-    with grpc.insecure_channel(address) as channel:
-        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2).status
 
 
 def _freeze_and_see_it_dropped(rank1: int, victim: NodeProcess, router: RouterProcess) -> None:
     """SIGSTOP of the victim's rank 1 mid-request: the node, still running, says NOT_SERVING within
     UNHEALTHY_WITHIN_S (rank 0's step is overdue, engine/step_watch.py) and the router stops sending to it."""
     os.kill(rank1, signal.SIGSTOP)
-    wait_for(lambda: _health(victim.address) == NOT_SERVING, "the frozen node says NOT_SERVING", UNHEALTHY_WITHIN_S)
+    wait_for(lambda: grpc_health(victim.address) == NOT_SERVING, "the frozen node says NOT_SERVING", UNHEALTHY_WITHIN_S)
     assert victim.proc.poll() is None  # unhealthy, not dead: --dist-timeout (120 s) has not passed
     wait_for(lambda: find(scrape(router.url), "tierserve_worker_available", worker=victim.address) == 0,
              "the router stops sending to the frozen node", 10)
@@ -130,14 +113,14 @@ def test_a_frozen_then_killed_rank_is_dropped_and_its_requests_retried(cluster: 
     (rank1,) = rank_pids(victim.proc.pid, 1)
     try:
         with ThreadPoolExecutor(len(PROMPTS[layout])) as pool:
-            futures = [pool.submit(_complete, router.url, p) for p in PROMPTS[layout]]
+            futures = [pool.submit(complete, router.url, p, NEW_TOKENS) for p in PROMPTS[layout]]
             wait_for(lambda: _busy(victim.address), "the victim works on a request", 60)
             _freeze_and_see_it_dropped(rank1, victim, router)
             killed = time.monotonic()
             os.kill(rank1, signal.SIGKILL)
             assert wait_exit(victim.proc, DEATH_DEADLINE_S) == 1, victim.log.read_text()[-3000:]
             assert wait_gone(processes, DEATH_DEADLINE_S - (time.monotonic() - killed)) == []
-            answers = [_tokens(f.result(timeout=180)) for f in futures]
+            answers = [word_tokens(f.result(timeout=180)) for f in futures]
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(rank1, signal.SIGKILL)  # never left stopped if the test failed before its kill

@@ -12,14 +12,20 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import grpc
-import httpx
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from helpers.metrics import find, scrape
-from helpers.pd_nodes import DECODE_ARGS, NODE_ARGS, load
+from helpers.pd_nodes import load
 from helpers.polling import wait_for
 from helpers.processes import NodeProcess, RouterProcess
+from helpers.rank_faults import (
+    DEATH_DEADLINE_S,
+    NOT_SERVING,
+    UNHEALTHY_WITHIN_S,
+    complete,
+    fault_node,
+    grpc_health,
+    word_tokens,
+)
 from helpers.rank_servers import descendants, rank_pids, wait_exit, wait_gone
 from helpers.tiny_models import add_word_tokenizer, make_tiny_model
 
@@ -28,9 +34,6 @@ from tierserve.engine.config import EngineConfig
 from tierserve.engine.engine import Engine
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-DEATH_DEADLINE_S = 30.0
-UNHEALTHY_WITHIN_S = 5.0  # a node whose rank is frozen says so this soon (docs/ranks.md)
-NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 NEW_TOKENS = 120
 PROMPTS = [[2 + (i * 7 + j) % 380 for j in range(40 + 30 * i)] for i in range(6)]
 
@@ -49,21 +52,6 @@ def expected(model: Path) -> list[list[int]]:
     return engine.generate(PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True))
 
 
-def _node(role: str, model: Path, log: Path, tp: int) -> NodeProcess:
-    args = DECODE_ARGS if role == "decode" else [*NODE_ARGS, "--chunked-prefill-size", "16"]
-    return NodeProcess(role, ["--model", str(model), *args, "--tp-size", str(tp)], log)
-
-
-def _complete(url: str, prompt: list[int]) -> httpx.Response:
-    body = {"prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
-    return httpx.post(f"{url}/v1/completions", json=body, timeout=180)
-
-
-def _tokens(response: httpx.Response) -> list[int]:
-    assert response.status_code == 200, response.text
-    return [int(word.removeprefix("w")) for word in response.json()["choices"][0]["text"].split()]
-
-
 async def _busy(address: str) -> bool:
     report = await load(address)
     return report.running > 0
@@ -73,24 +61,19 @@ def _freeze_and_see_it_dropped(rank1: int, victim: NodeProcess, router: RouterPr
     """SIGSTOP of the victim's rank 1 mid-request: the node, still running, says NOT_SERVING within
     UNHEALTHY_WITHIN_S (rank 0's step is overdue, engine/step_watch.py) and the router stops sending to it."""
     os.kill(rank1, signal.SIGSTOP)
-    wait_for(lambda: _health(victim.address) == NOT_SERVING, "the frozen node says NOT_SERVING", UNHEALTHY_WITHIN_S)
+    wait_for(lambda: grpc_health(victim.address) == NOT_SERVING, "the frozen node says NOT_SERVING", UNHEALTHY_WITHIN_S)
     assert victim.proc.poll() is None  # unhealthy, not dead: --dist-timeout (120 s) has not passed
     wait_for(lambda: find(scrape(router.url), "tierserve_worker_available", worker=victim.address) == 0,
              "the router stops sending to the frozen node", 10)
-
-
-def _health(address: str) -> int:
-    with grpc.insecure_channel(address) as channel:
-        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2).status
 
 
 @pytest.mark.parametrize("victim_role", ["decode", "prefill"])
 def test_a_killed_rank_takes_its_node_down_and_the_router_retries(model: Path, expected: list[list[int]],
                                                                    tmp_path: Path, victim_role: str) -> None:
     other_role = "prefill" if victim_role == "decode" else "decode"
-    victim = _node(victim_role, model, tmp_path / "victim.log", 2)
-    spare = _node(victim_role, model, tmp_path / "spare.log", 1)
-    other = _node(other_role, model, tmp_path / "other.log", 1)
+    victim = fault_node(victim_role, model, tmp_path / "victim.log", ["--tp-size", "2"])
+    spare = fault_node(victim_role, model, tmp_path / "spare.log", ["--tp-size", "1"])
+    other = fault_node(other_role, model, tmp_path / "other.log", ["--tp-size", "1"])
     nodes = [n.wait_ready() for n in (victim, spare, other)]
     workers = [f for n in nodes for f in (f"--{n.role}", n.address)]
     router = RouterProcess(["--model", str(model), *workers, "--health-check-interval", "0.5", "--max-retries", "4",
@@ -99,7 +82,7 @@ def test_a_killed_rank_takes_its_node_down_and_the_router_retries(model: Path, e
     processes = descendants(victim.proc.pid)
     try:
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
-            futures = [pool.submit(_complete, router.url, p) for p in PROMPTS]
+            futures = [pool.submit(complete, router.url, p, NEW_TOKENS) for p in PROMPTS]
             wait_for(lambda: _busy(victim.address), "the victim works on a request", 60)
             (rank1,) = rank_pids(victim.proc.pid, 1)
             if victim_role == "decode":
@@ -108,7 +91,7 @@ def test_a_killed_rank_takes_its_node_down_and_the_router_retries(model: Path, e
             os.kill(rank1, signal.SIGKILL)
             assert wait_exit(victim.proc, DEATH_DEADLINE_S) == 1, victim.log.read_text()[-3000:]
             assert wait_gone(processes, DEATH_DEADLINE_S - (time.monotonic() - killed)) == []
-            answers = [_tokens(f.result(timeout=180)) for f in futures]
+            answers = [word_tokens(f.result(timeout=180)) for f in futures]
     finally:
         for proc in (router, *nodes):
             proc.stop()
