@@ -37,7 +37,8 @@ def test_up_serves_chat_and_stops_cleanly_on_ctrl_c() -> None:
         assert "curl http://127.0.0.1:" in text
         for role in ("[prefill-0]", "[decode-0]", "[router]"):
             assert role in text, role
-        for shown in ("] Master Admin Metrics:", "] Local segment descriptor not found", "DEBUG tierserve."):
+        for shown in ("] Master Admin Metrics:", "] Local segment descriptor not found", "DEBUG tierserve.",
+                      "INFO uvicorn.error"):
             assert shown in text, shown
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0
