@@ -85,6 +85,7 @@ def test_bench_scrape_metrics_reports_the_servers_figures_beside_the_clients(clu
     assert server["ttft_s"]["count"] == 4 and 0 < server["ttft_s"]["mean"] <= client["ttft_s"]["p99"] * 1.5
     assert server["queue_s"]["admitted"] >= 4 and server["queue_s"]["mean"] >= 0  # prefill + decode admissions
     assert server["handoff_s"]["count"] == 4 and server["handoff_bytes"] > 0, server
+    assert server["l3_write_bytes"] > 0  # up backs every prompt up to L3 (Mooncake)
     assert (plots / "run_server.png").stat().st_size > 0  # the plots take --out's stem
 
 
