@@ -148,7 +148,7 @@ def _cli() -> list[str]:
 
 
 # Lines Mooncake prints on every start that report nothing wrong; ``up`` drops them from its output
-# unless --log-level debug (docs/mooncake.md, Known noise). Whole phrases, so no real error matches.
+# unless --log-level debug (docs/observability.md, Logs). Whole phrases, so no other line matches.
 KNOWN_NOISE = (
     # glog, in the master and every node: logging starts before glog's init (once per process)
     "WARNING: Logging before InitGoogleLogging() is written to STDERR",
