@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 from helpers.idle_backend import IdleBackend
-from helpers.metrics import samples
+from helpers.metrics import find, samples
 
 from tierserve.api.app import create_app
 from tierserve.api.metrics import ApiMetrics
@@ -53,3 +53,4 @@ def test_an_unhandled_exception_is_an_openai_shaped_500_and_counted() -> None:
     error = reply.json()["error"]
     assert error["type"] == "server_error" and "KeyError" in error["message"]
     assert _errors(metrics, "500") == 1
+    assert find(metrics, "tierserve_http_errors_total", status="500", code="internal_error") == 1  # why, by code

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
+import json
 import re
 import subprocess
 from collections.abc import Iterator
@@ -85,6 +86,17 @@ def test_schema_validation_is_not_vacuous() -> None:
     deployment["spec"]["template"]["spec"]["containers"][0]["readinesProbe"] = {}
     with pytest.raises(kv.ValidationError):
         kv.validate(deployment, K8S_VERSION, strict=True)
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_overlay_ships_the_grafana_dashboard_for_grafanas_sidecar(overlay: str) -> None:
+    """The ConfigMap holds the dashboard file as it is (``test_observability.py`` checks its queries)."""
+    maps = [m for m in of_kind(render(overlay), "ConfigMap") if m["metadata"]["name"] == "tierserve-grafana-dashboard"]
+    assert len(maps) == 1 and maps[0]["metadata"]["labels"]["grafana_dashboard"] == "1"
+    shipped = json.loads(maps[0]["data"]["tierserve-dashboard.json"])
+    assert shipped == json.loads((DEPLOY / "k8s/components/dashboard/tierserve-dashboard.json").read_text())
+    assert shipped["uid"] == "tierserve" and len(shipped["panels"]) > 20
 
 
 # ---- 2. every command line names only flags its program accepts ----------------------------------

@@ -46,7 +46,10 @@ def test_more_requests_than_pages_all_complete_and_pages_return(tiny_llama: Path
     small = _engine(tiny_llama, tokens=64, page_size=4)
     assert small.generate(prompts, GREEDY) == reference
     assert small.scheduler.num_preemptions > 0
-    assert small.stats()["kv_pages_used"] == 0
+    stats = small.stats()
+    assert stats["kv_pages_used"] == 0
+    # the queue-time counters (/metrics): each request once, a preempted one's second wait not counted
+    assert stats["admitted_requests"] == 12 and stats["queue_seconds"] > 0
     small.cache.evict(small.allocator.num_pages)
     assert small.allocator.num_used == 0
     small.allocator.check()

@@ -83,9 +83,9 @@ def test_a_fan_out_rejected_with_429_counts_one_http_error_and_no_request(cluste
     router, _ = cluster
     errors, aborts = metric(router, "tierserve_requests_total", finish_reason="error"), \
         metric(router, "tierserve_requests_total", finish_reason="abort")
-    rejected = metric(router, "tierserve_http_errors_total", status="429")
+    rejected = metric(router, "tierserve_http_errors_total", status="429", code="overloaded")
     assert fan_out(router, 2 * SLOTS).status_code == 429
-    assert metric(router, "tierserve_http_errors_total", status="429") == rejected + 1
+    assert metric(router, "tierserve_http_errors_total", status="429", code="overloaded") == rejected + 1
     assert metric(router, "tierserve_requests_total", finish_reason="error") == errors  # no choice ran
     assert metric(router, "tierserve_requests_total", finish_reason="abort") == aborts
     finished = metric(router, "tierserve_requests_total", finish_reason="length")

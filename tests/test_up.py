@@ -24,8 +24,10 @@ WRITE_DELAY_S = 0.8  # each L3 write call of the nodes (test fault): a follow-up
 
 
 def test_up_serves_chat_and_stops_cleanly_on_ctrl_c() -> None:
+    """At ``--log-level debug``, with Mooncake's lines that the default level drops
+    (``test_observability.py``): the master's metrics report and the nodes' known noise."""
     port = free_port()
-    proc, lines = start_up(port, "--max-total-tokens", "2048")
+    proc, lines = start_up(port, "--max-total-tokens", "2048", "--log-level", "debug")
     try:
         body = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 16,
                 "temperature": 0}
@@ -35,6 +37,9 @@ def test_up_serves_chat_and_stops_cleanly_on_ctrl_c() -> None:
         assert "curl http://127.0.0.1:" in text
         for role in ("[prefill-0]", "[decode-0]", "[router]"):
             assert role in text, role
+        for shown in ("] Master Admin Metrics:", "] Local segment descriptor not found", "DEBUG tierserve.",
+                      "INFO uvicorn.error"):
+            assert shown in text, shown
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0
         with pytest.raises(httpx.ConnectError):

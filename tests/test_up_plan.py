@@ -14,6 +14,7 @@ from helpers.up_plans import capture_plans, child_args, children, plan_up, run_u
 from tierserve import launch
 from tierserve.cli.flags import engine_config, engine_flags
 from tierserve.cli.main import build_parser
+from tierserve.launch.plan import KNOWN_NOISE
 
 pytestmark = pytest.mark.fakes
 
@@ -125,6 +126,19 @@ def test_up_gives_every_child_its_logging_flags(monkeypatch) -> None:
     router = build_parser().parse_args(["router", *plan.router_flags])
     assert (node.log_level, node.quiet_access_log) == (router.log_level, router.quiet_access_log) == ("warning", True)
     assert router.disaggregation_threshold == args.disaggregation_threshold
+
+
+@pytest.mark.parametrize(("level", "glog", "hidden"), [("info", 1, True), ("error", 2, True), ("debug", 0, False)])
+def test_below_debug_the_master_logs_warnings_only_and_mooncakes_known_noise_is_not_relayed(
+        monkeypatch, level: str, glog: int, hidden: bool) -> None:
+    """``mooncake_master`` at INFO dumps its metrics every 10 s; Mooncake prints harmless lines on
+    every node start (``launch.plan.KNOWN_NOISE``): both only at ``--log-level debug``."""
+    plans = capture_plans(monkeypatch)
+    assert run_up("--model", "m", "--log-level", level) == 0
+    specs = {spec.name: spec for stage in launch.stages(plans[0]) for spec in stage}
+    assert f"--minloglevel={glog}" in specs["mooncake-master"].argv
+    for name in ("mooncake-master", "prefill-0", "decode-0"):
+        assert (specs[name].hidden == KNOWN_NOISE) is hidden and bool(specs[name].hidden) is hidden
 
 
 # ---- layouts: TP, CP and PP sizes per role ---------------------------------------------------

@@ -23,6 +23,11 @@ def apply_defaults() -> None:
         os.environ.setdefault(name, value)
 
 
+def show_mooncake_info() -> None:
+    """``--log-level debug``: Mooncake's INFO lines too (set before it loads; the environment still wins)."""
+    os.environ.setdefault("MC_LOG_LEVEL", "INFO")
+
+
 def transfer_timeout_s(protocol: TransferProtocol) -> float:
     """The longest one transfer batch runs before Mooncake fails it, with the defaults applied: a
     writer that gave up can still land a batch until then (the decode grace must be longer)."""

@@ -301,7 +301,7 @@ def create_app(backend: Backend, tokenizer: TextTokenizer | None, model_name: st
                                                    media_type=CONTENT_TYPE_LATEST), methods=["GET"])
 
     def error(status: int, body: dict[str, Any]) -> Response:
-        api.metrics.errors.labels(str(status)).inc()
+        api.metrics.errors.labels(str(status), body["error"].get("code") or "").inc()
         return JSONResponse(body, status_code=status)
 
     @app.exception_handler(oa.APIError)
@@ -320,7 +320,7 @@ def create_app(backend: Backend, tokenizer: TextTokenizer | None, model_name: st
 
     @app.exception_handler(ClientDisconnected)
     async def on_gone(_: Request, __: ClientDisconnected) -> Response:
-        api.metrics.errors.labels("499").inc()  # a request given up before its answer: worth seeing
+        api.metrics.errors.labels("499", "").inc()  # a request given up before its answer: worth seeing
         return Response(status_code=499)  # nobody reads it; nginx's code for "client closed request"
 
     @app.exception_handler(Exception)  # a bug: Starlette logs the traceback after this answers

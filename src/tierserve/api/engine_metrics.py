@@ -23,6 +23,8 @@ _ENGINE_COUNTERS = {
     "preemptions": "tierserve_preemptions",
     "prefill_tokens_computed": "tierserve_prefill_tokens_computed",
     "schedule_held_steps": "tierserve_schedule_held_steps",
+    "admitted_requests": "tierserve_admitted_requests",  # with queue_seconds: the mean wait in the queue
+    "queue_seconds": "tierserve_queue_seconds",
     "reservation_leases_expired": "tierserve_reservation_leases_expired",
     "spec_draft_tokens": "tierserve_spec_draft_tokens",
     "spec_accepted_tokens": "tierserve_spec_accepted_tokens",

@@ -27,7 +27,9 @@ class ApiMetrics:
 
         self.requests = Counter("tierserve_requests", "Choices that ran (produced output), by how they ended",
                                 ["finish_reason"], registry=r)
-        self.errors = Counter("tierserve_http_errors", "Error responses, by status", ["status"], registry=r)
+        self.errors = Counter("tierserve_http_errors", "Error responses, by status and the error's code (why a "
+                              "429 shed it: overloaded, tenant_limit; empty when the error has none)",
+                              ["status", "code"], registry=r)
         self.prompt_tokens = Counter("tierserve_prompt_tokens", "Prompt tokens of ended requests", registry=r)
         self.generation_tokens = Counter("tierserve_generation_tokens", "Generated tokens", registry=r)
         self.cached_tokens = Counter("tierserve_cached_tokens", "Prompt tokens from cache", ["tier"], registry=r)

@@ -24,6 +24,7 @@ _EXPORTS = {
     "TraceConfig": "traces", "mooncake_trace": "traces", "azure_trace": "traces",
     "IdealCache": "ideal", "ideal_cached_tokens": "ideal",
     "compare": "compare", "save_plots": "plots", "plot_ttft_cdf": "plots", "plot_hit_rate": "plots",
+    "plot_server_view": "plots", "server_figures": "server_metrics",
 }
 __all__ = sorted(_EXPORTS)
 

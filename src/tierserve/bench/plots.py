@@ -8,6 +8,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from tierserve.bench.records import TIERS
 from tierserve.bench.report import Report
 
 log = logging.getLogger(__name__)
@@ -61,15 +62,50 @@ def plot_hit_rate(reports: dict[str, Report], path: Path, bins: int = 20) -> Pat
     return _save(fig, path)
 
 
+def plot_server_view(report: Report, path: Path) -> Path:
+    """The client's figures beside the servers' (``--scrape-metrics``): hit rate by tier, and the
+    median TTFT and E2E with the servers' mean queue and handoff times."""
+    plt = _require()
+    client, server = report.summary(), report.server or {}
+    fig, (rates, times) = plt.subplots(1, 2, figsize=(10, 4))
+    tiers = list(TIERS)
+    for i, (label, by_tier) in enumerate((("client", client["hit_rate_by_tier"]),
+                                          ("server", server.get("hit_rate_by_tier", {})))):
+        rates.bar([t + i * 0.4 for t in range(len(tiers))], [100 * (by_tier.get(t) or 0) for t in tiers], 0.4,
+                  label=label)
+    rates.set(xticks=[t + 0.2 for t in range(len(tiers))], xticklabels=tiers, ylabel="% of prompt tokens",
+              title="hit rate by tier")
+    bars = {"TTFT p50 client": client["ttft_s"]["median"], "TTFT p50 server": _get(server, "ttft_s", "p50"),
+            "E2E p50 client": client["e2e_s"]["median"], "E2E p50 server": _get(server, "e2e_s", "p50"),
+            "node queue mean": _get(server, "queue_s", "mean"), "handoff mean": _get(server, "handoff_s", "mean"),
+            "handoff exposed mean": _get(server, "handoff_exposed_s", "mean")}
+    times.barh(list(bars), [1000 * (v or 0) for v in bars.values()],
+               color=["C0" if "client" in k else "C1" for k in bars])
+    times.invert_yaxis()
+    times.set(xlabel="ms", title="latency: client and servers")
+    for ax in (rates, times):
+        ax.grid(alpha=0.3)
+    rates.legend()
+    return _save(fig, path)
+
+
+def _get(server: dict[str, Any], key: str, stat: str) -> float | None:
+    return (server.get(key) or {}).get(stat)
+
+
 def save_plots(report: Report, out_dir: Path, stem: str, label: str = "run") -> list[Path]:
-    """``<stem>_ttft_cdf.png`` and ``<stem>_hit_rate.png`` in ``out_dir``; [] without matplotlib."""
+    """``<stem>_ttft_cdf.png`` and ``<stem>_hit_rate.png`` in ``out_dir``, and ``<stem>_server.png``
+    when the report has the servers' view; [] without matplotlib."""
     if _pyplot() is None:
         log.warning("matplotlib is not installed: no plots (pip install matplotlib)")
         return []
     out_dir.mkdir(parents=True, exist_ok=True)
     reports = {label: report}
-    return [plot_ttft_cdf(reports, out_dir / f"{stem}_ttft_cdf.png"),
-            plot_hit_rate(reports, out_dir / f"{stem}_hit_rate.png")]
+    paths = [plot_ttft_cdf(reports, out_dir / f"{stem}_ttft_cdf.png"),
+             plot_hit_rate(reports, out_dir / f"{stem}_hit_rate.png")]
+    if report.server and "error" not in report.server:
+        paths.append(plot_server_view(report, out_dir / f"{stem}_server.png"))
+    return paths
 
 
 def _require() -> Any:

@@ -11,7 +11,8 @@ server's tiers sum to its cached tokens); ``hit_rate_by_round`` {round: rate} fo
 ``ideal_hit_rate`` = the ideal cached tokens (an unbounded prefix cache over the prompts the run
 sent, ``bench.ideal``) / prompt tokens, and ``efficiency`` = ``hit_rate`` / ``ideal_hit_rate``, both
 over the successful requests (None where the ideal is unknown, or 0 for ``efficiency``);
-``tokens.ideal_cached`` is the numerator (None where unknown)."""
+``tokens.ideal_cached`` is the numerator (None where unknown); ``server``: the servers' own figures
+over the run (``bench.server_metrics``; None without ``--scrape-metrics``)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from tierserve.bench.records import TIERS, RequestRecord
+from tierserve.bench.server_metrics import server_lines
 
 STATS = ("mean", "median", "p90", "p99")
 
@@ -70,11 +72,13 @@ def hit_rates(records: list[RequestRecord]) -> tuple[float | None, dict[str, flo
 @dataclass
 class Report:
     """``records`` in send order, the run's wall ``duration`` and ``meta`` (endpoint, workload,
-    options)."""
+    options); ``server``: the servers' view (``server_metrics.server_figures``, or {"error": why}),
+    None when not asked for."""
 
     records: list[RequestRecord]
     duration: float
     meta: dict[str, Any]
+    server: dict[str, Any] | None = None
 
     @property
     def ok(self) -> list[RequestRecord]:
@@ -105,6 +109,7 @@ class Report:
             "ideal_hit_rate": ideal,
             "efficiency": efficiency(rate, ideal),
             "speculative": speculative(ok),
+            "server": self.server,
         }
 
     def hit_rate_by_round(self) -> dict[int, float | None]:
@@ -128,14 +133,15 @@ class Report:
         return format_table(self.summary(), self.meta)
 
     def to_json(self, path: Path | str) -> None:
-        data = {"meta": self.meta, "duration_s": self.duration, "summary": self.summary(),
+        data = {"meta": self.meta, "duration_s": self.duration, "summary": self.summary(), "server": self.server,
                 "records": [r.to_json() for r in self.records]}
         Path(path).write_text(json.dumps(data, indent=1))
 
     @classmethod
     def from_json(cls, path: Path | str) -> Report:
         data = json.loads(Path(path).read_text())
-        return cls([RequestRecord.from_json(r) for r in data["records"]], data["duration_s"], data["meta"])
+        return cls([RequestRecord.from_json(r) for r in data["records"]], data["duration_s"], data["meta"],
+                   data.get("server"))
 
 
 def format_table(s: dict[str, Any], meta: dict[str, Any]) -> str:
@@ -156,6 +162,8 @@ def format_table(s: dict[str, Any], meta: dict[str, Any]) -> str:
     if s.get("speculative"):
         spec = s["speculative"]
         lines.append(f"speculative: {_pct(spec['acceptance_rate'])} of {spec['draft_tokens']} draft tokens accepted")
+    if s.get("server"):
+        lines += server_lines(s["server"])
     return "\n".join(lines)
 
 

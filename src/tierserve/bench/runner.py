@@ -29,10 +29,12 @@ from tierserve.bench.client import ClientConfig, discover_model, send
 from tierserve.bench.ideal import DEFAULT_PAGE_SIZE, fill_ideal
 from tierserve.bench.records import Prompt, RequestRecord, RequestSpec
 from tierserve.bench.report import Report
+from tierserve.bench.server_metrics import Samples, ScrapeError, scrape, server_figures
 from tierserve.bench.workloads import Session, Workload
 
 Mode = Literal["closed", "poisson", "trace"]
 MODES: tuple[Mode, ...] = ("closed", "poisson", "trace")
+SETTLE_S = 5.0  # after the run, how long the servers' counters get to count its last requests
 
 
 @dataclass
@@ -40,7 +42,8 @@ class BenchOptions:
     """How to load the endpoint. ``time_scale`` multiplies trace arrival offsets (0.1 replays ten
     times faster); ``barrier`` holds every conversation's round r+1 until all finished round r;
     ``model`` None asks the server's /v1/models. ``extra_body`` goes into every request.
-    ``page_size`` is the server's KV page size, for the ideal hit rate."""
+    ``page_size`` is the server's KV page size, for the ideal hit rate. ``metrics_urls``: the servers'
+    ``/metrics`` read before and after the run for their own figures (``Report.server``); empty: none."""
 
     mode: Mode = "closed"
     clients: int = 8
@@ -57,6 +60,7 @@ class BenchOptions:
     ignore_eos: bool = True
     extra_body: dict[str, Any] = field(default_factory=dict)
     page_size: int = DEFAULT_PAGE_SIZE
+    metrics_urls: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -101,13 +105,34 @@ async def run_bench_async(endpoint: str, workload: Workload, options: BenchOptio
     async with httpx.AsyncClient(limits=limits, transport=transport) as client:
         if config.model is None:
             config.model = await discover_model(client, config)
+        before = await scrape(client, list(options.metrics_urls))  # ScrapeError: no run
         run = _Run(client, config, options, workload)
         started = time.time()
         await run.all(arrivals(workload, options))
+        server = await _server_view(client, options, before, sum(r.ok for r in run.records))
         ideal = await fill_ideal(client, config, run.records, run.prompts, options.page_size)
     meta = {"endpoint": endpoint, "model": config.model, "started": started, "workload": workload.name,
             "workload_params": workload.params, "options": _options_json(options), "ideal": ideal}
-    return Report(sorted(run.records, key=lambda r: r.index), run.duration, meta)
+    return Report(sorted(run.records, key=lambda r: r.index), run.duration, meta, server)
+
+
+async def _server_view(client: httpx.AsyncClient, options: BenchOptions, before: dict[str, Samples],
+                       answered: int) -> dict[str, Any] | None:
+    """``server_figures`` once the API has counted the ``answered`` requests (it counts each as its
+    response ends, which the client may see first), or after ``SETTLE_S``; {"error": why} when a
+    server no longer answers."""
+    if not options.metrics_urls:
+        return None
+    deadline = time.monotonic() + SETTLE_S
+    while True:
+        try:
+            after = await scrape(client, list(options.metrics_urls))
+        except ScrapeError as exc:
+            return {"error": str(exc)}
+        figures = server_figures(before, after)
+        if figures["requests"] >= answered or time.monotonic() > deadline:
+            return figures
+        await asyncio.sleep(0.1)
 
 
 class _Run:

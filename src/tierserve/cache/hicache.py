@@ -96,7 +96,7 @@ class HiCache:
         self.loads = Loads(self.tree, allocator)
         self.counters: Counter[str] = Counter()  # engine thread only
         for name in ("cp_refused_pages_total", "offload_checkpoint_pages_total", "offload_deferred_pages_total",
-                     "inflight_shared_pages_total"):
+                     "inflight_shared_pages_total", "device_evicted_pages_total", "host_evicted_pages_total"):
             self.counters[name] += 0  # always published
         self.agreement = agreement or SingleRank()
         self.l3 = L3Slot(self._storage_tier, lambda: self.busy)
@@ -312,7 +312,7 @@ class HiCache:
         out["l2_write_bytes_total"] = self.counters["l2_write_pages_total"] * page
         out["l2_load_bytes_total"] = self.counters["l2_load_pages_total"] * page
         out["l2_load_failures_total"] = self.loads.failures
-        return out | self.l3.stats()
+        return out | _l3_bytes(self.l3.stats(), page)
 
     def on_step(self) -> None:
         """Agrees with the other ranks (one collective) on what finished, then applies it."""
@@ -469,3 +469,12 @@ def _timed(fn, *args) -> float:
     start = time.perf_counter()
     fn(*args)
     return time.perf_counter() - start
+
+
+def _l3_bytes(l3: dict[str, float], page_bytes: int) -> dict[str, float]:
+    """The L3 tier's counters plus its bytes written and read (this rank's share of each page, as
+    for L2), for the bandwidth panels; no L3: nothing added."""
+    if "l3_backup_pages_total" not in l3:
+        return l3
+    return l3 | {"l3_backup_bytes_total": l3["l3_backup_pages_total"] * page_bytes,
+                 "l3_prefetch_bytes_total": l3["l3_prefetch_pages_total"] * page_bytes}

@@ -42,6 +42,17 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=16,
                    help="the server's KV page size, for the ideal hit rate (tierserve's default: 16)")
 
+    server = p.add_argument_group("the servers' view")
+    server.add_argument("--scrape-metrics", action="store_true",
+                        help="read the endpoint's /metrics (and the nodes', below) before and after the run and "
+                             "add the servers' own figures to the report and plots: hit rate by tier, TTFT, "
+                             "queue time, handoff time and bytes")
+    server.add_argument("--metrics-url", action="append", default=[], metavar="URL",
+                        help="with --scrape-metrics: another server's /metrics, e.g. a node's (repeat the flag)")
+    server.add_argument("--up-state", type=Path, metavar="FILE",
+                        help="with --scrape-metrics: the nodes' /metrics URLs from this `tierserve up "
+                             "--state-file` FILE")
+
     load = p.add_argument_group("load")
     load.add_argument("--mode", choices=["closed", "poisson", "trace"],
                       help="closed loop (--clients), Poisson arrivals (--rate) or the trace's times "
@@ -105,7 +116,29 @@ def bench_options(args: argparse.Namespace) -> Any:
     return BenchOptions(mode=mode, clients=args.clients, rate=args.rate, time_scale=args.time_scale,
                         max_concurrency=args.max_concurrency, barrier=args.barrier, timeout_s=args.timeout,
                         seed=args.seed, progress=not args.no_progress, model=args.model, api_key=args.api_key,
-                        extra_body=args.extra_body, page_size=args.page_size)
+                        extra_body=args.extra_body, page_size=args.page_size, metrics_urls=metrics_urls(args))
+
+
+def metrics_urls(args: argparse.Namespace) -> tuple[str, ...]:
+    """The /metrics URLs to read (none without --scrape-metrics): the endpoint's, then the nodes'.
+    Raises ValueError for node URLs without --scrape-metrics, OSError for an unreadable state file."""
+    if not args.scrape_metrics:
+        if args.metrics_url or args.up_state:
+            raise ValueError("--metrics-url and --up-state need --scrape-metrics")
+        return ()
+    from tierserve.bench.server_metrics import metrics_url
+
+    nodes = _up_state_urls(args.up_state) if args.up_state else []
+    return tuple(dict.fromkeys([metrics_url(args.endpoint), *args.metrics_url, *nodes]))
+
+
+def _up_state_urls(path: Path) -> list[str]:
+    """The prefill and decode nodes' metrics URLs in ``tierserve up``'s state file."""
+    try:
+        children = json.loads(path.read_text())["children"]
+        return [c["metrics_url"] for c in children if c["role"] in ("prefill", "decode") and c["metrics_url"]]
+    except (KeyError, TypeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path} is not a `tierserve up --state-file` file: {exc!r}") from None
 
 
 def cmd_bench_run(args: argparse.Namespace) -> int:
@@ -117,8 +150,14 @@ def cmd_bench_run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"tierserve bench: {exc}", file=sys.stderr)
         return 2
+    from tierserve.bench.server_metrics import ScrapeError
+
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request would bury the bar
-    report = run_bench(args.endpoint, workload, options)
+    try:
+        report = run_bench(args.endpoint, workload, options)
+    except ScrapeError as exc:  # before the run: a wrong URL is a usage error
+        print(f"tierserve bench: --scrape-metrics: {exc}", file=sys.stderr)
+        return 2
     print(report.table())
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

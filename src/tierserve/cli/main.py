@@ -6,7 +6,6 @@ command functions, so ``--help`` stays fast."""
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from collections.abc import Sequence
 
@@ -17,16 +16,16 @@ from tierserve.cli.prefill import add_prefill_args, cmd_prefill
 from tierserve.cli.router import add_router_args, cmd_router
 from tierserve.cli.serve import add_serve_args, cmd_serve
 from tierserve.cli.up import add_up_args, cmd_up
-
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+from tierserve.core.logs import LOG_FORMAT, configure_logging, third_party_verbose
+from tierserve.mooncake_env import show_mooncake_info
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the process exit status."""
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT, stream=sys.stderr)
-    if args.quiet_access_log:
-        logging.getLogger("uvicorn.access").setLevel(logging.WARNING)
+    configure_logging(args.log_level, args.quiet_access_log, format=LOG_FORMAT, stream=sys.stderr)
+    if third_party_verbose(args.log_level):
+        show_mooncake_info()
     return args.func(args)
 
 

@@ -116,7 +116,8 @@ def cmd_up(args: argparse.Namespace) -> int:
                        args.state_file, restart, [*integrity, *args.prefill_args], [*integrity, *args.decode_args],
                        args.prefill_tp_size,
                        args.decode_tp_size, args.prefill_pp_size, args.decode_pp_size, args.prefill_cp_size, tls,
-                       args.prefill_pp_layer_partition, args.decode_pp_layer_partition, args.decode_cp_size)
+                       args.prefill_pp_layer_partition, args.decode_pp_layer_partition, args.decode_cp_size,
+                       log_level=args.log_level)
     return up(plan, lambda base, children: _announce(args, base, children, tls))
 
 

@@ -256,6 +256,8 @@ class Engine:
             "preemptions": self.scheduler.num_preemptions,
             "prefill_tokens_computed": self.prefill_tokens_computed,
             "schedule_held_steps": self.scheduler.num_held,
+            "admitted_requests": self.scheduler.num_admitted,
+            "queue_seconds": self.scheduler.queue_seconds,
             "reservations": len(self.reservations.active),
             "reservation_pages_quarantined": self.reservations.quarantined_pages,
             "reservation_staging_bytes": self.reservations.staging.used_bytes if self.reservations.staging else 0,

@@ -54,6 +54,7 @@ class Request:
     text: TextStream | None = None
     arrival: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
+    queued_s: float | None = None  # arrival to first admission (``Scheduler._count_queued``); None before
     handoff: Handoff | None = None  # where the prompt's KV goes as it is computed (prefill role)
     draft_computed: int = 0  # speculative decoding: tokens with KV in the draft's pool (same pages)
     spec_draft_tokens: int = 0  # draft tokens proposed for this request, and accepted

@@ -14,6 +14,7 @@ for those pages (``_held``), at most as many steps as computing that prefix itse
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -91,6 +92,8 @@ class Scheduler:
         self.parked: list[_Parked] = []
         self.num_preemptions = 0
         self.num_held = 0  # request-steps spent waiting for a prefix another request was computing
+        self.num_admitted = 0  # requests admitted for the first time, and their seconds from arrival to then
+        self.queue_seconds = 0.0
 
     def add(self, request: Request) -> None:
         request.prefetch = self.cache.prefetch(request.token_ids(), request.scope, request.l3_pending)
@@ -199,10 +202,20 @@ class Scheduler:
                 request.num_computed = 0
                 break
             self.waiting.remove(request)
+            self._count_queued(request)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             batch.append(Scheduled(request, n))
             budget -= n
+
+    def _count_queued(self, request: Request) -> None:
+        """Arrival to first admission (an L3 prefetch's wait included), for ``/metrics``; a
+        preempted request's second wait is the scheduler's doing, not queueing, so it is not counted.
+        Wall time: only rank 0's counts are exported; no decision depends on it."""
+        if request.queued_s is None:
+            request.queued_s = time.monotonic() - request.arrival
+            self.num_admitted += 1
+            self.queue_seconds += request.queued_s
 
     def _order(self) -> list[Request]:
         """The waiting requests in the order to admit them: ``lpm``, the most pages already cached

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 
+from tierserve.core.logs import third_party_verbose
 from tierserve.core.node_auth import TLSFiles
 from tierserve.launch.probes import free_port
 from tierserve.launch.tls import ClusterTLS
@@ -73,6 +74,7 @@ class ClusterPlan:
     prefill_pp_partition: tuple[int, ...] | None = None
     decode_pp_partition: tuple[int, ...] | None = None
     decode_cp: int = 1
+    log_level: str = "info"  # ``up``'s --log-level: below debug, Mooncake's INFO lines and known noise are dropped
 
     def role_flags(self, role: ChildRole) -> list[str]:
         """A role's own flags: its TP, PP and CP sizes (when above 1), its layer partition (when
@@ -123,6 +125,7 @@ class ChildSpec:
     ports: Ports = Ports()
     host: str = "127.0.0.1"
     tls: TLSFiles | None = None  # what probes of its gRPC port present (it serves TLS)
+    hidden: tuple[str, ...] = ()  # output lines containing one of these are not relayed (``KNOWN_NOISE``)
 
     @property
     def metrics_url(self) -> str | None:
@@ -132,7 +135,7 @@ class ChildSpec:
 def stages(plan: ClusterPlan) -> list[list[ChildSpec]]:
     """The children in start order, by stage: each stage starts once the one before is ready
     (master, then the nodes, then the router, which needs a healthy pair)."""
-    master = _master() if plan.with_l3 else None
+    master = _master(plan.log_level) if plan.with_l3 else None
     flags = [*plan.node_flags, *(l3_flags(plan, master.ports.rpc) if master else []),
              *(plan.tls.node_flags() if plan.tls else [])]
     nodes = [_node(plan, role, i, flags) for role, n in ((ChildRole.PREFILL, plan.prefill_nodes),
@@ -144,11 +147,32 @@ def _cli() -> list[str]:
     return [sys.executable, "-m", "tierserve.cli"]
 
 
-def _master() -> ChildSpec:
+# Lines Mooncake prints on every start that report nothing wrong; ``up`` drops them from its output
+# unless --log-level debug (docs/observability.md, Logs). Whole phrases, so no other line matches.
+KNOWN_NOISE = (
+    # glog, in the master and every node: logging starts before glog's init (once per process)
+    "WARNING: Logging before InitGoogleLogging() is written to STDERR",
+    # the transfer engine, at ERROR, in every node as each of its Mooncake clients starts; L3 and the
+    # handoff work after it. Mooncake's log level cannot drop it without dropping real errors.
+    "] Local segment descriptor not found",
+    # the master, twice for each segment a node mounts (the mount succeeds)
+    ", warn=segment_already_exists",
+)
+GLOG_LEVELS = {"debug": 0, "info": 1, "warning": 1, "error": 2}  # glog: 0 INFO, 1 WARNING, 2 ERROR
+
+
+def _master(log_level: str) -> ChildSpec:
+    """``mooncake_master``; below debug it logs warnings and errors only (glog's ``--minloglevel``):
+    its INFO lines include a metrics dump every 10 s (``--metrics_port`` serves the same figures)."""
     ports = Ports(rpc=free_port(), metrics=free_port())
     binary = str(Path(sys.executable).parent / "mooncake_master")
-    return ChildSpec("mooncake-master", ChildRole.MASTER,
-                     (binary, f"--rpc_port={ports.rpc}", f"--metrics_port={ports.metrics}"), ports)
+    argv = (binary, f"--rpc_port={ports.rpc}", f"--metrics_port={ports.metrics}",
+            f"--minloglevel={GLOG_LEVELS[log_level]}")
+    return ChildSpec("mooncake-master", ChildRole.MASTER, argv, ports, hidden=_hidden(log_level))
+
+
+def _hidden(log_level: str) -> tuple[str, ...]:
+    return () if third_party_verbose(log_level) else KNOWN_NOISE
 
 
 def _node(plan: ClusterPlan, role: ChildRole, index: int, flags: list[str]) -> ChildSpec:
@@ -158,7 +182,8 @@ def _node(plan: ClusterPlan, role: ChildRole, index: int, flags: list[str]) -> C
     argv = [*_cli(), role.value, "--model", str(plan.model_dir), "--port", str(ports.grpc),
             "--metrics-port", str(ports.metrics), "--kv-events-port", str(ports.kv_events), *flags,
             *plan.role_flags(role)]
-    return ChildSpec(f"{role.value}-{index}", role, tuple(argv), ports, tls=plan.tls.client() if plan.tls else None)
+    return ChildSpec(f"{role.value}-{index}", role, tuple(argv), ports, tls=plan.tls.client() if plan.tls else None,
+                     hidden=_hidden(plan.log_level))
 
 
 def _router(plan: ClusterPlan, nodes: list[ChildSpec]) -> ChildSpec:

@@ -52,7 +52,7 @@ class Child:
         self.proc = subprocess.Popen(self.spec.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      bufsize=1, start_new_session=True,  # Ctrl-C reaches us only; we stop in order
                                      preexec_fn=_die_with_parent)
-        threading.Thread(target=_relay, args=(self.name, self.proc), daemon=True).start()
+        threading.Thread(target=_relay, args=(self.name, self.proc, self.spec.hidden), daemon=True).start()
 
     def stop(self) -> None:
         """SIGTERM, then SIGKILL after ``STOP_GRACE_S``; returns once the process is gone."""
@@ -110,9 +110,12 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def _relay(name: str, proc: subprocess.Popen) -> None:
-    """Copies a child's output to ours, each line prefixed by its name."""
+def _relay(name: str, proc: subprocess.Popen, hidden: tuple[str, ...] = ()) -> None:
+    """Copies a child's output to ours, each line prefixed by its name, but for lines containing
+    one of ``hidden`` (known noise, ``ChildSpec.hidden``)."""
     assert proc.stdout is not None
     for line in proc.stdout:
+        if any(text in line for text in hidden):
+            continue
         sys.stdout.write(f"[{name}] {line}")
         sys.stdout.flush()

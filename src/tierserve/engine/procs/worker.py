@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 
+from tierserve.core.logs import configure_logging
 from tierserve.engine.commands import Bind, EngineCall, EngineCommand, RankRole, runs_collectives
 from tierserve.engine.config import EngineConfig
 from tierserve.engine.engine import Engine
@@ -92,4 +93,4 @@ def _die_with_parent(parent_pid: int) -> None:
 def _log_as(rank: int, level: str) -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s %(name)s[rank {rank}]: %(message)s"))
-    logging.basicConfig(level=level.upper(), handlers=[handler])
+    configure_logging(level, handlers=[handler])
