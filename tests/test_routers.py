@@ -24,7 +24,8 @@ from helpers.polling import wait_for
 from helpers.processes import NodeProcess, RouterProcess
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-CONVERSATIONS, TURNS, QUESTION, ANSWER = 6, 3, 30, 12
+CONVERSATIONS, TURNS, QUESTION, ANSWER = 6, 4, 30, 12
+MAX_TOKENS = 48  # long enough that the conversations' requests overlap on the decode nodes
 Nodes = tuple[list[NodeProcess], list[NodeProcess]]
 # The slow prefill node's handoffs wait this long before their first batch: A is killed meanwhile.
 # Below the decode nodes' grace, so a late batch lands in quarantined pages, as a real one would.
@@ -69,7 +70,7 @@ class Conversation:
         self.rng, self.history = rng, [rng.randrange(2, 384) for _ in range(150)]
 
     def turn(self, url: str, salt: str) -> dict:
-        body = {"prompt": self.history, "max_tokens": ANSWER, "temperature": 0, "ignore_eos": True,
+        body = {"prompt": self.history, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
                 "cache_salt": salt}
         r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
         assert r.status_code == 200, r.text
