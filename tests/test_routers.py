@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import grpc
 import httpx
 import pytest
 from helpers.injected_faults import handoff_env
@@ -23,8 +24,11 @@ from helpers.pd_nodes import DECODE_ARGS, NODE_ARGS, PAGE
 from helpers.polling import wait_for
 from helpers.processes import NodeProcess, RouterProcess
 
+from tierserve.proto import tierserve_pb2 as pb
+from tierserve.proto import tierserve_pb2_grpc as pb_grpc
+
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-CONVERSATIONS, TURNS, QUESTION, ANSWER = 6, 4, 30, 12
+CONVERSATIONS, TURNS, QUESTION, ANSWER = 6, 5, 30, 12
 MAX_TOKENS = 48  # long enough that the conversations' requests overlap on the decode nodes
 Nodes = tuple[list[NodeProcess], list[NodeProcess]]
 # The slow prefill node's handoffs wait this long before their first batch: A is killed meanwhile.
@@ -100,6 +104,40 @@ def decode_counts(routers: list[RouterProcess], since: list[int]) -> Counter:
     return counts
 
 
+class LoadSampler:
+    """Samples each decode node's load (requests running, waiting and reserved, as its ``Load``
+    RPC says) every ``interval_s`` on a thread, while a load runs."""
+
+    def __init__(self, nodes: list[NodeProcess], interval_s: float = 0.02) -> None:
+        self.nodes, self.interval_s = nodes, interval_s
+        self.samples: list[list[float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> LoadSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        channels = [grpc.insecure_channel(n.address) for n in self.nodes]
+        stubs = [pb_grpc.NodeServiceStub(c) for c in channels]
+        try:
+            while not self._stop.wait(self.interval_s):  # sampling period
+                reports = [stub.Load(pb.LoadRequest(), timeout=10) for stub in stubs]
+                self.samples.append([r.running + r.waiting + r.reservations for r in reports])
+        finally:
+            for channel in channels:
+                channel.close()
+
+    def means(self) -> list[float]:
+        busy = [s for s in self.samples if sum(s)]
+        return [sum(s[i] for s in busy) / len(busy) for i in range(len(self.nodes))]
+
+
 def routes(router: RouterProcess) -> list[dict]:
     return httpx.get(f"{router.url}/debug/state", timeout=10).json()["routes"]
 
@@ -114,19 +152,23 @@ def test_two_routers_hit_the_cache_as_one_and_balance_the_decode_nodes(long_llam
         one = run_load([routers[0].url], [Conversation(random.Random(i)) for i in range(CONVERSATIONS)], "one",
                        TURNS)
         since = [len(routes(r)) for r in routers]
-        two = run_load([r.url for r in routers], [Conversation(random.Random(i)) for i in range(CONVERSATIONS)],
-                       "two", TURNS)
+        with LoadSampler(decodes) as sampler:
+            two = run_load([r.url for r in routers], [Conversation(random.Random(i)) for i in range(CONVERSATIONS)],
+                           "two", TURNS)
         counts = decode_counts(routers, since)
         states = [httpx.get(f"{r.url}/debug/state", timeout=10).json()["workers"] for r in routers]
     finally:
         for router in routers:
             router.stop()
-    print(f"hit rate: one router {hit_rate(one):.3f}, two routers {hit_rate(two):.3f}; decode picks {counts}")
+    means = sampler.means()
+    print(f"hit rate: one router {hit_rate(one):.3f}, two routers {hit_rate(two):.3f}; decode picks {counts}; "
+          f"mean decode node load {[round(m, 2) for m in means]} over {len(sampler.samples)} samples")
     assert abs(hit_rate(two) - hit_rate(one)) <= 0.05
     assert hit_rate(one) > 0.5, "follow-up turns hit their prefix"
-    total = sum(counts.values())
-    assert total == CONVERSATIONS * TURNS and len(counts) == 2
-    assert all(abs(n - total / 2) <= 0.2 * total / 2 for n in counts.values()), counts
+    assert sum(counts.values()) == CONVERSATIONS * TURNS and len(counts) == 2
+    assert len(sampler.samples) >= 20, "enough samples to judge the balance"
+    even = sum(means) / 2  # each node's mean load (requests on it while any ran) within 20% of even
+    assert all(abs(m - even) <= 0.2 * even for m in means), means
     for workers in states:  # each router balanced on what the nodes reported, not on its own counts
         assert all(w["node_load"] is not None for w in workers), workers
 

@@ -36,6 +36,10 @@ from tierserve.transfer.engine import PeerEngines, TransferEngineHandle
 
 log = logging.getLogger(__name__)
 HEALTH_POLL_S = 0.25  # how often gRPC health reads the engine's (``EngineLoop.healthy``: a step overdue)
+# HTTP/2 pings to every caller: a router whose host vanished without a TCP reset loses its connection,
+# so its sessions end and its requests are freed, within 15 s (``node/sessions.py``), not TCP's minutes.
+KEEPALIVE = [("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000),
+             ("grpc.http2.max_pings_without_data", 0)]
 
 
 @dataclass(frozen=True)
@@ -141,7 +145,8 @@ def _check_fits(config: EngineConfig) -> None:
 
 
 async def _serve(node: Node, options: NodeOptions, role: pb.Role, add_service: AddService) -> None:
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)], interceptors=server_interceptors(options.node_token))
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0), *KEEPALIVE],
+                             interceptors=server_interceptors(options.node_token))
     service_name = add_service(server, node)
     model_name = options.served_model_name or node.engine.config.model_dir.name
     events = advertised_endpoint(node.kv_events.endpoint, options.transfer_hostname) if node.kv_events else ""
