@@ -30,6 +30,9 @@ from tierserve.proto import tierserve_pb2_grpc as pb_grpc
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 CONVERSATIONS, TURNS, QUESTION, ANSWER = 6, 5, 30, 12
 MAX_TOKENS = 48  # long enough that the conversations' requests overlap on the decode nodes
+# A conversation's first prompt: 25 pages, so the holder's cached prefix outweighs a few requests more on
+# it (cache_aware's load cost) and the hit rate does not swing with the moment's load.
+HISTORY = 400
 Nodes = tuple[list[NodeProcess], list[NodeProcess]]
 # The slow prefill node's handoffs wait this long before their first batch: A is killed meanwhile.
 # Below the decode nodes' grace, so a late batch lands in quarantined pages, as a real one would.
@@ -71,7 +74,7 @@ class Conversation:
     """A multi-turn conversation: each turn sends the whole history plus a new question."""
 
     def __init__(self, rng: random.Random) -> None:
-        self.rng, self.history = rng, [rng.randrange(2, 384) for _ in range(150)]
+        self.rng, self.history = rng, [rng.randrange(2, 384) for _ in range(HISTORY)]
 
     def turn(self, url: str, salt: str) -> dict:
         body = {"prompt": self.history, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
