@@ -4,10 +4,10 @@ Starts ``tierserve up`` on a tiny random Llama that speaks the built-in model's 
 (2 prefill, 2 decode, ``mooncake_master``, router) and, beside it, a node without prefix cache
 whose greedy outputs are the reference. Runs the experiments of ``faults.experiments`` one after
 the other on the same cluster (the injected transfer failures on a second cluster whose prefill
-nodes fail that share of their transfers), and after each waits up to 10 s for every node to
-give its pages back. Writes ``benchmarks/RELIABILITY.md``: per experiment, requests sent,
-succeeded, failed (by kind and status), wrong outputs, what nodes still held 10 s after, RSS
-growth of the cluster's processes, recovery time.
+nodes fail that share of their transfers, the killed router on one with two routers), and after
+each waits up to 10 s for every node to give its pages back. Writes ``benchmarks/RELIABILITY.md``:
+per experiment, requests sent, succeeded, failed (by kind and status), wrong outputs, what nodes
+still held 10 s after, RSS growth of the cluster's processes, recovery time.
 
     .venv/bin/python benchmarks/reliability.py [--only soak,burst] [--out benchmarks/RELIABILITY.md]
 """
@@ -26,7 +26,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 from faults.cluster import Cluster
-from faults.experiments import EXPERIMENTS, RANK_EXPERIMENTS, Experiment, Row, loaded, settle, transfer_failures
+from faults.experiments import (
+    EXPERIMENTS,
+    RANK_EXPERIMENTS,
+    Experiment,
+    Row,
+    kill_router,
+    loaded,
+    settle,
+    transfer_failures,
+)
 from faults.report import write
 from faults.workload import Reference, make_model, requests
 
@@ -113,7 +122,7 @@ def main() -> int:
     p.add_argument("--workdir", type=Path, help="logs and the tiny model (default: a temporary folder)")
     args = p.parse_args()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="tierserve-reliability-"))
-    every = [*EXPERIMENTS, transfer_failures, *RANK_EXPERIMENTS]
+    every = [*EXPERIMENTS, transfer_failures, kill_router, *RANK_EXPERIMENTS]
     chosen = [e for e in every if not args.only or e.__name__ in args.only.split(",")]
     model = make_model(workdir / "tiny-llama", fetch_builtin_model(progress=False))
     ref_proc, ref_url = start_reference(model, workdir)
@@ -124,6 +133,8 @@ def main() -> int:
             if main_experiments else []
         if transfer_failures in chosen:
             rows += with_cluster(model, workdir / "faulty", reference, [transfer_failures], TRANSFER_FAULT_RATE)
+        if kill_router in chosen:
+            rows += with_cluster(model, workdir / "routers", reference, [kill_router], 0.0, ["--routers", "2"])
         if rank_experiments := [e for e in chosen if e in RANK_EXPERIMENTS]:
             rows += with_cluster(model, workdir / "ranks", reference, rank_experiments, 0.0, RANK_LAYOUT)
     finally:

@@ -225,6 +225,19 @@ def test_probes_ports_resources_and_discovery_fit_together(overlay: str) -> None
     for service in of_kind(objects, "Service"):
         _check_service(service, workloads)
     _check_router_discovery(objects, workloads)
+    _check_router_replicas(objects, workloads)
+
+
+def _check_router_replicas(objects: list[dict], workloads: list[dict]) -> None:
+    """Active-active routers (docs/router.md, several routers): at least 2 replicas, ready only on
+    /readiness (a healthy pair and a warm KV index), and a PodDisruptionBudget keeping one serving."""
+    router = next(w for w in workloads if role(w) == "router")
+    replicas = router["spec"]["replicas"]
+    assert replicas >= 2
+    assert pod_spec(router)["containers"][0]["readinessProbe"]["httpGet"]["path"] == "/readiness"
+    budgets = [b for b in of_kind(objects, "PodDisruptionBudget") if selects(b["spec"]["selector"]["matchLabels"],
+                                                                           router)]
+    assert len(budgets) == 1 and 1 <= budgets[0]["spec"]["minAvailable"] < replicas, budgets
 
 
 def _check_probes(container: dict) -> None:

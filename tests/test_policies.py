@@ -1,5 +1,6 @@
 """The router's ``random`` and ``power_of_two`` policies (``src/tierserve/router/policies.py``):
-what each picks, over many seeded picks; and every ``PolicyKind`` names its policy."""
+what each picks, over many seeded picks; the load they balance on is the nodes' own once their
+sessions report it (every router's requests); and every ``PolicyKind`` names its policy."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from collections import Counter
 
 import pytest
 
+from tierserve.proto import tierserve_pb2 as pb
 from tierserve.router.policies import (
     CacheAware,
     CachedPrefix,
@@ -53,6 +55,22 @@ def test_power_of_two_takes_the_less_loaded_of_two_random_workers() -> None:
     even = _counts(PowerOfTwo(random.Random(5)), _workers(2, 2, 2))
     assert all(250 <= c <= 350 for c in even), even  # equal loads: no herding onto one worker
     assert PowerOfTwo(random.Random(6)).pick(_workers(7), _nothing_cached).address == "10.0.0.0:1"
+
+
+def test_policies_balance_on_what_the_nodes_report_not_on_this_routers_own_requests() -> None:
+    """Two routers: this one sent nothing to worker 0, but the node reports another router's 6
+    requests there (running, waiting, reserved), so both policies send this router's work to worker 1."""
+    workers = _workers(0, 2)
+    workers[0].reported(pb.LoadReport(running=3, waiting=1, reservations=2))
+    workers[1].reported(pb.LoadReport(running=2))
+    assert [w.pressure for w in workers] == [6, 2]
+    assert _counts(PowerOfTwo(random.Random(7)), workers) == [0, PICKS]
+    assert CacheAware().pick(workers, _nothing_cached) is workers[1]
+    workers[1].begin()  # sent since the last report: not in it yet, so counted on top
+    workers[1].begin()
+    assert workers[1].pressure == 4
+    workers[1].reported(None)  # the session broke: back to this router's own count
+    assert workers[1].pressure == workers[1].load == 4
 
 
 @pytest.mark.parametrize("kind, cls", [(PolicyKind.ROUND_ROBIN, RoundRobin), (PolicyKind.RANDOM, Random),

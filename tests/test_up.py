@@ -1,5 +1,6 @@
 """``tierserve up`` starts the whole cluster (L3 master, prefill, decode, router) on the built-in
-model, answers a chat request through it, shows role-prefixed logs, and stops everything on SIGINT.
+model, answers a chat request through it, shows role-prefixed logs, and stops everything on SIGINT;
+with ``--routers 2``, through either router.
 Its plans, with ``launch.up`` faked, are tested in ``test_up_plan.py``."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 from helpers.injected_faults import node_env, write_faults
+from helpers.metrics import scrape, value
 from helpers.processes import free_port, running_up, start_up
 
 from tierserve.engine.config import EngineConfig
@@ -84,3 +86,34 @@ def test_up_on_a_taken_port_stops_at_once_starting_nothing() -> None:
     assert out.returncode == 2, out.stdout + out.stderr
     assert f"cannot listen on 127.0.0.1:{port}" in out.stderr and "--port" in out.stderr
     assert "mooncake-master" not in out.stdout + out.stderr, "a child was started"
+
+
+def test_up_with_two_routers_serves_through_both_and_the_nodes_see_both() -> None:
+    """``--routers 2``: routers on --port and --port + 1, listed in the banner; each answers, and
+    every node has a session open with each (docs/router.md, several routers)."""
+    port = free_port()
+    while not _free(port + 1):
+        port = free_port()
+    with running_up(port, "--routers", "2", "--no-l3", "--max-total-tokens", "2048") as lines:
+        text = "".join(lines)
+        assert "2 routers on ports" in text
+        urls = [f"http://127.0.0.1:{p}" for p in (port, port + 1)]
+        for url in urls:
+            body = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
+            r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+        metrics = [line.split("metrics=")[1].split()[0] for line in lines if "role=prefill" in line
+                   or "role=decode" in line]
+        assert len(metrics) == 2 and {"router-0", "router-1"} <= {line.split()[0] for line in lines if "role=router"
+                                                                  in line}
+        for url in metrics:
+            assert value(scrape(url), "tierserve_router_sessions") == 2, url
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True

@@ -14,7 +14,7 @@ from helpers.up_plans import capture_plans, child_args, children, plan_up, run_u
 from tierserve import launch
 from tierserve.cli.flags import engine_config, engine_flags
 from tierserve.cli.main import build_parser
-from tierserve.launch.plan import KNOWN_NOISE
+from tierserve.launch.plan import KNOWN_NOISE, stages
 
 pytestmark = pytest.mark.fakes
 
@@ -101,6 +101,23 @@ def test_a_role_flag_its_role_does_not_take_stops_up_at_once(monkeypatch, capsys
     assert run_up("--decode-args", "--handoff-timeout 3") == 2  # a prefill flag, not a decode one
     assert "tierserve decode does not take --handoff-timeout 3" in capsys.readouterr().err
     assert plans == []
+
+
+def test_several_routers_front_the_same_nodes_on_ports_from_port_up(monkeypatch, capsys) -> None:
+    """``--routers N``: N routers, each given every node, on ports --port, --port + 1, ... (docs/router.md)."""
+    plans = capture_plans(monkeypatch)
+    assert run_up("--port", "8100", "--routers", "3", "--prefill-nodes", "2") == 0
+    planned = stages(plans[0])
+    routers = planned[-1]
+    assert [r.name for r in routers] == ["router-0", "router-1", "router-2"]
+    assert [r.ports.http for r in routers] == [8100, 8101, 8102]
+    nodes = {f"127.0.0.1:{n.ports.grpc}" for n in planned[-2]}
+    for r in routers:
+        parsed = child_args(r.argv)
+        assert parsed.port == r.ports.http
+        assert set(parsed.prefill) | set(parsed.decode) == nodes
+    assert run_up("--routers", "0") == 2
+    assert "--routers must be at least 1" in capsys.readouterr().err
 
 
 def test_handoff_integrity_and_tls_reach_both_node_roles_and_tls_the_router(monkeypatch, tmp_path: Path) -> None:

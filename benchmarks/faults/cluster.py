@@ -79,6 +79,11 @@ class Cluster:
         """The name of the first child whose name starts with ``role`` (``master``: the master)."""
         return next(c["name"] for c in self.children() if role in c["name"])
 
+    def router_url(self, index: int) -> str:
+        """Router ``index``'s URL with ``--routers`` (on ports from the first one's up)."""
+        host, port = self.url.rsplit(":", 1)
+        return f"{host}:{int(port) + index}"
+
     def _all_up(self) -> bool:
         children = self.children()
         return bool(children) and all(c["state"] == "running" and c["pid"] for c in children)
@@ -110,6 +115,8 @@ class Cluster:
             child = self.child(name)
             if child["state"] != "running" or not child["pid"]:
                 return False
+            if child["role"] == "router":
+                return http_ok(f"http://127.0.0.1:{child['http_port']}/readiness")
             port = child["grpc_port"] or child["rpc_port"]
             return grpc_serving(port) if child["grpc_port"] else tcp_open(port)
 

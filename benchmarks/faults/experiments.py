@@ -225,6 +225,28 @@ async def soak_ranks(cluster: Cluster, reference: Reference) -> Row:
                         requests(1000, seed=19), 16)
 
 
+async def kill_router(cluster: Cluster, reference: Reference) -> Row:
+    """Two routers (``up --routers 2``) share the load; the second is killed with kill -9 one second
+    in. The row counts the first router's clients, who must see nothing; the killed router's
+    clients (their connection breaks: nothing else can happen to them) are in its note. ``settle``
+    then checks the nodes freed what the dead router's requests held (its reservations would
+    otherwise wait out their 602 s lease: docs/router.md, router sessions)."""
+    row, name = Row("kill -9 a router (of 2) under 2 x 16 concurrent"), cluster.first("router-1")
+    wanted = requests(300, seed=9)
+    await reference.learn(wanted)
+    alive = asyncio.create_task(send_all(cluster.url, cluster.model, wanted[:150], 16, timeout_s=180))
+    dead = asyncio.create_task(send_all(cluster.router_url(1), cluster.model, wanted[150:], 16, timeout_s=180))
+    await asyncio.sleep(1.0)  # the fault must land while requests are in flight
+    cluster.kill(name, signal.SIGKILL)
+    stopped = time.monotonic()
+    tally(row, await alive, reference)
+    cut = tally(Row("the killed router's clients"), await dead, reference)
+    row.notes.append(f"the killed router's clients (not in the counts): {cut.sent} requests, {cut.ok} answered "
+                     f"before the kill ({cut.wrong} wrong), cut: {cut.failed or 0}")
+    row.recovery_s = await cluster.wait_back(name) - stopped
+    return row
+
+
 RANK_EXPERIMENTS: list[Experiment] = [
     soak_ranks,
     freeze_rank("prefill", 1, "a TP rank of a TP2xCP2 prefill node", 20),

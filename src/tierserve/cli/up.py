@@ -34,7 +34,10 @@ if TYPE_CHECKING:
 
 def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="the router's address")
-    p.add_argument("--port", type=int, default=8000, help="the router's port")
+    p.add_argument("--port", type=int, default=8000, help="the router's port (the first router's with --routers)")
+    p.add_argument("--routers", type=int, default=1,
+                   help="routers in front of the same nodes (active-active: each balances on the load the nodes "
+                        "report), on ports --port, --port + 1, ...")
     add_model_args(p, served_name=False)
     add_chat_args(p)
     p.add_argument("--prefill-nodes", type=int, default=1)
@@ -99,6 +102,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     try:
         _node_only(args)
         _check_role_args(args)
+        if args.routers < 1:
+            raise ValueError("--routers must be at least 1")
         config = engine_config(args, folder)
         restart = RestartPolicy(max_deaths=args.restart_limit, window_s=args.restart_window)
         _check_sizes(args, config)
@@ -117,7 +122,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                        args.prefill_tp_size,
                        args.decode_tp_size, args.prefill_pp_size, args.decode_pp_size, args.prefill_cp_size, tls,
                        args.prefill_pp_layer_partition, args.decode_pp_layer_partition, args.decode_cp_size,
-                       log_level=args.log_level)
+                       args.routers, log_level=args.log_level)
     return up(plan, lambda base, children: _announce(args, base, children, tls))
 
 
@@ -241,9 +246,10 @@ def _announce(args: argparse.Namespace, base: str, children: list[str], tls: Clu
 
 def _headline(args: argparse.Namespace, base: str) -> str:
     l3 = "" if args.no_l3 else f", L3 on Mooncake: {l3_size_bytes(args) / 1e9:.1f} GB"
+    more = f", {args.routers} routers on ports {args.port}-{args.port + args.routers - 1}" if args.routers > 1 else ""
     return (f"tierserve is up: {base}/v1  ({args.prefill_nodes} prefill"
             f"{_sizes(args.prefill_tp_size, args.prefill_pp_size, args.prefill_cp_size)}, {args.decode_nodes} decode"
-            f"{_sizes(args.decode_tp_size, args.decode_pp_size, args.decode_cp_size)}{l3}; "
+            f"{_sizes(args.decode_tp_size, args.decode_pp_size, args.decode_cp_size)}{l3}{more}; "
             "Ctrl+C stops it; a child that dies is restarted)")
 
 

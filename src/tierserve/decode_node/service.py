@@ -29,6 +29,7 @@ from tierserve.engine.handoff import HandoffCheckError
 from tierserve.engine.reservations import DEFAULT_TERMS, CapacityError, ReservationTerms
 from tierserve.node.convert import arena, draft_message, identity, kv_ranks, sampling_params
 from tierserve.node.server import AddService, Node
+from tierserve.node.sessions import RouterGone
 from tierserve.proto import tierserve_pb2 as pb
 from tierserve.proto import tierserve_pb2_grpc as pb_grpc
 from tierserve.proto.sampling import logprob_to_proto
@@ -53,6 +54,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         self.running: set[str] = set()  # reservation ids of the generations streaming now
         self.draining, self._handed_back = False, asyncio.Event()
         node.drain.append(self.drain)
+        node.sessions.forget.append(self.forget)
 
     async def Reserve(self, request: pb.ReserveRequest, context: grpc.aio.ServicerContext) -> pb.ReserveResponse:
         if self.draining:
@@ -68,11 +70,28 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except CapacityError as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        await self._own(request.router_id, rid, context)
         dest = pb.KVDestination(reservation_id=rid, transfer_endpoint=self.node.transfer.endpoint,
                                 identity=self.identity, base_address=self.arena.base, num_slots=self.arena.num_slots,
                                 pages=reserved.pages, cached_tokens=reserved.num_computed, ranks=self._ranks(rid),
                                 draft=self.draft)
         return pb.ReserveResponse(destination=dest, lease_seconds=terms.lease_s)
+
+    async def _own(self, router_id: str, rid: str, context: grpc.aio.ServicerContext) -> None:
+        """Ties a new reservation to its router's session; a router already gone gets none (nobody
+        saw the destination: the pages are freed at once)."""
+        try:
+            self.node.sessions.own(router_id, rid)
+        except RouterGone as exc:
+            await self.node.loop.apply(CancelReservation(rid, True, time.monotonic()))
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+
+    async def forget(self, ids: list[str]) -> None:
+        """A lost router's requests (``node/sessions.py``): its reservations end (their pages wait out
+        the grace: a prefill node may still be writing) and its generations are aborted."""
+        for rid in ids:
+            await self.node.loop.apply(CancelReservation(rid, False, time.monotonic()))
+            self.node.loop.abort(rid)
 
     def _ranks(self, rid: str) -> list[pb.KVRank]:
         """Every rank, with the staging the reservation holds on it (at the same offset on every rank)."""
@@ -95,6 +114,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         stream = self.node.loop.generate_reserved(request.reservation_id, request.first_token, params,
                                                   request.resumed_tokens, check)
         self.running.add(request.reservation_id)
+        owner = self.node.sessions.owner(request.reservation_id)  # Reserve tied it to its router
         try:
             async for chunk in self._chunks(request.reservation_id, stream, context):
                 yield chunk
@@ -108,6 +128,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             await context.abort(grpc.StatusCode.DATA_LOSS, str(exc))
         finally:
             self.running.discard(request.reservation_id)
+            self.node.sessions.disown(owner, request.reservation_id)
 
     async def _chunks(self, rid: str, stream: AsyncIterator[RequestOutput], context: grpc.aio.ServicerContext,
                       local: bool = False) -> AsyncIterator[pb.GenerateChunk]:
@@ -161,17 +182,21 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         rid = request.request_id
         self.running.add(rid)
         try:
-            params = sampling_params(request.sampling)
-            stream = self.node.loop.generate(rid, list(request.prompt_ids), params, CacheScope.of(request))
-            async for chunk in self._chunks(rid, stream, context, local=True):
-                yield chunk
+            with self.node.sessions.tie(request.router_id, rid):
+                params = sampling_params(request.sampling)
+                stream = self.node.loop.generate(rid, list(request.prompt_ids), params, CacheScope.of(request))
+                async for chunk in self._chunks(rid, stream, context, local=True):
+                    yield chunk
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except RouterGone as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         finally:
             self.running.discard(rid)
 
     async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:
         rid = request.reservation_id
+        self.node.sessions.disown(self.node.sessions.owner(rid), rid)
         released = await self.node.loop.apply(CancelReservation(rid, request.writer_stopped, time.monotonic()))
         self.node.loop.abort(rid)  # a running generation ends (aborted) on its stream; else a no-op
         return pb.ReleaseResponse(released=released)

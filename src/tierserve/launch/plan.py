@@ -47,7 +47,8 @@ class ClusterPlan:
     of ``prefill_pp`` and ``decode_pp`` pipeline stages (``--pp-size``); ``prefill_cp`` and
     ``decode_cp``: each node's context-parallel ranks (``--cp-size``) per role; ``prefill_pp_partition``
     and ``decode_pp_partition``: each role's layers per stage (``--pp-layer-partition``; None: the
-    default split). ``tls``: the nodes
+    default split). ``routers``: router processes in front of the same nodes, on ports ``port``,
+    ``port + 1``, ... (``docs/router.md``, several routers). ``tls``: the nodes
     serve mutual TLS with its certificates and the router presents its client certificate
     (``launch/tls.py``); None: plaintext on loopback."""
 
@@ -74,7 +75,12 @@ class ClusterPlan:
     prefill_pp_partition: tuple[int, ...] | None = None
     decode_pp_partition: tuple[int, ...] | None = None
     decode_cp: int = 1
+    routers: int = 1
     log_level: str = "info"  # ``up``'s --log-level: below debug, Mooncake's INFO lines and known noise are dropped
+
+    def __post_init__(self) -> None:
+        if self.routers < 1:
+            raise ValueError("a cluster needs at least one router")
 
     def role_flags(self, role: ChildRole) -> list[str]:
         """A role's own flags: its TP, PP and CP sizes (when above 1), its layer partition (when
@@ -92,6 +98,11 @@ class ClusterPlan:
     @property
     def router_url(self) -> str:
         return f"http://{_reachable(self.host)}:{self.port}"
+
+    @property
+    def router_ports(self) -> list[int]:
+        """Every router's HTTP port, the first one's ``port``."""
+        return [self.port + i for i in range(self.routers)]
 
 
 class ChildRole(Enum):
@@ -134,13 +145,14 @@ class ChildSpec:
 
 def stages(plan: ClusterPlan) -> list[list[ChildSpec]]:
     """The children in start order, by stage: each stage starts once the one before is ready
-    (master, then the nodes, then the router, which needs a healthy pair)."""
+    (master, then the nodes, then the routers, which need a healthy pair)."""
     master = _master(plan.log_level) if plan.with_l3 else None
     flags = [*plan.node_flags, *(l3_flags(plan, master.ports.rpc) if master else []),
              *(plan.tls.node_flags() if plan.tls else [])]
     nodes = [_node(plan, role, i, flags) for role, n in ((ChildRole.PREFILL, plan.prefill_nodes),
                                                          (ChildRole.DECODE, plan.decode_nodes)) for i in range(n)]
-    return [s for s in ([master] if master else [], nodes, [_router(plan, nodes)]) if s]
+    routers = [_router(plan, nodes, i) for i in range(plan.routers)]
+    return [s for s in ([master] if master else [], nodes, routers) if s]
 
 
 def _cli() -> list[str]:
@@ -186,12 +198,15 @@ def _node(plan: ClusterPlan, role: ChildRole, index: int, flags: list[str]) -> C
                      hidden=_hidden(plan.log_level))
 
 
-def _router(plan: ClusterPlan, nodes: list[ChildSpec]) -> ChildSpec:
+def _router(plan: ClusterPlan, nodes: list[ChildSpec], index: int) -> ChildSpec:
+    """Router ``index`` (``router``, or ``router-0``, ``router-1``, ... with several) on ``port + index``."""
+    port = plan.router_ports[index]
     workers = [f for n in nodes for f in (f"--{n.role.value}", f"127.0.0.1:{n.ports.grpc}")]
-    argv = [*_cli(), "router", "--model", str(plan.model_dir), "--host", plan.host, "--port", str(plan.port),
+    argv = [*_cli(), "router", "--model", str(plan.model_dir), "--host", plan.host, "--port", str(port),
             *workers, *(plan.tls.router_flags() if plan.tls else []), *plan.router_flags]
-    ports = Ports(http=plan.port, metrics=plan.port)  # the router serves /metrics beside the API
-    return ChildSpec("router", ChildRole.ROUTER, tuple(argv), ports, _reachable(plan.host))
+    ports = Ports(http=port, metrics=port)  # the router serves /metrics beside the API
+    name = "router" if plan.routers == 1 else f"router-{index}"
+    return ChildSpec(name, ChildRole.ROUTER, tuple(argv), ports, _reachable(plan.host))
 
 
 def _reachable(host: str) -> str:

@@ -40,11 +40,12 @@ class _Run:
 def up(plan: ClusterPlan, announce: Announce) -> int:
     """Runs the cluster until SIGINT/SIGTERM (0). A child that dies is restarted (see
     ``Supervisor``); 1 if a child died while the cluster was starting (a bad flag or model would
-    only die again) or one child kept dying (a crash loop); 2 at once, starting nothing, if the
+    only die again) or one child kept dying (a crash loop); 2 at once, starting nothing, if a
     router's port is taken (another ``up``, most likely)."""
-    if (error := listen_error(plan.host, plan.port)) is not None:
-        print(f"tierserve up: {error} (is another tierserve up running?)", file=sys.stderr, flush=True)
-        return 2
+    for port in plan.router_ports:
+        if (error := listen_error(plan.host, port)) is not None:
+            print(f"tierserve up: {error} (is another tierserve up running?)", file=sys.stderr, flush=True)
+            return 2
     # One node token for the whole cluster, inherited by every child, never on their argv
     # (``core/node_auth.py``); a token the user exported is kept.
     os.environ.setdefault(TOKEN_ENV, secrets.token_hex(16))

@@ -29,12 +29,17 @@ from tierserve.node.kv_events import advertised_endpoint, start_kv_events
 from tierserve.node.metrics import NodeMetrics
 from tierserve.node.rank_transfer import NodeRankRole, RankTransfer, Side, TransferOptions
 from tierserve.node.service import NodeServicer
+from tierserve.node.sessions import RouterSessions
 from tierserve.proto import tierserve_pb2 as pb
 from tierserve.proto import tierserve_pb2_grpc as pb_grpc
 from tierserve.transfer.engine import PeerEngines, TransferEngineHandle
 
 log = logging.getLogger(__name__)
 HEALTH_POLL_S = 0.25  # how often gRPC health reads the engine's (``EngineLoop.healthy``: a step overdue)
+# HTTP/2 pings to every caller: a router whose host vanished without a TCP reset loses its connection,
+# so its sessions end and its requests are freed, within 15 s (``node/sessions.py``), not TCP's minutes.
+KEEPALIVE = [("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000),
+             ("grpc.http2.max_pings_without_data", 0)]
 
 
 @dataclass(frozen=True)
@@ -63,7 +68,8 @@ class NodeOptions:
 @dataclass
 class Node:
     """What a role's service needs. ``ranks``: every rank's transfer side, this rank's own;
-    ``drain``: what the role's service does on SIGTERM before the server stops (decode: migrate)."""
+    ``drain``: what the role's service does on SIGTERM before the server stops (decode: migrate);
+    ``sessions``: the routers' sessions and the requests each made (``node/sessions.py``)."""
 
     engine: Engine
     loop: EngineLoop
@@ -73,6 +79,7 @@ class Node:
     kv_events: KVEventPublisher | None = None
     ranks: RankTransfer | None = None
     drain: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+    sessions: RouterSessions = field(default_factory=RouterSessions)
 
 
 AddService = Callable[[grpc.aio.Server, Node], str]  # registers the role's servicer; returns its full name
@@ -110,6 +117,7 @@ def _start(engine: Engine, ranks: RankTransfer, options: NodeOptions, procs: Ran
     loop = EngineLoop(engine, LeaderBus(engine.ranks, procs.fail) if procs else None,
                       StepWatch(engine.config.dist_timeout_s) if procs else None)
     node = Node(engine, loop.start(), ranks.receiver, ranks.peers, NodeMetrics(loop), kv_events, ranks)
+    node.metrics.watch(node.sessions)
     if options.metrics_port is not None:
         node.metrics.serve(options.host, options.metrics_port)
     return node
@@ -137,12 +145,14 @@ def _check_fits(config: EngineConfig) -> None:
 
 
 async def _serve(node: Node, options: NodeOptions, role: pb.Role, add_service: AddService) -> None:
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)], interceptors=server_interceptors(options.node_token))
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0), *KEEPALIVE],
+                             interceptors=server_interceptors(options.node_token))
     service_name = add_service(server, node)
     model_name = options.served_model_name or node.engine.config.model_dir.name
     events = advertised_endpoint(node.kv_events.endpoint, options.transfer_hostname) if node.kv_events else ""
     pb_grpc.add_NodeServiceServicer_to_server(
-        NodeServicer(node.loop, role, node.transfer.endpoint, model_name, node.kv_events, events), server)
+        NodeServicer(node.loop, role, node.transfer.endpoint, model_name, node.kv_events, events, node.sessions),
+        server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     address = f"{options.host}:{options.port}"

@@ -1,8 +1,9 @@
-"""``NodeService`` (every role): identity, load, cache flush and run-time L3 control."""
+"""``NodeService`` (every role): identity, load, routers' sessions, cache flush and run-time L3 control."""
 
 from __future__ import annotations
 
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -14,15 +15,18 @@ from tierserve.engine.commands import FlushCache
 from tierserve.engine.loop import EngineLoop
 from tierserve.node.convert import identity
 from tierserve.node.kv_events import snapshot_reply, take_snapshot
+from tierserve.node.sessions import RouterSessions
 from tierserve.proto import tierserve_pb2 as pb
 from tierserve.proto import tierserve_pb2_grpc as pb_grpc
 
 
 class NodeServicer(pb_grpc.NodeServiceServicer):
     def __init__(self, loop: EngineLoop, role: pb.Role, transfer_endpoint: str, model_name: str,
-                 kv_events: KVEventPublisher | None = None, kv_events_endpoint: str = "") -> None:
+                 kv_events: KVEventPublisher | None = None, kv_events_endpoint: str = "",
+                 sessions: RouterSessions | None = None) -> None:
         self.loop, self.role, self.transfer_endpoint, self.model_name = loop, role, transfer_endpoint, model_name
         self.kv_events, self.kv_events_endpoint = kv_events, kv_events_endpoint
+        self.sessions = sessions or RouterSessions()
         self.instance_id = uuid.uuid4().hex
 
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.NodeInfo:
@@ -39,6 +43,15 @@ class NodeServicer(pb_grpc.NodeServiceServicer):
         return snapshot_reply(await self.loop.call(lambda e: take_snapshot(e, self.kv_events)))
 
     async def Load(self, request: pb.LoadRequest, context: grpc.aio.ServicerContext) -> pb.LoadReport:
+        return self._load()
+
+    async def Session(self, request: pb.SessionRequest, context: grpc.aio.ServicerContext
+                      ) -> AsyncIterator[pb.LoadReport]:
+        """A router's session: this node's load until the router goes, then its requests are freed."""
+        async for report in self.sessions.session(request, self._load):
+            yield report
+
+    def _load(self) -> pb.LoadReport:
         s = self.loop.stats()
         return pb.LoadReport(running=int(s["running"]), waiting=int(s["waiting"]),
                              kv_pages_used=int(s["kv_pages_used"]), kv_pages_total=int(s["kv_pages_total"]),

@@ -29,6 +29,7 @@ from tierserve.node.convert import (
 from tierserve.node.handoffs import HandoffAdd
 from tierserve.node.rank_transfer import HandoffPlan
 from tierserve.node.server import AddService, Node
+from tierserve.node.sessions import RouterGone
 from tierserve.proto import tierserve_pb2 as pb
 from tierserve.proto import tierserve_pb2_grpc as pb_grpc
 from tierserve.proto.sampling import logprob_to_proto
@@ -58,10 +59,24 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         self.node, self.options = node, options
         self.identity = identity(node.engine)
         self.metrics = node.metrics
+        node.sessions.forget.append(self.forget)
+
+    async def forget(self, ids: list[str]) -> None:
+        """A lost router's prefills (``node/sessions.py``) are aborted; their handoffs stop."""
+        for rid in ids:
+            self.node.loop.abort(rid)
 
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
         """Computes the prompt and hands its KV over; a failure says in its trailing metadata
-        whether the handoff's batches all ended (``WRITER_STOPPED``)."""
+        whether the handoff's batches all ended (``WRITER_STOPPED``). Tied to the router that
+        asked while it runs (aborted if that router is lost, ``node/sessions.py``)."""
+        try:
+            with self.node.sessions.tie(request.router_id, request.request_id):
+                return await self._prefill(request, context)
+        except RouterGone as exc:
+            await _abort(context, grpc.StatusCode.UNAVAILABLE, str(exc), stopped=True)
+
+    async def _prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
         if not request.HasField("destination"):
             return await self._alone(request, context)
         prompt, dest = list(request.prompt_ids), request.destination

@@ -187,7 +187,7 @@ class CacheReport(_message.Message):
     def __init__(self, cached_tokens: _Optional[int] = ..., device: _Optional[int] = ..., host: _Optional[int] = ..., storage: _Optional[int] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_ids", "max_new_tokens", "lease_seconds", "cache_salt", "source_tp_size", "tenant")
+    __slots__ = ("request_id", "prompt_ids", "max_new_tokens", "lease_seconds", "cache_salt", "source_tp_size", "tenant", "router_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -195,6 +195,7 @@ class ReserveRequest(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     SOURCE_TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    ROUTER_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     max_new_tokens: int
@@ -202,7 +203,8 @@ class ReserveRequest(_message.Message):
     cache_salt: str
     source_tp_size: int
     tenant: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., cache_salt: _Optional[str] = ..., source_tp_size: _Optional[int] = ..., tenant: _Optional[str] = ...) -> None: ...
+    router_id: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., cache_salt: _Optional[str] = ..., source_tp_size: _Optional[int] = ..., tenant: _Optional[str] = ..., router_id: _Optional[str] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("destination", "lease_seconds")
@@ -213,7 +215,7 @@ class ReserveResponse(_message.Message):
     def __init__(self, destination: _Optional[_Union[KVDestination, _Mapping]] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_ids", "sampling", "cache_salt", "destination", "timeout_seconds", "tenant", "l3_pending_pages")
+    __slots__ = ("request_id", "prompt_ids", "sampling", "cache_salt", "destination", "timeout_seconds", "tenant", "l3_pending_pages", "router_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -222,6 +224,7 @@ class PrefillRequest(_message.Message):
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     L3_PENDING_PAGES_FIELD_NUMBER: _ClassVar[int]
+    ROUTER_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingOptions
@@ -230,7 +233,8 @@ class PrefillRequest(_message.Message):
     timeout_seconds: float
     tenant: str
     l3_pending_pages: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., cache_salt: _Optional[str] = ..., destination: _Optional[_Union[KVDestination, _Mapping]] = ..., timeout_seconds: _Optional[float] = ..., tenant: _Optional[str] = ..., l3_pending_pages: _Optional[int] = ...) -> None: ...
+    router_id: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., cache_salt: _Optional[str] = ..., destination: _Optional[_Union[KVDestination, _Mapping]] = ..., timeout_seconds: _Optional[float] = ..., tenant: _Optional[str] = ..., l3_pending_pages: _Optional[int] = ..., router_id: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token", "cache", "transferred_bytes", "transfer_seconds", "exposed_transfer_seconds", "first_logprob", "prompt_logprobs", "kv_digests", "text", "finish_reason")
@@ -295,18 +299,20 @@ class GenerateChunk(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., completion_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., cache: _Optional[_Union[CacheReport, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class LocalGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_ids", "sampling", "cache_salt", "tenant")
+    __slots__ = ("request_id", "prompt_ids", "sampling", "cache_salt", "tenant", "router_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    ROUTER_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingOptions
     cache_salt: str
     tenant: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., cache_salt: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
+    router_id: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., cache_salt: _Optional[str] = ..., tenant: _Optional[str] = ..., router_id: _Optional[str] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("reservation_id", "writer_stopped")
@@ -435,3 +441,11 @@ class KVSnapshotReply(_message.Message):
     sequence: int
     entries: _containers.RepeatedCompositeFieldContainer[KVSnapshotEntry]
     def __init__(self, sequence: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[KVSnapshotEntry, _Mapping]]] = ...) -> None: ...
+
+class SessionRequest(_message.Message):
+    __slots__ = ("router_id", "interval_seconds")
+    ROUTER_ID_FIELD_NUMBER: _ClassVar[int]
+    INTERVAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    router_id: str
+    interval_seconds: float
+    def __init__(self, router_id: _Optional[str] = ..., interval_seconds: _Optional[float] = ...) -> None: ...

@@ -347,6 +347,11 @@ class NodeServiceStub:
                 request_serializer=tierserve_dot_proto_dot_tierserve__pb2.KVSnapshotRequest.SerializeToString,
                 response_deserializer=tierserve_dot_proto_dot_tierserve__pb2.KVSnapshotReply.FromString,
                 _registered_method=True)
+        self.Session = channel.unary_stream(
+                '/tierserve.v1.NodeService/Session',
+                request_serializer=tierserve_dot_proto_dot_tierserve__pb2.SessionRequest.SerializeToString,
+                response_deserializer=tierserve_dot_proto_dot_tierserve__pb2.LoadReport.FromString,
+                _registered_method=True)
 
 
 class NodeServiceServicer:
@@ -400,6 +405,15 @@ class NodeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Session(self, request, context):
+        """A router's session with this node (docs/router.md, router sessions): open while the router
+        lives, streaming this node's load. When it ends (the router died: kill -9 resets the TCP
+        connection), the node frees the reservations and aborts the requests that router made.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -442,6 +456,11 @@ def add_NodeServiceServicer_to_server(servicer, server):
                     servicer.KVSnapshot,
                     request_deserializer=tierserve_dot_proto_dot_tierserve__pb2.KVSnapshotRequest.FromString,
                     response_serializer=tierserve_dot_proto_dot_tierserve__pb2.KVSnapshotReply.SerializeToString,
+            ),
+            'Session': grpc.unary_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=tierserve_dot_proto_dot_tierserve__pb2.SessionRequest.FromString,
+                    response_serializer=tierserve_dot_proto_dot_tierserve__pb2.LoadReport.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -660,6 +679,33 @@ class NodeService:
             '/tierserve.v1.NodeService/KVSnapshot',
             tierserve_dot_proto_dot_tierserve__pb2.KVSnapshotRequest.SerializeToString,
             tierserve_dot_proto_dot_tierserve__pb2.KVSnapshotReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Session(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tierserve.v1.NodeService/Session',
+            tierserve_dot_proto_dot_tierserve__pb2.SessionRequest.SerializeToString,
+            tierserve_dot_proto_dot_tierserve__pb2.LoadReport.FromString,
             options,
             channel_credentials,
             insecure,

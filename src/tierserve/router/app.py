@@ -31,6 +31,7 @@ from tierserve.router.cache_view import CacheView
 from tierserve.router.policies import PolicyKind, make_policy
 from tierserve.router.registry import Registry
 from tierserve.router.roles import Role
+from tierserve.router.sessions import NodeSessions
 
 log = logging.getLogger(__name__)
 
@@ -62,14 +63,16 @@ def create_router_app(config: RouterConfig, registry: Registry, tasks: list[Task
     model = ModelConfig.from_dir(config.model_dir)
     caches = CacheView(registry)
     backend = PDBackend(registry, make_policy(config.prefill_policy), make_policy(config.decode_policy),
-                        config.options, config.context_length or model.max_position, caches.lookup)
+                        config.options, config.context_length or model.max_position, caches.lookup, caches.synced)
     name = config.served_model_name or config.model_dir.name
     tokenizer = try_load(config.model_dir, config.chat_template, config.tool_call_parser)
     app = create_app(backend, tokenizer, name, ApiMetrics(_RouterCollector(registry, backend, caches)),
                      config.keys, config.admin_api_key)
     _add_worker_routes(app, registry, admin_guard(config.admin_api_key, config.keys))
     initial = [(Role.PREFILL, a) for a in config.prefill] + [(Role.DECODE, a) for a in config.decode]
-    app.router.lifespan_context = _lifespan(registry, initial, [Registry.run_checks, caches.run, *(tasks or [])])
+    sessions = NodeSessions(registry)
+    app.router.lifespan_context = _lifespan(registry, initial, [Registry.run_checks, caches.run, sessions.run,
+                                                                *(tasks or [])])
     return app
 
 

@@ -75,8 +75,12 @@ class PDBackend:
     (decode failed) or 504 (decode silent) once a request that produced tokens may not migrate again."""
 
     def __init__(self, registry: Registry, prefill: Policy, decode: Policy, options: RouterOptions,
-                 max_model_len: int, lookup: PrefixLookupFactory | None = None) -> None:
+                 max_model_len: int, lookup: PrefixLookupFactory | None = None,
+                 warm: Callable[[], bool] | None = None) -> None:
+        """``warm``: whether the routing view is complete enough to take traffic (the KV index
+        synced: ``CacheView.synced``); readiness waits for it."""
         self.registry, self.prefill_policy, self.decode_policy = registry, prefill, decode
+        self.warm = warm or (lambda: True)
         self.options, self.max_model_len = options, max_model_len
         self.lookup = lookup or (lambda tokens, salt: lambda worker: CachedPrefix())
         self._slots = asyncio.Semaphore(options.max_running)
@@ -97,7 +101,7 @@ class PDBackend:
         return True
 
     def ready(self) -> bool:
-        return self.registry.ready()
+        return self.registry.ready() and self.warm()
 
     async def debug_state(self) -> dict[str, Any]:
         return {"workers": [w.describe() for w in self.registry.listed()], "queued": self._queued,
@@ -232,7 +236,8 @@ class PDBackend:
     def _local(self, decode: Worker, rid: str, request: _Request) -> AsyncIterator[RequestOutput]:
         """The whole request on the decode node (``GenerateLocal``): cancelling the stream aborts
         it there, so a failure needs no Release."""
-        chunks = generate_local(decode.channel, rid, request.prompt, request.sampling, request.scope)
+        chunks = generate_local(decode.channel, rid, request.prompt, request.sampling, request.scope,
+                                self.registry.router_id)
         convert = LocalOutputs(rid, len(request.prompt), request.sampling).output
         return self._stream(decode, chunks, convert, None)
 
@@ -240,7 +245,7 @@ class PDBackend:
         """A one-token request on the prefill node alone: its first token is the answer."""
         try:
             response = await prefill_alone(prefill.channel, rid, request.prompt, request.sampling, request.scope,
-                                           self.options.timeout_s, request.l3_pending)
+                                           self.options.timeout_s, request.l3_pending, self.registry.router_id)
         except grpc.aio.AioRpcError as exc:
             self._blame(prefill, exc.code(), exc.details() or "")
             raise _Retry(f"prefill on {prefill.address}: {exc.code().name} {exc.details()}") from exc
@@ -300,7 +305,7 @@ class PDBackend:
         try:
             done = await pd_flow.prefill(stubs, rid, request.prompt, request.sampling, request.scope,
                                          self.options.timeout_s, prefill.info.tp_size if prefill.info else 0,
-                                         request.l3_pending)
+                                         request.l3_pending, self.registry.router_id)
         except pd_flow.HandoffFailed as exc:  # a transfer into a dead or frozen D is D's failure, not P's
             self._blame(decode if exc.destination_failed else prefill, exc.code, str(exc))
             raise _Retry(f"prefill on {prefill.address}: {exc}") from exc

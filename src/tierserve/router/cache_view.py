@@ -12,6 +12,7 @@ from tierserve.proto import tierserve_pb2_grpc as pb_grpc
 from tierserve.router.kv_index import KVEventSubscriber, SnapshotEntries, prompt_keys
 from tierserve.router.policies import CachedPrefix
 from tierserve.router.registry import Registry, Worker, WorkerState
+from tierserve.router.roles import Role
 
 
 def _key(worker: Worker) -> str:
@@ -52,6 +53,16 @@ class CacheView:
         worker = next(w for w in self.registry.workers.values() if _key(w) == key)
         reply = await pb_grpc.NodeServiceStub(worker.channel).KVSnapshot(pb.KVSnapshotRequest(), timeout=10)
         return reply.sequence, [(e.key, e.medium) for e in reply.entries]
+
+    def synced(self) -> bool:
+        """Every available worker that publishes KV events is in the index, from its snapshot on:
+        the router's readiness waits for it, so a router started late routes its first requests
+        with a warm index (``docs/router.md``, several routers)."""
+        publishing = [w for role in Role for w in self.registry.available(role) if w.info.kv_events_endpoint]
+        if not publishing:
+            return True
+        index = self.subscriber.index if self.subscriber is not None else None
+        return index is not None and all(index.is_synced(_key(w)) for w in publishing)
 
     def pages(self, worker: Worker) -> CachedPrefix:
         """Every page the router knows ``worker`` holds, in L1 and in L2 (for metrics)."""

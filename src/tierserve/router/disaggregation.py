@@ -53,12 +53,12 @@ def uncached_tokens(prompt_len: int, held: CachedPrefix, page_size: int) -> int:
 
 
 async def generate_local(channel: object, request_id: str, prompt_ids: list[int], sampling: pb.SamplingOptions,
-                         scope: CacheScope) -> AsyncIterator[pb.GenerateChunk]:
+                         scope: CacheScope, router_id: str = "") -> AsyncIterator[pb.GenerateChunk]:
     """Streams the decode node's chunks of a whole request; leaving early cancels the call, which
-    aborts the request there and frees its pages."""
+    aborts the request there and frees its pages (so does the end of ``router_id``'s session)."""
     call = pb_grpc.DecodeServiceStub(channel).GenerateLocal(pb.LocalGenerateRequest(
         request_id=request_id, prompt_ids=prompt_ids, sampling=sampling, cache_salt=scope.cache_salt,
-        tenant=scope.tenant))
+        tenant=scope.tenant, router_id=router_id))
     try:
         async for chunk in call:
             yield chunk
@@ -67,11 +67,13 @@ async def generate_local(channel: object, request_id: str, prompt_ids: list[int]
 
 
 async def prefill_alone(channel: object, request_id: str, prompt_ids: list[int], sampling: pb.SamplingOptions,
-                        scope: CacheScope, timeout_s: float, l3_pending: int = 0) -> pb.PrefillResponse:
+                        scope: CacheScope, timeout_s: float, l3_pending: int = 0, router_id: str = ""
+                        ) -> pb.PrefillResponse:
     """A one-token request on the prefill node alone; raises the gRPC error."""
     return await pb_grpc.PrefillServiceStub(channel).Prefill(pb.PrefillRequest(
         request_id=request_id, prompt_ids=prompt_ids, sampling=sampling, cache_salt=scope.cache_salt,
-        tenant=scope.tenant, timeout_seconds=timeout_s, l3_pending_pages=l3_pending), timeout=timeout_s + 1.0)
+        tenant=scope.tenant, timeout_seconds=timeout_s, l3_pending_pages=l3_pending, router_id=router_id),
+        timeout=timeout_s + 1.0)
 
 
 def alone_output(request_id: str, prompt_len: int, response: pb.PrefillResponse, sampling: pb.SamplingOptions

@@ -62,12 +62,14 @@ class Prefilled:
 
 async def prefill(pair: Pair, request_id: str, prompt_ids: list[int], sampling: pb.SamplingOptions,
                   scope: CacheScope = NO_SCOPE, timeout_s: float = 60.0, source_tp: int = 0,
-                  l3_pending: int = 0) -> Prefilled:
+                  l3_pending: int = 0, router_id: str = "") -> Prefilled:
     """Reserve on D then Prefill on P; releases the reservation on any failure and raises
     ``HandoffFailed`` or the gRPC error. ``source_tp``: P's TP size (``NodeInfo.tp_size``; 0 if
     unknown), so D can stage what P's ranks write when they hold fewer heads than D's. ``scope``
     (the API key's tenant, the client's salt) is sent to both nodes, which file the pages under it.
     ``l3_pending``: the prompt's leading pages another node is writing to L3 (``PrefillRequest``).
+    ``router_id``: this router's, tying the reservation and the prefill to its sessions with the
+    nodes, which free them if it dies (``router/sessions.py``).
 
     The deadlines form one chain (``docs/faults.md``): D grants a lease for the
     whole leg (it may grant less than asked), P's deadline ends ``LEASE_MARGIN_S`` before that
@@ -76,7 +78,7 @@ async def prefill(pair: Pair, request_id: str, prompt_ids: list[int], sampling: 
     reserved = await _reserve(pair, pb.ReserveRequest(
         request_id=request_id, prompt_ids=prompt_ids, max_new_tokens=sampling.max_tokens,
         cache_salt=scope.cache_salt, tenant=scope.tenant, lease_seconds=timeout_s + LEASE_MARGIN_S,
-        source_tp_size=source_tp,
+        source_tp_size=source_tp, router_id=router_id,
     ), timeout_s)
     dest = reserved.destination
     deadline = min(timeout_s, reserved.lease_seconds - LEASE_MARGIN_S)
@@ -88,6 +90,7 @@ async def prefill(pair: Pair, request_id: str, prompt_ids: list[int], sampling: 
         response = await pair.prefill.Prefill(pb.PrefillRequest(
             request_id=request_id, prompt_ids=prompt_ids, sampling=sampling, cache_salt=scope.cache_salt,
             tenant=scope.tenant, destination=dest, timeout_seconds=deadline, l3_pending_pages=l3_pending,
+            router_id=router_id,
         ), timeout=deadline + LEASE_MARGIN_S / 2)
     except grpc.aio.AioRpcError as exc:
         await release(pair, dest.reservation_id, writer_stopped=writer_stopped(exc))

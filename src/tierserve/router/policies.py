@@ -60,14 +60,15 @@ class PowerOfTwo:
 
     def pick(self, workers: Sequence[Worker], lookup: PrefixLookup) -> Worker:
         pair = self.rng.sample(list(workers), min(2, len(workers)))
-        return min(pair, key=lambda w: w.load)
+        return min(pair, key=lambda w: w.pressure)
 
 
 @dataclass
 class CacheAware:
     """Prefers the worker that would compute the fewest prompt pages: an L1 page saves more than
     an L2 page (which must still be copied to the device), and L3 is shared by all so it does not
-    tell workers apart. Each request already running on a worker costs ``load_cost`` pages. When
+    tell workers apart. Each request already running on a worker (``Worker.pressure``: as its node
+    reports, every router's) costs ``load_cost`` pages. When
     the load is too uneven (max - min > ``balance_threshold``), it picks the least loaded instead,
     so a popular prefix cannot pile every request onto one node."""
 
@@ -80,14 +81,14 @@ class CacheAware:
         self._fallback = RoundRobin()
 
     def pick(self, workers: Sequence[Worker], lookup: PrefixLookup) -> Worker:
-        loads = [w.load for w in workers]
+        loads = [w.pressure for w in workers]
         if max(loads) - min(loads) > self.balance_threshold:
-            return min(workers, key=lambda w: (w.load, w.address))
+            return min(workers, key=lambda w: (w.pressure, w.address))
         cached = {w: lookup(w) for w in workers}
         if not any(c.device or c.host for c in cached.values()):  # nobody has it: spread by load
             least = min(loads)
-            return self._fallback.pick([w for w in workers if w.load == least], lookup)
-        return max(workers, key=lambda w: (self.score(cached[w], w.load), -w.load, w.address))
+            return self._fallback.pick([w for w in workers if w.pressure == least], lookup)
+        return max(workers, key=lambda w: (self.score(cached[w], w.pressure), -w.pressure, w.address))
 
     def score(self, cached: CachedPrefix, load: int) -> float:
         return self.device_credit * cached.device + self.host_credit * cached.host - self.load_cost * load

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -46,6 +47,8 @@ class Worker:
     state: WorkerState = WorkerState.STARTING
     info: pb.NodeInfo | None = None
     load: int = 0  # this router's requests on it now (a request counts until its stream ends)
+    report: pb.LoadReport | None = None  # the node's own load (every router's requests), from its Session
+    sent_since_report: int = 0  # this router's requests begun since that report (not in it yet)
     failures: int = 0  # consecutive
     open_until: float = 0.0
     reason: str = ""
@@ -61,12 +64,27 @@ class Worker:
     def begin(self) -> None:
         """A request starts using this worker; ``end`` must follow, however it ends."""
         self.load += 1
+        self.sent_since_report += 1
         self._idle.clear()
 
     def end(self) -> None:
         self.load -= 1
         if self.load == 0:
             self._idle.set()
+
+    def reported(self, report: pb.LoadReport | None) -> None:
+        """The node's load as its Session stream reported it (None: the stream broke)."""
+        self.report, self.sent_since_report = report, 0
+
+    @property
+    def pressure(self) -> int:
+        """The requests the policies balance on: those the node reports, from every router
+        (running, waiting and, on a decode node, reserved), plus this router's begun since the
+        report; this router's own count while no session reports (``router/sessions.py``)."""
+        r = self.report
+        if r is None:
+            return self.load
+        return r.running + r.waiting + r.reservations + self.sent_since_report
 
     async def wait_idle(self, timeout_s: float) -> bool:
         """Waits until no request uses this worker; False if ``timeout_s`` passed first."""
@@ -79,7 +97,15 @@ class Worker:
 
     def describe(self) -> dict[str, object]:
         return {"role": self.role.value, "address": self.address, "state": self.state.value, "load": self.load,
+                "pressure": self.pressure, "node_load": _report(self.report),
                 "namespace": self.info.namespace_digest if self.info else None, "reason": self.reason}
+
+
+def _report(report: pb.LoadReport | None) -> dict[str, int] | None:
+    if report is None:
+        return None
+    return {"running": report.running, "waiting": report.waiting, "reservations": report.reservations,
+            "kv_pages_used": report.kv_pages_used, "kv_pages_total": report.kv_pages_total}
 
 
 @dataclass
@@ -97,6 +123,7 @@ class Registry:
     info: pb.NodeInfo | None = None  # of the first accepted worker: page size, context, seed
     node_token: str | None = None  # sent on every call to the workers (core/node_auth.py)
     tls: TLSFiles | None = None  # TLS to the workers (None: plaintext)
+    router_id: str = field(default_factory=lambda: uuid.uuid4().hex)  # this process's, in its requests (sessions)
 
     def add(self, role: Role, address: str) -> Worker:
         """Registers a worker (idempotent); it gets traffic once a health check reached it."""
