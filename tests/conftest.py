@@ -37,7 +37,8 @@ LONGEST_FIRST = (
     "test_server", "test_cp_pp_pd_faults", "test_rank_agreement", "test_pp_l3_agreement", "test_tp_pd_faults",
     "test_handoff_integrity", "test_tp_faults",
     "test_speculative", "test_speculative_pd", "test_migration", "test_pd_ranks_l3", "test_offload", "test_pd_faults",
-    "test_node_auth", "test_deploy", "test_speculative_cache", "test_engine_machine", "test_up", "test_tenants",
+    "test_node_auth", "test_deploy", "test_speculative_cache", "test_engine_machine", "test_up", "test_tracing",
+    "test_tenants",
     "test_structured", "test_router_faults", "test_restore_overlap", "test_cp_gather_overlap", "test_model_hf",
     "test_api_logprobs", "test_up_supervise", "test_speculative_builtin", "test_builtin_model",
 )

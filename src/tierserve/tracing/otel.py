@@ -29,9 +29,14 @@ _PROPAGATOR = TraceContextTextMapPropagator()
 EXPORT_TIMEOUT_MS = 5000  # a collector that is gone must not hold up a process that stops (spans flush at exit)
 
 
-def _ns(monotonic: float) -> int:
-    """A ``time.monotonic()`` instant as OpenTelemetry's wall-clock nanoseconds."""
-    return time.time_ns() - int((time.monotonic() - monotonic) * 1e9)
+def _ns(monotonic: float, offset: int | None = None) -> int:
+    """A ``time.monotonic()`` instant as OpenTelemetry's wall-clock nanoseconds; ``offset``: the
+    clocks' difference (``_offset``), taken once for both ends of a span so its length is exact."""
+    return (_offset() if offset is None else offset) + int(monotonic * 1e9)
+
+
+def _offset() -> int:
+    return time.time_ns() - time.monotonic_ns()
 
 
 class OtelSpan:
@@ -46,8 +51,9 @@ class OtelSpan:
         return self._start(name, kind, attrs, None)
 
     def record(self, name: str, start: float, end: float, attrs: Attrs | None = None) -> Span:
-        span = self._start(name, SpanKind.INTERNAL, attrs, _ns(start))
-        span.end(end)
+        offset = _offset()
+        span = self._start(name, SpanKind.INTERNAL, attrs, _ns(start, offset))
+        span._end_ns(_ns(end, offset))
         return span
 
     def _start(self, name: str, kind: SpanKind, attrs: Attrs | None, start_ns: int | None) -> OtelSpan:
@@ -69,9 +75,12 @@ class OtelSpan:
         return list(carrier.items())
 
     def end(self, at: float | None = None) -> None:
+        self._end_ns(None if at is None else _ns(at))
+
+    def _end_ns(self, at: int | None) -> None:
         if not self._ended:  # the SDK warns of a second end
             self._ended = True
-            self._span.end(None if at is None else _ns(at))
+            self._span.end(at)
 
     def __enter__(self) -> Span:
         return self
