@@ -19,7 +19,7 @@ import httpx
 import pytest
 from helpers.otlp_receiver import ERROR, ReceivedSpan, Receiver, otlp_receiver
 from helpers.polling import wait_for
-from helpers.processes import free_port, running_up
+from helpers.processes import ServeProcess, free_port, running_up
 
 from tierserve.tracing import NO_SPAN, SpanKind, TracingConfig, start_tracing
 
@@ -109,6 +109,31 @@ def test_bad_tracing_flags_are_usage_errors(flags: list[str], message: str) -> N
     assert done.returncode == 2 and message in done.stderr, done.stderr
     with pytest.raises(ValueError, match="sample-ratio"):
         TracingConfig("h:1", sample_ratio=-0.1)
+
+
+@pytest.mark.integration
+def test_serve_traces_a_request_through_its_engine(tiny_llama: Path, receiver: Receiver, tmp_path: Path,
+                                                   monkeypatch) -> None:
+    """``tierserve serve``: the response's span under the client's, the choice under it, and the
+    engine's queue, prefix match (tier split), compute and decode under the choice."""
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")  # the server inherits the test's environment
+    server = ServeProcess(["--model", str(tiny_llama), "--device", "cpu", "--max-total-tokens", "1024",
+                           "--otlp-traces-endpoint", receiver.endpoint], tmp_path / "serve.log").wait_ready()
+    try:
+        body = {"prompt": [5, 6, 7, 8, 9], "max_tokens": 3, "ignore_eos": True}
+        reply = httpx.post(f"{server.url}/v1/completions", json=body, headers={"traceparent": TRACEPARENT},
+                           timeout=120)
+        assert reply.status_code == 200, reply.text
+        engine = {"tierserve.queue", "tierserve.prefix_match", "tierserve.prefill_compute", "tierserve.decode"}
+        spans = spans_of(receiver, TRACE_ID, engine | {"POST /v1/completions", "tierserve.choice"})
+    finally:
+        server.stop()
+    assert {s.service for s in spans} == {"tierserve"}
+    http, choice = one(spans, "POST /v1/completions"), one(spans, "tierserve.choice")
+    assert http.parent == CLIENT_SPAN and choice.parent == http.span_id
+    assert {one(spans, name).parent for name in engine} == {choice.span_id}
+    assert set(one(spans, "tierserve.prefix_match").attrs) >= TIER_KEYS
+    assert one(spans, "tierserve.decode").attrs["tierserve.completion_tokens"] == 3
 
 
 # --- through a real cluster --------------------------------------------------------------------

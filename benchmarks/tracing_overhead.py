@@ -1,0 +1,119 @@
+"""What OpenTelemetry tracing costs a cluster's throughput (docs/tracing.md, issue 34).
+
+Starts two ``tierserve up`` clusters on the built-in model (CPU, no L3, every prompt through the
+PD path): one without tracing, one with ``--otlp-traces-endpoint`` at ``--otlp-traces-sample-ratio
+1.0`` sending to an OTLP receiver in this process (``tests/helpers/otlp_receiver.py``: it decodes and
+keeps every span, as a collector would). Per round, the same load runs on each, the order
+alternating from round to round: ``--clients`` closed-loop clients send ``--requests`` completions
+in all, each a fresh ``--prompt-tokens``-token prompt (token ids: no cache hit) with
+``--max-tokens`` greedy output tokens (``ignore_eos``). Reported: requests/s and output tokens/s
+per round and cluster, the medians, and the median of the per-round ratios (on / off), with the
+spans received per request.
+
+    .venv/bin/python benchmarks/tracing_overhead.py [--rounds 5] [--clients 4] [--requests 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import signal
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))  # the tests' process helpers and OTLP receiver, reused
+from helpers.otlp_receiver import otlp_receiver  # noqa: E402
+from helpers.processes import free_port, start_up  # noqa: E402
+
+CLUSTER = ["--no-l3", "--max-total-tokens", "16384", "--quiet-access-log", "--log-level", "warning"]
+VOCAB = 49152  # the built-in model's
+
+
+async def load(url: str, rng: random.Random, args: argparse.Namespace) -> tuple[float, float]:
+    """``args.requests`` completions from ``args.clients`` clients at once: (requests/s, output tokens/s)."""
+    prompts = [[rng.randrange(100, VOCAB) for _ in range(args.prompt_tokens)] for _ in range(args.requests)]
+    queue: asyncio.Queue[list[int]] = asyncio.Queue()
+    for prompt in prompts:
+        queue.put_nowait(prompt)
+    tokens = 0
+
+    async def client(http: httpx.AsyncClient) -> None:
+        nonlocal tokens
+        while not queue.empty():
+            body = {"prompt": queue.get_nowait(), "max_tokens": args.max_tokens, "temperature": 0,
+                    "ignore_eos": True}
+            reply = await http.post(f"{url}/v1/completions", json=body)
+            reply.raise_for_status()
+            tokens += reply.json()["usage"]["completion_tokens"]
+
+    async with httpx.AsyncClient(timeout=600) as http:
+        started = time.perf_counter()
+        await asyncio.gather(*(client(http) for _ in range(args.clients)))
+        elapsed = time.perf_counter() - started
+    return args.requests / elapsed, tokens / elapsed
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--clients", type=int, default=4)
+    p.add_argument("--requests", type=int, default=64, help="per round and cluster")
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--out", type=Path, help="write the rounds and medians as JSON here")
+    args = p.parse_args()
+    with otlp_receiver() as receiver:
+        ports = {"off": free_port(), "on": free_port()}
+        tracing = ["--otlp-traces-endpoint", receiver.endpoint, "--otlp-traces-sample-ratio", "1.0"]
+        procs = [start_up(ports["off"], *CLUSTER)[0], start_up(ports["on"], *CLUSTER, *tracing)[0]]
+        try:
+            rounds = run(args, ports)
+            time.sleep(6)  # the exporter's last batch (every 5 s by default)
+            traced = args.rounds * args.requests + args.clients * 2
+            spans = len(receiver.spans()) / traced
+        finally:
+            for proc in procs:
+                proc.send_signal(signal.SIGINT)
+            for proc in procs:
+                proc.wait(timeout=120)
+    report(args, rounds, spans)
+
+
+def run(args: argparse.Namespace, ports: dict[str, int]) -> list[dict[str, float]]:
+    rounds = []
+    warm = argparse.Namespace(**{**vars(args), "requests": args.clients * 2})
+    for name in ("off", "on"):  # each cluster's first requests (allocations, code paths) outside the rounds
+        asyncio.run(load(f"http://127.0.0.1:{ports[name]}", random.Random(-1), warm))
+    for i in range(args.rounds):
+        order = ("off", "on") if i % 2 == 0 else ("on", "off")
+        row: dict[str, float] = {}
+        for name in order:
+            rps, tps = asyncio.run(load(f"http://127.0.0.1:{ports[name]}", random.Random(i), args))
+            row[f"{name}_rps"], row[f"{name}_tps"] = rps, tps
+        row["ratio"] = row["on_rps"] / row["off_rps"]
+        print(f"round {i + 1} ({order[0]} first): off {row['off_rps']:.2f} req/s {row['off_tps']:.1f} tok/s; "
+              f"on {row['on_rps']:.2f} req/s {row['on_tps']:.1f} tok/s; on/off {row['ratio']:.3f}", flush=True)
+        rounds.append(row)
+    return rounds
+
+
+def report(args: argparse.Namespace, rounds: list[dict[str, float]], spans: float) -> None:
+    med = {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}
+    print(f"\nmedians over {len(rounds)} rounds: off {med['off_rps']:.2f} req/s ({med['off_tps']:.1f} tok/s), "
+          f"on {med['on_rps']:.2f} req/s ({med['on_tps']:.1f} tok/s); ratio of medians "
+          f"{med['on_rps'] / med['off_rps']:.3f}; median per-round ratio {med['ratio']:.3f}; "
+          f"spans received per traced request {spans:.1f}")
+    if args.out:
+        args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rounds": rounds,
+                                        "medians": med, "spans_per_request": spans}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
