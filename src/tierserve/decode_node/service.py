@@ -13,6 +13,7 @@ Drain (SIGTERM, docs/migration.md): new reservations and generations are refused
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import OrderedDict
@@ -111,8 +112,9 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         attrs = at.request(rid, self.tenants.pop(rid, ""))
         with self.node.tracer.server("tierserve.v1.DecodeService/Generate", context.invocation_metadata(), attrs
                                      ) as span:
-            async for chunk in self._generate(request, context, span, since):
-                yield chunk
+            async with contextlib.aclosing(self._generate(request, context, span, since)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
 
     async def _generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, span: Span,
                         since: float) -> AsyncIterator[pb.GenerateChunk]:
@@ -193,8 +195,9 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         attrs = at.request(request.request_id, request.tenant, len(request.prompt_ids))
         with self.node.tracer.server("tierserve.v1.DecodeService/GenerateLocal", context.invocation_metadata(),
                                      attrs) as span:
-            async for chunk in self._local(request, context, span):
-                yield chunk
+            async with contextlib.aclosing(self._local(request, context, span)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
 
     async def _local(self, request: pb.LocalGenerateRequest, context: grpc.aio.ServicerContext, span: Span
                      ) -> AsyncIterator[pb.GenerateChunk]:
