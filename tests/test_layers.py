@@ -427,6 +427,8 @@ DOC_NAMES_ALLOWED: dict[str, str] = {
     "health_check": "a Mooncake store method tierserve does not call (docs/mooncake.md)",
     "transfer_check_status": "a Mooncake Transfer Engine method tierserve does not call (docs/mooncake.md)",
     "TransferNotify": "a Mooncake Transfer Engine feature tierserve does not use (docs/mooncake.md)",
+    "OTEL_BSP_MAX_QUEUE_SIZE": "an OpenTelemetry SDK setting tierserve leaves to the operator (docs/tracing.md)",
+    "OTEL_EXPORTER_OTLP_HEADERS": "an OpenTelemetry SDK setting tierserve leaves to the operator (docs/tracing.md)",
 }
 
 
@@ -454,6 +456,7 @@ DOC_CODE = {
         import argparse
 
         LIMIT = 3
+        SPAN = "pkg.step.queue"
 
 
         class Base:
@@ -483,7 +486,7 @@ GOOD_DOC = """\
     `Engine`, `Engine.add_request`, `Engine.step()` (a base's), `Engine.ticks`, `Engine.retries`, `pkg.engine.LIMIT`,
     `engine.build_parser`, `src/pkg/engine.py`, `sub/gather.py`, `gather.py`, `src/pkg/`, `--page-size 16`,
     `--decode-args`, `tierserve_engine_retries_total{role}`, plain words `like this`, `{"json": 1}`, `/v1/route`,
-    `--hicache-*`, `0.5`.
+    `--hicache-*`, `0.5`, the span `pkg.step.queue`.
 
     ```bash
     tierserve --gone-in-a-fence `Gone`
@@ -504,7 +507,7 @@ def test_stale_doc_names_are_reported(tmp_path: Path) -> None:
     stale_doc = """\
         The engine appends through `Engine._append`, aborts with `_Abort`, keeps `Engine.pending` (a local),
         lives in `pkg.engine.Gone` and `src/pkg/old.py`, gathers in `cp_gather.py`, takes `--old-flag 2`
-        and counts `tierserve_engine_vanished_total`; `Allowed.name` is allowed.
+        and counts `tierserve_engine_vanished_total`; `Allowed.name` is allowed; a span `pkg.step.gone`.
         """
     write_tree(tmp_path, {**DOC_CODE, "docs/page.md": stale_doc})
     assert stale_names(tmp_path, [tmp_path / "docs" / "page.md"], {"Allowed.name": "a test says so"}) == [
@@ -516,4 +519,5 @@ def test_stale_doc_names_are_reported(tmp_path: Path) -> None:
         "docs/page.md:2: `cp_gather.py` (no such file or folder)",
         "docs/page.md:2: `--old-flag` (no such flag in the code)",
         "docs/page.md:3: `tierserve_engine_vanished_total` (not in the code)",
+        "docs/page.md:3: `pkg.step.gone` (no gone in the code)",
     ]
