@@ -244,6 +244,10 @@ def test_a_pd_request_is_one_trace_across_router_prefill_and_decode(cluster: Clu
     assert [s for s in spans if s.status == ERROR] == []
     assert all(s.start_ns <= s.end_ns for s in spans)
     assert http.start_ns <= prefill.start_ns <= generate.start_ns <= generate.end_ns <= http.end_ns
+    first = spans_of(cluster.receiver, "1" * 32, {"tierserve.l3_prefetch_wait", "tierserve.queue"})
+    wait = one(first, "tierserve.l3_prefetch_wait")  # its uncached pages went to L3 first (not there: computed)
+    queue = one([s for s in first if s.service == PREFILL], "tierserve.queue")
+    assert wait.parent == queue.span_id and queue.start_ns <= wait.start_ns <= wait.end_ns <= queue.end_ns
 
 
 @pytest.mark.integration

@@ -96,7 +96,8 @@ async def prefill(pair: Pair, request_id: str, prompt_ids: list[int], sampling: 
                 request_id=request_id, prompt_ids=prompt_ids, sampling=sampling, cache_salt=scope.cache_salt,
                 tenant=scope.tenant, destination=dest, timeout_seconds=deadline, l3_pending_pages=l3_pending,
             ), timeout=deadline + LEASE_MARGIN_S / 2, metadata=call.headers() or None)
-            call.set(handoff_attrs(response))
+            if call.recording:
+                call.set(handoff_attrs(response))
     except grpc.aio.AioRpcError as exc:
         await release(pair, dest.reservation_id, writer_stopped=writer_stopped(exc))
         raise HandoffFailed(exc.code(), exc.details() or "", destination_failed(exc)) from exc

@@ -29,36 +29,44 @@ _PROPAGATOR = TraceContextTextMapPropagator()
 EXPORT_TIMEOUT_MS = 5000  # a collector that is gone must not hold up a process that stops (spans flush at exit)
 
 
-def _ns(monotonic: float, offset: int | None = None) -> int:
-    """A ``time.monotonic()`` instant as OpenTelemetry's wall-clock nanoseconds; ``offset``: the
-    clocks' difference (``_offset``), taken once for both ends of a span so its length is exact."""
-    return (_offset() if offset is None else offset) + int(monotonic * 1e9)
+class _Clock:
+    """``time.monotonic()`` instants as OpenTelemetry's wall-clock nanoseconds. The clocks'
+    difference is read once per ``REFRESH_S``, not per call: spans recorded together keep their
+    order to the nanosecond (reading it twice can differ by a microsecond), and a wall clock that
+    is adjusted is followed within seconds."""
 
+    REFRESH_S = 10.0
 
-def _offset() -> int:
-    return time.time_ns() - time.monotonic_ns()
+    def __init__(self) -> None:
+        self._offset, self._read_at = 0, -self.REFRESH_S
+
+    def ns(self, monotonic: float) -> int:
+        now = time.monotonic()
+        if now - self._read_at >= self.REFRESH_S:
+            self._offset, self._read_at = time.time_ns() - time.monotonic_ns(), now
+        return self._offset + int(monotonic * 1e9)
 
 
 class OtelSpan:
     """``Span`` over an SDK span (a trace not sampled: the SDK's non-recording span, whose
     ``headers`` still tell the next process not to sample it)."""
 
-    def __init__(self, tracer: trace.Tracer, span: trace.Span) -> None:
-        self._tracer, self._span, self._ended = tracer, span, False
+    def __init__(self, tracer: trace.Tracer, span: trace.Span, clock: _Clock) -> None:
+        self._tracer, self._span, self._clock, self._ended = tracer, span, clock, False
         self.recording = span.is_recording()
 
     def child(self, name: str, kind: SpanKind = SpanKind.INTERNAL, attrs: Attrs | None = None) -> Span:
         return self._start(name, kind, attrs, None)
 
     def record(self, name: str, start: float, end: float, attrs: Attrs | None = None) -> Span:
-        offset = _offset()
-        span = self._start(name, SpanKind.INTERNAL, attrs, _ns(start, offset))
-        span._end_ns(_ns(end, offset))
+        span = self._start(name, SpanKind.INTERNAL, attrs, self._clock.ns(start))
+        span._end_ns(self._clock.ns(end))
         return span
 
     def _start(self, name: str, kind: SpanKind, attrs: Attrs | None, start_ns: int | None) -> OtelSpan:
         context = trace.set_span_in_context(self._span)
-        return OtelSpan(self._tracer, self._tracer.start_span(name, context, _KINDS[kind], attrs, start_time=start_ns))
+        span = self._tracer.start_span(name, context, _KINDS[kind], attrs, start_time=start_ns)
+        return OtelSpan(self._tracer, span, self._clock)
 
     def set(self, attrs: Attrs) -> None:
         self._span.set_attributes(attrs)
@@ -75,7 +83,7 @@ class OtelSpan:
         return list(carrier.items())
 
     def end(self, at: float | None = None) -> None:
-        self._end_ns(None if at is None else _ns(at))
+        self._end_ns(None if at is None else self._clock.ns(at))
 
     def _end_ns(self, at: int | None) -> None:
         if not self._ended:  # the SDK warns of a second end
@@ -108,11 +116,11 @@ class OtelTracer:
         exporter = OTLPSpanExporter(endpoint, insecure=not endpoint.startswith("https://"),
                                     timeout=EXPORT_TIMEOUT_MS / 1000)
         self._provider.add_span_processor(BatchSpanProcessor(exporter, export_timeout_millis=EXPORT_TIMEOUT_MS))
-        self._tracer = self._provider.get_tracer("tierserve")
+        self._tracer, self._clock = self._provider.get_tracer("tierserve"), _Clock()
 
     def server(self, name: str, carrier: Carrier, attrs: Attrs | None = None) -> Span:
         context = _PROPAGATOR.extract(_propagated(carrier))
-        return OtelSpan(self._tracer, self._tracer.start_span(name, context, trace.SpanKind.SERVER, attrs))
+        return OtelSpan(self._tracer, self._tracer.start_span(name, context, trace.SpanKind.SERVER, attrs), self._clock)
 
 
 def _propagated(carrier: Carrier) -> dict[str, str]:
