@@ -3,12 +3,14 @@
 Starts two ``tierserve up`` clusters on the built-in model (CPU, no L3, every prompt through the
 PD path): one without tracing, one with ``--otlp-traces-endpoint`` at ``--otlp-traces-sample-ratio
 1.0`` sending to an OTLP receiver in this process (``tests/helpers/otlp_receiver.py``: it decodes and
-keeps every span, as a collector would). Per round, the same load runs on each, the order
-alternating from round to round: ``--clients`` closed-loop clients send ``--requests`` completions
+keeps every span, as a collector would); every process computes with one OpenMP thread. Per round,
+the same load runs on each, the order alternating from round to round: ``--clients`` closed-loop clients send ``--requests`` completions
 in all, each a fresh ``--prompt-tokens``-token prompt (token ids: no cache hit) with
 ``--max-tokens`` greedy output tokens (``ignore_eos``). Reported: requests/s and output tokens/s
 per round and cluster, the medians, and the median of the per-round ratios (on / off), with the
-spans received per request.
+spans received per request; and the CPU seconds the cluster's processes (router, nodes, ``up``)
+spent per request (``/proc``: user + system), which the machine's other load disturbs less than
+wall-clock throughput (the receiver's own CPU, in this process, is not in it).
 
     .venv/bin/python benchmarks/tracing_overhead.py [--rounds 5] [--clients 4] [--requests 64]
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import signal
 import statistics
@@ -33,7 +36,33 @@ from helpers.otlp_receiver import otlp_receiver  # noqa: E402
 from helpers.processes import free_port, start_up  # noqa: E402
 
 CLUSTER = ["--no-l3", "--max-total-tokens", "16384", "--quiet-access-log", "--log-level", "warning"]
+# One OpenMP thread per process, as in the tests: on a shared machine torch's threads spin waiting for each
+# other, which buries a small difference under CPU time nobody asked for.
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 VOCAB = 49152  # the built-in model's
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(root: int) -> float:
+    """User + system CPU seconds of ``root`` and every process under it (so far, the living ones)."""
+    parents: dict[int, int] = {}
+    times: dict[int, float] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        parents[int(entry.name)] = int(fields[1])
+        times[int(entry.name)] = (int(fields[11]) + int(fields[12])) / TICK
+    tree, frontier = {root}, [root]
+    while frontier:
+        pid = frontier.pop()
+        children = [p for p, parent in parents.items() if parent == pid]
+        tree.update(children)
+        frontier += children
+    return sum(times.get(pid, 0.0) for pid in tree)
 
 
 async def load(url: str, rng: random.Random, args: argparse.Namespace) -> tuple[float, float]:
@@ -72,9 +101,10 @@ def main() -> None:
     with otlp_receiver() as receiver:
         ports = {"off": free_port(), "on": free_port()}
         tracing = ["--otlp-traces-endpoint", receiver.endpoint, "--otlp-traces-sample-ratio", "1.0"]
-        procs = [start_up(ports["off"], *CLUSTER)[0], start_up(ports["on"], *CLUSTER, *tracing)[0]]
+        procs = [start_up(ports["off"], *CLUSTER, env=ONE_THREAD)[0],
+                 start_up(ports["on"], *CLUSTER, *tracing, env=ONE_THREAD)[0]]
         try:
-            rounds = run(args, ports)
+            rounds = run(args, ports, {"off": procs[0].pid, "on": procs[1].pid})
             time.sleep(6)  # the exporter's last batch (every 5 s by default)
             traced = args.rounds * args.requests + args.clients * 2
             spans = len(receiver.spans()) / traced
@@ -86,7 +116,7 @@ def main() -> None:
     report(args, rounds, spans)
 
 
-def run(args: argparse.Namespace, ports: dict[str, int]) -> list[dict[str, float]]:
+def run(args: argparse.Namespace, ports: dict[str, int], pids: dict[str, int]) -> list[dict[str, float]]:
     rounds = []
     warm = argparse.Namespace(**{**vars(args), "requests": args.clients * 2})
     for name in ("off", "on"):  # each cluster's first requests (allocations, code paths) outside the rounds
@@ -95,11 +125,14 @@ def run(args: argparse.Namespace, ports: dict[str, int]) -> list[dict[str, float
         order = ("off", "on") if i % 2 == 0 else ("on", "off")
         row: dict[str, float] = {}
         for name in order:
+            cpu = cpu_seconds(pids[name])
             rps, tps = asyncio.run(load(f"http://127.0.0.1:{ports[name]}", random.Random(i), args))
             row[f"{name}_rps"], row[f"{name}_tps"] = rps, tps
-        row["ratio"] = row["on_rps"] / row["off_rps"]
-        print(f"round {i + 1} ({order[0]} first): off {row['off_rps']:.2f} req/s {row['off_tps']:.1f} tok/s; "
-              f"on {row['on_rps']:.2f} req/s {row['on_tps']:.1f} tok/s; on/off {row['ratio']:.3f}", flush=True)
+            row[f"{name}_cpu_ms"] = (cpu_seconds(pids[name]) - cpu) / args.requests * 1000
+        row["ratio"], row["cpu_ratio"] = row["on_rps"] / row["off_rps"], row["on_cpu_ms"] / row["off_cpu_ms"]
+        print(f"round {i + 1} ({order[0]} first): off {row['off_rps']:.2f} req/s {row['off_tps']:.1f} tok/s "
+              f"{row['off_cpu_ms']:.0f} CPU ms/req; on {row['on_rps']:.2f} req/s {row['on_tps']:.1f} tok/s "
+              f"{row['on_cpu_ms']:.0f} CPU ms/req; on/off {row['ratio']:.3f} (CPU {row['cpu_ratio']:.3f})", flush=True)
         rounds.append(row)
     return rounds
 
@@ -109,7 +142,8 @@ def report(args: argparse.Namespace, rounds: list[dict[str, float]], spans: floa
     print(f"\nmedians over {len(rounds)} rounds: off {med['off_rps']:.2f} req/s ({med['off_tps']:.1f} tok/s), "
           f"on {med['on_rps']:.2f} req/s ({med['on_tps']:.1f} tok/s); ratio of medians "
           f"{med['on_rps'] / med['off_rps']:.3f}; median per-round ratio {med['ratio']:.3f}; "
-          f"spans received per traced request {spans:.1f}")
+          f"CPU per request off {med['off_cpu_ms']:.0f} ms, on {med['on_cpu_ms']:.0f} ms, median per-round ratio "
+          f"{med['cpu_ratio']:.3f}; spans received per traced request {spans:.1f}")
     if args.out:
         args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rounds": rounds,
                                         "medians": med, "spans_per_request": spans}, indent=2))
