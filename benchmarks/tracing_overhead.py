@@ -4,13 +4,13 @@ Starts two ``tierserve up`` clusters on the built-in model (CPU, no L3, every pr
 PD path): one without tracing, one with ``--otlp-traces-endpoint`` at ``--otlp-traces-sample-ratio
 1.0`` sending to an OTLP receiver in this process (``tests/helpers/otlp_receiver.py``: it decodes and
 keeps every span, as a collector would); every process computes with one OpenMP thread. Per round,
-the same load runs on each, the order alternating from round to round: ``--clients`` closed-loop clients send ``--requests`` completions
-in all, each a fresh ``--prompt-tokens``-token prompt (token ids: no cache hit) with
-``--max-tokens`` greedy output tokens (``ignore_eos``). Reported: requests/s and output tokens/s
-per round and cluster, the medians, and the median of the per-round ratios (on / off), with the
-spans received per request; and the CPU seconds the cluster's processes (router, nodes, ``up``)
-spent per request (``/proc``: user + system), which the machine's other load disturbs less than
-wall-clock throughput (the receiver's own CPU, in this process, is not in it).
+the same load runs on each, the order alternating from round to round: ``--clients`` closed-loop
+clients send ``--requests`` completions in all, each a fresh ``--prompt-tokens``-token prompt (token
+ids: no cache hit) with ``--max-tokens`` greedy output tokens (``ignore_eos``). Reported: requests/s
+and output tokens/s per round and cluster, the medians, and the median of the per-round ratios
+(on / off), with the spans received per request; and the CPU seconds the cluster's processes
+(router, nodes, ``up``) spent per request (``/proc``: user + system), which the machine's other load
+disturbs less than wall-clock throughput (the receiver's own CPU, in this process, is not in it).
 
     .venv/bin/python benchmarks/tracing_overhead.py [--rounds 5] [--clients 4] [--requests 64]
 """
