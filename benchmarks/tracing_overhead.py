@@ -12,7 +12,12 @@ and output tokens/s per round and cluster, the medians, and the median of the pe
 (router, nodes, ``up``) spent per request (``/proc``: user + system), which the machine's other load
 disturbs less than wall-clock throughput (the receiver's own CPU, in this process, is not in it).
 
+``--direct``: no cluster; the CPU time of making one PD request's spans (the router's, the prefill
+node's and the decode node's: 19 spans, the three ``traceparent`` hops) with the real SDK exporting
+to the receiver, per request, over ``--requests`` requests: the cost itself, apart from the noise.
+
     .venv/bin/python benchmarks/tracing_overhead.py [--rounds 5] [--clients 4] [--requests 64]
+    .venv/bin/python benchmarks/tracing_overhead.py --direct --requests 5000
 """
 
 from __future__ import annotations
@@ -97,7 +102,11 @@ def main() -> None:
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--out", type=Path, help="write the rounds and medians as JSON here")
+    p.add_argument("--direct", action="store_true", help="time one request's spans in this process instead")
     args = p.parse_args()
+    if args.direct:
+        direct(args.requests)
+        return
     with otlp_receiver() as receiver:
         ports = {"off": free_port(), "on": free_port()}
         tracing = ["--otlp-traces-endpoint", receiver.endpoint, "--otlp-traces-sample-ratio", "1.0"]
@@ -135,6 +144,47 @@ def run(args: argparse.Namespace, ports: dict[str, int], pids: dict[str, int]) -
               f"{row['on_cpu_ms']:.0f} CPU ms/req; on/off {row['ratio']:.3f} (CPU {row['cpu_ratio']:.3f})", flush=True)
         rounds.append(row)
     return rounds
+
+
+def one_request(router: object, prefill: object, decode: object) -> None:
+    """The spans one PD request makes in the three processes, as the code makes them."""
+    from tierserve.tracing import SpanKind
+
+    now = time.monotonic()
+    http = router.server("POST /v1/completions", {}, {"tierserve.request_id": "r"})  # type: ignore[attr-defined]
+    with http, http.child("tierserve.choice", attrs={"tierserve.request_id": "r-0"}) as choice:
+        choice.child("tierserve.admission").end()
+        with choice.child("tierserve.attempt") as attempt:
+            attempt.record("tierserve.route", now, now, {"tierserve.path": "prefill_decode"})
+            for name, node in (("Reserve", decode), ("Prefill", prefill), ("Generate", decode)):
+                with attempt.child(name, SpanKind.CLIENT) as call, node.server(name, call.headers()) as served:
+                    if name == "Prefill":
+                        queue = served.record("tierserve.queue", now, now)
+                        queue.record("tierserve.l3_prefetch_wait", now, now)
+                        for part in ("tierserve.prefix_match", "tierserve.prefill_compute", "tierserve.kv_handoff"):
+                            served.record(part, now, now, {"tierserve.cached_tokens.device": 16})
+                    elif name == "Generate":
+                        for part in ("tierserve.decode_queue", "tierserve.first_token", "tierserve.decode"):
+                            served.record(part, now, now)
+            attempt.set({"tierserve.cached_tokens": 16})
+
+
+def direct(requests: int) -> None:
+    from tierserve.tracing import TracingConfig, start_tracing
+
+    with otlp_receiver() as receiver:
+        config = TracingConfig(receiver.endpoint)
+        tracers = [start_tracing(config, service) for service in ("router", "prefill", "decode")]
+        for _ in range(200):  # warm
+            one_request(*tracers)
+        started, cpu = time.perf_counter(), time.process_time()
+        for _ in range(requests):
+            one_request(*tracers)
+        wall, cpu = time.perf_counter() - started, time.process_time() - cpu
+        time.sleep(6)  # the exporter's last batch
+        spans = len(receiver.spans()) / (requests + 200)
+    print(f"{requests} requests' spans: {cpu / requests * 1e6:.0f} us CPU per request ({wall / requests * 1e6:.0f} us "
+          f"wall; this process's CPU, the exporter threads' and the receiver's included); {spans:.1f} spans each")
 
 
 def report(args: argparse.Namespace, rounds: list[dict[str, float]], spans: float) -> None:
