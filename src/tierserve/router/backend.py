@@ -226,7 +226,7 @@ class PDBackend:
                 outputs = self._alone(prefill, rid, request)
             else:
                 outputs = self._disaggregated((prefill, decode), rid, request)
-            first = True
+            first = request.span.recording
             async with contextlib.aclosing(outputs) as results:
                 async for out in results:
                     if first:  # the cache report of what this try's nodes actually held
