@@ -35,10 +35,10 @@ from helpers.outside_paths import outside_paths
 # Besides itself, what each unit may import from tierserve: units or dotted sub-names (relative to
 # tierserve). Rows: the serving stack from the bottom up, then the torch-free client side, then the
 # entry points. A unit is a top-level package or module; "__init__" is the package itself.
-NODE_MAY_IMPORT = ("core", "proto", "model", "cache", "engine", "transfer",
+NODE_MAY_IMPORT = ("core", "proto", "model", "cache", "engine", "transfer", "tracing",
                    "api.engine_metrics")  # the Prometheus view of an engine's stats, torch-free
 # A role reaches the model and the API only through node.
-ROLE_MAY_IMPORT = ("core", "proto", "cache", "engine", "transfer", "node")
+ROLE_MAY_IMPORT = ("core", "proto", "cache", "engine", "transfer", "node", "tracing")
 ALLOWED: dict[str, tuple[str, ...]] = {
     "__init__": (),
     "core": (),
@@ -48,25 +48,26 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "cache": ("core", "mooncake_env"),
     "engine": ("core", "model", "cache", "structured"),
     "structured": ("core",),  # llguidance grammars: torch-free, shared by the API's checks and the engine
+    "tracing": ("core",),  # OpenTelemetry spans (the SDK only with tracing on): every serving role's
     "transfer": ("core", "mooncake_env", "model", "cache", "engine"),
     "node": NODE_MAY_IMPORT,
     "prefill_node": ROLE_MAY_IMPORT,
     "decode_node": ROLE_MAY_IMPORT,
     "bench": ("core",),
-    "api": ("core", "proto", "structured", "cache.hashing", "cache.events"),
-    "router": ("core", "api", "proto", "cache.hashing", "cache.events"),
+    "api": ("core", "proto", "structured", "tracing", "cache.hashing", "cache.events"),
+    "router": ("core", "api", "proto", "tracing", "cache.hashing", "cache.events"),
     "launch": ("core",),  # `tierserve up` starts the other parts as processes, never imports them
     "cli": ("core", "mooncake_env", "proto", "model", "cache", "engine", "structured", "transfer", "node",
-            "prefill_node", "decode_node", "bench", "api", "router", "launch"),
+            "prefill_node", "decode_node", "bench", "api", "router", "launch", "tracing"),
 }
-TORCH_FREE = ("core", "structured", "bench", "api", "router", "launch")
+TORCH_FREE = ("core", "structured", "tracing", "bench", "api", "router", "launch")
 HEAVY = ("torch", "mooncake")  # top-level names the torch-free units must never reach
 SIBLINGS = {"prefill_node": ("decode_node",), "decode_node": ("prefill_node",)}
 CACHE_MUST_NOT_IMPORT = ("engine", "node", "prefill_node", "decode_node", "router", "api", "cli")
 # Imported in a fresh interpreter, each must leave torch and mooncake unloaded (the console script
 # too: every command's parser is built before any command runs).
 RUNTIME_TORCH_FREE = ("tierserve.router.app", "tierserve.api.app", "tierserve.api.engine_backend",
-                      "tierserve.cli.main", "tierserve.bench.runner", "tierserve.launch.run")
+                      "tierserve.cli.main", "tierserve.bench.runner", "tierserve.launch.run", "tierserve.tracing.otel")
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = "tierserve"
@@ -269,7 +270,7 @@ def test_allow_list_fires(tmp_path: Path) -> None:
         "pkg/bench/cli.py:1 imports pkg.api.app (bench may import only core)",
         "pkg/core/shapes.py:1 imports pkg (core may import only core)",
         "pkg/router/app.py:4 imports pkg.cache.radix "
-        "(router may import only core, api, proto, cache.hashing, cache.events)",
+        "(router may import only core, api, proto, tracing, cache.hashing, cache.events)",
     ]
 
 
@@ -311,13 +312,15 @@ ROW_BREAKS = {
                  "(transfer may import only core, mooncake_env, model, cache, engine)"),
     "node": ("node/server.py", "from pkg.api.app import create_app\n",  # api.engine_metrics only
              "pkg/node/server.py:1 imports pkg.api.app "
-             "(node may import only core, proto, model, cache, engine, transfer, api.engine_metrics)"),
+             "(node may import only core, proto, model, cache, engine, transfer, tracing, api.engine_metrics)"),
     "prefill_node": ("prefill_node/service.py", "from pkg.router import app\n",
                      "pkg/prefill_node/service.py:1 imports pkg.router.app (prefill_node may import only "
-                     "core, proto, cache, engine, transfer, node)"),
+                     "core, proto, cache, engine, transfer, node, tracing)"),
     "decode_node": ("decode_node/service.py", "import pkg.cli.main\n",
                     "pkg/decode_node/service.py:1 imports pkg.cli.main (decode_node may import only "
-                    "core, proto, cache, engine, transfer, node)"),
+                    "core, proto, cache, engine, transfer, node, tracing)"),
+    "tracing": ("tracing/spans.py", "from pkg.engine import loop\n",
+                "pkg/tracing/spans.py:1 imports pkg.engine.loop (tracing may import only core)"),
     "launch": ("launch.py", "from pkg.engine import loop\n",
                "pkg/launch.py:1 imports pkg.engine.loop (launch may import only core)"),
     "cache": ("cache/hashing.py", "from pkg.model import layers\n",
@@ -343,7 +346,7 @@ def test_a_unit_without_a_row_fires_and_cli_may_not_import_it(tmp_path: Path) ->
     assert check_placed(tree) == ["pkg.plugins has no row in the layering table (give it one)"]
     assert check_allowed(tree) == [
         "pkg/cli/main.py:4 imports pkg.plugins.extra (cli may import only core, mooncake_env, proto, model, cache, "
-        "engine, structured, transfer, node, prefill_node, decode_node, bench, api, router, launch)"
+        "engine, structured, transfer, node, prefill_node, decode_node, bench, api, router, launch, tracing)"
     ]
 
 
@@ -424,6 +427,8 @@ DOC_NAMES_ALLOWED: dict[str, str] = {
     "health_check": "a Mooncake store method tierserve does not call (docs/mooncake.md)",
     "transfer_check_status": "a Mooncake Transfer Engine method tierserve does not call (docs/mooncake.md)",
     "TransferNotify": "a Mooncake Transfer Engine feature tierserve does not use (docs/mooncake.md)",
+    "OTEL_BSP_MAX_QUEUE_SIZE": "an OpenTelemetry SDK setting tierserve leaves to the operator (docs/tracing.md)",
+    "OTEL_EXPORTER_OTLP_HEADERS": "an OpenTelemetry SDK setting tierserve leaves to the operator (docs/tracing.md)",
 }
 
 
@@ -451,6 +456,7 @@ DOC_CODE = {
         import argparse
 
         LIMIT = 3
+        SPAN = "pkg.step.queue"
 
 
         class Base:
@@ -480,7 +486,7 @@ GOOD_DOC = """\
     `Engine`, `Engine.add_request`, `Engine.step()` (a base's), `Engine.ticks`, `Engine.retries`, `pkg.engine.LIMIT`,
     `engine.build_parser`, `src/pkg/engine.py`, `sub/gather.py`, `gather.py`, `src/pkg/`, `--page-size 16`,
     `--decode-args`, `tierserve_engine_retries_total{role}`, plain words `like this`, `{"json": 1}`, `/v1/route`,
-    `--hicache-*`, `0.5`.
+    `--hicache-*`, `0.5`, the span `pkg.step.queue`.
 
     ```bash
     tierserve --gone-in-a-fence `Gone`
@@ -501,7 +507,7 @@ def test_stale_doc_names_are_reported(tmp_path: Path) -> None:
     stale_doc = """\
         The engine appends through `Engine._append`, aborts with `_Abort`, keeps `Engine.pending` (a local),
         lives in `pkg.engine.Gone` and `src/pkg/old.py`, gathers in `cp_gather.py`, takes `--old-flag 2`
-        and counts `tierserve_engine_vanished_total`; `Allowed.name` is allowed.
+        and counts `tierserve_engine_vanished_total`; `Allowed.name` is allowed; a span `pkg.step.gone`.
         """
     write_tree(tmp_path, {**DOC_CODE, "docs/page.md": stale_doc})
     assert stale_names(tmp_path, [tmp_path / "docs" / "page.md"], {"Allowed.name": "a test says so"}) == [
@@ -513,4 +519,5 @@ def test_stale_doc_names_are_reported(tmp_path: Path) -> None:
         "docs/page.md:2: `cp_gather.py` (no such file or folder)",
         "docs/page.md:2: `--old-flag` (no such flag in the code)",
         "docs/page.md:3: `tierserve_engine_vanished_total` (not in the code)",
+        "docs/page.md:3: `pkg.step.gone` (no gone in the code)",
     ]

@@ -8,8 +8,9 @@ What counts as a code name inside a `code span` of a Markdown file (fenced block
   (``src/``, ``benchmarks/``, ``deploy/``, ``scripts/``), literally or as an f-string (``f"--{role}-args"``);
 - a dotted name (``Class.member``, ``module.attr``, ``launch.probes.port_taken``), optionally called
   (``Engine.step(...)``): a class's member must be defined in the class or a base, a module's attribute at
-  the module's top level; a dotted name whose head is neither, or only a top-level package that is also a
-  variable's name (``cache.match``), is checked word by word, as below;
+  the module's top level; a Python string literal of the code that is the whole dotted name (a span or
+  attribute name, ``tierserve.kv_handoff``) passes too; a dotted name whose head is neither, or only a
+  top-level package that is also a variable's name (``cache.match``), is checked word by word, as below;
 - a single identifier that looks like code: CamelCase or capitalised (``HiCache``, ``Engine``), with an
   underscore (``_write_now``, ``DEFAULT_THRESHOLD``) or called (``dirty_lru()``): the word must occur in the
   code (strings included, since config keys and enum values are strings).
@@ -75,6 +76,7 @@ class CodeIndex:
     classes: dict[str, set[str]] = field(default_factory=dict)  # class name -> members (every class of that name)
     bases: dict[str, set[str]] = field(default_factory=dict)  # class name -> base class names
     modules: dict[str, set[str]] = field(default_factory=dict)  # dotted module -> its top-level names
+    strings: set[str] = field(default_factory=set)  # Python string literals that are dotted names (span names)
 
 
 def _outside_fences(text: str) -> str:
@@ -180,6 +182,8 @@ def _index_python(index: CodeIndex, rel: Path, text: str) -> None:
             bases = {b.id if isinstance(b, ast.Name) else b.attr for b in node.bases
                      if isinstance(b, ast.Name | ast.Attribute)}
             index.bases.setdefault(node.name, set()).update(bases)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and DOTTED.fullmatch(node.value):
+            index.strings.add(node.value)
 
 
 def _files(root: Path, dirs: Iterable[str]) -> Iterator[Path]:
@@ -231,6 +235,8 @@ def _module_prefix(index: CodeIndex, parts: list[str]) -> int:
 
 
 def _dotted_problem(index: CodeIndex, name: str) -> str | None:
+    if name in index.strings:  # spelled out whole in the code: a span or attribute name (docs/tracing.md)
+        return None
     parts = name.split(".")
     n = _module_prefix(index, parts)
     if n == len(parts):

@@ -37,6 +37,8 @@ from tierserve.core.outputs import FinishReason
 from tierserve.core.sampling import MAX_UINT32, InvalidRequestError, SamplingParams
 from tierserve.core.scope import CacheScope
 from tierserve.structured import grammars
+from tierserve.tracing import NO_SPAN, NO_TRACER, Span, Tracer, using
+from tierserve.tracing import attributes as at
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -71,10 +73,10 @@ class _Api:
     """The handlers; state is the backend, the tokenizer and the metrics, nothing global."""
 
     def __init__(self, backend: Backend, tokenizer: TextTokenizer | None, model_name: str,
-                 metrics: ApiMetrics) -> None:
+                 metrics: ApiMetrics, tracer: Tracer = NO_TRACER) -> None:
         self.backend, self.tokenizer, self.model_name = backend, tokenizer, model_name
         self.max_model_len: int = backend.max_model_len
-        self.metrics = metrics
+        self.metrics, self.tracer = metrics, tracer
         self.created = int(time.time())
         self.limiter = TenantLimiter()
 
@@ -104,21 +106,33 @@ class _Api:
     async def _respond(self, request: Request, jobs: list[Job], fmt: Format, stream: bool | None,
                        include_usage: bool) -> Response:
         """Runs the jobs once their tenant is admitted (429 over its limits); the tenant's slot is
-        held until the response ends, a stream's included."""
+        held until the response ends, a stream's included. Traced, the response is a span whose
+        children are the backend's (``docs/tracing.md``), ended with it."""
         tenant = request_tenant(request)
-        release = self.limiter.admit(tenant) if tenant is not None else lambda: None
-        choices = Choices(self.backend, jobs, self.metrics, buffered=not stream)
+        span = self._span(request, fmt.id, jobs, bool(stream))
+        release = _ending(span, self.limiter.admit(tenant) if tenant is not None else lambda: None)
+        with using(span):  # the backend's requests run in tasks made here: their spans are its children
+            choices = Choices(self.backend, jobs, self.metrics, buffered=not stream)
         try:
             await _unless_disconnected(request, choices.start())
             if stream:
                 return _SSEResponse(_sse_events(choices, fmt, len(jobs), include_usage), choices, release)
             await _unless_disconnected(request, choices.run())
-        except BaseException:
+        except BaseException as exc:
             choices.cancel()
+            span.fail(f"{type(exc).__name__}: {exc}")
             release()
             raise
         release()
         return _json(fmt.response(choices.results(), choices.usage()))
+
+    def _span(self, request: Request, response_id: str, jobs: list[Job], stream: bool) -> Span:
+        """The response's span: a child of the client's ``traceparent``, or a new trace's root."""
+        if not self.tracer.enabled:
+            return NO_SPAN
+        return self.tracer.server(f"{request.method} {request.url.path}", request.headers, {
+            "http.request.method": request.method, "url.path": request.url.path, at.REQUEST_ID: response_id,
+            at.TENANT: jobs[0].scope.tenant, "tierserve.stream": stream, "tierserve.choices": len(jobs)})
 
     async def tokenize(self, request: Request) -> Response:
         body = oa.parse_body(oa.TokenizeRequest, await request.body())
@@ -195,6 +209,16 @@ class _Api:
             raise oa.APIError(400, f"this model's maximum context length is {self.max_model_len} tokens, "
                                    f"but the prompt has {len(ids)} tokens", param="prompt")
         return ids
+
+
+def _ending(span: Span, release: Callable[[], None]) -> Callable[[], None]:
+    """``release`` that also ends ``span``."""
+
+    def end() -> None:
+        release()
+        span.end()
+
+    return end
 
 
 def _checked(params: SamplingParams) -> SamplingParams:
@@ -279,15 +303,16 @@ def _json(model: BaseModel) -> Response:
 
 
 def create_app(backend: Backend, tokenizer: TextTokenizer | None, model_name: str, metrics: ApiMetrics,
-               keys: TenantKeys | None = None, admin_api_key: str | None = None) -> FastAPI:
+               keys: TenantKeys | None = None, admin_api_key: str | None = None, tracer: Tracer = NO_TRACER
+               ) -> FastAPI:
     """The HTTP app over a started backend. ``/health``, ``/readiness`` and ``/metrics`` are open;
     every other route needs ``Authorization: Bearer <key>`` with one of ``keys`` when set, the key
     naming the request's tenant (its cache namespace and its limits, ``api/tenants.py``), except
     ``/debug/state``, an admin route (``debug_guard``: the admin key, never a tenant's). Roles add
     their own routes (``guarded`` and ``admin_guard`` give the dependencies). Every error answer,
     an unexpected exception's 500 included, has the OpenAI shape and is counted in
-    ``tierserve_http_errors_total`` by status."""
-    api = _Api(backend, tokenizer, model_name, metrics)
+    ``tierserve_http_errors_total`` by status. ``tracer``: each completion is a span (``docs/tracing.md``)."""
+    api = _Api(backend, tokenizer, model_name, metrics, tracer)
     app = FastAPI(title="tierserve", docs_url=None, redoc_url=None)
     guarded = {"dependencies": [Depends(tenant_check(keys))]}
     app.add_api_route("/v1/completions", api.completions, methods=["POST"], **guarded)

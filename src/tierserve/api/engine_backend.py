@@ -24,6 +24,9 @@ from tierserve.core.sampling import SamplingParams
 from tierserve.core.scope import CacheScope
 from tierserve.core.storage import StorageAction, StorageAdminError, StorageBusyError, StorageKind
 from tierserve.core.test_hooks import refuse_test_switches
+from tierserve.tracing import NO_TRACER, Tracer, current_span
+from tierserve.tracing import attributes as at
+from tierserve.tracing.engine_spans import ending, traced
 
 if TYPE_CHECKING:
     from tierserve.engine.loop import EngineLoop
@@ -40,8 +43,14 @@ class EngineBackend:
                  *, buffered: bool = False, sibling: Sibling | None = None) -> AsyncIterator[RequestOutput]:
         """Outputs as the engine makes them, ``buffered`` or not: one engine has nowhere else to
         retry, so holding them back would only delay them. ``sibling`` is ignored: the engine's
-        in-flight sharing already computes a prompt's ``n`` choices' prompt once."""
-        return self.loop.generate(request_id, prompt_ids, params, scope)
+        in-flight sharing already computes a prompt's ``n`` choices' prompt once. Traced (a span is
+        current, ``docs/tracing.md``): the engine's spans go under a ``tierserve.choice`` span."""
+        outputs = self.loop.generate(request_id, prompt_ids, params, scope)
+        parent = current_span()
+        if not parent.recording:
+            return outputs
+        span = parent.child("tierserve.choice", attrs=at.request(request_id, scope.tenant, len(prompt_ids)))
+        return ending(span, traced(span, outputs))
 
     def healthy(self) -> bool:
         """The engine thread runs and no step is overdue (several ranks: a frozen rank, docs/ranks.md)."""
@@ -56,12 +65,14 @@ class EngineBackend:
 
 
 def create_engine_app(loop: EngineLoop, tokenizer: TextTokenizer | None, model_name: str,
-                      keys: TenantKeys | None = None, admin_api_key: str | None = None) -> FastAPI:
+                      keys: TenantKeys | None = None, admin_api_key: str | None = None,
+                      tracer: Tracer = NO_TRACER) -> FastAPI:
     """The HTTP app for one started ``EngineLoop`` (the caller stops it), with ``/admin/storage``
-    (L3 status, attach, detach, clear) behind ``admin_api_key``; API keys name tenants (``keys``)."""
+    (L3 status, attach, detach, clear) behind ``admin_api_key``; API keys name tenants (``keys``);
+    ``tracer``: each completion a trace (``docs/tracing.md``)."""
     check_admin_key(admin_api_key, keys)
     metrics = ApiMetrics(EngineCollector(loop))
-    app = create_app(EngineBackend(loop), tokenizer, model_name, metrics, keys, admin_api_key)
+    app = create_app(EngineBackend(loop), tokenizer, model_name, metrics, keys, admin_api_key, tracer)
     admin = admin_guard(admin_api_key, keys)
 
     async def storage_status() -> Response:

@@ -22,6 +22,7 @@ from tierserve.cache.options import DraftLayout, HiCacheOptions, HostLayout, IOB
 from tierserve.core.layer_split import layer_partition
 from tierserve.core.storage import StorageKind
 from tierserve.engine.config import CPAttention, EngineConfig, SchedulePolicy
+from tierserve.tracing.config import TracingConfig, check_endpoint
 
 if TYPE_CHECKING:
     from tierserve.api.tenants import TenantKeys
@@ -184,6 +185,34 @@ def chat_flags(args: argparse.Namespace) -> list[str]:
     """``add_chat_args``' flags as given, for a child process (``up``'s router)."""
     template = ["--chat-template", str(args.chat_template.resolve())] if args.chat_template else []
     return template + (["--tool-call-parser", args.tool_call_parser] if args.tool_call_parser else [])
+
+
+def add_tracing_args(p: argparse.ArgumentParser) -> None:
+    """``--otlp-traces-endpoint`` (vLLM's and SGLang's name) and ``--otlp-traces-sample-ratio``
+    (serve, router, prefill, decode; ``up`` passes them on): docs/tracing.md."""
+    p.add_argument("--otlp-traces-endpoint", type=_endpoint, metavar="URL",
+                   help="send OpenTelemetry traces (OTLP over gRPC) to this collector, e.g. localhost:4317 or "
+                        "https://tempo:4317 (plaintext unless https); default: no tracing, at no cost")
+    p.add_argument("--otlp-traces-sample-ratio", type=_ratio, default=1.0, metavar="RATIO",
+                   help="share of new traces kept (0-1, default 1); a request with a traceparent follows its caller")
+
+
+def tracing_config(args: argparse.Namespace) -> TracingConfig:
+    return TracingConfig(args.otlp_traces_endpoint, args.otlp_traces_sample_ratio)
+
+
+def _endpoint(text: str) -> str:
+    try:
+        return check_endpoint(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _ratio(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], not {text}")
+    return value
 
 
 def add_api_key_args(p: argparse.ArgumentParser, admin: str) -> None:

@@ -7,7 +7,14 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tierserve.cli.flags import add_engine_args, add_listen_args, add_model_args, node_engine_config
+from tierserve.cli.flags import (
+    add_engine_args,
+    add_listen_args,
+    add_model_args,
+    add_tracing_args,
+    node_engine_config,
+    tracing_config,
+)
 from tierserve.core.transfer import TransferProtocol
 
 if TYPE_CHECKING:
@@ -29,6 +36,7 @@ def add_node_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transfer-hostname", help="address peers use for this node's transfer engine "
                    "(default: --host, or 127.0.0.1 when that is 0.0.0.0)")
     add_node_token_args(p)
+    add_tracing_args(p)
     add_engine_args(p)
 
 
@@ -59,7 +67,7 @@ def node_options(args: argparse.Namespace) -> NodeOptions:
                        kv_events_port=args.kv_events_port, log_level=args.log_level,
                        node_token=read_token(args.node_token, args.node_token_file),
                        tls=TLSFiles.of(args.tls_cert, args.tls_key, args.tls_ca),
-                       handoff_integrity=args.handoff_integrity)
+                       handoff_integrity=args.handoff_integrity, tracing=tracing_config(args))
 
 
 def run_role(args: argparse.Namespace, role: int, add_service: AddService, offload_generated: bool = False) -> int:

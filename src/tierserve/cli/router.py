@@ -13,8 +13,10 @@ from tierserve.cli.flags import (
     add_chat_args,
     add_listen_args,
     add_model_args,
+    add_tracing_args,
     model_dir,
     tenant_keys,
+    tracing_config,
 )
 from tierserve.cli.node import add_node_token_args
 
@@ -76,6 +78,7 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-selector", default="app=tierserve,role=decode", help="label selector of decode pods")
     p.add_argument("--service-discovery-port", type=int, default=50051,
                    help="workers' gRPC port when the pod names no container port 'grpc'")
+    add_tracing_args(p)
 
 
 def positive_seconds(text: str) -> float:
@@ -110,7 +113,7 @@ def router_config(args: argparse.Namespace, folder: Path) -> RouterConfig:
                               disaggregation_threshold=args.disaggregation_threshold),
         health_check_interval_s=args.health_check_interval, drain_timeout_s=args.worker_drain_timeout,
         node_token=read_token(args.node_token, args.node_token_file),
-        tls=TLSFiles.of(args.tls_cert, args.tls_key, args.tls_ca, args.tls_server_name),
+        tls=TLSFiles.of(args.tls_cert, args.tls_key, args.tls_ca, args.tls_server_name), tracing=tracing_config(args),
     )
 
 

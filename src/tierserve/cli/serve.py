@@ -17,8 +17,10 @@ from tierserve.cli.flags import (
     add_engine_args,
     add_listen_args,
     add_model_args,
+    add_tracing_args,
     node_engine_config,
     tenant_keys,
+    tracing_config,
 )
 
 if TYPE_CHECKING:
@@ -32,6 +34,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
     add_api_key_args(p, "the /admin routes (L3 attach/detach/status/clear)")
     add_chat_args(p)
+    add_tracing_args(p)
     add_engine_args(p)
 
 
@@ -117,6 +120,7 @@ def _serve(args: argparse.Namespace, engine: Engine, on_ready: Callable[[], None
     from tierserve.engine.loop import EngineLoop
     from tierserve.engine.procs.step_bus import LeaderBus
     from tierserve.engine.step_watch import StepWatch
+    from tierserve.tracing import start_tracing
 
     bus = LeaderBus(engine.ranks, ranks.fail) if ranks is not None else None
     watch = StepWatch(engine.config.dist_timeout_s) if ranks is not None else None
@@ -124,7 +128,8 @@ def _serve(args: argparse.Namespace, engine: Engine, on_ready: Callable[[], None
     try:
         name = args.served_model_name or engine.model_config.name
         tokenizer = try_load(engine.config.model_dir, args.chat_template, args.tool_call_parser)
-        app = create_engine_app(loop, tokenizer, name, args.tenant_keys, args.admin_api_key)
+        tracer = start_tracing(tracing_config(args), "tierserve", f"{args.host}:{args.port}")
+        app = create_engine_app(loop, tokenizer, name, args.tenant_keys, args.admin_api_key, tracer)
         _exit_cleanly_on_sigterm()
         run_http(app, args.host, args.port, on_ready)
     finally:

@@ -17,11 +17,13 @@ from tierserve.cli.flags import (
     add_chat_args,
     add_engine_args,
     add_model_args,
+    add_tracing_args,
     chat_flags,
     engine_config,
     engine_flags,
     model_dir,
     tenant_keys,
+    tracing_config,
 )
 from tierserve.cli.prefill import add_prefill_args
 from tierserve.cli.router import add_disaggregation_args, add_policy_args, add_router_args
@@ -89,6 +91,7 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
                        help=f"more flags for every {role} (one quoted string), e.g. "
                             + ("'--handoff-timeout 30'" if role == "prefill" else
                                "'--reservation-grace 60'" if role == "decode" else "'--max-running-requests 64'"))
+    add_tracing_args(p)  # every node and the router, each its own service in the traces
     add_engine_args(p)
 
 
@@ -224,9 +227,10 @@ def _without_l3_config(config: EngineConfig) -> tuple[EngineConfig, dict]:
 
 
 def _log_flags(args: argparse.Namespace) -> list[str]:
-    """``up``'s own logging settings, for every child: each child's lines go through ``up``'s
-    stdout, so ``--quiet-access-log`` (no line per request) spares that hop too."""
-    return ["--log-level", args.log_level, *(["--quiet-access-log"] if args.quiet_access_log else [])]
+    """``up``'s own logging and tracing settings, for every child: each child's lines go through
+    ``up``'s stdout, so ``--quiet-access-log`` (no line per request) spares that hop too."""
+    quiet = ["--quiet-access-log"] if args.quiet_access_log else []
+    return ["--log-level", args.log_level, *quiet, *tracing_config(args).flags()]
 
 
 def _router_flags(args: argparse.Namespace) -> list[str]:

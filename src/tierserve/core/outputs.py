@@ -24,6 +24,21 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()
 
 
+@dataclass(frozen=True)
+class RequestTimes:
+    """When a request reached each step inside an engine (``time.monotonic()`` seconds), for traces
+    (docs/tracing.md): ``arrival`` (added; on a decode node, reserved), ``prefetch`` (its L3 prefetch
+    began; None: it had none), ``ready`` (the prefetch let it be admitted), ``admitted`` (first
+    scheduled, its prefix matched; None: it never was, as a reservation whose prompt came computed),
+    ``first_token``."""
+
+    arrival: float
+    first_token: float
+    admitted: float | None = None
+    ready: float | None = None
+    prefetch: float | None = None
+
+
 @dataclass
 class RequestOutput:
     """What one engine step produced for one request: new tokens and text, and the final state.
@@ -32,7 +47,8 @@ class RequestOutput:
     tier in ``cached_by_tier``. ``logprobs`` has one entry per new token when the request asked
     for them; ``prompt_logprobs`` one per prompt token (None for the first), in the first output only.
     With speculative decoding, ``spec_draft_tokens`` draft tokens were proposed for the request so
-    far and ``spec_accepted_tokens`` of them accepted.
+    far and ``spec_accepted_tokens`` of them accepted. ``times``: the engine's milestones, on the
+    output of the first token only.
     """
 
     request_id: str
@@ -49,6 +65,7 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    times: RequestTimes | None = field(default=None, compare=False)  # not what the request answered
 
     @property
     def reason(self) -> str | None:

@@ -13,8 +13,10 @@ Drain (SIGTERM, docs/migration.md): new reservations and generations are refused
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
@@ -34,9 +36,13 @@ from tierserve.proto import tierserve_pb2 as pb
 from tierserve.proto import tierserve_pb2_grpc as pb_grpc
 from tierserve.proto.sampling import logprob_to_proto
 from tierserve.proto.trailers import DRAINING, flag  # the trailer the router reads
+from tierserve.tracing import Span
+from tierserve.tracing import attributes as at
+from tierserve.tracing.engine_spans import traced
 from tierserve.transfer.receive_check import ReceiveCheck
 
 log = logging.getLogger(__name__)
+TRACED_TENANTS = 4096  # reservations whose tenant the Generate span names (traced nodes only): the newest ones
 
 
 class DecodeServicer(pb_grpc.DecodeServiceServicer):
@@ -53,10 +59,27 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         self.receive = node.ranks.receive if node.ranks is not None else None  # rank 0's staging
         self.running: set[str] = set()  # reservation ids of the generations streaming now
         self.draining, self._handed_back = False, asyncio.Event()
+        self.tenants: OrderedDict[str, str] = OrderedDict()  # reservation id -> tenant, for Generate's span
         node.drain.append(self.drain)
         node.sessions.forget.append(self.forget)
 
     async def Reserve(self, request: pb.ReserveRequest, context: grpc.aio.ServicerContext) -> pb.ReserveResponse:
+        """Traced, the call is a span under the router's, with what this node holds of the prompt."""
+        attrs = at.request(request.request_id, request.tenant, len(request.prompt_ids))
+        with self.node.tracer.server("tierserve.v1.DecodeService/Reserve", context.invocation_metadata(), attrs
+                                     ) as span:
+            response = await self._reserve(request, context)
+            if span.recording:
+                span.set({at.CACHED_TOKENS: response.destination.cached_tokens})
+                self._remember(request.request_id, request.tenant)
+            return response
+
+    def _remember(self, rid: str, tenant: str) -> None:
+        self.tenants[rid] = tenant
+        while len(self.tenants) > TRACED_TENANTS:
+            self.tenants.popitem(last=False)
+
+    async def _reserve(self, request: pb.ReserveRequest, context: grpc.aio.ServicerContext) -> pb.ReserveResponse:
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the decode node is draining")
         lease = min(request.lease_seconds or self.terms.lease_s, self.max_lease_s)
@@ -102,6 +125,18 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[pb.GenerateChunk]:
+        """Traced, the call is a span under the router's, with the wait for the engine, the first
+        token and the decode under it."""
+        rid, since = request.reservation_id, time.monotonic()
+        attrs = at.request(rid, self.tenants.pop(rid, ""))
+        with self.node.tracer.server("tierserve.v1.DecodeService/Generate", context.invocation_metadata(), attrs
+                                     ) as span:
+            async with contextlib.aclosing(self._generate(request, context, span, since)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+
+    async def _generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, span: Span,
+                        since: float) -> AsyncIterator[pb.GenerateChunk]:
         try:
             params = sampling_params(request.sampling)
         except InvalidRequestError as exc:
@@ -111,8 +146,8 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         check = self._check(request)
         if isinstance(check, str):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, check)
-        stream = self.node.loop.generate_reserved(request.reservation_id, request.first_token, params,
-                                                  request.resumed_tokens, check)
+        stream = traced(span, self.node.loop.generate_reserved(request.reservation_id, request.first_token, params,
+                                                               request.resumed_tokens, check), since)
         self.running.add(request.reservation_id)
         owner = self.node.sessions.owner(request.reservation_id)  # Reserve tied it to its router
         try:
@@ -176,7 +211,17 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
                             ) -> AsyncIterator[pb.GenerateChunk]:
         """A whole request on this node: its engine computes what its cache lacks of the prompt,
         as a single engine does (conditional disaggregation, ``docs/pd.md``).
-        The first chunk carries the cache report (and prompt logprobs when asked)."""
+        The first chunk carries the cache report (and prompt logprobs when asked). Traced, the call
+        is a span under the router's, with the engine's spans under it."""
+        attrs = at.request(request.request_id, request.tenant, len(request.prompt_ids))
+        with self.node.tracer.server("tierserve.v1.DecodeService/GenerateLocal", context.invocation_metadata(),
+                                     attrs) as span:
+            async with contextlib.aclosing(self._local(request, context, span)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+
+    async def _local(self, request: pb.LocalGenerateRequest, context: grpc.aio.ServicerContext, span: Span
+                     ) -> AsyncIterator[pb.GenerateChunk]:
         if self.draining:
             await self._hand_back(context)
         rid = request.request_id
@@ -184,7 +229,8 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         try:
             with self.node.sessions.tie(request.router_id, rid):
                 params = sampling_params(request.sampling)
-                stream = self.node.loop.generate(rid, list(request.prompt_ids), params, CacheScope.of(request))
+                outputs = self.node.loop.generate(rid, list(request.prompt_ids), params, CacheScope.of(request))
+                stream = traced(span, outputs)
                 async for chunk in self._chunks(rid, stream, context, local=True):
                     yield chunk
         except InvalidRequestError as exc:
@@ -197,6 +243,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
     async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:
         rid = request.reservation_id
         self.node.sessions.disown(self.node.sessions.owner(rid), rid)
+        self.tenants.pop(rid, None)
         released = await self.node.loop.apply(CancelReservation(rid, request.writer_stopped, time.monotonic()))
         self.node.loop.abort(rid)  # a running generation ends (aborted) on its stream; else a no-op
         return pb.ReleaseResponse(released=released)

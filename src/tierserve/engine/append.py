@@ -94,4 +94,5 @@ def output(request: Request, tokens: list[int], text: str, logprob: TokenLogprob
         prompt_logprobs=list(request.prompt_logprobs) if first and request.prompt_logprobs else None,
         spec_draft_tokens=request.spec_draft_tokens,
         spec_accepted_tokens=request.spec_accepted_tokens,
+        times=request.times() if first else None,
     )

@@ -8,7 +8,7 @@ from enum import Enum
 
 from tierserve.cache.base import PrefixHit
 from tierserve.cache.prefetch import PrefetchTicket
-from tierserve.core.outputs import FinishReason, RequestOutput, TokenLogprob
+from tierserve.core.outputs import FinishReason, RequestOutput, RequestTimes, TokenLogprob
 from tierserve.core.sampling import SamplingParams
 from tierserve.core.scope import NO_SCOPE, CacheScope
 from tierserve.engine.handoff import Handoff
@@ -55,6 +55,10 @@ class Request:
     arrival: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     queued_s: float | None = None  # arrival to first admission (``Scheduler._count_queued``); None before
+    # traces (docs/tracing.md): the first admission, when its prefetch allowed it, when that prefetch began
+    admitted_at: float | None = None
+    ready_at: float | None = None
+    prefetch_at: float | None = None
     handoff: Handoff | None = None  # where the prompt's KV goes as it is computed (prefill role)
     draft_computed: int = 0  # speculative decoding: tokens with KV in the draft's pool (same pages)
     spec_draft_tokens: int = 0  # draft tokens proposed for this request, and accepted
@@ -99,6 +103,11 @@ class Request:
         last = len(self.prompt_ids) - 1
         if self.prompt_logprobs_next <= last:
             self.prompt_logprobs_next = max(self.prompt_logprobs_next, min(self.num_computed, last) + 1)
+
+    def times(self) -> RequestTimes:
+        """Its milestones so far; the first token's is now unless it was stamped (``first_token_at``)."""
+        return RequestTimes(self.arrival, self.first_token_at or time.monotonic(), self.admitted_at, self.ready_at,
+                            self.prefetch_at)
 
     def banned_now(self) -> list[int]:
         """Token ids this request must not sample next."""

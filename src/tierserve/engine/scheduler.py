@@ -193,7 +193,10 @@ class Scheduler:
         for request in self._order():
             if budget <= 0 or len(self.running) >= self.config.max_running_requests:
                 break
-            if not self.cache.ready(request.prefetch) or self._held(request):
+            if not self.cache.ready(request.prefetch):
+                continue
+            request.ready_at = request.ready_at or time.monotonic()
+            if self._held(request):
                 continue
             self._match(request)
             n = min(request.tokens_to_compute(), budget)
@@ -251,6 +254,9 @@ class Scheduler:
         return common if common > len(sharer.hit.pages) else 0
 
     def _match(self, request: Request) -> None:
+        if request.admitted_at is None:  # its first admission (traces, docs/tracing.md)
+            request.admitted_at = time.monotonic()
+            request.prefetch_at = request.prefetch.created if request.prefetch is not None else None
         hit = self.cache.match(request.token_ids()[: request.cacheable_prefix()], request.prefetch, request.scope)
         request.prefetch = None
         request.hit, request.pages, request.num_computed = hit, list(hit.pages), hit.num_tokens

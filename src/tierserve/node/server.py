@@ -32,6 +32,7 @@ from tierserve.node.service import NodeServicer
 from tierserve.node.sessions import RouterSessions
 from tierserve.proto import tierserve_pb2 as pb
 from tierserve.proto import tierserve_pb2_grpc as pb_grpc
+from tierserve.tracing import NO_TRACER, Tracer, TracingConfig, start_tracing
 from tierserve.transfer.engine import PeerEngines, TransferEngineHandle
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,7 @@ class NodeOptions:
     node_token: str | None = None  # every RPC but health must carry it (core/node_auth.py); None: open
     tls: TLSFiles | None = None  # serve TLS (mutual with a CA); None: plaintext
     handoff_integrity: bool = False  # digests of handed-over KV (transfer/digest.py): sent, or checked
+    tracing: TracingConfig = field(default_factory=TracingConfig)  # OTLP traces (docs/tracing.md); default: off
 
     def transfer(self) -> TransferOptions:
         return TransferOptions(self.transfer_hostname, self.transfer_protocol, self.transfer_devices,
@@ -69,7 +71,8 @@ class NodeOptions:
 class Node:
     """What a role's service needs. ``ranks``: every rank's transfer side, this rank's own;
     ``drain``: what the role's service does on SIGTERM before the server stops (decode: migrate);
-    ``sessions``: the routers' sessions and the requests each made (``node/sessions.py``)."""
+    ``sessions``: the routers' sessions and the requests each made (``node/sessions.py``);
+    ``tracer``: the spans of the calls it serves (``docs/tracing.md``)."""
 
     engine: Engine
     loop: EngineLoop
@@ -80,6 +83,7 @@ class Node:
     ranks: RankTransfer | None = None
     drain: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
     sessions: RouterSessions = field(default_factory=RouterSessions)
+    tracer: Tracer = NO_TRACER
 
 
 AddService = Callable[[grpc.aio.Server, Node], str]  # registers the role's servicer; returns its full name
@@ -103,20 +107,23 @@ def run_node(config: EngineConfig, options: NodeOptions, role: pb.Role, add_serv
         raise
     node = None
     try:
-        node = _start(engine, ranks, options, procs)
+        node = _start(engine, ranks, options, procs, role)
         uvloop.run(_serve(node, options, role, add_service))
     finally:
         _stop(node, engine, procs)
 
 
-def _start(engine: Engine, ranks: RankTransfer, options: NodeOptions, procs: RankProcesses | None) -> Node:
+def _start(engine: Engine, ranks: RankTransfer, options: NodeOptions, procs: RankProcesses | None, role: pb.Role
+           ) -> Node:
     kv_events = None
     if options.kv_events_port is not None:  # before the engine thread starts: the tree is its alone then
         curve = CurveKeys.from_token(options.node_token) if options.node_token else None
         kv_events = start_kv_events(engine, f"tcp://{options.host}:{options.kv_events_port}", curve=curve)
     loop = EngineLoop(engine, LeaderBus(engine.ranks, procs.fail) if procs else None,
                       StepWatch(engine.config.dist_timeout_s) if procs else None)
-    node = Node(engine, loop.start(), ranks.receiver, ranks.peers, NodeMetrics(loop), kv_events, ranks)
+    service = "tierserve-" + pb.Role.Name(role).removeprefix("ROLE_").lower()
+    tracer = start_tracing(options.tracing, service, f"{options.host}:{options.port}")
+    node = Node(engine, loop.start(), ranks.receiver, ranks.peers, NodeMetrics(loop), kv_events, ranks, tracer=tracer)
     node.metrics.watch(node.sessions)
     if options.metrics_port is not None:
         node.metrics.serve(options.host, options.metrics_port)

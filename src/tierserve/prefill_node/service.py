@@ -34,6 +34,9 @@ from tierserve.proto import tierserve_pb2 as pb
 from tierserve.proto import tierserve_pb2_grpc as pb_grpc
 from tierserve.proto.sampling import logprob_to_proto
 from tierserve.proto.trailers import DESTINATION_FAILED, WRITER_STOPPED, flag  # the trailers the router reads
+from tierserve.tracing import Span
+from tierserve.tracing import attributes as at
+from tierserve.tracing.engine_spans import record_prefill
 from tierserve.transfer.faulty import NO_FAULTS, HandoffFaults
 from tierserve.transfer.handoff import HandoffResult
 from tierserve.transfer.sender import SenderHandoff
@@ -69,16 +72,21 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
         """Computes the prompt and hands its KV over; a failure says in its trailing metadata
         whether the handoff's batches all ended (``WRITER_STOPPED``). Tied to the router that
-        asked while it runs (aborted if that router is lost, ``node/sessions.py``)."""
-        try:
-            with self.node.sessions.tie(request.router_id, request.request_id):
-                return await self._prefill(request, context)
-        except RouterGone as exc:
-            await _abort(context, grpc.StatusCode.UNAVAILABLE, str(exc), stopped=True)
+        asked while it runs (aborted if that router is lost, ``node/sessions.py``). Traced, the call is a
+        span under the router's (its ``traceparent``), with the engine's and the handoff's under it."""
+        attrs = at.request(request.request_id, request.tenant, len(request.prompt_ids))
+        with self.node.tracer.server("tierserve.v1.PrefillService/Prefill", context.invocation_metadata(), attrs
+                                     ) as span:
+            try:
+                with self.node.sessions.tie(request.router_id, request.request_id):
+                    if not request.HasField("destination"):
+                        return await self._alone(request, context, span)
+                    return await self._prefill(request, context, span)
+            except RouterGone as exc:
+                await _abort(context, grpc.StatusCode.UNAVAILABLE, str(exc), stopped=True)
 
-    async def _prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
-        if not request.HasField("destination"):
-            return await self._alone(request, context)
+    async def _prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext, span: Span
+                       ) -> pb.PrefillResponse:
         prompt, dest = list(request.prompt_ids), request.destination
         problem = self._check_destination(prompt, dest)
         if problem is not None:
@@ -101,7 +109,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         finally:
             if handoff.busy():  # aborted, failed or timed out: stop sending; in-flight batches still end
                 handoff.cancel("the prefill ended before the handoff")
-        return await self._answer(context, request.request_id, first, result, handoff)
+        return await self._answer(context, request.request_id, first, result, handoff, span)
 
     def _plan(self, prompt: list[int], dest: pb.KVDestination) -> HandoffPlan:
         dests = destination_ranks(dest, self.node.ranks.head_bytes)
@@ -135,7 +143,8 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             return first, handoff.result(0.0)
         return first, await asyncio.to_thread(handoff.result, max(0.0, deadline - time.monotonic()))
 
-    async def _alone(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
+    async def _alone(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext, span: Span
+                     ) -> pb.PrefillResponse:
         """A one-token request served here alone (no decode node, no handoff): the router's
         prefill-only path (``docs/pd.md``). The request's own sampling
         settings hold, so EOS ends it as on a single engine."""
@@ -152,6 +161,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the prefill took too long")
         if first is None or not first.new_token_ids:
             await context.abort(grpc.StatusCode.ABORTED, "the prefill was aborted")
+        record_prefill(span, first)
         return _response(first, text=first.new_text, finish_reason=first.reason or "")
 
     async def _fail(self, context: grpc.aio.ServicerContext, handoff: SenderHandoff,
@@ -169,7 +179,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         return first
 
     async def _answer(self, context: grpc.aio.ServicerContext, request_id: str, first: RequestOutput | None,
-                      result: HandoffResult, handoff: SenderHandoff) -> pb.PrefillResponse:
+                      result: HandoffResult, handoff: SenderHandoff, span: Span) -> pb.PrefillResponse:
         if result.error is None and (first is None or not first.new_token_ids):
             result.error = "the prefill was aborted"
         if result.error is not None:
@@ -182,6 +192,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         self.metrics.exposed_seconds.observe(result.exposed_seconds)
         log.debug("request %s: handoff %d bytes in %.3f s (%.3f s after compute), cached %d", request_id,
                  result.bytes, result.transfer_seconds, result.exposed_seconds, first.cached_tokens)
+        _record_handoff(span, first, result)
         return _response(first, transferred_bytes=result.bytes, transfer_seconds=result.transfer_seconds,
                          exposed_transfer_seconds=result.exposed_seconds, kv_digests=result.digests)
 
@@ -201,6 +212,18 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         return heads_problem(dests, i.num_kv_heads, max(dest.pages), i.num_layers) or \
             sidecar_problem(dest, self._draft_geometry()) or \
             staging_problem(dests, i.num_kv_heads, self.node.engine.ranks.tp.size, len(prompt))
+
+
+def _record_handoff(span: Span, first: RequestOutput, result: HandoffResult) -> None:
+    """The engine's spans, then ``tierserve.kv_handoff``: its last transfer ended ``exposed_seconds``
+    after the compute (the first token), its first began ``transfer_seconds`` before that."""
+    computed = record_prefill(span, first)
+    if computed is None:
+        return
+    ended = computed + result.exposed_seconds
+    span.record("tierserve.kv_handoff", ended - result.transfer_seconds, ended, {
+        at.HANDOFF_BYTES: result.bytes, at.HANDOFF_TRANSFER_S: result.transfer_seconds,
+        at.HANDOFF_EXPOSED_S: result.exposed_seconds})
 
 
 def _response(first: RequestOutput, **fields: object) -> pb.PrefillResponse:

@@ -32,6 +32,7 @@ from tierserve.router.policies import PolicyKind, make_policy
 from tierserve.router.registry import Registry
 from tierserve.router.roles import Role
 from tierserve.router.sessions import NodeSessions
+from tierserve.tracing import TracingConfig, start_tracing
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,7 @@ class RouterConfig:
     tls: TLSFiles | None = None  # TLS to the nodes: their CA, and this router's certificate for mutual TLS
     chat_template: Path | None = None  # --chat-template, --tool-call-parser (docs/agents.md)
     tool_call_parser: str | None = None
+    tracing: TracingConfig = field(default_factory=TracingConfig)  # OTLP traces (docs/tracing.md); default: off
 
 
 Task = Callable[[Registry], Any]  # a background coroutine function run for the app's lifetime
@@ -67,7 +69,7 @@ def create_router_app(config: RouterConfig, registry: Registry, tasks: list[Task
     name = config.served_model_name or config.model_dir.name
     tokenizer = try_load(config.model_dir, config.chat_template, config.tool_call_parser)
     app = create_app(backend, tokenizer, name, ApiMetrics(_RouterCollector(registry, backend, caches)),
-                     config.keys, config.admin_api_key)
+                     config.keys, config.admin_api_key, start_tracing(config.tracing, "tierserve-router"))
     _add_worker_routes(app, registry, admin_guard(config.admin_api_key, config.keys))
     initial = [(Role.PREFILL, a) for a in config.prefill] + [(Role.DECODE, a) for a in config.decode]
     sessions = NodeSessions(registry)

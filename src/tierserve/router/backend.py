@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import logging
 import random
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import astuple, dataclass, replace
@@ -37,6 +38,8 @@ from tierserve.router.migration import DecodeLost, LostReason, Migrations, drain
 from tierserve.router.policies import CachedPrefix, Policy, PrefixLookup
 from tierserve.router.registry import Registry, Worker
 from tierserve.router.roles import Role
+from tierserve.tracing import NO_SPAN, Span, current_span
+from tierserve.tracing import attributes as at
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -67,6 +70,7 @@ class _Request:
     l3_pending: int = 0  # one try's: leading prompt pages another prefill node holds (``_pending_in_l3``)
     lead: asyncio.Future[object] | None = None  # a leading choice's: where its siblings learn its decode node
     fork: Worker | None = None  # a sibling choice's: the decode node holding its leader's prompt KV
+    span: Span = NO_SPAN  # the choice's span (docs/tracing.md); one try's: that try's
 
 
 class PDBackend:
@@ -115,22 +119,25 @@ class PDBackend:
         through a pair, the others wait for its prompt KV on its decode node and run there
         (``_follow``; docs/pd.md, n choices)."""
         lead = sibling.group.lead() if sibling is not None else None
+        span = current_span().child("tierserve.choice", attrs=at.request(request_id, scope.tenant, len(prompt_ids)))
         try:
-            async with self._slot():  # a follower takes its slot first: admission answers as for n requests
-                request = await self._choice(_Request(request_id, prompt_ids, to_proto(params), scope, buffered),
-                                             sibling, lead)
-                tries = migrating(self._attempts, request, self.options.max_migrations, self.migrations)
-                async with contextlib.aclosing(_merged(tries) if buffered else tries) as outputs:
-                    async for out in outputs:
-                        yield out
+            with span:
+                async with self._slot(span):  # a follower takes its slot first: admission answers as for n requests
+                    request = await self._choice(_Request(request_id, prompt_ids, to_proto(params), scope, buffered,
+                                                          span=span), sibling, lead)
+                    tries = migrating(self._attempts, request, self.options.max_migrations, self.migrations)
+                    async with contextlib.aclosing(_merged(tries) if buffered else tries) as outputs:
+                        async for out in outputs:
+                            yield out
         finally:
             if sibling is not None and sibling.index == 0:
                 _settle(lead, None)  # the leader ended (failed, cancelled) before its KV reached a decode node
 
     @contextlib.asynccontextmanager
-    async def _slot(self) -> AsyncIterator[None]:
-        """One of ``max_running`` slots, held for the block (``_admit``)."""
-        await self._admit()
+    async def _slot(self, span: Span) -> AsyncIterator[None]:
+        """One of ``max_running`` slots, held for the block (``_admit``; its wait is ``span``'s child)."""
+        with span.child("tierserve.admission", attrs={"tierserve.queued": self._queued}):
+            await self._admit()
         try:
             yield
         finally:
@@ -180,18 +187,32 @@ class PDBackend:
                 await asyncio.sleep(self._backoff(attempt, deadline))
             attempt += 1
             fork = request.fork if attempt == 1 and not request.resumed else None  # later tries: its own way
-            pair, tried = self._forked(fork, request) if fork is not None else self._pick(request)
-            try:
-                async with contextlib.aclosing(self._attempt(pair, tried, attempt)) as outputs:
-                    async for out in outputs:
-                        yield out
-                return
-            except _Retry as exc:
-                _settle(request.lead, None)  # a leader's KV reached no decode node: its siblings go their own way
-                last_error = str(exc)
-                failures += 0 if exc.busy and asyncio.get_running_loop().time() < deadline else 1
-                _log_retry(request.id, pair, exc, again=failures <= self.options.max_retries)
+            with request.span.child("tierserve.attempt", attrs={at.REQUEST_ID: request.id, at.ATTEMPT: attempt}
+                                    ) as span:
+                pair, tried = self._routed(fork, request, span)
+                try:
+                    async with contextlib.aclosing(self._attempt(pair, replace(tried, span=span), attempt)) as outputs:
+                        async for out in outputs:
+                            yield out
+                    return
+                except _Retry as exc:
+                    _settle(request.lead, None)  # a leader's KV reached no decode node: its siblings go their own way
+                    last_error = str(exc)
+                    failures += 0 if exc.busy and asyncio.get_running_loop().time() < deadline else 1
+                    span.fail(last_error)
+                    _log_retry(request.id, pair, exc, again=failures <= self.options.max_retries)
         raise oa.APIError(503, f"no prefill/decode pair could serve the request: {last_error}", code="unavailable")
+
+    def _routed(self, fork: Worker | None, request: _Request, span: Span) -> tuple[_Pair, _Request]:
+        """The try's pair (``_forked`` or ``_pick``), its decision a ``tierserve.route`` span under ``span``."""
+        started = time.monotonic()
+        pair, tried = self._forked(fork, request) if fork is not None else self._pick(request)
+        if span.recording:
+            span.record("tierserve.route", started, time.monotonic(), _route_attrs(self.routes[-1], self._page()))
+        return pair, tried
+
+    def _page(self) -> int:
+        return self.registry.info.identity.page_size if self.registry.info is not None else 1
 
     async def _attempt(self, pair: _Pair, request: _Request, attempt: int) -> AsyncIterator[RequestOutput]:
         """One try on one pair (or one node alone), counted in the workers' load until it ends."""
@@ -209,8 +230,12 @@ class PDBackend:
                 outputs = self._alone(prefill, rid, request)
             else:
                 outputs = self._disaggregated((prefill, decode), rid, request)
+            first = request.span.recording
             async with contextlib.aclosing(outputs) as results:
                 async for out in results:
+                    if first:  # the cache report of what this try's nodes actually held
+                        request.span.set(at.cached(out.cached_tokens, out.cached_by_tier))
+                        first = False
                     _settle(request.lead, decode)  # its first output: the prompt's KV is in decode's tree
                     yield out
         finally:
@@ -227,7 +252,7 @@ class PDBackend:
         def release() -> None:
             pd_flow.release_later(stubs, done.reservation_id, writer_stopped=True)
 
-        chunks = pd_flow.generate(stubs, done, request.sampling, request.resumed)
+        chunks = pd_flow.generate(stubs, done, request.sampling, request.resumed, request.span)
         outputs = self._stream(pair[1], chunks, convert, release)
         async with contextlib.aclosing(outputs) as results:
             async for out in results:
@@ -237,7 +262,7 @@ class PDBackend:
         """The whole request on the decode node (``GenerateLocal``): cancelling the stream aborts
         it there, so a failure needs no Release."""
         chunks = generate_local(decode.channel, rid, request.prompt, request.sampling, request.scope,
-                                self.registry.router_id)
+                                self.registry.router_id, request.span)
         convert = LocalOutputs(rid, len(request.prompt), request.sampling).output
         return self._stream(decode, chunks, convert, None)
 
@@ -245,7 +270,8 @@ class PDBackend:
         """A one-token request on the prefill node alone: its first token is the answer."""
         try:
             response = await prefill_alone(prefill.channel, rid, request.prompt, request.sampling, request.scope,
-                                           self.options.timeout_s, request.l3_pending, self.registry.router_id)
+                                           self.options.timeout_s, request.l3_pending, self.registry.router_id,
+                                           request.span)
         except grpc.aio.AioRpcError as exc:
             self._blame(prefill, exc.code(), exc.details() or "")
             raise _Retry(f"prefill on {prefill.address}: {exc.code().name} {exc.details()}") from exc
@@ -305,7 +331,7 @@ class PDBackend:
         try:
             done = await pd_flow.prefill(stubs, rid, request.prompt, request.sampling, request.scope,
                                          self.options.timeout_s, prefill.info.tp_size if prefill.info else 0,
-                                         request.l3_pending, self.registry.router_id)
+                                         request.l3_pending, self.registry.router_id, request.span)
         except pd_flow.HandoffFailed as exc:  # a transfer into a dead or frozen D is D's failure, not P's
             self._blame(decode if exc.destination_failed else prefill, exc.code, str(exc))
             raise _Retry(f"prefill on {prefill.address}: {exc}") from exc
@@ -380,6 +406,23 @@ def _pending_in_l3(chosen: Worker, cached: CachedPrefix, prefills: Sequence[Work
     own = sum(astuple(cached))
     most = max((sum(astuple(lookup(w))) for w in prefills if w is not chosen), default=0)
     return most if most > own else 0
+
+
+def _route_attrs(route: dict[str, object], page: int) -> dict[str, str | int | bool]:
+    """A routing decision (``PDBackend.routes``) as span attributes: the path, the nodes, and the
+    cached prompt tokens the router expects on each node by tier (its KV-event index; storage: the
+    pages another prefill node is writing to L3)."""
+    attrs: dict[str, str | int | bool] = {"tierserve.path": str(route["path"]),
+                                          "tierserve.fork": bool(route.get("fork"))}
+    for role in ("prefill", "decode"):
+        if role not in route:
+            continue
+        attrs[f"tierserve.{role}_node"] = str(route[role])
+        device, host = route.get(f"{role}_cached_pages", (0, 0))  # type: ignore[misc]
+        storage = route.get("l3_pending_pages", 0) if role == "prefill" else 0
+        for tier, pages in (("device", device), ("host", host), ("storage", storage)):
+            attrs[f"{at.PREDICTED_CACHED}.{role}.{tier}"] = int(pages) * page  # type: ignore[call-overload]
+    return attrs
 
 
 def _log_retry(request_id: str, pair: _Pair, exc: _Retry, again: bool) -> None:

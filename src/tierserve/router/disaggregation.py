@@ -20,6 +20,7 @@ from tierserve.proto import tierserve_pb2 as pb
 from tierserve.proto import tierserve_pb2_grpc as pb_grpc
 from tierserve.proto.sampling import logprob_from_proto
 from tierserve.router.policies import CachedPrefix
+from tierserve.tracing import NO_SPAN, Span, SpanKind
 
 DEFAULT_THRESHOLD = 24  # tokens; measured: benchmarks/disaggregation.py calibrate, benchmarks/RESULTS.md
 
@@ -53,27 +54,31 @@ def uncached_tokens(prompt_len: int, held: CachedPrefix, page_size: int) -> int:
 
 
 async def generate_local(channel: object, request_id: str, prompt_ids: list[int], sampling: pb.SamplingOptions,
-                         scope: CacheScope, router_id: str = "") -> AsyncIterator[pb.GenerateChunk]:
+                         scope: CacheScope, router_id: str = "", span: Span = NO_SPAN
+                         ) -> AsyncIterator[pb.GenerateChunk]:
     """Streams the decode node's chunks of a whole request; leaving early cancels the call, which
-    aborts the request there and frees its pages (so does the end of ``router_id``'s session)."""
-    call = pb_grpc.DecodeServiceStub(channel).GenerateLocal(pb.LocalGenerateRequest(
-        request_id=request_id, prompt_ids=prompt_ids, sampling=sampling, cache_salt=scope.cache_salt,
-        tenant=scope.tenant, router_id=router_id))
-    try:
-        async for chunk in call:
-            yield chunk
-    finally:
-        call.cancel()
+    aborts the request there and frees its pages (so does the end of ``router_id``'s session).
+    ``span``: the try's (the call is a client span)."""
+    with span.child("tierserve.v1.DecodeService/GenerateLocal", SpanKind.CLIENT) as traced:
+        call = pb_grpc.DecodeServiceStub(channel).GenerateLocal(pb.LocalGenerateRequest(
+            request_id=request_id, prompt_ids=prompt_ids, sampling=sampling, cache_salt=scope.cache_salt,
+            tenant=scope.tenant, router_id=router_id), metadata=traced.headers() or None)
+        try:
+            async for chunk in call:
+                yield chunk
+        finally:
+            call.cancel()
 
 
 async def prefill_alone(channel: object, request_id: str, prompt_ids: list[int], sampling: pb.SamplingOptions,
-                        scope: CacheScope, timeout_s: float, l3_pending: int = 0, router_id: str = ""
-                        ) -> pb.PrefillResponse:
-    """A one-token request on the prefill node alone; raises the gRPC error."""
-    return await pb_grpc.PrefillServiceStub(channel).Prefill(pb.PrefillRequest(
-        request_id=request_id, prompt_ids=prompt_ids, sampling=sampling, cache_salt=scope.cache_salt,
-        tenant=scope.tenant, timeout_seconds=timeout_s, l3_pending_pages=l3_pending, router_id=router_id),
-        timeout=timeout_s + 1.0)
+                        scope: CacheScope, timeout_s: float, l3_pending: int = 0, router_id: str = "",
+                        span: Span = NO_SPAN) -> pb.PrefillResponse:
+    """A one-token request on the prefill node alone; raises the gRPC error. ``span``: the try's."""
+    with span.child("tierserve.v1.PrefillService/Prefill", SpanKind.CLIENT) as traced:
+        return await pb_grpc.PrefillServiceStub(channel).Prefill(pb.PrefillRequest(
+            request_id=request_id, prompt_ids=prompt_ids, sampling=sampling, cache_salt=scope.cache_salt,
+            tenant=scope.tenant, timeout_seconds=timeout_s, l3_pending_pages=l3_pending, router_id=router_id),
+            timeout=timeout_s + 1.0, metadata=traced.headers() or None)
 
 
 def alone_output(request_id: str, prompt_len: int, response: pb.PrefillResponse, sampling: pb.SamplingOptions

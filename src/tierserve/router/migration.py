@@ -21,6 +21,7 @@ from tierserve.api import openai as oa
 from tierserve.core.outputs import RequestOutput
 from tierserve.proto import tierserve_pb2 as pb
 from tierserve.proto.trailers import DRAINING, says
+from tierserve.tracing import NO_SPAN, Span
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,7 @@ class Resumable(Protocol):
     prompt: list[int]
     sampling: pb.SamplingOptions
     resumed: int
+    span: Span  # the request's (docs/tracing.md): a migration is a span under it
 
 
 @dataclass
@@ -77,12 +79,14 @@ class _Progress:
     head: RequestOutput | None = None  # the first output of all: its prompt and cache report are the request's
     tries: int = 0  # migrations so far
     resumed: dict[str, Any] | None = None  # the current try's entry in ``Migrations.recent``, until its first output
+    seam: Span = NO_SPAN  # the current migration's span, from the loss to the resumed try's first output
 
     def record(self, out: RequestOutput) -> RequestOutput:
         """A try's output as an output of the whole request."""
         if self.resumed is not None:  # the re-prefill's cache report, for operators and the benchmark
             self.resumed |= {"cached_tokens": out.cached_tokens, "cached_by_tier": dict(out.cached_by_tier)}
             self.resumed = None
+            self.seam.end()
         if self.head is None:
             self.head = out
         done = len(self.tokens)
@@ -102,19 +106,22 @@ async def migrating(tries: Tries, request: Resumable, max_migrations: int, stats
     """``tries(request)``'s outputs; when it raises ``DecodeLost``, up to ``max_migrations`` times,
     the outputs of ``tries`` of the request resumed after what it produced."""
     progress, current = _Progress(len(request.prompt)), request
-    while True:
-        try:
-            async with contextlib.aclosing(tries(current)) as outputs:
-                async for out in outputs:
-                    yield progress.record(out)
-            return
-        except DecodeLost as lost:
-            if progress.tries >= max_migrations or len(progress.tokens) >= request.sampling.max_tokens:
-                stats.given_up += 1
-                log.warning("request %s: %s; %d migration(s) done, giving up", request.id, lost, progress.tries)
-                raise lost.error from lost
-            current = resumed(request, progress.tokens, progress.tries + 1)
-            _count(stats, progress, lost, request, current)
+    try:
+        while True:
+            try:
+                async with contextlib.aclosing(tries(current)) as outputs:
+                    async for out in outputs:
+                        yield progress.record(out)
+                return
+            except DecodeLost as lost:
+                if progress.tries >= max_migrations or len(progress.tokens) >= request.sampling.max_tokens:
+                    stats.given_up += 1
+                    log.warning("request %s: %s; %d migration(s) done, giving up", request.id, lost, progress.tries)
+                    raise lost.error from lost
+                current = resumed(request, progress.tokens, progress.tries + 1)
+                _count(stats, progress, lost, request, current)
+    finally:
+        progress.seam.end()  # a resumed try that never produced an output
 
 
 def _count(stats: Migrations, progress: _Progress, lost: DecodeLost, request: Resumable, current: Resumable) -> None:
@@ -124,6 +131,11 @@ def _count(stats: Migrations, progress: _Progress, lost: DecodeLost, request: Re
     progress.resumed = {"request": request.id, "from": lost.address, "reason": lost.reason.value,
                         "generated": len(progress.tokens), "reprefill_tokens": len(current.prompt)}
     stats.recent.append(progress.resumed)
+    progress.seam.end()  # a migration of a try that was itself resumed and lost before its first output
+    progress.seam = request.span.child("tierserve.migration", attrs={
+        "tierserve.request_id": current.id, "tierserve.migration.from": lost.address,
+        "tierserve.migration.reason": lost.reason.value, "tierserve.migration.generated": len(progress.tokens),
+        "tierserve.migration.reprefill_tokens": len(current.prompt)})
     log.warning("request %s: %s after %d token(s); migrating (%d of at most this many so far)", request.id,
                 lost, len(progress.tokens), progress.tries)
 

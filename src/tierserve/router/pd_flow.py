@@ -16,9 +16,12 @@ from typing import TypeVar
 import grpc
 
 from tierserve.core.scope import NO_SCOPE, CacheScope
+from tierserve.core.tiers import TIERS
 from tierserve.proto import tierserve_pb2 as pb
 from tierserve.proto import tierserve_pb2_grpc as pb_grpc
 from tierserve.proto.trailers import DESTINATION_FAILED, WRITER_STOPPED, says
+from tierserve.tracing import NO_SPAN, Span, SpanKind
+from tierserve.tracing import attributes as at
 
 LEASE_MARGIN_S = 2.0  # the prefill leg ends this long before the decode node's lease runs out
 RELEASE_TIMEOUT_S = 5.0  # one Release call
@@ -62,7 +65,7 @@ class Prefilled:
 
 async def prefill(pair: Pair, request_id: str, prompt_ids: list[int], sampling: pb.SamplingOptions,
                   scope: CacheScope = NO_SCOPE, timeout_s: float = 60.0, source_tp: int = 0,
-                  l3_pending: int = 0, router_id: str = "") -> Prefilled:
+                  l3_pending: int = 0, router_id: str = "", span: Span = NO_SPAN) -> Prefilled:
     """Reserve on D then Prefill on P; releases the reservation on any failure and raises
     ``HandoffFailed`` or the gRPC error. ``source_tp``: P's TP size (``NodeInfo.tp_size``; 0 if
     unknown), so D can stage what P's ranks write when they hold fewer heads than D's. ``scope``
@@ -70,28 +73,34 @@ async def prefill(pair: Pair, request_id: str, prompt_ids: list[int], sampling: 
     ``l3_pending``: the prompt's leading pages another node is writing to L3 (``PrefillRequest``).
     ``router_id``: this router's, tying the reservation and the prefill to its sessions with the
     nodes, which free them if it dies (``router/sessions.py``).
+    ``span``: the try's; each call is a client span under it, whose ``traceparent`` the call carries.
 
     The deadlines form one chain (``docs/faults.md``): D grants a lease for the
     whole leg (it may grant less than asked), P's deadline ends ``LEASE_MARGIN_S`` before that
     lease, and D frees the pages at once only when P confirmed that its last batch ended; any
     other ending makes D quarantine them for its grace period, longer than any transfer."""
-    reserved = await _reserve(pair, pb.ReserveRequest(
-        request_id=request_id, prompt_ids=prompt_ids, max_new_tokens=sampling.max_tokens,
-        cache_salt=scope.cache_salt, tenant=scope.tenant, lease_seconds=timeout_s + LEASE_MARGIN_S,
-        source_tp_size=source_tp, router_id=router_id,
-    ), timeout_s)
+    with span.child("tierserve.v1.DecodeService/Reserve", SpanKind.CLIENT) as call:
+        reserved = await _reserve(pair, pb.ReserveRequest(
+            request_id=request_id, prompt_ids=prompt_ids, max_new_tokens=sampling.max_tokens,
+            cache_salt=scope.cache_salt, tenant=scope.tenant, lease_seconds=timeout_s + LEASE_MARGIN_S,
+            source_tp_size=source_tp, router_id=router_id,
+        ), timeout_s, call.headers())
     dest = reserved.destination
     deadline = min(timeout_s, reserved.lease_seconds - LEASE_MARGIN_S)
     if deadline <= 0:
         await release(pair, dest.reservation_id, writer_stopped=True)
         raise HandoffFailed(grpc.StatusCode.ABORTED, f"the decode node granted a {reserved.lease_seconds:.1f} s "
                                                      f"lease: too short for a prefill")
+    call = span.child("tierserve.v1.PrefillService/Prefill", SpanKind.CLIENT)
     try:
-        response = await pair.prefill.Prefill(pb.PrefillRequest(
-            request_id=request_id, prompt_ids=prompt_ids, sampling=sampling, cache_salt=scope.cache_salt,
-            tenant=scope.tenant, destination=dest, timeout_seconds=deadline, l3_pending_pages=l3_pending,
-            router_id=router_id,
-        ), timeout=deadline + LEASE_MARGIN_S / 2)
+        with call:
+            response = await pair.prefill.Prefill(pb.PrefillRequest(
+                request_id=request_id, prompt_ids=prompt_ids, sampling=sampling, cache_salt=scope.cache_salt,
+                tenant=scope.tenant, destination=dest, timeout_seconds=deadline, l3_pending_pages=l3_pending,
+                router_id=router_id,
+            ), timeout=deadline + LEASE_MARGIN_S / 2, metadata=call.headers() or None)
+            if call.recording:
+                call.set(handoff_attrs(response))
     except grpc.aio.AioRpcError as exc:
         await release(pair, dest.reservation_id, writer_stopped=writer_stopped(exc))
         raise HandoffFailed(exc.code(), exc.details() or "", destination_failed(exc)) from exc
@@ -101,11 +110,12 @@ async def prefill(pair: Pair, request_id: str, prompt_ids: list[int], sampling: 
     return Prefilled(dest.reservation_id, response)
 
 
-async def _reserve(pair: Pair, request: pb.ReserveRequest, timeout_s: float) -> pb.ReserveResponse:
-    """Reserve, raising its gRPC error. If our caller is cancelled while the call is in flight, the
-    call itself goes on (D may already hold the pages) and what it reserves is released: P never
-    saw the destination, so nothing can be writing there."""
-    call = in_background(pair.decode.Reserve(request, timeout=timeout_s))
+async def _reserve(pair: Pair, request: pb.ReserveRequest, timeout_s: float, trace: list[tuple[str, str]]
+                   ) -> pb.ReserveResponse:
+    """Reserve (carrying the ``trace`` metadata), raising its gRPC error. If our caller is cancelled
+    while the call is in flight, the call itself goes on (D may already hold the pages) and what it
+    reserves is released: P never saw the destination, so nothing can be writing there."""
+    call = in_background(pair.decode.Reserve(request, timeout=timeout_s, metadata=trace or None))
     try:
         return await asyncio.shield(call)
     except asyncio.CancelledError:
@@ -130,6 +140,13 @@ def in_background(work: Awaitable[T]) -> asyncio.Future[T]:
     return future
 
 
+def handoff_attrs(response: pb.PrefillResponse) -> dict[str, int | float]:
+    """A prefill's cache report and handoff figures as span attributes (docs/tracing.md)."""
+    cache = response.cache
+    return {**at.cached(cache.cached_tokens, {t: getattr(cache, t) for t in TIERS}),
+            at.HANDOFF_BYTES: response.transferred_bytes, at.HANDOFF_EXPOSED_S: response.exposed_transfer_seconds}
+
+
 def writer_stopped(exc: grpc.aio.AioRpcError) -> bool:
     """Whether a failed Prefill confirmed that none of its batches can land any more. A P that
     was unreachable, cut off or did not say so may still be writing."""
@@ -141,18 +158,19 @@ def destination_failed(exc: grpc.aio.AioRpcError) -> bool:
     return says(exc.trailing_metadata(), DESTINATION_FAILED)
 
 
-async def generate(pair: Pair, prefilled: Prefilled, sampling: pb.SamplingOptions, resumed: int = 0
-                   ) -> AsyncIterator[pb.GenerateChunk]:
+async def generate(pair: Pair, prefilled: Prefilled, sampling: pb.SamplingOptions, resumed: int = 0,
+                   span: Span = NO_SPAN) -> AsyncIterator[pb.GenerateChunk]:
     """Streams D's chunks; leaving early cancels the stream, which aborts the request on D.
-    ``resumed``: the prompt's last tokens were generated (a migration)."""
-    call = pair.decode.Generate(pb.GenerateRequest(
-        reservation_id=prefilled.reservation_id, first_token=prefilled.response.first_token, sampling=sampling,
-        resumed_tokens=resumed, kv_digests=prefilled.response.kv_digests))
-    try:
-        async for chunk in call:
-            yield chunk
-    finally:
-        call.cancel()
+    ``resumed``: the prompt's last tokens were generated (a migration). ``span``: the try's."""
+    with span.child("tierserve.v1.DecodeService/Generate", SpanKind.CLIENT) as traced:
+        call = pair.decode.Generate(pb.GenerateRequest(
+            reservation_id=prefilled.reservation_id, first_token=prefilled.response.first_token, sampling=sampling,
+            resumed_tokens=resumed, kv_digests=prefilled.response.kv_digests), metadata=traced.headers() or None)
+        try:
+            async for chunk in call:
+                yield chunk
+        finally:
+            call.cancel()
 
 
 async def release(pair: Pair, reservation_id: str, writer_stopped: bool) -> None:
