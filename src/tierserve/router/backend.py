@@ -8,9 +8,10 @@ import asyncio
 import contextlib
 import logging
 import random
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import astuple, dataclass, replace
+from dataclasses import astuple, dataclass, field, replace
 from typing import Any, TypeVar
 
 import grpc
@@ -37,6 +38,7 @@ from tierserve.router.migration import DecodeLost, LostReason, Migrations, drain
 from tierserve.router.policies import CachedPrefix, Policy, PrefixLookup
 from tierserve.router.registry import Registry, Worker
 from tierserve.router.roles import Role
+from tierserve.router.ttft import TTFTView
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -67,6 +69,7 @@ class _Request:
     l3_pending: int = 0  # one try's: leading prompt pages another prefill node holds (``_pending_in_l3``)
     lead: asyncio.Future[object] | None = None  # a leading choice's: where its siblings learn its decode node
     fork: Worker | None = None  # a sibling choice's: the decode node holding its leader's prompt KV
+    arrived: float = field(default_factory=time.monotonic)  # its deadline (``sampling.deadline_ms``) runs from here
 
 
 class PDBackend:
@@ -87,6 +90,7 @@ class PDBackend:
         self.served = {path: 0 for path in ServedPath}  # tries started per path
         self.forks = 0  # sibling choices sent to their leader's decode node (docs/pd.md, n choices)
         self.routes: deque[dict[str, object]] = deque(maxlen=256)  # recent decisions, for operators and tests
+        self.ttft = TTFTView(registry, self.lookup, self.disaggregation)  # admission by predicted TTFT
 
     @property
     def queued(self) -> int:
@@ -102,7 +106,12 @@ class PDBackend:
     async def debug_state(self) -> dict[str, Any]:
         return {"workers": [w.describe() for w in self.registry.listed()], "queued": self._queued,
                 "retries": self.retries, "served": {p.value: n for p, n in self.served.items()}, "forks": self.forks,
-                "routes": list(self.routes)} | self.migrations.state()
+                "routes": list(self.routes), "lanes": self.ttft.state()} | self.migrations.state()
+
+    def predict_ttft(self, prompt_ids: list[int], params: SamplingParams, scope: CacheScope) -> float | None:
+        """The best worker's prediction (``router/ttft.py``); requests waiting for one of this router's
+        slots are not counted ahead."""
+        return self.ttft.predict(prompt_ids, params.priority, scope.salt)
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, scope: CacheScope,
                        *, buffered: bool = False, sibling: Sibling | None = None) -> AsyncIterator[RequestOutput]:
@@ -199,12 +208,15 @@ class PDBackend:
             worker.begin()
         try:
             rid = f"{request.id}-{attempt}"
+            request = _remaining(request)
             if prefill is None:
                 outputs = self._local(decode, rid, request)
             elif decode is None:
                 outputs = self._alone(prefill, rid, request)
             else:
                 outputs = self._disaggregated((prefill, decode), rid, request)
+            outputs = self.ttft.track(prefill or decode, rid, request.prompt, request.sampling.priority,
+                                      request.scope.salt, outputs)
             async with contextlib.aclosing(outputs) as results:
                 async for out in results:
                     _settle(request.lead, decode)  # its first output: the prompt's KV is in decode's tree
@@ -359,6 +371,18 @@ def _decode_failed(decode: Worker, produced: bool, what: str, status: int, reaso
         return _Retry(f"generate on {decode.address}: {what}")
     error = oa.APIError(status, f"decode worker {decode.address} {what} mid-stream", code="decode_failed")
     return DecodeLost(decode.address, reason, error)
+
+
+def _remaining(request: _Request) -> _Request:
+    """``request`` as a try sends it: its deadline shortened by the time it already waited here, so
+    a node measures it from when the call reaches it (at least 1 ms: a late one is still late there)."""
+    if not request.sampling.HasField("deadline_ms"):
+        return request
+    sampling = pb.SamplingOptions()
+    sampling.CopyFrom(request.sampling)
+    waited_ms = int((time.monotonic() - request.arrived) * 1000)
+    sampling.deadline_ms = max(1, request.sampling.deadline_ms - waited_ms)
+    return replace(request, sampling=sampling)
 
 
 def _settle(lead: asyncio.Future[object] | None, decode: Worker | None) -> None:
