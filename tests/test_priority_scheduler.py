@@ -99,3 +99,17 @@ def test_fcfs_preempts_the_newest_even_if_more_important() -> None:
     for _ in range(4):
         _step(s)
     assert "high-b" in [r.request_id for r in s.waiting] and "low" in [r.request_id for r in s.running]
+
+
+def test_a_more_important_arrival_takes_the_prefill_budget_before_a_less_important_prompt_in_progress() -> None:
+    s = _scheduler(num_pages=64, budget=8)
+    s.add(_request("low", 40, priority=5, first=1))
+    assert _step(s) == ["low"]  # its first 8-token chunk: 32 prompt tokens to go
+    s.add(_request("high", 6, priority=0, first=2))
+    batch = s.schedule()
+    assert [(b.request.request_id, b.num_tokens) for b in batch] == [("high", 6), ("low", 2)]
+    fcfs = _scheduler(num_pages=64, policy=SchedulePolicy.FCFS, budget=8)
+    fcfs.add(_request("low", 40, priority=5, first=1))
+    _step(fcfs)
+    fcfs.add(_request("high", 6, priority=0, first=2))
+    assert [b.request.request_id for b in fcfs.schedule()] == ["low"]

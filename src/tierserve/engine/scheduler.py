@@ -7,7 +7,9 @@ priority, lower first, then arrival (``priority``, vLLM's convention). When a ru
 page and none is free, the prefix cache is asked to evict, and failing that the newest running
 request is preempted (under ``priority``: the least important one, newest among equals): its pages
 are released and it waits again at the head of the queue, to be recomputed. Under ``priority`` a
-waiting request that finds no pages also preempts running requests less important than itself.
+waiting request that finds no pages also preempts running requests less important than itself, and
+the prompt chunks of running requests less important than the most important waiting one get the
+step's prefill budget only after the waiting ones were admitted.
 
 In-flight sharing (docs/cache.md): the full prompt pages a step computed join the prefix cache at
 once (``share``), and a waiting request whose prefix a running request is computing right now waits
@@ -107,16 +109,39 @@ class Scheduler:
         self._unpark()
         budget = self.config.chunked_prefill_size
         batch: list[Scheduled] = []
+        deferred: list[Request] = []
+        urgent = self._most_important_waiting()
         for request in self._by_importance(self.running):
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             decoding = request.tokens_to_compute() == 1 and request.num_computed > 0
+            if not decoding and urgent is not None and request.params.priority > urgent:
+                deferred.append(request)  # its next chunk waits for the more important admissions
+                continue
             n = 1 if decoding else min(request.tokens_to_compute(), budget)
             if n and self._grow(request, n):
                 batch.append(Scheduled(request, n, self._drafts(request) if decoding else 0))
                 budget -= 0 if decoding else n
-        self._admit(batch, budget)
+        budget = self._admit(batch, budget)
+        self._continue(deferred, batch, budget)
         return batch
+
+    def _most_important_waiting(self) -> int | None:
+        """Under ``priority``, the most important waiting request's priority: running prompts less
+        important than it get the prefill budget only after the waiting requests were admitted
+        (their pages stay theirs meanwhile). None otherwise, or with nothing waiting."""
+        if self.config.policy is not SchedulePolicy.PRIORITY or not self.waiting:
+            return None
+        return min(r.params.priority for r in self.waiting)
+
+    def _continue(self, deferred: list[Request], batch: list[Scheduled], budget: int) -> None:
+        """The deferred running prompts' next chunks, within the budget left; pages for them are
+        taken (evicting cached ones) but never by preempting: the batch is already made."""
+        for request in deferred:
+            n = min(request.tokens_to_compute(), budget)
+            if request.status is RequestStatus.RUNNING and n and self._take_pages(request, request.num_computed + n):
+                batch.append(Scheduled(request, n))
+                budget -= n
 
     def _drafts(self, request: Request) -> int:
         """Draft tokens ``request`` may speculate this step: pages for them are taken (evicting
@@ -185,11 +210,11 @@ class Scheduler:
                     r.pages[: len(hit.pages)] = hit.pages
                     r.hit = hit
 
-    def _admit(self, batch: list[Scheduled], budget: int) -> None:
+    def _admit(self, batch: list[Scheduled], budget: int) -> int:
         """Admits waiting requests in ``_order``, passing over those still prefetching and those
-        held for a prefix another request is computing."""
+        held for a prefix another request is computing; returns the budget left."""
         if budget <= 0 or len(self.running) >= self.config.max_running_requests:
-            return
+            return budget
         for request in self._order():
             if budget <= 0 or len(self.running) >= self.config.max_running_requests:
                 break
@@ -206,6 +231,7 @@ class Scheduler:
             self.running.append(request)
             batch.append(Scheduled(request, n))
             budget -= n
+        return budget
 
     def _order(self) -> list[Request]:
         """The waiting requests in the order to admit them: ``lpm``, the most pages already cached
