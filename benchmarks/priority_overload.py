@@ -16,7 +16,7 @@ prompt is fresh random token ids (no cache hits), ``--prompt`` tokens, ``--max-t
 cluster and class: TTFT p50/p99, goodput (requests finished within their deadline per second), shed and late.
 
     .venv/bin/python benchmarks/priority_overload.py [--prompt 256] [--max-tokens 8] [--requests 240]
-        [--overload 2] [--high-share 0.3] [--out /tmp/priority_overload.json]
+        [--overload 2] [--high-share 0.3] [--chunked-prefill-size 128] [--out /tmp/priority_overload.json]
 """
 
 from __future__ import annotations
@@ -78,6 +78,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prompt", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--chunked-prefill-size", type=int, default=128,
+                   help="the nodes' prefill budget per step (both setups): on CPU a step's time grows with it, and a "
+                        "request arriving mid-step waits for that step whatever its priority")
     p.add_argument("--clients", type=int, default=8, help="capacity: closed-loop clients")
     p.add_argument("--capacity-requests", type=int, default=64)
     p.add_argument("--unloaded-requests", type=int, default=30)
@@ -91,7 +94,8 @@ def main() -> None:
     logs = Path(tempfile.mkdtemp(prefix="priority_overload-"))
     results: dict[str, Any] = {"args": vars(args) | {"out": str(args.out)}, "logs": str(logs)}
     for name, flags in SETUPS.items():
-        cluster = Cluster(name, ROOT / "src", logs, ["--no-l3", *flags], {})
+        node_flags = ["--no-l3", "--chunked-prefill-size", str(args.chunked_prefill_size)]
+        cluster = Cluster(name, ROOT / "src", logs, [*node_flags, *flags], {})
         try:
             cluster.wait_ready()
             bench(cluster.url, args, 4, seed=0, mode="closed", clients=1)  # warm-up, outside the timing
