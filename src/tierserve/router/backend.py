@@ -120,10 +120,11 @@ class PDBackend:
         through a pair, the others wait for its prompt KV on its decode node and run there
         (``_follow``; docs/pd.md, n choices)."""
         lead = sibling.group.lead() if sibling is not None else None
+        arrived = time.monotonic()
         try:
             async with self._slot():  # a follower takes its slot first: admission answers as for n requests
-                request = await self._choice(_Request(request_id, prompt_ids, to_proto(params), scope, buffered),
-                                             sibling, lead)
+                request = _Request(request_id, prompt_ids, to_proto(params), scope, buffered, arrived=arrived)
+                request = await self._choice(request, sibling, lead)
                 tries = migrating(self._attempts, request, self.options.max_migrations, self.migrations)
                 async with contextlib.aclosing(_merged(tries) if buffered else tries) as outputs:
                     async for out in outputs:
@@ -375,13 +376,16 @@ def _decode_failed(decode: Worker, produced: bool, what: str, status: int, reaso
 
 def _remaining(request: _Request) -> _Request:
     """``request`` as a try sends it: its deadline shortened by the time it already waited here, so
-    a node measures it from when the call reaches it (at least 1 ms: a late one is still late there)."""
+    a node measures it from when the call reaches it (at least 1 ms: a late one is still late there);
+    none for a migrated request, whose first token the client already has."""
     if not request.sampling.HasField("deadline_ms"):
         return request
     sampling = pb.SamplingOptions()
     sampling.CopyFrom(request.sampling)
     waited_ms = int((time.monotonic() - request.arrived) * 1000)
     sampling.deadline_ms = max(1, request.sampling.deadline_ms - waited_ms)
+    if request.resumed:
+        sampling.ClearField("deadline_ms")
     return replace(request, sampling=sampling)
 
 
