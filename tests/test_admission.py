@@ -12,19 +12,24 @@ from pathlib import Path
 
 import httpx
 import pytest
+from fastapi.testclient import TestClient
 from helpers.idle_backend import IdleBackend
 from helpers.metrics import value
 
 from tierserve.api import openai as oa
 from tierserve.api.admission import AdmissionPolicy, Lane, check_deadline, parse_deadline
 from tierserve.api.app import create_app
+from tierserve.api.engine_backend import create_engine_app
 from tierserve.api.metrics import ApiMetrics
 from tierserve.api.tenants import TenantKeys
 from tierserve.core.outputs import FinishReason, RequestOutput
 from tierserve.core.sampling import SamplingParams
 from tierserve.core.scope import CacheScope
+from tierserve.engine.config import EngineConfig
+from tierserve.engine.engine import Engine
+from tierserve.engine.loop import EngineLoop
 
-pytestmark = pytest.mark.fakes  # a scripted backend in place of an engine
+# a scripted backend in place of an engine, but for the last test (a real tiny engine)
 
 
 class Clock:
@@ -147,3 +152,25 @@ def test_no_deadline_asks_no_prediction() -> None:
     backend = PredictingBackend(predicted=100.0)
     reply, _ = asyncio.run(_post(backend, {}, {"priority": 1}))
     assert reply.status_code == 200 and backend.asked == [] and backend.ran[0].deadline_ms is None
+
+
+def test_serve_predicts_from_its_engines_measured_rate_and_sheds_an_impossible_deadline(tiny_llama: Path) -> None:
+    """``serve``'s API over a real engine: the first request measures the engine's rate, then a
+    1 ms deadline on a 300-token prompt is answered 429 at once and never reaches the engine."""
+    engine = Engine(EngineConfig(tiny_llama, dtype="float32", page_size=16, max_total_tokens=1024))
+    loop = EngineLoop(engine).start()
+    try:
+        with TestClient(create_engine_app(loop, None, "tiny")) as client:
+            body = {"prompt": list(range(2, 302)), "max_tokens": 2, "temperature": 0}
+            assert client.post("/v1/completions", json=body).status_code == 200
+            computed = engine.prefill_tokens_computed
+            shed = client.post("/v1/completions", json=body | {"prompt": list(range(3, 303))},
+                               headers={"x-request-deadline-ms": "1"})
+            ok = client.post("/v1/completions", json=body, headers={"x-request-deadline-ms": "600000"})
+            metrics = client.get("/metrics").text
+    finally:
+        loop.stop()
+    assert shed.status_code == 429 and shed.json()["error"]["code"] == "deadline"
+    assert ok.status_code == 200 and engine.prefill_tokens_computed == computed + 300 % 16  # its partial page
+    assert value(metrics, "tierserve_requests_shed_total", reason="deadline", priority="0") == 1
+    assert value(metrics, "tierserve_requests_on_time_total", priority="0") == 1
