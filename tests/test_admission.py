@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -17,7 +18,14 @@ from helpers.idle_backend import IdleBackend
 from helpers.metrics import value
 
 from tierserve.api import openai as oa
-from tierserve.api.admission import AdmissionPolicy, Lane, check_deadline, parse_deadline
+from tierserve.api.admission import (
+    DEMAND_WINDOW_S,
+    MAX_RETRY_AFTER_S,
+    AdmissionPolicy,
+    Lane,
+    check_deadline,
+    parse_deadline,
+)
 from tierserve.api.app import create_app
 from tierserve.api.engine_backend import create_engine_app
 from tierserve.api.metrics import ApiMetrics
@@ -56,9 +64,13 @@ def test_a_lane_measures_the_rate_between_first_tokens_and_counts_only_work_as_i
     lane.sent("low", 5, 1000)
     lane.sent("high", 0, 50)
     assert lane.predict(0, 10) == pytest.approx((50 + 10) / rate)  # the low request is not ahead of a high one
-    assert lane.predict(5, 10) == pytest.approx((1050 + 10) / rate)
+    high_demand = (100 + 50) / DEMAND_WINDOW_S  # tokens/s of priority 0 sent in the window: they keep going first
+    assert lane.predict(5, 10) == pytest.approx((1050 + 10) / (rate - high_demand))
     lane.dropped("low")
-    assert lane.predict(5, 10) == pytest.approx((50 + 10) / rate) and lane.rate == rate  # a drop measures nothing
+    assert lane.predict(5, 10) == pytest.approx((50 + 10) / (rate - high_demand)) and lane.rate == rate
+    clock.now += DEMAND_WINDOW_S + 1
+    lane.sent("flood", 0, int(rate * DEMAND_WINDOW_S) + 1)  # more important work alone takes the whole rate
+    assert lane.predict(5, 10) == math.inf and lane.predict(0, 10) < math.inf
 
 
 def test_deadline_sources_and_the_429() -> None:
@@ -71,6 +83,9 @@ def test_deadline_sources_and_the_429() -> None:
     check_deadline(None, 1)  # no prediction: admitted
     check_deadline(0.5, None)  # no deadline: admitted
     check_deadline(0.5, 500)
+    with pytest.raises(oa.APIError) as exc:
+        check_deadline(math.inf, 1000)
+    assert exc.value.headers["Retry-After"] == str(MAX_RETRY_AFTER_S)
     with pytest.raises(oa.APIError) as exc:
         check_deadline(3.2, 1000)
     assert exc.value.status == 429 and exc.value.code == "deadline" and exc.value.headers["Retry-After"] == "3"

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from enum import Enum
@@ -26,6 +27,8 @@ from tierserve.core.sampling import MAX_UINT32
 DEADLINE_HEADER = "x-request-deadline-ms"
 _DECAY = 0.9  # each measured first token weighs this much less than the next: about the last 10 count
 _MIN_TOKENS = 1  # a lane with fewer measured tokens has no rate yet
+DEMAND_WINDOW_S = 30.0  # the work sent in the last this many seconds is a lane's recent demand, by priority
+MAX_RETRY_AFTER_S = 60  # a deadline no wait makes (more important work takes the whole rate): retry after this
 
 
 class AdmissionPolicy(Enum):
@@ -60,18 +63,24 @@ class Lane:
     """The prompt work sent to one worker whose first token has not come yet, and the worker's
     prefill rate measured from it: between two first tokens while work was outstanding (or from
     the first send on an idle worker) the tokens of the one that came were computed. Batches and
-    chunked prefill make single gaps uneven; the decayed sums of tokens and seconds even them out."""
+    chunked prefill make single gaps uneven; the decayed sums of tokens and seconds even them out.
+    ``recent`` keeps the last ``DEMAND_WINDOW_S`` seconds of sends: the demand of each priority."""
 
     clock: Callable[[], float] = time.monotonic
     ahead: dict[str, tuple[int, int]] = field(default_factory=dict)  # request id -> (priority, tokens)
+    recent: deque[tuple[float, int, int]] = field(default_factory=deque)  # (sent at, priority, tokens)
     _tokens: float = 0.0
     _seconds: float = 0.0
     _mark: float | None = None  # when the worker last had no outstanding work, or last gave a first token
 
     def sent(self, request_id: str, priority: int, tokens: int) -> None:
+        now = self.clock()
         if not self.ahead:
-            self._mark = self.clock()
+            self._mark = now
         self.ahead[request_id] = (priority, tokens)
+        self.recent.append((now, priority, tokens))
+        while self.recent and self.recent[0][0] < now - DEMAND_WINDOW_S:
+            self.recent.popleft()
 
     def first_token(self, request_id: str, computed: int | None = None) -> None:
         """``request_id``'s first token came: its tokens (``computed``, what the worker reported it
@@ -99,12 +108,16 @@ class Lane:
     def predict(self, priority: int, tokens: int) -> float | None:
         """Seconds until the first token of a request of ``priority`` with ``tokens`` to compute:
         the work ahead of it (outstanding work at its priority or a more important one, as a
-        priority scheduler admits) and its own, at the measured rate; None before a measurement."""
+        priority scheduler admits) and its own, at the rate more important work leaves it (the
+        measured rate less the recent demand of more important work, which keeps coming and goes
+        first: a priority queue's wait); ``math.inf`` when that demand takes the whole rate; None
+        before a measurement."""
         rate = self.rate
         if rate is None:
             return None
         ahead = sum(t for p, t in self.ahead.values() if p <= priority)
-        return (ahead + tokens) / rate
+        spare = rate - sum(t for _, p, t in self.recent if p < priority) / DEMAND_WINDOW_S
+        return (ahead + tokens) / spare if spare > 0 else math.inf
 
 
 async def tracked(lane: Lane, request_id: str, priority: int, tokens: int,
@@ -130,9 +143,10 @@ def check_deadline(predicted_s: float | None, deadline_ms: int | None) -> None:
     deadline: retrying once the work ahead drained might make it."""
     if predicted_s is None or deadline_ms is None or predicted_s * 1000 <= deadline_ms:
         return
-    wait = predicted_s - deadline_ms / 1000
+    wait = min(predicted_s - deadline_ms / 1000, MAX_RETRY_AFTER_S)
+    predicted = f"{predicted_s * 1000:.0f} ms" if math.isfinite(predicted_s) else "more important work takes it all"
     raise oa.APIError(429, f"the first token cannot come within the request's deadline of {deadline_ms} ms "
-                           f"(predicted {predicted_s * 1000:.0f} ms); retry later", code=ShedReason.DEADLINE.value,
+                           f"(predicted {predicted}); retry later", code=ShedReason.DEADLINE.value,
                       headers={"Retry-After": str(max(1, math.ceil(wait)))})
 
 
