@@ -3,7 +3,8 @@
 A request may carry a deadline for its first token (``x-request-deadline-ms``, or its API key's
 default). Under ``--admission ttft`` the server predicts the request's TTFT before it queues:
 the prompt work ahead of it on the worker that would compute its prompt, plus its own uncached
-tokens, over that worker's measured prefill rate (``Lane``); when the best worker cannot make the
+tokens, over that worker's measured prefill rate less what more important work keeps taking of it
+(``Lane``); when the best worker cannot make the
 deadline the request is answered 429 with ``Retry-After`` at once, instead of being accepted and
 timing out later. Under ``--admission fcfs`` deadlines are only counted (late first tokens).
 
