@@ -309,8 +309,8 @@ class Scheduler:
             if self.config.policy is not SchedulePolicy.PRIORITY or not self.running:
                 return False
             victim = self._victim()
-            if victim.params.priority <= request.params.priority:
-                return False
+            if victim.params.priority <= request.params.priority or (victim.handoff and victim.handoff.busy()):
+                return False  # nothing less important, or its pages are being sent: they would not come back now
             self._preempt(victim)
             batch[:] = [s for s in batch if s.request is not victim]
             self.num_priority_preemptions += 1
