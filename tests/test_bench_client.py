@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tierserve.bench.classes import RequestClass
 from tierserve.bench.compare import compare, metric_rows
 from tierserve.bench.records import TIERS, RequestRecord
 from tierserve.bench.report import Report, percentile
@@ -30,9 +31,11 @@ class FakeServer:
     (whole 16-token pages), reported half on device and half on host. ``delay_s`` (seconds, or a
     function of the body) passes before each token; ``fail_every`` answers every n-th request with a 429."""
 
-    def __init__(self, delay_s: float | Callable[[dict], float] = 0.002, fail_every: int = 0) -> None:
-        self.delay_s, self.fail_every = delay_s, fail_every
+    def __init__(self, delay_s: float | Callable[[dict], float] = 0.002, fail_every: int = 0,
+                 shed: Callable[[dict], bool] | None = None) -> None:
+        self.delay_s, self.fail_every, self.shed = delay_s, fail_every, shed
         self.bodies: list[dict] = []
+        self.deadlines: list[str | None] = []  # each request's x-request-deadline-ms
         self.in_flight = self.max_in_flight = 0
         self.seen: list[list[int]] = []
 
@@ -44,6 +47,9 @@ class FakeServer:
             return httpx.Response(200, json={"data": [{"id": "fake"}]})
         body = json.loads(request.content)
         self.bodies.append(body)
+        self.deadlines.append(request.headers.get("x-request-deadline-ms"))
+        if self.shed is not None and self.shed(body):
+            return httpx.Response(429, json={"error": {"message": "deadline", "code": "deadline"}})
         if self.fail_every and len(self.bodies) % self.fail_every == 0:
             return httpx.Response(429, json={"error": {"message": "overloaded"}})
         return httpx.Response(200, content=self.events(body))
@@ -109,6 +115,39 @@ def test_records_and_summary_are_consistent() -> None:
     assert s["ttft_s"]["median"] <= s["ttft_s"]["p90"] <= s["ttft_s"]["p99"]
     assert s["request_throughput"] == pytest.approx(12 / report.duration)
     assert "TTFT" in report.table() and "hit rate" in report.table()
+
+
+def test_classes_send_priorities_and_deadlines_and_goodput_counts_what_met_its_slo(tmp_path: Path) -> None:
+    """Half the sessions are class 0 (a 10 s deadline, met), half class 1 (1 ms: the fake's first
+    token takes 2 ms, so late), and of those the server sheds every other one."""
+    shed_seen = []
+
+    def shed(body: dict) -> bool:
+        shed_seen.append(body.get("priority") == 1 and len(shed_seen) % 2 == 0)
+        return shed_seen[-1]
+
+    server = FakeServer(shed=shed)
+    workload = shared_prefix(SharedPrefixConfig(4, 5, 32, 8, 3), "tokens", SPACE, seed=0)
+    classes = (RequestClass(0, 0.5, 10_000), RequestClass(1, 0.5, 1))
+    report = run(server, workload, BenchOptions(clients=4, progress=False, classes=classes))
+    sent = {(b["priority"], d) for b, d in zip(server.bodies, server.deadlines, strict=True)}
+    assert sent == {(0, "10000"), (1, "1")}
+    s = report.summary()
+    by = s["by_priority"]
+    assert by[0]["good"] == by[0]["requests"] > 0 and by[0]["shed"] == by[0]["late"] == 0
+    assert by[1]["good"] == 0 and by[1]["shed"] == sum(shed_seen) > 0
+    assert by[1]["late"] == by[1]["requests"] - by[1]["shed"] > 0
+    assert s["goodput"]["good"] == by[0]["good"]
+    assert s["goodput"]["goodput"] == pytest.approx(by[0]["good"] / report.duration)
+    assert "goodput" in report.table() and "priority 1 (deadline 1 ms)" in report.table()
+    report.to_json(tmp_path / "r.json")
+    assert Report.from_json(tmp_path / "r.json").summary()["goodput"] == s["goodput"]
+
+
+@pytest.mark.parametrize("text", ["0", "a:0.5", "0:0", "0:0.5:0", "0:0.5:1:2"])
+def test_bad_classes_are_refused(text: str) -> None:
+    with pytest.raises(ValueError, match="--class"):
+        RequestClass.parse(text)
 
 
 def test_barrier_holds_each_round_until_all_clients_finished_the_last() -> None:

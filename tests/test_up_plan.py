@@ -12,8 +12,10 @@ import pytest
 from helpers.up_plans import capture_plans, child_args, children, plan_up, run_up
 
 from tierserve import launch
+from tierserve.api.admission import AdmissionPolicy
 from tierserve.cli.flags import engine_config, engine_flags
 from tierserve.cli.main import build_parser
+from tierserve.engine.config import SchedulePolicy
 from tierserve.launch.plan import KNOWN_NOISE, stages
 
 pytestmark = pytest.mark.fakes
@@ -90,6 +92,17 @@ def test_role_args_reach_only_their_role(monkeypatch) -> None:
     assert "--handoff-timeout" not in by_name["decode-0"]
     assert by_name["router"][-2:] == ("--max-running-requests", "7")
     assert child_args(by_name["prefill-0"]).handoff_timeout == 30.0
+
+
+def test_the_schedule_policy_reaches_every_node_and_the_admission_the_router(monkeypatch) -> None:
+    plans = capture_plans(monkeypatch)
+    assert run_up("--schedule-policy", "priority", "--admission", "fcfs") == 0
+    by_name = children(plans[0])
+    for node in ("prefill-0", "decode-0"):
+        assert child_args(by_name[node]).schedule_policy is SchedulePolicy.PRIORITY
+    assert child_args(by_name["router"]).admission is AdmissionPolicy.FCFS
+    assert run_up() == 0
+    assert child_args(children(plans[1])["router"]).admission is AdmissionPolicy.TTFT
 
 
 def test_a_role_flag_its_role_does_not_take_stops_up_at_once(monkeypatch, capsys) -> None:

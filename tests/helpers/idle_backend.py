@@ -17,3 +17,6 @@ class IdleBackend:
 
     async def debug_state(self) -> dict[str, Any]:
         return {}
+
+    def predict_ttft(self, prompt_ids: list[int], params: Any, scope: Any) -> float | None:
+        return None

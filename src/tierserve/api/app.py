@@ -12,6 +12,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
+from dataclasses import replace
 from functools import partial
 from typing import Any, TypeVar
 
@@ -22,6 +23,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tierserve.api import openai as oa
+from tierserve.api.admission import DEADLINE_HEADER, AdmissionPolicy, check_deadline, parse_deadline, shed_reason
 from tierserve.api.auth import debug_guard, request_tenant, tenant_check
 from tierserve.api.backend import Backend
 from tierserve.api.choices import Choices, Job, make_jobs
@@ -73,8 +75,9 @@ class _Api:
     """The handlers; state is the backend, the tokenizer and the metrics, nothing global."""
 
     def __init__(self, backend: Backend, tokenizer: TextTokenizer | None, model_name: str,
-                 metrics: ApiMetrics, tracer: Tracer = NO_TRACER) -> None:
+                 metrics: ApiMetrics, admission: AdmissionPolicy, tracer: Tracer = NO_TRACER) -> None:
         self.backend, self.tokenizer, self.model_name = backend, tokenizer, model_name
+        self.admission = admission
         self.max_model_len: int = backend.max_model_len
         self.metrics, self.tracer = metrics, tracer
         self.created = int(time.time())
@@ -85,7 +88,7 @@ class _Api:
         self._check_model(body.model)
         texts = body.prompts()
         prompts = [self._prompt_ids(p) for p in texts]
-        params = _checked(body.sampling_params(oa.DEFAULT_COMPLETION_MAX_TOKENS))
+        params = _deadlined(request, _checked(body.sampling_params(oa.DEFAULT_COMPLETION_MAX_TOKENS)))
         fmt = CompletionFormat(self.model_name, self._renderer(LogprobShape.COMPLETION, params.logprobs, body))
         echoes = [self._text_of(t) for t in texts] if body.echo else None
         jobs = make_jobs(fmt.id, prompts, params, body.num_choices, _scope(request, body.cache_salt), echoes)
@@ -97,7 +100,7 @@ class _Api:
         plan = _checked_tools(body.tool_plan())
         text = self._render_chat(body.template_messages(), body.add_generation_prompt, plan.template_tools())
         ids = self._prompt_ids(self._need_tokenizer().encode(text, add_special_tokens=False))
-        params = _checked(body.sampling_params(default_max_tokens=self.max_model_len - len(ids)))
+        params = _deadlined(request, _checked(body.sampling_params(default_max_tokens=self.max_model_len - len(ids))))
         readers = None if plan.mode is ToolMode.NONE else partial(reader_for, plan, self._tool_parser())
         fmt = ChatFormat(self.model_name, self._renderer(LogprobShape.CHAT, params.logprobs, body), readers)
         jobs = make_jobs(fmt.id, [ids], params, body.num_choices, _scope(request, body.cache_salt))
@@ -105,18 +108,44 @@ class _Api:
 
     async def _respond(self, request: Request, jobs: list[Job], fmt: Format, stream: bool | None,
                        include_usage: bool) -> Response:
-        """Runs the jobs once their tenant is admitted (429 over its limits); the tenant's slot is
-        held until the response ends, a stream's included. Traced, the response is a span whose
-        children are the backend's (``docs/tracing.md``), ended with it."""
+        """Runs the jobs once their tenant is admitted (429 over its limits) and, under ``--admission
+        ttft``, their predicted first token is within their deadline (429 at once otherwise); the
+        tenant's slot is held until the response ends, a stream's included. Every 429 is counted
+        by reason and priority. Traced, the response is a span whose children are the backend's
+        (``docs/tracing.md``), ended with it."""
+        try:
+            self._check_deadlines(jobs)
+            release = self._tenant_slot(request)
+            span = self._span(request, fmt.id, jobs, bool(stream))
+            with using(span):  # the backend's requests run in tasks made here: their spans are its children
+                choices = Choices(self.backend, jobs, self.metrics, buffered=not stream)
+            return await self._run(request, choices, _ending(span, release), span, fmt, len(jobs), stream,
+                                   include_usage)
+        except oa.APIError as exc:
+            reason = shed_reason(exc)
+            if reason is not None:
+                self.metrics.shed.labels(reason.value, str(jobs[0].params.priority)).inc()
+            raise
+
+    def _tenant_slot(self, request: Request) -> Callable[[], None]:
         tenant = request_tenant(request)
-        span = self._span(request, fmt.id, jobs, bool(stream))
-        release = _ending(span, self.limiter.admit(tenant) if tenant is not None else lambda: None)
-        with using(span):  # the backend's requests run in tasks made here: their spans are its children
-            choices = Choices(self.backend, jobs, self.metrics, buffered=not stream)
+        return self.limiter.admit(tenant) if tenant is not None else lambda: None
+
+    def _check_deadlines(self, jobs: list[Job]) -> None:
+        """429 when a prompt's predicted first token is past the deadline (``--admission ttft``)."""
+        if self.admission is not AdmissionPolicy.TTFT or jobs[0].params.deadline_ms is None:
+            return
+        for job in jobs:
+            if job.counts_prompt:
+                predicted = self.backend.predict_ttft(job.prompt_ids, job.params, job.scope)
+                check_deadline(predicted, job.params.deadline_ms)
+
+    async def _run(self, request: Request, choices: Choices, release: Callable[[], None], span: Span, fmt: Format,
+                   num_choices: int, stream: bool | None, include_usage: bool) -> Response:
         try:
             await _unless_disconnected(request, choices.start())
             if stream:
-                return _SSEResponse(_sse_events(choices, fmt, len(jobs), include_usage), choices, release)
+                return _SSEResponse(_sse_events(choices, fmt, num_choices, include_usage), choices, release)
             await _unless_disconnected(request, choices.run())
         except BaseException as exc:
             choices.cancel()
@@ -239,6 +268,14 @@ def _checked_tools(plan: ToolPlan) -> ToolPlan:
     return plan
 
 
+def _deadlined(request: Request, params: SamplingParams) -> SamplingParams:
+    """``params`` with the request's first-token deadline: its ``x-request-deadline-ms`` header, else
+    its API key's default (400 for a header that is not a positive whole number)."""
+    tenant = request_tenant(request)
+    deadline = parse_deadline(request.headers.get(DEADLINE_HEADER), tenant.deadline_ms if tenant else None)
+    return params if deadline is None else replace(params, deadline_ms=deadline)
+
+
 def _scope(request: Request, cache_salt: str | None) -> CacheScope:
     """The request's cache namespace: the API key's tenant (none without keys), never the client's
     choice, subdivided by the client's ``cache_salt``."""
@@ -303,8 +340,8 @@ def _json(model: BaseModel) -> Response:
 
 
 def create_app(backend: Backend, tokenizer: TextTokenizer | None, model_name: str, metrics: ApiMetrics,
-               keys: TenantKeys | None = None, admin_api_key: str | None = None, tracer: Tracer = NO_TRACER
-               ) -> FastAPI:
+               keys: TenantKeys | None = None, admin_api_key: str | None = None,
+               admission: AdmissionPolicy = AdmissionPolicy.TTFT, tracer: Tracer = NO_TRACER) -> FastAPI:
     """The HTTP app over a started backend. ``/health``, ``/readiness`` and ``/metrics`` are open;
     every other route needs ``Authorization: Bearer <key>`` with one of ``keys`` when set, the key
     naming the request's tenant (its cache namespace and its limits, ``api/tenants.py``), except
@@ -312,7 +349,7 @@ def create_app(backend: Backend, tokenizer: TextTokenizer | None, model_name: st
     their own routes (``guarded`` and ``admin_guard`` give the dependencies). Every error answer,
     an unexpected exception's 500 included, has the OpenAI shape and is counted in
     ``tierserve_http_errors_total`` by status. ``tracer``: each completion is a span (``docs/tracing.md``)."""
-    api = _Api(backend, tokenizer, model_name, metrics, tracer)
+    api = _Api(backend, tokenizer, model_name, metrics, admission, tracer)
     app = FastAPI(title="tierserve", docs_url=None, redoc_url=None)
     guarded = {"dependencies": [Depends(tenant_check(keys))]}
     app.add_api_route("/v1/completions", api.completions, methods=["POST"], **guarded)

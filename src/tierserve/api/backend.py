@@ -61,6 +61,11 @@ class Backend(Protocol):
     def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, scope: CacheScope,
                  *, buffered: bool = False, sibling: Sibling | None = None) -> AsyncIterator[RequestOutput]: ...
 
+    def predict_ttft(self, prompt_ids: list[int], params: SamplingParams, scope: CacheScope) -> float | None:
+        """Seconds until the request's first token if it were sent now, from the work ahead of it
+        at its priority and the measured prefill rate (``api/admission.py``); None: no estimate yet."""
+        ...
+
     def healthy(self) -> bool:
         """The process can serve (``/health``)."""
         ...

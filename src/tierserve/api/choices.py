@@ -76,6 +76,8 @@ class Choices:
                 if out.new_token_ids:
                     now = time.monotonic()
                     (self._metrics.ttft if last is None else self._metrics.itl).observe(now - prev)
+                    if last is None:
+                        self._metrics.first_token(job.params, now - started)
                     prev = now
                 last = out
                 self._queue.put_nowait((job.index, out))

@@ -12,6 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from tierserve.api import openai as oa
+from tierserve.api.admission import AdmissionPolicy, Lane, tracked
 from tierserve.api.app import create_app
 from tierserve.api.auth import admin_guard, check_admin_key
 from tierserve.api.backend import Sibling
@@ -38,6 +39,7 @@ class EngineBackend:
     def __init__(self, loop: EngineLoop) -> None:
         self.loop = loop
         self.max_model_len = loop.engine.max_model_len
+        self.lane = Lane()  # the engine's outstanding prompt work and prefill rate (``--admission ttft``)
 
     def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, scope: CacheScope,
                  *, buffered: bool = False, sibling: Sibling | None = None) -> AsyncIterator[RequestOutput]:
@@ -45,12 +47,18 @@ class EngineBackend:
         retry, so holding them back would only delay them. ``sibling`` is ignored: the engine's
         in-flight sharing already computes a prompt's ``n`` choices' prompt once. Traced (a span is
         current, ``docs/tracing.md``): the engine's spans go under a ``tierserve.choice`` span."""
-        outputs = self.loop.generate(request_id, prompt_ids, params, scope)
+        outputs = tracked(self.lane, request_id, params.priority, len(prompt_ids),
+                          self.loop.generate(request_id, prompt_ids, params, scope))
         parent = current_span()
         if not parent.recording:
             return outputs
         span = parent.child("tierserve.choice", attrs=at.request(request_id, scope.tenant, len(prompt_ids)))
         return ending(span, traced(span, outputs))
+
+    def predict_ttft(self, prompt_ids: list[int], params: SamplingParams, scope: CacheScope) -> float | None:
+        """The whole prompt counts (this side does not see the engine's cache: an over-estimate for
+        a cached prefix)."""
+        return self.lane.predict(params.priority, len(prompt_ids))
 
     def healthy(self) -> bool:
         """The engine thread runs and no step is overdue (several ranks: a frozen rank, docs/ranks.md)."""
@@ -66,13 +74,13 @@ class EngineBackend:
 
 def create_engine_app(loop: EngineLoop, tokenizer: TextTokenizer | None, model_name: str,
                       keys: TenantKeys | None = None, admin_api_key: str | None = None,
-                      tracer: Tracer = NO_TRACER) -> FastAPI:
+                      admission: AdmissionPolicy = AdmissionPolicy.TTFT, tracer: Tracer = NO_TRACER) -> FastAPI:
     """The HTTP app for one started ``EngineLoop`` (the caller stops it), with ``/admin/storage``
     (L3 status, attach, detach, clear) behind ``admin_api_key``; API keys name tenants (``keys``);
     ``tracer``: each completion a trace (``docs/tracing.md``)."""
     check_admin_key(admin_api_key, keys)
     metrics = ApiMetrics(EngineCollector(loop))
-    app = create_app(EngineBackend(loop), tokenizer, model_name, metrics, keys, admin_api_key, tracer)
+    app = create_app(EngineBackend(loop), tokenizer, model_name, metrics, keys, admin_api_key, admission, tracer)
     admin = admin_guard(admin_api_key, keys)
 
     async def storage_status() -> Response:

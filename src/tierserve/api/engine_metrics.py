@@ -21,6 +21,8 @@ _ENGINE_GAUGES = {
 }
 _ENGINE_COUNTERS = {
     "preemptions": "tierserve_preemptions",
+    "priority_preemptions": "tierserve_priority_preemptions",
+    "late_first_tokens": "tierserve_late_first_tokens",
     "prefill_tokens_computed": "tierserve_prefill_tokens_computed",
     "schedule_held_steps": "tierserve_schedule_held_steps",
     "admitted_requests": "tierserve_admitted_requests",  # with queue_seconds: the mean wait in the queue

@@ -9,6 +9,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from tierserve.core.outputs import RequestOutput
+from tierserve.core.sampling import SamplingParams
 from tierserve.core.tiers import TIERS
 
 log = logging.getLogger(__name__)
@@ -36,8 +37,20 @@ class ApiMetrics:
         self.ttft = histogram("tierserve_time_to_first_token_seconds", "Arrival to first token")
         self.itl = histogram("tierserve_inter_token_latency_seconds", "Time between output tokens")
         self.e2e = histogram("tierserve_e2e_request_latency_seconds", "Arrival to last token")
+        self.shed = Counter("tierserve_requests_shed", "Requests answered 429 at admission, by reason "
+                            "(deadline, queue_full, tenant_limit) and priority", ["reason", "priority"], registry=r)
+        self.late = Counter("tierserve_requests_late", "Choices whose first token came after their deadline, by "
+                            "priority", ["priority"], registry=r)
+        self.on_time = Counter("tierserve_requests_on_time", "Choices with a deadline whose first token came "
+                               "within it, by priority", ["priority"], registry=r)
         for collector in collectors:
             r.register(collector)
+
+    def first_token(self, params: SamplingParams, waited_s: float) -> None:
+        """Counts a first token late or on time when its request has a deadline."""
+        if params.deadline_ms is not None:
+            late = waited_s * 1000 > params.deadline_ms
+            (self.late if late else self.on_time).labels(str(params.priority)).inc()
 
     def request_ended(self, request_id: str, last: RequestOutput | None, failed: bool, started: float) -> None:
         """Counts one choice that ran, by how it ended (no finished output and no error: aborted),

@@ -136,8 +136,9 @@ def _arguments(text: str) -> Any:
 
 class _GenerateBody(_Body):
     """Fields shared by completions and chat; vLLM's extensions top_k, stop_token_ids, ignore_eos,
-    skip_special_tokens, min_tokens, return_tokens_as_token_ids and cache_salt (a tenant: requests
-    with different salts never share cached KV) are accepted too."""
+    skip_special_tokens, min_tokens, return_tokens_as_token_ids, cache_salt (a tenant: requests
+    with different salts never share cached KV) and priority (an integer, lower is more important,
+    default 0: ``--schedule-policy priority``) are accepted too."""
 
     model: str | None = None
     max_tokens: int | None = None
@@ -158,6 +159,7 @@ class _GenerateBody(_Body):
     return_tokens_as_token_ids: bool | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
+    priority: int | None = None
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> _GenerateBody:
@@ -199,6 +201,7 @@ class _GenerateBody(_Body):
             prompt_logprobs=self.logprob_counts()[1],
             prompt_logprobs_start=self.logprob_start() or 1,
             constraint=self.constraint(),
+            priority=self.priority or 0,
         )
 
     def constraint(self) -> Constraint | None:

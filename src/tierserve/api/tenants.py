@@ -22,11 +22,13 @@ WINDOW_S = 60.0  # requests_per_minute counts the requests of the last minute
 
 @dataclass(frozen=True)
 class Tenant:
-    """A tenant and its limits (``None``: unlimited)."""
+    """A tenant and its limits (``None``: unlimited); ``deadline_ms``: the first-token deadline of its
+    requests that send no ``x-request-deadline-ms`` (None: none, ``api/admission.py``)."""
 
     name: str
     max_concurrent: int | None = None
     requests_per_minute: int | None = None
+    deadline_ms: int | None = None
 
 
 class TenantKeys:
@@ -45,7 +47,8 @@ class TenantKeys:
 
     @classmethod
     def load(cls, path: Path) -> TenantKeys:
-        """``{"keys": {"<key>": {"tenant": "<name>", "max_concurrent": n, "requests_per_minute": n}}}``;
+        """``{"keys": {"<key>": {"tenant": "<name>", "max_concurrent": n, "requests_per_minute": n,
+        "deadline_ms": n}}}``;
         ``ValueError`` saying what is wrong with the file."""
         try:
             raw = json.loads(path.read_text())
@@ -66,7 +69,7 @@ def _digest(key: str) -> bytes:
 
 def _tenant(entry: dict) -> Tenant:
     name = entry["tenant"]
-    limits = [entry.get(k) for k in ("max_concurrent", "requests_per_minute")]
+    limits = [entry.get(k) for k in ("max_concurrent", "requests_per_minute", "deadline_ms")]
     if not isinstance(name, str) or not name or any(v is not None and (type(v) is not int or v < 1) for v in limits):
         raise TypeError(f"bad entry {entry!r}: tenant must be a name, limits integers >= 1")
     return Tenant(name, *limits)

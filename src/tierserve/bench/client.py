@@ -16,6 +16,8 @@ import httpx
 
 from tierserve.bench.records import TIERS, Prompt, RequestRecord, RequestSpec
 
+DEADLINE_HEADER = "x-request-deadline-ms"  # the server's (api/admission.py; the bench imports no server code)
+
 
 @dataclass
 class ClientConfig:
@@ -54,6 +56,8 @@ def request_body(spec: RequestSpec, config: ClientConfig) -> tuple[str, dict[str
     }
     if config.model:
         body["model"] = config.model
+    if spec.priority is not None:
+        body["priority"] = spec.priority
     if spec.is_chat:
         return "/chat/completions", {**body, "messages": spec.prompt}
     return "/completions", {**body, "prompt": spec.prompt}
@@ -104,13 +108,14 @@ async def send(client: httpx.AsyncClient, config: ClientConfig, spec: RequestSpe
                t0: float) -> RequestRecord:
     """Sends ``spec`` and fills ``record`` (returned). ``t0`` is the run's ``perf_counter`` origin."""
     path, body = request_body(spec, config)
+    headers = config.headers() | ({DEADLINE_HEADER: str(spec.deadline_ms)} if spec.deadline_ms is not None else {})
     if isinstance(spec.prompt, list) and spec.prompt and isinstance(spec.prompt[0], int):
         record.sent_prompt_tokens = len(spec.prompt)
     start = time.perf_counter()
     record.sent_at = start - t0
     try:
         async with asyncio.timeout(config.timeout_s):
-            await _stream(client, config.api_root + path, body, config.headers(), record, start)
+            await _stream(client, config.api_root + path, body, headers, record, start)
     except TimeoutError:
         record.ok, record.error = False, f"timeout after {config.timeout_s} s"
     except httpx.HTTPError as exc:

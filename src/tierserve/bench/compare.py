@@ -20,6 +20,7 @@ METRICS: list[tuple[str, tuple[str, ...], float, str]] = [
     ("ideal hit rate", ("ideal_hit_rate",), 100.0, "%"),
     ("efficiency", ("efficiency",), 100.0, "%"),
     ("failed requests", ("requests", "failed"), 1.0, ""),
+    ("goodput req/s", ("goodput", "goodput"), 1.0, ""),
 ]
 
 

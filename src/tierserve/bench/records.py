@@ -17,11 +17,14 @@ Prompt = list[int] | str | list[dict[str, str]]
 
 @dataclass
 class RequestSpec:
-    """One request to send. ``tags`` label it for the report (``session``, ``round``, ``group``...)."""
+    """One request to send. ``tags`` label it for the report (``session``, ``round``, ``group``...);
+    ``priority`` and ``deadline_ms`` (its class's, ``bench.classes``) are sent when set."""
 
     prompt: Prompt
     max_tokens: int
     tags: dict[str, Any] = field(default_factory=dict)
+    priority: int | None = None
+    deadline_ms: int | None = None
 
     @property
     def is_chat(self) -> bool:
@@ -57,6 +60,8 @@ class RequestRecord:
     draft_tokens: int = 0  # speculative decoding (``usage.speculative``): drafts proposed and accepted
     accepted_tokens: int = 0
     ideal_cached_tokens: int | None = None  # filled after the run, once every prompt is known
+    priority: int | None = None  # its class's (``bench.classes``); None: sent without
+    deadline_ms: int | None = None  # its class's first-token deadline, also its SLO
     text: str = ""  # the answer; not written to JSON (it can be large, and multiturn needs it only live)
 
     def to_json(self) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tierserve.bench.classes import goodput
 from tierserve.bench.records import TIERS, RequestRecord
 from tierserve.bench.server_metrics import server_lines
 
@@ -110,7 +111,20 @@ class Report:
             "efficiency": efficiency(rate, ideal),
             "speculative": speculative(ok),
             "server": self.server,
+            "goodput": goodput(self.records, self.duration),
+            "by_priority": self.by_priority(),
         }
+
+    def by_priority(self) -> dict[int, dict[str, Any]]:
+        """Per priority class (empty when no request had one): goodput's counts, and the TTFT of
+        its successful requests."""
+        classes = sorted({r.priority for r in self.records if r.priority is not None})
+        out = {}
+        for p in classes:
+            records = [r for r in self.records if r.priority == p]
+            ttft = distribution([r.ttft for r in records if r.ok and r.ttft is not None])
+            out[p] = goodput(records, self.duration) | {"deadline_ms": records[0].deadline_ms, "ttft_s": ttft}
+        return out
 
     def hit_rate_by_round(self) -> dict[int, float | None]:
         """Hit rate of the successful requests of each round (empty when no record has a round)."""
@@ -159,12 +173,28 @@ def format_table(s: dict[str, Any], meta: dict[str, Any]) -> str:
     lines.append(_ideal_line(s, meta.get("ideal") or {}))
     if s["hit_rate_by_round"]:
         lines.append("by round: " + ", ".join(f"{k}: {_pct(v)}" for k, v in s["hit_rate_by_round"].items()))
+    lines += _goodput_lines(s)
     if s.get("speculative"):
         spec = s["speculative"]
         lines.append(f"speculative: {_pct(spec['acceptance_rate'])} of {spec['draft_tokens']} draft tokens accepted")
     if s.get("server"):
         lines += server_lines(s["server"])
     return "\n".join(lines)
+
+
+def _goodput_lines(s: dict[str, Any]) -> list[str]:
+    """Goodput, and one line per priority class when the run had classes."""
+    g = s.get("goodput")
+    if g is None:
+        return []
+    lines = [f"goodput: {g['goodput']:.2f} req/s within SLO ({g['good']} of {g['requests']}; shed {g['shed']}, "
+             f"late {g['late']}, failed {g['failed']})"]
+    for p, c in (s.get("by_priority") or {}).items():
+        deadline = f"{c['deadline_ms']} ms" if c["deadline_ms"] is not None else "none"
+        lines.append(f"  priority {p} (deadline {deadline}): goodput {c['goodput']:.2f} req/s, {c['good']} of "
+                     f"{c['requests']} good, shed {c['shed']}, late {c['late']}, failed {c['failed']}; TTFT p50 "
+                     f"{_ms(c['ttft_s']['median']).strip()} ms, p99 {_ms(c['ttft_s']['p99']).strip()} ms")
+    return lines
 
 
 def speculative(records: list[RequestRecord]) -> dict[str, Any] | None:

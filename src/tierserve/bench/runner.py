@@ -25,6 +25,7 @@ from typing import Any, Literal
 
 import httpx
 
+from tierserve.bench.classes import RequestClass, assign
 from tierserve.bench.client import ClientConfig, discover_model, send
 from tierserve.bench.ideal import DEFAULT_PAGE_SIZE, fill_ideal
 from tierserve.bench.records import Prompt, RequestRecord, RequestSpec
@@ -61,6 +62,7 @@ class BenchOptions:
     extra_body: dict[str, Any] = field(default_factory=dict)
     page_size: int = DEFAULT_PAGE_SIZE
     metrics_urls: tuple[str, ...] = ()
+    classes: tuple[RequestClass, ...] = ()  # priorities and deadlines, by share of the sessions
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -150,6 +152,7 @@ class _Run:
         self.gate = asyncio.Semaphore(limit) if limit else contextlib.nullcontext()
         self.barrier = RoundBarrier(len(workload.sessions)) if options.barrier else None
         self.sessions = workload.sessions
+        self.classes = assign(options.classes, len(workload.sessions), options.seed)
         self.bar = tqdm(total=workload.planned, disable=not options.progress, unit="req", desc=workload.name)
         self.t0 = time.perf_counter()
         self.duration = 0.0
@@ -157,16 +160,19 @@ class _Run:
     async def all(self, starts: list[float]) -> None:
         self.t0 = time.perf_counter()
         try:
-            await asyncio.gather(*(self.session(s, at) for s, at in zip(self.sessions, starts, strict=True)))
+            await asyncio.gather(*(self.session(s, at, c)
+                                   for s, at, c in zip(self.sessions, starts, self.classes, strict=True)))
         finally:
             self.duration = time.perf_counter() - self.t0
             self.bar.close()
 
-    async def session(self, session: Session, start: float) -> None:
+    async def session(self, session: Session, start: float, klass: RequestClass | None) -> None:
         await asyncio.sleep(max(0.0, start - (time.perf_counter() - self.t0)))
         spec: RequestSpec | None = session.first()
         sent, scheduled = 0, start
         while spec is not None:
+            if klass is not None:
+                spec = dataclasses.replace(spec, priority=klass.priority, deadline_ms=klass.deadline_ms)
             record = await self.request(spec, scheduled)
             sent += 1
             if not record.ok:
@@ -182,7 +188,8 @@ class _Run:
             self.bar.refresh()
 
     async def request(self, spec: RequestSpec, scheduled: float) -> RequestRecord:
-        record = RequestRecord(index=len(self.records), tags=dict(spec.tags), scheduled_at=scheduled)
+        record = RequestRecord(index=len(self.records), tags=dict(spec.tags), scheduled_at=scheduled,
+                               priority=spec.priority, deadline_ms=spec.deadline_ms)
         self.records.append(record)
         self.prompts[record.index] = spec.prompt
         async with self.gate:

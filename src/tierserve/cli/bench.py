@@ -63,6 +63,9 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     load.add_argument("--max-concurrency", type=int, help="open loop: cap on requests in flight")
     load.add_argument("--barrier", action="store_true", help="multiturn: round r+1 waits for every round r")
     load.add_argument("--timeout", type=float, default=300.0, help="per-request timeout, seconds")
+    load.add_argument("--class", dest="classes", action="append", default=[], metavar="PRIORITY:SHARE[:DEADLINE_MS]",
+                      help="a request class (repeat for a mix): that share of the sessions is sent with that "
+                           "priority and first-token deadline (x-request-deadline-ms; also its SLO for goodput)")
 
     prompts = p.add_argument_group("prompts")
     prompts.add_argument("--style", choices=["tokens", "text", "chat"], default="tokens",
@@ -110,13 +113,15 @@ def build_workload(args: argparse.Namespace) -> Any:
 
 
 def bench_options(args: argparse.Namespace) -> Any:
+    from tierserve.bench.classes import RequestClass
     from tierserve.bench.runner import BenchOptions
 
     mode = args.mode or ("trace" if args.workload in ("trace", "azure") else "closed")
     return BenchOptions(mode=mode, clients=args.clients, rate=args.rate, time_scale=args.time_scale,
                         max_concurrency=args.max_concurrency, barrier=args.barrier, timeout_s=args.timeout,
                         seed=args.seed, progress=not args.no_progress, model=args.model, api_key=args.api_key,
-                        extra_body=args.extra_body, page_size=args.page_size, metrics_urls=metrics_urls(args))
+                        extra_body=args.extra_body, page_size=args.page_size, metrics_urls=metrics_urls(args),
+                        classes=tuple(RequestClass.parse(c) for c in args.classes))
 
 
 def metrics_urls(args: argparse.Namespace) -> tuple[str, ...]:

@@ -51,7 +51,8 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("--chunked-prefill-size", "chunked_prefill_size", "prompt tokens per step", int),
     Flag("--max-running-requests", "max_running_requests", "requests in the running batch", int),
     Flag("--schedule-policy", "schedule_policy", "the order waiting requests are admitted in: lpm (longest "
-         "cached prefix first) or fcfs (arrival order)", SchedulePolicy),
+         "cached prefix first), fcfs (arrival order) or priority (the request's priority, lower first, then "
+         "arrival; less important running requests are preempted for more important ones)", SchedulePolicy),
     Flag("--context-length", "max_model_len", "max prompt + output tokens (default: the model's)", int),
     Flag("--seed", "seed", "random seed", int),
     # Tensor parallelism: one process per rank (docs/tp.md).
@@ -221,8 +222,20 @@ def add_api_key_args(p: argparse.ArgumentParser, admin: str) -> None:
     keys.add_argument("--api-key", help="require 'Authorization: Bearer <key>' on the API routes (one tenant)")
     keys.add_argument("--api-keys", type=Path, metavar="FILE",
                       help='tenants: JSON {"keys": {"<key>": {"tenant": "<name>", "max_concurrent": n, '
-                           '"requests_per_minute": n}}} (limits optional); the tenant decides the cache namespace')
+                           '"requests_per_minute": n, "deadline_ms": n}}} (limits and the default first-token '
+                           'deadline optional); the tenant decides the cache namespace')
     p.add_argument("--admin-api-key", help=f"enable {admin} with this key (never a tenant's key)")
+
+
+def add_admission_args(p: argparse.ArgumentParser) -> None:
+    """``--admission`` (``serve``, ``router``, ``up``): what a request's first-token deadline does."""
+    from tierserve.api.admission import AdmissionPolicy
+
+    p.add_argument("--admission", type=AdmissionPolicy, choices=list(AdmissionPolicy), default=AdmissionPolicy.TTFT,
+                   metavar="{" + ",".join(a.value for a in AdmissionPolicy) + "}",
+                   help="ttft: a request whose predicted time to first token is past its deadline "
+                        "(x-request-deadline-ms, or its API key's deadline_ms) gets 429 with Retry-After at once; "
+                        "fcfs: every request is queued in arrival order, late first tokens only counted")
 
 
 def tenant_keys(args: argparse.Namespace) -> TenantKeys | None:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tierserve.cli.flags import (
+    add_admission_args,
     add_api_key_args,
     add_chat_args,
     add_listen_args,
@@ -69,6 +70,7 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stream-idle-timeout", type=positive_seconds, default=30.0,
                    help="seconds a decode stream may send nothing before it is given up (retried if unseen)")
     add_disaggregation_args(p)
+    add_admission_args(p)
     p.add_argument("--worker-drain-timeout", type=positive_seconds, default=600.0,
                    help="seconds a removed worker's running requests get to finish before its channel closes")
     p.add_argument("--health-check-interval", type=float, default=2.0, help="seconds between worker checks")
@@ -106,7 +108,7 @@ def router_config(args: argparse.Namespace, folder: Path) -> RouterConfig:
         model_dir=folder, prefill=args.prefill, decode=args.decode, served_model_name=args.served_model_name,
         chat_template=args.chat_template, tool_call_parser=args.tool_call_parser,
         context_length=args.context_length, keys=tenant_keys(args), admin_api_key=args.admin_api_key,
-        prefill_policy=args.prefill_policy, decode_policy=args.decode_policy,
+        prefill_policy=args.prefill_policy, decode_policy=args.decode_policy, admission=args.admission,
         options=RouterOptions(max_running=args.max_running_requests, max_queued=args.max_queued_requests,
                               timeout_s=args.request_timeout, max_retries=args.max_retries,
                               stream_idle_timeout_s=args.stream_idle_timeout, max_migrations=args.max_migrations,

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from tierserve.cli.flags import (
+    add_admission_args,
     add_api_key_args,
     add_chat_args,
     add_engine_args,
@@ -35,6 +36,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     add_api_key_args(p, "the /admin routes (L3 attach/detach/status/clear)")
     add_chat_args(p)
     add_tracing_args(p)
+    add_admission_args(p)
     add_engine_args(p)
 
 
@@ -129,7 +131,7 @@ def _serve(args: argparse.Namespace, engine: Engine, on_ready: Callable[[], None
         name = args.served_model_name or engine.model_config.name
         tokenizer = try_load(engine.config.model_dir, args.chat_template, args.tool_call_parser)
         tracer = start_tracing(tracing_config(args), "tierserve", f"{args.host}:{args.port}")
-        app = create_engine_app(loop, tokenizer, name, args.tenant_keys, args.admin_api_key, tracer)
+        app = create_engine_app(loop, tokenizer, name, args.tenant_keys, args.admin_api_key, args.admission, tracer)
         _exit_cleanly_on_sigterm()
         run_http(app, args.host, args.port, on_ready)
     finally:

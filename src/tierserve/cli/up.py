@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from tierserve.cli.decode import add_decode_args
 from tierserve.cli.flags import (
+    add_admission_args,
     add_chat_args,
     add_engine_args,
     add_model_args,
@@ -68,6 +69,7 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
                         "machine's memory; segments take memory only as they fill)")
     add_policy_args(p)
     add_disaggregation_args(p)
+    add_admission_args(p)
     keys = p.add_mutually_exclusive_group()
     keys.add_argument("--api-key", help="require 'Authorization: Bearer <key>' on the router's API")
     keys.add_argument("--api-keys", type=Path, metavar="FILE", help="the router's tenants' API keys (see router)")
@@ -238,7 +240,8 @@ def _router_flags(args: argparse.Namespace) -> list[str]:
     keys = [str(f) for flag, value in (("--api-key", args.api_key), ("--api-keys", file),
                                        ("--admin-api-key", args.admin_api_key)) if value for f in (flag, value)]
     return [*keys, *chat_flags(args), "--prefill-policy", args.prefill_policy.value, "--decode-policy",
-            args.decode_policy.value, "--disaggregation-threshold", str(args.disaggregation_threshold)]
+            args.decode_policy.value, "--disaggregation-threshold", str(args.disaggregation_threshold),
+            "--admission", args.admission.value]
 
 
 def _announce(args: argparse.Namespace, base: str, children: list[str], tls: ClusterTLS | None = None) -> None:

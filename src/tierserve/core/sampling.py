@@ -33,6 +33,11 @@ class SamplingParams:
     (docs/cli.md).
 
     ``constraint``: the grammar every output token must keep (docs/structured.md); None: free text.
+
+    Scheduling hints travel with the settings to every node: ``priority`` (vLLM's convention: lower
+    is more important, default 0; ``--schedule-policy priority`` admits waiting work in that order and
+    preempts less important work for it) and ``deadline_ms``, the milliseconds the client gave the
+    first token from when the request arrived where it is now (None: no deadline; docs/router.md).
     """
 
     max_tokens: int = 16
@@ -49,6 +54,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     prompt_logprobs_start: int = 1
     constraint: Constraint | None = None
+    priority: int = 0
+    deadline_ms: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -78,6 +85,9 @@ class SamplingParams:
              f"the prompt logprobs' start must be in [0, 2^32), got {self.prompt_logprobs_start}"),
             (self.constraint is None or 0 < len(self.constraint.spec.encode()) <= MAX_SPEC_BYTES,
              f"a structured-output spec must be 1 to {MAX_SPEC_BYTES} bytes"),
+            (-MAX_INT32 - 1 <= self.priority <= MAX_INT32, f"priority must be in [-2^31, 2^31), got {self.priority}"),
+            (self.deadline_ms is None or 0 < self.deadline_ms <= MAX_UINT32,
+             f"a deadline must be in [1, 2^32) milliseconds, got {self.deadline_ms}"),
             (self.constraint is None or not self.min_tokens,
              "min_tokens cannot be combined with structured outputs (the grammar decides where the output ends)"),
         ]

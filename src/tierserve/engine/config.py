@@ -25,6 +25,7 @@ class SchedulePolicy(Enum):
 
     LPM = "lpm"  # longest cached prefix first (in-flight shared pages included): requests that share go together
     FCFS = "fcfs"  # arrival order
+    PRIORITY = "priority"  # the request's priority (lower first, vLLM's), then arrival; preempts less important work
 
 
 @dataclass(frozen=True)

@@ -119,6 +119,7 @@ class Engine:
         self.last_batch_size = 0
         self.last_step_tokens = 0  # tokens the last step scheduled (the watchdog's expected time, engine/step_watch.py)
         self.prefill_tokens_computed = 0  # prompt tokens this engine computed (not taken from the cache)
+        self.late_first_tokens = 0  # first tokens sampled after their request's deadline (``SamplingParams``)
         self._generate_ids = itertools.count()  # the same on every rank, as ids must be
         log.info("engine ready: model=%s device=%s dtype=%s kv_pages=%d page_size=%d rank=%d/%d stage=%d/%d "
                  "layers=%d-%d namespace=%s", model_dir.name, self.device, self.dtype, self.num_pages,
@@ -254,6 +255,8 @@ class Engine:
             "kv_pages_cached": cached,
             "kv_pages_total": self.allocator.num_pages,
             "preemptions": self.scheduler.num_preemptions,
+            "priority_preemptions": self.scheduler.num_priority_preemptions,
+            "late_first_tokens": self.late_first_tokens,
             "prefill_tokens_computed": self.prefill_tokens_computed,
             "schedule_held_steps": self.scheduler.num_held,
             "admitted_requests": self.scheduler.num_admitted,
@@ -301,12 +304,21 @@ class Engine:
                 self.scheduler.share(request)
             request.prompt_logprobs += result.logprobs.prompt.get(rid, [])
             if rid in result.tokens:
+                first = not request.output_ids
                 outputs.append(self.appender.append_all(request, result.tokens[rid], result.logprobs.sampled.get(rid)))
+                if first:
+                    self._note_first_token(request)
             if scheduled.draft_tokens and request.status is RequestStatus.RUNNING:
                 self.scheduler.trim(request)
         if self.config.offload_generated:
             self.scheduler.checkpoint()
         return outputs
+
+    def _note_first_token(self, request: Request) -> None:
+        """Counts a first token that came later than the request's deadline (from its arrival here)."""
+        deadline = request.params.deadline_ms
+        if deadline is not None and (time.monotonic() - request.arrival) * 1000 > deadline:
+            self.late_first_tokens += 1
 
     def _run(self, batch: list, restores: StepRestores) -> StepResult:
         """The tokens each request of ``batch`` gets this step, in order (several when speculating)."""

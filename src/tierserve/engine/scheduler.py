@@ -2,10 +2,14 @@
 
 Each step every running request gets its next tokens (one when decoding, a chunk while its
 prompt is being prefilled), then waiting requests are admitted while the prefill budget and free
-pages last: in arrival order (``fcfs``) or longest cached prefix first (``lpm``). When a running
-request needs a page and none is free, the prefix cache is asked to evict, and failing that the
-newest running request is preempted: its pages are released and it waits again at the head of the
-queue, to be recomputed.
+pages last: in arrival order (``fcfs``), longest cached prefix first (``lpm``) or by the request's
+priority, lower first, then arrival (``priority``, vLLM's convention). When a running request needs a
+page and none is free, the prefix cache is asked to evict, and failing that the newest running
+request is preempted (under ``priority``: the least important one, newest among equals): its pages
+are released and it waits again at the head of the queue, to be recomputed. Under ``priority`` a
+waiting request that finds no pages also preempts running requests less important than itself, and
+the prompt chunks of running requests less important than the most important waiting one get the
+step's prefill budget only after the waiting ones were admitted.
 
 In-flight sharing (docs/cache.md): the full prompt pages a step computed join the prefix cache at
 once (``share``), and a waiting request whose prefix a running request is computing right now waits
@@ -91,6 +95,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.parked: list[_Parked] = []
         self.num_preemptions = 0
+        self.num_priority_preemptions = 0  # of those, running requests preempted for a more important waiting one
         self.num_held = 0  # request-steps spent waiting for a prefix another request was computing
         self.num_admitted = 0  # requests admitted for the first time, and their seconds from arrival to then
         self.queue_seconds = 0.0
@@ -107,16 +112,39 @@ class Scheduler:
         self._unpark()
         budget = self.config.chunked_prefill_size
         batch: list[Scheduled] = []
-        for request in list(self.running):
+        deferred: list[Request] = []
+        urgent = self._most_important_waiting()
+        for request in self._by_importance(self.running):
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             decoding = request.tokens_to_compute() == 1 and request.num_computed > 0
+            if not decoding and urgent is not None and request.params.priority > urgent:
+                deferred.append(request)  # its next chunk waits for the more important admissions
+                continue
             n = 1 if decoding else min(request.tokens_to_compute(), budget)
             if n and self._grow(request, n):
                 batch.append(Scheduled(request, n, self._drafts(request) if decoding else 0))
                 budget -= 0 if decoding else n
-        self._admit(batch, budget)
+        budget = self._admit(batch, budget)
+        self._continue(deferred, batch, budget)
         return batch
+
+    def _most_important_waiting(self) -> int | None:
+        """Under ``priority``, the most important waiting request's priority: running prompts less
+        important than it get the prefill budget only after the waiting requests were admitted
+        (their pages stay theirs meanwhile). None otherwise, or with nothing waiting."""
+        if self.config.policy is not SchedulePolicy.PRIORITY or not self.waiting:
+            return None
+        return min(r.params.priority for r in self.waiting)
+
+    def _continue(self, deferred: list[Request], batch: list[Scheduled], budget: int) -> None:
+        """The deferred running prompts' next chunks, within the budget left; pages for them are
+        taken (evicting cached ones) but never by preempting: the batch is already made."""
+        for request in deferred:
+            n = min(request.tokens_to_compute(), budget)
+            if request.status is RequestStatus.RUNNING and n and self._take_pages(request, request.num_computed + n):
+                batch.append(Scheduled(request, n))
+                budget -= n
 
     def _drafts(self, request: Request) -> int:
         """Draft tokens ``request`` may speculate this step: pages for them are taken (evicting
@@ -185,11 +213,11 @@ class Scheduler:
                     r.pages[: len(hit.pages)] = hit.pages
                     r.hit = hit
 
-    def _admit(self, batch: list[Scheduled], budget: int) -> None:
+    def _admit(self, batch: list[Scheduled], budget: int) -> int:
         """Admits waiting requests in ``_order``, passing over those still prefetching and those
-        held for a prefix another request is computing."""
+        held for a prefix another request is computing; returns the budget left."""
         if budget <= 0 or len(self.running) >= self.config.max_running_requests:
-            return
+            return budget
         for request in self._order():
             if budget <= 0 or len(self.running) >= self.config.max_running_requests:
                 break
@@ -200,7 +228,7 @@ class Scheduler:
                 continue
             self._match(request)
             n = min(request.tokens_to_compute(), budget)
-            if not self._take_pages(request, request.num_computed + n):
+            if not self._room(request, request.num_computed + n, batch):
                 self.release(request)  # unpin the hit while waiting; match again next time
                 request.num_computed = 0
                 break
@@ -210,6 +238,7 @@ class Scheduler:
             self.running.append(request)
             batch.append(Scheduled(request, n))
             budget -= n
+        return budget
 
     def _count_queued(self, request: Request) -> None:
         """Arrival to first admission (an L3 prefetch's wait included), for ``/metrics``; a
@@ -222,9 +251,12 @@ class Scheduler:
 
     def _order(self) -> list[Request]:
         """The waiting requests in the order to admit them: ``lpm``, the most pages already cached
-        first (ties, and queues over ``LPM_MAX_WAITING``, in queue order); ``fcfs``, queue order.
-        Tree state only, so every rank orders alike."""
+        first (ties, and queues over ``LPM_MAX_WAITING``, in queue order); ``fcfs``, queue order;
+        ``priority``, lower priority values first, ties in queue order. Tree state and request
+        settings only, so every rank orders alike."""
         waiting = list(self.waiting)
+        if self.config.policy is SchedulePolicy.PRIORITY:
+            return self._by_importance(waiting)
         if self.config.policy is not SchedulePolicy.LPM or not 1 < len(waiting) <= LPM_MAX_WAITING:
             return waiting
         return sorted(waiting, key=lambda r: -self.cache.cached_prefix(_prefix(r), r.scope))
@@ -264,14 +296,43 @@ class Scheduler:
         if not request.output_ids:  # a recomputation after preemption keeps its first report
             request.cached_tokens, request.cached_by_tier = hit.num_tokens, dict(hit.by_tier)
 
+    def _by_importance(self, requests: list[Request]) -> list[Request]:
+        """``requests`` most important first under ``priority`` (a stable sort: ties keep their
+        order), else as they are."""
+        if self.config.policy is not SchedulePolicy.PRIORITY:
+            return list(requests)
+        return sorted(requests, key=lambda r: r.params.priority)
+
+    def _victim(self) -> Request:
+        """The running request to preempt first: the newest; under ``priority`` the least important,
+        newest among equals (running is never empty here)."""
+        if self.config.policy is not SchedulePolicy.PRIORITY:
+            return self.running[-1]
+        return max(reversed(self.running), key=lambda r: r.params.priority)
+
     def _grow(self, request: Request, n: int) -> bool:
-        """Secures pages for ``n`` more tokens, preempting newer requests if needed; False if the
-        request itself had to be preempted."""
+        """Secures pages for ``n`` more tokens, preempting newer (``priority``: less important)
+        requests if needed; False if the request itself had to be preempted."""
         while not self._take_pages(request, request.num_computed + n):
-            victim = self.running[-1]
+            victim = self._victim()
             self._preempt(victim)
             if victim is request:
                 return False
+        return True
+
+    def _room(self, request: Request, num_tokens: int, batch: list[Scheduled]) -> bool:
+        """Pages for ``request``'s first ``num_tokens`` tokens before it is admitted; under ``priority``
+        running requests less important than it are preempted for them (taken out of this step's
+        ``batch``), as vLLM's priority scheduling does. False: it waits."""
+        while not self._take_pages(request, num_tokens):
+            if self.config.policy is not SchedulePolicy.PRIORITY or not self.running:
+                return False
+            victim = self._victim()
+            if victim.params.priority <= request.params.priority or (victim.handoff and victim.handoff.busy()):
+                return False  # nothing less important, or its pages are being sent: they would not come back now
+            self._preempt(victim)
+            batch[:] = [s for s in batch if s.request is not victim]
+            self.num_priority_preemptions += 1
         return True
 
     def _take_pages(self, request: Request, num_tokens: int) -> bool:

@@ -19,6 +19,7 @@ def from_proto(options: pb.SamplingOptions) -> SamplingParams:
         prompt_logprobs=options.prompt_logprobs if options.HasField("prompt_logprobs") else None,
         prompt_logprobs_start=options.prompt_logprobs_start,
         constraint=constraint_from_proto(options.constraint) if options.HasField("constraint") else None,
+        priority=options.priority, deadline_ms=options.deadline_ms if options.HasField("deadline_ms") else None,
     )
 
 
@@ -29,6 +30,7 @@ def to_proto(params: SamplingParams) -> pb.SamplingOptions:
         skip_special_tokens=params.skip_special_tokens, min_tokens=params.min_tokens, logprobs=params.logprobs,
         prompt_logprobs=params.prompt_logprobs, prompt_logprobs_start=params.prompt_logprobs_start,
         constraint=constraint_to_proto(params.constraint) if params.constraint is not None else None,
+        priority=params.priority, deadline_ms=params.deadline_ms,
     )
 
 

@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from tierserve.api import openai as oa
+from tierserve.api.admission import AdmissionPolicy
 from tierserve.api.app import create_app
 from tierserve.api.auth import admin_guard
 from tierserve.api.http import run_http
@@ -48,6 +49,7 @@ class RouterConfig:
     admin_api_key: str | None = None
     prefill_policy: PolicyKind = PolicyKind.CACHE_AWARE
     decode_policy: PolicyKind = PolicyKind.POWER_OF_TWO
+    admission: AdmissionPolicy = AdmissionPolicy.TTFT  # what a request's first-token deadline does
     options: RouterOptions = field(default_factory=RouterOptions)
     health_check_interval_s: float = 2.0
     drain_timeout_s: float = 600.0  # a removed worker's running requests get this long to finish
@@ -69,7 +71,8 @@ def create_router_app(config: RouterConfig, registry: Registry, tasks: list[Task
     name = config.served_model_name or config.model_dir.name
     tokenizer = try_load(config.model_dir, config.chat_template, config.tool_call_parser)
     app = create_app(backend, tokenizer, name, ApiMetrics(_RouterCollector(registry, backend, caches)),
-                     config.keys, config.admin_api_key, start_tracing(config.tracing, "tierserve-router"))
+                     config.keys, config.admin_api_key, config.admission,
+                     start_tracing(config.tracing, "tierserve-router"))
     _add_worker_routes(app, registry, admin_guard(config.admin_api_key, config.keys))
     initial = [(Role.PREFILL, a) for a in config.prefill] + [(Role.DECODE, a) for a in config.decode]
     sessions = NodeSessions(registry)

@@ -11,7 +11,7 @@ import random
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import astuple, dataclass, replace
+from dataclasses import astuple, dataclass, field, replace
 from typing import Any, TypeVar
 
 import grpc
@@ -38,6 +38,7 @@ from tierserve.router.migration import DecodeLost, LostReason, Migrations, drain
 from tierserve.router.policies import CachedPrefix, Policy, PrefixLookup
 from tierserve.router.registry import Registry, Worker
 from tierserve.router.roles import Role
+from tierserve.router.ttft import TTFTView
 from tierserve.tracing import NO_SPAN, Span, current_span
 from tierserve.tracing import attributes as at
 
@@ -71,6 +72,7 @@ class _Request:
     lead: asyncio.Future[object] | None = None  # a leading choice's: where its siblings learn its decode node
     fork: Worker | None = None  # a sibling choice's: the decode node holding its leader's prompt KV
     span: Span = NO_SPAN  # the choice's span (docs/tracing.md); one try's: that try's
+    arrived: float = field(default_factory=time.monotonic)  # its deadline (``sampling.deadline_ms``) runs from here
 
 
 class PDBackend:
@@ -95,6 +97,7 @@ class PDBackend:
         self.served = {path: 0 for path in ServedPath}  # tries started per path
         self.forks = 0  # sibling choices sent to their leader's decode node (docs/pd.md, n choices)
         self.routes: deque[dict[str, object]] = deque(maxlen=256)  # recent decisions, for operators and tests
+        self.ttft = TTFTView(registry, self.lookup, self.disaggregation)  # admission by predicted TTFT
 
     @property
     def queued(self) -> int:
@@ -110,7 +113,12 @@ class PDBackend:
     async def debug_state(self) -> dict[str, Any]:
         return {"workers": [w.describe() for w in self.registry.listed()], "queued": self._queued,
                 "retries": self.retries, "served": {p.value: n for p, n in self.served.items()}, "forks": self.forks,
-                "routes": list(self.routes)} | self.migrations.state()
+                "routes": list(self.routes), "lanes": self.ttft.state()} | self.migrations.state()
+
+    def predict_ttft(self, prompt_ids: list[int], params: SamplingParams, scope: CacheScope) -> float | None:
+        """The best worker's prediction (``router/ttft.py``); requests waiting for one of this router's
+        slots are not counted ahead."""
+        return self.ttft.predict(prompt_ids, params.priority, scope.salt)
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, scope: CacheScope,
                        *, buffered: bool = False, sibling: Sibling | None = None) -> AsyncIterator[RequestOutput]:
@@ -120,11 +128,13 @@ class PDBackend:
         (``_follow``; docs/pd.md, n choices)."""
         lead = sibling.group.lead() if sibling is not None else None
         span = current_span().child("tierserve.choice", attrs=at.request(request_id, scope.tenant, len(prompt_ids)))
+        arrived = time.monotonic()
         try:
             with span:
                 async with self._slot(span):  # a follower takes its slot first: admission answers as for n requests
-                    request = await self._choice(_Request(request_id, prompt_ids, to_proto(params), scope, buffered,
-                                                          span=span), sibling, lead)
+                    request = _Request(request_id, prompt_ids, to_proto(params), scope, buffered, span=span,
+                                       arrived=arrived)
+                    request = await self._choice(request, sibling, lead)
                     tries = migrating(self._attempts, request, self.options.max_migrations, self.migrations)
                     async with contextlib.aclosing(_merged(tries) if buffered else tries) as outputs:
                         async for out in outputs:
@@ -224,12 +234,15 @@ class PDBackend:
             worker.begin()
         try:
             rid = f"{request.id}-{attempt}"
+            request = _remaining(request)
             if prefill is None:
                 outputs = self._local(decode, rid, request)
             elif decode is None:
                 outputs = self._alone(prefill, rid, request)
             else:
                 outputs = self._disaggregated((prefill, decode), rid, request)
+            outputs = self.ttft.track(prefill or decode, rid, request.prompt, request.sampling.priority,
+                                      request.scope.salt, outputs)
             first = request.span.recording
             async with contextlib.aclosing(outputs) as results:
                 async for out in results:
@@ -390,6 +403,21 @@ def _decode_failed(decode: Worker, produced: bool, what: str, status: int, reaso
         return _Retry(f"generate on {decode.address}: {what}")
     error = oa.APIError(status, f"decode worker {decode.address} {what} mid-stream", code="decode_failed")
     return DecodeLost(decode.address, reason, error)
+
+
+def _remaining(request: _Request) -> _Request:
+    """``request`` as a try sends it: its deadline shortened by the time it already waited here, so
+    a node measures it from when the call reaches it (at least 1 ms: a late one is still late there);
+    none for a migrated request, whose first token the client already has."""
+    if not request.sampling.HasField("deadline_ms"):
+        return request
+    sampling = pb.SamplingOptions()
+    sampling.CopyFrom(request.sampling)
+    waited_ms = int((time.monotonic() - request.arrived) * 1000)
+    sampling.deadline_ms = max(1, request.sampling.deadline_ms - waited_ms)
+    if request.resumed:
+        sampling.ClearField("deadline_ms")
+    return replace(request, sampling=sampling)
 
 
 def _settle(lead: asyncio.Future[object] | None, decode: Worker | None) -> None:

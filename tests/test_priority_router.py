@@ -1,0 +1,149 @@
+"""Priorities and deadlines through the real router and real nodes on the built-in model: bad
+values are 400s; a request whose deadline its predicted first token cannot meet is answered 429
+with Retry-After at once, never routed; the priority reaches the decode node, whose ``priority``
+scheduler runs the more important of two waiting requests first, and the deadline reaches it too
+(its late first tokens); the router's shed and late counters count."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from helpers.pd_nodes import NODE_ARGS, load, metric, node_metric
+from helpers.polling import wait_for
+from helpers.processes import NodeProcess, RouterProcess, free_port
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+# The decode node runs one request at a time, most important first: the order waiting requests
+# leave its queue is the order they finish.
+DECODE_ARGS = [*NODE_ARGS, "--schedule-policy", "priority", "--max-running-requests", "1"]
+SHORT = 8  # prompt tokens: under the disaggregation threshold, the decode node computes them (GenerateLocal)
+
+
+@pytest.fixture(scope="module")
+def cluster(builtin_model: Path, tmp_path_factory) -> Iterator[tuple[RouterProcess, NodeProcess, NodeProcess]]:
+    logs = tmp_path_factory.mktemp("priority")
+    model = ["--model", str(builtin_model)]
+    prefill = NodeProcess("prefill", [*model, *NODE_ARGS, "--schedule-policy", "priority"], logs / "prefill.log")
+    decode = NodeProcess("decode", [*model, *DECODE_ARGS, "--metrics-port", str(free_port())], logs / "decode.log")
+    router = None
+    try:
+        prefill.wait_ready()
+        decode.wait_ready()
+        router = RouterProcess([*model, "--prefill", prefill.address, "--decode", decode.address,
+                                "--disaggregation-threshold", "24", "--admission", "ttft"],
+                               logs / "router.log").wait_ready()
+        yield router, prefill, decode
+    finally:
+        for proc in (router, prefill, decode):
+            if proc is not None:
+                proc.stop()
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(2, 384) for _ in range(n)]
+
+
+def complete(router: RouterProcess, prompt: list[int], headers: dict | None = None, **fields) -> httpx.Response:
+    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True, **fields}
+    return httpx.post(f"{router.url}/v1/completions", json=body, headers=headers or {}, timeout=120)
+
+
+@pytest.mark.parametrize(("fields", "headers", "param"), [
+    ({"priority": "1"}, {}, "priority"),
+    ({"priority": 1.5}, {}, "priority"),
+    ({"priority": 2**31}, {}, None),
+    ({}, {"x-request-deadline-ms": "-5"}, "x-request-deadline-ms"),
+    ({}, {"x-request-deadline-ms": "0"}, "x-request-deadline-ms"),
+    ({}, {"x-request-deadline-ms": "soon"}, "x-request-deadline-ms"),
+    ({}, {"x-request-deadline-ms": "1.5"}, "x-request-deadline-ms"),
+])
+def test_bad_priorities_and_deadlines_are_400(cluster, fields: dict, headers: dict, param: str | None) -> None:
+    r = complete(cluster[0], _prompt(SHORT, 1), headers, **fields)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["type"] == "invalid_request_error"
+    if param is not None:
+        assert r.json()["error"]["param"] == param
+
+
+def test_an_impossible_deadline_is_answered_429_at_once_and_never_routed(cluster) -> None:
+    router, _, _ = cluster
+    assert complete(router, _prompt(200, 2)).status_code == 200  # through the prefill node: its rate is measured
+    wait_for(lambda: _lanes(router), "a measured prefill rate", 30)
+    routes, shed = _routes(router), metric(router, "tierserve_requests_shed_total", reason="deadline", priority="3")
+    started = time.monotonic()
+    r = complete(router, _prompt(200, 3), {"x-request-deadline-ms": "1"}, priority=3)
+    elapsed = time.monotonic() - started
+    assert r.status_code == 429, r.text
+    assert r.json()["error"]["code"] == "deadline" and int(r.headers["retry-after"]) >= 1
+    assert elapsed < 5  # at once: no queueing, no compute (a 200-token prefill is not what took the time)
+    assert _routes(router) == routes  # it reached no node
+    assert metric(router, "tierserve_requests_shed_total", reason="deadline", priority="3") == shed + 1
+    ok = complete(router, _prompt(200, 4), {"x-request-deadline-ms": "600000"}, priority=3)
+    assert ok.status_code == 200 and metric(router, "tierserve_requests_on_time_total", priority="3") >= 1
+
+
+def test_priority_and_deadline_reach_the_decode_node(cluster) -> None:
+    """The decode node runs one request at a time: a long one runs while a less important request
+    (its deadline 1 s, which it will miss there) and then a more important one queue behind it;
+    once the long one is cancelled, the more important one runs first."""
+    router, _, decode = cluster
+    late = node_metric(decode, "tierserve_late_first_tokens_total")
+    router_late = metric(router, "tierserve_requests_late_total", priority="5")
+    stop, done = threading.Event(), {}
+    hog = threading.Thread(target=_stream_until, args=(router, stop), daemon=True)
+    hog.start()
+    try:
+        wait_for(lambda: _decode_load(decode, running=1, waiting=0), "the long request runs", 60)
+        low = _finish_in_thread(router, "low", 21, {"priority": 5}, {"x-request-deadline-ms": "1000"}, done)
+        wait_for(lambda: _decode_load(decode, running=1, waiting=1), "the less important one waits", 60)
+        high = _finish_in_thread(router, "high", 22, {"priority": 0}, {}, done)
+        wait_for(lambda: _decode_load(decode, running=1, waiting=2), "both wait", 60)
+        time.sleep(1.0)  # the less important request's 1 s deadline passes while it waits (the point of the test)
+    finally:
+        stop.set()
+    for thread in (hog, low, high):
+        thread.join(120)
+    assert {k: v[1] for k, v in done.items()} == {"low": 200, "high": 200}
+    assert done["high"][0] < done["low"][0]  # the more important one finished first, though it came later
+    assert node_metric(decode, "tierserve_late_first_tokens_total") == late + 1
+    assert metric(router, "tierserve_requests_late_total", priority="5") == router_late + 1
+
+
+def _stream_until(router: RouterProcess, stop: threading.Event) -> None:
+    """A long streaming request, cancelled (the client goes) once ``stop`` is set."""
+    body = {"prompt": _prompt(SHORT, 10), "max_tokens": 1000, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{router.url}/v1/completions", json=body, timeout=120) as r:
+        for _ in r.iter_lines():
+            if stop.is_set():
+                return
+
+
+def _finish_in_thread(router: RouterProcess, name: str, seed: int, fields: dict, headers: dict,
+                      done: dict[str, tuple[float, int]]) -> threading.Thread:
+    def run() -> None:
+        r = complete(router, _prompt(SHORT, seed), headers, max_tokens=8, **fields)
+        done[name] = (time.monotonic(), r.status_code)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+async def _decode_load(decode: NodeProcess, running: int, waiting: int) -> bool:
+    report = await load(decode.address)
+    return report.running == running and report.waiting == waiting
+
+
+def _routes(router: RouterProcess) -> int:
+    return len(httpx.get(f"{router.url}/debug/state").json()["routes"])
+
+
+def _lanes(router: RouterProcess) -> bool:
+    return any(lane["rate"] for lane in httpx.get(f"{router.url}/debug/state").json()["lanes"].values())
