@@ -148,10 +148,11 @@ CODE = """def binary_search(items, target):
 
 def test_ngram_on_a_repeated_block_equals_no_speculation(builtin_model: Path, prompts: list[list[int]],
                                                          plain: list[list[int]]) -> None:
-    """A code block given twice (the model goes on with a third copy) batched with the text prompts:
-    NGRAM's greedy outputs equal no speculation's, and the copy's drafts are accepted."""
+    """A code block given twice in code fences and a third fence opened (the model writes a third
+    copy), batched with the text prompts: NGRAM's greedy outputs equal no speculation's, and the
+    copy's drafts are accepted."""
     tokenizer = Tokenizer.from_file(str(builtin_model / "tokenizer.json"))
-    copy = tokenizer.encode(f"{CODE}\n\n{CODE}\n\n").ids
+    copy = tokenizer.encode(f"```python\n{CODE}```\n\n```python\n{CODE}```\n\n```python\n").ids
     expected = [ids for ids, _ in _run(_engine(builtin_model, None), [copy]).values()] + plain
     engine = _engine(builtin_model, None, speculative_algorithm=SpeculativeAlgorithm.NGRAM, speculative_num_steps=5)
     out = _run(engine, [copy, *prompts])
