@@ -132,6 +132,36 @@ def test_greedy_under_preemption_and_abort(wandering: Path) -> None:
     _assert_no_pages_held(small)
 
 
+def _with_logprobs(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> list[tuple]:
+    """Per prompt, batched: (ids, logprobs, prompt logprobs)."""
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, params)
+    got: dict[str, tuple[list, list, list]] = {f"r{i}": ([], [], []) for i in range(len(prompts))}
+    while engine.has_work():
+        for out in engine.step():
+            ids, lps, prompt_lps = got[out.request_id]
+            ids += out.new_token_ids
+            lps += out.logprobs or []
+            prompt_lps += [] if prompt_lps else out.prompt_logprobs or []
+    return list(got.values())
+
+
+def test_logprobs_equal_those_without_speculation(wandering: Path) -> None:
+    """Tokens kept from accepted lookups carry the target's logprobs and top alternatives."""
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+    prompts = _prompts(3, 9, seed=4)
+    engine = _engine(wandering, speculative_num_steps=4)
+    plain, spec = _with_logprobs(_engine(wandering, ngram=False), prompts, params), _with_logprobs(engine, prompts,
+                                                                                                      params)
+    assert engine.spec.counters.accepted_tokens > 0
+    for (ids, lps, prompt_lps), (want_ids, want_lps, want_prompt) in zip(spec, plain, strict=True):
+        assert ids == want_ids and [e.token_id for e in lps] == ids
+        for got, want in zip([*lps, *prompt_lps], [*want_lps, *want_prompt], strict=True):
+            assert (got is None) == (want is None)
+            if got is not None:
+                assert abs(got.logprob - want.logprob) < 1e-4 and [t for t, _ in got.top] == [t for t, _ in want.top]
+
+
 def test_seeded_sampling_is_reproducible(looping: Path) -> None:
     params = SamplingParams(max_tokens=24, temperature=0.5, top_p=0.9, seed=123, ignore_eos=True)
     prompts = [_repeating(looping), *_prompts(2, 8)]
