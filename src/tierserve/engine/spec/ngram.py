@@ -50,18 +50,23 @@ class PromptLookup:
 
     def _update(self, prompt: list[int], output: list[int], total: int) -> None:
         """Indexes the n-grams ending at positions up to total - 2 (the last token's n-grams have no
-        continuation yet) and evicts those ending before the window."""
+        continuation yet) and evicts those ending before the window; reads only the tokens of the
+        positions it indexes and evicts (never the whole window)."""
         end = total - 1
         first = max(self.indexed, end - self.window)
         if first > self.indexed:  # the first call, or tokens appended past the window: start afresh
             self.index.clear()
             self.start = first
-        base = max(0, first - self.window - self.longest + 1)
-        seq = _window(prompt, output, base, end)
+        old_first, old_end = max(self.start, first - self.window), end - self.window
+        if old_end > old_first:
+            base = max(0, old_first - self.longest + 1)
+            stale = _window(prompt, output, base, old_end)
+            for j in range(old_first, old_end):
+                self._evict(stale, base, j)
+        base = max(0, first - self.longest + 1)
+        fresh = _window(prompt, output, base, end)
         for j in range(first, end):
-            if j - self.window >= self.start:
-                self._evict(seq, base, j - self.window)
-            self._insert(seq, base, j)
+            self._insert(fresh, base, j)
         self.indexed = max(self.indexed, end)
 
     def _insert(self, seq: list[int], base: int, j: int) -> None:
