@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from fastapi.testclient import TestClient
+from helpers.logprob_checks import ids_of
 from helpers.tiny_models import make_looping_model
 
 from tierserve.api.engine_backend import create_engine_app
@@ -151,8 +152,8 @@ def test_logprobs_equal_those_without_speculation(wandering: Path) -> None:
     params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, logprobs=3, prompt_logprobs=2)
     prompts = _prompts(3, 9, seed=4)
     engine = _engine(wandering, speculative_num_steps=4)
-    plain, spec = _with_logprobs(_engine(wandering, ngram=False), prompts, params), _with_logprobs(engine, prompts,
-                                                                                                      params)
+    plain = _with_logprobs(_engine(wandering, ngram=False), prompts, params)
+    spec = _with_logprobs(engine, prompts, params)
     assert engine.spec.counters.accepted_tokens > 0
     for (ids, lps, prompt_lps), (want_ids, want_lps, want_prompt) in zip(spec, plain, strict=True):
         assert ids == want_ids and [e.token_id for e in lps] == ids
@@ -194,7 +195,7 @@ def _no_repeat(model: Path, max_tokens: int) -> list[int]:
 def test_api_reports_acceptance_on_repeats_and_no_drafts_without(looping: Path, tiny_llama: Path) -> None:
     """Through the OpenAI API: a repeating prompt's drafts are accepted (usage and /metrics); a
     prompt whose text never repeats a 2-gram gets no drafts (the default shortest match is 2)."""
-    repeating, plain = _repeating(looping), None
+    repeating = _repeating(looping)
     plain = _engine(looping, ngram=False).generate([repeating], SamplingParams(max_tokens=16, temperature=0,
                                                                                 ignore_eos=True))[0]
     loop = EngineLoop(_engine(looping, speculative_num_steps=3)).start()
@@ -206,7 +207,7 @@ def test_api_reports_acceptance_on_repeats_and_no_drafts_without(looping: Path, 
             metrics = client.get("/metrics").text
     finally:
         loop.stop()
-    assert [int(t.removeprefix("token_id:")) for t in answer["choices"][0]["logprobs"]["tokens"]] == plain
+    assert ids_of(answer["choices"][0]["logprobs"]["tokens"]) == plain
     spec = answer["usage"]["speculative"]
     assert 0 < spec["accepted_tokens"] <= spec["draft_tokens"]
     assert f"tierserve_spec_accepted_tokens_total {float(spec['accepted_tokens'])}" in metrics
