@@ -1,7 +1,8 @@
 """Speculative decoding on the built-in model (SmolLM2-135M) with the draft ``tierserve model fetch
 --draft`` derives from it: greedy output batched equals decoding without speculation, on a single
 engine and through prefill-decode disaggregation, where the decode node speculates from its first
-step with the draft KV the prefill node handed over (docs/speculative.md)."""
+step with the draft KV the prefill node handed over (docs/speculative.md); and NGRAM (prompt lookup) on
+text that repeats: greedy output equal, drafts accepted."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from helpers.processes import NodeProcess, free_port
 from tokenizers import Tokenizer
 
 from tierserve.core.sampling import SamplingParams
-from tierserve.engine.config import EngineConfig
+from tierserve.engine.config import EngineConfig, SpeculativeAlgorithm
 from tierserve.engine.engine import Engine
 from tierserve.model.draft import BUILTIN_DRAFT_LAYERS, derive_draft
 from tierserve.router import pd_flow
@@ -48,9 +49,9 @@ def prompts(builtin_model: Path) -> list[list[int]]:
     return ids
 
 
-def _engine(model: Path, draft: Path | None) -> Engine:
+def _engine(model: Path, draft: Path | None, **kw) -> Engine:
     return Engine(EngineConfig(model, dtype="float32", page_size=PAGE, chunked_prefill_size=CHUNK,
-                               max_total_tokens=4096, speculative_draft_model_path=draft))
+                               max_total_tokens=4096, speculative_draft_model_path=draft, **kw))
 
 
 def _run(engine: Engine, prompts: list[list[int]]) -> Outcome:
@@ -129,3 +130,31 @@ def test_pd_batched_equals_no_speculation(pd_pair, prompts: list[list[int]], pla
     assert node_metric(decode, "tierserve_spec_prompt_catch_up_tokens_total") == 0
     assert node_metric(decode, "tierserve_spec_draft_tokens_total") > 0
 
+
+
+CODE = """def binary_search(items, target):
+    low, high = 0, len(items) - 1
+    while low <= high:
+        middle = (low + high) // 2
+        if items[middle] == target:
+            return middle
+        if items[middle] < target:
+            low = middle + 1
+        else:
+            high = middle - 1
+    return -1
+"""
+
+
+def test_ngram_on_a_repeated_block_equals_no_speculation(builtin_model: Path, prompts: list[list[int]],
+                                                         plain: list[list[int]]) -> None:
+    """A code block given twice in code fences and a third fence opened (the model writes a third
+    copy), batched with the text prompts: NGRAM's greedy outputs equal no speculation's, and the
+    copy's drafts are accepted."""
+    tokenizer = Tokenizer.from_file(str(builtin_model / "tokenizer.json"))
+    copy = tokenizer.encode(f"```python\n{CODE}```\n\n```python\n{CODE}```\n\n```python\n").ids
+    expected = [ids for ids, _ in _run(_engine(builtin_model, None), [copy]).values()] + plain
+    engine = _engine(builtin_model, None, speculative_algorithm=SpeculativeAlgorithm.NGRAM, speculative_num_steps=5)
+    out = _run(engine, [copy, *prompts])
+    assert [ids for ids, _ in out.values()] == expected
+    assert out[0][1] >= MAX_NEW // 2, out  # the copy: most of its tokens came from accepted drafts

@@ -21,12 +21,19 @@ import torch
 from helpers.logprob_checks import ids_of
 from helpers.pd_nodes import CHUNK, DECODE_ARGS, MAX_NEW, NODE_ARGS, PAGE, greedy, node_metric, reference
 from helpers.processes import NodeProcess, free_port, running_up
-from helpers.tiny_models import WORD_REGEX, add_word_tokenizer, make_noisy_draft, make_tiny_model, widen_kv_heads
+from helpers.tiny_models import (
+    WORD_REGEX,
+    add_word_tokenizer,
+    make_looping_model,
+    make_noisy_draft,
+    make_tiny_model,
+    widen_kv_heads,
+)
 
 from tierserve.core.constraint import Constraint, ConstraintKind
 from tierserve.core.outputs import TokenLogprob
 from tierserve.core.sampling import SamplingParams
-from tierserve.engine.config import EngineConfig
+from tierserve.engine.config import EngineConfig, SpeculativeAlgorithm
 from tierserve.engine.engine import Engine
 from tierserve.node.convert import destination_draft, draft_message, sidecar_problem
 from tierserve.node.rank_transfer import HandoffPlan, NodeRankRole, RankTransfer, Side, TransferOptions
@@ -188,6 +195,31 @@ def test_up_with_a_draft_equals_no_speculation(tiny: Path, drafts: dict[str, Pat
         assert [a["usage"]["speculative"]["accepted_tokens"] for a in answers] == [n for _, n in want.values()]
 
 
+
+
+@pytest.mark.slow
+def test_up_with_ngram_equals_no_speculation(tiny: Path, tmp_path: Path) -> None:
+    """``tierserve up --speculative-algorithm NGRAM`` (no draft model; the decode node looks up the
+    prompt it was handed and its output): greedy outputs equal decoding without speculation and
+    ``usage.speculative`` a single engine's counts, drafts accepted on prompts that repeat."""
+    model = add_word_tokenizer(make_looping_model(tiny, tmp_path / "looping"), byte_level=True)
+    seeds = [[(5 * i + k) % 380 + 2 for i in range(10)] for k in range(4)]
+    continued = reference(model, seeds)  # the model's cycles: prompts whose text repeats
+    batch = [seed + text + reference(model, [seed + text])[0] for seed, text in zip(seeds, continued, strict=True)]
+    plain = reference(model, batch)
+    single = Engine(EngineConfig(model, dtype="float32", page_size=PAGE, chunked_prefill_size=CHUNK,
+                                 max_total_tokens=4096, speculative_algorithm=SpeculativeAlgorithm.NGRAM))
+    for i, prompt in enumerate(batch):
+        single.add_request(str(i), prompt, SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True))
+    want = [n for _, n in _drain(single).values()]
+    assert sum(want) > 0
+    port = free_port()
+    with running_up(port, "--model", str(model), "--dtype", "float32", "--no-l3", "--page-size", str(PAGE),
+                    "--chunked-prefill-size", str(CHUNK), "--max-total-tokens", "4096",
+                    "--speculative-algorithm", "NGRAM"):
+        answers = asyncio.run(_complete_all(port, batch))
+        assert [ids_of(a["choices"][0]["logprobs"]["tokens"]) for a in answers] == plain
+        assert [a["usage"]["speculative"]["accepted_tokens"] for a in answers] == want
 
 
 async def _complete_all(port: int, batch: list[list[int]]) -> list[dict]:

@@ -1,6 +1,7 @@
-"""Speculative sampling follows the target's distribution: on a 5-token vocabulary, the first three
-tokens of thousands of seeded requests are checked against the exact distribution computed with
-transformers (chi-square), and a verifier that accepts every draft fails the same check."""
+"""Speculative sampling follows the target's distribution, per algorithm (a draft model's drafts drawn
+from its q; NGRAM's point-mass drafts): on a 5-token vocabulary, the first three tokens of thousands
+of seeded requests are checked against the exact distribution computed with transformers
+(chi-square), and a verifier that accepts every draft fails the same check."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from helpers.tiny_models import make_tiny_model
 
 import tierserve.engine.spec.decoder as speculative
 from tierserve.core.sampling import SamplingParams
-from tierserve.engine.config import EngineConfig
+from tierserve.engine.config import EngineConfig, SpeculativeAlgorithm
 from tierserve.engine.engine import Engine
 from tierserve.engine.spec.sampling import probs
 
@@ -46,16 +47,25 @@ def _exact(target: Path) -> dict[tuple[int, ...], float]:
     return out
 
 
-def _sampled(target: Path, draft: Path) -> dict[tuple[int, ...], int]:
+# Per algorithm: its settings, and the fewest draft tokens the requests must have been proposed.
+# NGRAM matches single tokens here: after t1 in {2, 3, 4} it proposes what followed t1 in the prompt.
+SPEC = {SpeculativeAlgorithm.STANDALONE: ({}, SAMPLES),  # the chain proposes 2 tokens per request
+        SpeculativeAlgorithm.NGRAM: ({"speculative_algorithm": SpeculativeAlgorithm.NGRAM,
+                                      "speculative_ngram_min_match_window_size": 1}, SAMPLES // 2)}
+
+
+def _sampled(target: Path, draft: Path, algorithm: SpeculativeAlgorithm) -> dict[tuple[int, ...], int]:
+    settings, least = SPEC[algorithm]
+    model = {"speculative_draft_model_path": draft} if algorithm is SpeculativeAlgorithm.STANDALONE else {}
     engine = Engine(EngineConfig(target, dtype="float32", page_size=4, max_total_tokens=16384,
-                                 speculative_draft_model_path=draft, speculative_num_steps=2))
+                                 speculative_num_steps=2, **model, **settings))
     for i in range(SAMPLES):
         engine.add_request(f"s{i}", PROMPT, SamplingParams(seed=i, **PARAMS))
     tokens: dict[str, list[int]] = {}
     while engine.has_work():
         for out in engine.step():
             tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-    assert engine.spec.counters.draft_tokens > SAMPLES  # the chain proposed 2 tokens per request
+    assert engine.spec.counters.draft_tokens > least
     counts: dict[tuple[int, ...], int] = {}
     for seq in tokens.values():
         counts[tuple(seq[:3])] = counts.get(tuple(seq[:3]), 0) + 1
@@ -83,9 +93,11 @@ def _accept_always(drafts, dists, logits, row) -> list[int]:
 
 
 @pytest.mark.slow
-def test_sampled_tokens_follow_the_target_distribution(pair: tuple[Path, Path], monkeypatch) -> None:
+@pytest.mark.parametrize("algorithm", list(SpeculativeAlgorithm))
+def test_sampled_tokens_follow_the_target_distribution(pair: tuple[Path, Path], monkeypatch,
+                                                       algorithm: SpeculativeAlgorithm) -> None:
     target, draft = pair
     exact = _exact(target)
-    assert _p_value(_sampled(target, draft), exact) > 1e-3
+    assert _p_value(_sampled(target, draft, algorithm), exact) > 1e-3
     monkeypatch.setattr(speculative, "verify", _accept_always)
-    assert _p_value(_sampled(target, draft), exact) < 1e-6
+    assert _p_value(_sampled(target, draft, algorithm), exact) < 1e-6

@@ -18,7 +18,7 @@ from helpers.tiny_models import BUILTIN_VOCAB, add_builtin_tokenizer, make_noisy
 from tierserve.core.constraint import Constraint, ConstraintKind
 from tierserve.core.outputs import TokenLogprob
 from tierserve.core.sampling import InvalidRequestError, SamplingParams
-from tierserve.engine.config import EngineConfig
+from tierserve.engine.config import EngineConfig, SpeculativeAlgorithm
 from tierserve.engine.engine import Engine
 from tierserve.engine.request import FinishReason
 from tierserve.proto import tierserve_pb2 as pb
@@ -155,6 +155,16 @@ def test_speculative_decoding_keeps_the_constrained_greedy_output(model: Path, e
     _assert_masked(spec, lps)
     assert [lp.token_id for lp in lps] == [lp.token_id for lp in plain]
     assert [lp.logprob for lp in lps] == pytest.approx([lp.logprob for lp in plain], abs=1e-4)
+
+
+def test_ngram_speculation_keeps_the_constrained_greedy_output(model: Path, engine: Engine) -> None:
+    """NGRAM's lookups (JSON repeats its punctuation) are verified under the grammar's mask too."""
+    spec = _engine(model, speculative_algorithm=SpeculativeAlgorithm.NGRAM,
+                   speculative_ngram_min_match_window_size=1, speculative_num_steps=3)
+    prompts = _prompts(engine, 2)
+    params = SamplingParams(max_tokens=40, temperature=0, constraint=JSON)
+    assert spec.generate(prompts, params) == engine.generate(prompts, params)
+    assert spec.stats()["spec_draft_tokens"] > 0
 
 
 def test_a_repeated_schema_compiles_once_and_a_bad_one_is_refused(engine: Engine) -> None:

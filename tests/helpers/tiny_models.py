@@ -98,6 +98,26 @@ def make_noisy_draft(target_dir: Path, out_dir: Path, scale: float, seed: int = 
     return out_dir
 
 
+def make_looping_model(model_dir: Path, out_dir: Path, attention_scale: float = 0.0) -> Path:
+    """``model_dir``'s model with its attention outputs (o_proj) scaled by ``attention_scale``: at 0
+    each next token depends on the current one alone, so greedy text runs into a cycle that prompt
+    lookup (NGRAM speculation) predicts exactly; at a small scale (0.02) it keeps coming back to
+    the same runs of tokens, but attention changes enough of them that some drafts are rejected."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for file in sorted(model_dir.glob("*.safetensors")):
+        tensors |= {n: t * attention_scale if "o_proj" in n else t for n, t in load_file(str(file)).items()}
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    for name in ("config.json", "generation_config.json", "tokenizer.json"):
+        if (model_dir / name).is_file():
+            shutil.copy(model_dir / name, out_dir / name)
+    return out_dir
+
+
 def widen_kv_heads(model_dir: Path, factor: int = 2) -> Path:
     """Rewrites a Llama-family model in place with ``factor`` x its KV heads, each KV head repeated
     for the query heads that shared it: the same model (same logits), KV rows of another shape (a

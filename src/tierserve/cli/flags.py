@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from tierserve.cache.options import DraftLayout, HiCacheOptions, HostLayout, IOBackend, PrefetchPolicy, WritePolicy
 from tierserve.core.layer_split import layer_partition
 from tierserve.core.storage import StorageKind
-from tierserve.engine.config import CPAttention, EngineConfig, SchedulePolicy
+from tierserve.engine.config import CPAttention, EngineConfig, SchedulePolicy, SpeculativeAlgorithm
 from tierserve.tracing.config import TracingConfig, check_endpoint
 
 if TYPE_CHECKING:
@@ -86,13 +86,22 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
          'backend settings, e.g. {"path": "/cache"}, and prefetch_threshold / prefetch_timeout_*', json.loads),
     Flag("--hicache-storage-prefetch-policy", "hicache.prefetch_policy", "when a request stops waiting for L3",
          PrefetchPolicy),
-    # Speculative decoding with a draft model, named as in SGLang (docs/speculative.md).
+    # Speculative decoding, named as in SGLang (docs/speculative.md).
+    Flag("--speculative-algorithm", "speculative_algorithm", "where drafts come from: STANDALONE (a draft model; "
+         "the default with --speculative-draft-model-path) or NGRAM (prompt lookup in the request's own tokens)",
+         SpeculativeAlgorithm),
     Flag("--speculative-draft-model-path", "speculative_draft_model_path",
          "draft model folder (same vocabulary): turns on speculative decoding", Path),
     Flag("--speculative-num-steps", "speculative_num_steps", "draft tokens proposed per step, in a chain "
          "(default 3)", int),
     Flag("--speculative-num-draft-tokens", "speculative_num_draft_tokens",
          "tokens verified per step: the last accepted one plus the drafts (= steps + 1)", int),
+    Flag("--speculative-ngram-min-match-window-size", "speculative_ngram_min_match_window_size",
+         "NGRAM: the shortest run of last tokens looked up (default 2)", int),
+    Flag("--speculative-ngram-max-match-window-size", "speculative_ngram_max_match_window_size",
+         "NGRAM: the longest run of last tokens looked up, tried first (default 5)", int),
+    Flag("--speculative-ngram-window", "speculative_ngram_window", "NGRAM: the latest tokens of a request "
+         "(prompt and output) searched; bounds the matcher's index per request (default 4096)", int),
     Flag("--speculative-draft-layout", "speculative_draft_layout", "where the draft's KV is cached: packed with "
          "the target's pages, a sidecar pool, or auto (packed when the KV rows are shaped alike)", DraftLayout),
 )

@@ -11,6 +11,19 @@ from tierserve.cache.options import CacheKind, DraftLayout, HiCacheOptions
 from tierserve.core.layer_split import PipelineParallelError, check_partition
 
 DEFAULT_SPEC_STEPS = 3
+DEFAULT_NGRAM_MIN, DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_WINDOW = 2, 5, 4096
+
+
+class SpeculativeAlgorithm(Enum):
+    """Where draft tokens come from (SGLang's ``--speculative-algorithm`` names; docs/speculative.md)."""
+
+    STANDALONE = "STANDALONE"  # a draft model (``speculative_draft_model_path``)
+    NGRAM = "NGRAM"  # prompt lookup: the request's own earlier tokens, no second model
+
+    @classmethod
+    def _missing_(cls, value: object) -> SpeculativeAlgorithm | None:
+        """Names in any case (``ngram``), as users type them."""
+        return next((m for m in cls if isinstance(value, str) and m.value == value.upper()), None)
 
 
 class CPAttention(Enum):
@@ -48,6 +61,10 @@ class EngineConfig:
     proposed in a chain and verified as ``speculative_num_draft_tokens`` = steps + 1 tokens per step
     (SGLang's meaning with topk 1; give either, default 3 steps); not with TP, PP or CP.
     ``speculative_draft_layout`` says where the draft's KV is cached (``DraftLayout``).
+    ``speculative_algorithm``: ``STANDALONE`` (the default when a draft model is given) or ``NGRAM``
+    (prompt lookup, no draft model: the latest earlier occurrence of the request's last
+    ``speculative_ngram_max_match_window_size`` down to ``..._min_...`` tokens, searched in its latest
+    ``speculative_ngram_window`` tokens, proposes the tokens that followed it).
     ``offload_generated``: running requests hand each page they fill to the prefix cache at once,
     so the hierarchical cache copies it on to L2 and L3 while they run (decode nodes: continuous
     offload, docs/cache.md). ``schedule_policy``: the order waiting requests are admitted in
@@ -78,6 +95,10 @@ class EngineConfig:
     speculative_num_steps: int | None = None
     speculative_num_draft_tokens: int | None = None
     speculative_draft_layout: DraftLayout = DraftLayout.AUTO
+    speculative_algorithm: SpeculativeAlgorithm | None = None
+    speculative_ngram_min_match_window_size: int | None = None
+    speculative_ngram_max_match_window_size: int | None = None
+    speculative_ngram_window: int | None = None
     offload_generated: bool = False
 
     def __post_init__(self) -> None:
@@ -91,27 +112,67 @@ class EngineConfig:
         self._check_speculative()
 
     def _check_speculative(self) -> None:
-        """Flags that need a draft, step counts that disagree, and what drafts do not run with yet."""
-        steps, tokens = self.speculative_num_steps, self.speculative_num_draft_tokens
-        if self.speculative_draft_model_path is None:
+        """Flags that need an algorithm (or another one), step counts that disagree, and what
+        speculation does not run with yet."""
+        algorithm, steps, tokens = self.spec_algorithm, self.speculative_num_steps, self.speculative_num_draft_tokens
+        self._check_algorithm()
+        if algorithm is None:
             if steps is not None or tokens is not None:
                 raise ValueError("--speculative-num-steps/--speculative-num-draft-tokens need "
-                                 "--speculative-draft-model-path")
+                                 "--speculative-draft-model-path or --speculative-algorithm NGRAM")
             return
         if (steps is not None and steps < 1) or (tokens is not None and tokens < 2):
             raise ValueError("speculative decoding needs at least 1 step (2 draft tokens, the first being "
                              "the last accepted token)")
         if steps is not None and tokens is not None and tokens != steps + 1:
-            raise ValueError(f"the draft proposes a chain (topk 1): --speculative-num-draft-tokens must be "
+            raise ValueError(f"drafts are a chain (topk 1): --speculative-num-draft-tokens must be "
                              f"--speculative-num-steps + 1, not {tokens} with {steps} steps")
         if self.num_ranks > 1:
-            raise ValueError("--speculative-draft-model-path with --tp-size, --pp-size or --cp-size above 1 is "
-                             "not supported yet: the draft runs on a single engine")
+            raise ValueError(f"--speculative-algorithm {algorithm.value} with --tp-size, --pp-size or --cp-size "
+                             "above 1 is not supported yet: speculation runs on a single engine")
+
+    def _check_algorithm(self) -> None:
+        """A draft model exactly for STANDALONE; the n-gram settings only for NGRAM, and in range."""
+        algorithm, draft = self.spec_algorithm, self.speculative_draft_model_path
+        if algorithm is SpeculativeAlgorithm.STANDALONE and draft is None:
+            raise ValueError("--speculative-algorithm STANDALONE needs --speculative-draft-model-path")
+        if algorithm is SpeculativeAlgorithm.NGRAM and draft is not None:
+            raise ValueError("--speculative-algorithm NGRAM drafts from the request's own tokens: it takes no "
+                             "--speculative-draft-model-path")
+        ngram = (self.speculative_ngram_min_match_window_size, self.speculative_ngram_max_match_window_size,
+                 self.speculative_ngram_window)
+        if algorithm is not SpeculativeAlgorithm.NGRAM:
+            if any(v is not None for v in ngram):
+                raise ValueError("--speculative-ngram-* flags need --speculative-algorithm NGRAM")
+            return
+        low, high, window = self.ngram_sizes
+        if not 1 <= low <= high:
+            raise ValueError(f"--speculative-ngram-min-match-window-size ({low}) must be at least 1 and at most "
+                             f"--speculative-ngram-max-match-window-size ({high})")
+        if window <= high:
+            raise ValueError(f"--speculative-ngram-window ({window}) must exceed "
+                             f"--speculative-ngram-max-match-window-size ({high})")
+
+    @property
+    def spec_algorithm(self) -> SpeculativeAlgorithm | None:
+        """The speculative algorithm: as given, else STANDALONE when a draft model is given; None: off."""
+        if self.speculative_algorithm is not None:
+            return self.speculative_algorithm
+        return SpeculativeAlgorithm.STANDALONE if self.speculative_draft_model_path is not None else None
+
+    @property
+    def ngram_sizes(self) -> tuple[int, int, int]:
+        """NGRAM's (shortest match, longest match, window) with the defaults filled in."""
+        low, high, window = (self.speculative_ngram_min_match_window_size,
+                             self.speculative_ngram_max_match_window_size, self.speculative_ngram_window)
+        high = DEFAULT_NGRAM_MAX if high is None else high
+        low = min(DEFAULT_NGRAM_MIN, high) if low is None else low  # a longest match below the default: it alone
+        return low, high, DEFAULT_NGRAM_WINDOW if window is None else window
 
     @property
     def spec_steps(self) -> int:
-        """Draft tokens proposed per step; 0 without a draft model."""
-        if self.speculative_draft_model_path is None:
+        """Draft tokens proposed per step; 0 without speculation."""
+        if self.spec_algorithm is None:
             return 0
         if self.speculative_num_steps is not None:
             return self.speculative_num_steps

@@ -106,7 +106,8 @@ class Engine:
         self.spec = SpecDecoder.of(config, self.model, self.pool, draft_kv)
         sched = SchedulerConfig(config.page_size, config.chunked_prefill_size, config.max_running_requests,
                                 config.schedule_policy)
-        self.scheduler = Scheduler(sched, self.allocator, self.cache, self.spec.lookahead if self.spec else None)
+        self.scheduler = Scheduler(sched, self.allocator, self.cache, self.spec.lookahead if self.spec else None,
+                                   draft_kv=draft_kv is not None)
         cp = context_parallel(self.ranks.cp, self.pool, self.device, self.ranks.cp_merge, config.cp_attention,
                               self.ranks.cp_group)
         self.runner = ModelRunner(self.model, self.pool, self.device, token_share(self.ranks), cp)

@@ -85,10 +85,11 @@ class Scheduler:
     """Decides what runs each step; owns the waiting queue, the running list and their pages."""
 
     def __init__(self, config: SchedulerConfig, allocator: PageAllocator, cache: PrefixCache,
-                 lookahead: Callable[[Request], int] | None = None) -> None:
-        """``lookahead``: draft tokens a decoding request would speculate (speculative decoding)."""
+                 lookahead: Callable[[Request], int] | None = None, draft_kv: bool = False) -> None:
+        """``lookahead``: draft tokens a decoding request would speculate (speculative decoding);
+        ``draft_kv``: a draft model keeps KV in the same pages (``Request.draft_computed``)."""
         self.config = config
-        self.lookahead = lookahead
+        self.lookahead, self.draft_kv = lookahead, draft_kv
         self.allocator = allocator
         self.cache = cache
         self.waiting: deque[Request] = deque()
@@ -183,7 +184,7 @@ class Scheduler:
     def _cacheable(self, request: Request) -> int:
         """Tokens whose KV the cache may keep: with a draft, only those whose draft KV is computed
         too, so every cached page restores both (docs/speculative.md)."""
-        return min(request.num_computed, request.draft_computed) if self.lookahead else request.num_computed
+        return min(request.num_computed, request.draft_computed) if self.draft_kv else request.num_computed
 
     def _unpark(self) -> None:
         for p in [p for p in self.parked if not p.request.handoff.busy()]:

@@ -1,0 +1,64 @@
+"""What a speculative step asks of its draft source (docs/speculative.md): ``Drafter``, with a
+draft model (``standalone.py``, STANDALONE) or by prompt lookup (``ngram.py``, NGRAM)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from tierserve.engine.request import Request
+from tierserve.engine.scheduler import Scheduled
+from tierserve.engine.spec.sampling import RowSampling
+from tierserve.model.attention import LayerHooks
+
+
+@dataclass
+class SpecCounters:
+    """Totals since start: draft tokens proposed and accepted, verifications that had drafts, and
+    prompt catch-up tokens: prompt positions the draft computed after the target had (none while
+    every cached, restored or handed-over prefix brings its draft KV; the prefix where it does not)."""
+
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    verify_steps: int = 0
+    prompt_catch_up_tokens: int = 0
+
+    def stats(self) -> dict[str, float]:
+        return {"spec_draft_tokens": self.draft_tokens, "spec_accepted_tokens": self.accepted_tokens,
+                "spec_verify_steps": self.verify_steps, "spec_prompt_catch_up_tokens": self.prompt_catch_up_tokens}
+
+
+@dataclass(frozen=True)
+class Drafted:
+    """A request's draft tokens (at least one) and, per token, the distribution q it was drawn
+    from under the request's sampling (None for greedy rows, which verification reads no q for)."""
+
+    tokens: list[int]
+    dists: list[torch.Tensor | None]
+
+
+class Drafter(Protocol):
+    """A draft source of ``SpecDecoder``. Per step: ``propose`` before the target's pass, ``sync``
+    after it, ``verified`` once per request whose drafts were verified."""
+
+    def propose(self, batch: list[Scheduled], hooks: LayerHooks | None) -> dict[str, Drafted]:
+        """Drafts, by request id, for requests of ``batch`` with ``draft_tokens`` > 0 (at most that
+        many each; a request left out decodes plainly this step)."""
+        ...
+
+    def sync(self, batch: list[Scheduled], hooks: LayerHooks | None) -> None:
+        """After the target's pass: whatever the draft source keeps per token for ``batch``, the
+        requests that did not speculate (their prefill chunks and plain decodes)."""
+        ...
+
+    def verified(self, request: Request, drafted: Drafted, accepted: int) -> None:
+        """``accepted`` of ``drafted`` were kept for ``request``."""
+        ...
+
+
+def row_sampling(request: Request) -> RowSampling:
+    """``request``'s sampling for the tokens this step decides (from its next position on)."""
+    p = request.params
+    return RowSampling(0.0 if p.greedy else p.temperature, p.top_p, p.top_k, p.seed, request.num_tokens)

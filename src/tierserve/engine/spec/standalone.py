@@ -1,0 +1,79 @@
+"""STANDALONE speculation: a draft model proposes tokens in a chain (docs/speculative.md).
+
+The draft's KV is indexed by the target's page ids (``engine/spec/draft_pools.py``: more layers of the
+target's pool, or a sidecar pool): a request's page table (``Request.pages``) places its draft KV
+too, so there is no second allocator, and whatever frees, keeps, caches or restores a target page
+does the same to its draft rows."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tierserve.engine.request import Request
+from tierserve.engine.scheduler import Scheduled
+from tierserve.engine.spec.draft_pools import DraftKV
+from tierserve.engine.spec.drafts import Drafted, SpecCounters, row_sampling
+from tierserve.engine.spec.sampling import draw
+from tierserve.engine.spec.spans import Span, forward
+from tierserve.model.attention import LayerHooks
+from tierserve.model.loader import load_model
+
+
+class ModelDrafter:
+    """The draft model's chain (``Drafter``). ``Request.draft_computed`` tokens have KV in the
+    draft's rows. Every step the draft computes what the target computes (prefill chunks after the
+    target's pass, so a handoff gets the draft's layers after the target's), and a speculating
+    request's pending token before its chain; a prefix restored from the cache brings its draft
+    rows with it. ``counters``: the decoder's ``SpecCounters`` (prompt catch-up tokens)."""
+
+    def __init__(self, draft_dir: Path, draft_kv: DraftKV, device: torch.device, dtype: torch.dtype,
+                 counters: SpecCounters) -> None:
+        self.draft, self.draft_kv, self.counters = load_model(draft_dir, device, dtype), draft_kv, counters
+
+    def propose(self, batch: list[Scheduled], hooks: LayerHooks | None) -> dict[str, Drafted]:
+        """The draft's chain: per speculating request, its draft tokens and their q rows."""
+        spec = [s for s in batch if s.draft_tokens > 0]
+        live = [(s, h[-1:]) for s, h in zip(spec, self._forward_sync(spec, hooks), strict=True)]
+        proposals: dict[str, Drafted] = {s.request.request_id: Drafted([], []) for s in spec}
+        for step in range(max((s.draft_tokens for s in spec), default=0)):
+            if step:
+                spans = [self._chain_span(s.request, proposals[s.request.request_id].tokens) for s, _ in live]
+                hidden = forward(self.draft, self.draft_kv.kv, spans)
+                live = [(s, h[-1:]) for (s, _), h in zip(live, hidden, strict=True)]
+            rows = [row_sampling(s.request) for s, _ in live]
+            tokens, dists = draw(self.draft.logits(torch.cat([h for _, h in live])), rows, step)
+            for (s, _), token, q in zip(live, tokens, dists, strict=True):
+                proposals[s.request.request_id].tokens.append(token)
+                proposals[s.request.request_id].dists.append(q)
+            live = [(s, h) for s, h in live if s.draft_tokens > step + 1]
+        return proposals
+
+    def sync(self, batch: list[Scheduled], hooks: LayerHooks | None) -> None:
+        self._forward_sync(batch, hooks)
+
+    def verified(self, request: Request, drafted: Drafted, accepted: int) -> None:
+        """The chain wrote draft KV for the pending token and all drafts but the last."""
+        request.draft_computed = request.num_tokens + min(accepted, len(drafted.tokens) - 1)
+
+    def _chain_span(self, request: Request, drafted: list[int]) -> Span:
+        return Span([drafted[-1]], request.num_tokens - 1 + len(drafted), request.pages)
+
+    def _forward_sync(self, batch: list[Scheduled], hooks: LayerHooks | None) -> list[torch.Tensor]:
+        """Feeds the draft each request's tokens of this step and any before them it has no KV for
+        (waiting for restored draft layers, telling handoffs of written ones); returns the draft's
+        hidden states per request. ``draft_computed`` moves only once the pass ran: a step that
+        fails (a failed L2 load) leaves it where the KV is, and the step's rerun feeds its tokens again."""
+        if not batch:
+            return []
+        spans = []
+        for s in batch:
+            r = s.request
+            start = min(r.draft_computed, r.num_computed)
+            self.counters.prompt_catch_up_tokens += max(0, min(r.num_computed, len(r.prompt_ids)) - start)
+            spans.append(Span(r.tokens(start, r.num_computed + s.num_tokens), start, r.pages))
+        hidden = forward(self.draft, self.draft_kv.kv, spans, self.draft_kv.hooks(hooks))
+        for s in batch:
+            s.request.draft_computed = s.request.num_computed + s.num_tokens
+        return hidden
