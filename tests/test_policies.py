@@ -73,6 +73,25 @@ def test_policies_balance_on_what_the_nodes_report_not_on_this_routers_own_reque
     assert workers[1].pressure == workers[1].load == 4
 
 
+def test_a_stale_report_does_not_count_this_routers_ended_requests() -> None:
+    """The node reports a change up to 50 ms late: this router's requests that ended since its
+    last report leave the pressure at once (a stale count sent a conversation's next turn to the
+    node without its prefix), and the pressure never falls below this router's own count."""
+    holder, other = _workers(0, 0)
+    for _ in range(3):
+        holder.begin()
+    holder.reported(pb.LoadReport(running=3))  # then all three end before the next report
+    for _ in range(3):
+        holder.end()
+    other.reported(pb.LoadReport())
+    assert (holder.pressure, other.pressure) == (0, 0)
+    cached = {holder: CachedPrefix(device=3, host=0), other: CachedPrefix(device=0, host=0)}
+    assert CacheAware().pick([holder, other], lambda w: cached[w]) is holder
+    other.begin()
+    other.reported(pb.LoadReport())  # a report that does not count it yet (a PD request past its prefill)
+    assert other.pressure == other.load == 1
+
+
 @pytest.mark.parametrize("kind, cls", [(PolicyKind.ROUND_ROBIN, RoundRobin), (PolicyKind.RANDOM, Random),
                                        (PolicyKind.POWER_OF_TWO, PowerOfTwo), (PolicyKind.CACHE_AWARE, CacheAware)])
 def test_each_kind_makes_its_policy(kind: PolicyKind, cls: type) -> None:

@@ -31,7 +31,6 @@ from tierserve.engine.handoff import HandoffCheckError
 from tierserve.engine.reservations import DEFAULT_TERMS, CapacityError, ReservationTerms
 from tierserve.node.convert import arena, draft_message, identity, kv_ranks, sampling_params
 from tierserve.node.server import AddService, Node
-from tierserve.node.sessions import RouterGone
 from tierserve.proto import tierserve_pb2 as pb
 from tierserve.proto import tierserve_pb2_grpc as pb_grpc
 from tierserve.proto.sampling import logprob_to_proto
@@ -93,21 +92,12 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except CapacityError as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        await self._own(request.router_id, rid, context)
+        self.node.sessions.own(request.router_id, rid)  # its router's lost session ends it
         dest = pb.KVDestination(reservation_id=rid, transfer_endpoint=self.node.transfer.endpoint,
                                 identity=self.identity, base_address=self.arena.base, num_slots=self.arena.num_slots,
                                 pages=reserved.pages, cached_tokens=reserved.num_computed, ranks=self._ranks(rid),
                                 draft=self.draft)
         return pb.ReserveResponse(destination=dest, lease_seconds=terms.lease_s)
-
-    async def _own(self, router_id: str, rid: str, context: grpc.aio.ServicerContext) -> None:
-        """Ties a new reservation to its router's session; a router already gone gets none (nobody
-        saw the destination: the pages are freed at once)."""
-        try:
-            self.node.sessions.own(router_id, rid)
-        except RouterGone as exc:
-            await self.node.loop.apply(CancelReservation(rid, True, time.monotonic()))
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
 
     async def forget(self, ids: list[str]) -> None:
         """A lost router's requests (``node/sessions.py``): its reservations end (their pages wait out
@@ -235,8 +225,6 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
                     yield chunk
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except RouterGone as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         finally:
             self.running.discard(rid)
 

@@ -3,7 +3,10 @@ request, and which routers are alive. A router holds one ``NodeService.Session``
 each node while it lives; the requests it sends carry its id. When its last stream ends (it died:
 kill -9 resets the TCP connection, so the node sees it at once), the node frees what that
 router's requests hold: its reservations, its running generations and prefills. Other routers'
-requests are untouched. A request without a router id is tied to nothing (its lease bounds it)."""
+requests are untouched. A request without a router id is tied to nothing (its lease bounds it).
+A request from a router whose session ended is accepted and tied to it: a router that sends is
+alive and reopens its session (a removed and re-added worker, a broken connection); were it dead
+after all, the request's lease bounds what it holds."""
 
 from __future__ import annotations
 
@@ -33,14 +36,12 @@ class RouterSessions:
         self.streams: Counter[str] = Counter()  # open Session streams per router id
         self.owned: dict[str, set[str]] = {}  # router id -> request ids it made that may hold something
         self.forget: list[Forget] = []
-        self.gone: set[str] = set()  # routers whose last session ended (none opened since)
         self.lost = 0  # routers whose last session ended
         self.freed = 0  # requests freed or aborted because their router was lost
 
     @contextlib.contextmanager
     def tie(self, router_id: str, request_id: str) -> Iterator[None]:
-        """``request_id`` belongs to ``router_id`` for the block (an RPC serving it); raises
-        ``RouterGone`` at once if that router's session already ended."""
+        """``request_id`` belongs to ``router_id`` for the block (an RPC serving it)."""
         self.own(router_id, request_id)
         try:
             yield
@@ -49,12 +50,10 @@ class RouterSessions:
 
     def own(self, router_id: str, request_id: str) -> None:
         """Ties a request (a reservation outliving its Reserve call) to a router; no-op without an
-        id. ``RouterGone`` if the router's session ended: nobody would free what the request holds.
-        A router whose session is not open yet (it is starting) may own requests."""
+        id. A router whose session is not open (starting, or reopening) may own requests: its next
+        session's end frees them."""
         if not router_id:
             return
-        if router_id in self.gone:
-            raise RouterGone(f"router {router_id} is gone (its session with this node ended)")
         self.owned.setdefault(router_id, set()).add(request_id)
 
     def disown(self, router_id: str, request_id: str) -> None:
@@ -74,7 +73,6 @@ class RouterSessions:
         router = request.router_id
         interval = request.interval_seconds or DEFAULT_INTERVAL_S
         self.streams[router] += 1
-        self.gone.discard(router)
         log.info("router %s: session opened (%d open)", router, self.streams[router])
         try:
             async for report in _reports(load, interval):
@@ -88,17 +86,12 @@ class RouterSessions:
     async def _lose(self, router: str) -> None:
         """The router's last session ended: free what its requests hold."""
         ids = sorted(self.owned.pop(router, set()))
-        self.gone.add(router)
         self.lost += 1
         self.freed += len(ids)
         log.warning("router %s: session ended; freeing its %d request(s) on this node", router or "(no id)",
                     len(ids))
         for forget in self.forget:
             await forget(ids)
-
-
-class RouterGone(RuntimeError):
-    """A request from a router whose session ended: refused (``UNAVAILABLE``)."""
 
 
 async def _reports(load: Callable[[], pb.LoadReport], interval: float) -> AsyncIterator[pb.LoadReport]:

@@ -29,7 +29,6 @@ from tierserve.node.convert import (
 from tierserve.node.handoffs import HandoffAdd
 from tierserve.node.rank_transfer import HandoffPlan
 from tierserve.node.server import AddService, Node
-from tierserve.node.sessions import RouterGone
 from tierserve.proto import tierserve_pb2 as pb
 from tierserve.proto import tierserve_pb2_grpc as pb_grpc
 from tierserve.proto.sampling import logprob_to_proto
@@ -76,14 +75,10 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         span under the router's (its ``traceparent``), with the engine's and the handoff's under it."""
         attrs = at.request(request.request_id, request.tenant, len(request.prompt_ids))
         with self.node.tracer.server("tierserve.v1.PrefillService/Prefill", context.invocation_metadata(), attrs
-                                     ) as span:
-            try:
-                with self.node.sessions.tie(request.router_id, request.request_id):
-                    if not request.HasField("destination"):
-                        return await self._alone(request, context, span)
-                    return await self._prefill(request, context, span)
-            except RouterGone as exc:
-                await _abort(context, grpc.StatusCode.UNAVAILABLE, str(exc), stopped=True)
+                                     ) as span, self.node.sessions.tie(request.router_id, request.request_id):
+            if not request.HasField("destination"):
+                return await self._alone(request, context, span)
+            return await self._prefill(request, context, span)
 
     async def _prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext, span: Span
                        ) -> pb.PrefillResponse:

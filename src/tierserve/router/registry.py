@@ -49,6 +49,7 @@ class Worker:
     load: int = 0  # this router's requests on it now (a request counts until its stream ends)
     report: pb.LoadReport | None = None  # the node's own load (every router's requests), from its Session
     sent_since_report: int = 0  # this router's requests begun since that report (not in it yet)
+    ended_since_report: int = 0  # and ended since it (the report may still count them)
     failures: int = 0  # consecutive
     open_until: float = 0.0
     reason: str = ""
@@ -69,22 +70,27 @@ class Worker:
 
     def end(self) -> None:
         self.load -= 1
+        self.ended_since_report += 1
         if self.load == 0:
             self._idle.set()
 
     def reported(self, report: pb.LoadReport | None) -> None:
         """The node's load as its Session stream reported it (None: the stream broke)."""
-        self.report, self.sent_since_report = report, 0
+        self.report, self.sent_since_report, self.ended_since_report = report, 0, 0
 
     @property
     def pressure(self) -> int:
         """The requests the policies balance on: those the node reports, from every router
-        (running, waiting and, on a decode node, reserved), plus this router's begun since the
-        report; this router's own count while no session reports (``router/sessions.py``)."""
+        (running, waiting and, on a decode node, reserved), corrected by this router's begun and
+        ended since the report (a node reports a change up to 50 ms late: a stale report made the
+        cache-aware policy send a conversation's next turn away from its prefix), and never less
+        than this router's own count (which holds a PD request on its prefill node until the
+        stream ends); that count alone while no session reports (``router/sessions.py``)."""
         r = self.report
         if r is None:
             return self.load
-        return r.running + r.waiting + r.reservations + self.sent_since_report
+        reported = r.running + r.waiting + r.reservations + self.sent_since_report - self.ended_since_report
+        return max(self.load, reported)
 
     async def wait_idle(self, timeout_s: float) -> bool:
         """Waits until no request uses this worker; False if ``timeout_s`` passed first."""
