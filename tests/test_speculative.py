@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from fastapi.testclient import TestClient
+from helpers.engine_runs import assert_no_pages_held, spread_prompts
 from helpers.tiny_models import make_noisy_draft, make_tiny_model
 from safetensors.torch import load_file
 
@@ -38,20 +39,10 @@ def _engine(model: Path, draft: Path | None, tokens: int = 2048, **kw) -> Engine
                                speculative_draft_model_path=draft, **kw))
 
 
-def _prompts(n: int, length: int, seed: int = 5) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(2, 384, (length + 3 * i,), generator=gen).tolist() for i in range(n)]
-
-
-def _assert_no_pages_held(engine: Engine) -> None:
-    engine.allocator.check()
-    assert engine.allocator.num_used == engine.cache.num_cached_pages
-
-
 @pytest.mark.parametrize("name", ["self", "noisy", "layer0"])
 def test_greedy_batched_chunked_output_equals_no_speculation(tiny_llama: Path, drafts: dict[str, Path],
                                                               name: str) -> None:
-    prompts = _prompts(6, 9)
+    prompts = spread_prompts(6, 9)
     expected = _engine(tiny_llama, None).generate(prompts, GREEDY)
     engine = _engine(tiny_llama, drafts[name], chunked_prefill_size=8, speculative_num_steps=3)
     assert engine.generate(prompts, GREEDY) == expected
@@ -61,22 +52,22 @@ def test_greedy_batched_chunked_output_equals_no_speculation(tiny_llama: Path, d
         assert c.accepted_tokens == c.draft_tokens
     if name == "noisy":
         assert 0 < c.accepted_tokens < c.draft_tokens
-    _assert_no_pages_held(engine)
+    assert_no_pages_held(engine)
 
 
 def test_greedy_under_preemption_equals_no_speculation(tiny_llama: Path, drafts: dict[str, Path]) -> None:
-    prompts = _prompts(8, 12, seed=9)
+    prompts = spread_prompts(8, 12, seed=9)
     expected = _engine(tiny_llama, None).generate(prompts, GREEDY)
     small = _engine(tiny_llama, drafts["noisy"], tokens=96, speculative_num_steps=4)
     assert small.generate(prompts, GREEDY) == expected
     assert small.scheduler.num_preemptions > 0 and small.spec.counters.accepted_tokens > 0
-    _assert_no_pages_held(small)
+    assert_no_pages_held(small)
 
 
 def test_prefix_cache_hit_keeps_output_and_acceptance(tiny_llama: Path, drafts: dict[str, Path]) -> None:
     """A prompt whose prefix the target reads from the cache: the draft's KV for that prefix comes
     with it (tests/test_speculative_cache.py), so output and accepted drafts equal a cold engine's."""
-    prompt = _prompts(1, 40, seed=11)[0]
+    prompt = spread_prompts(1, 40, seed=11)[0]
     cold = _engine(tiny_llama, drafts["noisy"])
     cold.add_request("cold", prompt, GREEDY)
     cold_out = _outputs(cold)["cold"]
@@ -87,14 +78,14 @@ def test_prefix_cache_hit_keeps_output_and_acceptance(tiny_llama: Path, drafts: 
     assert warm_out.cached_tokens >= 28
     assert warm_out.new_token_ids == cold_out.new_token_ids
     assert warm_out.spec_accepted_tokens == cold_out.spec_accepted_tokens > 0
-    _assert_no_pages_held(warm)
+    assert_no_pages_held(warm)
 
 
 def test_host_hit_keeps_output_and_acceptance(tiny_llama: Path, drafts: dict[str, Path]) -> None:
     """The prefix comes back from L2 with its draft KV, so output and accepted drafts equal the
     first (uncached) run's."""
     engine = _engine(tiny_llama, drafts["noisy"], enable_hierarchical_cache=True)
-    prompt = _prompts(1, 40, seed=13)[0]
+    prompt = spread_prompts(1, 40, seed=13)[0]
     engine.add_request("first", prompt, GREEDY)
     first = _outputs(engine)["first"]
     engine.cache.wait_background()
@@ -105,12 +96,12 @@ def test_host_hit_keeps_output_and_acceptance(tiny_llama: Path, drafts: dict[str
     assert again.new_token_ids == first.new_token_ids
     assert again.spec_accepted_tokens == first.spec_accepted_tokens > 0
     engine.cache.wait_background()
-    _assert_no_pages_held(engine)
+    assert_no_pages_held(engine)
 
 
 def test_abort_midway_returns_every_page(tiny_llama: Path, drafts: dict[str, Path]) -> None:
     engine = _engine(tiny_llama, drafts["noisy"], speculative_num_steps=4)
-    for i, prompt in enumerate(_prompts(3, 10)):
+    for i, prompt in enumerate(spread_prompts(3, 10)):
         engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
     while engine.spec.counters.verify_steps < 6:
         engine.step()
@@ -119,22 +110,22 @@ def test_abort_midway_returns_every_page(tiny_llama: Path, drafts: dict[str, Pat
     engine.abort("r0")
     engine.abort("r2")
     assert not engine.has_work()
-    _assert_no_pages_held(engine)
+    assert_no_pages_held(engine)
 
 
 def test_stop_token_inside_accepted_drafts_ends_there(tiny_llama: Path, drafts: dict[str, Path]) -> None:
-    prompt = _prompts(1, 12, seed=2)[0]
+    prompt = spread_prompts(1, 12, seed=2)[0]
     full = _engine(tiny_llama, None).generate([prompt], GREEDY)[0]
     stop = full[7]
     params = SamplingParams(max_tokens=20, temperature=0, stop_token_ids=[stop], ignore_eos=True)
     engine = _engine(tiny_llama, drafts["self"], speculative_num_steps=5)
     assert engine.generate([prompt], params)[0] == full[: full.index(stop) + 1]
-    _assert_no_pages_held(engine)
+    assert_no_pages_held(engine)
 
 
 def test_seeded_sampling_is_reproducible(tiny_llama: Path, drafts: dict[str, Path]) -> None:
     params = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=123, ignore_eos=True)
-    prompts = _prompts(3, 8)
+    prompts = spread_prompts(3, 8)
     first = _engine(tiny_llama, drafts["noisy"]).generate(prompts, params)
     again = _engine(tiny_llama, drafts["noisy"]).generate(list(reversed(prompts)), params)
     assert first == list(reversed(again))

@@ -10,8 +10,8 @@ import random
 from pathlib import Path
 
 import pytest
-import torch
 from fastapi.testclient import TestClient
+from helpers.engine_runs import assert_no_pages_held, spread_prompts
 from helpers.logprob_checks import ids_of
 from helpers.tiny_models import make_looping_model
 
@@ -42,16 +42,6 @@ def wandering(tiny_llama: Path, tmp_path_factory) -> Path:
 def _engine(model: Path, ngram: bool = True, tokens: int = 4096, **kw) -> Engine:
     spec = {"speculative_algorithm": NGRAM} if ngram else {}
     return Engine(EngineConfig(model, dtype="float32", page_size=4, max_total_tokens=tokens, **spec, **kw))
-
-
-def _prompts(n: int, length: int, seed: int = 5) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(2, 384, (length + 3 * i,), generator=gen).tolist() for i in range(n)]
-
-
-def _assert_no_pages_held(engine: Engine) -> None:
-    engine.allocator.check()
-    assert engine.allocator.num_used == engine.cache.num_cached_pages
 
 
 def _naive(seq: list[int], shortest: int, longest: int, window: int, k: int) -> list[int]:
@@ -100,7 +90,7 @@ def test_greedy_batched_chunked_equals_no_speculation(tiny_llama: Path, wanderin
                                                       ) -> None:
     """On the tiny llama (lookups rejected) and a wandering one (some accepted, some not): the output
     is the target's, and the lookup indexes go with their requests."""
-    prompts = _prompts(6, 9)
+    prompts = spread_prompts(6, 9)
     kw = dict(speculative_ngram_min_match_window_size=sizes[0], speculative_ngram_max_match_window_size=sizes[1],
               chunked_prefill_size=8, speculative_num_steps=4)
     for model in (tiny_llama, wandering):
@@ -111,18 +101,18 @@ def test_greedy_batched_chunked_equals_no_speculation(tiny_llama: Path, wanderin
         assert c.verify_steps > 0 and c.draft_tokens > 0 and c.prompt_catch_up_tokens == 0
         if model == wandering:
             assert 0 < c.accepted_tokens < c.draft_tokens, c  # both paths of verification
-        _assert_no_pages_held(engine)
+        assert_no_pages_held(engine)
         engine.generate([[5, 6]], SamplingParams(max_tokens=4, ignore_eos=True))
         assert set(engine.spec.drafter.lookups) <= {"gen-6"}  # the finished requests' indexes are gone
 
 
 def test_greedy_under_preemption_and_abort(wandering: Path) -> None:
-    prompts = _prompts(8, 12, seed=9)
+    prompts = spread_prompts(8, 12, seed=9)
     expected = _engine(wandering, ngram=False).generate(prompts, GREEDY)
     small = _engine(wandering, tokens=96, speculative_num_steps=4)
     assert small.generate(prompts, GREEDY) == expected
     assert small.scheduler.num_preemptions > 0 and small.spec.counters.accepted_tokens > 0
-    _assert_no_pages_held(small)
+    assert_no_pages_held(small)
     for i, prompt in enumerate(prompts[:3]):
         small.add_request(f"r{i}", prompt, SamplingParams(max_tokens=60, temperature=0, ignore_eos=True))
     verified = small.spec.counters.verify_steps
@@ -130,7 +120,7 @@ def test_greedy_under_preemption_and_abort(wandering: Path) -> None:
         small.step()
     assert all(small.abort(f"r{i}") is not None for i in range(3))
     assert not small.has_work()
-    _assert_no_pages_held(small)
+    assert_no_pages_held(small)
 
 
 def _with_logprobs(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> list[tuple]:
@@ -150,7 +140,7 @@ def _with_logprobs(engine: Engine, prompts: list[list[int]], params: SamplingPar
 def test_logprobs_equal_those_without_speculation(wandering: Path) -> None:
     """Tokens kept from accepted lookups carry the target's logprobs and top alternatives."""
     params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, logprobs=3, prompt_logprobs=2)
-    prompts = _prompts(3, 9, seed=4)
+    prompts = spread_prompts(3, 9, seed=4)
     engine = _engine(wandering, speculative_num_steps=4)
     plain = _with_logprobs(_engine(wandering, ngram=False), prompts, params)
     spec = _with_logprobs(engine, prompts, params)
@@ -165,7 +155,7 @@ def test_logprobs_equal_those_without_speculation(wandering: Path) -> None:
 
 def test_seeded_sampling_is_reproducible(looping: Path) -> None:
     params = SamplingParams(max_tokens=24, temperature=0.5, top_p=0.9, seed=123, ignore_eos=True)
-    prompts = [_repeating(looping), *_prompts(2, 8)]
+    prompts = [_repeating(looping), *spread_prompts(2, 8)]
     first = _engine(looping).generate(prompts, params)
     engine = _engine(looping)
     assert engine.generate(list(reversed(prompts)), params) == list(reversed(first))
@@ -175,7 +165,7 @@ def test_seeded_sampling_is_reproducible(looping: Path) -> None:
 def _repeating(model: Path) -> list[int]:
     """A prompt ending in text the model repeats: a seed prompt and 32 tokens of its greedy
     continuation, which has run into its cycle by then (checked)."""
-    seed = _prompts(1, 10, seed=21)[0]
+    seed = spread_prompts(1, 10, seed=21)[0]
     text = _engine(model, ngram=False).generate([seed], GREEDY)[0][:32]
     assert len(set(text[16:])) < 16, text
     return seed + text

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 
+import torch
+
 from tierserve.core.sampling import SamplingParams
 from tierserve.core.scope import CacheScope
 from tierserve.engine.engine import Engine
@@ -22,3 +24,15 @@ def run_one(
             tokens += out.new_token_ids
             tiers = out.cached_by_tier
     return tokens, tiers
+
+
+def spread_prompts(n: int, length: int, seed: int = 5) -> list[list[int]]:
+    """``n`` seeded random prompts of ``length``, ``length + 3``, ... tokens (ids 2-383: any tiny model's)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, 384, (length + 3 * i,), generator=gen).tolist() for i in range(n)]
+
+
+def assert_no_pages_held(engine: Engine) -> None:
+    """Every used page is one the prefix cache holds: no request left pages behind."""
+    engine.allocator.check()
+    assert engine.allocator.num_used == engine.cache.num_cached_pages
