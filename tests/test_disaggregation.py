@@ -15,7 +15,7 @@ import httpx
 import pytest
 from helpers.pd_nodes import DECODE_ARGS, MAX_NEW, NODE_ARGS, PAGE, idle, metric, reference
 from helpers.polling import wait_for
-from helpers.processes import NodeProcess, RouterProcess
+from helpers.processes import NodeProcess, RouterProcess, router_over_pair
 
 from tierserve.router.disaggregation import Disaggregation, ServedPath, uncached_tokens
 from tierserve.router.policies import CachedPrefix
@@ -41,22 +41,10 @@ def test_the_estimate_counts_what_the_decode_node_lacks() -> None:
 @pytest.fixture(scope="module")
 def cluster(tiny_llama: Path, tmp_path_factory) -> Iterator[tuple[RouterProcess, NodeProcess, NodeProcess]]:
     """A prefill node, a decode node publishing KV events, and a router over them."""
-    logs = tmp_path_factory.mktemp("disaggregation")
-    prefill = NodeProcess("prefill", ["--model", str(tiny_llama), *NODE_ARGS], logs / "p.log")
-    decode = NodeProcess("decode", ["--model", str(tiny_llama), *DECODE_ARGS, "--kv-events-port", "0"],
-                         logs / "d.log")
-    router = None
-    try:
-        prefill.wait_ready()
-        decode.wait_ready()
-        router = RouterProcess(["--model", str(tiny_llama), "--prefill", prefill.address, "--decode", decode.address,
-                                "--health-check-interval", "0.5", "--disaggregation-threshold", str(THRESHOLD)],
-                               logs / "router.log").wait_ready()
-        yield router, prefill, decode
-    finally:
-        for proc in (router, prefill, decode):
-            if proc is not None:
-                proc.stop()
+    with router_over_pair(tiny_llama, NODE_ARGS, [*DECODE_ARGS, "--kv-events-port", "0"],
+                          ["--health-check-interval", "0.5", "--disaggregation-threshold", str(THRESHOLD)],
+                          tmp_path_factory.mktemp("disaggregation")) as cluster:
+        yield cluster
 
 
 def complete(router: RouterProcess, prompt: list[int], stream: bool = False) -> list[int]:

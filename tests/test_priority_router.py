@@ -16,7 +16,7 @@ import httpx
 import pytest
 from helpers.pd_nodes import NODE_ARGS, load, metric, node_metric
 from helpers.polling import wait_for
-from helpers.processes import NodeProcess, RouterProcess, free_port
+from helpers.processes import NodeProcess, RouterProcess, free_port, router_over_pair
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 # The decode node runs one request at a time, most important first: the order waiting requests
@@ -27,22 +27,11 @@ SHORT = 8  # prompt tokens: under the disaggregation threshold, the decode node 
 
 @pytest.fixture(scope="module")
 def cluster(builtin_model: Path, tmp_path_factory) -> Iterator[tuple[RouterProcess, NodeProcess, NodeProcess]]:
-    logs = tmp_path_factory.mktemp("priority")
-    model = ["--model", str(builtin_model)]
-    prefill = NodeProcess("prefill", [*model, *NODE_ARGS, "--schedule-policy", "priority"], logs / "prefill.log")
-    decode = NodeProcess("decode", [*model, *DECODE_ARGS, "--metrics-port", str(free_port())], logs / "decode.log")
-    router = None
-    try:
-        prefill.wait_ready()
-        decode.wait_ready()
-        router = RouterProcess([*model, "--prefill", prefill.address, "--decode", decode.address,
-                                "--disaggregation-threshold", "24", "--admission", "ttft"],
-                               logs / "router.log").wait_ready()
-        yield router, prefill, decode
-    finally:
-        for proc in (router, prefill, decode):
-            if proc is not None:
-                proc.stop()
+    with router_over_pair(builtin_model, [*NODE_ARGS, "--schedule-policy", "priority"],
+                          [*DECODE_ARGS, "--metrics-port", str(free_port())],
+                          ["--disaggregation-threshold", "24", "--admission", "ttft"],
+                          tmp_path_factory.mktemp("priority")) as cluster:
+        yield cluster
 
 
 def _prompt(n: int, seed: int) -> list[int]:

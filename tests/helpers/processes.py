@@ -185,6 +185,27 @@ def node_running(role: str, args: list[str], log: Path) -> Iterator[NodeProcess]
         node.stop()
 
 
+@contextmanager
+def router_over_pair(model: Path, prefill_args: list[str], decode_args: list[str], router_args: list[str],
+                     logs: Path) -> Iterator[tuple[RouterProcess, NodeProcess, NodeProcess]]:
+    """A ready prefill node, decode node and a router over them (each given ``--model model`` and
+    its own flags; logs in ``logs``) for the block; all three stopped after it."""
+    model_flag = ["--model", str(model)]
+    prefill = NodeProcess("prefill", [*model_flag, *prefill_args], logs / "prefill.log")
+    decode = NodeProcess("decode", [*model_flag, *decode_args], logs / "decode.log")
+    router = None
+    try:
+        prefill.wait_ready()
+        decode.wait_ready()
+        router = RouterProcess([*model_flag, "--prefill", prefill.address, "--decode", decode.address, *router_args],
+                               logs / "router.log").wait_ready()
+        yield router, prefill, decode
+    finally:
+        for proc in (router, prefill, decode):
+            if proc is not None:
+                proc.stop()
+
+
 def start_up(port: int, *flags: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, list[str]]:
     """``tierserve up`` with ``flags`` (always through a prefill node unless they name another
     ``--disaggregation-threshold``), once it printed its banner; its output lines so far. ``env``
