@@ -33,6 +33,7 @@ from tierserve.router.disaggregation import (
     alone_output,
     generate_local,
     prefill_alone,
+    uncached_tokens,
 )
 from tierserve.router.migration import DecodeLost, LostReason, Migrations, draining, migrating
 from tierserve.router.policies import CachedPrefix, Policy, PrefixLookup
@@ -69,6 +70,7 @@ class _Request:
     buffered: bool  # the client sees nothing before the end (one merged output)
     resumed: int = 0  # the prompt's last tokens this request generated before a migration
     l3_pending: int = 0  # one try's: leading prompt pages another prefill node holds (``_pending_in_l3``)
+    uncached: int = 0  # one try's: prompt tokens the node computing it does not hold (its TTFT lane counts them)
     lead: asyncio.Future[object] | None = None  # a leading choice's: where its siblings learn its decode node
     fork: Worker | None = None  # a sibling choice's: the decode node holding its leader's prompt KV
     span: Span = NO_SPAN  # the choice's span (docs/tracing.md); one try's: that try's
@@ -241,8 +243,7 @@ class PDBackend:
                 outputs = self._alone(prefill, rid, request)
             else:
                 outputs = self._disaggregated((prefill, decode), rid, request)
-            outputs = self.ttft.track(prefill or decode, rid, request.prompt, request.sampling.priority,
-                                      request.scope.salt, outputs)
+            outputs = self.ttft.track(prefill or decode, rid, request.uncached, request.sampling.priority, outputs)
             first = request.span.recording
             async with contextlib.aclosing(outputs) as results:
                 async for out in results:
@@ -306,7 +307,8 @@ class PDBackend:
                  "prompt_tokens": len(request.prompt)}
         self.routes.append(route)
         log.debug("route: %s", route)
-        return (None, decode), request
+        full_pages = CachedPrefix(device=len(request.prompt) // self._page())
+        return (None, decode), replace(request, uncached=uncached_tokens(len(request.prompt), full_pages, self._page()))
 
     def _pick(self, request: _Request) -> tuple[_Pair, _Request]:
         """The decode worker, then the path (``Disaggregation``: what the decode worker holds of
@@ -328,9 +330,11 @@ class PDBackend:
             raise oa.APIError(503, "no healthy prefill worker", code="unavailable")
         self.served[path] += 1
         prefill = self.prefill_policy.pick(prefills, lookup) if path is not ServedPath.DECODE_ONLY else None
+        request = replace(request, uncached=uncached_tokens(len(request.prompt), held, page))
         if prefill is not None:
             cached = lookup(prefill)
-            request = replace(request, l3_pending=_pending_in_l3(prefill, cached, prefills, lookup))
+            request = replace(request, l3_pending=_pending_in_l3(prefill, cached, prefills, lookup),
+                              uncached=uncached_tokens(len(request.prompt), cached, page))
             route |= {"prefill": prefill.address, "prefill_cached_pages": [cached.device, cached.host],
                       "l3_pending_pages": request.l3_pending}
         self.routes.append(route)

@@ -44,10 +44,10 @@ class TTFTView:
         known = [p for w, n in candidates if (p := self.lane(w).predict(priority, n)) is not None]
         return min(known, default=None)
 
-    def track(self, worker: Worker, request_id: str, prompt: list[int], priority: int, salt: str,
+    def track(self, worker: Worker, request_id: str, tokens: int, priority: int,
               outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
-        """``outputs`` of a try whose prompt ``worker`` computes, counted in its lane until the first."""
-        tokens = self._uncached(prompt, self.lookup(prompt, salt)(worker))
+        """``outputs`` of a try whose prompt ``worker`` computes (``tokens`` of it uncached there, as
+        the routing decision looked them up), counted in its lane until the first."""
         return tracked(self.lane(worker), request_id, priority, tokens, outputs)
 
     def state(self) -> dict[str, object]:
