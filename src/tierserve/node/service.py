@@ -22,11 +22,10 @@ from tierserve.proto import tierserve_pb2_grpc as pb_grpc
 
 class NodeServicer(pb_grpc.NodeServiceServicer):
     def __init__(self, loop: EngineLoop, role: pb.Role, transfer_endpoint: str, model_name: str,
-                 kv_events: KVEventPublisher | None = None, kv_events_endpoint: str = "",
-                 sessions: RouterSessions | None = None) -> None:
+                 kv_events: KVEventPublisher | None, kv_events_endpoint: str, sessions: RouterSessions) -> None:
         self.loop, self.role, self.transfer_endpoint, self.model_name = loop, role, transfer_endpoint, model_name
         self.kv_events, self.kv_events_endpoint = kv_events, kv_events_endpoint
-        self.sessions = sessions or RouterSessions()
+        self.sessions = sessions  # the node's (``Node.sessions``): its lost routers' requests are freed
         self.instance_id = uuid.uuid4().hex
 
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.NodeInfo:
