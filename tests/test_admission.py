@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 from fastapi.testclient import TestClient
+from helpers.clock import ManualClock
 from helpers.idle_backend import IdleBackend
 from helpers.metrics import value
 
@@ -40,16 +41,8 @@ from tierserve.engine.loop import EngineLoop
 # a scripted backend in place of an engine, but for the last test (a real tiny engine)
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_a_lane_measures_the_rate_between_first_tokens_and_counts_only_work_as_important() -> None:
-    clock = Clock()
+    clock = ManualClock()
     lane = Lane(clock)
     assert lane.predict(0, 100) is None  # not measured yet
     lane.sent("a", 0, 100)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from fastapi.testclient import TestClient
 from grpc_health.v1 import health, health_pb2
+from helpers.clock import ManualClock
 from helpers.polling import wait_for
 
 from tierserve.api.engine_backend import create_engine_app
@@ -26,16 +27,8 @@ from tierserve.engine.step_watch import HISTORY, LARGE_STEP_TOKENS, STEP_FACTOR,
 from tierserve.node.server import _follow_engine
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_the_bound_is_the_floor_then_a_multiple_of_the_slowest_recent_step_capped_by_the_dist_timeout() -> None:
-    clock = Clock()
+    clock = ManualClock(100.0)
     watch = StepWatch(dist_timeout_s=120, clock=clock)
     assert watch.bound_s == STEP_FLOOR_S  # nothing learnt: the floor
     for took in (0.5, 2.0, 1.0):
@@ -50,7 +43,7 @@ def test_the_bound_is_the_floor_then_a_multiple_of_the_slowest_recent_step_cappe
 
 
 def test_a_turn_is_overdue_only_past_its_bound_and_an_overdue_one_is_not_learnt() -> None:
-    clock = Clock()
+    clock = ManualClock(100.0)
     watch = StepWatch(dist_timeout_s=120, clock=clock)
     assert not watch.overdue()  # no turn running
     with watch.span(learn=True):
@@ -186,7 +179,7 @@ def test_background_work_with_nothing_to_schedule_backs_off_instead_of_stepping_
 def test_a_long_step_that_scheduled_more_tokens_is_within_its_bound_and_learnt() -> None:
     """After decode steps of one token (0.5 s each), a 100-token prefill chunk taking 10 s is what its
     tokens lead to expect, not a freeze: within its bound, and learnt."""
-    clock = Clock()
+    clock = ManualClock(100.0)
     watch = StepWatch(dist_timeout_s=120, clock=clock)
     for _ in range(3):
         with watch.span(learn=True, work=lambda: 1):
@@ -206,7 +199,7 @@ def test_a_long_step_of_a_loaded_prefill_node_is_bounded_by_its_large_steps_not_
     """Prefill chunks of 1,000 tokens take 1 s (1 ms a token); one slow 1-token turn (0.5 s: mostly fixed
     cost, a loaded machine) must not scale into the next chunk's bound (0.5 s x 1,000 tokens: the cap, 60 s,
     so a frozen rank went unreported for a whole 20 s freeze in the reliability campaign)."""
-    clock = Clock()
+    clock = ManualClock(100.0)
     watch = StepWatch(dist_timeout_s=120, clock=clock)
     for tokens, took in ((1000, 1.0), (1000, 1.0), (1, 0.5)):
         with watch.span(learn=True, work=lambda tokens=tokens: tokens):
