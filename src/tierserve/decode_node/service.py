@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
@@ -41,7 +40,6 @@ from tierserve.tracing.engine_spans import traced
 from tierserve.transfer.receive_check import ReceiveCheck
 
 log = logging.getLogger(__name__)
-TRACED_TENANTS = 4096  # reservations whose tenant the Generate span names (traced nodes only): the newest ones
 
 
 class DecodeServicer(pb_grpc.DecodeServiceServicer):
@@ -58,7 +56,6 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         self.receive = node.ranks.receive if node.ranks is not None else None  # rank 0's staging
         self.running: set[str] = set()  # reservation ids of the generations streaming now
         self.draining, self._handed_back = False, asyncio.Event()
-        self.tenants: OrderedDict[str, str] = OrderedDict()  # reservation id -> tenant, for Generate's span
         node.drain.append(self.drain)
         node.sessions.forget.append(self.forget)
 
@@ -70,13 +67,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             response = await self._reserve(request, context)
             if span.recording:
                 span.set({at.CACHED_TOKENS: response.destination.cached_tokens})
-                self._remember(request.request_id, request.tenant)
             return response
-
-    def _remember(self, rid: str, tenant: str) -> None:
-        self.tenants[rid] = tenant
-        while len(self.tenants) > TRACED_TENANTS:
-            self.tenants.popitem(last=False)
 
     async def _reserve(self, request: pb.ReserveRequest, context: grpc.aio.ServicerContext) -> pb.ReserveResponse:
         if self.draining:
@@ -118,7 +109,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         """Traced, the call is a span under the router's, with the wait for the engine, the first
         token and the decode under it."""
         rid, since = request.reservation_id, time.monotonic()
-        attrs = at.request(rid, self.tenants.pop(rid, ""))
+        attrs = at.request(rid, request.tenant)
         with self.node.tracer.server("tierserve.v1.DecodeService/Generate", context.invocation_metadata(), attrs
                                      ) as span:
             async with contextlib.aclosing(self._generate(request, context, span, since)) as chunks:
@@ -231,7 +222,6 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
     async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:
         rid = request.reservation_id
         self.node.sessions.disown(self.node.sessions.owner(rid), rid)
-        self.tenants.pop(rid, None)
         released = await self.node.loop.apply(CancelReservation(rid, request.writer_stopped, time.monotonic()))
         self.node.loop.abort(rid)  # a running generation ends (aborted) on its stream; else a no-op
         return pb.ReleaseResponse(released=released)

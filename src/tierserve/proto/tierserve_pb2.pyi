@@ -265,18 +265,20 @@ class PrefillResponse(_message.Message):
     def __init__(self, first_token: _Optional[int] = ..., cache: _Optional[_Union[CacheReport, _Mapping]] = ..., transferred_bytes: _Optional[int] = ..., transfer_seconds: _Optional[float] = ..., exposed_transfer_seconds: _Optional[float] = ..., first_logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., kv_digests: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("reservation_id", "first_token", "sampling", "resumed_tokens", "kv_digests")
+    __slots__ = ("reservation_id", "first_token", "sampling", "resumed_tokens", "kv_digests", "tenant")
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     RESUMED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     reservation_id: str
     first_token: int
     sampling: SamplingOptions
     resumed_tokens: int
     kv_digests: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, reservation_id: _Optional[str] = ..., first_token: _Optional[int] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., resumed_tokens: _Optional[int] = ..., kv_digests: _Optional[_Iterable[int]] = ...) -> None: ...
+    tenant: str
+    def __init__(self, reservation_id: _Optional[str] = ..., first_token: _Optional[int] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., resumed_tokens: _Optional[int] = ..., kv_digests: _Optional[_Iterable[int]] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
     __slots__ = ("token_ids", "text", "finished", "finish_reason", "completion_tokens", "logprobs", "spec_draft_tokens", "spec_accepted_tokens", "cache", "prompt_logprobs")

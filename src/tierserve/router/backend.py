@@ -266,7 +266,8 @@ class PDBackend:
         def release() -> None:
             pd_flow.release_later(stubs, done.reservation_id, writer_stopped=True)
 
-        chunks = pd_flow.generate(stubs, done, request.sampling, request.resumed, request.span)
+        chunks = pd_flow.generate(stubs, done, request.sampling, request.resumed, request.span,
+                                  request.scope.tenant)
         outputs = self._stream(pair[1], chunks, convert, release)
         async with contextlib.aclosing(outputs) as results:
             async for out in results:

@@ -159,13 +159,15 @@ def destination_failed(exc: grpc.aio.AioRpcError) -> bool:
 
 
 async def generate(pair: Pair, prefilled: Prefilled, sampling: pb.SamplingOptions, resumed: int = 0,
-                   span: Span = NO_SPAN) -> AsyncIterator[pb.GenerateChunk]:
+                   span: Span = NO_SPAN, tenant: str = "") -> AsyncIterator[pb.GenerateChunk]:
     """Streams D's chunks; leaving early cancels the stream, which aborts the request on D.
-    ``resumed``: the prompt's last tokens were generated (a migration). ``span``: the try's."""
+    ``resumed``: the prompt's last tokens were generated (a migration). ``span``: the try's;
+    ``tenant``: the reservation's, for D's span."""
     with span.child("tierserve.v1.DecodeService/Generate", SpanKind.CLIENT) as traced:
         call = pair.decode.Generate(pb.GenerateRequest(
             reservation_id=prefilled.reservation_id, first_token=prefilled.response.first_token, sampling=sampling,
-            resumed_tokens=resumed, kv_digests=prefilled.response.kv_digests), metadata=traced.headers() or None)
+            resumed_tokens=resumed, kv_digests=prefilled.response.kv_digests, tenant=tenant),
+            metadata=traced.headers() or None)
         try:
             async for chunk in call:
                 yield chunk
