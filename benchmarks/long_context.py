@@ -56,13 +56,15 @@ CP_SIZES = (1, 2)
 NEW_TOKENS = 4
 WARM_UP_TOKENS = 2048
 SETTLE_DEADLINE_S = 120.0
-# The split part's nodes: CP size, OMP_NUM_THREADS of a CP=1 node (CP ranks take cores / ranks each), flags.
+# The split part's nodes: CP size, OMP_NUM_THREADS of a CP=1 node (CP and TP ranks take cores / ranks each),
+# flags (the last ``--tp-size`` wins: ``tp2`` is a TP=2 node, the same measure for tensor parallelism).
 SPLIT_NODES = {"cp1_1t": (1, "1", ()), "cp1_2t": (1, "2", ()), "cp2": (2, None, ()),
-               "cp2_gather": (2, None, ("--cp-attention", "gather"))}
+               "cp2_gather": (2, None, ("--cp-attention", "gather")), "tp2": (1, None, ("--tp-size", "2"))}
 SPLIT_RATIOS = {"cp2 / cp1_1t (equal per-rank threads; target <= 0.6)": ("cp2", "cp1_1t"),
                 "cp2 / cp1_2t (equal total cores; target <= 1.05)": ("cp2", "cp1_2t"),
                 "cp2_gather / cp2 (the seed's replicated compute / the split)": ("cp2_gather", "cp2"),
-                "cp2_gather / cp1_2t (before the split, equal total cores)": ("cp2_gather", "cp1_2t")}
+                "cp2_gather / cp1_2t (before the split, equal total cores)": ("cp2_gather", "cp1_2t"),
+                "tp2 / cp1_1t (TP=2 / TP=1, equal per-rank threads; target <= 0.7)": ("tp2", "cp1_1t")}
 GATHER = re.compile(r"^tierserve_cp_gather_(first|later)_(wait|span)_seconds_total (\S+)$", re.MULTILINE)
 MERGE = re.compile(r"^tierserve_cp_merge_seconds_total (\S+)$", re.MULTILINE)
 

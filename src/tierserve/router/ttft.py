@@ -35,12 +35,12 @@ class TTFTView:
 
     def predict(self, prompt: list[int], priority: int, salt: str) -> float | None:
         """Seconds to the first token on the best worker that would compute the prompt: any prefill
-        node, or a decode node holding all but fewer than ``--disaggregation-threshold`` of its
-        tokens; None when none of them was measured yet."""
+        node, or a decode node holding all but fewer than ``--disaggregation-threshold`` (times its
+        CP size: ``Disaggregation.limit``) of its tokens; None when none of them was measured yet."""
         lookup = self.lookup(prompt, salt)
         candidates = [(w, self._uncached(prompt, lookup(w))) for w in self.registry.available(Role.PREFILL)]
         candidates += [(w, n) for w in self.registry.available(Role.DECODE)
-                       if (n := self._uncached(prompt, lookup(w))) < self.disaggregation.threshold]
+                       if (n := self._uncached(prompt, lookup(w))) < self.disaggregation.limit(w.cp_size)]
         known = [p for w, n in candidates if (p := self.lane(w).predict(priority, n)) is not None]
         return min(known, default=None)
 
