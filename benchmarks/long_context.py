@@ -12,12 +12,13 @@
    (started just before the forward, nothing to hide it) apart from the later layers (target:
    under 10%).
 3. The split of the compute (``engine/cp/split.py``; ``--only split``): uncached TTFT of one fresh
-   prompt per round and length on four nodes without L3, up at once, in rotating order (the same
+   prompt per round and length on five nodes without L3, up at once, in rotating order (the same
    prompt on each, fresh to each, answers checked equal): CP=1 with one thread, CP=1 with two, CP=2
-   (one thread per rank: long steps split their tokens) and CP=2 with ``--cp-attention gather``
-   (every rank computes every token: the seed's protocol). Ratios are medians of per-round ratios:
-   equal per-rank resources (CP=2 / CP=1 one thread, target <= 0.6), equal total cores (CP=2 /
-   CP=1 two threads, target <= 1.05) and gather / default.
+   (one thread per rank: long steps split their tokens), CP=2 with ``--cp-attention gather``
+   (every rank computes every token: the seed's protocol) and TP=2 (one thread per rank). Ratios are
+   medians of per-round ratios: equal per-rank resources (CP=2 / CP=1 one thread, target <= 0.6;
+   TP=2 / CP=1 one thread, i.e. TP=1, target <= 0.7), equal total cores (CP=2 / CP=1 two threads,
+   target <= 1.05) and gather / default.
 4. Tokens held by L1 and L2 at CP=1 vs CP=2 for the same per-rank budgets (``--budget`` tokens of
    L1 per rank, L2 twice that), no L3: distinct prompts of ``--fill-tokens`` tokens, twice the CP=2
    node's L2 in all, then what each node's tiers hold.
