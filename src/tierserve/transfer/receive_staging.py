@@ -40,8 +40,8 @@ def staged_heads(own: HeadRange, source_tp: int, num_kv_heads: int) -> list[Head
 
 
 def region_slots(owner: PageOwnership, pages: Sequence[int], tokens: int, page_size: int) -> int:
-    """The slots of a reservation's region on every rank of a node whose ranks hold ``owner``'s
-    size of CP shares: the most any CP rank needs (``staged_slots``); the same on every rank."""
+    """The slots of a reservation's region on every rank of a node of ``owner.size`` CP ranks: the
+    most any of them needs (``staged_slots``), so every rank allocates the same bytes."""
     return max(staged_slots(PageOwnership(rank, owner.size), pages, tokens, page_size) for rank in range(owner.size))
 
 
