@@ -199,9 +199,10 @@ def test_up_with_a_draft_equals_no_speculation(tiny: Path, drafts: dict[str, Pat
 
 @pytest.mark.slow
 def test_up_with_ngram_equals_no_speculation(tiny: Path, tmp_path: Path) -> None:
-    """``tierserve up --speculative-algorithm NGRAM`` (no draft model; the decode node looks up the
-    prompt it was handed and its output): greedy outputs equal decoding without speculation and
-    ``usage.speculative`` a single engine's counts, drafts accepted on prompts that repeat."""
+    """``tierserve up --speculative-algorithm NGRAM`` (no draft model; the decode node, here of two
+    tensor ranks, looks up the prompt it was handed and its output): greedy outputs equal decoding
+    without speculation and ``usage.speculative`` a single engine's counts, drafts accepted on
+    prompts that repeat."""
     model = add_word_tokenizer(make_looping_model(tiny, tmp_path / "looping"), byte_level=True)
     seeds = [[(5 * i + k) % 380 + 2 for i in range(10)] for k in range(4)]
     continued = reference(model, seeds)  # the model's cycles: prompts whose text repeats
@@ -216,7 +217,7 @@ def test_up_with_ngram_equals_no_speculation(tiny: Path, tmp_path: Path) -> None
     port = free_port()
     with running_up(port, "--model", str(model), "--dtype", "float32", "--no-l3", "--page-size", str(PAGE),
                     "--chunked-prefill-size", str(CHUNK), "--max-total-tokens", "4096",
-                    "--speculative-algorithm", "NGRAM"):
+                    "--speculative-algorithm", "NGRAM", "--decode-tp-size", "2"):
         answers = asyncio.run(_complete_all(port, batch))
         assert [ids_of(a["choices"][0]["logprobs"]["tokens"]) for a in answers] == plain
         assert [a["usage"]["speculative"]["accepted_tokens"] for a in answers] == want

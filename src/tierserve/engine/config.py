@@ -127,9 +127,10 @@ class EngineConfig:
         if steps is not None and tokens is not None and tokens != steps + 1:
             raise ValueError(f"drafts are a chain (topk 1): --speculative-num-draft-tokens must be "
                              f"--speculative-num-steps + 1, not {tokens} with {steps} steps")
-        if self.num_ranks > 1:
+        if self.num_ranks > 1 and algorithm is not SpeculativeAlgorithm.NGRAM:
             raise ValueError(f"--speculative-algorithm {algorithm.value} with --tp-size, --pp-size or --cp-size "
-                             "above 1 is not supported yet: speculation runs on a single engine")
+                             "above 1 is not supported yet (its draft model runs on a single rank): use "
+                             "--speculative-algorithm NGRAM there, or one rank (docs/speculative.md, layouts)")
 
     def _check_algorithm(self) -> None:
         """A draft model exactly for STANDALONE; the n-gram settings only for NGRAM, and in range."""
