@@ -19,6 +19,7 @@ class SpeculativeAlgorithm(Enum):
 
     STANDALONE = "STANDALONE"  # a draft model (``speculative_draft_model_path``)
     NGRAM = "NGRAM"  # prompt lookup: the request's own earlier tokens, no second model
+    EAGLE = "EAGLE"  # a draft head fed with the target's hidden states (``speculative_draft_model_path``)
 
     @classmethod
     def _missing_(cls, value: object) -> SpeculativeAlgorithm | None:
@@ -134,8 +135,8 @@ class EngineConfig:
     def _check_algorithm(self) -> None:
         """A draft model exactly for STANDALONE; the n-gram settings only for NGRAM, and in range."""
         algorithm, draft = self.spec_algorithm, self.speculative_draft_model_path
-        if algorithm is SpeculativeAlgorithm.STANDALONE and draft is None:
-            raise ValueError("--speculative-algorithm STANDALONE needs --speculative-draft-model-path")
+        if algorithm in (SpeculativeAlgorithm.STANDALONE, SpeculativeAlgorithm.EAGLE) and draft is None:
+            raise ValueError(f"--speculative-algorithm {algorithm.value} needs --speculative-draft-model-path")
         if algorithm is SpeculativeAlgorithm.NGRAM and draft is not None:
             raise ValueError("--speculative-algorithm NGRAM drafts from the request's own tokens: it takes no "
                              "--speculative-draft-model-path")
