@@ -86,7 +86,7 @@ def test_published_layout_with_model_prefix_and_own_embedding_loads(heads: dict[
     assert runs[1].spec.drafter.head.embed_tokens is not None
     tensors["model.final_norm.weight"] = tensors["model.fc.weight"][0].clone()
     save_file(tensors, str(own / "model.safetensors"))
-    with pytest.raises(ValueError, match="unexpected tensor model.final_norm.weight"):
+    with pytest.raises(ValueError, match=r"unexpected tensor model\.final_norm\.weight"):
         _engine(heads["target"], own)
 
 
