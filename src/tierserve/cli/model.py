@@ -57,7 +57,7 @@ def _fetch_draft(args: argparse.Namespace) -> int:
 
 def _fetch_eagle(args: argparse.Namespace) -> int:
     """A random EAGLE head for ``--target`` (or the built-in model), written once; prints its folder."""
-    from tierserve.model.eagle import write_random_eagle
+    from tierserve.model.eagle import random_eagle_for
     from tierserve.model.fetch import fetch_builtin_model
 
     if args.draft_layers:
@@ -67,8 +67,5 @@ def _fetch_eagle(args: argparse.Namespace) -> int:
     if not (target / "config.json").is_file():
         print(f"tierserve: --target {target} is not a model folder (no config.json)", file=sys.stderr)
         return 2
-    out = target.parent / f"{target.name}-eagle-random"
-    if not (out / "model.safetensors").is_file():
-        write_random_eagle(target, out)
-    print(out)
+    print(random_eagle_for(target))
     return 0

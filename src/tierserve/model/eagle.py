@@ -140,6 +140,13 @@ def write_random_eagle(target_dir: Path, out_dir: Path, layers: int = 1, seed: i
     return out_dir
 
 
+def random_eagle_for(target_dir: Path) -> Path:
+    """The random head of ``write_random_eagle`` for ``target_dir``, beside it as
+    ``<name>-eagle-random`` (written once)."""
+    out = target_dir.parent / f"{target_dir.name}-eagle-random"
+    return out if (out / "model.safetensors").is_file() else write_random_eagle(target_dir, out)
+
+
 def _eagle_json(config: dict, target: ModelConfig, layers: int) -> dict:
     """The target's config as a Llama-layout head's: the target's q/k norm and biases are not part of it."""
     keep = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
