@@ -62,7 +62,8 @@ class EngineConfig:
     proposed in a chain and verified as ``speculative_num_draft_tokens`` = steps + 1 tokens per step
     (SGLang's meaning with topk 1; give either, default 3 steps); not with TP, PP or CP.
     ``speculative_draft_layout`` says where the draft's KV is cached (``DraftLayout``).
-    ``speculative_algorithm``: ``STANDALONE`` (the default when a draft model is given) or ``NGRAM``
+    ``speculative_algorithm``: ``STANDALONE`` (the default when a draft model is given), ``EAGLE`` (the
+    draft model path is an EAGLE-1 head fed with the target's hidden states) or ``NGRAM``
     (prompt lookup, no draft model: the latest earlier occurrence of the request's last
     ``speculative_ngram_max_match_window_size`` down to ``..._min_...`` tokens, searched in its latest
     ``speculative_ngram_window`` tokens, proposes the tokens that followed it).
