@@ -37,7 +37,7 @@ def heads(tmp_path_factory) -> dict[str, Path]:
 
 def _engine(target: Path, head: Path | None, **kw) -> Engine:
     spec = {"speculative_draft_model_path": head, "speculative_algorithm": SpeculativeAlgorithm.EAGLE} if head else {}
-    return Engine(EngineConfig(target, dtype="float32", page_size=4, max_total_tokens=2048, **spec, **kw))
+    return Engine(EngineConfig(target, dtype="float32", page_size=4, **({"max_total_tokens": 2048} | spec | kw)))
 
 
 @pytest.mark.parametrize("name", ["random", "mixed"])
@@ -52,6 +52,16 @@ def test_greedy_batched_chunked_output_equals_transformers(heads: dict[str, Path
     if name == "mixed":
         assert 0 < c.accepted_tokens < c.draft_tokens
     assert_no_pages_held(engine)
+
+
+def test_greedy_under_preemption_equals_no_speculation(heads: dict[str, Path]) -> None:
+    """A preempted request's rows and features are recomputed with its prefix (or restored with it)."""
+    prompts = spread_prompts(8, 12, seed=9)
+    want = _engine(heads["target"], None).generate(prompts, GREEDY)
+    small = _engine(heads["target"], heads["mixed"], max_total_tokens=96, speculative_num_steps=4)
+    assert small.generate(prompts, GREEDY) == want
+    assert small.scheduler.num_preemptions > 0 and small.spec.counters.accepted_tokens > 0
+    assert_no_pages_held(small)
 
 
 def test_a_head_recomputing_the_target_agrees_with_it(heads: dict[str, Path]) -> None:
