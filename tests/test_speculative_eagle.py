@@ -8,9 +8,11 @@ tests/test_speculative_sampling.py."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from helpers.engine_runs import assert_no_pages_held, spread_prompts
 from helpers.rank_servers import NEW_TOKENS, hf_greedy
 from helpers.tiny_models import make_eagle_target, make_mimic_eagle
@@ -120,14 +122,22 @@ def test_model_fetch_writes_a_random_head_for_a_target(heads: dict[str, Path], c
      "hidden size (32) differs from the target's (64)"),
     (["--speculative-algorithm", "eagle", "--speculative-draft-model-path", "HEAD",
       "--speculative-ngram-window", "9"], "need --speculative-algorithm NGRAM"),
+    (["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", "EAGLE3"], "is an EAGLE-3 head"),
+    (["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", "TARGET"], "has no fc.weight"),
 ])
 def test_bad_eagle_flags_are_refused_at_start(heads: dict[str, Path], tmp_path: Path, capsys, flags: list[str],
                                               message: str) -> None:
-    names = {"HEAD": str(heads["random"])}
+    names = {"HEAD": str(heads["random"]), "TARGET": str(heads["target"])}
+    config = json.loads((heads["random"] / "config.json").read_text())
     if "WIDE" in flags:
-        config = json.loads((heads["random"] / "config.json").read_text())
         (tmp_path / "config.json").write_text(json.dumps(config | {"hidden_size": 32}))
+        shutil.copy(heads["random"] / "model.safetensors", tmp_path / "model.safetensors")
         names["WIDE"] = str(tmp_path)
+    if "EAGLE3" in flags:  # EAGLE-3's names: a midlayer over 2H, fc over the target's 3 hidden states, d2t
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        save_file({"midlayer.self_attn.q_proj.weight": torch.zeros(64, 128), "fc.weight": torch.zeros(64, 192),
+                   "d2t": torch.zeros(384, dtype=torch.int64)}, str(tmp_path / "model.safetensors"))
+        names["EAGLE3"] = str(tmp_path)
     args = build_parser().parse_args(["serve", "--model", str(heads["target"]), *[names.get(f, f) for f in flags]])
     assert args.func(args) == 2
     assert message in capsys.readouterr().err

@@ -77,8 +77,33 @@ def eagle_config(draft_dir: Path) -> tuple[ModelConfig, set[str], bool]:
     """The head's shapes, the tensors it brings of its own (embedding, LM head) and whether ``fc``
     has a bias, read from ``draft_dir``'s config.json and tensor names."""
     cfg = ModelConfig.from_dir(draft_dir)
-    names = {_target(name)[0] for name, _ in _checkpoint_tensors(draft_dir)}
+    names = _names(draft_dir)
     return cfg, {n for n in _OWN if n in names}, "fc.bias" in names
+
+
+def layout_problem(draft_dir: Path) -> str | None:
+    """Why ``draft_dir`` is not an EAGLE-1 head, from its tensor names alone (None: it is one)."""
+    names = _names(draft_dir)
+    if any(n.startswith(("midlayer.", "d2t", "t2d")) for n in names):
+        return (f"{draft_dir} is an EAGLE-3 head (midlayer, d2t): only the EAGLE-1 layout is supported "
+                "(docs/speculative.md)")
+    if "fc.weight" not in names:
+        return f"{draft_dir} is not an EAGLE-1 head: it has no fc.weight"
+    return None
+
+
+def _names(draft_dir: Path) -> set[str]:
+    """Our names of the checkpoint's tensors, read without loading them."""
+    from safetensors import safe_open
+
+    files = sorted(Path(draft_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{draft_dir}: no *.safetensors files")
+    names = set()
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            names |= {_target(name)[0] for name in f.keys()}  # noqa: SIM118 - safe_open is not a dict
+    return names
 
 
 def load_eagle(draft_dir: str | Path, target: CausalLM, first_layer: int, device: torch.device,

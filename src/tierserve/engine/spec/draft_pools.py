@@ -14,7 +14,7 @@ from tierserve.cache.options import DraftLayout
 from tierserve.core.model_config import ModelConfig
 from tierserve.engine.config import EngineConfig, SpeculativeAlgorithm
 from tierserve.model.attention import KVStore, LayerHooks
-from tierserve.model.eagle import feature_layers
+from tierserve.model.eagle import feature_layers, layout_problem
 from tierserve.model.identity import model_identity
 
 
@@ -44,8 +44,14 @@ def draft_geometry(draft: ModelConfig, target: KVGeometry, eagle: bool = False) 
     return KVGeometry(plane + draft.num_layers, draft.num_kv_heads, draft.head_dim, target.page_size, target.dtype)
 
 
-def check_eagle(target_dir: Path, draft: ModelConfig) -> None:
-    """An EAGLE head reads the target's hidden states: their widths must match."""
+def check_eagle(target_dir: Path, draft_dir: Path, draft: ModelConfig) -> None:
+    """``draft_dir`` holds an EAGLE-1 head, and it reads the target's hidden states: their widths must match."""
+    try:
+        problem = layout_problem(Path(draft_dir))
+    except FileNotFoundError as exc:
+        raise DraftMismatchError(str(exc)) from None
+    if problem is not None:
+        raise DraftMismatchError(problem)
     hidden = ModelConfig.from_dir(Path(target_dir)).hidden_size
     if draft.hidden_size != hidden:
         raise DraftMismatchError(f"the EAGLE head's hidden size ({draft.hidden_size}) differs from the target's "
@@ -74,7 +80,7 @@ def draft_problem(config: EngineConfig) -> str | None:
     try:
         draft = check_draft(config.model_dir, path, config.max_model_len)
         if config.spec_algorithm is SpeculativeAlgorithm.EAGLE:
-            check_eagle(config.model_dir, draft)
+            check_eagle(config.model_dir, path, draft)
         target = ModelConfig.from_dir(config.model_dir)
         shape = [KVGeometry(c.num_layers, c.num_kv_heads, c.head_dim, 1, torch.float32) for c in (target, draft)]
         resolve_layout(config.speculative_draft_layout, *shape)
@@ -100,7 +106,7 @@ class DraftPlan:
             return None
         draft, eagle = check_draft(config.model_dir, path, max_model_len), config.spec_algorithm
         if eagle is SpeculativeAlgorithm.EAGLE:
-            check_eagle(config.model_dir, draft)
+            check_eagle(config.model_dir, path, draft)
         geometry = draft_geometry(draft, target, eagle is SpeculativeAlgorithm.EAGLE)
         layout = resolve_layout(config.speculative_draft_layout, target, geometry)
         kind = "/eagle" if eagle is SpeculativeAlgorithm.EAGLE else ""  # the same folder read another way
