@@ -1,5 +1,6 @@
 """Speculative decoding (docs/speculative.md): a draft source proposes tokens (``Drafter``: a draft
-model, ``standalone.py``, or prompt lookup, ``ngram.py``), the target verifies them in one pass."""
+model, ``standalone.py``, an EAGLE head, ``eagle.py``, or prompt lookup, ``ngram.py``), the target
+verifies them in one pass."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from tierserve.engine.restores import StepRestores
 from tierserve.engine.scheduler import Scheduled
 from tierserve.engine.spec.draft_pools import DraftKV
 from tierserve.engine.spec.drafts import Drafted, Drafter, SpecCounters, row_sampling
+from tierserve.engine.spec.eagle import EagleDrafter
 from tierserve.engine.spec.ngram import NgramDrafter
 from tierserve.engine.spec.sampling import verify
 from tierserve.engine.spec.spans import Span, forward
@@ -52,6 +54,9 @@ class SpecDecoder:
         elif algorithm is SpeculativeAlgorithm.STANDALONE and draft_kv is not None:
             path = config.speculative_draft_model_path
             drafter = ModelDrafter(path, draft_kv, device, pool.geometry.dtype, counters)
+        elif algorithm is SpeculativeAlgorithm.EAGLE and draft_kv is not None:
+            path = config.speculative_draft_model_path
+            drafter = EagleDrafter(path, draft_kv, target, device, pool.geometry.dtype, counters)
         else:
             return None
         on_ranks = runner if algorithm is SpeculativeAlgorithm.NGRAM else None  # a draft model runs on one rank
@@ -75,6 +80,7 @@ class SpecDecoder:
         drafts = self.drafter.propose(batch, hooks)
         spans = [self._target_span(s, drafts.get(s.request.request_id)) for s in batch]
         hidden = forward(self.target, self.pool, spans, hooks)
+        self.drafter.target_pass(spans, hidden, hooks)
         self.drafter.sync([s for s in batch if s.draft_tokens == 0], hooks)
         logprobs = StepLogprobs(prompt=self._prompt_logprobs(batch, hidden))
         out = StepResult({}, logprobs)
