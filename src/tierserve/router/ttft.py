@@ -1,12 +1,13 @@
 """The router's prediction of a request's time to first token (``--admission ttft``, docs/router.md).
 
 Each worker that computes prompts (every prefill node, and a decode node for the prompts it
-prefills itself) has a ``Lane``: the prompt tokens this router sent it whose first token has not
-come, by priority, and its prefill rate measured from those first tokens. A new request's tokens
-on a worker are those the router's KV index does not see it holding (L1 and L2; L3 is not indexed
-per worker, so its pages count as computed: an over-estimate). The prediction is the best
-worker's: the work ahead at the request's priority or a more important one plus its own, over
-that worker's rate. Workers not yet measured give none.
+prefills itself) has a ``Lane``: the prompt tokens still to compute there by priority, as the node
+reports them (``LoadReport.prefill_backlog``: every router's requests) corrected by what this
+router sent or saw start since the report, and its prefill rate measured from this router's
+first tokens. A new request's tokens on a worker are those the router's KV index does not see it
+holding (L1 and L2; L3 is not indexed per worker, so its pages count as computed: an
+over-estimate). The prediction is the best worker's: the work ahead at the request's priority or
+a more important one plus its own, over that worker's rate. Workers not yet measured give none.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import AsyncIterator, Callable
 
 from tierserve.api.admission import Lane, tracked
 from tierserve.core.outputs import RequestOutput
+from tierserve.core.sampling import MAX_INT32
 from tierserve.router.disaggregation import Disaggregation, uncached_tokens
 from tierserve.router.policies import CachedPrefix
 from tierserve.router.registry import Registry, Worker
@@ -31,7 +33,11 @@ class TTFTView:
         self.lanes: dict[str, Lane] = {}
 
     def lane(self, worker: Worker) -> Lane:
-        return self.lanes.setdefault(worker.address, Lane())
+        """``worker``'s lane, up to date with the node's last load report (``Lane.observe``)."""
+        lane = self.lanes.setdefault(worker.address, Lane())
+        report = worker.report
+        lane.observe(report, report.prefill_backlog if report is not None else None)
+        return lane
 
     def predict(self, prompt: list[int], priority: int, salt: str) -> float | None:
         """Seconds to the first token on the best worker that would compute the prompt: any prefill
@@ -51,8 +57,14 @@ class TTFTView:
         return tracked(self.lane(worker), request_id, priority, tokens, outputs)
 
     def state(self) -> dict[str, object]:
-        """For ``/debug/state``: each lane's outstanding tokens and rate."""
-        return {address: {"ahead_tokens": sum(t for _, t in lane.ahead.values()), "rate": lane.rate}
+        """For ``/debug/state``: each lane's own outstanding tokens, rate, the node's reported
+        backlog and the work ahead of the least important request."""
+        for worker in self.registry.listed():
+            if worker.address in self.lanes:
+                self.lane(worker)  # brought up to date with the node's report
+        return {address: {"ahead_tokens": sum(t for _, t in lane.ahead.values()), "rate": lane.rate,
+                           "work_ahead": lane.work_ahead(MAX_INT32),
+                           "node_backlog": dict(lane.reported) if lane.reported is not None else None}
                 for address, lane in self.lanes.items()}
 
     def _uncached(self, prompt: list[int], held: CachedPrefix) -> int:
