@@ -146,19 +146,23 @@ class Lane:
             return None
         return self._tokens / self._seconds
 
-    def predict(self, priority: int, tokens: int) -> float | None:
+    def predict(self, priority: int, tokens: int, loaded: int = 0, load_rate: float = 0.0) -> float | None:
         """Seconds until the first token of a request of ``priority`` with ``tokens`` to compute:
         the work ahead of it (``work_ahead``: at its priority or a more important one, as a
         priority scheduler admits) and its own, at the rate more important work leaves it (the
         measured rate less the recent demand of more important work, which keeps coming and goes
         first: a priority queue's wait); ``math.inf`` when that demand takes the whole rate; None
-        before a measurement."""
+        before a measurement. ``loaded`` more tokens come from L3 at ``load_rate`` tokens/s, read
+        while the work ahead runs (a prefetch starts on arrival); with no rate they count as computed."""
         rate = self.rate
         if rate is None:
             return None
-        ahead = self.work_ahead(priority)
+        if load_rate <= 0:
+            tokens, loaded = tokens + loaded, 0
         spare = rate - sum(t for _, p, t in self.recent if p < priority) / DEMAND_WINDOW_S
-        return (ahead + tokens) / spare if spare > 0 else math.inf
+        if spare <= 0:
+            return math.inf
+        return max(self.work_ahead(priority) / spare, loaded / load_rate if loaded else 0.0) + tokens / spare
 
 
 async def tracked(lane: Lane, request_id: str, priority: int, tokens: int,

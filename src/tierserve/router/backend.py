@@ -40,7 +40,7 @@ from tierserve.router.policies import CachedPrefix, Policy, PrefixLookup
 from tierserve.router.registry import Registry, Worker
 from tierserve.router.roles import Role
 from tierserve.router.slots import PrioritySlots
-from tierserve.router.ttft import TTFTView
+from tierserve.router.ttft import L3LookupFactory, TTFTView
 from tierserve.tracing import NO_SPAN, Span, current_span
 from tierserve.tracing import attributes as at
 
@@ -85,9 +85,10 @@ class PDBackend:
 
     def __init__(self, registry: Registry, prefill: Policy, decode: Policy, options: RouterOptions,
                  max_model_len: int, lookup: PrefixLookupFactory | None = None,
-                 warm: Callable[[], bool] | None = None) -> None:
+                 warm: Callable[[], bool] | None = None, l3_lookup: L3LookupFactory | None = None) -> None:
         """``warm``: whether the routing view is complete enough to take traffic (the KV index
-        synced: ``CacheView.synced``); readiness waits for it."""
+        synced: ``CacheView.synced``); readiness waits for it. ``l3_lookup``: the prompt's pages in
+        L3 after a worker's own (``CacheView.l3_lookup``), for the TTFT prediction."""
         self.registry, self.prefill_policy, self.decode_policy = registry, prefill, decode
         self.warm = warm or (lambda: True)
         self.options, self.max_model_len = options, max_model_len
@@ -99,7 +100,7 @@ class PDBackend:
         self.served = {path: 0 for path in ServedPath}  # tries started per path
         self.forks = 0  # sibling choices sent to their leader's decode node (docs/pd.md, n choices)
         self.routes: deque[dict[str, object]] = deque(maxlen=256)  # recent decisions, for operators and tests
-        self.ttft = TTFTView(registry, self.lookup, self.disaggregation)  # admission by predicted TTFT
+        self.ttft = TTFTView(registry, self.lookup, self.disaggregation, l3_lookup)  # admission by predicted TTFT
 
     @property
     def queued(self) -> int:

@@ -5,9 +5,11 @@ prefills itself) has a ``Lane``: the prompt tokens still to compute there by pri
 reports them (``LoadReport.prefill_backlog``: every router's requests) corrected by what this
 router sent or saw start since the report, and its prefill rate measured from this router's
 first tokens. A new request's tokens on a worker are those the router's KV index does not see it
-holding (L1 and L2; L3 is not indexed per worker, so its pages count as computed: an
-over-estimate). The prediction is the best worker's: the work ahead at the request's priority or
-a more important one plus its own, over that worker's rate. Workers not yet measured give none.
+holding in L1 or L2; of those, the pages after them that the cluster's L3 holds (any node's
+``storage`` events) are loaded, at the L3 read rate the node reports, while the work ahead runs;
+the rest are computed. The prediction is the best worker's: the work ahead at the request's
+priority or a more important one (or the L3 load, if longer) plus its own computed tokens, over
+that worker's rate. Workers not yet measured give none.
 """
 
 from __future__ import annotations
@@ -23,13 +25,16 @@ from tierserve.router.registry import Registry, Worker
 from tierserve.router.roles import Role
 
 LookupFactory = Callable[[list[int], str], Callable[[Worker], CachedPrefix]]
+L3LookupFactory = Callable[[list[int], str], Callable[[int], int]]  # prompt -> (pages held -> L3 pages after)
 
 
 class TTFTView:
     """Lanes by worker address (a worker that comes back at the same address keeps its rate)."""
 
-    def __init__(self, registry: Registry, lookup: LookupFactory, disaggregation: Disaggregation) -> None:
+    def __init__(self, registry: Registry, lookup: LookupFactory, disaggregation: Disaggregation,
+                 l3_lookup: L3LookupFactory | None = None) -> None:
         self.registry, self.lookup, self.disaggregation = registry, lookup, disaggregation
+        self.l3_lookup = l3_lookup or (lambda prompt, salt: lambda held: 0)
         self.lanes: dict[str, Lane] = {}
 
     def lane(self, worker: Worker) -> Lane:
@@ -43,12 +48,20 @@ class TTFTView:
         """Seconds to the first token on the best worker that would compute the prompt: any prefill
         node, or a decode node holding all but fewer than ``--disaggregation-threshold`` of its
         tokens; None when none of them was measured yet."""
-        lookup = self.lookup(prompt, salt)
+        lookup, l3 = self.lookup(prompt, salt), self.l3_lookup(prompt, salt)
         candidates = [(w, self._uncached(prompt, lookup(w))) for w in self.registry.available(Role.PREFILL)]
         candidates += [(w, n) for w in self.registry.available(Role.DECODE)
                        if (n := self._uncached(prompt, lookup(w))) < self.disaggregation.threshold]
-        known = [p for w, n in candidates if (p := self.lane(w).predict(priority, n)) is not None]
+        known = [p for w, n in candidates if (p := self._predict(w, n, lookup(w), l3, priority)) is not None]
         return min(known, default=None)
+
+    def _predict(self, worker: Worker, uncached: int, held: CachedPrefix, l3: Callable[[int], int],
+                 priority: int) -> float | None:
+        """``worker``'s lane's prediction, the prompt's pages in L3 after those it holds loaded, not
+        computed (at the rate the node reports; as computed while it has not read from L3 yet)."""
+        loaded = min(l3(held.device + held.host) * self._page_size(), uncached - 1)
+        rate = worker.report.l3_read_tokens_per_second if worker.report is not None else 0.0
+        return self.lane(worker).predict(priority, uncached - loaded, loaded, rate)
 
     def track(self, worker: Worker, request_id: str, tokens: int, priority: int,
               outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
@@ -68,5 +81,8 @@ class TTFTView:
                 for address, lane in self.lanes.items()}
 
     def _uncached(self, prompt: list[int], held: CachedPrefix) -> int:
+        return uncached_tokens(len(prompt), held, self._page_size())
+
+    def _page_size(self) -> int:
         info = self.registry.info
-        return uncached_tokens(len(prompt), held, info.identity.page_size if info is not None else 1)
+        return info.identity.page_size if info is not None else 1
