@@ -17,6 +17,7 @@ cluster and class: TTFT p50/p99, goodput (requests finished within their deadlin
 
     .venv/bin/python benchmarks/priority_overload.py [--prompt 256] [--max-tokens 8] [--requests 240]
         [--overload 2] [--high-share 0.3] [--chunked-prefill-size 128] [--out /tmp/priority_overload.json]
+        [--setups priority --rate R --deadlines-ms H,L]   # one setup alone, at another run's load
 """
 
 from __future__ import annotations
@@ -96,12 +97,19 @@ def main() -> None:
     p.add_argument("--high-share", type=float, default=0.3)
     p.add_argument("--high-deadline", type=float, default=3.0, help="x the unloaded p99 TTFT")
     p.add_argument("--low-deadline", type=float, default=10.0, help="x the unloaded p99 TTFT")
+    p.add_argument("--rate", type=float, help="the overload's arrivals per second (default: --overload x the "
+                                               "capacity, measured first)")
+    p.add_argument("--deadlines-ms", help="high,low deadlines in ms (default: from the first setup's unloaded p99)")
     p.add_argument("--setups", default=",".join(SETUPS),
                    help="comma-separated setups to run, in this order (the first one measures the capacity)")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     logs = Path(tempfile.mkdtemp(prefix="priority_overload-"))
     results: dict[str, Any] = {"args": vars(args) | {"out": str(args.out)}, "logs": str(logs)}
+    if args.rate:  # another run's load, to repeat it as it was
+        results["rate"] = args.rate
+    if args.deadlines_ms:
+        results["deadlines_ms"] = [int(v) for v in args.deadlines_ms.split(",")]
     for name in args.setups.split(","):
         flags = SETUPS[name]
         node_flags = ["--no-l3", "--chunked-prefill-size", str(args.chunked_prefill_size)]
@@ -128,8 +136,8 @@ def main() -> None:
 
 
 def table(r: dict[str, Any]) -> str:
-    lines = [f"capacity {r['capacity_rps']:.2f} req/s; offered {r['rate']:.2f} req/s; deadlines (ms) high "
-             f"{r['deadlines_ms'][0]}, low {r['deadlines_ms'][1]}",
+    lines = [f"capacity {r.get('capacity_rps', float('nan')):.2f} req/s; offered {r['rate']:.2f} req/s; "
+             f"deadlines (ms) high {r['deadlines_ms'][0]}, low {r['deadlines_ms'][1]}",
              "| setup | unloaded high TTFT p50 / p99 (s) | high TTFT p50 / p99 (s) | high p99 / unloaded p99 | "
              "low TTFT p50 / p99 (s) | goodput (req/s) | high good / shed / late | low good / shed / late | "
              "router retries |",
