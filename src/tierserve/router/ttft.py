@@ -49,10 +49,11 @@ class TTFTView:
         node, or a decode node holding all but fewer than ``--disaggregation-threshold`` of its
         tokens; None when none of them was measured yet."""
         lookup, l3 = self.lookup(prompt, salt), self.l3_lookup(prompt, salt)
-        candidates = [(w, self._uncached(prompt, lookup(w))) for w in self.registry.available(Role.PREFILL)]
-        candidates += [(w, n) for w in self.registry.available(Role.DECODE)
-                       if (n := self._uncached(prompt, lookup(w))) < self.disaggregation.threshold]
-        known = [p for w, n in candidates if (p := self._predict(w, n, lookup(w), l3, priority)) is not None]
+        held = {w: lookup(w) for role in (Role.PREFILL, Role.DECODE) for w in self.registry.available(role)}
+        candidates = [(w, self._uncached(prompt, h), h) for w, h in held.items()]
+        candidates = [(w, n, h) for w, n, h in candidates
+                      if w.role is Role.PREFILL or n < self.disaggregation.threshold]
+        known = [p for w, n, h in candidates if (p := self._predict(w, n, h, l3, priority)) is not None]
         return min(known, default=None)
 
     def _predict(self, worker: Worker, uncached: int, held: CachedPrefix, l3: Callable[[int], int],
