@@ -17,6 +17,7 @@ cluster and class: TTFT p50/p99, goodput (requests finished within their deadlin
 
     .venv/bin/python benchmarks/priority_overload.py [--prompt 256] [--max-tokens 8] [--requests 240]
         [--overload 2] [--high-share 0.3] [--chunked-prefill-size 128] [--out /tmp/priority_overload.json]
+        [--setups priority --rate R --deadlines-ms H,L]   # one setup alone, at another run's load
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import httpx
 from followup_l3 import Cluster
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -74,6 +76,12 @@ def overload(url: str, args: argparse.Namespace, rate: float, deadlines: tuple[i
     return {"goodput": s["goodput"], "by_priority": s["by_priority"], "duration_s": s["duration_s"]}
 
 
+def router_state(url: str) -> dict[str, Any]:
+    """The router's retries (a busy decode node's waits among them) and its lanes at the end."""
+    state = httpx.get(f"{url}/debug/state", timeout=10).json()
+    return {"retries": state["retries"], "lanes": state["lanes"]}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prompt", type=int, default=256)
@@ -89,11 +97,21 @@ def main() -> None:
     p.add_argument("--high-share", type=float, default=0.3)
     p.add_argument("--high-deadline", type=float, default=3.0, help="x the unloaded p99 TTFT")
     p.add_argument("--low-deadline", type=float, default=10.0, help="x the unloaded p99 TTFT")
+    p.add_argument("--rate", type=float, help="the overload's arrivals per second (default: --overload x the "
+                                               "capacity, measured first)")
+    p.add_argument("--deadlines-ms", help="high,low deadlines in ms (default: from the first setup's unloaded p99)")
+    p.add_argument("--setups", default=",".join(SETUPS),
+                   help="comma-separated setups to run, in this order (the first one measures the capacity)")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     logs = Path(tempfile.mkdtemp(prefix="priority_overload-"))
     results: dict[str, Any] = {"args": vars(args) | {"out": str(args.out)}, "logs": str(logs)}
-    for name, flags in SETUPS.items():
+    if args.rate:  # another run's load, to repeat it as it was
+        results["rate"] = args.rate
+    if args.deadlines_ms:
+        results["deadlines_ms"] = [int(v) for v in args.deadlines_ms.split(",")]
+    for name in args.setups.split(","):
+        flags = SETUPS[name]
         node_flags = ["--no-l3", "--chunked-prefill-size", str(args.chunked_prefill_size)]
         cluster = Cluster(name, ROOT / "src", logs, [*node_flags, *flags], {})
         try:
@@ -107,7 +125,8 @@ def main() -> None:
                 factors = (args.high_deadline, args.low_deadline)
                 results["deadlines_ms"] = [round(base["p99"] * 1000 * k) for k in factors]
             results[name] = {"unloaded_ttft_s": base,
-                             "overload": overload(cluster.url, args, results["rate"], tuple(results["deadlines_ms"]))}
+                             "overload": overload(cluster.url, args, results["rate"], tuple(results["deadlines_ms"])),
+                             "router": router_state(cluster.url)}
             print(name, json.dumps(results[name], indent=1), flush=True)
         finally:
             stop(cluster.proc)
@@ -117,17 +136,18 @@ def main() -> None:
 
 
 def table(r: dict[str, Any]) -> str:
-    lines = [f"capacity {r['capacity_rps']:.2f} req/s; offered {r['rate']:.2f} req/s; deadlines (ms) high "
-             f"{r['deadlines_ms'][0]}, low {r['deadlines_ms'][1]}",
+    lines = [f"capacity {r.get('capacity_rps', float('nan')):.2f} req/s; offered {r['rate']:.2f} req/s; "
+             f"deadlines (ms) high {r['deadlines_ms'][0]}, low {r['deadlines_ms'][1]}",
              "| setup | unloaded high TTFT p50 / p99 (s) | high TTFT p50 / p99 (s) | high p99 / unloaded p99 | "
-             "low TTFT p50 / p99 (s) | goodput (req/s) | high good / shed / late | low good / shed / late |",
-             "|---|---:|---:|---:|---:|---:|---|---|"]
-    for name in SETUPS:
+             "low TTFT p50 / p99 (s) | goodput (req/s) | high good / shed / late | low good / shed / late | "
+             "router retries |",
+             "|---|---:|---:|---:|---:|---:|---|---|---:|"]
+    for name in [n for n in SETUPS if n in r]:
         u, o = r[name]["unloaded_ttft_s"], r[name]["overload"]
         high, low = o["by_priority"].get(HIGH, {}), o["by_priority"].get(LOW, {})
         lines.append(f"| {name} | {u['median']:.3f} / {u['p99']:.3f} | {_ttft(high)} | "
                      f"{_ratio(high, u)} | {_ttft(low)} | {o['goodput']['goodput']:.2f} | {_counts(high)} | "
-                     f"{_counts(low)} |")
+                     f"{_counts(low)} | {r[name].get('router', {}).get('retries', '-')} |")
     return "\n".join(lines)
 
 

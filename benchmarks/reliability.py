@@ -4,7 +4,8 @@ Starts ``tierserve up`` on a tiny random Llama that speaks the built-in model's 
 (2 prefill, 2 decode, ``mooncake_master``, router) and, beside it, a node without prefix cache
 whose greedy outputs are the reference. Runs the experiments of ``faults.experiments`` one after
 the other on the same cluster (the injected transfer failures on a second cluster whose prefill
-nodes fail that share of their transfers, the killed router on one with two routers), and after
+nodes fail that share of their transfers, the killed router on one with two routers, the overload
+with priorities on one whose nodes schedule by priority), and after
 each waits up to 10 s for every node to give its pages back. Writes ``benchmarks/RELIABILITY.md``:
 per experiment, requests sent, succeeded, failed (by kind and status), wrong outputs, what nodes
 still held 10 s after, RSS growth of the cluster's processes, recovery time.
@@ -33,6 +34,7 @@ from faults.experiments import (
     Row,
     kill_router,
     loaded,
+    overload_priorities,
     settle,
     transfer_failures,
 )
@@ -122,7 +124,7 @@ def main() -> int:
     p.add_argument("--workdir", type=Path, help="logs and the tiny model (default: a temporary folder)")
     args = p.parse_args()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="tierserve-reliability-"))
-    every = [*EXPERIMENTS, transfer_failures, kill_router, *RANK_EXPERIMENTS]
+    every = [*EXPERIMENTS, transfer_failures, kill_router, overload_priorities, *RANK_EXPERIMENTS]
     chosen = [e for e in every if not args.only or e.__name__ in args.only.split(",")]
     model = make_model(workdir / "tiny-llama", fetch_builtin_model(progress=False))
     ref_proc, ref_url = start_reference(model, workdir)
@@ -135,6 +137,9 @@ def main() -> int:
             rows += with_cluster(model, workdir / "faulty", reference, [transfer_failures], TRANSFER_FAULT_RATE)
         if kill_router in chosen:
             rows += with_cluster(model, workdir / "routers", reference, [kill_router], 0.0, ["--routers", "2"])
+        if overload_priorities in chosen:
+            rows += with_cluster(model, workdir / "priorities", reference, [overload_priorities], 0.0,
+                                 ["--schedule-policy", "priority"])
         if rank_experiments := [e for e in chosen if e in RANK_EXPERIMENTS]:
             rows += with_cluster(model, workdir / "ranks", reference, rank_experiments, 0.0, RANK_LAYOUT)
     finally:

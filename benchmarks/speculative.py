@@ -9,6 +9,13 @@ verification step, and where a speculative step's time goes.
 STANDALONE (the default; a draft model): the draft's cost per chain pass (one draft token for each
 request), the target's verification pass per step, against a plain decode step; prompts ``TEXTS``.
 
+EAGLE (``--algorithm EAGLE``): a randomly initialised EAGLE-1 head for the target (``tierserve model fetch
+--draft --eagle``; or ``--draft DIR``, a trained one): it drafts almost nothing the target accepts, so the
+speedup column is its floor; what it measures is the cost of a speculative step (the head's chain and the
+target's verification over 1 + steps tokens) relative to a plain decode step, ``step ratio``, and the
+per-token acceptance a head would need for speculation to break even at that cost, ``break-even``: the
+a with 1 + a + ... + a^steps = step ratio (a chain stops at its first rejection).
+
 NGRAM (``--algorithm NGRAM``, prompt lookup): three workloads. ``copy``: the answer repeats the input,
 the prompts ``EDITS`` (a short Python file in a code fence, the same file again with a small edit, and a
 third fence opened: the built-in model's greedy answer is a further copy of the file); ``text``: the
@@ -19,6 +26,7 @@ alone. Per workload: drafts proposed per step, and the matcher's own time per st
 (``NgramDrafter.propose``, timed) against a plain decode step.
 
     .venv/bin/python benchmarks/speculative.py [--draft DIR] [--steps 1] [--repeats 5] [--new-tokens 48] [--threads N]
+    .venv/bin/python benchmarks/speculative.py --algorithm EAGLE --steps 3 [--draft HEAD_DIR] [...]
     .venv/bin/python benchmarks/speculative.py --algorithm NGRAM --steps 5 [--workloads copy,text,norepeat] [...]
 """
 
@@ -37,6 +45,7 @@ from tierserve.core.sampling import SamplingParams
 from tierserve.engine.config import EngineConfig, SpeculativeAlgorithm
 from tierserve.engine.engine import Engine
 from tierserve.model.draft import fetch_builtin_draft
+from tierserve.model.eagle import random_eagle_for
 from tierserve.model.fetch import fetch_builtin_model
 
 TEXTS = (
@@ -171,6 +180,7 @@ def measure(base: Engine, spec: Engine, prompts: list[list[int]], args: argparse
             "base_step_ms": 1000 * b_s / b_steps,
             "draft_ms_per_pass": 1000 * clock.seconds["draft"] * len(prompts) / max(d_drafted, 1),
             "verify_ms_per_step": 1000 * (s_s - clock.seconds["draft"]) / s_steps,
+            "spec_step_ms": 1000 * s_s / s_steps, "step_ratio": (s_s / s_steps) / (b_s / b_steps),
             "drafts_per_step": d_drafted / s_steps, "matcher_ms_per_step": 1000 * clock.seconds["draft"] / s_steps}
 
 
@@ -178,6 +188,11 @@ STANDALONE_COLUMNS = (("base tok/s", "base_tok_s", ".1f"), ("spec tok/s", "spec_
                       ("speedup", "speedup", ".2f"), ("acceptance", "acceptance", ".2f"),
                       ("tokens/step", "tokens_per_step", ".2f"), ("base step ms", "base_step_ms", ".1f"),
                       ("draft ms/pass", "draft_ms_per_pass", ".1f"), ("verify ms/step", "verify_ms_per_step", ".1f"))
+EAGLE_COLUMNS = (("base tok/s", "base_tok_s", ".1f"), ("eagle tok/s", "spec_tok_s", ".1f"),
+                 ("speedup", "speedup", ".2f"), ("acceptance", "acceptance", ".2f"),
+                 ("base step ms", "base_step_ms", ".1f"), ("spec step ms", "spec_step_ms", ".1f"),
+                 ("head ms/pass", "draft_ms_per_pass", ".1f"), ("step ratio", "step_ratio", ".2f"),
+                 ("break-even", "break_even", ".2f"))
 NGRAM_COLUMNS = (("base tok/s", "base_tok_s", ".1f"), ("ngram tok/s", "spec_tok_s", ".1f"),
                  ("speedup", "speedup", ".2f"), ("drafts/step", "drafts_per_step", ".2f"),
                  ("acceptance", "acceptance", ".2f"), ("tokens/step", "tokens_per_step", ".2f"),
@@ -193,16 +208,30 @@ def table(workload: str, prompts: list[list[int]], base: Engine, spec: Engine, a
                         dry=workload == "norepeat") for r in range(args.repeats)]
         for row in rows:
             row["matcher_share"] = row["matcher_ms_per_step"] / row["base_step_ms"]
+            row["break_even"] = break_even(row["step_ratio"], args.steps)
         med = {k: statistics.median(row[k] for row in rows) for k in rows[0]}
         cells = " | ".join(f"{med[key]:{fmt}}" for _, key, fmt in columns)
         print(f"| {workload} | {batch} | {cells} |", flush=True)
+
+
+def break_even(ratio: float, steps: int) -> float:
+    """The per-token acceptance a at which a speculative step costing ``ratio`` plain steps yields as
+    many tokens per second: 1 + a + ... + a^steps = ratio (bisection; 1.0 when even a = 1 does not)."""
+    low, high = 0.0, 1.0
+    if steps + 1 <= ratio:
+        return 1.0
+    for _ in range(50):
+        mid = (low + high) / 2
+        low, high = (mid, high) if sum(mid**i for i in range(steps + 1)) < ratio else (low, mid)
+    return low
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, default=None)
     parser.add_argument("--algorithm", type=SpeculativeAlgorithm, default=SpeculativeAlgorithm.STANDALONE)
-    parser.add_argument("--draft", type=Path, default=None, help="STANDALONE; default: tierserve model fetch --draft")
+    parser.add_argument("--draft", type=Path, default=None, help="STANDALONE: default tierserve model fetch --draft; "
+                        "EAGLE: a head folder, default a random head (model fetch --draft --eagle)")
     parser.add_argument("--steps", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--new-tokens", type=int, default=48)
@@ -224,6 +253,13 @@ def main() -> None:
               f"{torch.get_num_threads()} threads")
         columns, texts = NGRAM_COLUMNS, {"copy": EDITS, "text": TEXTS, "norepeat": TEXTS}
         workloads = args.workloads.split(",")
+    elif args.algorithm is SpeculativeAlgorithm.EAGLE:
+        draft = args.draft or random_eagle_for(model)
+        spec = Engine(EngineConfig(model, **common, speculative_draft_model_path=draft,
+                                   speculative_algorithm=SpeculativeAlgorithm.EAGLE))
+        print(f"target {model.name}, EAGLE head {draft.name}, {args.steps} draft tokens per step, "
+              f"{args.new_tokens} new tokens, {args.repeats} repeats (medians), {torch.get_num_threads()} threads")
+        columns, texts, workloads = EAGLE_COLUMNS, {"text": TEXTS}, ["text"]
     else:
         draft = args.draft or fetch_builtin_draft(progress=False)
         spec = Engine(EngineConfig(model, **common, speculative_draft_model_path=draft))

@@ -32,13 +32,13 @@ from tierserve.cache.storage.mooncake import MooncakeStorage
 # (pytest --durations=0, summed per file; those under ~40 s keep collection order after these).
 LONGEST_FIRST = (
     "test_rank_hicache", "test_pd_ranks", "test_pp_serve", "test_cp_long", "test_router", "test_cp_pd",
-    "test_agents_e2e", "test_tp_serve", "test_lm_eval", "test_router_streams", "test_routers", "test_tracing",
+    "test_agents_e2e", "test_tp_serve", "test_lm_eval", "test_router_streams", "test_routers", "test_observability",
     "test_cp_serve", "test_up_ranks", "test_speculative_sampling", "test_cp_split",
     "test_server", "test_cp_pp_pd_faults", "test_rank_agreement", "test_pp_l3_agreement", "test_tp_pd_faults",
     "test_handoff_integrity", "test_tp_faults",
-    "test_speculative", "test_speculative_pd", "test_migration", "test_pd_ranks_l3", "test_offload", "test_pd_faults",
-    "test_node_auth", "test_deploy", "test_speculative_cache", "test_engine_machine", "test_up", "test_observability",
-    "test_tenants",
+    "test_speculative", "test_speculative_pd", "test_speculative_ranks", "test_migration", "test_pd_ranks_l3",
+    "test_offload", "test_pd_faults",
+    "test_node_auth", "test_deploy", "test_speculative_cache", "test_engine_machine", "test_up", "test_tenants",
     "test_structured", "test_router_faults", "test_restore_overlap", "test_cp_gather_overlap", "test_model_hf",
     "test_api_logprobs", "test_up_supervise", "test_speculative_builtin", "test_builtin_model",
 )

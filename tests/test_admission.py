@@ -66,6 +66,34 @@ def test_a_lane_measures_the_rate_between_first_tokens_and_counts_only_work_as_i
     assert lane.predict(5, 10) == math.inf and lane.predict(0, 10) < math.inf
 
 
+def test_a_lane_counts_the_nodes_reported_backlog_corrected_by_its_own_sends_and_first_tokens_since() -> None:
+    """Another router's work on the node is in its report: it is ahead of this router's requests too."""
+    clock = ManualClock()
+    lane = Lane(clock)
+    lane.sent("m", 0, 100)
+    clock.now = 1.0
+    lane.first_token("m")  # 100 tokens/s
+    lane.sent("own", 0, 50)
+    assert lane.predict(0, 10) == pytest.approx((50 + 10) / 100)  # no report: its own work only
+    report = object()
+    lane.observe(report, {0: 400, 5: 1000})  # counts "own" and 350 tokens of another router's, and low work
+    assert lane.work_ahead(0) == 400 and lane.work_ahead(5) == 1400
+    assert lane.predict(0, 10) == pytest.approx((400 + 10) / 100)
+    lane.sent("later", 0, 30)  # sent after the report: not in it
+    assert lane.work_ahead(0) == 430
+    clock.now = 2.0
+    lane.first_token("own")  # the report still counts it
+    lane.first_token("later")  # the report never counted it
+    assert lane.work_ahead(0) == 350
+    lane.observe(report, {0: 400})  # the same report again: no change
+    assert lane.work_ahead(0) == 350
+    lane.sent("mine", 0, 500)
+    lane.observe(object(), {0: 20})  # a newer report that does not count it yet: never less than its own
+    assert lane.work_ahead(0) == 500
+    lane.observe(None, None)  # the session broke: its own work only
+    assert lane.work_ahead(5) == 500
+
+
 def test_deadline_sources_and_the_429() -> None:
     assert parse_deadline(None, None) is None and parse_deadline(None, 500) == 500
     assert parse_deadline(" 250 ", 500) == 250

@@ -16,6 +16,7 @@ from tierserve.cache.base import NoPrefixCache
 from tierserve.cache.events import (
     DEVICE,
     HOST,
+    STORAGE,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -32,7 +33,7 @@ from tierserve.cache.radix_tree import RadixTree
 from tierserve.core.kv_events_auth import CurveKeys
 from tierserve.launch import free_port
 from tierserve.node.kv_events import advertised_endpoint, snapshot_reply, take_snapshot
-from tierserve.router.kv_index import KVEventSubscriber, KVIndex, prompt_keys
+from tierserve.router.kv_index import KVEventSubscriber, KVIndex, L3Pages, prompt_keys
 
 SEED = b"s" * 32
 PS = 2
@@ -183,6 +184,27 @@ def test_index_prefix_match() -> None:
     assert index.match("nobody", K) == (0, 0)
     assert prompt_keys(SEED, "", [1, 2, 3, 4, 5], PS) == page_keys(SEED, [1, 2, 3, 4], PS)
     assert prompt_keys(SEED, "t", [1, 2], PS) != prompt_keys(SEED, "", [1, 2], PS)
+
+
+def test_storage_events_feed_the_clusters_l3_set_not_the_workers() -> None:
+    """Any worker's ``storage`` BlockStored (a backup reached L3) is in the one L3 set, which a
+    worker's snapshot or clear leaves alone; it keeps the newest keys up to its capacity."""
+    index = KVIndex(lambda w: None)
+    index.reset("a", -1, [(K[0], DEVICE)])
+    index.reset("b", -1, [])
+    assert index.apply("a", 0, _batch(BlockStored([K[1], K[2]], None, [], PS, None, STORAGE)))
+    assert index.apply("b", 0, _batch(BlockStored([K[3]], None, [], PS, None, STORAGE)))
+    assert index.match("a", K) == (1, 0) and index._workers["a"].device == {K[0]}  # not an L1 page
+    assert index.storage.run(K, 1) == 3 and index.storage.run(K, 0) == 0  # K[0] is in no L3 event
+    assert index.apply("a", 1, _batch(AllBlocksCleared()))
+    index.reset("b", 5, [])
+    assert index.storage.run(K, 1) == 3  # L3 is the cluster's: a worker's clear or snapshot is not its
+    assert index.apply("a", 2, _batch(BlockRemoved([K[2]], STORAGE)))
+    assert index.storage.run(K, 1) == 1
+    small = L3Pages(capacity=2)
+    small.add([K[0], K[1]])
+    small.add([K[0], K[2]])  # K[0] again is newest: K[1] is the oldest and goes
+    assert K[1] not in small and K[0] in small and K[2] in small and len(small) == 2
 
 
 def test_index_gap_asks_for_snapshot_and_replays_what_follows() -> None:

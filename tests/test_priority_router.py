@@ -2,10 +2,13 @@
 values are 400s; a request whose deadline its predicted first token cannot meet is answered 429
 with Retry-After at once, never routed; the priority reaches the decode node, whose ``priority``
 scheduler runs the more important of two waiting requests first, and the deadline reaches it too
-(its late first tokens); the router's shed and late counters count."""
+(its late first tokens); the router's shed and late counters count. A second router over the same
+nodes predicts from the node's reported backlog: the first router's queued work makes it shed a
+request it admits once that work is gone."""
 
 from __future__ import annotations
 
+import math
 import random
 import threading
 import time
@@ -23,6 +26,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 # leave its queue is the order they finish.
 DECODE_ARGS = [*NODE_ARGS, "--schedule-policy", "priority", "--max-running-requests", "1"]
 SHORT = 8  # prompt tokens: under the disaggregation threshold, the decode node computes them (GenerateLocal)
+LOCAL, QUEUED = 20, 6  # still under it; router A queues this many such requests behind a long one
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +109,48 @@ def test_priority_and_deadline_reach_the_decode_node(cluster) -> None:
     assert metric(router, "tierserve_requests_late_total", priority="5") == router_late + 1
 
 
+def test_a_second_router_counts_the_first_routers_work_on_the_node_in_its_admission(cluster, builtin_model: Path,
+                                                                                  tmp_path: Path) -> None:
+    """Router B never sent the queued work (router A did): it sees it in the decode node's reported
+    prefill backlog, and sheds a request whose deadline its own tokens alone would meet."""
+    router_a, prefill, decode = cluster
+    b = RouterProcess(["--model", str(builtin_model), "--prefill", prefill.address, "--decode", decode.address,
+                       "--disaggregation-threshold", "24", "--admission", "ttft"], tmp_path / "router-b.log")
+    stop, done, queued = threading.Event(), {}, []
+    hog = threading.Thread(target=_stream_until, args=(router_a, stop), daemon=True)
+    try:
+        b.wait_ready()
+        assert complete(b, _prompt(LOCAL, 40)).status_code == 200  # computed on the decode node: B measures it
+        wait_for(lambda: _lane(b, decode)["rate"], "router B's rate for the decode node", 30)
+        rate = _lane(b, decode)["rate"]
+        deadline_ms = math.ceil(2.5 * 1000 * LOCAL / rate)  # its own tokens alone: 2.5x within it
+        assert (QUEUED + 1) * LOCAL / rate * 1000 > deadline_ms  # behind the queued work: past it
+        hog.start()
+        wait_for(lambda: _decode_load(decode, running=1, waiting=0), "the long request runs", 60)
+        queued = [_finish_in_thread(router_a, f"q{i}", 41 + i, {}, {}, done, LOCAL) for i in range(QUEUED)]
+        wait_for(lambda: _decode_load(decode, running=1, waiting=QUEUED), "router A's requests queue", 60)
+        wait_for(lambda: _lane(b, decode)["work_ahead"] >= QUEUED * LOCAL, "router B sees them", 30)
+        r = complete(b, _prompt(LOCAL, 50), {"x-request-deadline-ms": str(deadline_ms)})
+        assert r.status_code == 429 and r.json()["error"]["code"] == "deadline", r.text
+    finally:
+        stop.set()
+        for thread in (hog, *queued):
+            if thread.is_alive():
+                thread.join(120)
+        try:
+            assert all(status == 200 for _, status in done.values()) and len(done) == QUEUED
+            wait_for(lambda: _lane(b, decode)["work_ahead"] == 0, "the backlog drained in router B's view", 30)
+            assert _lane(b, decode)["rate"] == rate  # the shed request measured nothing
+            ok = complete(b, _prompt(LOCAL, 51), {"x-request-deadline-ms": str(deadline_ms)})
+            assert ok.status_code == 200, ok.text  # the same deadline, nothing queued: admitted
+        finally:
+            b.stop()
+
+
+def _lane(router: RouterProcess, node: NodeProcess) -> dict:
+    return httpx.get(f"{router.url}/debug/state").json()["lanes"].get(node.address, {"rate": None})
+
+
 def _stream_until(router: RouterProcess, stop: threading.Event) -> None:
     """A long streaming request, cancelled (the client goes) once ``stop`` is set."""
     body = {"prompt": _prompt(SHORT, 10), "max_tokens": 1000, "temperature": 0, "ignore_eos": True, "stream": True}
@@ -115,9 +161,9 @@ def _stream_until(router: RouterProcess, stop: threading.Event) -> None:
 
 
 def _finish_in_thread(router: RouterProcess, name: str, seed: int, fields: dict, headers: dict,
-                      done: dict[str, tuple[float, int]]) -> threading.Thread:
+                      done: dict[str, tuple[float, int]], length: int = SHORT) -> threading.Thread:
     def run() -> None:
-        r = complete(router, _prompt(SHORT, seed), headers, max_tokens=8, **fields)
+        r = complete(router, _prompt(length, seed), headers, max_tokens=8, **fields)
         done[name] = (time.monotonic(), r.status_code)
 
     thread = threading.Thread(target=run, daemon=True)

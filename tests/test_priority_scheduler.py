@@ -113,3 +113,19 @@ def test_a_more_important_arrival_takes_the_prefill_budget_before_a_less_importa
     _step(fcfs)
     fcfs.add(_request("high", 6, priority=0, first=2))
     assert [b.request.request_id for b in fcfs.schedule()] == ["low"]
+
+
+def test_the_backlog_counts_prompt_tokens_still_to_compute_by_priority_less_what_was_cached() -> None:
+    """``Scheduler.backlog`` is what a node reports as its prefill backlog (``LoadReport``)."""
+    s = _scheduler(num_pages=64, budget=8)
+    s.add(_request("low", 40, priority=5, first=1))
+    assert s.backlog() == {5: 40}
+    _step(s)  # its first 8-token chunk
+    s.add(_request("high", 6, priority=0, first=2))
+    assert s.backlog() == {5: 32, 0: 6}
+    _step(s)  # high's whole prompt and 2 more of low's: high now decodes, which is no prefill work
+    assert s.backlog() == {5: 30}
+    s.remove(next(r for r in s.running if r.request_id == "high"))  # its prompt's full page stays cached
+    again = _request("again", 10, priority=0, first=2)  # high's 6 tokens and 4 more: one page (4 tokens) held
+    s.add(again)
+    assert again.cached_at_arrival == PAGE and s.backlog() == {5: 30, 0: 10 - PAGE}

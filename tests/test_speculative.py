@@ -163,6 +163,7 @@ def _outputs(engine: Engine) -> dict:
     (["--speculative-draft-model-path", "DRAFT", "--speculative-num-steps", "2",
       "--speculative-num-draft-tokens", "4"], "must be --speculative-num-steps + 1"),
     (["--speculative-draft-model-path", "DRAFT", "--tp-size", "2"], "not supported yet"),
+    (["--speculative-draft-model-path", "DRAFT", "--cp-size", "2"], "use --speculative-algorithm NGRAM there"),
     (["--speculative-draft-model-path", "OTHER_VOCAB"], "vocabulary (200 tokens) differs"),
 ])
 def test_bad_speculative_flags_are_refused_at_start(tiny_llama: Path, drafts: dict[str, Path], tmp_path: Path,

@@ -1,7 +1,8 @@
 """HiCache with draft state: the draft's KV is restored with the target's prefix from L1, L2 and
 L3, in the packed and the sidecar layout, checked by its effect on the draft's predictions: for
 greedy requests the accepted-draft counts with a cached prefix equal those with no cache, and
-corrupting the restored draft rows changes them (while the output stays the target's)."""
+corrupting the restored draft rows changes them (while the output stays the target's). For a
+draft model (STANDALONE) and an EAGLE head (its rows and the target's hidden states it reads)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.tiny_models import make_noisy_draft, widen_kv_heads
+from helpers.tiny_models import make_eagle_target, make_mimic_eagle, make_noisy_draft, widen_kv_heads
 
 from tierserve.cache import hicache as hicache_module
 from tierserve.cache.base import PrefixHit
@@ -20,8 +21,9 @@ from tierserve.cache.loads import HostLoadError
 from tierserve.cache.options import DraftLayout, HiCacheOptions, PrefetchPolicy
 from tierserve.cli.main import build_parser
 from tierserve.core.sampling import SamplingParams
-from tierserve.engine.config import EngineConfig
+from tierserve.engine.config import EngineConfig, SpeculativeAlgorithm
 from tierserve.engine.engine import Engine
+from tierserve.model.eagle import feature_layers
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 TIERS = ("device", "host", "storage")
@@ -42,12 +44,13 @@ def _prompts() -> list[list[int]]:
     return [torch.randint(2, 384, (40 + 5 * i,), generator=gen).tolist() for i in range(2)]
 
 
-def _engine(model: Path, draft: Path | None, l3: Path | None = None, cache: bool = True) -> Engine:
+def _engine(model: Path, draft: Path | None, l3: Path | None = None, cache: bool = True, **spec) -> Engine:
+    """``spec``: more speculative settings (EAGLE's algorithm and layout)."""
     storage = {"storage_backend": "file", "storage_config": {"path": str(l3), "prefetch_threshold": 16}} if l3 else {}
     opts = HiCacheOptions(ratio=2.0, prefetch_policy=PrefetchPolicy.WAIT_COMPLETE, **storage)
     return Engine(EngineConfig(model, dtype="float32", page_size=4, max_total_tokens=1024, chunked_prefill_size=16,
                                speculative_draft_model_path=draft, enable_hierarchical_cache=cache,
-                               disable_radix_cache=not cache, hicache=opts))
+                               disable_radix_cache=not cache, hicache=opts, **spec))
 
 
 def _run(engine: Engine, prompts: list[list[int]]) -> dict[int, dict]:
@@ -71,12 +74,12 @@ def _draft_rows(engine: Engine) -> list[torch.Tensor]:
     return [engine.pool.buffer[engine.geometry.num_layers :]]
 
 
-def _scribble(engine: Engine, pages: list[int]) -> None:
-    """Overwrites the draft's K and V rows of ``pages`` with noise."""
+def _scribble(engine: Engine, pages: list[int], layers: slice = slice(None)) -> None:
+    """Overwrites the draft's K and V rows of ``pages`` with noise (``layers``: those of the draft's layers)."""
     ps = engine.config.page_size
     slots = torch.tensor([p * ps + j for p in pages for j in range(ps)])
     for rows in _draft_rows(engine):
-        rows[:, :, slots] = torch.randn(rows[:, :, slots].shape) * 4
+        rows[layers, :, slots] = torch.randn(rows[layers, :, slots].shape) * 4
 
 
 @pytest.fixture(scope="module")
@@ -88,9 +91,10 @@ def uncached(tiny_llama: Path, drafts: dict[DraftLayout, Path]) -> dict:
                                for layout, d in drafts.items()}
 
 
-def _restored(engine: Engine, tier: str, prompts: list[list[int]], corrupt: bool) -> dict[int, dict]:
+def _restored(engine: Engine, tier: str, prompts: list[list[int]], corrupt: bool,
+              layers: slice = slice(None)) -> dict[int, dict]:
     """Runs ``prompts`` again with their prefix in ``tier``; ``corrupt``: noise over the draft rows
-    of every restored page once it is in L1, before any draft reads it."""
+    (of ``layers``) of every restored page once it is in L1, before any draft reads it."""
     engine.cache.wait_background()
     if tier == "host":
         engine.cache.evict(engine.allocator.num_pages)  # only L2 holds the prompts now
@@ -103,7 +107,7 @@ def _restored(engine: Engine, tier: str, prompts: list[list[int]], corrupt: bool
             hit = match(*args, **kwargs)
             for load in hit.loads:
                 load.join()
-            _scribble(engine, hit.pages)
+            _scribble(engine, hit.pages, layers)
             return hit
 
         engine.cache.match = corrupted
@@ -235,3 +239,57 @@ def test_l2_size_counts_the_draft_rows(tiny_llama: Path, drafts: dict, layout: D
     held = sum(p.buffer.untyped_storage().nbytes() for p in pools)
     page = sum(host_page_bytes(p.geometry, p.layout) for p in pools)
     assert 2**20 - page < held <= 2**20
+
+
+# EAGLE (docs/speculative.md, EAGLE): the head's rows and the target's hidden states (its feature
+# plane, the first layers of the draft's rows) come back with the page from every tier, in either
+# layout; noise over either part once restored changes the accepted counts.
+
+
+@pytest.fixture(scope="module")
+def eagle(tmp_path_factory) -> dict:
+    """The one-layer target, a head that agrees with it now and then, and the uncached runs."""
+    root = tmp_path_factory.mktemp("eagle")
+    target = make_eagle_target(root / "target")
+    head = make_mimic_eagle(target, root / "head", 0.1)
+    uncached = _run(_engine(target, head, cache=False, **_eagle(DraftLayout.AUTO)), _prompts())
+    return {"target": target, "head": head, "uncached": uncached,
+            "plain": _run(_engine(target, None, cache=False), _prompts())}
+
+
+def _eagle(layout: DraftLayout) -> dict:
+    return {"speculative_algorithm": SpeculativeAlgorithm.EAGLE, "speculative_draft_layout": layout}
+
+
+def _eagle_restored(eagle: dict, layout: DraftLayout, tier: str, l3: Path, layers: slice | None) -> dict[int, dict]:
+    """The prompts run once, then again with their prefix in ``tier`` (L3: on a second engine);
+    ``layers``: which of the draft's rows get noise once restored (None: none)."""
+    engine = _engine(eagle["target"], eagle["head"], l3, **_eagle(layout))
+    assert engine.draft.layout is (DraftLayout.PACKED if layout is DraftLayout.AUTO else layout)
+    _run(engine, _prompts())
+    if tier == "storage":
+        engine.cache.wait_background()
+        engine = _engine(eagle["target"], eagle["head"], l3, **_eagle(layout))
+    got = _restored(engine, tier, _prompts(), corrupt=layers is not None, layers=layers or slice(None))
+    _check(got, eagle["uncached"], eagle["plain"], tier)
+    assert engine.spec.counters.prompt_catch_up_tokens == 0
+    return got
+
+
+@pytest.mark.parametrize("layout", [DraftLayout.AUTO, DraftLayout.SIDECAR])
+@pytest.mark.parametrize("tier", TIERS)
+def test_eagle_restored_rows_give_the_uncached_acceptance(eagle: dict, tmp_path: Path, layout: DraftLayout,
+                                                          tier: str) -> None:
+    got = _eagle_restored(eagle, layout, tier, tmp_path / "l3", None)
+    assert [got[i]["accepted"] for i in got] == [eagle["uncached"][i]["accepted"] for i in got]
+
+
+@pytest.mark.parametrize("part", ["head", "features"])
+@pytest.mark.parametrize("tier", TIERS)
+def test_eagle_corrupted_rows_or_features_change_acceptance(eagle: dict, tmp_path: Path, part: str,
+                                                            tier: str) -> None:
+    """The head reads its restored KV rows and the restored feature of the last cached position."""
+    plane = feature_layers(64, 2, 16)  # the tiny target's hidden size and the head's KV heads, head size
+    layers = slice(plane, None) if part == "head" else slice(0, plane)
+    got = _eagle_restored(eagle, DraftLayout.SIDECAR, tier, tmp_path / "l3", layers)
+    assert [got[i]["accepted"] for i in got] != [eagle["uncached"][i]["accepted"] for i in got]

@@ -5,7 +5,8 @@ node's draft pool, from the same page indexes), so the decode node speculates fr
 with the draft state a single engine would have. Checked by effect: per request, greedy output
 equals decoding without speculation and the accepted-draft count equals a single uncached engine's,
 on a cold and on a warm cluster (prefixes cached on both nodes), through gRPC as the router drives
-the nodes and through ``tierserve up``; noise written over the handed draft rows changes the counts."""
+the nodes and through ``tierserve up``; noise written over the handed draft rows changes the counts.
+An EAGLE head's rows and the target's hidden states it reads travel the same way (its sidecar)."""
 
 from __future__ import annotations
 
@@ -24,12 +25,15 @@ from helpers.processes import NodeProcess, free_port, running_up
 from helpers.tiny_models import (
     WORD_REGEX,
     add_word_tokenizer,
+    make_eagle_target,
     make_looping_model,
+    make_mimic_eagle,
     make_noisy_draft,
     make_tiny_model,
     widen_kv_heads,
 )
 
+from tierserve.cache.options import DraftLayout
 from tierserve.core.constraint import Constraint, ConstraintKind
 from tierserve.core.outputs import TokenLogprob
 from tierserve.core.sampling import SamplingParams
@@ -66,15 +70,16 @@ def _prompts() -> list[list[int]]:
     return [base[:40], base[:150], [*base[:70], 9, 8, 7, 6, 5], [(3 * i) % 380 + 2 for i in range(23)]]
 
 
-def _engine(model: Path, draft: Path, cache: bool = True) -> Engine:
+def _engine(model: Path, draft: Path, cache: bool = True, **spec) -> Engine:
+    """``spec``: more speculative settings (EAGLE's algorithm and layout)."""
     return Engine(EngineConfig(model, dtype="float32", page_size=PAGE, chunked_prefill_size=CHUNK,
                                max_total_tokens=4096, disable_radix_cache=not cache,
-                               speculative_draft_model_path=draft))
+                               speculative_draft_model_path=draft, **spec))
 
 
-def _uncached(model: Path, draft: Path, prompts: list[list[int]]) -> dict[int, tuple[list[int], int]]:
+def _uncached(model: Path, draft: Path, prompts: list[list[int]], **spec) -> dict[int, tuple[list[int], int]]:
     """Each prompt's (output, accepted drafts) on one engine without a prefix cache, batched."""
-    engine = _engine(model, draft, cache=False)
+    engine = _engine(model, draft, cache=False, **spec)
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True))
     return _drain(engine)
@@ -180,16 +185,22 @@ async def _run_constrained(prefill: str, decode: str, prompt: list[int], samplin
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["packed", "sidecar"])
-def test_up_with_a_draft_equals_no_speculation(tiny: Path, drafts: dict[str, Path], layout: str) -> None:
-    """``tierserve up`` (router, prefill node, decode node) with a draft of either layout: greedy
-    outputs equal decoding without speculation and ``usage.speculative`` the single engine's counts."""
-    batch, draft = _prompts(), drafts[layout]
-    plain, want = reference(tiny, batch), _uncached(tiny, draft, batch)
+@pytest.mark.parametrize("layout", ["packed", "sidecar", "eagle"])
+def test_up_with_a_draft_equals_no_speculation(tiny: Path, drafts: dict[str, Path], eagle: dict[str, Path],
+                                               layout: str) -> None:
+    """``tierserve up`` (router, prefill node, decode node) with a draft of either layout, or an
+    EAGLE head (its hidden states handed over with its rows): greedy outputs equal decoding without
+    speculation and ``usage.speculative`` the single engine's counts."""
+    batch, model, draft = _prompts(), tiny, drafts.get(layout)
+    spec, flags = {}, []
+    if layout == "eagle":
+        model, draft, spec = eagle["target"], eagle["head"], _EAGLE
+        flags = ["--speculative-algorithm", "EAGLE", "--speculative-draft-layout", "sidecar"]
+    plain, want = reference(model, batch), _uncached(model, draft, batch, **spec)
     port = free_port()
-    with running_up(port, "--model", str(tiny), "--dtype", "float32", "--no-l3", "--page-size", str(PAGE),
+    with running_up(port, "--model", str(model), "--dtype", "float32", "--no-l3", "--page-size", str(PAGE),
                     "--chunked-prefill-size", str(CHUNK), "--max-total-tokens", "4096",
-                    "--speculative-draft-model-path", str(draft)):
+                    "--speculative-draft-model-path", str(draft), *flags):
         answers = asyncio.run(_complete_all(port, batch))  # concurrent: the nodes batch them
         assert [ids_of(a["choices"][0]["logprobs"]["tokens"]) for a in answers] == plain
         assert [a["usage"]["speculative"]["accepted_tokens"] for a in answers] == [n for _, n in want.values()]
@@ -199,9 +210,10 @@ def test_up_with_a_draft_equals_no_speculation(tiny: Path, drafts: dict[str, Pat
 
 @pytest.mark.slow
 def test_up_with_ngram_equals_no_speculation(tiny: Path, tmp_path: Path) -> None:
-    """``tierserve up --speculative-algorithm NGRAM`` (no draft model; the decode node looks up the
-    prompt it was handed and its output): greedy outputs equal decoding without speculation and
-    ``usage.speculative`` a single engine's counts, drafts accepted on prompts that repeat."""
+    """``tierserve up --speculative-algorithm NGRAM`` (no draft model; the decode node, here of two
+    tensor ranks, looks up the prompt it was handed and its output): greedy outputs equal decoding
+    without speculation and ``usage.speculative`` a single engine's counts, drafts accepted on
+    prompts that repeat."""
     model = add_word_tokenizer(make_looping_model(tiny, tmp_path / "looping"), byte_level=True)
     seeds = [[(5 * i + k) % 380 + 2 for i in range(10)] for k in range(4)]
     continued = reference(model, seeds)  # the model's cycles: prompts whose text repeats
@@ -216,7 +228,7 @@ def test_up_with_ngram_equals_no_speculation(tiny: Path, tmp_path: Path) -> None
     port = free_port()
     with running_up(port, "--model", str(model), "--dtype", "float32", "--no-l3", "--page-size", str(PAGE),
                     "--chunked-prefill-size", str(CHUNK), "--max-total-tokens", "4096",
-                    "--speculative-algorithm", "NGRAM"):
+                    "--speculative-algorithm", "NGRAM", "--decode-tp-size", "2"):
         answers = asyncio.run(_complete_all(port, batch))
         assert [ids_of(a["choices"][0]["logprobs"]["tokens"]) for a in answers] == plain
         assert [a["usage"]["speculative"]["accepted_tokens"] for a in answers] == want
@@ -240,10 +252,11 @@ def sides(tiny: Path, drafts: dict[str, Path]) -> tuple[RankTransfer, RankTransf
         NodeRankRole(Side.DECODE, TransferOptions()).start(decode)
 
 
-def _handed_over(sides: tuple[RankTransfer, RankTransfer], batch: list[list[int]], noise: bool
-                 ) -> dict[int, tuple[list[int], int]]:
+def _handed_over(sides: tuple[RankTransfer, RankTransfer], batch: list[list[int]], noise: bool,
+                 layers: slice = slice(None)) -> dict[int, tuple[list[int], int]]:
     """Each prompt reserved on D, computed and handed over (with the sidecar draft's pool) by P,
-    then decoded on D, batched; ``noise``: the handed draft rows are overwritten before D decodes."""
+    then decoded on D, batched; ``noise``: the handed draft rows (of ``layers``) are overwritten
+    before D decodes."""
     p, d = sides
     reserved = [d.engine.reserve(str(i), prompt, MAX_NEW) for i, prompt in enumerate(batch)]
     dest = pb.KVDestination(transfer_endpoint=d.arenas[0].endpoint, draft=draft_message(d.engine))
@@ -258,7 +271,7 @@ def _handed_over(sides: tuple[RankTransfer, RankTransfer], batch: list[list[int]
     if noise:
         slots = torch.tensor([page * PAGE + j for r in reserved for page in r.pages for j in range(PAGE)])
         rows = d.engine.draft_pool.buffer
-        rows[:, :, slots] = torch.randn(rows[:, :, slots].shape) * 4
+        rows[layers, :, slots] = torch.randn(rows[layers, :, slots].shape) * 4
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
     starts = {i: d.engine.start_reserved(str(i), first[i][0][0], params) for i in range(len(batch))}
     return {i: (starts[i].new_token_ids + ids, n) for i, (ids, n) in _drain(d.engine).items()}
@@ -276,6 +289,43 @@ def test_handed_sidecar_draft_rows_decide_the_acceptance(tiny: Path, drafts: dic
         assert [ids for ids, _ in got.values()] == [ids for ids, _ in want.values()], noise
         counts = ([n for _, n in got.values()], [n for _, n in want.values()])
         assert (counts[0] != counts[1]) if noise else (counts[0] == counts[1]), counts
+
+
+_EAGLE = {"speculative_algorithm": SpeculativeAlgorithm.EAGLE, "speculative_draft_layout": DraftLayout.SIDECAR}
+
+
+@pytest.fixture(scope="module")
+def eagle(tmp_path_factory) -> dict[str, Path]:
+    """The one-layer target (with the word tokenizer) and an EAGLE head agreeing with it now and then."""
+    root = tmp_path_factory.mktemp("eagle")
+    target = add_word_tokenizer(make_eagle_target(root / "target"), byte_level=True)
+    return {"target": target, "head": make_mimic_eagle(target, root / "head", 0.1)}
+
+
+@pytest.fixture(scope="module")
+def eagle_sides(eagle: dict[str, Path]) -> tuple[RankTransfer, RankTransfer]:
+    """As ``sides``, with the EAGLE head (its rows and the target's hidden states in the sidecar)."""
+    prefill = _engine(eagle["target"], eagle["head"], **_EAGLE)
+    decode = _engine(eagle["target"], eagle["head"], cache=False, **_EAGLE)
+    return NodeRankRole(Side.PREFILL, TransferOptions()).start(prefill), \
+        NodeRankRole(Side.DECODE, TransferOptions()).start(decode)
+
+
+@pytest.mark.parametrize("part", ["none", "head", "features"])
+def test_handed_eagle_rows_and_hidden_states_decide_the_acceptance(eagle: dict[str, Path], eagle_sides,
+                                                                   part: str) -> None:
+    """The decode engine's EAGLE head reads the rows and the last prompt position's hidden state
+    the handoff wrote: as handed over, the accepted counts equal a single uncached engine's; with
+    noise over the head's rows, or over the hidden states alone, they change (output unchanged)."""
+    batch = _prompts()
+    want = _uncached(eagle["target"], eagle["head"], batch, **_EAGLE)
+    plane = eagle_sides[1].engine.spec.drafter.plane.layers
+    layers = {"none": slice(None), "head": slice(plane, None), "features": slice(0, plane)}[part]
+    got = _handed_over(eagle_sides, batch, part != "none", layers)
+    assert [ids for ids, _ in got.values()] == [ids for ids, _ in want.values()]
+    counts = ([n for _, n in got.values()], [n for _, n in want.values()])
+    assert (counts[0] != counts[1]) if part != "none" else (counts[0] == counts[1]), counts
+    assert sum(counts[1]) > 0
 
 
 def test_prefill_checks_the_destination_draft_pool(sides) -> None:

@@ -1,5 +1,5 @@
-"""Speculative sampling follows the target's distribution, per algorithm (a draft model's drafts drawn
-from its q; NGRAM's point-mass drafts): on a 5-token vocabulary, the first three tokens of thousands
+"""Speculative sampling follows the target's distribution, per algorithm (a draft model's or an EAGLE
+head's drafts drawn from its q; NGRAM's point-mass drafts): on a 5-token vocabulary, the first three tokens of thousands
 of seeded requests are checked against the exact distribution computed with transformers
 (chi-square), and a verifier that accepts every draft fails the same check."""
 
@@ -17,6 +17,7 @@ from tierserve.core.sampling import SamplingParams
 from tierserve.engine.config import EngineConfig, SpeculativeAlgorithm
 from tierserve.engine.engine import Engine
 from tierserve.engine.spec.sampling import probs
+from tierserve.model.eagle import write_random_eagle
 
 VOCAB, PROMPT, SAMPLES = 5, [2, 3, 4], 1500
 PARAMS = dict(max_tokens=4, temperature=1.0, ignore_eos=True)  # t1 from the prefill, t2 and t3 from 2 drafts
@@ -27,6 +28,12 @@ def pair(tmp_path_factory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("vocab5")
     return (make_tiny_model("llama", root / "target", seed=0, vocab_size=VOCAB),
             make_tiny_model("llama", root / "draft", seed=1, layers=1, vocab_size=VOCAB))
+
+
+@pytest.fixture(scope="module")
+def eagle_head(pair: tuple[Path, Path], tmp_path_factory) -> Path:
+    """A random EAGLE head for the target (on 5 tokens its drafts are often right, often not)."""
+    return write_random_eagle(pair[0], tmp_path_factory.mktemp("eagle5") / "head")
 
 
 def _exact(target: Path) -> dict[tuple[int, ...], float]:
@@ -50,13 +57,14 @@ def _exact(target: Path) -> dict[tuple[int, ...], float]:
 # Per algorithm: its settings, and the fewest draft tokens the requests must have been proposed.
 # NGRAM matches single tokens here: after t1 in {2, 3, 4} it proposes what followed t1 in the prompt.
 SPEC = {SpeculativeAlgorithm.STANDALONE: ({}, SAMPLES),  # the chain proposes 2 tokens per request
+        SpeculativeAlgorithm.EAGLE: ({"speculative_algorithm": SpeculativeAlgorithm.EAGLE}, SAMPLES),
         SpeculativeAlgorithm.NGRAM: ({"speculative_algorithm": SpeculativeAlgorithm.NGRAM,
                                       "speculative_ngram_min_match_window_size": 1}, SAMPLES // 2)}
 
 
 def _sampled(target: Path, draft: Path, algorithm: SpeculativeAlgorithm) -> dict[tuple[int, ...], int]:
     settings, least = SPEC[algorithm]
-    model = {"speculative_draft_model_path": draft} if algorithm is SpeculativeAlgorithm.STANDALONE else {}
+    model = {"speculative_draft_model_path": draft} if algorithm is not SpeculativeAlgorithm.NGRAM else {}
     engine = Engine(EngineConfig(target, dtype="float32", page_size=4, max_total_tokens=16384,
                                  speculative_num_steps=2, **model, **settings))
     for i in range(SAMPLES):
@@ -94,9 +102,9 @@ def _accept_always(drafts, dists, logits, row) -> list[int]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("algorithm", list(SpeculativeAlgorithm))
-def test_sampled_tokens_follow_the_target_distribution(pair: tuple[Path, Path], monkeypatch,
+def test_sampled_tokens_follow_the_target_distribution(pair: tuple[Path, Path], eagle_head: Path, monkeypatch,
                                                        algorithm: SpeculativeAlgorithm) -> None:
-    target, draft = pair
+    target, draft = pair[0], eagle_head if algorithm is SpeculativeAlgorithm.EAGLE else pair[1]
     exact = _exact(target)
     assert _p_value(_sampled(target, draft, algorithm), exact) > 1e-3
     monkeypatch.setattr(speculative, "verify", _accept_always)

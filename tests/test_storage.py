@@ -15,6 +15,8 @@ from helpers.engine_runs import run_one
 from helpers.tiny_models import make_tiny_model
 
 from tierserve.cache.device_pool import KVGeometry
+from tierserve.cache.events import BlockStored, KVEventRecorder
+from tierserve.cache.hashing import page_keys
 from tierserve.cache.host_pool import HostKVPool
 from tierserve.cache.options import HiCacheOptions, HostLayout, IOBackend, PrefetchPolicy
 from tierserve.cache.staging import DirectPageIO, StagedPageIO, page_io
@@ -23,6 +25,7 @@ from tierserve.cache.storage.file import FileStorage
 from tierserve.cache.storage.integrity import DIGEST_BYTES
 from tierserve.core.outputs import RequestOutput
 from tierserve.core.sampling import SamplingParams
+from tierserve.core.tiers import CacheTier
 from tierserve.engine.config import EngineConfig
 from tierserve.engine.engine import Engine
 
@@ -225,6 +228,28 @@ def _flush_l1_l2(engine: Engine) -> None:
     assert not list(cache.tree.nodes()) and engine.allocator.num_used == cache.host.allocator.num_used == 0
     cache.host.buffer.normal_(generator=torch.Generator().manual_seed(0))
     cache.device.buffer.normal_(generator=torch.Generator().manual_seed(1))
+
+
+def test_backups_announce_their_pages_as_storage_events_and_reads_measure_the_l3_rate(long_llama: Path,
+                                                                                      tmp_path: Path, expected) -> None:
+    """What the routers learn of L3 (docs/router.md, admission by deadline): the keys a backup put
+    in the store, as ``storage`` KV events, and the node's measured L3 read rate in tokens/s."""
+    config = {"path": str(tmp_path / "l3")}
+    first = _engine(long_llama, "file", config)
+    recorder = KVEventRecorder(16)
+    assert first.cache.set_event_listener(recorder)
+    assert _run(first, _prompt())[0] == expected
+    _settle(first)
+    first.step()  # the agreement that sees the last backups done
+    recorder.flush()
+    stored = [k for _, batch in recorder.take() for e in batch.events
+              if isinstance(e, BlockStored) and e.medium == CacheTier.STORAGE for k in e.block_hashes]
+    assert len(stored) == len(set(stored)) == first.cache.storage.backed_up_pages > 0
+    assert set(stored) >= set(page_keys(first.cache.tree.seed, _prompt(), 16))  # every full prompt page
+    assert first.stats()["cache_l3_read_tokens_per_second"] == 0  # it wrote, never read
+    second = _engine(long_llama, "file", config)
+    assert _run(second, _prompt())[0] == expected
+    assert second.stats()["cache_l3_read_tokens_per_second"] > 0
 
 
 @pytest.mark.parametrize("layout", list(HostLayout))

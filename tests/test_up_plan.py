@@ -15,7 +15,7 @@ from tierserve import launch
 from tierserve.api.admission import AdmissionPolicy
 from tierserve.cli.flags import engine_config, engine_flags
 from tierserve.cli.main import build_parser
-from tierserve.engine.config import SchedulePolicy
+from tierserve.engine.config import SchedulePolicy, SpeculativeAlgorithm
 from tierserve.launch.plan import KNOWN_NOISE, stages
 
 pytestmark = pytest.mark.fakes
@@ -192,7 +192,9 @@ def _layout_model(request, layout: str) -> Path:
     ("pp", ["--prefill-pp-size", "3", "--prefill-pp-layer-partition", "1,2,1", "--decode-pp-size", "3"],
      ("prefill.pp_size", "prefill.pp_layer_partition", "decode.pp_size", "decode.pp_layer_partition"),
      (3, (1, 2, 1), 3, None)),
-], ids=["tp", "cp", "cp-with-tp", "cp-with-pp", "decode-cp", "pp", "pp-uneven"])
+    ("cp", ["--speculative-algorithm", "NGRAM", "--decode-tp-size", "2", "--decode-cp-size", "2"],
+     ("decode.tp_size", "decode.cp_size", "decode.speculative_algorithm"), (2, 2, SpeculativeAlgorithm.NGRAM)),
+], ids=["tp", "cp", "cp-with-tp", "cp-with-pp", "decode-cp", "pp", "pp-uneven", "ngram-tp-cp"])
 def test_each_role_gets_its_layout_sizes(monkeypatch, request, layout: str, flags: list[str],
                                          fields: tuple[str, ...], expected: tuple) -> None:
     status, plans = plan_up(monkeypatch, _layout_model(request, layout), "--no-l3", *flags)
@@ -221,10 +223,14 @@ def test_nodes_get_no_tp_size_unless_asked(monkeypatch, ranks_llama: Path) -> No
     ("pp", ["--no-l3", "--prefill-pp-size", "2", "--prefill-pp-layer-partition", "4"],
      "--prefill-pp-layer-partition 4: --pp-layer-partition: the layer partition 4 names 1 stage(s)"),
     ("pp", ["--no-l3", "--pp-layer-partition", "2,2"], "--prefill-pp-layer-partition and --decode-pp-layer-partition"),
+    ("tp", ["--no-l3", "--speculative-draft-model-path", "MODEL", "--decode-tp-size", "2"],
+     "--decode-tp-size 2: --speculative-algorithm STANDALONE with --tp-size, --pp-size or --cp-size above 1 is not "
+     "supported yet"),
 ], ids=["tp-decode-3", "tp-one-flag", "cp-one-flag", "cp-0", "decode-cp-0", "pp-decode-5", "pp-one-flag",
-        "pp-partition-sum", "pp-partition-count", "pp-partition-one-flag"])
+        "pp-partition-sum", "pp-partition-count", "pp-partition-one-flag", "standalone-tp"])
 def test_a_layout_size_that_cannot_run_is_refused_before_any_child_starts(monkeypatch, capsys, request, layout: str,
                                                                           flags: list[str], message: str) -> None:
-    status, plans = plan_up(monkeypatch, _layout_model(request, layout), *flags)
+    model = _layout_model(request, layout)
+    status, plans = plan_up(monkeypatch, model, *[str(model) if f == "MODEL" else f for f in flags])
     assert status == 2 and plans == []
     assert message in capsys.readouterr().err

@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import httpx
+from faults import overload
 from faults.bad_inputs import cases, check
 from faults.cluster import Cluster
 from faults.load import Outcome, Request, Result, is_error_shape, send, send_all
@@ -244,6 +245,30 @@ async def kill_router(cluster: Cluster, reference: Reference) -> Row:
     row.notes.append(f"the killed router's clients (not in the counts): {cut.sent} requests, {cut.ok} answered "
                      f"before the kill ({cut.wrong} wrong), cut: {cut.failed or 0}")
     row.recovery_s = await cluster.wait_back(name) - stopped
+    return row
+
+
+async def overload_priorities(cluster: Cluster, reference: Reference) -> Row:
+    """Two classes at twice the capacity (``faults/overload.py``), on a cluster whose nodes
+    schedule by priority (``reliability.py``: ``--schedule-policy priority``; the router admits by
+    predicted TTFT, its default). Clean 429s are answers, counted as succeeded and noted by reason."""
+    capacity_rps = await overload.capacity(cluster, reference)
+    unloaded = await overload.unloaded_p99(cluster)
+    wanted = overload.classes(unloaded, seed=32)
+    await reference.learn(wanted)
+    shed_before = overload.shed_counts(cluster.url)
+    rate = overload.OVERLOAD * capacity_rps
+    outcomes = await overload.poisson(cluster, wanted, rate, seed=33)
+    shed = overload.shed_counts(cluster.url) - shed_before
+    row = tally(Row(f"overload with priorities: {len(wanted)} requests, 2 classes at "
+                    f"{overload.OVERLOAD:g}x capacity"), outcomes, reference)
+    clean = [o for o in outcomes if o.status == 429 and o.result is Result.HTTP_ERROR]
+    row.ok += len(clean)
+    row.failed = {k: v - (len(clean) if k == "http_error 429" else 0) for k, v in row.failed.items()}
+    row.failed = {k: v for k, v in row.failed.items() if v}
+    row.notes += overload.summary(outcomes, unloaded, rate, capacity_rps)
+    row.notes.append("router's shed counter (reason, priority): "
+                     + (", ".join(f"{r}/{p} {n:g}" for (r, p), n in sorted(shed.items())) or "0"))
     return row
 
 

@@ -31,10 +31,15 @@ class Request:
     stream: bool = False
     n: int = 1
     temperature: float = 0.0
+    priority: int = 0  # vLLM's field: lower is more important
+    deadline_ms: int | None = None  # its first token's deadline (``x-request-deadline-ms``)
 
     def body(self, model: str) -> dict:
         return {"model": model, "prompt": self.prompt, "max_tokens": self.max_tokens, "stream": self.stream,
-                "n": self.n, "temperature": self.temperature, "ignore_eos": True}
+                "n": self.n, "temperature": self.temperature, "ignore_eos": True, "priority": self.priority}
+
+    def headers(self) -> dict[str, str]:
+        return {} if self.deadline_ms is None else {"x-request-deadline-ms": str(self.deadline_ms)}
 
 
 @dataclass
@@ -45,6 +50,8 @@ class Outcome:
     texts: list[str] = field(default_factory=list)  # per choice
     detail: str = ""
     seconds: float = 0.0
+    first_s: float | None = None  # a stream's first text, from the send (its TTFT)
+    code: str = ""  # an error's ``code`` (a 429's reason: ``deadline``, ``overloaded``, ...)
 
 
 def is_error_shape(body: object) -> bool:
@@ -61,6 +68,7 @@ async def send(client: httpx.AsyncClient, model: str, request: Request, timeout_
     try:
         call = _stream(client, model, request, leave_after_chunks) if request.stream else _plain(client, model, request)
         outcome = await asyncio.wait_for(call, timeout_s)
+        outcome.first_s = outcome.first_s - started if outcome.first_s is not None else None
     except TimeoutError:
         outcome = Outcome(request, Result.TIMEOUT, detail=f"no answer in {timeout_s:.0f} s")
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
@@ -70,7 +78,7 @@ async def send(client: httpx.AsyncClient, model: str, request: Request, timeout_
 
 
 async def _plain(client: httpx.AsyncClient, model: str, request: Request) -> Outcome:
-    reply = await client.post("/v1/completions", json=request.body(model))
+    reply = await client.post("/v1/completions", json=request.body(model), headers=request.headers())
     if reply.status_code != 200:
         return _error(request, reply.status_code, reply.content)
     choices = sorted(reply.json()["choices"], key=lambda c: c["index"])
@@ -79,16 +87,18 @@ async def _plain(client: httpx.AsyncClient, model: str, request: Request) -> Out
 
 def _error(request: Request, status: int, raw: bytes) -> Outcome:
     try:
-        shaped = is_error_shape(json.loads(raw))
+        body = json.loads(raw)
     except ValueError:
-        shaped = False
+        body = None
+    shaped = is_error_shape(body)
     result = Result.HTTP_ERROR if shaped else Result.BAD_ERROR
-    return Outcome(request, result, status, detail=raw[:200].decode(errors="replace"))
+    code = str(body["error"].get("code") or "") if shaped else ""
+    return Outcome(request, result, status, detail=raw[:200].decode(errors="replace"), code=code)
 
 
 async def _stream(client: httpx.AsyncClient, model: str, request: Request, leave_after: int | None) -> Outcome:
-    texts = [""] * request.n
-    async with client.stream("POST", "/v1/completions", json=request.body(model)) as reply:
+    texts, first = [""] * request.n, None
+    async with client.stream("POST", "/v1/completions", json=request.body(model), headers=request.headers()) as reply:
         if reply.status_code != 200:
             return _error(request, reply.status_code, await reply.aread())
         events = 0
@@ -97,13 +107,14 @@ async def _stream(client: httpx.AsyncClient, model: str, request: Request, leave
                 continue
             data = line.removeprefix("data: ")
             if data == "[DONE]":
-                return Outcome(request, Result.OK, 200, texts)
+                return Outcome(request, Result.OK, 200, texts, first_s=first)
             event = json.loads(data)
             if "error" in event:
                 result = Result.STREAM_ERROR if is_error_shape(event) else Result.BROKEN
                 return Outcome(request, result, 200, texts, detail=str(event["error"])[:200])
             for choice in event["choices"]:
                 texts[choice["index"]] += choice.get("text") or ""
+            first = first if first is not None or not event["choices"] else time.monotonic()
             events += 1
             if leave_after is not None and events >= leave_after:
                 return Outcome(request, Result.DISCONNECTED, 200, texts)

@@ -32,6 +32,7 @@ class Stream:
     """One completion through the router: its text pieces with their arrival times, its end."""
 
     body: dict
+    id: str = ""  # the completion's, as the stream's events name it
     pieces: list[tuple[float, str]] = field(default_factory=list)
     status: int = 0
     finish_reason: str | None = None
@@ -77,6 +78,7 @@ def _event(stream: Stream, data: str | None) -> None:
     if "error" in event:
         stream.errors.append(event["error"])
         return
+    stream.id = event.get("id", stream.id)
     for choice in event.get("choices", []):
         if choice.get("text"):
             stream.pieces.append((time.monotonic(), choice["text"]))

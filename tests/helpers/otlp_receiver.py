@@ -14,6 +14,7 @@ import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.common.v1 import common_pb2
 
+from helpers.polling import wait_for
 from tierserve.launch import free_port
 
 ERROR = 2  # opentelemetry.proto.trace.v1.Status.STATUS_CODE_ERROR
@@ -93,3 +94,19 @@ def otlp_receiver() -> Iterator[Receiver]:
         yield Receiver(collector, port)
     finally:
         server.stop(grace=None)
+
+
+def spans_of(receiver: Receiver, trace_id: str, names: set[str], deadline_s: float = 30.0) -> list[ReceivedSpan]:
+    """The trace's spans once every one of ``names`` arrived."""
+    wait_for(lambda: names <= {s.name for s in receiver.spans(trace_id)}, f"spans {sorted(names)}", deadline_s)
+    return receiver.spans(trace_id)
+
+
+def by_name(spans: list[ReceivedSpan], name: str) -> list[ReceivedSpan]:
+    return [s for s in spans if s.name == name]
+
+
+def one(spans: list[ReceivedSpan], name: str) -> ReceivedSpan:
+    found = by_name(spans, name)
+    assert len(found) == 1, (name, [s.name for s in spans])
+    return found[0]

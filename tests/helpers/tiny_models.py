@@ -157,3 +157,45 @@ def add_builtin_tokenizer(model_dir: Path, chat_template: str | None = None) -> 
         config = json.loads((model_dir / "tokenizer_config.json").read_text())
         (model_dir / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": chat_template}))
     return model_dir
+
+
+def make_eagle_target(out_dir: Path, seed: int = 0) -> Path:
+    """A one-layer tiny llama whose embedding rows have RMS 1, so its first norm only scales them
+    by its weight: an EAGLE head can then compute what the target computes (``make_mimic_eagle``)."""
+    from safetensors.torch import load_file, save_file
+
+    make_tiny_model("llama", out_dir, seed=seed, layers=1)
+    tensors = load_file(str(out_dir / "model.safetensors"))
+    embed = tensors["model.embed_tokens.weight"]
+    tensors["model.embed_tokens.weight"] = embed / embed.pow(2).mean(-1, keepdim=True).sqrt()
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    return out_dir
+
+
+def make_mimic_eagle(target_dir: Path, out_dir: Path, feature_scale: float) -> Path:
+    """An EAGLE-1 head for ``make_eagle_target``'s model that recomputes its layer: ``fc`` passes
+    the token's embedding plus ``feature_scale`` times the target's feature, the layer is the
+    target's with its input norm folded into q/k/v, and its own LM head folds in the target's final
+    norm. It sees no slot 0 and adds the scaled feature, so it agrees with the target often, not
+    always; and what it drafts depends on its restored rows and on the features it is handed."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from tierserve.model.eagle import write_random_eagle
+
+    write_random_eagle(target_dir, out_dir)
+    t = load_file(str(target_dir / "model.safetensors"))
+    hidden = t["model.embed_tokens.weight"].shape[1]
+    norm_in = t["model.layers.0.input_layernorm.weight"]
+    head = {"fc.weight": torch.cat([torch.eye(hidden), feature_scale * torch.eye(hidden)], dim=1),
+            "lm_head.weight": t["lm_head.weight"] * t["model.norm.weight"][None, :]}
+    for name, tensor in t.items():
+        if name.startswith("model.layers.0.") and "input_layernorm" not in name:
+            folded = tensor * norm_in[None, :] if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")) \
+                else tensor
+            head[name.removeprefix("model.")] = folded.contiguous()
+    save_file(head, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((out_dir / "config.json").read_text())
+    (out_dir / "config.json").write_text(json.dumps(config | {"torch_dtype": "float32"}))
+    return out_dir

@@ -17,7 +17,7 @@ import contextlib
 import math
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -65,20 +65,40 @@ class Lane:
     prefill rate measured from it: between two first tokens while work was outstanding (or from
     the first send on an idle worker) the tokens of the one that came were computed. Batches and
     chunked prefill make single gaps uneven; the decayed sums of tokens and seconds even them out.
-    ``recent`` keeps the last ``DEMAND_WINDOW_S`` seconds of sends: the demand of each priority."""
+    ``recent`` keeps the last ``DEMAND_WINDOW_S`` seconds of sends: the demand of each priority.
+
+    The work ahead is the node's when it reports it (``observe``: its prefill backlog, every
+    router's requests), corrected by this lane's own sends since that report (not in it yet) and
+    its own first tokens since (the report may still count them), as ``Worker.pressure`` corrects
+    the request counts; never less than this lane's own outstanding work."""
 
     clock: Callable[[], float] = time.monotonic
     ahead: dict[str, tuple[int, int]] = field(default_factory=dict)  # request id -> (priority, tokens)
     recent: deque[tuple[float, int, int]] = field(default_factory=deque)  # (sent at, priority, tokens)
+    reported: Mapping[int, int] | None = None  # the node's last prefill backlog by priority (None: none)
+    unreported: set[str] = field(default_factory=set)  # ids in ``ahead`` sent since that report
+    gone: dict[int, int] = field(default_factory=dict)  # tokens by priority the report counts that came since
+    _report: object = None  # the report ``reported`` came from (a new one resets the corrections)
     _tokens: float = 0.0
     _seconds: float = 0.0
     _mark: float | None = None  # when the worker last had no outstanding work, or last gave a first token
+
+    def observe(self, report: object, backlog: Mapping[int, int] | None) -> None:
+        """The node's latest load report (any object, compared by identity: the same one again
+        changes nothing) and its prefill backlog by priority (None: no report, the session broke)."""
+        if report is self._report:
+            return
+        self._report, self.reported = report, backlog
+        self.unreported.clear()
+        self.gone.clear()
 
     def sent(self, request_id: str, priority: int, tokens: int) -> None:
         now = self.clock()
         if not self.ahead:
             self._mark = now
         self.ahead[request_id] = (priority, tokens)
+        if self.reported is not None:
+            self.unreported.add(request_id)
         self.recent.append((now, priority, tokens))
         while self.recent and self.recent[0][0] < now - DEMAND_WINDOW_S:
             self.recent.popleft()
@@ -86,7 +106,7 @@ class Lane:
     def first_token(self, request_id: str, computed: int | None = None) -> None:
         """``request_id``'s first token came: its tokens (``computed``, what the worker reported it
         did not find cached, when known) took the time since the last mark."""
-        entry = self.ahead.pop(request_id, None)
+        entry = self._settle(request_id)
         now = self.clock()
         if entry is not None and self._mark is not None:
             self._tokens = self._tokens * _DECAY + (entry[1] if computed is None else computed)
@@ -95,9 +115,29 @@ class Lane:
 
     def dropped(self, request_id: str) -> None:
         """``request_id`` ended before its first token (failed, cancelled): not a measurement."""
-        self.ahead.pop(request_id, None)
+        self._settle(request_id)
         if not self.ahead:
             self._mark = None
+
+    def _settle(self, request_id: str) -> tuple[int, int] | None:
+        """``request_id`` leaves ``ahead``; the node's report counts it until the next one."""
+        entry = self.ahead.pop(request_id, None)
+        if request_id in self.unreported:
+            self.unreported.discard(request_id)
+        elif entry is not None and self.reported is not None:
+            self.gone[entry[0]] = self.gone.get(entry[0], 0) + entry[1]
+        return entry
+
+    def work_ahead(self, priority: int) -> int:
+        """Prompt tokens ahead of a request of ``priority`` (that priority or a more important
+        one): the node's backlog, corrected since its report, or this lane's own when larger."""
+        own = sum(t for p, t in self.ahead.values() if p <= priority)
+        if self.reported is None:
+            return own
+        node = sum(t for p, t in self.reported.items() if p <= priority) \
+            + sum(self.ahead[r][1] for r in self.unreported if self.ahead[r][0] <= priority) \
+            - sum(t for p, t in self.gone.items() if p <= priority)
+        return max(own, node)
 
     @property
     def rate(self) -> float | None:
@@ -106,19 +146,23 @@ class Lane:
             return None
         return self._tokens / self._seconds
 
-    def predict(self, priority: int, tokens: int) -> float | None:
+    def predict(self, priority: int, tokens: int, loaded: int = 0, load_rate: float = 0.0) -> float | None:
         """Seconds until the first token of a request of ``priority`` with ``tokens`` to compute:
-        the work ahead of it (outstanding work at its priority or a more important one, as a
+        the work ahead of it (``work_ahead``: at its priority or a more important one, as a
         priority scheduler admits) and its own, at the rate more important work leaves it (the
         measured rate less the recent demand of more important work, which keeps coming and goes
         first: a priority queue's wait); ``math.inf`` when that demand takes the whole rate; None
-        before a measurement."""
+        before a measurement. ``loaded`` more tokens come from L3 at ``load_rate`` tokens/s, read
+        while the work ahead runs (a prefetch starts on arrival); with no rate they count as computed."""
         rate = self.rate
         if rate is None:
             return None
-        ahead = sum(t for p, t in self.ahead.values() if p <= priority)
+        if load_rate <= 0:
+            tokens, loaded = tokens + loaded, 0
         spare = rate - sum(t for _, p, t in self.recent if p < priority) / DEMAND_WINDOW_S
-        return (ahead + tokens) / spare if spare > 0 else math.inf
+        if spare <= 0:
+            return math.inf
+        return max(self.work_ahead(priority) / spare, loaded / load_rate if loaded else 0.0) + tokens / spare
 
 
 async def tracked(lane: Lane, request_id: str, priority: int, tokens: int,

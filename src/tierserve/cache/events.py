@@ -5,7 +5,9 @@ read it: a batch is the msgpack array ``[ts, [event, ...]]`` and each event an a
 its class name, ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
 lora_id, medium]``, ``["BlockRemoved", block_hashes, medium]`` or ``["AllBlocksCleared"]``.
 Block hashes are our 32-byte chained page keys (``hashing.page_keys``); ``medium`` is
-``"device"`` (L1) or ``"host"`` (L2). L3 is shared by the cluster and is not reported.
+``"device"`` (L1), ``"host"`` (L2) or ``"storage"`` (L3: a ``BlockStored`` once a backup reached
+the store, with no parent or tokens; L3 is shared by the cluster and evicts unseen, so no removal
+follows and a node's snapshot holds none: ``StorageTier._announce``).
 
 On the wire a batch is the multipart message ``[topic, seq, payload]`` with ``seq`` an 8-byte
 big-endian counter that starts at 0 for each publisher; a subscriber that sees anything but
@@ -36,6 +38,7 @@ log = logging.getLogger(__name__)
 
 DEVICE = CacheTier.DEVICE  # L1
 HOST = CacheTier.HOST  # L2
+STORAGE = CacheTier.STORAGE  # L3 (stored events only)
 MEDIUMS = (DEVICE, HOST)
 DEFAULT_TOPIC = b"kv-events"
 

@@ -30,6 +30,7 @@ from tierserve.cache.sharded.shards import KVShard
 from tierserve.cache.speed import SpeedModel
 from tierserve.cache.staging import page_io
 from tierserve.cache.storage import StorageBackend
+from tierserve.core.tiers import CacheTier
 
 log = logging.getLogger(__name__)
 RETRY_AFTER_S = 5.0
@@ -53,7 +54,7 @@ def nothing() -> None:
 @dataclass
 class _Backup:
     node: Node
-    future: Future
+    future: Future  # of ``_write``: (pages written, the keys the store holds now)
 
 
 class StorageTier:
@@ -128,6 +129,7 @@ class StorageTier:
                 "l3_prefetch_no_wait_decisions_total": self.decisions["no_wait"],
                 "l3_prefetch_backup_waits_total": self.backup_waits,
                 "l3_failures_total": self.failures, "l3_healthy": float(self.healthy),
+                "l3_read_tokens_per_second": self.read_tokens_per_s(),
                 "l3_integrity_failures_total": getattr(self.storage, "integrity_failures", 0)}
 
     def close(self) -> None:
@@ -340,18 +342,18 @@ class StorageTier:
             return
         self._backups.append(_Backup(node, self._worker.submit(self._write, keys, host_pages)))
 
-    def _write(self, keys: list[bytes], host_pages: list[int]) -> int:
+    def _write(self, keys: list[bytes], host_pages: list[int]) -> tuple[int, list[bytes]]:
         if not self.healthy:
-            return 0
+            return 0, []
         # A put of a stored key is a no-op in stores that say so: no exists call first.
         skip = 0 if self.storage.put_skips_existing else self.io.exists(self.storage, keys)
         started = time.perf_counter()
-        written = sum(sum(self.io.set_from(self.storage, keys[at : at + BACKUP_CALL_PAGES],
-                                           host_pages[at : at + BACKUP_CALL_PAGES]))
-                      for at in range(skip, len(keys), BACKUP_CALL_PAGES))
+        done = [ok for at in range(skip, len(keys), BACKUP_CALL_PAGES)
+                for ok in self.io.set_from(self.storage, keys[at : at + BACKUP_CALL_PAGES],
+                                           host_pages[at : at + BACKUP_CALL_PAGES])]
         mine = sum(map(self.ownership.owns, host_pages[skip:]))  # the bytes this rank wrote (CP: its own pages)
         self.speed.record_write(mine * self.host.geometry.bytes_per_page, time.perf_counter() - started)
-        return written
+        return sum(done), keys[:skip] + [k for k, ok in zip(keys[skip:], done, strict=True) if ok]
 
     def wait_backups(self, timeout: float) -> None:
         futures.wait([b.future for b in self._backups], timeout=timeout)
@@ -418,8 +420,21 @@ class StorageTier:
             if b.future.exception() is not None:
                 self._fail("backup", b.future.exception())
             else:
-                self.backed_up_pages += b.future.result()
+                written, stored = b.future.result()
+                self.backed_up_pages += written
+                self._announce(stored)
         self._backups = self._backups[done:]
+
+    def _announce(self, keys: list[bytes]) -> None:
+        """Tells the KV events' listener that ``keys`` are in L3 (a ``storage`` BlockStored): the
+        routers count them at a load cost, not a compute cost, in their TTFT prediction. Not their
+        removal: the store evicts on its own, unseen (docs/router.md)."""
+        if keys and self.tree.listener is not None:
+            self.tree.listener.stored(keys, None, [], CacheTier.STORAGE)
+
+    def read_tokens_per_s(self) -> float:
+        """Prompt tokens per second this rank reads from L3, as measured (0 before a read)."""
+        return self.speed.read_bps / self.host.geometry.bytes_per_page * self.tree.page_size
 
     def _fail(self, what: str, exc: BaseException | None) -> None:
         """Any thread: counts the failure and opens the breaker for ``RETRY_AFTER_S``."""

@@ -88,7 +88,8 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
          PrefetchPolicy),
     # Speculative decoding, named as in SGLang (docs/speculative.md).
     Flag("--speculative-algorithm", "speculative_algorithm", "where drafts come from: STANDALONE (a draft model; "
-         "the default with --speculative-draft-model-path) or NGRAM (prompt lookup in the request's own tokens)",
+         "the default with --speculative-draft-model-path), EAGLE (an EAGLE-1 head at --speculative-draft-model-path, "
+         "fed the target's hidden states) or NGRAM (prompt lookup in the request's own tokens)",
          SpeculativeAlgorithm),
     Flag("--speculative-draft-model-path", "speculative_draft_model_path",
          "draft model folder (same vocabulary): turns on speculative decoding", Path),

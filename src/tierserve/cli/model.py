@@ -18,6 +18,12 @@ def add_model_commands(model: argparse.ArgumentParser, common: argparse.Argument
                        help="derive the built-in model's draft (for --speculative-draft-model-path) and print its path")
     fetch.add_argument("--draft-layers", help="with --draft: the target layers the draft keeps, e.g. 0,1,2,29 "
                        "(default: the measured best)")
+    fetch.add_argument("--eagle", action="store_true",
+                       help="with --draft: write a randomly initialised EAGLE-1 head instead (for "
+                       "--speculative-algorithm EAGLE; it drafts little the target accepts: a trained head is "
+                       "brought as a folder, docs/speculative.md)")
+    fetch.add_argument("--target", type=Path, help="with --draft --eagle: the model folder the head is for "
+                       "(default: the built-in model); the head is written beside it as <name>-eagle-random")
     fetch.set_defaults(func=cmd_model_fetch)
 
 
@@ -34,10 +40,32 @@ def cmd_model_fetch(args: argparse.Namespace) -> int:
 def _fetch_draft(args: argparse.Namespace) -> int:
     from tierserve.model.draft import BUILTIN_DRAFT_LAYERS, fetch_builtin_draft
 
+    if args.eagle:
+        return _fetch_eagle(args)
+    if args.target is not None:
+        print("tierserve: --target needs --eagle", file=sys.stderr)
+        return 2
+
     try:
         layers = tuple(int(x) for x in args.draft_layers.split(",")) if args.draft_layers else BUILTIN_DRAFT_LAYERS
         print(fetch_builtin_draft(args.cache_dir, layers))
     except ValueError as exc:
         print(f"tierserve: --draft-layers: {exc}", file=sys.stderr)
         return 2
+    return 0
+
+
+def _fetch_eagle(args: argparse.Namespace) -> int:
+    """A random EAGLE head for ``--target`` (or the built-in model), written once; prints its folder."""
+    from tierserve.model.eagle import random_eagle_for
+    from tierserve.model.fetch import fetch_builtin_model
+
+    if args.draft_layers:
+        print("tierserve: --draft-layers derives a layer subset; it does not go with --eagle", file=sys.stderr)
+        return 2
+    target = args.target or fetch_builtin_model(args.cache_dir, progress=True)
+    if not (target / "config.json").is_file():
+        print(f"tierserve: --target {target} is not a model folder (no config.json)", file=sys.stderr)
+        return 2
+    print(random_eagle_for(target))
     return 0

@@ -19,6 +19,7 @@ class SpeculativeAlgorithm(Enum):
 
     STANDALONE = "STANDALONE"  # a draft model (``speculative_draft_model_path``)
     NGRAM = "NGRAM"  # prompt lookup: the request's own earlier tokens, no second model
+    EAGLE = "EAGLE"  # a draft head fed with the target's hidden states (``speculative_draft_model_path``)
 
     @classmethod
     def _missing_(cls, value: object) -> SpeculativeAlgorithm | None:
@@ -61,7 +62,8 @@ class EngineConfig:
     proposed in a chain and verified as ``speculative_num_draft_tokens`` = steps + 1 tokens per step
     (SGLang's meaning with topk 1; give either, default 3 steps); not with TP, PP or CP.
     ``speculative_draft_layout`` says where the draft's KV is cached (``DraftLayout``).
-    ``speculative_algorithm``: ``STANDALONE`` (the default when a draft model is given) or ``NGRAM``
+    ``speculative_algorithm``: ``STANDALONE`` (the default when a draft model is given), ``EAGLE`` (the
+    draft model path is an EAGLE-1 head fed with the target's hidden states) or ``NGRAM``
     (prompt lookup, no draft model: the latest earlier occurrence of the request's last
     ``speculative_ngram_max_match_window_size`` down to ``..._min_...`` tokens, searched in its latest
     ``speculative_ngram_window`` tokens, proposes the tokens that followed it).
@@ -127,15 +129,16 @@ class EngineConfig:
         if steps is not None and tokens is not None and tokens != steps + 1:
             raise ValueError(f"drafts are a chain (topk 1): --speculative-num-draft-tokens must be "
                              f"--speculative-num-steps + 1, not {tokens} with {steps} steps")
-        if self.num_ranks > 1:
+        if self.num_ranks > 1 and algorithm is not SpeculativeAlgorithm.NGRAM:
             raise ValueError(f"--speculative-algorithm {algorithm.value} with --tp-size, --pp-size or --cp-size "
-                             "above 1 is not supported yet: speculation runs on a single engine")
+                             "above 1 is not supported yet (its draft model runs on a single rank): use "
+                             "--speculative-algorithm NGRAM there, or one rank (docs/speculative.md, layouts)")
 
     def _check_algorithm(self) -> None:
         """A draft model exactly for STANDALONE; the n-gram settings only for NGRAM, and in range."""
         algorithm, draft = self.spec_algorithm, self.speculative_draft_model_path
-        if algorithm is SpeculativeAlgorithm.STANDALONE and draft is None:
-            raise ValueError("--speculative-algorithm STANDALONE needs --speculative-draft-model-path")
+        if algorithm in (SpeculativeAlgorithm.STANDALONE, SpeculativeAlgorithm.EAGLE) and draft is None:
+            raise ValueError(f"--speculative-algorithm {algorithm.value} needs --speculative-draft-model-path")
         if algorithm is SpeculativeAlgorithm.NGRAM and draft is not None:
             raise ValueError("--speculative-algorithm NGRAM drafts from the request's own tokens: it takes no "
                              "--speculative-draft-model-path")

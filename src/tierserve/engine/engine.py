@@ -102,15 +102,15 @@ class Engine:
             object_format(config.hicache.mem_layout), draft=self.draft.identity if self.draft else "",
         )
         self.cache = (prefix_cache or self._build_cache)(self.allocator, self.pool)
+        cp = context_parallel(self.ranks.cp, self.pool, self.device, self.ranks.cp_merge, config.cp_attention,
+                              self.ranks.cp_group)
+        self.runner = ModelRunner(self.model, self.pool, self.device, token_share(self.ranks), cp)
         draft_kv = self.draft.store(self.pool, self.draft_pool, self.geometry.num_layers) if self.draft else None
-        self.spec = SpecDecoder.of(config, self.model, self.pool, draft_kv)
+        self.spec = SpecDecoder.of(config, self.model, self.pool, draft_kv, self.runner)
         sched = SchedulerConfig(config.page_size, config.chunked_prefill_size, config.max_running_requests,
                                 config.schedule_policy)
         self.scheduler = Scheduler(sched, self.allocator, self.cache, self.spec.lookahead if self.spec else None,
                                    draft_kv=draft_kv is not None)
-        cp = context_parallel(self.ranks.cp, self.pool, self.device, self.ranks.cp_merge, config.cp_attention,
-                              self.ranks.cp_group)
-        self.runner = ModelRunner(self.model, self.pool, self.device, token_share(self.ranks), cp)
         self.reservations = Reservations(self.allocator, self.cache, config.page_size)
         self.restore_agreement = self.ranks.agreement()  # whether a step's restores failed anywhere
         self.before_step: list[Callable[[], None]] = []  # e.g. a prefill node's handoff agreement

@@ -84,6 +84,7 @@ class EngineLoop:
         self.bus = bus or SoleBus()
         self.watch = watch
         self._stats = engine.stats()  # the engine thread does not run yet
+        self._backlog = engine.scheduler.backlog()
         self._published = 0.0
         self._idle_poll = IDLE_POLL_S
         self._commands: queue.SimpleQueue[_Submit | AbortRequest | _Call | _Wake | None] = queue.SimpleQueue()
@@ -116,6 +117,10 @@ class EngineLoop:
         """``Engine.stats()`` as of the engine's last step or command (at most ``STATS_INTERVAL_S``
         old while it works); any thread. The dict is replaced, never changed, so it is safe to read."""
         return self._stats
+
+    def backlog(self) -> dict[int, int]:
+        """``Scheduler.backlog()`` as of the same moment as ``stats``; any thread (replaced, never changed)."""
+        return self._backlog
 
     def generate(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, scope: CacheScope = NO_SCOPE,
@@ -223,6 +228,7 @@ class EngineLoop:
         now = time.monotonic()
         if force or not self.engine.has_work() or now - self._published >= STATS_INTERVAL_S:
             self._stats, self._published = self.engine.stats(), now
+            self._backlog = self.engine.scheduler.backlog()
 
     def _wait(self) -> float | None:
         """How long to wait for a command: when idle, forever (several ranks: until the bus must

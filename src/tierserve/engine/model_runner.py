@@ -4,6 +4,7 @@ attention reads the pages other ranks own."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -31,6 +32,18 @@ class StepResult:
     logprobs: StepLogprobs
 
 
+@dataclass(frozen=True)
+class Verify:
+    """A speculative step's drafts (docs/speculative.md, layouts): ``drafts`` by request id, the same
+    on every rank (made from the request's tokens, which every rank shares); ``judge``, called on the
+    sampling rank only, returns the tokens verification keeps for a request from the target's final
+    hidden rows [1 + k, hidden] of its pending token and its k drafts (recording their logprobs in
+    the ``StepLogprobs`` where asked)."""
+
+    drafts: Mapping[str, list[int]]
+    judge: Callable[[Request, torch.Tensor, StepLogprobs], list[int]]
+
+
 class ModelRunner:
     """Owns the model and the KV pool; ``run`` executes one step of a flat mixed batch.
 
@@ -39,7 +52,9 @@ class ModelRunner:
     produce logits and a sampled token. With several ranks, ``tokens`` makes every rank return the
     tokens rank 0 sampled; under context parallelism ``cp`` decides what the model reads its KV from
     and, for a long step, which of the step's rows this rank computes (rank 0 computes every row it
-    samples from).
+    samples from). A speculative step (``Verify``) runs each drafting request's pending token and
+    drafts as one extend span, on every rank like a short prefill chunk, and every rank returns the
+    tokens the sampling rank's verification kept.
     """
 
     def __init__(self, model: CausalLM, pool: DeviceKVPool, device: torch.device,
@@ -52,31 +67,69 @@ class ModelRunner:
         self.cp = cp  # None: this rank holds every page of its KV
 
     @torch.inference_mode()
-    def run(self, batch: list[Scheduled], restores: StepRestores | None = None) -> StepResult:
+    def run(self, batch: list[Scheduled], restores: StepRestores | None = None,
+            verify: Verify | None = None) -> StepResult:
         """Samples a token for each request that completed its pending tokens; logprobs are
         computed (on the sampling rank) only for requests that asked. Each layer's attention waits
         for that layer of ``restores`` (default: the batch's, unbounded), whose failures the caller
-        judges after the step (``StepRestores.failed``)."""
-        extends = [s for s in batch if not _is_decode(s)]
-        decodes = [s for s in batch if _is_decode(s)]
+        judges after the step (``StepRestores.failed``). With ``verify``, a drafting request gets
+        the tokens its verification kept instead (the drafts' KV is written past its computed
+        tokens, in the pages the scheduler secured for them, which each rank trims alike after)."""
+        drafts = verify.drafts if verify is not None else {}
+        wide = [replace(s, num_tokens=s.num_tokens + len(drafts.get(s.request.request_id, ()))) for s in batch]
+        extends = [s for s in wide if not _is_decode(s)]
+        decodes = [s for s in wide if _is_decode(s)]
         ordered = extends + decodes
-        ids, positions, slots = self._flat_tokens(ordered)
+        ids, positions, slots = self._flat_tokens(ordered, drafts)
         attn = AttentionBatch(page_size=self.page_size, out_slots=slots, hooks=step_hooks(batch, restores))
         attn.extends = self._extend_spans(extends)
         attn.decode_start = len(ids) - len(decodes)
         if decodes:
             attn.decode_pages, attn.decode_mask = self._decode_tables(decodes)
         logprobs, prompt = StepLogprobs(), prompt_rows(ordered)
-        step = self.cp.step(ordered, attn, every_row=bool(prompt)) if self.cp is not None else CPStep(self.pool)
+        # Verification reads every row of a drafting request's span, so such a step stays replicated.
+        every_row = bool(prompt) or bool(drafts)
+        step = self.cp.step(ordered, attn, every_row=every_row) if self.cp is not None else CPStep(self.pool)
         ids_t, positions_t = self._tensor(ids), self._tensor(positions)
         if step.split is not None:  # this rank computes its share of the rows (docs/cp.md)
             ids_t, positions_t = ids_t[step.split.mine], positions_t[step.split.mine]
         hidden = self.model(ids_t, positions_t, attn, step.kv)
+        if verify is not None:
+            return self._verified(ordered, hidden, verify, prompt, logprobs)
         rows, sampled = _rows_to_sample(ordered)
         local = step.split.local_rows if step.split is not None else list
         tokens = self.tokens.share(ordered, len(rows),
                                    lambda: self._sample(hidden, local(rows), sampled, prompt, logprobs))
         return StepResult({r.request_id: [t] for r, t in zip(sampled, tokens, strict=True)}, logprobs)
+
+    def _verified(self, ordered: list[Scheduled], hidden: torch.Tensor, verify: Verify, prompt: list[PromptRows],
+                  logprobs: StepLogprobs) -> StepResult:
+        """The tokens of a speculative step (replicated: every row is this rank's). Each request
+        that completed gets a slot of 1 + (its drafts) tokens in the shared message, led by how many
+        it kept, so every rank knows the message's length before it comes."""
+        spans, sampled = _spans_to_sample(ordered, verify.drafts)
+        widths = [len(rows) for rows in spans]
+
+        def judge() -> list[int]:
+            kept = self._judge(hidden, spans, sampled, verify, prompt, logprobs)
+            return [x for k, w in zip(kept, widths, strict=True) for x in (len(k), *k, *[-1] * (w - len(k)))]
+
+        shared = self.tokens.share(ordered, sum(widths) + len(widths), judge)
+        out, at = {}, 0
+        for r, w in zip(sampled, widths, strict=True):
+            out[r.request_id] = shared[at + 1: at + 1 + shared[at]]
+            at += 1 + w
+        return StepResult(out, logprobs)
+
+    def _judge(self, hidden: torch.Tensor, spans: list[list[int]], sampled: list[Request], verify: Verify,
+               prompt: list[PromptRows], logprobs: StepLogprobs) -> list[list[int]]:
+        """On the sampling rank: plain requests' tokens sampled together, drafting ones verified."""
+        plain = [i for i, (r, rows) in enumerate(zip(sampled, spans, strict=True)) if len(rows) == 1]
+        tokens = self._sample(hidden, [spans[i][0] for i in plain], [sampled[i] for i in plain], prompt, logprobs)
+        kept: list[list[int]] = [[t] for t in tokens]
+        by_plain = dict(zip(plain, kept, strict=True))
+        return [by_plain[i] if i in by_plain else verify.judge(r, hidden[rows[0]: rows[-1] + 1], logprobs)
+                for i, (r, rows) in enumerate(zip(sampled, spans, strict=True))]
 
     def _sample(self, hidden: torch.Tensor, rows: list[int], requests: list[Request], prompt: list[PromptRows],
                 logprobs: StepLogprobs) -> list[int]:
@@ -90,14 +143,15 @@ class ModelRunner:
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)
 
-    def _flat_tokens(self, ordered: list[Scheduled]) -> tuple[list[int], list[int], torch.Tensor]:
+    def _flat_tokens(self, ordered: list[Scheduled], drafts: Mapping[str, list[int]]
+                     ) -> tuple[list[int], list[int], torch.Tensor]:
         ids: list[int] = []
         positions: list[int] = []
         pages: list[int] = []
         for s in ordered:
             r = s.request
             start, end = r.num_computed, r.num_computed + s.num_tokens
-            ids += r.tokens(start, end)
+            ids += r.tokens(start, min(end, r.num_tokens)) + drafts.get(r.request_id, [])
             positions += range(start, end)
             pages += [r.pages[p // self.page_size] for p in range(start, end)]
         pos = self._tensor(positions)
@@ -160,6 +214,20 @@ def _rows_to_sample(ordered: list[Scheduled]) -> tuple[list[int], list[Request]]
             rows.append(end - 1)
             requests.append(s.request)
     return rows, requests
+
+
+def _spans_to_sample(ordered: list[Scheduled], drafts: Mapping[str, list[int]]
+                     ) -> tuple[list[list[int]], list[Request]]:
+    """Per request completing its pending tokens, the flat rows verification (or sampling) reads:
+    its last row, and with k drafts the k + 1 rows of its pending token and drafts."""
+    spans, requests, end = [], [], 0
+    for s in ordered:
+        end += s.num_tokens
+        k = len(drafts.get(s.request.request_id, ()))
+        if s.request.num_computed + s.num_tokens - k == s.request.num_tokens:
+            spans.append(list(range(end - 1 - k, end)))
+            requests.append(s.request)
+    return spans, requests
 
 
 def sample_requests(logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], dict[str, list[TokenLogprob]]]:

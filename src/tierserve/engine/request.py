@@ -49,6 +49,7 @@ class Request:
     l3_pending: int = 0  # leading prompt pages another node is writing to L3 now (the router's word, docs/cache.md)
     cached_tokens: int = 0
     cached_by_tier: dict[str, int] = field(default_factory=dict)
+    cached_at_arrival: int = 0  # prompt tokens the cache held when it arrived (its prefill backlog's estimate)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     text: TextStream | None = None

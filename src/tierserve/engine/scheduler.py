@@ -103,7 +103,22 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         request.prefetch = self.cache.prefetch(request.token_ids(), request.scope, request.l3_pending)
+        pages = self.cache.cached_prefix(_prefix(request), request.scope)
+        request.cached_at_arrival = min(pages * self.config.page_size, request.num_tokens - 1)
         self.waiting.append(request)
+
+    def backlog(self) -> dict[int, int]:
+        """Prompt tokens still to compute, by priority (``LoadReport.prefill_backlog``): a waiting
+        request's all but what the cache held when it arrived (a preempted one's: all), a running
+        one's until its prompt is done; decoding requests none."""
+        out: dict[int, int] = {}
+        for request in self.waiting:
+            held = request.cached_at_arrival if request.admitted_at is None else 0
+            out[request.params.priority] = out.get(request.params.priority, 0) + request.num_tokens - held
+        for request in self.running:
+            if request.num_computed < len(request.prompt_ids):
+                out[request.params.priority] = out.get(request.params.priority, 0) + request.tokens_to_compute()
+        return out
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.parked)

@@ -63,6 +63,8 @@ class AttentionBatch:
     ``decode_mask`` [B, 1, 1, P * page_size] hides padding and slots past the sequence's length.
     Reads gather whole pages: one large row per page is far faster than one row per token.
     ``partial`` takes over the layers it covers (context parallelism's merged attention).
+    ``hide_first_slot``: position 0's K/V is seen by position 0 alone (an EAGLE head's first row,
+    which has no target feature: ``engine/spec/eagle.py``).
     """
 
     page_size: int
@@ -73,6 +75,7 @@ class AttentionBatch:
     decode_mask: torch.Tensor | None = None
     hooks: LayerHooks | None = None
     partial: PartialAttention | None = None
+    hide_first_slot: bool = False
 
 
 class PagedAttention(nn.Module):
@@ -102,25 +105,31 @@ class PagedAttention(nn.Module):
         for span in batch.extends:
             end = span.start + span.length
             new = q[span.start : end], k[span.start : end], v[span.start : end]
-            out[span.start : end] = self._extend(*new, span, batch.page_size, k_pool, v_pool)
+            out[span.start : end] = self._extend(*new, span, batch, k_pool, v_pool)
         if batch.decode_pages is not None:
             out[batch.decode_start :] = self._decode(q[batch.decode_start :], batch, k_pool, v_pool)
         return out.flatten(1)
 
     def _extend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: ExtendSpan, page_size: int,
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: ExtendSpan, batch: AttentionBatch,
         k_pool: torch.Tensor, v_pool: torch.Tensor,
     ) -> torch.Tensor:
         q = q.transpose(0, 1).unsqueeze(0)
-        if span.prefix_len == 0:
+        if span.prefix_len == 0 and not batch.hide_first_slot:
             k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
             return o[0].transpose(0, 1)
         kv_len = span.prefix_len + span.length
-        k = gather_pages(k_pool, span.kv_pages, page_size)[:, :kv_len].transpose(1, 2)
-        v = gather_pages(v_pool, span.kv_pages, page_size)[:, :kv_len].transpose(1, 2)
+        if span.prefix_len:
+            k = gather_pages(k_pool, span.kv_pages, batch.page_size)[:, :kv_len].transpose(1, 2)
+            v = gather_pages(v_pool, span.kv_pages, batch.page_size)[:, :kv_len].transpose(1, 2)
+        else:
+            k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
         q_pos = torch.arange(span.length, device=q.device) + span.prefix_len
-        mask = torch.arange(kv_len, device=q.device)[None, :] <= q_pos[:, None]
+        cols = torch.arange(kv_len, device=q.device)[None, :]
+        mask = cols <= q_pos[:, None]
+        if batch.hide_first_slot:
+            mask &= (cols > 0) | (q_pos[:, None] == 0)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True)
         return o[0].transpose(0, 1)
 
@@ -134,7 +143,11 @@ def decode_attention(q: torch.Tensor, batch: AttentionBatch, pool: tuple[torch.T
                      scale: float) -> torch.Tensor:
     """The batch's decode tokens q [B, heads, dim] over their pages (``decode_pages``, ``decode_mask``)."""
     k, v = (gather_pages(p, batch.decode_pages, batch.page_size).transpose(1, 2) for p in pool)
-    o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=batch.decode_mask, scale=scale, enable_gqa=True)
+    mask = batch.decode_mask
+    if batch.hide_first_slot:  # a decode is never at position 0
+        mask = mask.clone()
+        mask[..., 0] = False
+    o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     return o.squeeze(2)
 
 

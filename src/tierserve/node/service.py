@@ -58,7 +58,9 @@ class NodeServicer(pb_grpc.NodeServiceServicer):
                              reservations=int(s["reservations"]),
                              kv_pages_quarantined=int(s["reservation_pages_quarantined"]),
                              kv_pages_parked=int(s["handoff_pages_parked"]),
-                             staging_bytes_used=int(s["reservation_staging_bytes"]))
+                             staging_bytes_used=int(s["reservation_staging_bytes"]),
+                             prefill_backlog=self.loop.backlog(),
+                             l3_read_tokens_per_second=s.get("cache_l3_read_tokens_per_second", 0.0))
 
     async def FlushCache(self, request: pb.FlushCacheRequest, context: grpc.aio.ServicerContext
                          ) -> pb.FlushCacheResponse:

@@ -373,7 +373,14 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("running", "waiting", "kv_pages_used", "kv_pages_total", "reservations", "kv_pages_quarantined", "kv_pages_parked", "staging_bytes_used")
+    __slots__ = ("running", "waiting", "kv_pages_used", "kv_pages_total", "reservations", "kv_pages_quarantined", "kv_pages_parked", "staging_bytes_used", "prefill_backlog", "l3_read_tokens_per_second")
+    class PrefillBacklogEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: int
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_PAGES_USED_FIELD_NUMBER: _ClassVar[int]
@@ -382,6 +389,8 @@ class LoadReport(_message.Message):
     KV_PAGES_QUARANTINED_FIELD_NUMBER: _ClassVar[int]
     KV_PAGES_PARKED_FIELD_NUMBER: _ClassVar[int]
     STAGING_BYTES_USED_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_BACKLOG_FIELD_NUMBER: _ClassVar[int]
+    L3_READ_TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     kv_pages_used: int
@@ -390,7 +399,9 @@ class LoadReport(_message.Message):
     kv_pages_quarantined: int
     kv_pages_parked: int
     staging_bytes_used: int
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_pages_used: _Optional[int] = ..., kv_pages_total: _Optional[int] = ..., reservations: _Optional[int] = ..., kv_pages_quarantined: _Optional[int] = ..., kv_pages_parked: _Optional[int] = ..., staging_bytes_used: _Optional[int] = ...) -> None: ...
+    prefill_backlog: _containers.ScalarMap[int, int]
+    l3_read_tokens_per_second: float
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_pages_used: _Optional[int] = ..., kv_pages_total: _Optional[int] = ..., reservations: _Optional[int] = ..., kv_pages_quarantined: _Optional[int] = ..., kv_pages_parked: _Optional[int] = ..., staging_bytes_used: _Optional[int] = ..., prefill_backlog: _Optional[_Mapping[int, int]] = ..., l3_read_tokens_per_second: _Optional[float] = ...) -> None: ...
 
 class FlushCacheRequest(_message.Message):
     __slots__ = ("device", "host")

@@ -67,7 +67,8 @@ def create_router_app(config: RouterConfig, registry: Registry, tasks: list[Task
     model = ModelConfig.from_dir(config.model_dir)
     caches = CacheView(registry)
     backend = PDBackend(registry, make_policy(config.prefill_policy), make_policy(config.decode_policy),
-                        config.options, config.context_length or model.max_position, caches.lookup, caches.synced)
+                        config.options, config.context_length or model.max_position, caches.lookup, caches.synced,
+                        caches.l3_lookup)
     name = config.served_model_name or config.model_dir.name
     tokenizer = try_load(config.model_dir, config.chat_template, config.tool_call_parser)
     app = create_app(backend, tokenizer, name, ApiMetrics(_RouterCollector(registry, backend, caches)),

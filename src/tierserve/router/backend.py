@@ -39,7 +39,8 @@ from tierserve.router.migration import DecodeLost, LostReason, Migrations, drain
 from tierserve.router.policies import CachedPrefix, Policy, PrefixLookup, fitting
 from tierserve.router.registry import Registry, Worker
 from tierserve.router.roles import Role
-from tierserve.router.ttft import TTFTView
+from tierserve.router.slots import PrioritySlots
+from tierserve.router.ttft import L3LookupFactory, TTFTView
 from tierserve.tracing import NO_SPAN, Span, current_span
 from tierserve.tracing import attributes as at
 
@@ -84,27 +85,27 @@ class PDBackend:
 
     def __init__(self, registry: Registry, prefill: Policy, decode: Policy, options: RouterOptions,
                  max_model_len: int, lookup: PrefixLookupFactory | None = None,
-                 warm: Callable[[], bool] | None = None) -> None:
+                 warm: Callable[[], bool] | None = None, l3_lookup: L3LookupFactory | None = None) -> None:
         """``warm``: whether the routing view is complete enough to take traffic (the KV index
-        synced: ``CacheView.synced``); readiness waits for it."""
+        synced: ``CacheView.synced``); readiness waits for it. ``l3_lookup``: the prompt's pages in
+        L3 after a worker's own (``CacheView.l3_lookup``), for the TTFT prediction."""
         self.registry, self.prefill_policy, self.decode_policy = registry, prefill, decode
         self.warm = warm or (lambda: True)
         self.options, self.max_model_len = options, max_model_len
         self.lookup = lookup or (lambda tokens, salt: lambda worker: CachedPrefix())
-        self._slots = asyncio.Semaphore(options.max_running)
-        self._queued = 0
+        self._slots = PrioritySlots(options.max_running)
         self.retries = 0
         self.migrations = Migrations()
         self.disaggregation = Disaggregation(options.disaggregation_threshold)
         self.served = {path: 0 for path in ServedPath}  # tries started per path
         self.forks = 0  # sibling choices sent to their leader's decode node (docs/pd.md, n choices)
         self.routes: deque[dict[str, object]] = deque(maxlen=256)  # recent decisions, for operators and tests
-        self.ttft = TTFTView(registry, self.lookup, self.disaggregation)  # admission by predicted TTFT
+        self.ttft = TTFTView(registry, self.lookup, self.disaggregation, l3_lookup)  # admission by predicted TTFT
 
     @property
     def queued(self) -> int:
         """Requests waiting for a slot."""
-        return self._queued
+        return self._slots.waiting
 
     def healthy(self) -> bool:
         return True
@@ -113,7 +114,7 @@ class PDBackend:
         return self.registry.ready() and self.warm()
 
     async def debug_state(self) -> dict[str, Any]:
-        return {"workers": [w.describe() for w in self.registry.listed()], "queued": self._queued,
+        return {"workers": [w.describe() for w in self.registry.listed()], "queued": self.queued,
                 "retries": self.retries, "served": {p.value: n for p, n in self.served.items()}, "forks": self.forks,
                 "routes": list(self.routes), "lanes": self.ttft.state()} | self.migrations.state()
 
@@ -133,7 +134,8 @@ class PDBackend:
         arrived = time.monotonic()
         try:
             with span:
-                async with self._slot(span):  # a follower takes its slot first: admission answers as for n requests
+                # a follower takes its slot first: admission answers as for n requests
+                async with self._slot(span, params.priority):
                     request = _Request(request_id, prompt_ids, to_proto(params), scope, buffered, span=span,
                                        arrived=arrived)
                     request = await self._choice(request, sibling, lead)
@@ -146,10 +148,11 @@ class PDBackend:
                 _settle(lead, None)  # the leader ended (failed, cancelled) before its KV reached a decode node
 
     @contextlib.asynccontextmanager
-    async def _slot(self, span: Span) -> AsyncIterator[None]:
-        """One of ``max_running`` slots, held for the block (``_admit``; its wait is ``span``'s child)."""
-        with span.child("tierserve.admission", attrs={"tierserve.queued": self._queued}):
-            await self._admit()
+    async def _slot(self, span: Span, priority: int) -> AsyncIterator[None]:
+        """One of ``max_running`` slots, held for the block (``_admit``; its wait is ``span``'s child);
+        waiting requests get them by ``priority`` (``router/slots.py``)."""
+        with span.child("tierserve.admission", attrs={"tierserve.queued": self.queued}):
+            await self._admit(priority)
         try:
             yield
         finally:
@@ -176,15 +179,11 @@ class PDBackend:
                 return decode
         return None
 
-    async def _admit(self) -> None:
-        if self._slots.locked() and self._queued >= self.options.max_queued:
+    async def _admit(self, priority: int) -> None:
+        if self._slots.locked() and self.queued >= self.options.max_queued:
             raise oa.APIError(429, "the server is overloaded: too many requests waiting; retry later",
                               code="overloaded")
-        self._queued += 1
-        try:
-            await self._slots.acquire()
-        finally:
-            self._queued -= 1
+        await self._slots.acquire(priority)
 
     async def _attempts(self, request: _Request) -> AsyncIterator[RequestOutput]:
         """Tries pairs until one serves the request. A failed pair uses up a retry; a decode node

@@ -85,3 +85,13 @@ class CacheView:
             return CachedPrefix(device, host)
 
         return cached
+
+    def l3_lookup(self, token_ids: list[int], salt: str) -> Callable[[int], int]:
+        """For one prompt: given how many leading pages a worker holds (L1, L2), how many of the
+        following ones the cluster's L3 holds (any node's ``storage`` events; ``KVIndex.storage``)."""
+        info = self.registry.info
+        if self.subscriber is None or info is None or not info.namespace_seed or not len(self.subscriber.index.storage):
+            return lambda held: 0
+        keys = prompt_keys(info.namespace_seed, salt, token_ids, info.identity.page_size)
+        storage = self.subscriber.index.storage
+        return lambda held: storage.run(keys, held)

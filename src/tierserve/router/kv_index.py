@@ -1,8 +1,11 @@
-"""The router's view of which prefix pages each worker caches in L1 (device) and L2 (host).
+"""The router's view of which prefix pages each worker caches in L1 (device) and L2 (host), and
+which pages the cluster's L3 holds.
 
 ``KVIndex`` is fed by the workers' KV events (``cache.events``) and corrected by snapshots;
 ``KVEventSubscriber`` runs the ZMQ SUB sockets (one asyncio task per worker) that feed it. L3 is
-shared by every node, so it is not indexed per worker. No torch here: the router never imports it.
+shared by every node, so it is one set for the cluster (``L3Pages``), fed by any node's ``storage``
+events (a backup that reached the store) and bounded: the store evicts unseen, so it is a hint
+for the TTFT prediction only. No torch here: the router never imports it.
 
 Consistency: events carry sequence numbers ``0, 1, 2, ...`` per publisher. Anything but
 ``last + 1`` (lost messages, a restarted node), a new connection, or a first contact makes the
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -27,6 +31,7 @@ from tierserve.cache.events import (
     DEFAULT_TOPIC,
     DEVICE,
     HOST,
+    STORAGE,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -42,11 +47,45 @@ log = logging.getLogger(__name__)
 SnapshotEntries = Iterable[tuple[bytes, str]]  # (page key, medium)
 SnapshotFetcher = Callable[[str], Awaitable[tuple[int, SnapshotEntries]]]  # worker -> (seq, entries)
 _MEDIUM = {DEVICE: DEVICE, HOST: HOST, None: DEVICE, "GPU": DEVICE, "CPU": HOST}  # vLLM's names too
+L3_KEYS = 1 << 18  # L3 page keys remembered (32 bytes each, some 20 MB with the dict's own)
 
 
 def prompt_keys(seed: bytes, salt: str, token_ids: Sequence[int], page_size: int) -> list[bytes]:
     """The page keys of a prompt's full pages, as a worker with namespace ``seed`` names them."""
     return page_keys(salted_seed(seed, salt), token_ids, page_size)
+
+
+class L3Pages:
+    """The page keys some node said it wrote to L3, the last ``capacity`` of them (a store evicts
+    without telling: older keys are the likelier gone)."""
+
+    def __init__(self, capacity: int = L3_KEYS) -> None:
+        self.capacity = capacity
+        self._keys: OrderedDict[bytes, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._keys
+
+    def add(self, keys: Iterable[bytes]) -> None:
+        for key in keys:
+            self._keys[bytes(key)] = None
+            self._keys.move_to_end(bytes(key))
+        while len(self._keys) > self.capacity:
+            self._keys.popitem(last=False)
+
+    def discard(self, keys: Iterable[bytes]) -> None:
+        for key in keys:
+            self._keys.pop(bytes(key), None)
+
+    def run(self, keys: Sequence[bytes], start: int) -> int:
+        """How many of ``keys`` from ``start`` on it holds, up to the first it lacks."""
+        n = start
+        while n < len(keys) and keys[n] in self._keys:
+            n += 1
+        return n - start
 
 
 @dataclass
@@ -73,6 +112,7 @@ class KVIndex:
         self._workers: dict[str, _Worker] = {}
         self._asked: set[str] = set()  # snapshot requested, reset not yet called
         self.gaps = 0
+        self.storage = L3Pages()  # the cluster's L3, from every worker's events
 
     @property
     def workers(self) -> list[str]:
@@ -109,7 +149,7 @@ class KVIndex:
             self._buffer(w, seq, batch)
             self._ask(worker)
             return False
-        _apply_events(w, batch)
+        _apply_events(w, batch, self.storage)
         w.last_seq, w.from_snapshot = seq, False
         return True
 
@@ -163,9 +203,11 @@ class KVIndex:
             self._request_snapshot(worker)
 
 
-def _apply_events(w: _Worker, batch: EventBatch) -> None:
+def _apply_events(w: _Worker, batch: EventBatch, storage: L3Pages) -> None:
     for event in batch.events:
-        if isinstance(event, BlockStored):
+        if isinstance(event, BlockStored | BlockRemoved) and event.medium == STORAGE:
+            (storage.add if isinstance(event, BlockStored) else storage.discard)(event.block_hashes)
+        elif isinstance(event, BlockStored):
             (w.host if _MEDIUM.get(event.medium) == HOST else w.device).update(event.block_hashes)
         elif isinstance(event, BlockRemoved):
             (w.host if _MEDIUM.get(event.medium) == HOST else w.device).difference_update(event.block_hashes)

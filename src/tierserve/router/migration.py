@@ -80,6 +80,10 @@ class _Progress:
     tries: int = 0  # migrations so far
     resumed: dict[str, Any] | None = None  # the current try's entry in ``Migrations.recent``, until its first output
     seam: Span = NO_SPAN  # the current migration's span, from the loss to the resumed try's first output
+    # speculative decoding's (drafted, accepted): an engine counts a request's from its own start, so
+    # the tries before the current one are added to what the current one reports
+    spec_before: tuple[int, int] = (0, 0)
+    spec_now: tuple[int, int] = (0, 0)
 
     def record(self, out: RequestOutput) -> RequestOutput:
         """A try's output as an output of the whole request."""
@@ -91,11 +95,19 @@ class _Progress:
             self.head = out
         done = len(self.tokens)
         self.tokens += out.new_token_ids
+        self.spec_now = (out.spec_draft_tokens, out.spec_accepted_tokens)
         if not self.tries:
             return out
-        head = self.head
+        head, (drafted, accepted) = self.head, self.spec_before
         return replace(out, prompt_tokens=head.prompt_tokens, completion_tokens=done + len(out.new_token_ids),
-                       cached_tokens=head.cached_tokens, cached_by_tier=dict(head.cached_by_tier))
+                       cached_tokens=head.cached_tokens, cached_by_tier=dict(head.cached_by_tier),
+                       spec_draft_tokens=drafted + out.spec_draft_tokens,
+                       spec_accepted_tokens=accepted + out.spec_accepted_tokens)
+
+    def lost_try(self) -> None:
+        """The current try ended (its decode node lost): its speculative counts join the earlier tries'."""
+        self.spec_before = (self.spec_before[0] + self.spec_now[0], self.spec_before[1] + self.spec_now[1])
+        self.spec_now = (0, 0)
 
 
 Tries = Callable[[Any], AsyncIterator[RequestOutput]]
@@ -126,6 +138,7 @@ async def migrating(tries: Tries, request: Resumable, max_migrations: int, stats
 
 def _count(stats: Migrations, progress: _Progress, lost: DecodeLost, request: Resumable, current: Resumable) -> None:
     progress.tries += 1
+    progress.lost_try()
     stats.total += 1
     stats.by_reason[lost.reason.value] += 1
     progress.resumed = {"request": request.id, "from": lost.address, "reason": lost.reason.value,

@@ -1,5 +1,6 @@
 """Speculative decoding (docs/speculative.md): a draft source proposes tokens (``Drafter``: a draft
-model, ``standalone.py``, or prompt lookup, ``ngram.py``), the target verifies them in one pass."""
+model, ``standalone.py``, an EAGLE head, ``eagle.py``, or prompt lookup, ``ngram.py``), the target
+verifies them in one pass."""
 
 from __future__ import annotations
 
@@ -10,12 +11,13 @@ from tierserve.cache.device_pool import DeviceKVPool
 from tierserve.core.outputs import TokenLogprob
 from tierserve.engine.config import EngineConfig, SpeculativeAlgorithm
 from tierserve.engine.logprob_rows import StepLogprobs, prompt_logprobs, prompt_rows
-from tierserve.engine.model_runner import StepResult, sample_requests, step_hooks
+from tierserve.engine.model_runner import ModelRunner, StepResult, Verify, sample_requests, step_hooks
 from tierserve.engine.request import Request
 from tierserve.engine.restores import StepRestores
 from tierserve.engine.scheduler import Scheduled
 from tierserve.engine.spec.draft_pools import DraftKV
 from tierserve.engine.spec.drafts import Drafted, Drafter, SpecCounters, row_sampling
+from tierserve.engine.spec.eagle import EagleDrafter
 from tierserve.engine.spec.ngram import NgramDrafter
 from tierserve.engine.spec.sampling import verify
 from tierserve.engine.spec.spans import Span, forward
@@ -30,25 +32,35 @@ class SpecDecoder:
     ``Scheduled.draft_tokens`` tokens each, the target scores them all in one pass with the step's
     prefill chunks, and ``verify`` keeps what the target would have produced. ``run`` returns, per
     request that got tokens, the tokens to append in order (the engine advances ``num_computed`` by
-    one per token after the first, the fed drafts whose KV is now part of the sequence)."""
+    one per token after the first, the fed drafts whose KV is now part of the sequence).
+
+    With a ``runner`` (NGRAM, whose drafts need no model: the same on every rank), the target's pass
+    is ``ModelRunner``'s, so it runs at any TP, CP and PP layout: the sampling rank verifies and
+    every rank appends its kept tokens and counts them alike (docs/speculative.md, layouts)."""
 
     def __init__(self, target: CausalLM, pool: DeviceKVPool, drafter: Drafter, steps: int,
-                 counters: SpecCounters) -> None:
+                 counters: SpecCounters, runner: ModelRunner | None = None) -> None:
         self.target, self.pool, self.drafter, self.steps, self.counters = target, pool, drafter, steps, counters
+        self.runner = runner
 
     @classmethod
-    def of(cls, config: EngineConfig, target: CausalLM, pool: DeviceKVPool, draft_kv: DraftKV | None
-           ) -> SpecDecoder | None:
-        """The engine's decoder for ``config`` (None without speculation; ``draft_kv``: STANDALONE's)."""
+    def of(cls, config: EngineConfig, target: CausalLM, pool: DeviceKVPool, draft_kv: DraftKV | None,
+           runner: ModelRunner) -> SpecDecoder | None:
+        """The engine's decoder for ``config`` (None without speculation; ``draft_kv``: STANDALONE's;
+        ``runner``: the engine's, which NGRAM's target pass runs on)."""
         algorithm, counters, device = config.spec_algorithm, SpecCounters(), pool.buffer.device
         if algorithm is SpeculativeAlgorithm.NGRAM:
             drafter: Drafter = NgramDrafter(config.ngram_sizes, target.config.vocab_size, device)
         elif algorithm is SpeculativeAlgorithm.STANDALONE and draft_kv is not None:
             path = config.speculative_draft_model_path
             drafter = ModelDrafter(path, draft_kv, device, pool.geometry.dtype, counters)
+        elif algorithm is SpeculativeAlgorithm.EAGLE and draft_kv is not None:
+            path = config.speculative_draft_model_path
+            drafter = EagleDrafter(path, draft_kv, target, device, pool.geometry.dtype, counters)
         else:
             return None
-        return cls(target, pool, drafter, config.spec_steps, counters)
+        on_ranks = runner if algorithm is SpeculativeAlgorithm.NGRAM else None  # a draft model runs on one rank
+        return cls(target, pool, drafter, config.spec_steps, counters, on_ranks)
 
     def lookahead(self, request: Request) -> int:
         """Draft tokens worth proposing for ``request`` now: never more than it may still append minus
@@ -62,10 +74,13 @@ class SpecDecoder:
     @torch.inference_mode()
     def run(self, batch: list[Scheduled], restores: StepRestores | None = None) -> StepResult:
         """One speculative step of ``batch``; ``restores`` as in ``ModelRunner.run``."""
+        if self.runner is not None:
+            return self._run_ranks(batch, restores)
         hooks = step_hooks(batch, restores)
         drafts = self.drafter.propose(batch, hooks)
         spans = [self._target_span(s, drafts.get(s.request.request_id)) for s in batch]
         hidden = forward(self.target, self.pool, spans, hooks)
+        self.drafter.target_pass(spans, hidden, hooks)
         self.drafter.sync([s for s in batch if s.draft_tokens == 0], hooks)
         logprobs = StepLogprobs(prompt=self._prompt_logprobs(batch, hidden))
         out = StepResult({}, logprobs)
@@ -78,6 +93,21 @@ class SpecDecoder:
         for s, h in zip(batch, hidden, strict=True):
             if s.request.request_id in drafts:
                 self._verify(s.request, drafts[s.request.request_id], h, out)
+        return out
+
+    def _run_ranks(self, batch: list[Scheduled], restores: StepRestores | None) -> StepResult:
+        """The step on ``runner`` (every rank): drafts, the target's pass with them, the sampling
+        rank's verification, and on every rank the count of what was kept."""
+        drafts = self.drafter.propose(batch, None)  # a draft source without a model reads no hooks
+
+        def judge(request: Request, hidden: torch.Tensor, logprobs: StepLogprobs) -> list[int]:
+            return self._judge(request, drafts[request.request_id], hidden, logprobs)
+
+        out = self.runner.run(batch, restores, Verify({rid: d.tokens for rid, d in drafts.items()}, judge))
+        for s in batch:
+            rid = s.request.request_id
+            if rid in drafts:
+                self._count(s.request, drafts[rid], out.tokens[rid])
         return out
 
     def _prompt_logprobs(self, batch: list[Scheduled], hidden: list[torch.Tensor]) -> dict[str, list[TokenLogprob]]:
@@ -95,23 +125,31 @@ class SpecDecoder:
 
     def _verify(self, request: Request, drafted: Drafted, hidden: torch.Tensor,
                 out: StepResult) -> None:
-        """Puts the tokens verification keeps for ``request`` in ``out``, with their logprobs under
-        the target's distribution when asked (the logits row before each kept token, masked by a
-        structured output's grammar as verification read it: docs/structured.md)."""
-        tokens = drafted.tokens
-        logits = apply_allowed(self.target.logits(hidden), draft_masks(request, tokens))
-        kept = verify(tokens, drafted.dists, logits, row_sampling(request))
-        accepted = len(kept) - 1
-        self.drafter.verified(request, drafted, accepted)
-        request.spec_draft_tokens += len(tokens)
-        request.spec_accepted_tokens += accepted
-        self.counters.draft_tokens += len(tokens)
-        self.counters.accepted_tokens += accepted
-        self.counters.verify_steps += 1
-        out.tokens[request.request_id] = kept
+        """Puts the tokens verification keeps for ``request`` in ``out`` and counts them."""
+        kept = out.tokens[request.request_id] = self._judge(request, drafted, hidden, out.logprobs)
+        self._count(request, drafted, kept)
+
+    def _judge(self, request: Request, drafted: Drafted, hidden: torch.Tensor, logprobs: StepLogprobs) -> list[int]:
+        """The tokens verification keeps for ``request`` (``hidden``: the target's rows of its
+        pending token and drafts), with their logprobs under the target's distribution when asked
+        (the logits row before each kept token, masked by a structured output's grammar as
+        verification read it: docs/structured.md)."""
+        logits = apply_allowed(self.target.logits(hidden), draft_masks(request, drafted.tokens))
+        kept = verify(drafted.tokens, drafted.dists, logits, row_sampling(request))
         if request.params.logprobs is not None:
             k = request.params.logprobs
-            out.logprobs.sampled[request.request_id] = token_logprobs(logits[: len(kept)], kept, [k] * len(kept))
+            logprobs.sampled[request.request_id] = token_logprobs(logits[: len(kept)], kept, [k] * len(kept))
+        return kept
+
+    def _count(self, request: Request, drafted: Drafted, kept: list[int]) -> None:
+        """Counts ``kept`` (the accepted drafts and the target's token) on every rank alike."""
+        accepted = len(kept) - 1
+        self.drafter.verified(request, drafted, accepted)
+        request.spec_draft_tokens += len(drafted.tokens)
+        request.spec_accepted_tokens += accepted
+        self.counters.draft_tokens += len(drafted.tokens)
+        self.counters.accepted_tokens += accepted
+        self.counters.verify_steps += 1
 
 
 def draft_masks(request: Request, drafts: list[int]) -> torch.Tensor | None:

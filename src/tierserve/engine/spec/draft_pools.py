@@ -12,8 +12,9 @@ import torch
 from tierserve.cache.device_pool import DeviceKVPool, KVGeometry
 from tierserve.cache.options import DraftLayout
 from tierserve.core.model_config import ModelConfig
-from tierserve.engine.config import EngineConfig
+from tierserve.engine.config import EngineConfig, SpeculativeAlgorithm
 from tierserve.model.attention import KVStore, LayerHooks
+from tierserve.model.eagle import feature_layers, layout_problem
 from tierserve.model.identity import model_identity
 
 
@@ -36,9 +37,25 @@ def check_draft(target_dir: Path, draft_dir: Path, max_model_len: int | None = N
     return draft
 
 
-def draft_geometry(draft: ModelConfig, target: KVGeometry) -> KVGeometry:
-    """The draft's KV shape: its layers and heads, the target's page size and dtype."""
-    return KVGeometry(draft.num_layers, draft.num_kv_heads, draft.head_dim, target.page_size, target.dtype)
+def draft_geometry(draft: ModelConfig, target: KVGeometry, eagle: bool = False) -> KVGeometry:
+    """The draft's KV shape: its layers and heads, the target's page size and dtype; an EAGLE
+    head's layers come after its feature plane's (``engine/spec/eagle.py``)."""
+    plane = feature_layers(draft.hidden_size, draft.num_kv_heads, draft.head_dim) if eagle else 0
+    return KVGeometry(plane + draft.num_layers, draft.num_kv_heads, draft.head_dim, target.page_size, target.dtype)
+
+
+def check_eagle(target_dir: Path, draft_dir: Path, draft: ModelConfig) -> None:
+    """``draft_dir`` holds an EAGLE-1 head, and it reads the target's hidden states: their widths must match."""
+    try:
+        problem = layout_problem(Path(draft_dir))
+    except FileNotFoundError as exc:
+        raise DraftMismatchError(str(exc)) from None
+    if problem is not None:
+        raise DraftMismatchError(problem)
+    hidden = ModelConfig.from_dir(Path(target_dir)).hidden_size
+    if draft.hidden_size != hidden:
+        raise DraftMismatchError(f"the EAGLE head's hidden size ({draft.hidden_size}) differs from the target's "
+                                 f"({hidden}): it could not read the target's hidden states")
 
 
 def resolve_layout(asked: DraftLayout, target: KVGeometry, draft: KVGeometry) -> DraftLayout:
@@ -62,6 +79,8 @@ def draft_problem(config: EngineConfig) -> str | None:
         return None
     try:
         draft = check_draft(config.model_dir, path, config.max_model_len)
+        if config.spec_algorithm is SpeculativeAlgorithm.EAGLE:
+            check_eagle(config.model_dir, path, draft)
         target = ModelConfig.from_dir(config.model_dir)
         shape = [KVGeometry(c.num_layers, c.num_kv_heads, c.head_dim, 1, torch.float32) for c in (target, draft)]
         resolve_layout(config.speculative_draft_layout, *shape)
@@ -85,9 +104,13 @@ class DraftPlan:
         path = config.speculative_draft_model_path
         if path is None:
             return None
-        geometry = draft_geometry(check_draft(config.model_dir, path, max_model_len), target)
+        draft, eagle = check_draft(config.model_dir, path, max_model_len), config.spec_algorithm
+        if eagle is SpeculativeAlgorithm.EAGLE:
+            check_eagle(config.model_dir, path, draft)
+        geometry = draft_geometry(draft, target, eagle is SpeculativeAlgorithm.EAGLE)
         layout = resolve_layout(config.speculative_draft_layout, target, geometry)
-        return cls(layout, geometry, f"{model_identity(Path(path))}/{layout.value}")
+        kind = "/eagle" if eagle is SpeculativeAlgorithm.EAGLE else ""  # the same folder read another way
+        return cls(layout, geometry, f"{model_identity(Path(path))}/{layout.value}{kind}")
 
     def pool_geometry(self, target: KVGeometry) -> KVGeometry:
         """The engine pool's: packed, the target's layers then the draft's."""

@@ -11,6 +11,7 @@ import torch
 from tierserve.engine.request import Request
 from tierserve.engine.scheduler import Scheduled
 from tierserve.engine.spec.sampling import RowSampling
+from tierserve.engine.spec.spans import Span
 from tierserve.model.attention import LayerHooks
 
 
@@ -40,12 +41,18 @@ class Drafted:
 
 
 class Drafter(Protocol):
-    """A draft source of ``SpecDecoder``. Per step: ``propose`` before the target's pass, ``sync``
-    after it, ``verified`` once per request whose drafts were verified."""
+    """A draft source of ``SpecDecoder``. Per step: ``propose`` before the target's pass,
+    ``target_pass`` with its hidden states, ``sync`` after it, ``verified`` once per request whose
+    drafts were verified."""
 
     def propose(self, batch: list[Scheduled], hooks: LayerHooks | None) -> dict[str, Drafted]:
         """Drafts, by request id, for requests of ``batch`` with ``draft_tokens`` > 0 (at most that
         many each; a request left out decodes plainly this step)."""
+        ...
+
+    def target_pass(self, spans: list[Span], hidden: list[torch.Tensor], hooks: LayerHooks | None) -> None:
+        """The target's final hidden states [len(ids), hidden] of each span of its pass (an EAGLE
+        head's features; the other sources keep nothing)."""
         ...
 
     def sync(self, batch: list[Scheduled], hooks: LayerHooks | None) -> None:

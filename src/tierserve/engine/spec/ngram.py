@@ -13,6 +13,7 @@ import torch
 from tierserve.engine.request import Request
 from tierserve.engine.scheduler import Scheduled
 from tierserve.engine.spec.drafts import Drafted
+from tierserve.engine.spec.spans import Span
 from tierserve.model.attention import LayerHooks
 
 
@@ -103,6 +104,9 @@ class NgramDrafter:
             if tokens:
                 out[r.request_id] = Drafted(tokens, [None if r.params.greedy else self._point(t) for t in tokens])
         return out
+
+    def target_pass(self, spans: list[Span], hidden: list[torch.Tensor], hooks: LayerHooks | None) -> None:
+        """Nothing: the draft reads no target hidden states."""
 
     def sync(self, batch: list[Scheduled], hooks: LayerHooks | None) -> None:
         """Nothing to compute: no draft KV."""

@@ -50,6 +50,9 @@ class ModelDrafter:
             live = [(s, h) for s, h in live if s.draft_tokens > step + 1]
         return proposals
 
+    def target_pass(self, spans: list[Span], hidden: list[torch.Tensor], hooks: LayerHooks | None) -> None:
+        """Nothing: the draft reads no target hidden states."""
+
     def sync(self, batch: list[Scheduled], hooks: LayerHooks | None) -> None:
         self._forward_sync(batch, hooks)
 

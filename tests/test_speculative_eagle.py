@@ -1,0 +1,149 @@
+"""EAGLE speculation (docs/speculative.md, EAGLE): a head fed with the target's hidden states drafts,
+greedy output stays the target's (as transformers computes it), batched with chunked prefill; a
+head that recomputes the target's layer (``make_mimic_eagle``) agrees with it, which it could not if
+its rows, features or positions were misplaced; the published layout loads; bad flags exit 2.
+Cache and PD: tests/test_speculative_cache.py, tests/test_speculative_pd.py; sampling:
+tests/test_speculative_sampling.py."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from helpers.engine_runs import assert_no_pages_held, spread_prompts
+from helpers.rank_servers import NEW_TOKENS, hf_greedy
+from helpers.tiny_models import make_eagle_target, make_mimic_eagle
+from safetensors.torch import load_file, save_file
+
+from tierserve.cli.main import build_parser
+from tierserve.core.sampling import SamplingParams
+from tierserve.engine.config import EngineConfig, SpeculativeAlgorithm
+from tierserve.engine.engine import Engine
+from tierserve.model.eagle import EAGLE_ARCHITECTURE, write_random_eagle
+
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def heads(tmp_path_factory) -> dict[str, Path]:
+    """The one-layer target and its heads: random, and mimics with no and with some feature mixed in."""
+    root = tmp_path_factory.mktemp("eagle")
+    target = make_eagle_target(root / "target")
+    return {"target": target, "random": write_random_eagle(target, root / "random"),
+            "mimic": make_mimic_eagle(target, root / "mimic", 0.0),
+            "mixed": make_mimic_eagle(target, root / "mixed", 0.1)}
+
+
+def _engine(target: Path, head: Path | None, **kw) -> Engine:
+    spec = {"speculative_draft_model_path": head, "speculative_algorithm": SpeculativeAlgorithm.EAGLE} if head else {}
+    return Engine(EngineConfig(target, dtype="float32", page_size=4, **({"max_total_tokens": 2048} | spec | kw)))
+
+
+@pytest.mark.parametrize("name", ["random", "mixed"])
+def test_greedy_batched_chunked_output_equals_transformers(heads: dict[str, Path], name: str) -> None:
+    prompts = spread_prompts(5, 9)
+    want = hf_greedy(heads["target"], prompts)
+    assert _engine(heads["target"], None).generate(prompts, GREEDY) == want
+    engine = _engine(heads["target"], heads[name], chunked_prefill_size=8, speculative_num_steps=3)
+    assert engine.generate(prompts, GREEDY) == want
+    c = engine.spec.counters
+    assert c.verify_steps > 0 and c.draft_tokens > 0 and c.prompt_catch_up_tokens == 0
+    if name == "mixed":
+        assert 0 < c.accepted_tokens < c.draft_tokens
+    assert_no_pages_held(engine)
+
+
+def test_greedy_under_preemption_equals_no_speculation(heads: dict[str, Path]) -> None:
+    """A preempted request's rows and features are recomputed with its prefix (or restored with it)."""
+    prompts = spread_prompts(8, 12, seed=9)
+    want = _engine(heads["target"], None).generate(prompts, GREEDY)
+    small = _engine(heads["target"], heads["mixed"], max_total_tokens=96, speculative_num_steps=4)
+    assert small.generate(prompts, GREEDY) == want
+    assert small.scheduler.num_preemptions > 0 and small.spec.counters.accepted_tokens > 0
+    assert_no_pages_held(small)
+
+
+def test_a_head_recomputing_the_target_agrees_with_it(heads: dict[str, Path]) -> None:
+    """The mimic's row of token s, fed the feature of s - 1, computes the target's position s but
+    for slot 0: most of its drafts are accepted. A head reading the wrong row, feature or position
+    would agree about as often as the random one (almost never)."""
+    prompts = spread_prompts(4, 12, seed=3)
+    counts = {}
+    for name in ("mimic", "random"):
+        engine = _engine(heads["target"], heads[name], speculative_num_steps=3)
+        engine.generate(prompts, GREEDY)
+        counts[name] = engine.spec.counters
+    assert counts["mimic"].accepted_tokens > 0.6 * counts["mimic"].draft_tokens
+    assert counts["random"].accepted_tokens < 0.1 * counts["random"].draft_tokens
+
+
+def test_published_layout_with_model_prefix_and_own_embedding_loads(heads: dict[str, Path], tmp_path: Path) -> None:
+    """Checkpoints name tensors with or without ``model.``; a head may bring its own embedding (the
+    target's, here: the same drafts); a tensor the layout has no place for is refused by name."""
+    tensors = {f"model.{n}" if not n.startswith("lm_head") else n: t
+               for n, t in load_file(str(heads["mixed"] / "model.safetensors")).items()}
+    tensors["model.embed_tokens.weight"] = load_file(str(heads["target"] / "model.safetensors"))[
+        "model.embed_tokens.weight"]
+    own = tmp_path / "own"
+    own.mkdir()
+    (own / "config.json").write_text((heads["mixed"] / "config.json").read_text())
+    save_file(tensors, str(own / "model.safetensors"))
+    prompts = spread_prompts(2, 10, seed=4)
+    runs = [_engine(heads["target"], h, speculative_num_steps=2) for h in (heads["mixed"], own)]
+    assert runs[0].generate(prompts, GREEDY) == runs[1].generate(prompts, GREEDY)
+    assert runs[0].spec.counters == runs[1].spec.counters
+    assert runs[1].spec.drafter.head.embed_tokens is not None
+    tensors["model.final_norm.weight"] = tensors["model.fc.weight"][0].clone()
+    save_file(tensors, str(own / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"unexpected tensor model\.final_norm\.weight"):
+        _engine(heads["target"], own)
+
+
+def test_model_fetch_writes_a_random_head_for_a_target(heads: dict[str, Path], capsys) -> None:
+    args = build_parser().parse_args(["model", "fetch", "--draft", "--eagle", "--target", str(heads["target"])])
+    assert args.func(args) == 0
+    head = Path(capsys.readouterr().out.strip().splitlines()[-1])
+    config = json.loads((head / "config.json").read_text())
+    assert config["architectures"] == [EAGLE_ARCHITECTURE] and config["num_hidden_layers"] == 1
+    assert "lm_head.weight" not in load_file(str(head / "model.safetensors"))  # shares the target's
+    engine = _engine(heads["target"], head)
+    assert engine.generate(spread_prompts(1, 6), GREEDY) == _engine(heads["target"], None).generate(
+        spread_prompts(1, 6), GREEDY)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--speculative-algorithm", "EAGLE"], "EAGLE needs --speculative-draft-model-path"),
+    (["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", "HEAD", "--tp-size", "2"],
+     "not supported yet"),
+    (["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", "WIDE"],
+     "hidden size (32) differs from the target's (64)"),
+    (["--speculative-algorithm", "eagle", "--speculative-draft-model-path", "HEAD",
+      "--speculative-ngram-window", "9"], "need --speculative-algorithm NGRAM"),
+    (["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", "EAGLE3"], "is an EAGLE-3 head"),
+    (["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", "TARGET"], "has no fc.weight"),
+])
+def test_bad_eagle_flags_are_refused_at_start(heads: dict[str, Path], tmp_path: Path, capsys, flags: list[str],
+                                              message: str) -> None:
+    names = {"HEAD": str(heads["random"]), "TARGET": str(heads["target"])}
+    config = json.loads((heads["random"] / "config.json").read_text())
+    if "WIDE" in flags:
+        (tmp_path / "config.json").write_text(json.dumps(config | {"hidden_size": 32}))
+        shutil.copy(heads["random"] / "model.safetensors", tmp_path / "model.safetensors")
+        names["WIDE"] = str(tmp_path)
+    if "EAGLE3" in flags:  # EAGLE-3's names: a midlayer over 2H, fc over the target's 3 hidden states, d2t
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        save_file({"midlayer.self_attn.q_proj.weight": torch.zeros(64, 128), "fc.weight": torch.zeros(64, 192),
+                   "d2t": torch.zeros(384, dtype=torch.int64)}, str(tmp_path / "model.safetensors"))
+        names["EAGLE3"] = str(tmp_path)
+    args = build_parser().parse_args(["serve", "--model", str(heads["target"]), *[names.get(f, f) for f in flags]])
+    assert args.func(args) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_model_fetch_refuses_eagle_with_draft_layers(capsys) -> None:
+    args = build_parser().parse_args(["model", "fetch", "--draft", "--eagle", "--draft-layers", "0,1"])
+    assert args.func(args) == 2
+    assert "does not go with --eagle" in capsys.readouterr().err
