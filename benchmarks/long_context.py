@@ -12,12 +12,13 @@
    (started just before the forward, nothing to hide it) apart from the later layers (target:
    under 10%).
 3. The split of the compute (``engine/cp/split.py``; ``--only split``): uncached TTFT of one fresh
-   prompt per round and length on four nodes without L3, up at once, in rotating order (the same
+   prompt per round and length on five nodes without L3, up at once, in rotating order (the same
    prompt on each, fresh to each, answers checked equal): CP=1 with one thread, CP=1 with two, CP=2
-   (one thread per rank: long steps split their tokens) and CP=2 with ``--cp-attention gather``
-   (every rank computes every token: the seed's protocol). Ratios are medians of per-round ratios:
-   equal per-rank resources (CP=2 / CP=1 one thread, target <= 0.6), equal total cores (CP=2 /
-   CP=1 two threads, target <= 1.05) and gather / default.
+   (one thread per rank: long steps split their tokens), CP=2 with ``--cp-attention gather``
+   (every rank computes every token: the seed's protocol) and TP=2 (one thread per rank). Ratios are
+   medians of per-round ratios: equal per-rank resources (CP=2 / CP=1 one thread, target <= 0.6;
+   TP=2 / CP=1 one thread, i.e. TP=1, target <= 0.7), equal total cores (CP=2 / CP=1 two threads,
+   target <= 1.05) and gather / default.
 4. Tokens held by L1 and L2 at CP=1 vs CP=2 for the same per-rank budgets (``--budget`` tokens of
    L1 per rank, L2 twice that), no L3: distinct prompts of ``--fill-tokens`` tokens, twice the CP=2
    node's L2 in all, then what each node's tiers hold.
@@ -56,13 +57,15 @@ CP_SIZES = (1, 2)
 NEW_TOKENS = 4
 WARM_UP_TOKENS = 2048
 SETTLE_DEADLINE_S = 120.0
-# The split part's nodes: CP size, OMP_NUM_THREADS of a CP=1 node (CP ranks take cores / ranks each), flags.
+# The split part's nodes: CP size, OMP_NUM_THREADS of a CP=1 node (CP and TP ranks take cores / ranks each),
+# flags (the last ``--tp-size`` wins: ``tp2`` is a TP=2 node, the same measure for tensor parallelism).
 SPLIT_NODES = {"cp1_1t": (1, "1", ()), "cp1_2t": (1, "2", ()), "cp2": (2, None, ()),
-               "cp2_gather": (2, None, ("--cp-attention", "gather"))}
+               "cp2_gather": (2, None, ("--cp-attention", "gather")), "tp2": (1, None, ("--tp-size", "2"))}
 SPLIT_RATIOS = {"cp2 / cp1_1t (equal per-rank threads; target <= 0.6)": ("cp2", "cp1_1t"),
                 "cp2 / cp1_2t (equal total cores; target <= 1.05)": ("cp2", "cp1_2t"),
                 "cp2_gather / cp2 (the seed's replicated compute / the split)": ("cp2_gather", "cp2"),
-                "cp2_gather / cp1_2t (before the split, equal total cores)": ("cp2_gather", "cp1_2t")}
+                "cp2_gather / cp1_2t (before the split, equal total cores)": ("cp2_gather", "cp1_2t"),
+                "tp2 / cp1_1t (TP=2 / TP=1, equal per-rank threads; target <= 0.7)": ("tp2", "cp1_1t")}
 GATHER = re.compile(r"^tierserve_cp_gather_(first|later)_(wait|span)_seconds_total (\S+)$", re.MULTILINE)
 MERGE = re.compile(r"^tierserve_cp_merge_seconds_total (\S+)$", re.MULTILINE)
 

@@ -117,8 +117,12 @@ def test_continuous_offload_runs_on_a_cp_decode_node(nodes) -> None:
     assert metrics.value(text(), "tierserve_cache_cp_refused_pages_total") == 0
 
 
-@pytest.mark.parametrize(("p", "tp", "pp"), [("pc2", 1, 1), ("pt2c2", 2, 1), ("pp2c2", 1, 2), ("dc2", 1, 1)])
-def test_info_reports_the_tensor_ranks_and_stages(nodes, p: str, tp: int, pp: int) -> None:
-    """The router's Reserve names the prefill node's TP size: a CP rank holds its tensor rank's KV heads."""
+@pytest.mark.parametrize(("p", "tp", "pp", "cp"), [("pc2", 1, 1, 2), ("pt2c2", 2, 1, 2), ("pp2c2", 1, 2, 2),
+                                                  ("dc2", 1, 1, 2), ("d1", 1, 1, 1)])
+def test_info_reports_the_tensor_ranks_and_stages(nodes, p: str, tp: int, pp: int, cp: int) -> None:
+    """The router's Reserve names the prefill node's TP size: a CP rank holds its tensor rank's KV heads.
+    The router's decode choice reads the CP size and the pages every CP rank holds together
+    (``--max-total-tokens`` 4096 per rank; docs/router.md)."""
     reply = asyncio.run(info(nodes[p].address))
-    assert (reply.tp_size, reply.pp_size) == (tp, pp)
+    assert (reply.tp_size, reply.pp_size, reply.cp_size) == (tp, pp, cp)
+    assert reply.kv_capacity_tokens == 4096 * cp

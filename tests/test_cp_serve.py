@@ -4,8 +4,8 @@ exactly as ``transformers`` does: a batch of concurrent prompts over several pre
 prompts that extend a cached prefix (its rotation continued, so each turn hits the whole previous
 one), and a prompt sharing a prefix another one computed while it runs (in-flight sharing: the
 rotation continued, nothing refused). Composed
-with TP and PP (TP 2 x CP 2, PP 2 x CP 2: four ranks each, one server start per layout) the batch
-and the turns answer the same."""
+with TP and PP (TP 2 x CP 2 on Qwen2, PP 2 x CP 2 on Qwen3: four ranks each, one server start per
+layout) the batch and the turns answer the same."""
 
 from __future__ import annotations
 
@@ -33,9 +33,11 @@ from helpers.tiny_models import add_word_tokenizer, make_tiny_model
 pytestmark = pytest.mark.integration
 PAGE = 4  # tp_server's page size
 DEADLINE_S = 30.0
-# CP 2 composed: (TP size, other flags, layers); PP stages get two layers each, so each stage's
-# layer 0 merges and its layer 1 gathers (docs/cp.md)
-COMPOSED = {"tp2cp2": (2, [], 2), "pp2cp2": (1, ["--pp-size", "2"], 4)}
+# CP 2 composed: (family, TP size, other flags, layers); PP stages get two layers each, so each
+# stage's layer 0 merges and its layer 1 gathers (docs/cp.md). Each layout runs another family than
+# Llama (whose composed layouts run in test_cp_pd.py, test_rank_hicache.py and test_up_ranks.py):
+# Qwen2's biases with TP's head split, Qwen3's q/k norms with PP's stages, one server start each.
+COMPOSED = {"tp2cp2": ("qwen2", 2, [], 2), "pp2cp2": ("qwen3", 1, ["--pp-size", "2"], 4)}
 
 
 def _model(family: str, folder: Path, layers: int = 2) -> Path:
@@ -146,10 +148,11 @@ def _check_turns(model: Path, server: TPServer, attention: str) -> None:
 
 @pytest.fixture(scope="module", params=list(COMPOSED))
 def composed(request, tmp_path_factory) -> Iterator[tuple[Path, TPServer]]:
-    """A tiny Llama and a healthy ``serve --cp-size 2`` composed with TP or PP (four ranks)."""
-    tp, flags, layers = COMPOSED[request.param]
+    """A tiny model (``COMPOSED``'s family) and a healthy ``serve --cp-size 2`` composed with TP or
+    PP (four ranks)."""
+    family, tp, flags, layers = COMPOSED[request.param]
     folder = tmp_path_factory.mktemp(request.param)
-    model = _model("llama", folder / "llama", layers)
+    model = _model(family, folder / family, layers)
     server = start_server(model, tp, folder / "serve.log", "--cp-size", "2", *flags).wait_healthy()
     yield model, server
     server.stop()

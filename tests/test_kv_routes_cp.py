@@ -94,4 +94,4 @@ def test_without_cp_every_page_is_the_pool_s_own() -> None:
     assert held_pages(PageOwnership(), [5, 2, 7]) == [5, 2, 7]
     assert held_pages(PageOwnership(), [5, 2, 7], by_token=True) == [0, 1, 2]
     assert held_pages(PageOwnership(1, 2), [5, 2, 7]) == [2, None, 3]
-    assert held_pages(PageOwnership(0, 2), [5, 2, 7], by_token=True) == [None, 1, None]
+    assert held_pages(PageOwnership(0, 2), [5, 2, 7], by_token=True) == [None, 0, None]  # its region packs its pages

@@ -1,6 +1,8 @@
 """The router's ``random`` and ``power_of_two`` policies (``src/tierserve/router/policies.py``):
 what each picks, over many seeded picks; the load they balance on is the nodes' own once their
-sessions report it (every router's requests); and every ``PolicyKind`` names its policy."""
+sessions report it (every router's requests); every ``PolicyKind`` names its policy; and a
+decode node's CP size in the router's choice (``PDBackend._pick``: the pages its ranks hold
+together, the threshold of its own prefills)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,10 @@ from collections import Counter
 
 import pytest
 
+from tierserve.core.scope import NO_SCOPE
 from tierserve.proto import tierserve_pb2 as pb
+from tierserve.router.backend import PDBackend, RouterOptions, _Request
+from tierserve.router.disaggregation import Disaggregation, ServedPath
 from tierserve.router.policies import (
     CacheAware,
     CachedPrefix,
@@ -19,10 +24,11 @@ from tierserve.router.policies import (
     RoundRobin,
     make_policy,
 )
-from tierserve.router.registry import Worker, WorkerState
+from tierserve.router.registry import Registry, Worker, WorkerState
 from tierserve.router.roles import Role
 
 PICKS = 900
+PAGE = 16
 
 
 def _workers(*loads: int) -> list[Worker]:
@@ -96,3 +102,54 @@ def test_a_stale_report_does_not_count_this_routers_ended_requests() -> None:
                                        (PolicyKind.POWER_OF_TWO, PowerOfTwo), (PolicyKind.CACHE_AWARE, CacheAware)])
 def test_each_kind_makes_its_policy(kind: PolicyKind, cls: type) -> None:
     assert type(make_policy(kind)) is cls
+
+
+def _cp_cluster(decode_cp: tuple[int, ...], capacity_per_rank: int) -> PDBackend:
+    """A router's backend over one prefill worker and decode workers of the given CP sizes, each
+    rank's pool holding ``capacity_per_rank`` tokens (no node runs: the workers' ``Info`` is set)."""
+    registry = Registry()
+    registry.info = pb.NodeInfo(identity=pb.KVIdentity(page_size=PAGE))
+    nodes = [(Role.PREFILL, 1), *((Role.DECODE, cp) for cp in decode_cp)]
+    for i, (role, cp) in enumerate(nodes):
+        info = pb.NodeInfo(role=pb.ROLE_DECODE, cp_size=cp, kv_capacity_tokens=cp * capacity_per_rank)
+        registry.workers[(role, f"10.0.1.{i}:1")] = Worker(role, f"10.0.1.{i}:1", channel=None,
+                                                           state=WorkerState.HEALTHY, info=info)
+    return PDBackend(registry, CacheAware(), CacheAware(), RouterOptions(disaggregation_threshold=24), 1 << 20,
+                     lookup=lambda tokens, salt: _held)
+
+
+def _held(worker: Worker) -> CachedPrefix:
+    """Every decode worker holds the same 60 leading pages of the prompts below (``CacheAware``'s
+    tie goes to the higher address)."""
+    return CachedPrefix(device=60) if worker.role is Role.DECODE else CachedPrefix()
+
+
+def _route(backend: PDBackend, prompt_tokens: int, max_tokens: int = 8) -> dict[str, object]:
+    request = _Request("r", list(range(prompt_tokens)), pb.SamplingOptions(max_tokens=max_tokens), NO_SCOPE, False)
+    backend._pick(request)
+    return backend.routes[-1]
+
+
+def test_a_long_request_goes_to_the_decode_node_whose_cp_ranks_hold_it() -> None:
+    """A prompt that fits a CP=2 decode node's pages (both ranks' pools) but not a CP=1 node's goes
+    to the CP=2 node, whatever the policy preferred (here the CP=1 node: equal loads and prefixes,
+    the higher address); one that fits both still goes by the policy; one that fits none goes by the
+    policy too (that node refuses it with its reason). Before, the CP=1 node took it and refused it (a 400)."""
+    backend = _cp_cluster((2, 1), capacity_per_rank=1024)
+    cp2, cp1 = "10.0.1.1:1", "10.0.1.2:1"
+    assert _route(backend, 1500)["decode"] == cp2
+    assert _route(backend, 1000)["decode"] == cp1
+    assert _route(backend, 4000)["decode"] == cp1
+    assert [w.fits(2048) for w in backend.registry.available(Role.DECODE)] == [True, False]
+    assert Worker(Role.DECODE, "x", channel=None).fits(1 << 30), "a node that sent no capacity: unknown, not refused"
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_a_cp_decode_node_prefills_cp_times_the_threshold_itself(cp: int) -> None:
+    """The decode node holds 60 of the prompt's pages; the uncached rest is computed on it while
+    under ``threshold x cp`` tokens (its CP ranks divide that prefill's work), else by a prefill node."""
+    backend = _cp_cluster((cp,), capacity_per_rank=1 << 16)
+    held = 60 * PAGE
+    assert _route(backend, held + 24 * cp - 1)["path"] == ServedPath.DECODE_ONLY.value
+    assert _route(backend, held + 24 * cp)["path"] == ServedPath.PREFILL_DECODE.value
+    assert Disaggregation(24).limit(cp) == 24 * cp and Disaggregation(0).limit(cp) == 0

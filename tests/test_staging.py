@@ -16,7 +16,16 @@ from tierserve.node.convert import staging_problem
 from tierserve.transfer.engine import PeerEngines, TransferEngineHandle
 from tierserve.transfer.faulty import HandoffFaults, with_faults
 from tierserve.transfer.handoff import HandoffResult, KVHandoff
-from tierserve.transfer.layout import HeadRange, KVArena, RankArena, held_pages, plan_routes, route_blocks, token_runs
+from tierserve.transfer.layout import (
+    HeadRange,
+    KVArena,
+    RankArena,
+    held_pages,
+    plan_routes,
+    route_blocks,
+    staged_slots,
+    token_runs,
+)
 from tierserve.transfer.receive_staging import ReceiveStaging, staged_heads
 from tierserve.transfer.staging import Gatherer, StagingArena, gathers
 
@@ -54,15 +63,15 @@ def _expected(full: torch.Tensor, heads: HeadRange, owner: PageOwnership = WHOLE
     return out
 
 
-def _decode(d: int, source_tp: int, cp: int = 1
+def _decode(d: int, source_tp: int, cp: int = 1, staging_bytes: int = 1 << 20
             ) -> tuple[list[RankArena], list[torch.Tensor], list[ReceiveStaging]]:
-    """Decode ranks (``d`` tensor ranks of each of ``cp`` CP ranks) with staging for a writer of
-    ``source_tp`` ranks, reserved as a node would."""
+    """Decode ranks (``d`` tensor ranks of each of ``cp`` CP ranks) with ``staging_bytes`` of
+    staging each for a writer of ``source_tp`` ranks, reserved as a node would."""
     dests, pools, receives = [], [], []
     for owner, heads in ((PageOwnership(c, cp), h) for c in range(cp) for h in _split(d)):
         pool, arena = _pool(heads.count)
-        receive = ReceiveStaging(StagingArena(1 << 20), pool, arena, heads, HEADS, owner)
-        receive.stage("r", END, source_tp)
+        receive = ReceiveStaging(StagingArena(staging_bytes), pool, arena, heads, HEADS, owner)
+        receive.stage("r", DST_PAGES, END, source_tp)
         parts = tuple(receive.parts("r", receive.staging.base, heads))
         dests.append(RankArena(f"d{len(dests)}", arena, heads, parts, receive.staging.base, owner=owner))
         pools.append(pool)
@@ -106,6 +115,26 @@ def test_every_decode_rank_gets_exactly_its_heads_in_coalesced_blocks(p: int, d:
     assert max(counts) <= 2 * runs  # K and V per run: never one block per token
 
 
+def test_a_cp_decode_rank_stages_only_its_pages_of_a_prompt_one_ranks_staging_could_not_hold() -> None:
+    """A CP 2 decode rank's region holds only its pages of the prompt (owner 1 holds 3 of its 5
+    pages: 12 slots, not 19), so staging with room for that but not for every token (3 KiB here)
+    still takes a TP 2 writer's KV; before, each rank asked a slot per prompt token, got no region
+    and the writer went in place, one block per token. The writes and the scatter land exactly."""
+    full = torch.randn(LAYERS, 2, PAGES * PAGE, HEADS, DIM)
+    dests, pools, receives = _decode(1, 2, cp=2, staging_bytes=3072)
+    assert all(receive.holds("r") for receive in receives)
+    assert [s.arena.num_slots for d in dests for s in d.staged] == [3 * PAGE] * 4  # 2 parts on each rank
+    assert [staged_slots(d.owner, DST_PAGES, END, PAGE) for d in dests] == [2 * PAGE, 3 * PAGE]
+    assert held_pages(PageOwnership(1, 2), DST_PAGES, by_token=True) == [0, None, 1, None, 2]
+    counts = _send(2, full, dests)
+    for dest, pool, receive in zip(dests, pools, receives, strict=True):
+        receive.scatter("r", DST_PAGES, START, END)
+        torch.testing.assert_close(pool, _expected(full, dest.heads, dest.owner), rtol=0, atol=0)
+    assert max(counts) <= 2 * len(token_runs(SRC_PAGES, DST_PAGES, START, END, PAGE))
+    assert staging_problem(dests, HEADS, 2, END, DST_PAGES) is None
+    assert "fewer tokens" in (staging_problem(dests, HEADS, 2, END, [1, 3, 5, 7, 9]) or "")  # owner 1 holds all 5
+
+
 def test_staging_is_offered_only_to_writers_holding_fewer_heads() -> None:
     assert staged_heads(HeadRange(0, 4), 2, HEADS) == [HeadRange(0, 2), HeadRange(2, 2)]
     assert staged_heads(HeadRange(0, 2), 2, HEADS) == []  # the same split: in place
@@ -117,16 +146,16 @@ def test_a_prefill_node_of_another_tp_size_refuses_the_staging() -> None:
     """D staged for TP=4 writers; a TP=2 prefill node would leave the parts unwritten, and D would
     scatter them over its pages: refused before anything is sent."""
     dests, _, _ = _decode(1, 4)
-    assert staging_problem(dests, HEADS, 4, END) is None
-    problem = staging_problem(dests, HEADS, 2, END)
+    assert staging_problem(dests, HEADS, 4, END, DST_PAGES) is None
+    problem = staging_problem(dests, HEADS, 2, END, DST_PAGES)
     assert problem is not None and "another prefill TP size" in problem
-    assert "fewer tokens" in (staging_problem(dests, HEADS, 4, END + 1) or "")
+    assert "fewer tokens" in (staging_problem(dests, HEADS, 4, END + 1, DST_PAGES) or "")
 
 
 def test_a_region_whose_writer_may_still_run_waits_for_its_grace() -> None:
     pool, arena = _pool(HEADS)
     receive = ReceiveStaging(StagingArena(1 << 20), pool, arena, HeadRange(0, HEADS), HEADS)
-    assert receive.stage("late", END, 2) is not None
+    assert receive.stage("late", DST_PAGES, END, 2) is not None
     receive.drop("late", free_at=10.0)
     receive.tick(9.0)
     assert receive.staging.free_bytes < receive.staging.capacity
@@ -137,7 +166,7 @@ def test_a_region_whose_writer_may_still_run_waits_for_its_grace() -> None:
 def test_a_full_arena_stages_nothing_and_the_writer_goes_in_place() -> None:
     pool, arena = _pool(HEADS)
     receive = ReceiveStaging(StagingArena(1024), pool, arena, HeadRange(0, HEADS), HEADS)
-    assert receive.stage("big", END, 2) is None
+    assert receive.stage("big", DST_PAGES, END, 2) is None
     assert receive.parts("big", receive.staging.base, HeadRange(0, HEADS)) == []
 
 

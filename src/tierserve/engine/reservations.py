@@ -43,7 +43,7 @@ class ReservationStaging(Protocol):
     ``transfer.receive_staging.ReceiveStaging``): set aside at reserve, scattered into the pages
     when the request starts, freed (or held for the grace) when it ends otherwise."""
 
-    def stage(self, request_id: str, tokens: int, source_tp: int) -> object | None: ...
+    def stage(self, request_id: str, pages: list[int], tokens: int, source_tp: int) -> object | None: ...
 
     def holds(self, request_id: str) -> bool: ...
 
@@ -95,7 +95,7 @@ class Reservations:
         request.hit, request.pages, request.num_computed = hit, [*hit.pages, *pages], hit.num_tokens
         self.active[request.request_id] = Reservation(request, now + terms.lease_s, terms.grace_s)
         if self.staging is not None:
-            self.staging.stage(request.request_id, len(prompt), source_tp)
+            self.staging.stage(request.request_id, request.pages, len(prompt), source_tp)
 
     def take(self, request_id: str) -> Request:
         """Ends the lease: the prompt's KV arrived (moved from staging into the pages) and the request may run."""

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from tierserve.cache.device_pool import DeviceKVPool, KVGeometry
 from tierserve.cache.sharded.cp_pages import PageOwnership
 from tierserve.engine.engine import Engine
 from tierserve.proto import tierserve_pb2 as pb
 from tierserve.proto.sampling import from_proto as sampling_params
-from tierserve.transfer.layout import HeadRange, KVArena, RankArena, StagedPart
+from tierserve.transfer.layout import HeadRange, KVArena, RankArena, StagedPart, staged_slots
 from tierserve.transfer.receive_staging import staged_heads
 
 __all__ = ["arena", "destination_arena", "destination_draft", "destination_ranks", "draft_arena", "draft_message",
@@ -175,15 +177,18 @@ def _rank_problem(dest: RankArena, num_kv_heads: int, max_page: int, num_layers:
     return None
 
 
-def staging_problem(dests: list[RankArena], num_kv_heads: int, tp_size: int, prompt_len: int) -> str | None:
+def staging_problem(dests: list[RankArena], num_kv_heads: int, tp_size: int, prompt_len: int,
+                    pages: Sequence[int]) -> str | None:
     """Why this prefill node (``tp_size`` ranks) cannot use the staging the destination offers, or
     None: it must be exactly for this node's ranks' heads (the decode rank scatters every part it
-    offered, so a part nobody writes would overwrite the pages), each large enough for the prompt."""
+    offered, so a part nobody writes would overwrite the pages), each large enough for the prompt
+    (under CP: for the rank's pages of it, ``staged_slots``, of the page table ``pages``)."""
     for rank, dest in enumerate(dests):
         offered = [s.heads for s in dest.staged]
         if offered and offered != staged_heads(dest.heads, tp_size, num_kv_heads):
             return (f"destination rank {rank} staged KV heads {[(h.start, h.count) for h in offered]} for "
                     f"another prefill TP size than this node's {tp_size}: reserve again naming it")
-        if any(s.arena.num_slots < prompt_len for s in dest.staged):
-            return f"destination rank {rank} staged fewer tokens than the prompt's {prompt_len}"
+        needed = staged_slots(dest.owner, pages, prompt_len, dest.arena.page_size)
+        if any(s.arena.num_slots < needed for s in dest.staged):
+            return f"destination rank {rank} staged fewer tokens than the prompt's {needed} it holds"
     return None

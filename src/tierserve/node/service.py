@@ -34,7 +34,8 @@ class NodeServicer(pb_grpc.NodeServiceServicer):
                            namespace_digest=engine.namespace.digest(), transfer_endpoint=self.transfer_endpoint,
                            max_context_tokens=engine.max_model_len, namespace_seed=engine.namespace.seed(),
                            kv_events_endpoint=self.kv_events_endpoint, tp_size=engine.ranks.tp.size,
-                           pp_size=engine.ranks.pp.size, instance_id=self.instance_id)
+                           pp_size=engine.ranks.pp.size, cp_size=engine.ranks.cp.size,
+                           kv_capacity_tokens=engine.capacity_tokens, instance_id=self.instance_id)
 
     async def KVSnapshot(self, request: pb.KVSnapshotRequest, context: grpc.aio.ServicerContext
                          ) -> pb.KVSnapshotReply:

@@ -206,7 +206,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         i = self.identity
         return heads_problem(dests, i.num_kv_heads, max(dest.pages), i.num_layers) or \
             sidecar_problem(dest, self._draft_geometry()) or \
-            staging_problem(dests, i.num_kv_heads, self.node.engine.ranks.tp.size, len(prompt))
+            staging_problem(dests, i.num_kv_heads, self.node.engine.ranks.tp.size, len(prompt), dest.pages)
 
 
 def _record_handoff(span: Span, first: RequestOutput, result: HandoffResult) -> None:

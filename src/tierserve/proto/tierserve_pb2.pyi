@@ -339,7 +339,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("role", "model", "identity", "namespace_digest", "transfer_endpoint", "max_context_tokens", "kv_events_endpoint", "namespace_seed", "tp_size", "pp_size", "instance_id")
+    __slots__ = ("role", "model", "identity", "namespace_digest", "transfer_endpoint", "max_context_tokens", "kv_events_endpoint", "namespace_seed", "tp_size", "pp_size", "instance_id", "cp_size", "kv_capacity_tokens")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     IDENTITY_FIELD_NUMBER: _ClassVar[int]
@@ -351,6 +351,8 @@ class NodeInfo(_message.Message):
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     PP_SIZE_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    CP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KV_CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     role: Role
     model: str
     identity: KVIdentity
@@ -362,7 +364,9 @@ class NodeInfo(_message.Message):
     tp_size: int
     pp_size: int
     instance_id: str
-    def __init__(self, role: _Optional[_Union[Role, str]] = ..., model: _Optional[str] = ..., identity: _Optional[_Union[KVIdentity, _Mapping]] = ..., namespace_digest: _Optional[str] = ..., transfer_endpoint: _Optional[str] = ..., max_context_tokens: _Optional[int] = ..., kv_events_endpoint: _Optional[str] = ..., namespace_seed: _Optional[bytes] = ..., tp_size: _Optional[int] = ..., pp_size: _Optional[int] = ..., instance_id: _Optional[str] = ...) -> None: ...
+    cp_size: int
+    kv_capacity_tokens: int
+    def __init__(self, role: _Optional[_Union[Role, str]] = ..., model: _Optional[str] = ..., identity: _Optional[_Union[KVIdentity, _Mapping]] = ..., namespace_digest: _Optional[str] = ..., transfer_endpoint: _Optional[str] = ..., max_context_tokens: _Optional[int] = ..., kv_events_endpoint: _Optional[str] = ..., namespace_seed: _Optional[bytes] = ..., tp_size: _Optional[int] = ..., pp_size: _Optional[int] = ..., instance_id: _Optional[str] = ..., cp_size: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
     __slots__ = ()

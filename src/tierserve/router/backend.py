@@ -36,7 +36,7 @@ from tierserve.router.disaggregation import (
     uncached_tokens,
 )
 from tierserve.router.migration import DecodeLost, LostReason, Migrations, draining, migrating
-from tierserve.router.policies import CachedPrefix, Policy, PrefixLookup
+from tierserve.router.policies import CachedPrefix, Policy, PrefixLookup, fitting
 from tierserve.router.registry import Registry, Worker
 from tierserve.router.roles import Role
 from tierserve.router.slots import PrioritySlots
@@ -318,12 +318,12 @@ class PDBackend:
         if not decodes:
             raise oa.APIError(503, "no healthy decode worker", code="unavailable")
         lookup = self.lookup(request.prompt, request.scope.salt)
-        decode = self.decode_policy.pick(decodes, lookup)
+        decode = self.decode_policy.pick(fitting(decodes, len(request.prompt) + request.sampling.max_tokens), lookup)
         held = lookup(decode)
         page = self.registry.info.identity.page_size if self.registry.info is not None else 1
         # a migrated request continues its text (``resumed``), which only the PD path's Generate carries
         path = ServedPath.PREFILL_DECODE if request.resumed else \
-            self.disaggregation.path(len(request.prompt), held, page, request.sampling.max_tokens)
+            self.disaggregation.path(len(request.prompt), held, page, request.sampling.max_tokens, decode.cp_size)
         route = {"path": path.value, "decode": decode.address, "prompt_tokens": len(request.prompt),
                  "decode_cached_pages": [held.device, held.host]}
         if path is not ServedPath.DECODE_ONLY and not prefills:

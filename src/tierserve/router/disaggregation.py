@@ -36,15 +36,23 @@ class ServedPath(Enum):
 @dataclass(frozen=True)
 class Disaggregation:
     """``threshold``: a decode node prefills a prompt itself when fewer than this many of its
-    tokens are not in its cache (0: always through a prefill node)."""
+    tokens are not in its cache (0: always through a prefill node), times the node's CP size
+    (``limit``)."""
 
     threshold: int = DEFAULT_THRESHOLD
 
-    def path(self, prompt_len: int, held: CachedPrefix, page_size: int, max_tokens: int) -> ServedPath:
-        """``held``: what the picked decode node holds of the prompt."""
-        if uncached_tokens(prompt_len, held, page_size) < self.threshold:
+    def path(self, prompt_len: int, held: CachedPrefix, page_size: int, max_tokens: int, cp_size: int = 1
+             ) -> ServedPath:
+        """``held``: what the picked decode node, of ``cp_size`` context-parallel ranks, holds of the prompt."""
+        if uncached_tokens(prompt_len, held, page_size) < self.limit(cp_size):
             return ServedPath.DECODE_ONLY
         return ServedPath.PREFILL_ONLY if max_tokens == 1 else ServedPath.PREFILL_DECODE
+
+    def limit(self, cp_size: int) -> int:
+        """The threshold of a decode node of ``cp_size`` CP ranks: they divide its prefill's work
+        (each attends over the keys of its own pages; a step of 256 tokens or more is split whole,
+        ``docs/cp.md``), so its running streams wait as long for ``cp_size`` times the tokens."""
+        return self.threshold * max(1, cp_size)
 
 
 def uncached_tokens(prompt_len: int, held: CachedPrefix, page_size: int) -> int:

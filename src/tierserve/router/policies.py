@@ -94,6 +94,14 @@ class CacheAware:
         return self.device_credit * cached.device + self.host_credit * cached.host - self.load_cost * load
 
 
+def fitting(workers: Sequence[Worker], tokens: int) -> Sequence[Worker]:
+    """The workers whose pool holds a request of ``tokens`` tokens of KV (``Worker.fits``: a CP
+    node's ranks together hold ``cp_size`` times the pages of one); all of them when none does, so
+    a node answers with its reason (a 400)."""
+    fit = [w for w in workers if w.fits(tokens)]
+    return fit or workers
+
+
 def make_policy(kind: PolicyKind) -> Policy:
     return {PolicyKind.ROUND_ROBIN: RoundRobin, PolicyKind.RANDOM: Random, PolicyKind.POWER_OF_TWO: PowerOfTwo,
             PolicyKind.CACHE_AWARE: CacheAware}[kind]()

@@ -92,6 +92,18 @@ class Worker:
         reported = r.running + r.waiting + r.reservations + self.sent_since_report - self.ended_since_report
         return max(self.load, reported)
 
+    @property
+    def cp_size(self) -> int:
+        """The node's context-parallel ranks (``NodeInfo.cp_size``; 1 until known or from a node
+        that does not send it)."""
+        return max(1, self.info.cp_size) if self.info is not None else 1
+
+    def fits(self, tokens: int) -> bool:
+        """Whether one request of ``tokens`` tokens of KV fits the node's pool (``NodeInfo.kv_capacity_tokens``,
+        every CP rank's pages together); True while the capacity is unknown."""
+        capacity = self.info.kv_capacity_tokens if self.info is not None else 0
+        return not capacity or tokens <= capacity
+
     async def wait_idle(self, timeout_s: float) -> bool:
         """Waits until no request uses this worker; False if ``timeout_s`` passed first."""
         try:

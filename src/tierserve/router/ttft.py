@@ -46,13 +46,13 @@ class TTFTView:
 
     def predict(self, prompt: list[int], priority: int, salt: str) -> float | None:
         """Seconds to the first token on the best worker that would compute the prompt: any prefill
-        node, or a decode node holding all but fewer than ``--disaggregation-threshold`` of its
-        tokens; None when none of them was measured yet."""
+        node, or a decode node holding all but fewer than ``--disaggregation-threshold`` (times its
+        CP size: ``Disaggregation.limit``) of its tokens; None when none of them was measured yet."""
         lookup, l3 = self.lookup(prompt, salt), self.l3_lookup(prompt, salt)
         held = {w: lookup(w) for role in (Role.PREFILL, Role.DECODE) for w in self.registry.available(role)}
         candidates = [(w, self._uncached(prompt, h), h) for w, h in held.items()]
         candidates = [(w, n, h) for w, n, h in candidates
-                      if w.role is Role.PREFILL or n < self.disaggregation.threshold]
+                      if w.role is Role.PREFILL or n < self.disaggregation.limit(w.cp_size)]
         known = [p for w, n, h in candidates if (p := self._predict(w, n, h, l3, priority)) is not None]
         return min(known, default=None)
 

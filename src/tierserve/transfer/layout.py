@@ -4,6 +4,7 @@ the nodes and tests use it without loading the transfer engine)."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -176,11 +177,26 @@ def local_pages(owner: PageOwnership | None, pages: list[int]) -> list[int] | li
 
 def held_pages(owner: PageOwnership, logical: Sequence[int], by_token: bool = False) -> list[int | None]:
     """The destination side of ``token_runs`` for a rank holding ``owner``'s logical pages: page i
-    of the table ``logical`` as the rank's local page (``page // N``; ``by_token``: page i of
-    staging whose slot t is token t), or None where another CP rank of the destination holds it."""
+    of the table ``logical`` as the rank's local page (``page // N``), or None where another CP
+    rank of the destination holds it. ``by_token``: as a page of the rank's staging region, whose
+    slot t is token t without CP; under CP the region packs the rank's own pages in table order
+    (its k-th page of the table is the region's page k: ``staged_slots``)."""
     if owner.size == 1:
         return list(range(len(logical))) if by_token else list(logical)
-    return [(i if by_token else owner.local(p)) if owner.owns(p) else None for i, p in enumerate(logical)]
+    if not by_token:
+        return [owner.local(p) if owner.owns(p) else None for p in logical]
+    ranks = itertools.accumulate(owner.owns(p) for p in logical)  # 1 + the page's rank among the owned ones
+    return [k - 1 if owner.owns(p) else None for p, k in zip(logical, ranks, strict=True)]
+
+
+def staged_slots(owner: PageOwnership, logical: Sequence[int], tokens: int, page_size: int) -> int:
+    """The slots a staging region of the rank holding ``owner``'s pages needs for the first
+    ``tokens`` tokens of the page table ``logical`` (``held_pages`` by token): every token without
+    CP; under CP the whole pages it owns among theirs (about 1/N of them: a long prompt that fits
+    the node's pages needs only its share of one rank's staging)."""
+    if owner.size == 1:
+        return tokens
+    return page_size * sum(owner.owns(p) for p in logical[: -(-tokens // page_size)])
 
 
 def _extend(runs: list[Run], s: int, d: int, n: int) -> None:

@@ -12,6 +12,7 @@ offset of its own arena: rank 0 names every rank's parts from its own offset.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +20,7 @@ import torch
 from tierserve.cache.sharded.cp_pages import PageOwnership
 from tierserve.model.parallel import kv_heads_of
 from tierserve.transfer.digest import slots_of
-from tierserve.transfer.layout import HeadRange, KVArena, StagedPart, local_pages
+from tierserve.transfer.layout import HeadRange, KVArena, StagedPart, held_pages, local_pages, staged_slots
 from tierserve.transfer.staging import StagingArena, as_words, slot_view, word_size
 
 
@@ -36,6 +37,12 @@ def staged_heads(own: HeadRange, source_tp: int, num_kv_heads: int) -> list[Head
         return []
     return [r for r in source_ranges(num_kv_heads, source_tp)
             if own.start <= r.start and r.end <= own.end and r.count < own.count]
+
+
+def region_slots(owner: PageOwnership, pages: Sequence[int], tokens: int, page_size: int) -> int:
+    """The slots of a reservation's region on every rank of a node of ``owner.size`` CP ranks: the
+    most any of them needs (``staged_slots``), so every rank allocates the same bytes."""
+    return max(staged_slots(PageOwnership(rank, owner.size), pages, tokens, page_size) for rank in range(owner.size))
 
 
 @dataclass(frozen=True)
@@ -61,8 +68,8 @@ def parts(region: Region, base: int, own: HeadRange, num_kv_heads: int, layers: 
 
 class ReceiveStaging:
     """One decode rank's staging regions, by reservation; called from the engine's commands only.
-    Under context parallelism (``owner``) a region still has a slot per prompt token, but the
-    writers fill, and ``scatter`` copies, only the tokens of the pages this rank owns."""
+    Under context parallelism (``owner``) a region holds the pages this rank owns only, packed in
+    page-table order (``held_pages`` by token): the writers fill, and ``scatter`` copies, those."""
 
     def __init__(self, staging: StagingArena, pool: torch.Tensor, arena: KVArena, own: HeadRange,
                  num_kv_heads: int, owner: PageOwnership | None = None) -> None:
@@ -80,11 +87,14 @@ class ReceiveStaging:
     def head_bytes(self) -> int:
         return self.arena.slot_bytes // self.own.count
 
-    def stage(self, request_id: str, tokens: int, source_tp: int) -> Region | None:
-        """Sets a region aside when the source's ranks hold fewer heads than this rank (else, or
-        without room, None: they write in place)."""
+    def stage(self, request_id: str, pages: Sequence[int], tokens: int, source_tp: int) -> Region | None:
+        """Sets a region aside for the first ``tokens`` tokens of the logical page table ``pages``
+        when the source's ranks hold fewer heads than this rank (else, or without room, None: they
+        write in place). Under CP every rank sizes it for the owner holding the most of those pages
+        (``region_slots``), so every rank's region lies at the same offset."""
         if not staged_heads(self.own, source_tp, self.num_kv_heads):
             return None
+        tokens = region_slots(self.owner, pages, tokens, self.arena.page_size)
         nbytes = self.arena.num_layers * 2 * tokens * self.arena.slot_bytes
         offset = self.staging.alloc(nbytes)
         if offset is None:
@@ -110,9 +120,10 @@ class ReceiveStaging:
         region = self.regions.pop(request_id, None)
         if region is None:
             return
-        slots, positions = slots_of(local_pages(self.owner, pages), start, end, self.arena.page_size)
+        slots, _ = slots_of(local_pages(self.owner, pages), start, end, self.arena.page_size)
+        staged, _ = slots_of(held_pages(self.owner, pages, by_token=True), start, end, self.arena.page_size)
         index = torch.from_numpy(slots).to(self.pool.device)
-        rows = torch.from_numpy(positions).to(self.pool.device)
+        rows = torch.from_numpy(staged).to(self.pool.device)
         for part in parts(region, 0, self.own, self.num_kv_heads, self.arena.num_layers, self.head_bytes,
                           self.arena.page_size):
             self._scatter_part(part, index, rows)
