@@ -348,12 +348,18 @@ class StorageTier:
         # A put of a stored key is a no-op in stores that say so: no exists call first.
         skip = 0 if self.storage.put_skips_existing else self.io.exists(self.storage, keys)
         started = time.perf_counter()
-        done = [ok for at in range(skip, len(keys), BACKUP_CALL_PAGES)
-                for ok in self.io.set_from(self.storage, keys[at : at + BACKUP_CALL_PAGES],
-                                           host_pages[at : at + BACKUP_CALL_PAGES])]
+        stored = [k for at in range(skip, len(keys), BACKUP_CALL_PAGES)
+                  for k in self._put(keys[at : at + BACKUP_CALL_PAGES], host_pages[at : at + BACKUP_CALL_PAGES])]
         mine = sum(map(self.ownership.owns, host_pages[skip:]))  # the bytes this rank wrote (CP: its own pages)
         self.speed.record_write(mine * self.host.geometry.bytes_per_page, time.perf_counter() - started)
-        return sum(done), keys[:skip] + [k for k, ok in zip(keys[skip:], done, strict=True) if ok]
+        return len(stored), keys[:skip] + stored
+
+    def _put(self, keys: list[bytes], host_pages: list[int]) -> list[bytes]:
+        """Stores the pages; the keys this rank stored. A CP rank writes, and reports on, only the
+        pages it owns (``OwnedShardIO.set_from``): the others' owners store and announce theirs."""
+        ok = self.io.set_from(self.storage, keys, host_pages)
+        own = [k for k, page in zip(keys, host_pages, strict=True) if self.ownership.owns(page)]
+        return [k for k, good in zip(own, ok, strict=True) if good]
 
     def wait_backups(self, timeout: float) -> None:
         futures.wait([b.future for b in self._backups], timeout=timeout)
