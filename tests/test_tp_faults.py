@@ -148,8 +148,9 @@ def test_a_rank_slow_to_start_is_waited_for_past_the_dist_timeout(model: Path, t
 
 
 def _worker_pids(parent: int) -> list[int]:
-    """The node's spawned ranks (multiprocessing's resource tracker is a child too)."""
-    return [pid for pid in descendants(parent) if b"spawn_main" in _cmdline(pid)]
+    """The node's other ranks (forked on CPU: ``spawn.start_method``); multiprocessing's resource
+    tracker, when there is one, is a child too."""
+    return [pid for pid in descendants(parent) if (cmd := _cmdline(pid)) and b"resource_tracker" not in cmd]
 
 
 def _cmdline(pid: int) -> bytes:
