@@ -232,7 +232,12 @@ def test_a_migrated_request_shows_the_seam(cluster: Cluster) -> None:
     lost, resumed = attempts[0], attempts[-1]
     assert lost.status == ERROR and resumed.status != ERROR and resumed.attrs["tierserve.request_id"].endswith("-m1")
     assert lost.start_ns <= seam.start_ns <= resumed.start_ns <= seam.end_ns <= resumed.end_ns
-    nodes = [s for s in spans if s.service == DECODE]
+    def decode_spans() -> list:
+        return [s for s in cluster.receiver.spans(trace_id) if s.service == DECODE]
+
+    # the router's Generate span can arrive before the survivor's (each process exports on its own)
+    wait_for(lambda: by_name(decode_spans(), "tierserve.v1.DecodeService/Generate"), "the survivor's Generate", 60)
+    nodes = decode_spans()
     survivor = one(nodes, "tierserve.v1.DecodeService/Generate")  # the victim's never ended: it died
     assert survivor.resource["service.instance.id"] != f"127.0.0.1:{victim.rsplit(':', 1)[1]}"
     reserved_on = {s.resource["service.instance.id"] for s in by_name(nodes, "tierserve.v1.DecodeService/Reserve")}

@@ -148,9 +148,10 @@ def test_a_rank_slow_to_start_is_waited_for_past_the_dist_timeout(model: Path, t
 
 
 def _worker_pids(parent: int) -> list[int]:
-    """The node's other ranks (forked on CPU: ``spawn.start_method``); multiprocessing's resource
-    tracker, when there is one, is a child too."""
-    return [pid for pid in descendants(parent) if (cmd := _cmdline(pid)) and b"resource_tracker" not in cmd]
+    """The node's other ranks: forked on CPU (``spawn.start_method``), so their command line is the
+    node's; the node's other children (a short-lived helper a library runs) are not ranks."""
+    node = _cmdline(parent)
+    return [pid for pid in descendants(parent) if _cmdline(pid) == node]
 
 
 def _cmdline(pid: int) -> bytes:
