@@ -9,6 +9,7 @@ import json
 import re
 import shutil
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 from tierserve.model.fetch import BUILTIN_MODEL_NAME, default_cache_dir, fetch_builtin_model
@@ -35,7 +36,7 @@ def derive_draft(target_dir: Path, out_dir: Path, layers: tuple[int, ...]) -> Pa
     """Writes to ``out_dir`` (replacing what is there) the model made of
     ``target_dir``'s ``layers`` (in that order, renumbered from 0) plus every non-layer tensor;
     returns ``out_dir``. Same vocabulary and tokenizer as the target, so its drafts verify."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     config = json.loads((target_dir / "config.json").read_text())
     if not layers or max(layers) >= config["num_hidden_layers"] or min(layers) < 0:
@@ -49,14 +50,22 @@ def derive_draft(target_dir: Path, out_dir: Path, layers: tuple[int, ...]) -> Pa
                 tensors[name] = tensor
             elif int(m.group(1)) in renumber:
                 tensors[f"model.layers.{renumber[int(m.group(1))]}.{name[m.end():]}"] = tensor
+    copied = [target_dir / name for name in _COPIED if (target_dir / name).is_file()]
+    return write_model_folder(out_dir, config | {"num_hidden_layers": len(layers)}, tensors, copied)
+
+
+def write_model_folder(out_dir: Path, config: dict, tensors: dict, copied: Sequence[Path] = ()) -> Path:
+    """Writes ``config.json``, ``model.safetensors`` and copies of ``copied`` to ``out_dir``,
+    replacing what is there, whole or not at all (built beside it, then renamed); returns ``out_dir``."""
+    from safetensors.torch import save_file
+
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
-        (tmp / "config.json").write_text(json.dumps(config | {"num_hidden_layers": len(layers)}, indent=2) + "\n")
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        for name in _COPIED:
-            if (target_dir / name).is_file():
-                shutil.copy(target_dir / name, tmp / name)
+        for source in copied:
+            shutil.copy(source, tmp / source.name)
         tmp.chmod(0o755)
         if out_dir.exists():
             shutil.rmtree(out_dir)

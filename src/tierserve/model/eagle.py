@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -22,9 +20,10 @@ from torch import nn
 
 from tierserve.core.model_config import ModelConfig
 from tierserve.model.attention import AttentionBatch, KVStore
+from tierserve.model.draft import write_model_folder
 from tierserve.model.layers import ColumnParallelLinear, Embedding, copy_whole
 from tierserve.model.llama import CausalLM, DecoderLayer
-from tierserve.model.loader import _checkpoint_tensors, _target
+from tierserve.model.loader import checkpoint_tensors, parameter_target
 from tierserve.model.parallel import TensorParallel
 from tierserve.model.rope import RotaryEmbedding
 
@@ -102,7 +101,7 @@ def _names(draft_dir: Path) -> set[str]:
     names = set()
     for file in files:
         with safe_open(str(file), framework="pt") as f:
-            names |= {_target(name)[0] for name in f.keys()}  # noqa: SIM118 - safe_open is not a dict
+            names |= {parameter_target(name)[0] for name in f.keys()}  # noqa: SIM118 - safe_open is not a dict
     return names
 
 
@@ -125,8 +124,8 @@ def load_eagle(draft_dir: str | Path, target: CausalLM, first_layer: int, device
 
 def _load(head: EagleHead, draft_dir: Path) -> None:
     params, loaded = dict(head.named_parameters()), set()
-    for ckpt_name, tensor in _checkpoint_tensors(draft_dir):
-        name, shard = _target(ckpt_name)
+    for ckpt_name, tensor in checkpoint_tensors(draft_dir):
+        name, shard = parameter_target(ckpt_name)
         if name == "layers.0.input_layernorm.weight" or name.endswith("rotary_emb.inv_freq"):
             continue  # some conversions keep the unused norm
         if name not in params:
@@ -144,25 +143,12 @@ def write_random_eagle(target_dir: Path, out_dir: Path, layers: int = 1, seed: i
     """Writes to ``out_dir`` (replacing it) a randomly initialised EAGLE-1 head for the model in
     ``target_dir``: its shapes, no embedding or LM head (the target's are used). For tests and for
     measuring a speculative step's cost: it drafts almost nothing the target accepts."""
-    from safetensors.torch import save_file
-
     target = ModelConfig.from_dir(target_dir)
     config = _eagle_json(json.loads((target_dir / "config.json").read_text()), target, layers)
     gen = torch.Generator().manual_seed(seed)
     dtype = getattr(torch, target.torch_dtype, torch.float32)
     tensors = {name: _init(shape, gen).to(dtype) for name, shape in _shapes(target, layers).items()}
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        tmp.chmod(0o755)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        tmp.rename(out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out_dir
+    return write_model_folder(out_dir, config, tensors)
 
 
 def random_eagle_for(target_dir: Path) -> Path:

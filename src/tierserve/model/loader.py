@@ -42,7 +42,7 @@ def resolve_dtype(name: str, cfg: ModelConfig, device: torch.device) -> torch.dt
     return wanted if wanted is torch.bfloat16 and native_bf16 else torch.float32
 
 
-def _checkpoint_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def checkpoint_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{model_dir}: no *.safetensors files")
@@ -52,7 +52,7 @@ def _checkpoint_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def _target(name: str) -> tuple[str, object]:
+def parameter_target(name: str) -> tuple[str, object]:
     """Our parameter name and shard id for a checkpoint tensor name."""
     name = name.removeprefix("model.") if not name.startswith("lm_head") else name
     for src, (dst, shard) in _STACKED.items():
@@ -65,10 +65,10 @@ def load_weights(model: CausalLM, model_dir: Path) -> None:
     """Copies every checkpoint tensor into its parameter; fails if a parameter stays unloaded."""
     params = dict(model.named_parameters())
     loaded: dict[str, set[object]] = {}
-    for ckpt_name, tensor in _checkpoint_tensors(model_dir):
+    for ckpt_name, tensor in checkpoint_tensors(model_dir):
         if _SKIPPED.search(ckpt_name):
             continue
-        name, shard = _target(ckpt_name)
+        name, shard = parameter_target(ckpt_name)
         if name == "lm_head.weight" and model.lm_head is None:
             continue  # tied embeddings: some checkpoints store the copy anyway
         if name not in params and model.elsewhere(name):

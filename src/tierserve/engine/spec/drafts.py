@@ -3,6 +3,7 @@ draft model (``standalone.py``, STANDALONE) or by prompt lookup (``ngram.py``, N
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -10,7 +11,7 @@ import torch
 
 from tierserve.engine.request import Request
 from tierserve.engine.scheduler import Scheduled
-from tierserve.engine.spec.sampling import RowSampling
+from tierserve.engine.spec.sampling import RowSampling, draw
 from tierserve.engine.spec.spans import Span
 from tierserve.model.attention import LayerHooks
 
@@ -69,3 +70,27 @@ def row_sampling(request: Request) -> RowSampling:
     """``request``'s sampling for the tokens this step decides (from its next position on)."""
     p = request.params
     return RowSampling(0.0 if p.greedy else p.temperature, p.top_p, p.top_k, p.seed, request.num_tokens)
+
+
+NextRows = Callable[[list[Span], list[torch.Tensor]], list[torch.Tensor]]  # (spans, rows before them) -> rows
+
+
+def chain(live: list[tuple[Scheduled, torch.Tensor]], next_rows: NextRows,
+          logits: Callable[[torch.Tensor], torch.Tensor], chain_span: Callable[[Request, list[int]], Span]
+          ) -> dict[str, Drafted]:
+    """A chain of drafts (topk 1) for each speculating request of ``live`` (its scheduled entry and
+    the draft's last row after syncing up to its pending token): each step draws one token per
+    request from ``logits`` of its last row, then ``next_rows`` (the spans of the tokens just drawn,
+    the rows before them) computes the rows the next step draws from, until a request has its
+    ``draft_tokens``. Shared by every drafter with a model (STANDALONE, EAGLE)."""
+    proposals: dict[str, Drafted] = {s.request.request_id: Drafted([], []) for s, _ in live}
+    for step in range(max((s.draft_tokens for s, _ in live), default=0)):
+        if step:
+            spans = [chain_span(s.request, proposals[s.request.request_id].tokens) for s, _ in live]
+            live = [(s, h[-1:]) for (s, _), h in zip(live, next_rows(spans, [h for _, h in live]), strict=True)]
+        tokens, dists = draw(logits(torch.cat([h for _, h in live])), [row_sampling(s.request) for s, _ in live], step)
+        for (s, _), token, q in zip(live, tokens, dists, strict=True):
+            proposals[s.request.request_id].tokens.append(token)
+            proposals[s.request.request_id].dists.append(q)
+        live = [(s, h) for s, h in live if s.draft_tokens > step + 1]
+    return proposals

@@ -23,8 +23,7 @@ import torch
 from tierserve.engine.request import Request
 from tierserve.engine.scheduler import Scheduled
 from tierserve.engine.spec.draft_pools import DraftKV
-from tierserve.engine.spec.drafts import Drafted, SpecCounters, row_sampling
-from tierserve.engine.spec.sampling import draw
+from tierserve.engine.spec.drafts import Drafted, SpecCounters, chain
 from tierserve.engine.spec.spans import Span, forward
 from tierserve.model.attention import AttentionBatch, KVStore, LayerHooks
 from tierserve.model.eagle import EagleHead, eagle_config, feature_layers, load_eagle
@@ -98,19 +97,7 @@ class EagleDrafter:
         output drafts the first token, then one row per further draft fed the head's own output."""
         spec = [s for s in batch if s.draft_tokens > 0]
         live = [(s, h[-1:]) for s, h in zip(spec, self._forward_sync(spec, hooks), strict=True)]
-        proposals: dict[str, Drafted] = {s.request.request_id: Drafted([], []) for s in spec}
-        for step in range(max((s.draft_tokens for s in spec), default=0)):
-            if step:
-                spans = [self._chain_span(s.request, proposals[s.request.request_id].tokens) for s, _ in live]
-                hidden = self._forward(spans, [h for _, h in live], None)
-                live = [(s, h[-1:]) for (s, _), h in zip(live, hidden, strict=True)]
-            rows = [row_sampling(s.request) for s, _ in live]
-            tokens, dists = draw(self.head.logits(torch.cat([h for _, h in live])), rows, step)
-            for (s, _), token, q in zip(live, tokens, dists, strict=True):
-                proposals[s.request.request_id].tokens.append(token)
-                proposals[s.request.request_id].dists.append(q)
-            live = [(s, h) for s, h in live if s.draft_tokens > step + 1]
-        return proposals
+        return chain(live, lambda spans, rows: self._forward(spans, rows, None), self.head.logits, self._chain_span)
 
     def sync(self, batch: list[Scheduled], hooks: LayerHooks | None) -> None:
         self._forward_sync(batch, hooks)

@@ -14,8 +14,7 @@ import torch
 from tierserve.engine.request import Request
 from tierserve.engine.scheduler import Scheduled
 from tierserve.engine.spec.draft_pools import DraftKV
-from tierserve.engine.spec.drafts import Drafted, SpecCounters, row_sampling
-from tierserve.engine.spec.sampling import draw
+from tierserve.engine.spec.drafts import Drafted, SpecCounters, chain
 from tierserve.engine.spec.spans import Span, forward
 from tierserve.model.attention import LayerHooks
 from tierserve.model.loader import load_model
@@ -36,19 +35,8 @@ class ModelDrafter:
         """The draft's chain: per speculating request, its draft tokens and their q rows."""
         spec = [s for s in batch if s.draft_tokens > 0]
         live = [(s, h[-1:]) for s, h in zip(spec, self._forward_sync(spec, hooks), strict=True)]
-        proposals: dict[str, Drafted] = {s.request.request_id: Drafted([], []) for s in spec}
-        for step in range(max((s.draft_tokens for s in spec), default=0)):
-            if step:
-                spans = [self._chain_span(s.request, proposals[s.request.request_id].tokens) for s, _ in live]
-                hidden = forward(self.draft, self.draft_kv.kv, spans)
-                live = [(s, h[-1:]) for (s, _), h in zip(live, hidden, strict=True)]
-            rows = [row_sampling(s.request) for s, _ in live]
-            tokens, dists = draw(self.draft.logits(torch.cat([h for _, h in live])), rows, step)
-            for (s, _), token, q in zip(live, tokens, dists, strict=True):
-                proposals[s.request.request_id].tokens.append(token)
-                proposals[s.request.request_id].dists.append(q)
-            live = [(s, h) for s, h in live if s.draft_tokens > step + 1]
-        return proposals
+        return chain(live, lambda spans, _: forward(self.draft, self.draft_kv.kv, spans), self.draft.logits,
+                     self._chain_span)
 
     def target_pass(self, spans: list[Span], hidden: list[torch.Tensor], hooks: LayerHooks | None) -> None:
         """Nothing: the draft reads no target hidden states."""
