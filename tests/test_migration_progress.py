@@ -8,11 +8,15 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+import pytest
+
 from tierserve.api import openai as oa
 from tierserve.core.outputs import RequestOutput
 from tierserve.proto import tierserve_pb2 as pb
 from tierserve.router.migration import DecodeLost, LostReason, Migrations, migrating
 from tierserve.tracing import NO_SPAN, Span
+
+pytestmark = pytest.mark.fakes  # scripted tries stand in for prefill/decode pairs
 
 
 @dataclass
