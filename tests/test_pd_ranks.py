@@ -13,16 +13,19 @@ boundary shared."""
 from __future__ import annotations
 
 import asyncio
+import random
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
 import pytest
+from helpers.injected_faults import node_env, write_faults
 from helpers.pd_nodes import (
     DECODE_ARGS,
     NODE_ARGS,
     PAGE,
+    greedy,
     idle,
     info,
     load,
@@ -38,6 +41,8 @@ from helpers.pd_nodes import (
 from helpers.polling import wait_for
 from helpers.processes import NodeProcess, stop_all
 from helpers.tiny_models import make_tiny_model
+
+from tierserve.router import pd_flow
 
 pytestmark = pytest.mark.integration
 LAYERS = {"tp": 4, "pp": 4, "ppu": 5}  # two stages of two layers at PP 2; 2 + 2 + 1 at PP 3
@@ -258,6 +263,54 @@ def test_every_decode_rank_scatters_its_staging_at_the_same_offset(model: Path, 
     dest = asyncio.run(reserve_for(nodes["d2"].address, "p4-parts", list(range(2, 40)), source_tp=4)).destination
     asyncio.run(release(nodes["d2"].address, "p4-parts", True))
     assert [[s.kv_head_start for s in r.staged] for r in dest.ranks] == [[0, 1], [2, 3]]
+
+
+LAG_S = 3.0  # decode rank 1 applies every take this late (test-only ``lag_commands``)
+
+
+@ONLY_TP
+@pytest.mark.slow
+def test_a_rank_late_to_scatter_still_reads_its_own_requests_kv(model: Path, layout: str, tmp_path: Path) -> None:
+    """Rank 0 applies a command, and answers a Reserve, before the other ranks apply it (with the next
+    step's message). Here decode rank 1 applies every take (``StartReserved``) ``LAG_S`` late, as a
+    slow or stopped stage does: request b is taken in the same turn as c is reserved, so c's staging
+    lies at b's offset, and c's prefill node writes there while rank 1 is yet to scatter b's KV out
+    of it. b must still answer as the single engine (issue 31: a TP 2 prefill -> PP 2 decode cluster
+    answered wrong 1 to 2 times in 1,000; without ``ScatterFence`` b decodes over c's KV in rank 1's
+    heads)."""
+    faults = write_faults(tmp_path / "faults.json", lag={"StartReserved": LAG_S})
+    prefill = NodeProcess("prefill", ["--model", str(model), *NODE_ARGS, "--tp-size", "4"], tmp_path / "p4.log")
+    decode = NodeProcess("decode", ["--model", str(model), *DECODE_ARGS, "--tp-size", "2"], tmp_path / "d2.log",
+                         env=node_env(faults))
+    a, b, c = ([rng.randrange(2, 384) for _ in range(40)] for rng in [random.Random(51)] * 3)  # one length: one layout
+    try:
+        prefill.wait_ready(), decode.wait_ready()
+        got = asyncio.run(_taken_while_the_next_is_reserved(prefill.address, decode.address, a, b, c))
+    finally:
+        stop_all((prefill.proc, decode.proc))
+    assert got == reference(model, [b])[0]
+
+
+async def _taken_while_the_next_is_reserved(prefill: str, decode: str, a: list[int], b: list[int], c: list[int]
+                                            ) -> list[int]:
+    """b reserved first (its staging at the arena's start) and a, both handed over; then a's Generate
+    holds rank 0 in a step until rank 1 applied its late take, while b's Generate and then c's Reserve
+    queue behind it: rank 0 takes b and reserves c in one turn. Returns b's tokens."""
+    async with grpc.aio.insecure_channel(prefill) as p, grpc.aio.insecure_channel(decode) as d:
+        pair = pd_flow.Pair.connect(p, d)
+        done_b, done_a = [await pd_flow.prefill(pair, rid, prompt, greedy(), timeout_s=60, source_tp=4)
+                          for rid, prompt in (("b", b), ("a", a))]
+
+        async def tokens(done: pd_flow.Prefilled) -> list[int]:
+            return [t async for chunk in pd_flow.generate(pair, done, greedy()) for t in chunk.token_ids]
+
+        runs = [asyncio.create_task(tokens(done_a))]
+        await asyncio.sleep(LAG_S / 6)  # rank 0 is in a step waiting for rank 1 (ordering only, no result read)
+        runs.append(asyncio.create_task(tokens(done_b)))
+        await asyncio.sleep(LAG_S / 6)  # b's take queued first, c's Reserve behind it
+        done_c = await pd_flow.prefill(pair, "c", c, greedy(), timeout_s=60, source_tp=4)
+        runs.append(asyncio.create_task(tokens(done_c)))
+        return (await asyncio.gather(*runs))[1]
 
 
 # ---- PP only: stages between TP sizes ---------------------------------------------------------

@@ -14,14 +14,16 @@ from tierserve.core.test_hooks import FAULTS_ENV, FaultSwitch
 
 
 def write_faults(path: Path, storage: dict[str, Any] | None = None, skip_agreement: bool = False,
-                 handoff: dict[str, float] | None = None) -> Path:
+                 handoff: dict[str, float] | None = None, lag: dict[str, float] | None = None) -> Path:
     """Writes the fault file at ``path``: ``storage`` (``StorageFaults``' fields, e.g. ``{"ranks": [1],
     "exists_cap": 6}``), the agreement switched off when ``skip_agreement``, and ``handoff``
-    (``HandoffFaults``' fields, e.g. ``{"corrupt_rate": 0.5}``, read by a prefill node at start). The
+    (``HandoffFaults``' fields, e.g. ``{"corrupt_rate": 0.5}``, read by a prefill node at start), and ``lag``
+    (seconds a node's ranks 1..N-1 sleep before applying a command, by its type's name, e.g.
+    ``{"StartReserved": 3.0}``, read by each rank at start). The
     L3 keys are read again at each cache build and run-time attach, so a test may rewrite it between
     attaches."""
     faults = {FaultSwitch.STORAGE_FAULTS.value: storage, FaultSwitch.SKIP_AGREEMENT.value: skip_agreement,
-              FaultSwitch.HANDOFF_FAULTS.value: handoff}
+              FaultSwitch.HANDOFF_FAULTS.value: handoff, FaultSwitch.LAG_COMMANDS.value: lag}
     path.write_text(json.dumps(faults))
     return path
 

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+C = TypeVar("C")  # a rank's command
 
 FAULTS_ENV = "TIERSERVE_TEST_FAULTS"
 
@@ -23,6 +26,7 @@ class FaultSwitch(Enum):
     SKIP_AGREEMENT = "unsafe_skip_agreement"  # each rank applies its own L3 view, unagreed (ranks diverge)
     STORAGE_FAULTS = "fault_injection"  # a rank's L3 misbehaves (``StorageFaults``)
     HANDOFF_FAULTS = "handoff_faults"  # a prefill node's KV handoffs fail, lag or write wrong bytes (``HandoffFaults``)
+    LAG_COMMANDS = "lag_commands"  # a node's ranks 1..N-1 apply these commands late: {command type name: seconds}
 
 
 def refuse_test_switches(config: Mapping[str, Any]) -> None:
@@ -40,3 +44,19 @@ def injected(switch: FaultSwitch) -> Any:
     if not path:
         return None
     return json.loads(Path(path).read_text()).get(switch.value)
+
+
+def lagging(bind: Callable[[C], C]) -> Callable[[C], C]:
+    """A follower rank's ``bind`` (``engine/procs/worker.py``) that first sleeps as long as the tests'
+    ``lag_commands`` switch says for the command's type, e.g. ``{"StartReserved": 3.0}``: a stage or
+    rank slow (or stopped) to apply what rank 0 already applied and answered. ``bind`` itself
+    without the switch, read once when the rank starts."""
+    lags = injected(FaultSwitch.LAG_COMMANDS) or {}
+    if not lags:
+        return bind
+
+    def late(command: C) -> C:
+        time.sleep(lags.get(type(command).__name__, 0.0))
+        return bind(command)
+
+    return late

@@ -37,7 +37,7 @@ from tierserve.proto.trailers import DRAINING, flag  # the trailer the router re
 from tierserve.tracing import Span
 from tierserve.tracing import attributes as at
 from tierserve.tracing.engine_spans import traced
-from tierserve.transfer.receive_check import ReceiveCheck
+from tierserve.transfer.receive_check import ReceiveCheck, ScatterFence
 
 log = logging.getLogger(__name__)
 
@@ -178,14 +178,18 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         await context.abort(grpc.StatusCode.UNAVAILABLE, "the decode node is draining",
                             trailing_metadata=(flag(DRAINING, True),))
 
-    def _check(self, request: pb.GenerateRequest) -> ReceiveCheck | str | None:
-        """The digests' check of the KV that arrived (``--handoff-integrity``); a message when this
-        node requires digests and the request has none."""
+    def _check(self, request: pb.GenerateRequest) -> ReceiveCheck | ScatterFence | str | None:
+        """The digests' check of the KV that arrived (``--handoff-integrity``, a collective); a message
+        when this node requires digests and the request has none; without digests, at several ranks,
+        a ``ScatterFence`` for a reservation whose writers staged (rank 0's regions say which: every
+        rank holds the same ones)."""
         if request.kv_digests:
             return ReceiveCheck(tuple(request.kv_digests))
         if self.integrity:
             return "this decode node checks KV digests (--handoff-integrity) and the request has none: " \
                    "start the prefill node with --handoff-integrity too"
+        if len(self.arenas) > 1 and self.receive is not None and self.receive.holds(request.reservation_id):
+            return ScatterFence()
         return None
 
     async def GenerateLocal(self, request: pb.LocalGenerateRequest, context: grpc.aio.ServicerContext

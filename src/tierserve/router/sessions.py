@@ -51,34 +51,79 @@ class NodeSessions:
 
     async def _keep(self, worker: Worker) -> None:
         """Opens the session again whenever it breaks (the node restarted, a network cut); a node
-        that does not know sessions (an older one) is left at this router's own load."""
+        that does not know sessions (an older one) is left at this router's own load. A session
+        dropped for silence stays open until its replacement reported (``_follow``)."""
         delay = RETRY_S
-        while True:
-            try:
-                await self._follow(worker)
-                delay = RETRY_S
-            except grpc.aio.AioRpcError as exc:
-                worker.reported(None)
-                if exc.code() is grpc.StatusCode.UNIMPLEMENTED:
-                    log.warning("worker %s has no router sessions: balancing on this router's load", worker.address)
-                    return
-                log.debug("session with %s broke (%s); again in %.1f s", worker.address, exc.code().name, delay)
-            await asyncio.sleep(delay)
-            delay = min(2 * delay, MAX_RETRY_S)
-
-    async def _follow(self, worker: Worker) -> None:
-        request = pb.SessionRequest(router_id=self.registry.router_id, interval_seconds=REPORT_INTERVAL_S)
-        call = pb_grpc.NodeServiceStub(worker.channel).Session(request)
+        silent: grpc.aio.UnaryStreamCall | None = None
         try:
             while True:
-                async with asyncio.timeout(SILENT_S):
-                    report = await call.read()
+                try:
+                    silent = await self._follow(worker, silent)
+                    delay = RETRY_S
+                    if silent is not None:
+                        continue  # reopen at once: the silent session holds the node's count meanwhile
+                except grpc.aio.AioRpcError as exc:
+                    silent = None  # ended by ``_follow``
+                    worker.reported(None)
+                    if exc.code() is grpc.StatusCode.UNIMPLEMENTED:
+                        log.warning("worker %s has no router sessions: balancing on this router's load",
+                                    worker.address)
+                        return
+                    log.debug("session with %s broke (%s); again in %.1f s", worker.address, exc.code().name, delay)
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, MAX_RETRY_S)
+        finally:
+            _end(silent)
+
+    async def _follow(self, worker: Worker, silent: grpc.aio.UnaryStreamCall | None = None
+                      ) -> grpc.aio.UnaryStreamCall | None:
+        """Follows one session until it ends (None) or goes silent for ``SILENT_S`` (a frozen or
+        overloaded node): then it is returned still open, and ended only once the next session
+        (``silent`` there) brought its first report. The node frees this router's requests when its
+        last session with it ends (``node/sessions.py``), so closing the silent one first would
+        make a node that was only slow abort every generation and cancel every reservation of a
+        live router, whose prefill nodes may go on writing into those pages (issue 31)."""
+        request = pb.SessionRequest(router_id=self.registry.router_id, interval_seconds=REPORT_INTERVAL_S)
+        call = pb_grpc.NodeServiceStub(worker.channel).Session(request)
+        kept = None
+        try:
+            while True:
+                report = await _read(call)
+                silent = _end(silent)  # the node counts the new session now: the silent one may end
                 if report is grpc.aio.EOF:
-                    return
+                    return None
                 worker.reported(report)
         except TimeoutError:
             log.warning("session with %s: no load report for %.0f s; opening it again", worker.address, SILENT_S)
+            kept, silent = (silent, None) if silent is not None else (call, None)  # the one the node surely counts
+            return kept
         finally:
-            call.cancel()
+            _end(silent)
+            if kept is not call:
+                call.cancel()
             with contextlib.suppress(Exception):
                 worker.reported(None)
+
+
+async def _read(call: grpc.aio.UnaryStreamCall) -> object:
+    """The session's next report; ``TimeoutError`` after ``SILENT_S`` without one. The read is not
+    cancelled then (cancelling a read cancels the call, which must stay open: ``_follow``)."""
+    read = asyncio.ensure_future(call.read())
+    read.add_done_callback(_retrieved)
+    done, _ = await asyncio.wait({read}, timeout=SILENT_S)
+    if not done:
+        raise TimeoutError
+    return read.result()
+
+
+def _retrieved(read: asyncio.Future) -> None:
+    """A read left pending on a silent session ends with its call's cancellation: nothing to report."""
+    if not read.cancelled():
+        read.exception()
+
+
+def _end(call: grpc.aio.UnaryStreamCall | None) -> None:
+    """Ends a session call (None: nothing to end); returns None, for ``silent = _end(silent)``."""
+    if call is not None:
+        call.cancel()
+    return None

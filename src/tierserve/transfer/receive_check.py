@@ -63,3 +63,22 @@ class ReceiveCheck:
             return f"the prefill node sent {len(self.expected)} layer digests for {len(got)} layers"
         bad = [layer for layer, (a, b) in enumerate(zip(got, self.expected, strict=True)) if a != b]
         return f"KV handed over does not match its digest in layers {bad[:8]}" if bad else None
+
+
+@dataclass(frozen=True)
+class ScatterFence:
+    """A take of a staged reservation on a decode node of several ranks: the ranks meet (one
+    collective) once each scattered its staging into its pages, so rank 0 applies no later command
+    before every rank did.
+
+    Why: rank 0 applies a command (and answers a ``Reserve``) before the other ranks, which apply it
+    with the next step's message. Its take frees the region, so a ``Reserve`` it applies next may be
+    given the same bytes of every rank's staging arena, and that reservation's prefill node may write
+    there while another rank (a PP stage, frozen or only slow) has yet to scatter the first
+    request's KV out of them: that rank's layers of some of its tokens were the second prompt's
+    (issue 31's wrong outputs on a TP 2 prefill -> PP 2 decode cluster; ``--handoff-integrity``'s
+    check, a collective at the same point, hid them). Checks nothing: always None."""
+
+    def __call__(self, engine: Engine, request: Request) -> str | None:
+        dist.barrier(group=engine.ranks.control)
+        return None

@@ -11,6 +11,7 @@ import signal
 import sys
 
 from tierserve.core.logs import configure_logging
+from tierserve.core.test_hooks import lagging
 from tierserve.engine.commands import Bind, EngineCall, EngineCommand, RankRole, runs_collectives
 from tierserve.engine.config import EngineConfig
 from tierserve.engine.engine import Engine
@@ -70,7 +71,7 @@ def run_rank(spec: RankSpec, config: EngineConfig, parent_pid: int, log_level: s
     try:
         ranks = join(spec, config)
         engine = Engine(config, ranks=ranks)
-        bind = role.attach(engine) if role is not None else (lambda command: command)
+        bind = lagging(role.attach(engine) if role is not None else (lambda command: command))  # lag: tests only
         follow(engine, FollowerBus(ranks), bind)
         engine.cache.close()  # as rank 0 does: an L3 client left mounted would be given objects it cannot hold
         leave()
