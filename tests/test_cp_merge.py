@@ -2,15 +2,18 @@
 each rank owns, merged by log-sum-exp, equals causal attention over every key, for decodes and
 extends in one batch, with GQA, and where one rank holds no key a query may see (the merge must
 ignore its zeros); both readers (the padded batch of short steps, the split per sequence of layer 0
-of longer steps, which runs the fused CPU kernel)."""
+of longer steps; both run the fused CPU kernel)."""
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from tierserve.cache.sharded.cp_pages import PageOwnership
+from tierserve.engine.cp import partial
 from tierserve.engine.cp.merge import own_writes, short_step
 from tierserve.engine.cp.partial import BatchedKeys, SeqKeys, SplitKeys, combine
 
@@ -44,8 +47,13 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: SeqKeys) 
     return out[0].transpose(0, 1)
 
 
-@pytest.mark.parametrize("reader", [BatchedKeys, SplitKeys])
-def test_merged_partials_equal_attention_over_every_key(reader: type) -> None:
+@pytest.mark.parametrize(("reader", "mask_elements"),
+                         [(BatchedKeys, partial.MASK_ELEMENTS), (BatchedKeys, 1), (SplitKeys, partial.MASK_ELEMENTS),
+                          (functools.partial(BatchedKeys, fused=False), partial.MASK_ELEMENTS)])
+def test_merged_partials_equal_attention_over_every_key(reader, mask_elements: int, monkeypatch) -> None:
+    """``mask_elements`` 1: ``BatchedKeys`` pads each sequence alone (a block per sequence);
+    ``fused=False``: the unfused path other devices take."""
+    monkeypatch.setattr(partial, "MASK_ELEMENTS", mask_elements)
     gen = torch.Generator().manual_seed(0)
     k_logical, v_logical = _logical_pool(16, gen), _logical_pool(16, gen)
     seqs = [SeqKeys(0, 3, 9, [5, 2, 7]),  # an extend of 3 tokens after 9 cached: positions 9..11

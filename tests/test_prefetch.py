@@ -18,7 +18,7 @@ from tierserve.cache.factory import hicache_config
 from tierserve.cache.hicache import HiCache, HiCacheConfig
 from tierserve.cache.host_pool import HostKVPool, HostLayout
 from tierserve.cache.options import HiCacheOptions, PrefetchPolicy
-from tierserve.cache.prefetch import PrefetchOptions, PrefetchTicket, prefetch_timeout
+from tierserve.cache.prefetch import CHUNK_PAGES, PrefetchOptions, PrefetchTicket, prefetch_timeout
 from tierserve.cache.sharded.cp_pages import PageOwnership
 from tierserve.cache.storage_tier import PENDING_FLOOR_S, WINDOW
 
@@ -138,6 +138,39 @@ def test_a_cp_rank_measures_only_the_pages_it_read(rank: int) -> None:
     assert ticket.agreed_arrived == 17
     store_bps = geometry.bytes_per_page / SlowStorage.READ_S  # an upper bound: each read sleeps that long
     assert 0 < cache.storage.speed.read_bps <= 1.05 * store_bps, f"{cache.storage.speed.read_bps:.0f} B/s measured"
+    cache.cancel(ticket)
+    cache.close()
+
+
+class ReadSizes(MemoryStorage):
+    """Records how many objects each read call asks for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[int] = []
+
+    def batch_get_into(self, keys: list[bytes], spans: list[torch.Tensor]) -> list[bool]:
+        self.reads.append(len(keys))
+        return super().batch_get_into(keys, spans)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_cp_rank_reads_its_pages_in_calls_as_full_as_a_whole_node(rank: int) -> None:
+    """A CP rank reads only the pages it owns, ``CHUNK_PAGES`` of them per call (issue 28): cut into
+    chunks of ``CHUNK_PAGES`` pages of the prompt, a CP=2 rank made as many calls for its half as a
+    CP=1 node for the whole prompt, each half as full (128 per 32K-token prompt on each rank),
+    and a call costs about as much whatever its size (benchmarks/RESULTS.md)."""
+    store, tokens = ReadSizes(), [*range(2, 2 + 4 * CHUNK_PAGES * PS), 1]
+    _stored(store, tokens[:-1])
+    geometry = KVGeometry(1, 1, 2, PS, torch.float32)
+    cache = HiCache(PageAllocator(64), DeviceKVPool(geometry, 64, torch.device("cpu")),
+                    HostKVPool(geometry, 256, HostLayout.PAGE_FIRST_DIRECT), SEED,
+                    HiCacheConfig(prefetch_policy=PrefetchPolicy.WAIT_COMPLETE, prefetch=OPTIONS), storage=store,
+                    ownership=PageOwnership(rank, 2))
+    ticket = cache.prefetch(tokens)
+    _steps_until(cache, lambda: cache.ready(ticket), "the prefetch arrived")
+    assert ticket.agreed_arrived == 4 * CHUNK_PAGES
+    assert store.reads == [CHUNK_PAGES, CHUNK_PAGES]  # its 2 * CHUNK_PAGES pages in two full calls
     cache.cancel(ticket)
     cache.close()
 

@@ -151,6 +151,12 @@ class PrefixCache(Protocol):
         stepping while this is True even with no request."""
         ...
 
+    @property
+    def awaits_peers(self) -> bool:
+        """This rank finished background work that the ranks have not yet agreed every rank
+        finished (another rank is behind): only a step's agreement tells when it catches up."""
+        ...
+
     def flush(self, device: bool, host: bool) -> tuple[int, int]:
         """Drops what L1 (``device``) and/or L2 (``host``) cache and no request holds, after
         waiting for copies in flight; L3 is untouched. Returns the device and host pages freed."""
@@ -187,6 +193,7 @@ class SingleTier:
     ``stats`` (and a tree, if they keep prefixes)."""
 
     busy = False
+    awaits_peers = False
     shares_in_flight = False
 
     def prefetch(self, token_ids: Sequence[int], scope: CacheScope = NO_SCOPE,

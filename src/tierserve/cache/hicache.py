@@ -165,6 +165,10 @@ class HiCache:
         applied only at steps, so an engine with nothing else to do keeps stepping meanwhile."""
         return bool(self._writes) or (self.storage is not None and self.storage.busy)
 
+    @property
+    def awaits_peers(self) -> bool:
+        return self.storage is not None and self.storage.awaits_peers
+
     # -- the engine hook -------------------------------------------------------------------------
 
     def prefetch(self, token_ids: Sequence[int], scope: CacheScope = NO_SCOPE,

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from tierserve.cache.sharded.shards import Source
 
 log = logging.getLogger(__name__)
-CHUNK_PAGES = 16  # pages per backend call: few calls (they cost per call), quick to cancel
+CHUNK_PAGES = 16  # a rank's pages per backend call: few calls (they cost per call), quick to cancel
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,7 @@ class PrefetchTicket:
     pending: int = 0
     pending_until: float = 0.0
     awaited: bool = False  # L3 worker: probed again at least once for pending pages
+    ended_at: float = 0.0  # L3 worker: when this rank's probe, then its read, ended (``time.monotonic()``)
     source: Source | None = None  # L3 worker: the objects that hold this rank's heads (set with ``probed``)
     host_pages: list[int] = field(default_factory=list)
     probed: int = -1  # L3 worker: how many leading keys the store has (-1: not asked yet)
@@ -88,6 +89,15 @@ class PrefetchTicket:
         their way are not all there yet, the bound has not passed and the request is still wanted."""
         return probed < self.pending and time.monotonic() < self.pending_until and not self.cancel.is_set()
 
+    def awaits_peers(self, within: float) -> bool:
+        """This rank's probe (before the decision) or read (after) ended less than ``within``
+        seconds ago, and the ranks have not yet agreed that every rank's did."""
+        if time.monotonic() - self.ended_at > within:
+            return False
+        if not self.decided:
+            return self.probed >= 0
+        return bool(self.host_pages) and self.done.is_set() and not self.agreed_done
+
     def finished(self) -> bool:
         """Nothing is or will be read: given up, or the reader stopped (this rank's view)."""
         return self.decided and (not self.host_pages or self.done.is_set())
@@ -110,15 +120,15 @@ class PrefetchTicket:
                 self.done.set()
 
     def run(self, read: Callable[[list[bytes], list[int]], list[bool]],
-            on_chunk: Callable[[list[int], float], None]) -> None:
-        """Reads the pages in chunks through ``read(page keys, host pages)`` (per-page success), in
-        order, until all arrived, one is missing, the store fails or ``cancel`` is set; reports each
-        chunk's host pages that arrived and its seconds; ``done`` is set at the end."""
+            on_chunk: Callable[[list[int], float], None], chunk: int = CHUNK_PAGES) -> None:
+        """Reads the pages in chunks of ``chunk`` through ``read(page keys, host pages)`` (per-page
+        success), in order, until all arrived, one is missing, the store fails or ``cancel`` is set;
+        reports each chunk's host pages that arrived and its seconds; ``done`` is set at the end."""
         try:
-            for at in range(0, len(self.keys), CHUNK_PAGES):
+            for at in range(0, len(self.keys), chunk):
                 if self.cancel.is_set():
                     break
-                keys = self.keys[at : at + CHUNK_PAGES]
+                keys = self.keys[at : at + chunk]
                 started = time.perf_counter()
                 ok = read(keys, self.host_pages[at : at + len(keys)])
                 good = next((i for i, x in enumerate(ok) if not x), len(ok))

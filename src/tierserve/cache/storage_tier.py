@@ -21,7 +21,7 @@ from tierserve.cache.hashing import page_keys, salted_seed
 from tierserve.cache.host_pool import HostKVPool
 from tierserve.cache.lanes import Lane, close_lanes
 from tierserve.cache.options import PrefetchPolicy
-from tierserve.cache.prefetch import PrefetchOptions, PrefetchTicket, prefetch_timeout
+from tierserve.cache.prefetch import CHUNK_PAGES, PrefetchOptions, PrefetchTicket, prefetch_timeout
 from tierserve.cache.radix_tree import Node, RadixTree
 from tierserve.cache.sharded.agreement import leading_true
 from tierserve.cache.sharded.cp_host import rank_io
@@ -45,6 +45,12 @@ BACKUP_CALL_PAGES = 1024  # pages per put call: with puts of 4096 pages (a CP=2 
 PENDING_PROBE_S = 0.05
 PENDING_SLACK = 2.0
 PENDING_FLOOR_S = 0.5
+# A rank whose probe or read of a prefetch ended waits for the others' at a step's agreement; their
+# lanes cannot wake its loop (each wakes its own process), so its loop polls without backing off
+# (``EngineLoop``) for up to PEER_WAIT_S: the ranks of a CP node read side by side and end within
+# a few tens of ms of each other (issue 28: the back-off lost up to 50 ms twice per prefetch). A
+# rank further behind is slow or stuck: the loop backs off as for any other background work.
+PEER_WAIT_S = 1.0
 
 
 def nothing() -> None:
@@ -103,6 +109,12 @@ class StorageTier:
     def busy(self) -> bool:
         """Backups or prefetches are in flight."""
         return bool(self._backups or self.tickets)
+
+    @property
+    def awaits_peers(self) -> bool:
+        """This rank's probe or read of a prefetch ended less than ``PEER_WAIT_S`` ago and the
+        ranks have not yet agreed that every rank's did."""
+        return any(t.awaits_peers(PEER_WAIT_S) for t in self.tickets)
 
     @property
     def backups_in_flight(self) -> int:
@@ -188,6 +200,7 @@ class StorageTier:
             self._probe_later(ticket)
             return
         ticket.source = source  # read only by ``_read``, later on this same lane
+        ticket.ended_at = time.monotonic()
         ticket.probed = probed
 
     def _probe_later(self, ticket: PrefetchTicket) -> None:
@@ -274,7 +287,10 @@ class StorageTier:
         def record(pages: list[int], seconds: float) -> None:  # the bytes this rank read (CP: its own pages)
             self.speed.record_read(sum(map(self.ownership.owns, pages)) * page_bytes, seconds)
 
-        ticket.run(read, record)
+        # Under CP a rank reads one page in ``size``: chunks of CHUNK_PAGES of its own pages, or each
+        # rank would make as many calls for its share as a CP=1 node for the whole prompt.
+        ticket.run(read, record, CHUNK_PAGES * self.ownership.size)
+        ticket.ended_at = time.monotonic()  # before the lane wakes the engine (``_woken``)
         if ticket.failed:
             self._fail("prefetch", None)
 

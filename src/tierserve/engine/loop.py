@@ -236,12 +236,16 @@ class EngineLoop:
         starts them is a command, which wakes the wait: a decode node does not poll for its
         handoffs); when the last step could schedule nothing (e.g. every page pinned, a stuck L3
         read) a moment that doubles each such turn (``IDLE_POLL_S`` to ``IDLE_POLL_MAX_S``) so the
-        thread neither spins nor steps a collective every few ms; else not at all."""
+        thread neither spins nor steps a collective every few ms, but only ``IDLE_POLL_S`` while this
+        rank finished L3 work that another rank has not (``awaits_peers``: that rank's lane cannot
+        wake this loop); else not at all."""
         if not self.engine.has_work() or self.engine.last_batch_size:
             self._idle_poll = IDLE_POLL_S
             return 0.0 if self.engine.has_work() else self.bus.idle_wait
         if self.engine.only_reservations():
             return min(RESERVED_WAIT_S, self.bus.idle_wait or RESERVED_WAIT_S)
+        if self.engine.cache.awaits_peers:  # another rank is behind: no waker here tells when it is done
+            return IDLE_POLL_S
         return self._back_off()
 
     def _back_off(self) -> float:
