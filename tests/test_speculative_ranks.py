@@ -1,8 +1,11 @@
-"""NGRAM speculation at several ranks (docs/speculative.md, layouts): ``tierserve serve`` at PP 2, CP 2
-and TP 2 x CP 2 (real rank processes over gloo) answers a concurrent batch through the OpenAI API with
-the greedy tokens of no speculation and of ``transformers``, and with a single engine's accepted-draft
-counts per request, drafts accepted on a prompt that repeats and some rejected. TP 2 alone is the
-decode node of ``tests/test_speculative_pd.py``'s ``tierserve up`` test (one cluster fewer)."""
+"""Speculation at several ranks (docs/speculative.md, layouts): ``tierserve serve`` (real rank processes
+over gloo) with NGRAM at PP 2, CP 2 and TP 2 x CP 2, and with a STANDALONE draft model at TP 2 (its KV
+packed into the target's pools, or in a sidecar pool), answers a concurrent batch through the OpenAI
+API with the greedy tokens of no speculation and of ``transformers``, and with a single engine's
+accepted-draft counts per request (drafts accepted and some rejected). STANDALONE also: the batch
+again, its prefixes now cached with their draft rows, gives the same counts; a seeded sampled request
+draws the single engine's tokens. NGRAM at TP 2 alone is the decode node of
+``tests/test_speculative_pd.py``'s ``tierserve up`` test (one cluster fewer)."""
 
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ from pathlib import Path
 import pytest
 from helpers.engine_runs import spread_prompts
 from helpers.rank_servers import NEW_TOKENS, TPServer, hf_greedy, start_server, token_ids
-from helpers.tiny_models import add_word_tokenizer, make_looping_model
+from helpers.tiny_models import add_word_tokenizer, make_looping_model, make_noisy_draft, widen_kv_heads
 
 from tierserve.core.sampling import SamplingParams
 from tierserve.engine.config import EngineConfig, SpeculativeAlgorithm
@@ -21,23 +24,27 @@ from tierserve.engine.engine import Engine
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-NGRAM = ("--speculative-algorithm", "NGRAM")
-# name: (tp size, more flags), one server each
-LAYOUTS = {"pp2": (1, ("--pp-size", "2")), "cp2": (1, ("--cp-size", "2")), "tp2-cp2": (2, ("--cp-size", "2"))}
+NGRAM = "ngram"
+# name: (tp size, more flags, draft source: NGRAM or a draft layout of ``drafts``), one server each
+LAYOUTS = {"pp2": (1, ("--pp-size", "2"), NGRAM), "cp2": (1, ("--cp-size", "2"), NGRAM),
+           "tp2-cp2": (2, ("--cp-size", "2"), NGRAM), "tp2-standalone-packed": (2, (), "packed"),
+           "tp2-standalone-sidecar": (2, (), "sidecar")}
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+SAMPLED = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.8, seed=7, ignore_eos=True)
 
 
-def _engine(model: Path, ngram: bool) -> Engine:
+def _engine(model: Path, ngram: bool, draft: Path | None = None) -> Engine:
     """A single engine with the servers' settings (``start_server``)."""
     spec = {"speculative_algorithm": SpeculativeAlgorithm.NGRAM} if ngram else {}
     return Engine(EngineConfig(model, dtype="float32", page_size=4, max_total_tokens=2048,
-                               chunked_prefill_size=16, **spec))
+                               chunked_prefill_size=16, speculative_draft_model_path=draft, **spec))
 
 
-def _single(engine: Engine, prompts: list[list[int]]) -> tuple[list[list[int]], list[tuple[int, int]]]:
-    """Each prompt's greedy tokens and (draft, accepted) counts, batched on one engine."""
+def _single(engine: Engine, prompts: list[list[int]], params: SamplingParams = GREEDY
+            ) -> tuple[list[list[int]], list[tuple[int, int]]]:
+    """Each prompt's tokens and (draft, accepted) counts under ``params``, batched on one engine."""
     for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), prompt, GREEDY)
+        engine.add_request(str(i), prompt, params)
     tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
     counts: dict[str, tuple[int, int]] = {}
     while engine.has_work():
@@ -66,27 +73,80 @@ def reference(tiny_llama: Path, tmp_path_factory) -> tuple[Path, list[list[int]]
     return model, prompts, plain, counts
 
 
+@pytest.fixture(scope="module")
+def drafts(reference, tmp_path_factory) -> dict[str, tuple[Path, list[tuple[int, int]], tuple[list[int], tuple]]]:
+    """Per draft layout, a STANDALONE draft model of the reference model (its weights plus noise:
+    it agrees with the target part of the time; for the sidecar its KV heads widened, rows of
+    another shape), a single engine's greedy (draft, accepted) counts of the prompts and its seeded
+    sampled tokens and counts of the first prompt."""
+    model, prompts, plain, _ = reference
+    root = tmp_path_factory.mktemp("drafts")
+    made = {"packed": make_noisy_draft(model, root / "noisy", 0.03),
+            "sidecar": widen_kv_heads(make_noisy_draft(model, root / "wide", 0.03))}
+    out = {}
+    for layout, draft in made.items():
+        outputs, counts = _single(_engine(model, ngram=False, draft=draft), prompts)
+        assert outputs == plain
+        assert 0 < sum(a for _, a in counts) < sum(d for d, _ in counts), counts  # accepted and rejected
+        sampled, sampled_counts = _single(_engine(model, ngram=False, draft=draft), prompts[:1], SAMPLED)
+        out[layout] = (draft, counts, (sampled[0], sampled_counts[0]))
+    return out
+
+
 @pytest.fixture(scope="module", params=list(LAYOUTS))
-def server(request, reference, tmp_path_factory) -> Iterator[TPServer]:
-    tp, flags = LAYOUTS[request.param]
+def server(request, reference, drafts, tmp_path_factory) -> Iterator[TPServer]:
+    tp, flags, source = LAYOUTS[request.param]
+    spec = ("--speculative-algorithm", "NGRAM") if source == NGRAM else \
+        ("--speculative-draft-model-path", str(drafts[source][0]), "--speculative-draft-layout", source)
     log = tmp_path_factory.mktemp(request.param) / "serve.log"
-    node = start_server(reference[0], tp, log, *NGRAM, *flags).wait_healthy()
+    node = start_server(reference[0], tp, log, *spec, *flags).wait_healthy()
+    node.source = source
     yield node
     node.stop()
 
 
-def _complete(node: TPServer, model: Path, prompt: list[int]) -> tuple[str, tuple[int, int]]:
-    reply = node.client().completions.create(model=model.name, prompt=prompt, max_tokens=NEW_TOKENS,
-                                             temperature=0, extra_body={"ignore_eos": True})
+def _complete(node: TPServer, model: Path, prompt: list[int], params: SamplingParams = GREEDY
+              ) -> tuple[str, tuple[int, int], int]:
+    """The answer's text, its (draft, accepted) counts and its cached prompt tokens."""
+    reply = node.client().completions.create(model=model.name, prompt=prompt, max_tokens=params.max_tokens,
+                                             temperature=params.temperature, seed=params.seed,
+                                             extra_body={"ignore_eos": True})
     spec = (reply.usage.model_extra or {}).get("speculative") or {"draft_tokens": 0, "accepted_tokens": 0}
-    return reply.choices[0].text, (spec["draft_tokens"], spec["accepted_tokens"])
+    details = reply.usage.prompt_tokens_details
+    cached = details.cached_tokens if details is not None and details.cached_tokens else 0
+    return reply.choices[0].text, (spec["draft_tokens"], spec["accepted_tokens"]), cached
 
 
-def test_ngram_at_every_layout_equals_a_single_engine(reference, server: TPServer) -> None:
-    """The batch, sent at once: every answer is no speculation's (and ``transformers``'), every
-    request's draft and accepted counts the single engine's."""
-    model, prompts, plain, counts = reference
+def _batch(node: TPServer, model: Path, prompts: list[list[int]]) -> list[tuple[str, tuple[int, int], int]]:
     with ThreadPoolExecutor(len(prompts)) as pool:
-        answers = list(pool.map(lambda p: _complete(server, model, p), prompts))
-    assert token_ids(model, [text for text, _ in answers]) == plain, server.log.read_text()[-3000:]
-    assert [c for _, c in answers] == counts
+        return list(pool.map(lambda p: _complete(node, model, p), prompts))
+
+
+def test_speculation_at_every_layout_equals_a_single_engine(reference, drafts, server: TPServer) -> None:
+    """The batch, sent at once: every answer is no speculation's (and ``transformers``'), every
+    request's draft and accepted counts the single engine's (NGRAM's, or STANDALONE's with the
+    same draft model). STANDALONE also: ``_cached_and_sampled``."""
+    model, prompts, plain, counts = reference
+    if server.source != NGRAM:
+        counts = drafts[server.source][1]
+    answers = _batch(server, model, prompts)
+    assert token_ids(model, [text for text, _, _ in answers]) == plain, server.log.read_text()[-3000:]
+    assert [c for _, c, _ in answers] == counts
+    if server.source != NGRAM:
+        _cached_and_sampled(server, reference, drafts[server.source])
+
+
+def _cached_and_sampled(server: TPServer, reference, draft) -> None:
+    """The batch again, its prompts now cached (L1) with their draft rows in each rank's head share,
+    gives the single uncached engine's counts (a draft reading wrong rows would agree less or more);
+    a seeded sampled request draws the single engine's tokens with its counts (every rank fed the
+    sampling rank's draft draws)."""
+    model, prompts, plain, _ = reference
+    _, counts, (sampled, sampled_counts) = draft
+    again = _batch(server, model, prompts)
+    assert all(cached > 0 for _, _, cached in again), again
+    assert token_ids(model, [text for text, _, _ in again]) == plain
+    assert [c for _, c, _ in again] == counts
+    text, got, _ = _complete(server, model, prompts[0], SAMPLED)
+    assert token_ids(model, [text])[0] == [t for t in sampled if t >= 2]  # BOS and EOS do not come back as text
+    assert got == sampled_counts

@@ -11,11 +11,13 @@ import torch
 
 from tierserve.cache.device_pool import DeviceKVPool, KVGeometry
 from tierserve.cache.options import DraftLayout
+from tierserve.cache.sharded.shards import HeadRange
 from tierserve.core.model_config import ModelConfig
 from tierserve.engine.config import EngineConfig, SpeculativeAlgorithm
 from tierserve.model.attention import KVStore, LayerHooks
 from tierserve.model.eagle import feature_layers, layout_problem
 from tierserve.model.identity import model_identity
+from tierserve.model.parallel import SINGLE, TensorParallel, TensorParallelError, check_model
 
 
 class DraftMismatchError(ValueError):
@@ -37,11 +39,23 @@ def check_draft(target_dir: Path, draft_dir: Path, max_model_len: int | None = N
     return draft
 
 
-def draft_geometry(draft: ModelConfig, target: KVGeometry, eagle: bool = False) -> KVGeometry:
-    """The draft's KV shape: its layers and heads, the target's page size and dtype; an EAGLE
-    head's layers come after its feature plane's (``engine/spec/eagle.py``)."""
+def draft_geometry(draft: ModelConfig, target: KVGeometry, eagle: bool = False,
+                   tp: TensorParallel = SINGLE) -> KVGeometry:
+    """The draft's KV shape on tensor rank ``tp``: its layers and its share of the KV heads (split as
+    the target's are, docs/tp.md), the target's page size and dtype; an EAGLE head's layers come
+    after its feature plane's (``engine/spec/eagle.py``)."""
     plane = feature_layers(draft.hidden_size, draft.num_kv_heads, draft.head_dim) if eagle else 0
-    return KVGeometry(plane + draft.num_layers, draft.num_kv_heads, draft.head_dim, target.page_size, target.dtype)
+    heads = tp.heads(draft.num_heads, draft.num_kv_heads).kv_heads
+    return KVGeometry(plane + draft.num_layers, heads, draft.head_dim, target.page_size, target.dtype)
+
+
+def check_draft_split(draft: ModelConfig, tp_size: int) -> None:
+    """The draft is split over the target's tensor ranks like the target (its heads and MLP rows):
+    ``DraftMismatchError`` when ``tp_size`` cannot split it."""
+    try:
+        check_model(draft, tp_size)
+    except TensorParallelError as exc:
+        raise DraftMismatchError(f"the draft model cannot be split like the target: {exc}") from None
 
 
 def check_eagle(target_dir: Path, draft_dir: Path, draft: ModelConfig) -> None:
@@ -79,6 +93,7 @@ def draft_problem(config: EngineConfig) -> str | None:
         return None
     try:
         draft = check_draft(config.model_dir, path, config.max_model_len)
+        check_draft_split(draft, config.tp_size)
         if config.spec_algorithm is SpeculativeAlgorithm.EAGLE:
             check_eagle(config.model_dir, path, draft)
         target = ModelConfig.from_dir(config.model_dir)
@@ -89,28 +104,49 @@ def draft_problem(config: EngineConfig) -> str | None:
     return None
 
 
+def pd_draft_problem(config: EngineConfig) -> str | None:
+    """Why a prefill or decode node of ``config`` cannot run its draft model, or None: the draft's
+    KV is handed over between nodes of one rank each only (docs/speculative.md, layouts)."""
+    if config.speculative_draft_model_path is None or config.num_ranks == 1:
+        return None
+    return (f"--speculative-algorithm {config.spec_algorithm.value} on a prefill or decode node of several "
+            "ranks is not supported yet (the draft's KV is handed over between single-rank nodes only): use "
+            "--speculative-algorithm NGRAM there, or tierserve serve (docs/speculative.md, layouts)")
+
+
 @dataclass(frozen=True)
 class DraftPlan:
     """The draft's KV ``geometry`` and resolved ``layout``; ``identity`` names both in the cache
-    namespace (the draft's weights, and the layout: packed and sidecar store other bytes)."""
+    namespace (the draft's weights, and the layout: packed and sidecar store other bytes);
+    ``heads``: this tensor rank's KV heads of the draft (the sidecar's L3 objects name them)."""
 
     layout: DraftLayout
     geometry: KVGeometry
     identity: str
+    heads: HeadRange
 
     @classmethod
-    def of(cls, config: EngineConfig, target: KVGeometry, max_model_len: int) -> DraftPlan | None:
-        """The plan for ``config`` (None without a draft); raises ``DraftMismatchError``."""
+    def of(cls, config: EngineConfig, target: KVGeometry, max_model_len: int, target_kv_heads: int | None = None,
+           tp: TensorParallel = SINGLE) -> DraftPlan | None:
+        """The plan for ``config`` (None without a draft) on tensor rank ``tp``, whose ``target``
+        geometry holds its share of the target's ``target_kv_heads`` (default: all of them); the
+        layout is decided on the whole models' KV rows, so every rank decides alike. Raises
+        ``DraftMismatchError``."""
         path = config.speculative_draft_model_path
         if path is None:
             return None
         draft, eagle = check_draft(config.model_dir, path, max_model_len), config.spec_algorithm
+        check_draft_split(draft, tp.size)
         if eagle is SpeculativeAlgorithm.EAGLE:
             check_eagle(config.model_dir, path, draft)
-        geometry = draft_geometry(draft, target, eagle is SpeculativeAlgorithm.EAGLE)
-        layout = resolve_layout(config.speculative_draft_layout, target, geometry)
+        whole = dataclasses.replace(target, num_kv_heads=target_kv_heads or target.num_kv_heads)
+        layout = resolve_layout(config.speculative_draft_layout, whole,
+                                draft_geometry(draft, target, eagle is SpeculativeAlgorithm.EAGLE))
+        geometry = draft_geometry(draft, target, eagle is SpeculativeAlgorithm.EAGLE, tp)
         kind = "/eagle" if eagle is SpeculativeAlgorithm.EAGLE else ""  # the same folder read another way
-        return cls(layout, geometry, f"{model_identity(Path(path))}/{layout.value}{kind}")
+        mine = tp.heads(draft.num_heads, draft.num_kv_heads)
+        return cls(layout, geometry, f"{model_identity(Path(path))}/{layout.value}{kind}",
+                   HeadRange(mine.kv_start, mine.kv_heads, draft.num_kv_heads))
 
     def pool_geometry(self, target: KVGeometry) -> KVGeometry:
         """The engine pool's: packed, the target's layers then the draft's."""

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from tierserve.engine.procs.token_share import SoleSampler, TokenShare
 from tierserve.engine.request import Request
 from tierserve.engine.scheduler import Scheduled
 from tierserve.engine.spec.draft_pools import DraftKV
@@ -18,6 +19,7 @@ from tierserve.engine.spec.drafts import Drafted, SpecCounters, chain
 from tierserve.engine.spec.spans import Span, forward
 from tierserve.model.attention import LayerHooks
 from tierserve.model.loader import load_model
+from tierserve.model.parallel import SINGLE, TensorParallel
 
 
 class ModelDrafter:
@@ -25,18 +27,27 @@ class ModelDrafter:
     draft's rows. Every step the draft computes what the target computes (prefill chunks after the
     target's pass, so a handoff gets the draft's layers after the target's), and a speculating
     request's pending token before its chain; a prefix restored from the cache brings its draft
-    rows with it. ``counters``: the decoder's ``SpecCounters`` (prompt catch-up tokens)."""
+    rows with it. ``counters``: the decoder's ``SpecCounters`` (prompt catch-up tokens).
+
+    Several tensor ranks (docs/speculative.md, layouts): the draft is split over ``tp`` like the
+    target (its heads and MLP rows; its all-reduces ride the same group), its KV holds this rank's
+    heads, every rank runs every pass in lock-step, and ``tokens`` (the runner's) makes every rank
+    take the sampling rank's draw at each step of the chain."""
 
     def __init__(self, draft_dir: Path, draft_kv: DraftKV, device: torch.device, dtype: torch.dtype,
-                 counters: SpecCounters) -> None:
-        self.draft, self.draft_kv, self.counters = load_model(draft_dir, device, dtype), draft_kv, counters
+                 counters: SpecCounters, tp: TensorParallel = SINGLE, tokens: TokenShare | None = None) -> None:
+        self.draft, self.draft_kv, self.counters = load_model(draft_dir, device, dtype, tp), draft_kv, counters
+        self.tokens = tokens or SoleSampler()
 
     def propose(self, batch: list[Scheduled], hooks: LayerHooks | None) -> dict[str, Drafted]:
         """The draft's chain: per speculating request, its draft tokens and their q rows."""
         spec = [s for s in batch if s.draft_tokens > 0]
         live = [(s, h[-1:]) for s, h in zip(spec, self._forward_sync(spec, hooks), strict=True)]
         return chain(live, lambda spans, _: forward(self.draft, self.draft_kv.kv, spans), self.draft.logits,
-                     self._chain_span)
+                     self._chain_span, self._agree)
+
+    def _agree(self, live: list[Scheduled], tokens: list[int]) -> list[int]:
+        return self.tokens.share(live, len(tokens), lambda: tokens)
 
     def target_pass(self, spans: list[Span], hidden: list[torch.Tensor], hooks: LayerHooks | None) -> None:
         """Nothing: the draft reads no target hidden states."""
