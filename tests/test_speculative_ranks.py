@@ -28,7 +28,8 @@ NGRAM = "ngram"
 # name: (tp size, more flags, draft source: NGRAM or a draft layout of ``drafts``), one server each
 LAYOUTS = {"pp2": (1, ("--pp-size", "2"), NGRAM), "cp2": (1, ("--cp-size", "2"), NGRAM),
            "tp2-cp2": (2, ("--cp-size", "2"), NGRAM), "tp2-standalone-packed": (2, (), "packed"),
-           "tp2-standalone-sidecar": (2, (), "sidecar")}
+           "tp2-standalone-sidecar": (2, (), "sidecar"), "pp2-standalone-packed": (1, ("--pp-size", "2"), "packed"),
+           "pp2-standalone-sidecar": (1, ("--pp-size", "2"), "sidecar")}
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
 SAMPLED = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.8, seed=7, ignore_eos=True)
 

@@ -134,14 +134,15 @@ class EngineConfig:
 
     def _spec_layout_problem(self, algorithm: SpeculativeAlgorithm) -> str | None:
         """Why ``algorithm`` cannot run at this rank layout, or None (docs/speculative.md, layouts):
-        NGRAM runs at any; STANDALONE's draft model splits over tensor ranks only; EAGLE on one rank."""
+        NGRAM runs at any; STANDALONE's draft model splits over tensor ranks and runs on the last
+        pipeline stage, not over CP ranks; EAGLE on one rank."""
         if algorithm is SpeculativeAlgorithm.NGRAM or self.num_ranks == 1:
             return None
-        if algorithm is SpeculativeAlgorithm.STANDALONE and self.pp_size == 1 and self.cp_size == 1:
+        if algorithm is SpeculativeAlgorithm.STANDALONE and self.cp_size == 1:
             return None
-        what = "--pp-size or --cp-size" if algorithm is SpeculativeAlgorithm.STANDALONE else \
-            "--tp-size, --pp-size or --cp-size"
-        runs = "at --tp-size only" if algorithm is SpeculativeAlgorithm.STANDALONE else "on a single rank"
+        what = "--cp-size" if algorithm is SpeculativeAlgorithm.STANDALONE else "--tp-size, --pp-size or --cp-size"
+        runs = "at --tp-size and --pp-size only" if algorithm is SpeculativeAlgorithm.STANDALONE else \
+            "on a single rank"
         return (f"--speculative-algorithm {algorithm.value} with {what} above 1 is not supported yet (its draft "
                 f"runs {runs}): use --speculative-algorithm NGRAM there (docs/speculative.md, layouts)")
 

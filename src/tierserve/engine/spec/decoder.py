@@ -21,7 +21,7 @@ from tierserve.engine.spec.eagle import EagleDrafter
 from tierserve.engine.spec.ngram import NgramDrafter
 from tierserve.engine.spec.sampling import verify
 from tierserve.engine.spec.spans import Span, forward
-from tierserve.engine.spec.standalone import ModelDrafter
+from tierserve.engine.spec.standalone import DraftRelay, ModelDrafter
 from tierserve.model.llama import CausalLM
 from tierserve.model.logprobs import token_logprobs
 from tierserve.model.parallel import SINGLE, TensorParallel
@@ -55,7 +55,9 @@ class SpecDecoder:
         algorithm, counters, device = config.spec_algorithm, SpecCounters(), pool.buffer.device
         if algorithm is SpeculativeAlgorithm.NGRAM:
             drafter: Drafter = NgramDrafter(config.ngram_sizes, target.config.vocab_size, device)
-        elif algorithm is SpeculativeAlgorithm.STANDALONE and draft_kv is not None:
+        elif algorithm is SpeculativeAlgorithm.STANDALONE and draft_kv is None:  # a stage without the draft
+            drafter = DraftRelay(counters, runner.tokens)
+        elif algorithm is SpeculativeAlgorithm.STANDALONE:
             path = config.speculative_draft_model_path
             drafter = ModelDrafter(path, draft_kv, device, pool.geometry.dtype, counters, tp, runner.tokens)
         elif algorithm is SpeculativeAlgorithm.EAGLE and draft_kv is not None:

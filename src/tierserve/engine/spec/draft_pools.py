@@ -118,16 +118,19 @@ def pd_draft_problem(config: EngineConfig) -> str | None:
 class DraftPlan:
     """The draft's KV ``geometry`` and resolved ``layout``; ``identity`` names both in the cache
     namespace (the draft's weights, and the layout: packed and sidecar store other bytes);
-    ``heads``: this tensor rank's KV heads of the draft (the sidecar's L3 objects name them)."""
+    ``heads``: this tensor rank's KV heads of the draft (the sidecar's L3 objects name them);
+    ``here``: whether this rank runs the draft and holds its KV (pipeline stages: the last only,
+    docs/speculative.md, layouts). Every rank has the plan, so every rank keeps the same books."""
 
     layout: DraftLayout
     geometry: KVGeometry
     identity: str
     heads: HeadRange
+    here: bool = True
 
     @classmethod
     def of(cls, config: EngineConfig, target: KVGeometry, max_model_len: int, target_kv_heads: int | None = None,
-           tp: TensorParallel = SINGLE) -> DraftPlan | None:
+           tp: TensorParallel = SINGLE, here: bool = True) -> DraftPlan | None:
         """The plan for ``config`` (None without a draft) on tensor rank ``tp``, whose ``target``
         geometry holds its share of the target's ``target_kv_heads`` (default: all of them); the
         layout is decided on the whole models' KV rows, so every rank decides alike. Raises
@@ -146,19 +149,34 @@ class DraftPlan:
         kind = "/eagle" if eagle is SpeculativeAlgorithm.EAGLE else ""  # the same folder read another way
         mine = tp.heads(draft.num_heads, draft.num_kv_heads)
         return cls(layout, geometry, f"{model_identity(Path(path))}/{layout.value}{kind}",
-                   HeadRange(mine.kv_start, mine.kv_heads, draft.num_kv_heads))
+                   HeadRange(mine.kv_start, mine.kv_heads, draft.num_kv_heads), here)
+
+    @property
+    def packed_layers(self) -> int:
+        """Layers the draft adds to every page of the target's pools (packed; 0: sidecar), on the
+        ranks that hold it."""
+        return self.geometry.num_layers if self.layout is DraftLayout.PACKED else 0
+
+    @property
+    def bytes_per_token(self) -> int:
+        """This rank's draft KV bytes per token (0 where it holds none)."""
+        return self.geometry.bytes_per_token if self.here else 0
 
     def pool_geometry(self, target: KVGeometry) -> KVGeometry:
-        """The engine pool's: packed, the target's layers then the draft's."""
-        if self.layout is not DraftLayout.PACKED:
+        """The engine pool's: packed (where the draft is), the target's layers then the draft's."""
+        if not self.here or not self.packed_layers:
             return target
-        return dataclasses.replace(target, num_layers=target.num_layers + self.geometry.num_layers)
+        return dataclasses.replace(target, num_layers=target.num_layers + self.packed_layers)
 
     def sidecar_pool(self, num_pages: int, device: torch.device) -> DeviceKVPool | None:
-        """The sidecar's device pool, with the target pool's page ids; None when packed."""
-        return DeviceKVPool(self.geometry, num_pages, device) if self.layout is DraftLayout.SIDECAR else None
+        """The sidecar's device pool, with the target pool's page ids; None when packed or elsewhere."""
+        sidecar = self.layout is DraftLayout.SIDECAR and self.here
+        return DeviceKVPool(self.geometry, num_pages, device) if sidecar else None
 
-    def store(self, pool: DeviceKVPool, sidecar: DeviceKVPool | None, target_layers: int) -> DraftKV:
+    def store(self, pool: DeviceKVPool, sidecar: DeviceKVPool | None, target_layers: int) -> DraftKV | None:
+        """Where the draft's KV is (None on a rank without the draft)."""
+        if not self.here:
+            return None
         kv = sidecar if sidecar is not None else OffsetKV(pool, target_layers)
         return DraftKV(kv, target_layers)
 
