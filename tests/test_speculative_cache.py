@@ -16,7 +16,7 @@ from helpers.tiny_models import make_eagle_target, make_mimic_eagle, make_noisy_
 from tierserve.cache import hicache as hicache_module
 from tierserve.cache.base import PrefixHit
 from tierserve.cache.device_pool import KVGeometry
-from tierserve.cache.draft_kv import SidecarIO, draft_key
+from tierserve.cache.draft_kv import DraftShard, SidecarIO, draft_key
 from tierserve.cache.hashing import Namespace
 from tierserve.cache.host_pool import HostKVPool, host_page_bytes
 from tierserve.cache.loads import HostLoadError
@@ -311,7 +311,7 @@ def test_sidecar_draft_objects_of_tp_ranks_are_named_by_their_heads(tmp_path: Pa
         target = HostKVPool(KVGeometry(2, 1, 16, 4, torch.float32), 2, HostLayout.PAGE_FIRST)
         draft = HostKVPool(KVGeometry(2, 2, 16, 4, torch.float32), 2, HostLayout.PAGE_FIRST)
         shard = KVShard(HeadRange(rank, 1, 2), rank=rank, ranks=2)
-        io = SidecarIO(ShardIO(target, page_io(target), shard), draft, storage, HeadRange(2 * rank, 2, 4))
+        io = SidecarIO(ShardIO(target, page_io(target), shard), draft, storage, DraftShard(HeadRange(2 * rank, 2, 4)))
         draft.buffer.view(2, -1)[0] = rank + 1.0
         assert io.set_from(storage, [b"page"], [0]) == [True]
         ranks.append((io, draft))

@@ -1,23 +1,32 @@
 """Speculation at several ranks (docs/speculative.md, layouts): ``tierserve serve`` (real rank processes
-over gloo) with NGRAM at PP 2, CP 2 and TP 2 x CP 2, and with a STANDALONE draft model at TP 2 (its KV
-packed into the target's pools, or in a sidecar pool), answers a concurrent batch through the OpenAI
-API with the greedy tokens of no speculation and of ``transformers``, and with a single engine's
-accepted-draft counts per request (drafts accepted and some rejected). STANDALONE also: the batch
-again, its prefixes now cached with their draft rows, gives the same counts; a seeded sampled request
-draws the single engine's tokens. NGRAM at TP 2 alone is the decode node of
-``tests/test_speculative_pd.py``'s ``tierserve up`` test (one cluster fewer)."""
+over gloo) with NGRAM at PP 2, CP 2 and TP 2 x CP 2, with a STANDALONE draft model at TP 2 and PP 2 (its
+KV packed into the target's pools, or in a sidecar pool), and with an EAGLE head at TP 2, answers a
+concurrent batch through the OpenAI API with the greedy tokens of no speculation and of
+``transformers``, and with a single engine's accepted-draft counts per request (drafts accepted and
+some rejected). With a draft model also: the batch again, its prefixes now cached with their draft
+rows, gives the same counts; a seeded sampled request draws the single engine's tokens. NGRAM at TP 2
+alone is the decode node of ``tests/test_speculative_pd.py``'s ``tierserve up`` test (one cluster fewer)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from helpers.engine_runs import spread_prompts
 from helpers.rank_servers import NEW_TOKENS, TPServer, hf_greedy, start_server, token_ids
-from helpers.tiny_models import add_word_tokenizer, make_looping_model, make_noisy_draft, widen_kv_heads
+from helpers.tiny_models import (
+    add_word_tokenizer,
+    make_eagle_target,
+    make_looping_model,
+    make_mimic_eagle,
+    make_noisy_draft,
+    widen_kv_heads,
+)
 
+from tierserve.cache.options import DraftLayout
 from tierserve.core.sampling import SamplingParams
 from tierserve.engine.config import EngineConfig, SpeculativeAlgorithm
 from tierserve.engine.engine import Engine
@@ -25,20 +34,20 @@ from tierserve.engine.engine import Engine
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 NGRAM = "ngram"
-# name: (tp size, more flags, draft source: NGRAM or a draft layout of ``drafts``), one server each
+# name: (tp size, more flags, draft source: a key of ``cases``), one server each
 LAYOUTS = {"pp2": (1, ("--pp-size", "2"), NGRAM), "cp2": (1, ("--cp-size", "2"), NGRAM),
            "tp2-cp2": (2, ("--cp-size", "2"), NGRAM), "tp2-standalone-packed": (2, (), "packed"),
            "tp2-standalone-sidecar": (2, (), "sidecar"), "pp2-standalone-packed": (1, ("--pp-size", "2"), "packed"),
-           "pp2-standalone-sidecar": (1, ("--pp-size", "2"), "sidecar")}
+           "pp2-standalone-sidecar": (1, ("--pp-size", "2"), "sidecar"), "tp2-eagle": (2, (), "eagle")}
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
 SAMPLED = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.8, seed=7, ignore_eos=True)
 
 
-def _engine(model: Path, ngram: bool, draft: Path | None = None) -> Engine:
+def _engine(model: Path, ngram: bool) -> Engine:
     """A single engine with the servers' settings (``start_server``)."""
     spec = {"speculative_algorithm": SpeculativeAlgorithm.NGRAM} if ngram else {}
     return Engine(EngineConfig(model, dtype="float32", page_size=4, max_total_tokens=2048,
-                               chunked_prefill_size=16, speculative_draft_model_path=draft, **spec))
+                               chunked_prefill_size=16, **spec))
 
 
 def _single(engine: Engine, prompts: list[list[int]], params: SamplingParams = GREEDY
@@ -74,35 +83,65 @@ def reference(tiny_llama: Path, tmp_path_factory) -> tuple[Path, list[list[int]]
     return model, prompts, plain, counts
 
 
+@dataclass(frozen=True)
+class Case:
+    """A draft source's serving flags and what a single engine answers with it: the prompts' greedy
+    tokens (no speculation's) and (draft, accepted) counts; with a draft model, the first prompt's
+    seeded sampled tokens and counts too."""
+
+    model: Path
+    flags: tuple[str, ...]
+    prompts: list[list[int]]
+    plain: list[list[int]]
+    counts: list[tuple[int, int]]
+    sampled: tuple[list[int], tuple[int, int]] | None = None
+
+
+def _draft_case(model: Path, draft: Path, prompts: list[list[int]], plain: list[list[int]],
+                **spec) -> Case:
+    """A draft model's case (``spec``: more ``EngineConfig`` fields, e.g. the algorithm)."""
+    def engine() -> Engine:
+        return Engine(EngineConfig(model, dtype="float32", page_size=4, max_total_tokens=2048, chunked_prefill_size=16,
+                                   speculative_draft_model_path=draft, **spec))
+
+    outputs, counts = _single(engine(), prompts)
+    assert outputs == plain
+    assert 0 < sum(a for _, a in counts) < sum(d for d, _ in counts), counts  # accepted and rejected
+    sampled, sampled_counts = _single(engine(), prompts[:1], SAMPLED)
+    algorithm = spec.get("speculative_algorithm", SpeculativeAlgorithm.STANDALONE).value
+    layout = spec.get("speculative_draft_layout")
+    flags = ("--speculative-algorithm", algorithm, "--speculative-draft-model-path", str(draft),
+             *(("--speculative-draft-layout", layout.value) if layout else ()))
+    return Case(model, flags, prompts, plain, counts, (sampled[0], sampled_counts[0]))
+
+
 @pytest.fixture(scope="module")
-def drafts(reference, tmp_path_factory) -> dict[str, tuple[Path, list[tuple[int, int]], tuple[list[int], tuple]]]:
-    """Per draft layout, a STANDALONE draft model of the reference model (its weights plus noise:
-    it agrees with the target part of the time; for the sidecar its KV heads widened, rows of
-    another shape), a single engine's greedy (draft, accepted) counts of the prompts and its seeded
-    sampled tokens and counts of the first prompt."""
-    model, prompts, plain, _ = reference
+def cases(reference, tmp_path_factory) -> dict[str, Case]:
+    """Per draft source: NGRAM's; STANDALONE's packed and sidecar, with a draft model of the
+    reference model (its weights plus noise: it agrees with the target part of the time; for the
+    sidecar its KV heads widened, rows of another shape); EAGLE's, a head that recomputes a
+    one-layer target's layer with a tenth of the feature mixed in (its own target and answers)."""
+    model, prompts, plain, counts = reference
     root = tmp_path_factory.mktemp("drafts")
-    made = {"packed": make_noisy_draft(model, root / "noisy", 0.03),
-            "sidecar": widen_kv_heads(make_noisy_draft(model, root / "wide", 0.03))}
-    out = {}
-    for layout, draft in made.items():
-        outputs, counts = _single(_engine(model, ngram=False, draft=draft), prompts)
-        assert outputs == plain
-        assert 0 < sum(a for _, a in counts) < sum(d for d, _ in counts), counts  # accepted and rejected
-        sampled, sampled_counts = _single(_engine(model, ngram=False, draft=draft), prompts[:1], SAMPLED)
-        out[layout] = (draft, counts, (sampled[0], sampled_counts[0]))
+    out = {NGRAM: Case(model, ("--speculative-algorithm", "NGRAM"), prompts, plain, counts)}
+    for layout, draft in (("packed", make_noisy_draft(model, root / "noisy", 0.03)),
+                          ("sidecar", widen_kv_heads(make_noisy_draft(model, root / "wide", 0.03)))):
+        out[layout] = _draft_case(model, draft, prompts, plain, speculative_draft_layout=DraftLayout(layout))
+    target = add_word_tokenizer(make_eagle_target(root / "eagle-target"))
+    head = make_mimic_eagle(target, root / "eagle-head", 0.1)
+    answers = _single(_engine(target, ngram=False), prompts)[0]
+    assert answers == hf_greedy(target, prompts)
+    out["eagle"] = _draft_case(target, head, prompts, answers, speculative_algorithm=SpeculativeAlgorithm.EAGLE)
     return out
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
-def server(request, reference, drafts, tmp_path_factory) -> Iterator[TPServer]:
+def server(request, cases, tmp_path_factory) -> Iterator[tuple[TPServer, Case]]:
     tp, flags, source = LAYOUTS[request.param]
-    spec = ("--speculative-algorithm", "NGRAM") if source == NGRAM else \
-        ("--speculative-draft-model-path", str(drafts[source][0]), "--speculative-draft-layout", source)
+    case = cases[source]
     log = tmp_path_factory.mktemp(request.param) / "serve.log"
-    node = start_server(reference[0], tp, log, *spec, *flags).wait_healthy()
-    node.source = source
-    yield node
+    node = start_server(case.model, tp, log, *case.flags, *flags).wait_healthy()
+    yield node, case
     node.stop()
 
 
@@ -123,31 +162,28 @@ def _batch(node: TPServer, model: Path, prompts: list[list[int]]) -> list[tuple[
         return list(pool.map(lambda p: _complete(node, model, p), prompts))
 
 
-def test_speculation_at_every_layout_equals_a_single_engine(reference, drafts, server: TPServer) -> None:
+def test_speculation_at_every_layout_equals_a_single_engine(server: tuple[TPServer, Case]) -> None:
     """The batch, sent at once: every answer is no speculation's (and ``transformers``'), every
-    request's draft and accepted counts the single engine's (NGRAM's, or STANDALONE's with the
-    same draft model). STANDALONE also: ``_cached_and_sampled``."""
-    model, prompts, plain, counts = reference
-    if server.source != NGRAM:
-        counts = drafts[server.source][1]
-    answers = _batch(server, model, prompts)
-    assert token_ids(model, [text for text, _, _ in answers]) == plain, server.log.read_text()[-3000:]
-    assert [c for _, c, _ in answers] == counts
-    if server.source != NGRAM:
-        _cached_and_sampled(server, reference, drafts[server.source])
+    request's draft and accepted counts the single engine's with the same draft source. With a
+    draft model also: ``_cached_and_sampled``."""
+    node, case = server
+    answers = _batch(node, case.model, case.prompts)
+    assert token_ids(case.model, [text for text, _, _ in answers]) == case.plain, node.log.read_text()[-3000:]
+    assert [c for _, c, _ in answers] == case.counts
+    if case.sampled is not None:
+        _cached_and_sampled(node, case)
 
 
-def _cached_and_sampled(server: TPServer, reference, draft) -> None:
-    """The batch again, its prompts now cached (L1) with their draft rows in each rank's head share,
-    gives the single uncached engine's counts (a draft reading wrong rows would agree less or more);
-    a seeded sampled request draws the single engine's tokens with its counts (every rank fed the
-    sampling rank's draft draws)."""
-    model, prompts, plain, _ = reference
-    _, counts, (sampled, sampled_counts) = draft
-    again = _batch(server, model, prompts)
+def _cached_and_sampled(node: TPServer, case: Case) -> None:
+    """The batch again, its prompts now cached (L1) with their draft rows (each rank's head share, or
+    the last stage's) gives the single uncached engine's counts (a draft reading wrong rows would
+    agree less or more); a seeded sampled request draws the single engine's tokens with its counts
+    (every rank fed the sampling rank's draft draws)."""
+    again = _batch(node, case.model, case.prompts)
     assert all(cached > 0 for _, _, cached in again), again
-    assert token_ids(model, [text for text, _, _ in again]) == plain
-    assert [c for _, c, _ in again] == counts
-    text, got, _ = _complete(server, model, prompts[0], SAMPLED)
-    assert token_ids(model, [text])[0] == [t for t in sampled if t >= 2]  # BOS and EOS do not come back as text
-    assert got == sampled_counts
+    assert token_ids(case.model, [text for text, _, _ in again]) == case.plain
+    assert [c for _, c, _ in again] == case.counts
+    text, got, _ = _complete(node, case.model, case.prompts[0], SAMPLED)
+    sampled, counts = case.sampled
+    assert token_ids(case.model, [text])[0] == [t for t in sampled if t >= 2]  # BOS and EOS do not come back as text
+    assert got == counts

@@ -24,18 +24,29 @@ from tierserve.cache.storage import StorageBackend
 
 
 @dataclass(frozen=True)
+class DraftShard:
+    """A rank's share of the sidecar draft's rows: its KV ``heads`` (None: all of them), which its L3
+    objects are named by, and whether it ``writes`` them (not where another rank holds the same rows:
+    a replicated EAGLE head's)."""
+
+    heads: HeadRange | None = None
+    writes: bool = True
+
+
+@dataclass(frozen=True)
 class SidecarKV:
     """The draft's pools: ``device`` has the target pool's page count, ``host`` the target host
-    pool's (and its layout); ``heads``: the draft's KV heads they hold (this tensor rank's; None: all)."""
+    pool's (and its layout); ``shard``: this rank's share of the draft's rows."""
 
     device: DeviceKVPool
     host: HostKVPool
-    heads: HeadRange | None = None
+    shard: DraftShard = DraftShard()
 
     @classmethod
     def beside(cls, draft: DeviceKVPool, target_host: HostKVPool, pin_memory: bool,
-               heads: HeadRange | None = None) -> SidecarKV:
-        return cls(draft, HostKVPool(draft.geometry, target_host.num_pages, target_host.layout, pin_memory), heads)
+               shard: DraftShard | None = None) -> SidecarKV:
+        host = HostKVPool(draft.geometry, target_host.num_pages, target_host.layout, pin_memory)
+        return cls(draft, host, shard or DraftShard())
 
 
 def load_layers(target: DeviceKVPool, sidecar: SidecarKV | None) -> int:
@@ -65,17 +76,17 @@ def draft_key(page_key: bytes, heads: HeadRange | None = None) -> bytes:
 
 class SidecarIO:
     """The L3 side of a sidecar: wraps the target's ``ShardIO`` so that every page is stored, found
-    and read only together with its draft object (a page is present when both are). ``heads``: the
-    draft's KV heads ``host`` holds (None: all). A draft object is read only as this rank's heads
-    were written: another TP size's finds none, so the page is absent for it."""
+    and read only together with its draft object (a page is present when both are). ``shard``: the
+    draft's rows ``host`` holds (default: all, written here). A draft object is read only as this
+    rank's heads were written: another TP size's finds none, so the page is absent for it."""
 
-    def __init__(self, target, host: HostKVPool, storage: StorageBackend, heads: HeadRange | None = None) -> None:
-        self.target, self.draft, self.heads = target, page_io(host), heads
+    def __init__(self, target, host: HostKVPool, storage: StorageBackend, shard: DraftShard | None = None) -> None:
+        self.target, self.draft, self.shard = target, page_io(host), shard or DraftShard()
         self.own = target.own
         storage.attach_host_buffer(self.draft.buffer)
 
     def _keys(self, page_keys: list[bytes]) -> list[bytes]:
-        return [draft_key(k, self.heads) for k in page_keys]
+        return [draft_key(k, self.shard.heads) for k in page_keys]
 
     @property
     def buffer(self) -> torch.Tensor:
@@ -91,6 +102,8 @@ class SidecarIO:
 
     def set_from(self, storage: StorageBackend, page_keys: list[bytes], host_pages: list[int]) -> list[bool]:
         ok = self.target.set_from(storage, page_keys, host_pages)
+        if not self.shard.writes:  # another rank writes these rows
+            return ok
         drafts = self.draft.set_from(storage, self._keys(page_keys), host_pages)
         return [a and b for a, b in zip(ok, drafts, strict=True)]
 

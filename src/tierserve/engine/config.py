@@ -135,14 +135,16 @@ class EngineConfig:
     def _spec_layout_problem(self, algorithm: SpeculativeAlgorithm) -> str | None:
         """Why ``algorithm`` cannot run at this rank layout, or None (docs/speculative.md, layouts):
         NGRAM runs at any; STANDALONE's draft model splits over tensor ranks and runs on the last
-        pipeline stage, not over CP ranks; EAGLE on one rank."""
+        pipeline stage, not over CP ranks; an EAGLE head is replicated over tensor ranks only."""
         if algorithm is SpeculativeAlgorithm.NGRAM or self.num_ranks == 1:
             return None
         if algorithm is SpeculativeAlgorithm.STANDALONE and self.cp_size == 1:
             return None
-        what = "--cp-size" if algorithm is SpeculativeAlgorithm.STANDALONE else "--tp-size, --pp-size or --cp-size"
+        if algorithm is SpeculativeAlgorithm.EAGLE and self.cp_size == 1 and self.pp_size == 1:
+            return None
+        what = "--cp-size" if algorithm is SpeculativeAlgorithm.STANDALONE else "--pp-size or --cp-size"
         runs = "at --tp-size and --pp-size only" if algorithm is SpeculativeAlgorithm.STANDALONE else \
-            "on a single rank"
+            "at --tp-size only"
         return (f"--speculative-algorithm {algorithm.value} with {what} above 1 is not supported yet (its draft "
                 f"runs {runs}): use --speculative-algorithm NGRAM there (docs/speculative.md, layouts)")
 

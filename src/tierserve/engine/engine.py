@@ -398,7 +398,7 @@ class Engine:
     def _build_cache(self, allocator: PageAllocator, pool: DeviceKVPool) -> PrefixCache:
         return build_cache(self.config.cache_kind, allocator, pool, self.namespace.seed(), self.config.hicache,
                            self.kv_shard, self.ranks.agreement(), self.ranks.cp, self.draft_pool,
-                           self.draft.heads if self.draft else None)
+                           self.draft.shard if self.draft else None)
 
     def _num_pages(self) -> int:
         tokens = self.config.max_total_tokens

@@ -60,12 +60,11 @@ class SpecDecoder:
         elif algorithm is SpeculativeAlgorithm.STANDALONE:
             path = config.speculative_draft_model_path
             drafter = ModelDrafter(path, draft_kv, device, pool.geometry.dtype, counters, tp, runner.tokens)
-        elif algorithm is SpeculativeAlgorithm.EAGLE and draft_kv is not None:
+        elif algorithm is SpeculativeAlgorithm.EAGLE and draft_kv is not None:  # at one stage (EngineConfig)
             path = config.speculative_draft_model_path
-            drafter = EagleDrafter(path, draft_kv, target, device, pool.geometry.dtype, counters)
+            drafter = EagleDrafter(path, draft_kv, target, device, pool.geometry.dtype, counters, runner.tokens)
         else:
             return None
-        # EAGLE reads the target's hidden states from its own pass: one rank only (EngineConfig refuses more)
         on_ranks = runner if algorithm is SpeculativeAlgorithm.NGRAM or config.num_ranks > 1 else None
         return cls(target, pool, drafter, config.spec_steps, counters, on_ranks)
 
@@ -113,7 +112,12 @@ class SpecDecoder:
         def judge(request: Request, hidden: torch.Tensor, logprobs: StepLogprobs) -> list[int]:
             return self._judge(request, drafts[request.request_id], hidden, logprobs)
 
-        out = self.runner.run(batch, restores, Verify({rid: d.tokens for rid, d in drafts.items()}, judge))
+        def seen(ordered: list[Scheduled], hidden: torch.Tensor) -> None:
+            spans = [_wide_span(s, drafts.get(s.request.request_id)) for s in ordered]
+            self.drafter.target_pass(spans, list(hidden.split([len(x.ids) for x in spans])), hooks)
+
+        verify = Verify({rid: d.tokens for rid, d in drafts.items()}, judge, seen)
+        out = self.runner.run(batch, restores, verify)
         self.drafter.sync([s for s in batch if s.draft_tokens == 0], hooks)
         for s in batch:
             rid = s.request.request_id
@@ -183,6 +187,13 @@ def draft_masks(request: Request, drafts: list[int]) -> torch.Tensor | None:
             taken += 1
     grammar.rollback(taken)
     return torch.from_numpy(rows)
+
+
+def _wide_span(s: Scheduled, drafted: Drafted | None) -> Span:
+    """The span of ``ModelRunner.run``'s entry ``s`` (its tokens widened by its drafts, if any)."""
+    r, k = s.request, len(drafted.tokens) if drafted else 0
+    ids = r.tokens(r.num_computed, r.num_computed + s.num_tokens - k)
+    return Span(ids + (drafted.tokens if drafted else []), r.num_computed, r.pages)
 
 
 def _completes(s: Scheduled) -> bool:

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from tierserve.cache.device_pool import DeviceKVPool, KVGeometry
+from tierserve.cache.draft_kv import DraftShard
 from tierserve.cache.options import DraftLayout
 from tierserve.cache.sharded.shards import HeadRange
 from tierserve.core.model_config import ModelConfig
@@ -17,7 +18,7 @@ from tierserve.engine.config import EngineConfig, SpeculativeAlgorithm
 from tierserve.model.attention import KVStore, LayerHooks
 from tierserve.model.eagle import feature_layers, layout_problem
 from tierserve.model.identity import model_identity
-from tierserve.model.parallel import SINGLE, TensorParallel, TensorParallelError, check_model
+from tierserve.model.parallel import SINGLE, TensorParallel, TensorParallelError, check_model, kv_heads_of
 
 
 class DraftMismatchError(ValueError):
@@ -93,11 +94,16 @@ def draft_problem(config: EngineConfig) -> str | None:
         return None
     try:
         draft = check_draft(config.model_dir, path, config.max_model_len)
-        check_draft_split(draft, config.tp_size)
-        if config.spec_algorithm is SpeculativeAlgorithm.EAGLE:
+        eagle = config.spec_algorithm is SpeculativeAlgorithm.EAGLE
+        if eagle:
             check_eagle(config.model_dir, path, draft)
+        else:
+            check_draft_split(draft, config.tp_size)
         target = ModelConfig.from_dir(config.model_dir)
-        shape = [KVGeometry(c.num_layers, c.num_kv_heads, c.head_dim, 1, torch.float32) for c in (target, draft)]
+        # a replicated EAGLE head's rows beside one tensor rank's of the target, else the whole models'
+        target_heads = kv_heads_of(0, config.tp_size, target.num_kv_heads)[1] if eagle else target.num_kv_heads
+        shape = [KVGeometry(c.num_layers, heads, c.head_dim, 1, torch.float32)
+                 for c, heads in ((target, target_heads), (draft, draft.num_kv_heads))]
         resolve_layout(config.speculative_draft_layout, *shape)
     except DraftMismatchError as exc:
         return str(exc)
@@ -120,13 +126,16 @@ class DraftPlan:
     namespace (the draft's weights, and the layout: packed and sidecar store other bytes);
     ``heads``: this tensor rank's KV heads of the draft (the sidecar's L3 objects name them);
     ``here``: whether this rank runs the draft and holds its KV (pipeline stages: the last only,
-    docs/speculative.md, layouts). Every rank has the plan, so every rank keeps the same books."""
+    docs/speculative.md, layouts). Every rank has the plan, so every rank keeps the same books.
+    ``writes``: whether this rank writes the sidecar's L3 objects (an EAGLE head is replicated on
+    every tensor rank, so its rows are: the first writes them)."""
 
     layout: DraftLayout
     geometry: KVGeometry
     identity: str
     heads: HeadRange
     here: bool = True
+    writes: bool = True
 
     @classmethod
     def of(cls, config: EngineConfig, target: KVGeometry, max_model_len: int, target_kv_heads: int | None = None,
@@ -139,17 +148,25 @@ class DraftPlan:
         if path is None:
             return None
         draft, eagle = check_draft(config.model_dir, path, max_model_len), config.spec_algorithm
-        check_draft_split(draft, tp.size)
-        if eagle is SpeculativeAlgorithm.EAGLE:
+        eagle = eagle is SpeculativeAlgorithm.EAGLE
+        if eagle:  # replicated: every tensor rank runs the whole head (engine/spec/eagle.py)
             check_eagle(config.model_dir, path, draft)
-        whole = dataclasses.replace(target, num_kv_heads=target_kv_heads or target.num_kv_heads)
-        layout = resolve_layout(config.speculative_draft_layout, whole,
-                                draft_geometry(draft, target, eagle is SpeculativeAlgorithm.EAGLE))
-        geometry = draft_geometry(draft, target, eagle is SpeculativeAlgorithm.EAGLE, tp)
-        kind = "/eagle" if eagle is SpeculativeAlgorithm.EAGLE else ""  # the same folder read another way
-        mine = tp.heads(draft.num_heads, draft.num_kv_heads)
+            geometry = draft_geometry(draft, target, eagle)
+            layout = resolve_layout(config.speculative_draft_layout, target, geometry)
+        else:
+            check_draft_split(draft, tp.size)
+            whole = dataclasses.replace(target, num_kv_heads=target_kv_heads or target.num_kv_heads)
+            layout = resolve_layout(config.speculative_draft_layout, whole, draft_geometry(draft, target))
+            geometry = draft_geometry(draft, target, eagle, tp)
+        kind = "/eagle" if eagle else ""  # the same folder read another way
+        mine = (SINGLE if eagle else tp).heads(draft.num_heads, draft.num_kv_heads)
         return cls(layout, geometry, f"{model_identity(Path(path))}/{layout.value}{kind}",
-                   HeadRange(mine.kv_start, mine.kv_heads, draft.num_kv_heads), here)
+                   HeadRange(mine.kv_start, mine.kv_heads, draft.num_kv_heads), here, not eagle or tp.rank == 0)
+
+    @property
+    def shard(self) -> DraftShard:
+        """This rank's share of a sidecar's rows, as its L3 objects see it."""
+        return DraftShard(self.heads, self.writes)
 
     @property
     def packed_layers(self) -> int:
