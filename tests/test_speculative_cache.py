@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.tiny_models import make_eagle_target, make_mimic_eagle, make_noisy_draft, widen_kv_heads
+from helpers.tiny_models import make_eagle_target, make_mimic_eagle, make_noisy_draft, make_tiny_model, widen_kv_heads
 
 from tierserve.cache import hicache as hicache_module
 from tierserve.cache.base import PrefixHit
@@ -29,7 +29,9 @@ from tierserve.cli.main import build_parser
 from tierserve.core.sampling import SamplingParams
 from tierserve.engine.config import EngineConfig, SpeculativeAlgorithm
 from tierserve.engine.engine import Engine
-from tierserve.model.eagle import feature_layers
+from tierserve.engine.spec.draft_pools import DraftPlan
+from tierserve.model.eagle import feature_layers, write_random_eagle
+from tierserve.model.parallel import TensorParallel
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 TIERS = ("device", "host", "storage")
@@ -319,3 +321,18 @@ def test_sidecar_draft_objects_of_tp_ranks_are_named_by_their_heads(tmp_path: Pa
         assert io.get_into(storage, io.own, [b"page"], [1]) == [True]
         assert torch.all(draft.buffer.view(2, -1)[1] == rank + 1.0)
     assert draft_key(b"page", HeadRange(0, 4, 4)) == draft_key(b"page")
+
+
+@pytest.mark.parametrize(("algorithm", "writers"), [(SpeculativeAlgorithm.STANDALONE, [True, False, True, False]),
+                                                    (SpeculativeAlgorithm.EAGLE, [True, False, False, False])])
+def test_tp_ranks_holding_the_same_draft_rows_write_them_once(tmp_path: Path, algorithm, writers: list[bool]) -> None:
+    """At TP 4 a draft of 2 KV heads puts each on two ranks, of which the first writes its L3 objects,
+    as the target's replicas do; an EAGLE head is whole on every rank, rank 0 writes it."""
+    target = make_tiny_model("llama", tmp_path / "target", heads=8, kv_heads=4)
+    draft = write_random_eagle(target, tmp_path / "head") if algorithm is SpeculativeAlgorithm.EAGLE else \
+        make_tiny_model("llama", tmp_path / "draft", heads=4, kv_heads=2)
+    config = EngineConfig(target, speculative_draft_model_path=draft, speculative_algorithm=algorithm)
+    geometry = KVGeometry(2, 1, 16, 4, torch.float32)
+    plans = [DraftPlan.of(config, geometry, 512, 4, TensorParallel(rank, 4)) for rank in range(4)]
+    assert [p.writes for p in plans] == writers
+    assert all(p.layout is DraftLayout.SIDECAR for p in plans)

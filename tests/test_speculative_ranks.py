@@ -34,10 +34,12 @@ from tierserve.engine.engine import Engine
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 NGRAM = "ngram"
+# HiCache with a 48-page L1 per rank (L2: 96): the batch (about 36 pages) fits, three more prompts push it to L2
+L2 = ("--enable-hierarchical-cache", "--max-total-tokens", "192")
 # name: (tp size, more flags, draft source: a key of ``cases``), one server each
 LAYOUTS = {"pp2": (1, ("--pp-size", "2"), NGRAM), "cp2": (1, ("--cp-size", "2"), NGRAM),
            "tp2-cp2": (2, ("--cp-size", "2"), NGRAM), "tp2-standalone-packed": (2, (), "packed"),
-           "tp2-standalone-sidecar": (2, (), "sidecar"), "pp2-standalone-packed": (1, ("--pp-size", "2"), "packed"),
+           "tp2-standalone-sidecar": (2, L2, "sidecar"), "pp2-standalone-packed": (1, ("--pp-size", "2"), "packed"),
            "pp2-standalone-sidecar": (1, ("--pp-size", "2"), "sidecar"), "tp2-eagle": (2, (), "eagle")}
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
 SAMPLED = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.8, seed=7, ignore_eos=True)
@@ -136,54 +138,64 @@ def cases(reference, tmp_path_factory) -> dict[str, Case]:
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
-def server(request, cases, tmp_path_factory) -> Iterator[tuple[TPServer, Case]]:
+def server(request, cases, tmp_path_factory) -> Iterator[tuple[TPServer, Case, bool]]:
+    """The layout's node, its case and whether it has HiCache (``L2``)."""
     tp, flags, source = LAYOUTS[request.param]
     case = cases[source]
     log = tmp_path_factory.mktemp(request.param) / "serve.log"
     node = start_server(case.model, tp, log, *case.flags, *flags).wait_healthy()
-    yield node, case
+    yield node, case, flags == L2
     node.stop()
 
 
 def _complete(node: TPServer, model: Path, prompt: list[int], params: SamplingParams = GREEDY
-              ) -> tuple[str, tuple[int, int], int]:
-    """The answer's text, its (draft, accepted) counts and its cached prompt tokens."""
+              ) -> tuple[str, tuple[int, int], dict[str, int]]:
+    """The answer's text, its (draft, accepted) counts and its cached prompt tokens by tier."""
     reply = node.client().completions.create(model=model.name, prompt=prompt, max_tokens=params.max_tokens,
                                              temperature=params.temperature, seed=params.seed,
                                              extra_body={"ignore_eos": True})
-    spec = (reply.usage.model_extra or {}).get("speculative") or {"draft_tokens": 0, "accepted_tokens": 0}
-    details = reply.usage.prompt_tokens_details
-    cached = details.cached_tokens if details is not None and details.cached_tokens else 0
-    return reply.choices[0].text, (spec["draft_tokens"], spec["accepted_tokens"]), cached
+    extra = reply.usage.model_extra or {}
+    spec = extra.get("speculative") or {"draft_tokens": 0, "accepted_tokens": 0}
+    return reply.choices[0].text, (spec["draft_tokens"], spec["accepted_tokens"]), extra["cached_tokens_by_tier"]
 
 
-def _batch(node: TPServer, model: Path, prompts: list[list[int]]) -> list[tuple[str, tuple[int, int], int]]:
+def _batch(node: TPServer, model: Path, prompts: list[list[int]]) -> list[tuple[str, tuple[int, int], dict]]:
     with ThreadPoolExecutor(len(prompts)) as pool:
         return list(pool.map(lambda p: _complete(node, model, p), prompts))
 
 
-def test_speculation_at_every_layout_equals_a_single_engine(server: tuple[TPServer, Case]) -> None:
+def test_speculation_at_every_layout_equals_a_single_engine(server: tuple[TPServer, Case, bool]) -> None:
     """The batch, sent at once: every answer is no speculation's (and ``transformers``'), every
     request's draft and accepted counts the single engine's with the same draft source. With a
     draft model also: ``_cached_and_sampled``."""
-    node, case = server
+    node, case, hicache = server
     answers = _batch(node, case.model, case.prompts)
     assert token_ids(case.model, [text for text, _, _ in answers]) == case.plain, node.log.read_text()[-3000:]
     assert [c for _, c, _ in answers] == case.counts
     if case.sampled is not None:
-        _cached_and_sampled(node, case)
+        _cached_and_sampled(node, case, hicache)
 
 
-def _cached_and_sampled(node: TPServer, case: Case) -> None:
-    """The batch again, its prompts now cached (L1) with their draft rows (each rank's head share, or
-    the last stage's) gives the single uncached engine's counts (a draft reading wrong rows would
-    agree less or more); a seeded sampled request draws the single engine's tokens with its counts
-    (every rank fed the sampling rank's draft draws)."""
-    again = _batch(node, case.model, case.prompts)
-    assert all(cached > 0 for _, _, cached in again), again
-    assert token_ids(case.model, [text for text, _, _ in again]) == case.plain
-    assert [c for _, c, _ in again] == case.counts
+def _cached_and_sampled(node: TPServer, case: Case, hicache: bool) -> None:
+    """The batch again, its prompts now cached (L1; with HiCache, then also L2 once three other
+    prompts pushed them out of L1) with their draft rows (each rank's head share, or the last
+    stage's) gives the single uncached engine's counts (a draft reading wrong rows would agree less
+    or more); a seeded sampled request draws the single engine's tokens with its counts (every rank
+    fed the sampling rank's draft draws)."""
+    _again(node, case, "device")
+    if hicache:
+        for filler in spread_prompts(3, 40, seed=77):
+            _complete(node, case.model, filler)
+        _again(node, case, "host")
     text, got, _ = _complete(node, case.model, case.prompts[0], SAMPLED)
     sampled, counts = case.sampled
     assert token_ids(case.model, [text])[0] == [t for t in sampled if t >= 2]  # BOS and EOS do not come back as text
     assert got == counts
+
+
+def _again(node: TPServer, case: Case, tier: str) -> None:
+    """The batch, each prompt's prefix from ``tier``, answers and counts as the uncached engine's."""
+    again = _batch(node, case.model, case.prompts)
+    assert all(tiers[tier] > 0 for _, _, tiers in again), again
+    assert token_ids(case.model, [text for text, _, _ in again]) == case.plain
+    assert [c for _, c, _ in again] == case.counts

@@ -127,8 +127,9 @@ class DraftPlan:
     ``heads``: this tensor rank's KV heads of the draft (the sidecar's L3 objects name them);
     ``here``: whether this rank runs the draft and holds its KV (pipeline stages: the last only,
     docs/speculative.md, layouts). Every rank has the plan, so every rank keeps the same books.
-    ``writes``: whether this rank writes the sidecar's L3 objects (an EAGLE head is replicated on
-    every tensor rank, so its rows are: the first writes them)."""
+    ``writes``: whether this rank writes the sidecar's L3 objects (of the tensor ranks holding the
+    same rows, the first: an EAGLE head is replicated on every one, a draft with fewer KV heads than
+    ranks shares each head as the target does)."""
 
     layout: DraftLayout
     geometry: KVGeometry
@@ -160,8 +161,10 @@ class DraftPlan:
             geometry = draft_geometry(draft, target, eagle, tp)
         kind = "/eagle" if eagle else ""  # the same folder read another way
         mine = (SINGLE if eagle else tp).heads(draft.num_heads, draft.num_kv_heads)
+        # ranks holding the same rows (a replicated head; more ranks than KV heads): the first writes them
+        replicas = tp.size if eagle else max(1, tp.size // draft.num_kv_heads)
         return cls(layout, geometry, f"{model_identity(Path(path))}/{layout.value}{kind}",
-                   HeadRange(mine.kv_start, mine.kv_heads, draft.num_kv_heads), here, not eagle or tp.rank == 0)
+                   HeadRange(mine.kv_start, mine.kv_heads, draft.num_kv_heads), here, tp.rank % replicas == 0)
 
     @property
     def shard(self) -> DraftShard:
