@@ -142,28 +142,27 @@ class DraftPlan:
     def of(cls, config: EngineConfig, target: KVGeometry, max_model_len: int, target_kv_heads: int | None = None,
            tp: TensorParallel = SINGLE, here: bool = True) -> DraftPlan | None:
         """The plan for ``config`` (None without a draft) on tensor rank ``tp``, whose ``target``
-        geometry holds its share of the target's ``target_kv_heads`` (default: all of them); the
-        layout is decided on the whole models' KV rows, so every rank decides alike. Raises
-        ``DraftMismatchError``."""
+        geometry holds its share of the target's ``target_kv_heads`` (default: all of them); raises
+        ``DraftMismatchError``. A draft model is split like the target, so its layout is decided on
+        the whole models' KV rows (every rank decides alike); an EAGLE head is replicated on every
+        tensor rank (``engine/spec/eagle.py``), so on its whole rows beside one rank's of the target."""
         path = config.speculative_draft_model_path
         if path is None:
             return None
-        draft, eagle = check_draft(config.model_dir, path, max_model_len), config.spec_algorithm
-        eagle = eagle is SpeculativeAlgorithm.EAGLE
-        if eagle:  # replicated: every tensor rank runs the whole head (engine/spec/eagle.py)
+        draft = check_draft(config.model_dir, path, max_model_len)
+        eagle = config.spec_algorithm is SpeculativeAlgorithm.EAGLE
+        if eagle:
             check_eagle(config.model_dir, path, draft)
-            geometry = draft_geometry(draft, target, eagle)
-            layout = resolve_layout(config.speculative_draft_layout, target, geometry)
         else:
             check_draft_split(draft, tp.size)
-            whole = dataclasses.replace(target, num_kv_heads=target_kv_heads or target.num_kv_heads)
-            layout = resolve_layout(config.speculative_draft_layout, whole, draft_geometry(draft, target))
-            geometry = draft_geometry(draft, target, eagle, tp)
-        kind = "/eagle" if eagle else ""  # the same folder read another way
-        mine = (SINGLE if eagle else tp).heads(draft.num_heads, draft.num_kv_heads)
-        # ranks holding the same rows (a replicated head; more ranks than KV heads): the first writes them
-        replicas = tp.size if eagle else max(1, tp.size // draft.num_kv_heads)
-        return cls(layout, geometry, f"{model_identity(Path(path))}/{layout.value}{kind}",
+        split = SINGLE if eagle else tp
+        whole = target if eagle else dataclasses.replace(target, num_kv_heads=target_kv_heads or target.num_kv_heads)
+        layout = resolve_layout(config.speculative_draft_layout, whole, draft_geometry(draft, target, eagle))
+        mine = split.heads(draft.num_heads, draft.num_kv_heads)
+        # the ranks holding the same rows (a replicated head; more ranks than KV heads): the first writes them
+        replicas = tp.size // split.size * max(1, split.size // draft.num_kv_heads)
+        identity = f"{model_identity(Path(path))}/{layout.value}{'/eagle' if eagle else ''}"  # eagle: read another way
+        return cls(layout, draft_geometry(draft, target, eagle, split), identity,
                    HeadRange(mine.kv_start, mine.kv_heads, draft.num_kv_heads), here, tp.rank % replicas == 0)
 
     @property
