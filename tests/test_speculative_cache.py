@@ -11,19 +11,27 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.tiny_models import make_eagle_target, make_mimic_eagle, make_noisy_draft, widen_kv_heads
+from helpers.tiny_models import make_eagle_target, make_mimic_eagle, make_noisy_draft, make_tiny_model, widen_kv_heads
 
 from tierserve.cache import hicache as hicache_module
 from tierserve.cache.base import PrefixHit
+from tierserve.cache.device_pool import KVGeometry
+from tierserve.cache.draft_kv import DraftShard, SidecarIO, draft_key
 from tierserve.cache.hashing import Namespace
-from tierserve.cache.host_pool import host_page_bytes
+from tierserve.cache.host_pool import HostKVPool, host_page_bytes
 from tierserve.cache.loads import HostLoadError
-from tierserve.cache.options import DraftLayout, HiCacheOptions, PrefetchPolicy
+from tierserve.cache.options import DraftLayout, HiCacheOptions, HostLayout, PrefetchPolicy
+from tierserve.cache.sharded.shard_io import ShardIO
+from tierserve.cache.sharded.shards import HeadRange, KVShard
+from tierserve.cache.staging import page_io
+from tierserve.cache.storage.file import FileStorage
 from tierserve.cli.main import build_parser
 from tierserve.core.sampling import SamplingParams
 from tierserve.engine.config import EngineConfig, SpeculativeAlgorithm
 from tierserve.engine.engine import Engine
-from tierserve.model.eagle import feature_layers
+from tierserve.engine.spec.draft_pools import DraftPlan
+from tierserve.model.eagle import feature_layers, write_random_eagle
+from tierserve.model.parallel import TensorParallel
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 TIERS = ("device", "host", "storage")
@@ -293,3 +301,38 @@ def test_eagle_corrupted_rows_or_features_change_acceptance(eagle: dict, tmp_pat
     layers = slice(plane, None) if part == "head" else slice(0, plane)
     got = _eagle_restored(eagle, DraftLayout.SIDECAR, tier, tmp_path / "l3", layers)
     assert [got[i]["accepted"] for i in got] != [eagle["uncached"][i]["accepted"] for i in got]
+
+
+def test_sidecar_draft_objects_of_tp_ranks_are_named_by_their_heads(tmp_path: Path) -> None:
+    """At TP 2 each rank's sidecar holds its own heads of the draft: both ranks back up a page to
+    one store and each reads back its own draft rows (one name for both would hand a rank the other's
+    heads); at one rank (every head) the name stays the page's ``draft_key``."""
+    storage = FileStorage(tmp_path / "l3")
+    ranks = []
+    for rank in range(2):
+        target = HostKVPool(KVGeometry(2, 1, 16, 4, torch.float32), 2, HostLayout.PAGE_FIRST)
+        draft = HostKVPool(KVGeometry(2, 2, 16, 4, torch.float32), 2, HostLayout.PAGE_FIRST)
+        shard = KVShard(HeadRange(rank, 1, 2), rank=rank, ranks=2)
+        io = SidecarIO(ShardIO(target, page_io(target), shard), draft, storage, DraftShard(HeadRange(2 * rank, 2, 4)))
+        draft.buffer.view(2, -1)[0] = rank + 1.0
+        assert io.set_from(storage, [b"page"], [0]) == [True]
+        ranks.append((io, draft))
+    for rank, (io, draft) in enumerate(ranks):
+        assert io.get_into(storage, io.own, [b"page"], [1]) == [True]
+        assert torch.all(draft.buffer.view(2, -1)[1] == rank + 1.0)
+    assert draft_key(b"page", HeadRange(0, 4, 4)) == draft_key(b"page")
+
+
+@pytest.mark.parametrize(("algorithm", "writers"), [(SpeculativeAlgorithm.STANDALONE, [True, False, True, False]),
+                                                    (SpeculativeAlgorithm.EAGLE, [True, False, False, False])])
+def test_tp_ranks_holding_the_same_draft_rows_write_them_once(tmp_path: Path, algorithm, writers: list[bool]) -> None:
+    """At TP 4 a draft of 2 KV heads puts each on two ranks, of which the first writes its L3 objects,
+    as the target's replicas do; an EAGLE head is whole on every rank, rank 0 writes it."""
+    target = make_tiny_model("llama", tmp_path / "target", heads=8, kv_heads=4)
+    draft = write_random_eagle(target, tmp_path / "head") if algorithm is SpeculativeAlgorithm.EAGLE else \
+        make_tiny_model("llama", tmp_path / "draft", heads=4, kv_heads=2)
+    config = EngineConfig(target, speculative_draft_model_path=draft, speculative_algorithm=algorithm)
+    geometry = KVGeometry(2, 1, 16, 4, torch.float32)
+    plans = [DraftPlan.of(config, geometry, 512, 4, TensorParallel(rank, 4)) for rank in range(4)]
+    assert [p.writes for p in plans] == writers
+    assert all(p.layout is DraftLayout.SIDECAR for p in plans)

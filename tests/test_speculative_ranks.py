@@ -1,30 +1,48 @@
-"""NGRAM speculation at several ranks (docs/speculative.md, layouts): ``tierserve serve`` at PP 2, CP 2
-and TP 2 x CP 2 (real rank processes over gloo) answers a concurrent batch through the OpenAI API with
-the greedy tokens of no speculation and of ``transformers``, and with a single engine's accepted-draft
-counts per request, drafts accepted on a prompt that repeats and some rejected. TP 2 alone is the
-decode node of ``tests/test_speculative_pd.py``'s ``tierserve up`` test (one cluster fewer)."""
+"""Speculation at several ranks (docs/speculative.md, layouts): ``tierserve serve`` (real rank processes
+over gloo) with NGRAM at PP 2, CP 2 and TP 2 x CP 2, with a STANDALONE draft model at TP 2 and PP 2 (its
+KV packed into the target's pools, or in a sidecar pool), and with an EAGLE head at TP 2, answers a
+concurrent batch through the OpenAI API with the greedy tokens of no speculation and of
+``transformers``, and with a single engine's accepted-draft counts per request (drafts accepted and
+some rejected). With a draft model also: the batch again, its prefixes now cached with their draft
+rows, gives the same counts; a seeded sampled request draws the single engine's tokens. NGRAM at TP 2
+alone is the decode node of ``tests/test_speculative_pd.py``'s ``tierserve up`` test (one cluster fewer)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from helpers.engine_runs import spread_prompts
 from helpers.rank_servers import NEW_TOKENS, TPServer, hf_greedy, start_server, token_ids
-from helpers.tiny_models import add_word_tokenizer, make_looping_model
+from helpers.tiny_models import (
+    add_word_tokenizer,
+    make_eagle_target,
+    make_looping_model,
+    make_mimic_eagle,
+    make_noisy_draft,
+    widen_kv_heads,
+)
 
+from tierserve.cache.options import DraftLayout
 from tierserve.core.sampling import SamplingParams
 from tierserve.engine.config import EngineConfig, SpeculativeAlgorithm
 from tierserve.engine.engine import Engine
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-NGRAM = ("--speculative-algorithm", "NGRAM")
-# name: (tp size, more flags), one server each
-LAYOUTS = {"pp2": (1, ("--pp-size", "2")), "cp2": (1, ("--cp-size", "2")), "tp2-cp2": (2, ("--cp-size", "2"))}
+NGRAM = "ngram"
+# HiCache with a 48-page L1 per rank (L2: 96): the batch (about 36 pages) fits, three more prompts push it to L2
+L2 = ("--enable-hierarchical-cache", "--max-total-tokens", "192")
+# name: (tp size, more flags, draft source: a key of ``cases``), one server each
+LAYOUTS = {"pp2": (1, ("--pp-size", "2"), NGRAM), "cp2": (1, ("--cp-size", "2"), NGRAM),
+           "tp2-cp2": (2, ("--cp-size", "2"), NGRAM), "tp2-standalone-packed": (2, (), "packed"),
+           "tp2-standalone-sidecar": (2, L2, "sidecar"), "pp2-standalone-packed": (1, ("--pp-size", "2"), "packed"),
+           "pp2-standalone-sidecar": (1, ("--pp-size", "2"), "sidecar"), "tp2-eagle": (2, (), "eagle")}
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+SAMPLED = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.8, seed=7, ignore_eos=True)
 
 
 def _engine(model: Path, ngram: bool) -> Engine:
@@ -34,10 +52,11 @@ def _engine(model: Path, ngram: bool) -> Engine:
                                chunked_prefill_size=16, **spec))
 
 
-def _single(engine: Engine, prompts: list[list[int]]) -> tuple[list[list[int]], list[tuple[int, int]]]:
-    """Each prompt's greedy tokens and (draft, accepted) counts, batched on one engine."""
+def _single(engine: Engine, prompts: list[list[int]], params: SamplingParams = GREEDY
+            ) -> tuple[list[list[int]], list[tuple[int, int]]]:
+    """Each prompt's tokens and (draft, accepted) counts under ``params``, batched on one engine."""
     for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), prompt, GREEDY)
+        engine.add_request(str(i), prompt, params)
     tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
     counts: dict[str, tuple[int, int]] = {}
     while engine.has_work():
@@ -66,27 +85,117 @@ def reference(tiny_llama: Path, tmp_path_factory) -> tuple[Path, list[list[int]]
     return model, prompts, plain, counts
 
 
+@dataclass(frozen=True)
+class Case:
+    """A draft source's serving flags and what a single engine answers with it: the prompts' greedy
+    tokens (no speculation's) and (draft, accepted) counts; with a draft model, the first prompt's
+    seeded sampled tokens and counts too."""
+
+    model: Path
+    flags: tuple[str, ...]
+    prompts: list[list[int]]
+    plain: list[list[int]]
+    counts: list[tuple[int, int]]
+    sampled: tuple[list[int], tuple[int, int]] | None = None
+
+
+def _draft_case(model: Path, draft: Path, prompts: list[list[int]], plain: list[list[int]],
+                **spec) -> Case:
+    """A draft model's case (``spec``: more ``EngineConfig`` fields, e.g. the algorithm)."""
+    def engine() -> Engine:
+        return Engine(EngineConfig(model, dtype="float32", page_size=4, max_total_tokens=2048, chunked_prefill_size=16,
+                                   speculative_draft_model_path=draft, **spec))
+
+    outputs, counts = _single(engine(), prompts)
+    assert outputs == plain
+    assert 0 < sum(a for _, a in counts) < sum(d for d, _ in counts), counts  # accepted and rejected
+    sampled, sampled_counts = _single(engine(), prompts[:1], SAMPLED)
+    algorithm = spec.get("speculative_algorithm", SpeculativeAlgorithm.STANDALONE).value
+    layout = spec.get("speculative_draft_layout")
+    flags = ("--speculative-algorithm", algorithm, "--speculative-draft-model-path", str(draft),
+             *(("--speculative-draft-layout", layout.value) if layout else ()))
+    return Case(model, flags, prompts, plain, counts, (sampled[0], sampled_counts[0]))
+
+
+@pytest.fixture(scope="module")
+def cases(reference, tmp_path_factory) -> dict[str, Case]:
+    """Per draft source: NGRAM's; STANDALONE's packed and sidecar, with a draft model of the
+    reference model (its weights plus noise: it agrees with the target part of the time; for the
+    sidecar its KV heads widened, rows of another shape); EAGLE's, a head that recomputes a
+    one-layer target's layer with a tenth of the feature mixed in (its own target and answers)."""
+    model, prompts, plain, counts = reference
+    root = tmp_path_factory.mktemp("drafts")
+    out = {NGRAM: Case(model, ("--speculative-algorithm", "NGRAM"), prompts, plain, counts)}
+    for layout, draft in (("packed", make_noisy_draft(model, root / "noisy", 0.03)),
+                          ("sidecar", widen_kv_heads(make_noisy_draft(model, root / "wide", 0.03)))):
+        out[layout] = _draft_case(model, draft, prompts, plain, speculative_draft_layout=DraftLayout(layout))
+    target = add_word_tokenizer(make_eagle_target(root / "eagle-target"))
+    head = make_mimic_eagle(target, root / "eagle-head", 0.1)
+    answers = _single(_engine(target, ngram=False), prompts)[0]
+    assert answers == hf_greedy(target, prompts)
+    out["eagle"] = _draft_case(target, head, prompts, answers, speculative_algorithm=SpeculativeAlgorithm.EAGLE)
+    return out
+
+
 @pytest.fixture(scope="module", params=list(LAYOUTS))
-def server(request, reference, tmp_path_factory) -> Iterator[TPServer]:
-    tp, flags = LAYOUTS[request.param]
+def server(request, cases, tmp_path_factory) -> Iterator[tuple[TPServer, Case, bool]]:
+    """The layout's node, its case and whether it has HiCache (``L2``)."""
+    tp, flags, source = LAYOUTS[request.param]
+    case = cases[source]
     log = tmp_path_factory.mktemp(request.param) / "serve.log"
-    node = start_server(reference[0], tp, log, *NGRAM, *flags).wait_healthy()
-    yield node
+    node = start_server(case.model, tp, log, *case.flags, *flags).wait_healthy()
+    yield node, case, flags == L2
     node.stop()
 
 
-def _complete(node: TPServer, model: Path, prompt: list[int]) -> tuple[str, tuple[int, int]]:
-    reply = node.client().completions.create(model=model.name, prompt=prompt, max_tokens=NEW_TOKENS,
-                                             temperature=0, extra_body={"ignore_eos": True})
-    spec = (reply.usage.model_extra or {}).get("speculative") or {"draft_tokens": 0, "accepted_tokens": 0}
-    return reply.choices[0].text, (spec["draft_tokens"], spec["accepted_tokens"])
+def _complete(node: TPServer, model: Path, prompt: list[int], params: SamplingParams = GREEDY
+              ) -> tuple[str, tuple[int, int], dict[str, int]]:
+    """The answer's text, its (draft, accepted) counts and its cached prompt tokens by tier."""
+    reply = node.client().completions.create(model=model.name, prompt=prompt, max_tokens=params.max_tokens,
+                                             temperature=params.temperature, seed=params.seed,
+                                             extra_body={"ignore_eos": True})
+    extra = reply.usage.model_extra or {}
+    spec = extra.get("speculative") or {"draft_tokens": 0, "accepted_tokens": 0}
+    return reply.choices[0].text, (spec["draft_tokens"], spec["accepted_tokens"]), extra["cached_tokens_by_tier"]
 
 
-def test_ngram_at_every_layout_equals_a_single_engine(reference, server: TPServer) -> None:
-    """The batch, sent at once: every answer is no speculation's (and ``transformers``'), every
-    request's draft and accepted counts the single engine's."""
-    model, prompts, plain, counts = reference
+def _batch(node: TPServer, model: Path, prompts: list[list[int]]) -> list[tuple[str, tuple[int, int], dict]]:
     with ThreadPoolExecutor(len(prompts)) as pool:
-        answers = list(pool.map(lambda p: _complete(server, model, p), prompts))
-    assert token_ids(model, [text for text, _ in answers]) == plain, server.log.read_text()[-3000:]
-    assert [c for _, c in answers] == counts
+        return list(pool.map(lambda p: _complete(node, model, p), prompts))
+
+
+def test_speculation_at_every_layout_equals_a_single_engine(server: tuple[TPServer, Case, bool]) -> None:
+    """The batch, sent at once: every answer is no speculation's (and ``transformers``'), every
+    request's draft and accepted counts the single engine's with the same draft source. With a
+    draft model also: ``_cached_and_sampled``."""
+    node, case, hicache = server
+    answers = _batch(node, case.model, case.prompts)
+    assert token_ids(case.model, [text for text, _, _ in answers]) == case.plain, node.log.read_text()[-3000:]
+    assert [c for _, c, _ in answers] == case.counts
+    if case.sampled is not None:
+        _cached_and_sampled(node, case, hicache)
+
+
+def _cached_and_sampled(node: TPServer, case: Case, hicache: bool) -> None:
+    """The batch again, its prompts now cached (L1; with HiCache, then also L2 once three other
+    prompts pushed them out of L1) with their draft rows (each rank's head share, or the last
+    stage's) gives the single uncached engine's counts (a draft reading wrong rows would agree less
+    or more); a seeded sampled request draws the single engine's tokens with its counts (every rank
+    fed the sampling rank's draft draws)."""
+    _again(node, case, "device")
+    if hicache:
+        for filler in spread_prompts(3, 40, seed=77):
+            _complete(node, case.model, filler)
+        _again(node, case, "host")
+    text, got, _ = _complete(node, case.model, case.prompts[0], SAMPLED)
+    sampled, counts = case.sampled
+    assert token_ids(case.model, [text])[0] == [t for t in sampled if t >= 2]  # BOS and EOS do not come back as text
+    assert got == counts
+
+
+def _again(node: TPServer, case: Case, tier: str) -> None:
+    """The batch, each prompt's prefix from ``tier``, answers and counts as the uncached engine's."""
+    again = _batch(node, case.model, case.prompts)
+    assert all(tiers[tier] > 0 for _, _, tiers in again), again
+    assert token_ids(case.model, [text for text, _, _ in again]) == case.plain
+    assert [c for _, c, _ in again] == case.counts

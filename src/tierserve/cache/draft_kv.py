@@ -18,22 +18,35 @@ import torch
 
 from tierserve.cache.device_pool import DeviceKVPool
 from tierserve.cache.host_pool import HostKVPool
-from tierserve.cache.sharded.shards import Source
+from tierserve.cache.sharded.shards import HeadRange, Source, object_key
 from tierserve.cache.staging import page_io
 from tierserve.cache.storage import StorageBackend
 
 
 @dataclass(frozen=True)
+class DraftShard:
+    """A rank's share of the sidecar draft's rows: its KV ``heads`` (None: all of them), which its L3
+    objects are named by, and whether it ``writes`` them (not where another rank holds the same rows:
+    a replicated EAGLE head's)."""
+
+    heads: HeadRange | None = None
+    writes: bool = True
+
+
+@dataclass(frozen=True)
 class SidecarKV:
     """The draft's pools: ``device`` has the target pool's page count, ``host`` the target host
-    pool's (and its layout)."""
+    pool's (and its layout); ``shard``: this rank's share of the draft's rows."""
 
     device: DeviceKVPool
     host: HostKVPool
+    shard: DraftShard = DraftShard()
 
     @classmethod
-    def beside(cls, draft: DeviceKVPool, target_host: HostKVPool, pin_memory: bool) -> SidecarKV:
-        return cls(draft, HostKVPool(draft.geometry, target_host.num_pages, target_host.layout, pin_memory))
+    def beside(cls, draft: DeviceKVPool, target_host: HostKVPool, pin_memory: bool,
+               shard: DraftShard | None = None) -> SidecarKV:
+        host = HostKVPool(draft.geometry, target_host.num_pages, target_host.layout, pin_memory)
+        return cls(draft, host, shard or DraftShard())
 
 
 def load_layers(target: DeviceKVPool, sidecar: SidecarKV | None) -> int:
@@ -54,19 +67,26 @@ def planes(target: DeviceKVPool, host: HostKVPool, sidecar: SidecarKV | None, la
     return out
 
 
-def draft_key(page_key: bytes) -> bytes:
-    """The L3 key of a page's draft rows in the sidecar layout."""
-    return hashlib.sha256(b"draft:" + page_key).digest()
+def draft_key(page_key: bytes, heads: HeadRange | None = None) -> bytes:
+    """The L3 key of a page's draft rows in the sidecar layout: of the draft's ``heads`` (a tensor
+    rank's; None or all of them: the whole page's key), so the ranks of a TP node store their own
+    heads under their own names."""
+    return hashlib.sha256(b"draft:" + (page_key if heads is None else object_key(page_key, heads))).digest()
 
 
 class SidecarIO:
     """The L3 side of a sidecar: wraps the target's ``ShardIO`` so that every page is stored, found
-    and read only together with its draft object (a page is present when both are)."""
+    and read only together with its draft object (a page is present when both are). ``shard``: the
+    draft's rows ``host`` holds (default: all, written here). A draft object is read only as this
+    rank's heads were written: another TP size's finds none, so the page is absent for it."""
 
-    def __init__(self, target, host: HostKVPool, storage: StorageBackend) -> None:
-        self.target, self.draft = target, page_io(host)
+    def __init__(self, target, host: HostKVPool, storage: StorageBackend, shard: DraftShard | None = None) -> None:
+        self.target, self.draft, self.shard = target, page_io(host), shard or DraftShard()
         self.own = target.own
         storage.attach_host_buffer(self.draft.buffer)
+
+    def _keys(self, page_keys: list[bytes]) -> list[bytes]:
+        return [draft_key(k, self.shard.heads) for k in page_keys]
 
     @property
     def buffer(self) -> torch.Tensor:
@@ -74,19 +94,21 @@ class SidecarIO:
 
     def probe(self, storage: StorageBackend, page_keys: list[bytes]) -> tuple[int, Source]:
         n, source = self.target.probe(storage, page_keys)
-        return min(n, storage.batch_exists([draft_key(k) for k in page_keys[:n]])), source
+        return min(n, storage.batch_exists(self._keys(page_keys[:n]))), source
 
     def exists(self, storage: StorageBackend, page_keys: list[bytes]) -> int:
         n = self.target.exists(storage, page_keys)
-        return min(n, storage.batch_exists([draft_key(k) for k in page_keys[:n]]))
+        return min(n, storage.batch_exists(self._keys(page_keys[:n])))
 
     def set_from(self, storage: StorageBackend, page_keys: list[bytes], host_pages: list[int]) -> list[bool]:
         ok = self.target.set_from(storage, page_keys, host_pages)
-        drafts = self.draft.set_from(storage, [draft_key(k) for k in page_keys], host_pages)
+        if not self.shard.writes:  # another rank writes these rows
+            return ok
+        drafts = self.draft.set_from(storage, self._keys(page_keys), host_pages)
         return [a and b for a, b in zip(ok, drafts, strict=True)]
 
     def get_into(self, storage: StorageBackend, source: Source, page_keys: list[bytes],
                  host_pages: list[int]) -> list[bool]:
         ok = self.target.get_into(storage, source, page_keys, host_pages)
-        drafts = self.draft.get_into(storage, [draft_key(k) for k in page_keys], host_pages)
+        drafts = self.draft.get_into(storage, self._keys(page_keys), host_pages)
         return [a and b for a, b in zip(ok, drafts, strict=True)]

@@ -8,7 +8,7 @@ from typing import Any
 from tierserve.cache.allocator import PageAllocator
 from tierserve.cache.base import NoPrefixCache, PrefixCache
 from tierserve.cache.device_pool import DeviceKVPool
-from tierserve.cache.draft_kv import SidecarKV
+from tierserve.cache.draft_kv import DraftShard, SidecarKV
 from tierserve.cache.hicache import HiCache, HiCacheConfig
 from tierserve.cache.host_pool import HostKVPool, host_page_bytes
 from tierserve.cache.options import CacheKind, HiCacheOptions
@@ -29,7 +29,7 @@ L3_TP_SIZES = "l3_tp_sizes"
 def build_cache(kind: CacheKind, allocator: PageAllocator, pool: DeviceKVPool, seed: bytes,
                 options: HiCacheOptions, shard: KVShard | None = None,
                 agreement: Agreement | None = None, ownership: PageOwnership | None = None,
-                draft: DeviceKVPool | None = None) -> PrefixCache:
+                draft: DeviceKVPool | None = None, draft_shard: DraftShard | None = None) -> PrefixCache:
     """The cache of ``kind`` over ``pool`` (whose pages ``allocator`` hands out), keyed under the
     namespace ``seed``; ``options`` configure the host tier and L3 of the hierarchical cache.
 
@@ -39,7 +39,8 @@ def build_cache(kind: CacheKind, allocator: PageAllocator, pool: DeviceKVPool, s
     ``ownership``: a CP rank's pages (its L1 and, in the hierarchical cache, its L2 and L3 copies:
     each rank's host pool holds the agreed page count of its own pages, ``cache/sharded/cp_host.py``).
     ``draft``: a speculative draft's own device pool (the sidecar layout): the hierarchical cache
-    gives it a host pool of L2's page count and copies it with the target's pages."""
+    gives it a host pool of L2's page count and copies it with the target's pages; ``draft_shard``:
+    this rank's share of the draft's rows (its heads, which its L3 objects are named by; default: all)."""
     if kind is CacheKind.NONE:
         return NoPrefixCache(allocator)
     if kind is CacheKind.RADIX:
@@ -54,7 +55,7 @@ def build_cache(kind: CacheKind, allocator: PageAllocator, pool: DeviceKVPool, s
         else None
     if injected(FaultSwitch.SKIP_AGREEMENT):  # tests only (docs/faults.md): shows what the agreement prevents
         agreement = SingleRank()
-    sidecar = SidecarKV.beside(draft, host, pinned) if draft is not None else None
+    sidecar = SidecarKV.beside(draft, host, pinned, draft_shard) if draft is not None else None
     return HiCache(allocator, pool, host, seed, hicache_config(options), storage, agreement, shard, ownership, sidecar)
 
 

@@ -106,7 +106,7 @@ class HiCache:
     def _storage_tier(self, storage: StorageBackend) -> StorageTier:
         """An L3 tier over ``storage`` behind this cache's host pool and tree (``l3``'s ``make``)."""
         return StorageTier(storage, self.host, self.tree, self.config.prefetch, self._host_pages_after,
-                           self.shard, self.ownership, self.sidecar.host if self.sidecar else None)
+                           self.shard, self.ownership, self.sidecar)
 
     @property
     def storage(self) -> StorageTier | None:

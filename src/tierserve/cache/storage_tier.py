@@ -16,7 +16,7 @@ from concurrent import futures
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from tierserve.cache.draft_kv import SidecarIO
+from tierserve.cache.draft_kv import SidecarIO, SidecarKV
 from tierserve.cache.hashing import page_keys, salted_seed
 from tierserve.cache.host_pool import HostKVPool
 from tierserve.cache.lanes import Lane, close_lanes
@@ -72,18 +72,18 @@ class StorageTier:
     this rank's heads of every page, the share of each page it stores and reads (``ShardIO``);
     ``ownership``: a CP rank's, which stores and reads only the pages it owns (``cp_host``).
     ``host_pages(previous, n)`` reserves ``n`` host pages continuing the rotation of ``previous``.
-    ``sidecar_host``: a speculative draft's host pool in the sidecar layout (``cache/draft_kv.py``).
+    ``sidecar``: a speculative draft's pools in the sidecar layout (``cache/draft_kv.py``).
     """
 
     def __init__(self, storage: StorageBackend, host: HostKVPool, tree: RadixTree, options: PrefetchOptions,
                  host_pages: Callable[[Sequence[int], int], list[int] | None], shard: KVShard,
-                 ownership: PageOwnership | None = None, sidecar_host: HostKVPool | None = None) -> None:
+                 ownership: PageOwnership | None = None, sidecar: SidecarKV | None = None) -> None:
         self.storage, self.host, self.tree, self.options = storage, host, tree, options
         self.ownership = ownership or PageOwnership()
         self.io = rank_io(host, page_io(host), shard, self.ownership)
         storage.attach_host_buffer(self.io.buffer)
-        if sidecar_host is not None:  # a draft's own objects go and come with every page
-            self.io = SidecarIO(self.io, sidecar_host, storage)
+        if sidecar is not None:  # a draft's own objects go and come with every page
+            self.io = SidecarIO(self.io, sidecar.host, storage, sidecar.shard)
         self._host_pages = host_pages
         # Two lanes: a prefetch (probe, then read) is on a request's critical path and must never
         # queue behind backups, which pile up under load.

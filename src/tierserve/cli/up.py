@@ -202,14 +202,17 @@ class RoleSizes:
 
 
 def _check_role(role: str, sizes: RoleSizes, config: EngineConfig) -> None:
+    from tierserve.engine.spec.draft_pools import pd_draft_problem
     from tierserve.model.parallel import misfit
 
     flags = sizes.flags(role)
     try:  # the config's own checks (e.g. a CP size below 1)
-        replace(config, tp_size=sizes.tp, pp_size=sizes.pp, cp_size=sizes.cp, pp_layer_partition=sizes.partition)
+        sized = replace(config, tp_size=sizes.tp, pp_size=sizes.pp, cp_size=sizes.cp,
+                        pp_layer_partition=sizes.partition)
     except ValueError as exc:
         raise ValueError(f"{flags}: {exc}") from None
-    if (problem := misfit(config.model_dir, sizes.tp, sizes.pp, sizes.partition)) is not None:
+    problem = misfit(config.model_dir, sizes.tp, sizes.pp, sizes.partition) or pd_draft_problem(sized)
+    if problem is not None:
         raise ValueError(f"{flags}: {problem}")
 
 

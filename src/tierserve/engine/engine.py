@@ -86,11 +86,12 @@ class Engine:
         self.geometry = KVGeometry(  # this rank's KV heads of its stage's layers only
             len(self.model.layer_ids), heads.kv_heads, self.model_config.head_dim, config.page_size, self.dtype,
         )
-        self.draft = DraftPlan.of(config, self.geometry, self.max_model_len)  # checks the draft
-        self.draft_bytes = self.draft.geometry.bytes_per_token if self.draft else 0
+        self.draft = DraftPlan.of(config, self.geometry, self.max_model_len,  # checks the draft
+                                  self.model_config.num_kv_heads, self.ranks.tp, here=self.ranks.pp.last)
+        self.draft_bytes = self.draft.bytes_per_token if self.draft else 0
         pool_geometry = self.draft.pool_geometry(self.geometry) if self.draft else self.geometry
-        layers = self.model_config.num_layers + pool_geometry.num_layers - self.geometry.num_layers  # + packed draft's
-        self.kv_shard = self.ranks.kv_shard(heads, self.model_config.num_kv_heads, layers)
+        self.kv_shard = self.ranks.kv_shard(heads, self.model_config.num_kv_heads, self.model_config.num_layers,
+                                            self.draft.packed_layers if self.draft else 0)
         # Page ids are the same on every rank, so every rank's pool has the smallest rank's page count.
         self.pool = DeviceKVPool(pool_geometry, self.ranks.agree_min(self._num_pages()), self.device)
         self.draft_pool = self.draft.sidecar_pool(self.pool.num_pages, self.device) if self.draft else None
@@ -106,11 +107,11 @@ class Engine:
                               self.ranks.cp_group)
         self.runner = ModelRunner(self.model, self.pool, self.device, token_share(self.ranks), cp)
         draft_kv = self.draft.store(self.pool, self.draft_pool, self.geometry.num_layers) if self.draft else None
-        self.spec = SpecDecoder.of(config, self.model, self.pool, draft_kv, self.runner)
+        self.spec = SpecDecoder.of(config, self.model, self.pool, draft_kv, self.runner, self.ranks.tp)
         sched = SchedulerConfig(config.page_size, config.chunked_prefill_size, config.max_running_requests,
                                 config.schedule_policy)
         self.scheduler = Scheduler(sched, self.allocator, self.cache, self.spec.lookahead if self.spec else None,
-                                   draft_kv=draft_kv is not None)
+                                   draft_kv=self.draft is not None)
         self.reservations = Reservations(self.allocator, self.cache, config.page_size)
         self.restore_agreement = self.ranks.agreement()  # whether a step's restores failed anywhere
         self.before_step: list[Callable[[], None]] = []  # e.g. a prefill node's handoff agreement
@@ -396,7 +397,8 @@ class Engine:
 
     def _build_cache(self, allocator: PageAllocator, pool: DeviceKVPool) -> PrefixCache:
         return build_cache(self.config.cache_kind, allocator, pool, self.namespace.seed(), self.config.hicache,
-                           self.kv_shard, self.ranks.agreement(), self.ranks.cp, self.draft_pool)
+                           self.kv_shard, self.ranks.agreement(), self.ranks.cp, self.draft_pool,
+                           self.draft.shard if self.draft else None)
 
     def _num_pages(self) -> int:
         tokens = self.config.max_total_tokens

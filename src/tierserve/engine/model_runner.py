@@ -38,10 +38,13 @@ class Verify:
     on every rank (made from the request's tokens, which every rank shares); ``judge``, called on the
     sampling rank only, returns the tokens verification keeps for a request from the target's final
     hidden rows [1 + k, hidden] of its pending token and its k drafts (recording their logprobs in
-    the ``StepLogprobs`` where asked)."""
+    the ``StepLogprobs`` where asked); ``seen``, called on every rank of the last stage right after
+    the target's pass, gets the step's entries (extends then decodes, drafts counted in) and the
+    final hidden states of all their rows (an EAGLE head's features)."""
 
     drafts: Mapping[str, list[int]]
     judge: Callable[[Request, torch.Tensor, StepLogprobs], list[int]]
+    seen: Callable[[list[Scheduled], torch.Tensor], None] | None = None
 
 
 class ModelRunner:
@@ -95,6 +98,8 @@ class ModelRunner:
             ids_t, positions_t = ids_t[step.split.mine], positions_t[step.split.mine]
         hidden = self.model(ids_t, positions_t, attn, step.kv)
         if verify is not None:
+            if verify.seen is not None and self.model.pp.last:
+                verify.seen(ordered, hidden)
             return self._verified(ordered, hidden, verify, prompt, logprobs)
         rows, sampled = _rows_to_sample(ordered)
         local = step.split.local_rows if step.split is not None else list

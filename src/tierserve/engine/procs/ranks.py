@@ -89,14 +89,17 @@ class Ranks:
         """The cache's per-step agreement over the control group (its timeout bounds each call)."""
         return SingleRank() if self.size == 1 else CollectiveMin(self.control)
 
-    def kv_shard(self, heads: HeadShard, num_kv_heads: int, num_layers: int) -> KVShard:
-        """This rank's share of every KV page: its heads of its stage's layers; of the ranks that
-        replicate one KV head (more ranks than KV heads) only the first writes its L3 objects. Its
-        ``rank`` and ``ranks`` count every rank of the node (per-rank L3 settings and faults)."""
+    def kv_shard(self, heads: HeadShard, num_kv_heads: int, num_layers: int, draft_layers: int = 0) -> KVShard:
+        """This rank's share of every KV page: its heads of its stage's layers of the model's
+        ``num_layers``, and on the last stage the ``draft_layers`` a packed speculative draft adds
+        after them (docs/speculative.md); of the ranks that replicate one KV head (more ranks than KV
+        heads) only the first writes its L3 objects. Its ``rank`` and ``ranks`` count every rank of
+        the node (per-rank L3 settings and faults)."""
         replicas = max(1, self.tp.size // num_kv_heads)
         writes = self.tp.rank % replicas == 0
         stage = self.pp.layers(num_layers)
-        layers = LayerRange(stage.start, len(stage), num_layers)
+        draft = draft_layers if self.pp.last else 0
+        layers = LayerRange(stage.start, len(stage) + draft, num_layers + draft_layers)
         return KVShard(HeadRange(heads.kv_start, heads.kv_heads, num_kv_heads), self.rank, writes, self.size,
                        layers=layers)
 

@@ -21,9 +21,10 @@ from tierserve.engine.spec.eagle import EagleDrafter
 from tierserve.engine.spec.ngram import NgramDrafter
 from tierserve.engine.spec.sampling import verify
 from tierserve.engine.spec.spans import Span, forward
-from tierserve.engine.spec.standalone import ModelDrafter
+from tierserve.engine.spec.standalone import DraftRelay, ModelDrafter
 from tierserve.model.llama import CausalLM
 from tierserve.model.logprobs import token_logprobs
+from tierserve.model.parallel import SINGLE, TensorParallel
 from tierserve.model.sampling import apply_allowed
 
 
@@ -34,9 +35,11 @@ class SpecDecoder:
     request that got tokens, the tokens to append in order (the engine advances ``num_computed`` by
     one per token after the first, the fed drafts whose KV is now part of the sequence).
 
-    With a ``runner`` (NGRAM, whose drafts need no model: the same on every rank), the target's pass
-    is ``ModelRunner``'s, so it runs at any TP, CP and PP layout: the sampling rank verifies and
-    every rank appends its kept tokens and counts them alike (docs/speculative.md, layouts)."""
+    With a ``runner`` (NGRAM, whose drafts need no model: the same on every rank; STANDALONE at
+    several tensor ranks, whose chain every rank runs, taking the sampling rank's draws), the
+    target's pass is ``ModelRunner``'s, so it runs at TP, CP and PP layouts: the sampling rank
+    verifies and every rank appends its kept tokens and counts them alike (docs/speculative.md,
+    layouts)."""
 
     def __init__(self, target: CausalLM, pool: DeviceKVPool, drafter: Drafter, steps: int,
                  counters: SpecCounters, runner: ModelRunner | None = None) -> None:
@@ -45,21 +48,24 @@ class SpecDecoder:
 
     @classmethod
     def of(cls, config: EngineConfig, target: CausalLM, pool: DeviceKVPool, draft_kv: DraftKV | None,
-           runner: ModelRunner) -> SpecDecoder | None:
+           runner: ModelRunner, tp: TensorParallel = SINGLE) -> SpecDecoder | None:
         """The engine's decoder for ``config`` (None without speculation; ``draft_kv``: STANDALONE's;
-        ``runner``: the engine's, which NGRAM's target pass runs on)."""
+        ``runner``: the engine's, which NGRAM's target pass runs on, and STANDALONE's at several
+        ranks; ``tp``: the rank's tensor shard, the draft model's too)."""
         algorithm, counters, device = config.spec_algorithm, SpecCounters(), pool.buffer.device
         if algorithm is SpeculativeAlgorithm.NGRAM:
             drafter: Drafter = NgramDrafter(config.ngram_sizes, target.config.vocab_size, device)
-        elif algorithm is SpeculativeAlgorithm.STANDALONE and draft_kv is not None:
+        elif algorithm is SpeculativeAlgorithm.STANDALONE and draft_kv is None:  # a stage without the draft
+            drafter = DraftRelay(counters, runner.tokens)
+        elif algorithm is SpeculativeAlgorithm.STANDALONE:
             path = config.speculative_draft_model_path
-            drafter = ModelDrafter(path, draft_kv, device, pool.geometry.dtype, counters)
-        elif algorithm is SpeculativeAlgorithm.EAGLE and draft_kv is not None:
+            drafter = ModelDrafter(path, draft_kv, device, pool.geometry.dtype, counters, tp, runner.tokens)
+        elif algorithm is SpeculativeAlgorithm.EAGLE and draft_kv is not None:  # at one stage (EngineConfig)
             path = config.speculative_draft_model_path
-            drafter = EagleDrafter(path, draft_kv, target, device, pool.geometry.dtype, counters)
+            drafter = EagleDrafter(path, draft_kv, target, device, pool.geometry.dtype, counters, runner.tokens)
         else:
             return None
-        on_ranks = runner if algorithm is SpeculativeAlgorithm.NGRAM else None  # a draft model runs on one rank
+        on_ranks = runner if algorithm is SpeculativeAlgorithm.NGRAM or config.num_ranks > 1 else None
         return cls(target, pool, drafter, config.spec_steps, counters, on_ranks)
 
     def lookahead(self, request: Request) -> int:
@@ -97,13 +103,22 @@ class SpecDecoder:
 
     def _run_ranks(self, batch: list[Scheduled], restores: StepRestores | None) -> StepResult:
         """The step on ``runner`` (every rank): drafts, the target's pass with them, the sampling
-        rank's verification, and on every rank the count of what was kept."""
-        drafts = self.drafter.propose(batch, None)  # a draft source without a model reads no hooks
+        rank's verification, the draft's pass over the step's other tokens (after the target's, so
+        a handoff gets the draft's layers after the target's), and on every rank the count of what
+        was kept."""
+        hooks = step_hooks(batch, restores)
+        drafts = self.drafter.propose(batch, hooks)
 
         def judge(request: Request, hidden: torch.Tensor, logprobs: StepLogprobs) -> list[int]:
             return self._judge(request, drafts[request.request_id], hidden, logprobs)
 
-        out = self.runner.run(batch, restores, Verify({rid: d.tokens for rid, d in drafts.items()}, judge))
+        def seen(ordered: list[Scheduled], hidden: torch.Tensor) -> None:
+            spans = [_wide_span(s, drafts.get(s.request.request_id)) for s in ordered]
+            self.drafter.target_pass(spans, list(hidden.split([len(x.ids) for x in spans])), hooks)
+
+        verify = Verify({rid: d.tokens for rid, d in drafts.items()}, judge, seen)
+        out = self.runner.run(batch, restores, verify)
+        self.drafter.sync([s for s in batch if s.draft_tokens == 0], hooks)
         for s in batch:
             rid = s.request.request_id
             if rid in drafts:
@@ -172,6 +187,13 @@ def draft_masks(request: Request, drafts: list[int]) -> torch.Tensor | None:
             taken += 1
     grammar.rollback(taken)
     return torch.from_numpy(rows)
+
+
+def _wide_span(s: Scheduled, drafted: Drafted | None) -> Span:
+    """The span of ``ModelRunner.run``'s entry ``s`` (its tokens widened by its drafts, if any)."""
+    r, k = s.request, len(drafted.tokens) if drafted else 0
+    ids = r.tokens(r.num_computed, r.num_computed + s.num_tokens - k)
+    return Span(ids + (drafted.tokens if drafted else []), r.num_computed, r.pages)
 
 
 def _completes(s: Scheduled) -> bool:

@@ -10,12 +10,15 @@ from pathlib import Path
 import torch
 
 from tierserve.cache.device_pool import DeviceKVPool, KVGeometry
+from tierserve.cache.draft_kv import DraftShard
 from tierserve.cache.options import DraftLayout
+from tierserve.cache.sharded.shards import HeadRange
 from tierserve.core.model_config import ModelConfig
 from tierserve.engine.config import EngineConfig, SpeculativeAlgorithm
 from tierserve.model.attention import KVStore, LayerHooks
 from tierserve.model.eagle import feature_layers, layout_problem
 from tierserve.model.identity import model_identity
+from tierserve.model.parallel import SINGLE, TensorParallel, TensorParallelError, check_model, kv_heads_of
 
 
 class DraftMismatchError(ValueError):
@@ -37,11 +40,23 @@ def check_draft(target_dir: Path, draft_dir: Path, max_model_len: int | None = N
     return draft
 
 
-def draft_geometry(draft: ModelConfig, target: KVGeometry, eagle: bool = False) -> KVGeometry:
-    """The draft's KV shape: its layers and heads, the target's page size and dtype; an EAGLE
-    head's layers come after its feature plane's (``engine/spec/eagle.py``)."""
+def draft_geometry(draft: ModelConfig, target: KVGeometry, eagle: bool = False,
+                   tp: TensorParallel = SINGLE) -> KVGeometry:
+    """The draft's KV shape on tensor rank ``tp``: its layers and its share of the KV heads (split as
+    the target's are, docs/tp.md), the target's page size and dtype; an EAGLE head's layers come
+    after its feature plane's (``engine/spec/eagle.py``)."""
     plane = feature_layers(draft.hidden_size, draft.num_kv_heads, draft.head_dim) if eagle else 0
-    return KVGeometry(plane + draft.num_layers, draft.num_kv_heads, draft.head_dim, target.page_size, target.dtype)
+    heads = tp.heads(draft.num_heads, draft.num_kv_heads).kv_heads
+    return KVGeometry(plane + draft.num_layers, heads, draft.head_dim, target.page_size, target.dtype)
+
+
+def check_draft_split(draft: ModelConfig, tp_size: int) -> None:
+    """The draft is split over the target's tensor ranks like the target (its heads and MLP rows):
+    ``DraftMismatchError`` when ``tp_size`` cannot split it."""
+    try:
+        check_model(draft, tp_size)
+    except TensorParallelError as exc:
+        raise DraftMismatchError(f"the draft model cannot be split like the target: {exc}") from None
 
 
 def check_eagle(target_dir: Path, draft_dir: Path, draft: ModelConfig) -> None:
@@ -79,50 +94,108 @@ def draft_problem(config: EngineConfig) -> str | None:
         return None
     try:
         draft = check_draft(config.model_dir, path, config.max_model_len)
-        if config.spec_algorithm is SpeculativeAlgorithm.EAGLE:
+        eagle = config.spec_algorithm is SpeculativeAlgorithm.EAGLE
+        if eagle:
             check_eagle(config.model_dir, path, draft)
+        else:
+            check_draft_split(draft, config.tp_size)
         target = ModelConfig.from_dir(config.model_dir)
-        shape = [KVGeometry(c.num_layers, c.num_kv_heads, c.head_dim, 1, torch.float32) for c in (target, draft)]
+        # a replicated EAGLE head's rows beside one tensor rank's of the target, else the whole models'
+        target_heads = kv_heads_of(0, config.tp_size, target.num_kv_heads)[1] if eagle else target.num_kv_heads
+        shape = [KVGeometry(c.num_layers, heads, c.head_dim, 1, torch.float32)
+                 for c, heads in ((target, target_heads), (draft, draft.num_kv_heads))]
         resolve_layout(config.speculative_draft_layout, *shape)
     except DraftMismatchError as exc:
         return str(exc)
     return None
 
 
+def pd_draft_problem(config: EngineConfig) -> str | None:
+    """Why a prefill or decode node of ``config`` cannot run its draft model, or None: the draft's
+    KV is handed over between nodes of one rank each only (docs/speculative.md, layouts)."""
+    if config.speculative_draft_model_path is None or config.num_ranks == 1:
+        return None
+    return (f"--speculative-algorithm {config.spec_algorithm.value} on a prefill or decode node of several "
+            "ranks is not supported yet (the draft's KV is handed over between single-rank nodes only): use "
+            "--speculative-algorithm NGRAM there, or tierserve serve (docs/speculative.md, layouts)")
+
+
 @dataclass(frozen=True)
 class DraftPlan:
     """The draft's KV ``geometry`` and resolved ``layout``; ``identity`` names both in the cache
-    namespace (the draft's weights, and the layout: packed and sidecar store other bytes)."""
+    namespace (the draft's weights, and the layout: packed and sidecar store other bytes);
+    ``heads``: this tensor rank's KV heads of the draft (the sidecar's L3 objects name them);
+    ``here``: whether this rank runs the draft and holds its KV (pipeline stages: the last only,
+    docs/speculative.md, layouts). Every rank has the plan, so every rank keeps the same books.
+    ``writes``: whether this rank writes the sidecar's L3 objects (of the tensor ranks holding the
+    same rows, the first: an EAGLE head is replicated on every one, a draft with fewer KV heads than
+    ranks shares each head as the target does)."""
 
     layout: DraftLayout
     geometry: KVGeometry
     identity: str
+    heads: HeadRange
+    here: bool = True
+    writes: bool = True
 
     @classmethod
-    def of(cls, config: EngineConfig, target: KVGeometry, max_model_len: int) -> DraftPlan | None:
-        """The plan for ``config`` (None without a draft); raises ``DraftMismatchError``."""
+    def of(cls, config: EngineConfig, target: KVGeometry, max_model_len: int, target_kv_heads: int | None = None,
+           tp: TensorParallel = SINGLE, here: bool = True) -> DraftPlan | None:
+        """The plan for ``config`` (None without a draft) on tensor rank ``tp``, whose ``target``
+        geometry holds its share of the target's ``target_kv_heads`` (default: all of them); raises
+        ``DraftMismatchError``. A draft model is split like the target, so its layout is decided on
+        the whole models' KV rows (every rank decides alike); an EAGLE head is replicated on every
+        tensor rank (``engine/spec/eagle.py``), so on its whole rows beside one rank's of the target."""
         path = config.speculative_draft_model_path
         if path is None:
             return None
-        draft, eagle = check_draft(config.model_dir, path, max_model_len), config.spec_algorithm
-        if eagle is SpeculativeAlgorithm.EAGLE:
+        draft = check_draft(config.model_dir, path, max_model_len)
+        eagle = config.spec_algorithm is SpeculativeAlgorithm.EAGLE
+        if eagle:
             check_eagle(config.model_dir, path, draft)
-        geometry = draft_geometry(draft, target, eagle is SpeculativeAlgorithm.EAGLE)
-        layout = resolve_layout(config.speculative_draft_layout, target, geometry)
-        kind = "/eagle" if eagle is SpeculativeAlgorithm.EAGLE else ""  # the same folder read another way
-        return cls(layout, geometry, f"{model_identity(Path(path))}/{layout.value}{kind}")
+        else:
+            check_draft_split(draft, tp.size)
+        split = SINGLE if eagle else tp
+        whole = target if eagle else dataclasses.replace(target, num_kv_heads=target_kv_heads or target.num_kv_heads)
+        layout = resolve_layout(config.speculative_draft_layout, whole, draft_geometry(draft, target, eagle))
+        mine = split.heads(draft.num_heads, draft.num_kv_heads)
+        # the ranks holding the same rows (a replicated head; more ranks than KV heads): the first writes them
+        replicas = tp.size // split.size * max(1, split.size // draft.num_kv_heads)
+        identity = f"{model_identity(Path(path))}/{layout.value}{'/eagle' if eagle else ''}"  # eagle: read another way
+        return cls(layout, draft_geometry(draft, target, eagle, split), identity,
+                   HeadRange(mine.kv_start, mine.kv_heads, draft.num_kv_heads), here, tp.rank % replicas == 0)
+
+    @property
+    def shard(self) -> DraftShard:
+        """This rank's share of a sidecar's rows, as its L3 objects see it."""
+        return DraftShard(self.heads, self.writes)
+
+    @property
+    def packed_layers(self) -> int:
+        """Layers the draft adds to every page of the target's pools (packed; 0: sidecar), on the
+        ranks that hold it."""
+        return self.geometry.num_layers if self.layout is DraftLayout.PACKED else 0
+
+    @property
+    def bytes_per_token(self) -> int:
+        """This rank's draft KV bytes per token (0 where it holds none)."""
+        return self.geometry.bytes_per_token if self.here else 0
 
     def pool_geometry(self, target: KVGeometry) -> KVGeometry:
-        """The engine pool's: packed, the target's layers then the draft's."""
-        if self.layout is not DraftLayout.PACKED:
+        """The engine pool's: packed (where the draft is), the target's layers then the draft's."""
+        if not self.here or not self.packed_layers:
             return target
-        return dataclasses.replace(target, num_layers=target.num_layers + self.geometry.num_layers)
+        return dataclasses.replace(target, num_layers=target.num_layers + self.packed_layers)
 
     def sidecar_pool(self, num_pages: int, device: torch.device) -> DeviceKVPool | None:
-        """The sidecar's device pool, with the target pool's page ids; None when packed."""
-        return DeviceKVPool(self.geometry, num_pages, device) if self.layout is DraftLayout.SIDECAR else None
+        """The sidecar's device pool, with the target pool's page ids; None when packed or elsewhere."""
+        sidecar = self.layout is DraftLayout.SIDECAR and self.here
+        return DeviceKVPool(self.geometry, num_pages, device) if sidecar else None
 
-    def store(self, pool: DeviceKVPool, sidecar: DeviceKVPool | None, target_layers: int) -> DraftKV:
+    def store(self, pool: DeviceKVPool, sidecar: DeviceKVPool | None, target_layers: int) -> DraftKV | None:
+        """Where the draft's KV is (None on a rank without the draft)."""
+        if not self.here:
+            return None
         kv = sidecar if sidecar is not None else OffsetKV(pool, target_layers)
         return DraftKV(kv, target_layers)
 

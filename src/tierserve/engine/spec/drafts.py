@@ -73,22 +73,27 @@ def row_sampling(request: Request) -> RowSampling:
 
 
 NextRows = Callable[[list[Span], list[torch.Tensor]], list[torch.Tensor]]  # (spans, rows before them) -> rows
+Agree = Callable[[list[Scheduled], list[int]], list[int]]  # (requests, tokens drawn here) -> the tokens kept
 
 
 def chain(live: list[tuple[Scheduled, torch.Tensor]], next_rows: NextRows,
-          logits: Callable[[torch.Tensor], torch.Tensor], chain_span: Callable[[Request, list[int]], Span]
-          ) -> dict[str, Drafted]:
+          logits: Callable[[torch.Tensor], torch.Tensor], chain_span: Callable[[Request, list[int]], Span],
+          agree: Agree | None = None) -> dict[str, Drafted]:
     """A chain of drafts (topk 1) for each speculating request of ``live`` (its scheduled entry and
     the draft's last row after syncing up to its pending token): each step draws one token per
     request from ``logits`` of its last row, then ``next_rows`` (the spans of the tokens just drawn,
     the rows before them) computes the rows the next step draws from, until a request has its
-    ``draft_tokens``. Shared by every drafter with a model (STANDALONE, EAGLE)."""
+    ``draft_tokens``. ``agree`` (several ranks) replaces each step's tokens with the sampling rank's,
+    so every rank feeds and verifies the same drafts (its q rows are the sampling rank's only use).
+    Shared by every drafter with a model (STANDALONE, EAGLE)."""
     proposals: dict[str, Drafted] = {s.request.request_id: Drafted([], []) for s, _ in live}
     for step in range(max((s.draft_tokens for s, _ in live), default=0)):
         if step:
             spans = [chain_span(s.request, proposals[s.request.request_id].tokens) for s, _ in live]
             live = [(s, h[-1:]) for (s, _), h in zip(live, next_rows(spans, [h for _, h in live]), strict=True)]
         tokens, dists = draw(logits(torch.cat([h for _, h in live])), [row_sampling(s.request) for s, _ in live], step)
+        if agree is not None:
+            tokens = agree([s for s, _ in live], tokens)
         for (s, _), token, q in zip(live, tokens, dists, strict=True):
             proposals[s.request.request_id].tokens.append(token)
             proposals[s.request.request_id].dists.append(q)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from tierserve.engine.procs.token_share import SoleSampler, TokenShare
 from tierserve.engine.request import Request
 from tierserve.engine.scheduler import Scheduled
 from tierserve.engine.spec.draft_pools import DraftKV
@@ -73,12 +74,15 @@ class EagleDrafter:
     the head's own outputs and are recomputed once their tokens are verified)."""
 
     def __init__(self, draft_dir: Path, draft_kv: DraftKV, target: CausalLM, device: torch.device,
-                 dtype: torch.dtype, counters: SpecCounters) -> None:
+                 dtype: torch.dtype, counters: SpecCounters, tokens: TokenShare | None = None) -> None:
+        """Several tensor ranks: every rank runs the whole head (replicated: one layer, its KV and
+        the plane whole on each rank, fed the target's final hidden states, which every tensor rank
+        has), and ``tokens`` (the runner's) makes it take the sampling rank's draw at each chain step."""
         cfg, _, _ = eagle_config(Path(draft_dir))
         plane = feature_layers(cfg.hidden_size, cfg.num_kv_heads, cfg.head_dim)
         self.head = load_eagle(draft_dir, target, plane, device, dtype)
         self.plane = FeaturePlane(draft_kv.kv, plane, cfg.hidden_size)
-        self.draft_kv, self.counters = draft_kv, counters
+        self.draft_kv, self.counters, self.tokens = draft_kv, counters, tokens or SoleSampler()
 
     def target_pass(self, spans: list[Span], hidden: list[torch.Tensor], hooks: LayerHooks | None) -> None:
         """Keeps the target's hidden state of every position of the step's pass in the feature plane."""
@@ -97,7 +101,8 @@ class EagleDrafter:
         output drafts the first token, then one row per further draft fed the head's own output."""
         spec = [s for s in batch if s.draft_tokens > 0]
         live = [(s, h[-1:]) for s, h in zip(spec, self._forward_sync(spec, hooks), strict=True)]
-        return chain(live, lambda spans, rows: self._forward(spans, rows, None), self.head.logits, self._chain_span)
+        return chain(live, lambda spans, rows: self._forward(spans, rows, None), self.head.logits, self._chain_span,
+                     lambda requests, tokens: self.tokens.share(requests, len(tokens), lambda: tokens))
 
     def sync(self, batch: list[Scheduled], hooks: LayerHooks | None) -> None:
         self._forward_sync(batch, hooks)
