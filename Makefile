@@ -4,8 +4,9 @@
 
 VENV := .venv
 # two workers (pytest-xdist), each taking whole files: module-scoped clusters start once; CI has two cores.
-# --no-loadscope-reorder: keep tests/conftest.py's longest-first order (xdist would order files by test count)
-PYTEST_FLAGS ?= -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder
+# --no-loadscope-reorder: keep tests/conftest.py's longest-first order (xdist would order files by test count);
+# --durations: CI's log names the slowest tests (where the suite's time goes)
+PYTEST_FLAGS ?= -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder --durations=25
 
 setup:
 	bash scripts/setup.sh
