@@ -56,11 +56,13 @@ install_uv() {
 }
 
 # uv reads no pip configuration: it is given pip's --find-links (where a local torch build may lie).
+# --compile-bytecode, as pip does: where PYTHONDONTWRITEBYTECODE is set (CI) no process would write
+# the .pyc files, and every node and rank compiled torch again (a suite run took 80 min of CPU, not 45).
 install() {
     [ -x "$UV" ] || { "${PIP[@]}" "$@"; return; }
     local links="${PIP_FIND_LINKS:-$("$PY" -m pip config get global.find-links 2>/dev/null || true)}" args=() link
     for link in $links; do args+=(--find-links "$link"); done
-    "$UV" pip install --quiet --python "$PY" "${args[@]}" "$@"
+    "$UV" pip install --quiet --compile-bytecode --python "$PY" "${args[@]}" "$@"
 }
 
 # torch first, alone and pinned: any later unpinned requirement ("torch>=2.5") is then already
