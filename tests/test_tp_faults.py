@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers.polling import poll, wait_for
+from helpers.polling import poll, poll_settled, wait_for
 from helpers.rank_servers import TPServer, descendants, rank_pids, start_server, wait_exit, wait_gone
 from helpers.tiny_models import add_word_tokenizer, make_tiny_model
 
@@ -136,15 +136,39 @@ def test_a_rank_slow_to_start_is_waited_for_past_the_dist_timeout(model: Path, t
     (as on a loaded machine) still joins when it goes on, and the node serves."""
     server = start_server(model, 2, tmp_path / "serve.log", "--dist-timeout", "2")
     try:
-        (worker,) = poll(lambda: _worker_pids(server.proc.pid), lambda pids: len(pids) == 1, "rank 1 spawned", 60,
-                         interval_s=0.005)
-        os.kill(worker, signal.SIGSTOP)  # long before it imported torch and reached the rendezvous
+        worker = poll(lambda: _stop_rank(server.proc.pid), lambda pid: pid is not None, "rank 1 spawned", 60,
+                      interval_s=0.005)  # stopped before it reached the rendezvous
         time.sleep(HELD_FOR_S)  # the fault's length (past the 2 s timeout), not a wait for readiness
         os.kill(worker, signal.SIGCONT)
         server.wait_healthy()
         assert _stream_in_background(server).wait(60), "no token streamed"
     finally:
         server.stop()
+
+
+def _stop_rank(parent: int) -> int | None:
+    """SIGSTOPs the node's one other rank once it exists; None while there is none. A child seen with
+    the node's command line that then proves not to be a stopped rank (it ended between the read and
+    the signal: a short-lived child that had not yet run another program) is let go, and the next
+    read tries again (CI failed once with the rank taken for such a child, gone at SIGCONT)."""
+    pids = _worker_pids(parent)
+    if len(pids) != 1:
+        return None
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pids[0], signal.SIGSTOP)
+        state = poll_settled(lambda: _state(pids[0]), lambda s: s in ("T", "Z", ""), 1, interval_s=0.001)
+        if state == "T" and _cmdline(pids[0]) == _cmdline(parent):
+            return pids[0]
+        os.kill(pids[0], signal.SIGCONT)
+    return None
+
+
+def _state(pid: int) -> str:
+    """The process's state letter (``T``: stopped, ``Z``: ended, not yet reaped), "" once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
 
 
 def _worker_pids(parent: int) -> list[int]:
