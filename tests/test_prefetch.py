@@ -121,6 +121,15 @@ class SlowStorage(MemoryStorage):
         return super().batch_get_into(keys, spans)
 
 
+def _cp_cache(store: MemoryStorage, rank: int) -> tuple[KVGeometry, HiCache]:
+    """CP rank ``rank`` of 2's cache over ``store``, its prefetches waited for whole."""
+    geometry = KVGeometry(1, 1, 2, PS, torch.float32)
+    return geometry, HiCache(PageAllocator(64), DeviceKVPool(geometry, 64, torch.device("cpu")),
+                             HostKVPool(geometry, 256, HostLayout.PAGE_FIRST_DIRECT), SEED,
+                             HiCacheConfig(prefetch_policy=PrefetchPolicy.WAIT_COMPLETE, prefetch=OPTIONS),
+                             storage=store, ownership=PageOwnership(rank, 2))
+
+
 @pytest.mark.parametrize("rank", [0, 1])
 def test_a_cp_rank_measures_only_the_pages_it_read(rank: int) -> None:
     """Under CP a rank reads only the pages it owns; the ``auto`` policy's bandwidth must count
@@ -128,11 +137,7 @@ def test_a_cp_rank_measures_only_the_pages_it_read(rank: int) -> None:
     (17 pages: 16, then 1), measured that one at ~120 times the store's speed, rank 0 at ~2 times."""
     store, tokens = SlowStorage(), [*range(2, 2 + 17 * PS), 1]
     _stored(store, tokens[:-1])
-    geometry = KVGeometry(1, 1, 2, PS, torch.float32)
-    cache = HiCache(PageAllocator(64), DeviceKVPool(geometry, 64, torch.device("cpu")),
-                    HostKVPool(geometry, 256, HostLayout.PAGE_FIRST_DIRECT), SEED,
-                    HiCacheConfig(prefetch_policy=PrefetchPolicy.WAIT_COMPLETE, prefetch=OPTIONS), storage=store,
-                    ownership=PageOwnership(rank, 2))
+    geometry, cache = _cp_cache(store, rank)
     ticket = cache.prefetch(tokens)
     _steps_until(cache, lambda: cache.ready(ticket), "the prefetch arrived")
     assert ticket.agreed_arrived == 17
@@ -162,11 +167,7 @@ def test_a_cp_rank_reads_its_pages_in_calls_as_full_as_a_whole_node(rank: int) -
     and a call costs about as much whatever its size (benchmarks/RESULTS.md)."""
     store, tokens = ReadSizes(), [*range(2, 2 + 4 * CHUNK_PAGES * PS), 1]
     _stored(store, tokens[:-1])
-    geometry = KVGeometry(1, 1, 2, PS, torch.float32)
-    cache = HiCache(PageAllocator(64), DeviceKVPool(geometry, 64, torch.device("cpu")),
-                    HostKVPool(geometry, 256, HostLayout.PAGE_FIRST_DIRECT), SEED,
-                    HiCacheConfig(prefetch_policy=PrefetchPolicy.WAIT_COMPLETE, prefetch=OPTIONS), storage=store,
-                    ownership=PageOwnership(rank, 2))
+    _, cache = _cp_cache(store, rank)
     ticket = cache.prefetch(tokens)
     _steps_until(cache, lambda: cache.ready(ticket), "the prefetch arrived")
     assert ticket.agreed_arrived == 4 * CHUNK_PAGES
