@@ -13,12 +13,13 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from helpers.forked import ForkedProcess, start_cli
 from helpers.polling import wait_until
 from tierserve.cache.storage.mooncake import MooncakeStorage
 from tierserve.launch import free_port, grpc_serving, http_ok, tcp_open
 
 
-def stop(proc: subprocess.Popen) -> None:
+def stop(proc: subprocess.Popen | ForkedProcess) -> None:
     """SIGTERM, then SIGKILL if it is still running after 20 s."""
     if proc.poll() is None:
         proc.terminate()
@@ -29,7 +30,7 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait(timeout=10)
 
 
-def stop_all(procs: Iterable[subprocess.Popen]) -> None:
+def stop_all(procs: Iterable[subprocess.Popen | ForkedProcess]) -> None:
     """``stop`` for several processes at once: SIGTERM to each, then waits for each, so that their
     shutdowns overlap instead of following one another."""
     running = [proc for proc in procs if proc.poll() is None]
@@ -97,9 +98,7 @@ class NodeProcess:
     def __init__(self, role: str, args: list[str], log: Path, env: dict[str, str] | None = None,
                  port: int | None = None) -> None:
         self.role, self.port, self.log = role, port or free_port(), log
-        cmd = [sys.executable, "-m", "tierserve.cli", role, "--port", str(self.port), *args]
-        with open(log, "ab") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        self.proc = start_cli([role, "--port", str(self.port), *args], log, env)
 
     @property
     def address(self) -> str:
@@ -134,9 +133,7 @@ class RouterProcess:
 
     def __init__(self, args: list[str], log: Path) -> None:
         self.port, self.log = free_port(), log
-        cmd = [sys.executable, "-m", "tierserve.cli", "router", "--port", str(self.port), *ALWAYS_PD, *args]
-        with open(log, "ab") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        self.proc = start_cli(["router", "--port", str(self.port), *ALWAYS_PD, *args], log)
 
     @property
     def url(self) -> str:
@@ -159,9 +156,7 @@ class ServeProcess:
 
     def __init__(self, args: list[str], log: Path) -> None:
         self.port, self.log = free_port(), log
-        cmd = [sys.executable, "-m", "tierserve.cli", "serve", "--port", str(self.port), "--quiet-access-log", *args]
-        with open(log, "ab") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        self.proc = start_cli(["serve", "--port", str(self.port), "--quiet-access-log", *args], log)
 
     @property
     def url(self) -> str:

@@ -3,9 +3,7 @@ models and answers, start, wait for health against a deadline, list the node's p
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -15,6 +13,7 @@ import openai
 import torch
 from tokenizers import Tokenizer
 
+from helpers.forked import ForkedProcess, start_cli
 from helpers.polling import wait_until
 from helpers.processes import stop
 from tierserve.launch import free_port, http_ok
@@ -49,7 +48,7 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
 class TPServer:
     """One node of ``tp_size`` ranks; ``proc`` is rank 0 (HTTP), the other ranks are its children."""
 
-    proc: subprocess.Popen
+    proc: ForkedProcess
     port: int
     log: Path
 
@@ -76,11 +75,10 @@ def start_server(model: Path, tp_size: int, log: Path, *flags: str, env: dict[st
     prompts of a few dozen tokens take several chunks; ``env`` adds to the test's environment
     (``helpers.injected_faults.node_env``)."""
     port = free_port()
-    cmd = [sys.executable, "-m", "tierserve.cli", "serve", "--model", str(model), "--port", str(port),
-           "--tp-size", str(tp_size), "--dtype", "float32", "--page-size", "4", "--max-total-tokens", "2048",
-           "--chunked-prefill-size", "16", "--quiet-access-log", *flags]
-    with log.open("w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    argv = ["serve", "--model", str(model), "--port", str(port), "--tp-size", str(tp_size), "--dtype", "float32",
+            "--page-size", "4", "--max-total-tokens", "2048", "--chunked-prefill-size", "16", "--quiet-access-log",
+            *flags]
+    proc = start_cli(argv, log, env, append=False)
     return TPServer(proc, port, log)
 
 
@@ -142,7 +140,7 @@ def rank_pids(parent: int, expected: int) -> list[int]:
     return pids
 
 
-def wait_exit(proc: subprocess.Popen, deadline_s: float) -> int:
+def wait_exit(proc: subprocess.Popen | ForkedProcess, deadline_s: float) -> int:
     """``proc``'s exit status; kills it and fails if it still runs after ``deadline_s``."""
     try:
         return proc.wait(timeout=deadline_s)
