@@ -133,6 +133,7 @@ class Registry:
 
     breaker: BreakerOptions = field(default_factory=BreakerOptions)
     check_interval_s: float = 2.0
+    check_timeout_s: float = 2.0  # a health check's answer; Info, asked only of a serving node, gets 5 s
     drain_timeout_s: float = 600.0  # a removed worker's requests get this long to finish
     workers: dict[tuple[Role, str], Worker] = field(default_factory=dict)
     draining: dict[Worker, asyncio.Task] = field(default_factory=dict)  # removed, until their requests end
@@ -199,7 +200,7 @@ class Registry:
         """Opens the breaker, unless ``worker`` is the last available one of its role: ejecting it
         would turn a flaky node into an outage (every request 503 for ``open_s``), as a load
         balancer's maximum ejection share prevents. A dead one still goes (``unreachable``)."""
-        if self.available(worker.role) == [worker]:
+        if self._last_available(worker):
             if worker.failures == self.breaker.failures:
                 log.warning("worker %s %s: %d failures (%s), but it is the last available %s worker: it keeps "
                             "its traffic", worker.role.value, worker.address, worker.failures, reason,
@@ -210,6 +211,9 @@ class Registry:
         log.warning("worker %s %s: circuit open for %.0f s after %d failures (%s)", worker.role.value,
                     worker.address, self.breaker.open_s, worker.failures, reason)
 
+    def _last_available(self, worker: Worker) -> bool:
+        return self.available(worker.role) == [worker]
+
     async def check_all(self) -> None:
         await asyncio.gather(*(self.check(w) for w in list(self.workers.values())))
 
@@ -219,16 +223,31 @@ class Registry:
         identity is checked again (and a refused worker gets another chance). A restart faster
         than one check interval is seen too: the new process has another ``instance_id``."""
         try:
-            reply = await health_pb2_grpc.HealthStub(worker.channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
+            request = health_pb2.HealthCheckRequest()
+            reply = await health_pb2_grpc.HealthStub(worker.channel).Check(request, timeout=self.check_timeout_s)
             serving = reply.status == health_pb2.HealthCheckResponse.SERVING
             if serving:
                 self._identify(worker, await pb_grpc.NodeServiceStub(worker.channel).Info(pb.InfoRequest(), timeout=5))
         except grpc.aio.AioRpcError as exc:
+            if self._only_slow(worker, exc):
+                return
             serving = False
             worker.reason = f"health check: {exc.code().name}"
         if not serving:
             worker.info = None
         self._set_state(worker, serving)
+
+    def _only_slow(self, worker: Worker, exc: grpc.aio.AioRpcError) -> bool:
+        """Whether a failed check leaves ``worker`` as it was: an answer late past the deadline from the
+        last available worker of its role. A loaded machine delays answers (a CI run lost its only decode
+        worker to one late check, and every request got 503 until the next); as ``_open`` keeps the last
+        one, the check does not turn a slow node into an outage. A node that knows it cannot serve says
+        NOT_SERVING (a frozen rank, docs/faults.md), and a dead one refuses the connection: both still count."""
+        if exc.code() is not grpc.StatusCode.DEADLINE_EXCEEDED or not self._last_available(worker):
+            return False
+        log.warning("worker %s %s: health check late (over %.1f s), but it is the last available %s worker: it "
+                    "keeps its traffic", worker.role.value, worker.address, self.check_timeout_s, worker.role.value)
+        return True
 
     def _identify(self, worker: Worker, info: pb.NodeInfo) -> None:
         if worker.info is not None and worker.info.instance_id != info.instance_id:
