@@ -56,7 +56,7 @@ def _forward(q, k, v, pool, batch, hide: bool) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("prefix, chunk", [(1, 1), (1, 9), (2, 5), (16, 16), (37, 1), (100, 23), (700, 300)])
-@pytest.mark.parametrize("heads, kv_heads", [(4, 2), (6, 2), (2, 2)])
+@pytest.mark.parametrize("heads, kv_heads", [(4, 2), (2, 1), (6, 2), (2, 2)])
 @pytest.mark.parametrize("hide", [False, True])
 def test_split_form_equals_masked_attention(monkeypatch, prefix: int, chunk: int, heads: int, kv_heads: int,
                                             hide: bool) -> None:
