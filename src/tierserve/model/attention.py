@@ -12,8 +12,9 @@ from torch import nn
 from tierserve.model.partial_attention import causal_cpu, combine, unmasked_cpu
 
 # On the CPU, a chunk over a prefix attends in two unmasked parts (``split_extend``) once the mask of the
-# masked form (chunk x (prefix + chunk) elements) would reach this size; below it the two forms are within
-# ~15% and a few ms, the masked one ahead on the smallest (benchmarks/extend_attention.py, docs/tp.md).
+# masked form (chunk x (prefix + chunk) elements) would reach this size; below it both take a few ms at most
+# and the masked one is ahead (a second kernel call and the merge cost more than the small mask), above it
+# the split is 1.2-3.5x faster (benchmarks/extend_attention.py, docs/tp.md).
 MIN_SPLIT_MASK = 1 << 18
 
 
