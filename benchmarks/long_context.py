@@ -27,7 +27,7 @@ The model is ``tests/helpers/long_prompts.py``'s tiny Llama (2 layers, hidden 64
 float32: 512 B of KV per token; 132K rope positions), pages of 16 tokens, prefill chunks of 4096.
 
     .venv/bin/python benchmarks/long_context.py [--lengths 32768 131072] [--repeats 3] \\
-        [--budget 16384] [--fill-tokens 4096] [--only ttft split held] [--logs DIR]
+        [--budget 16384] [--fill-tokens 4096] [--only ttft split held] [--split-nodes cp1_1t tp2 ...] [--logs DIR]
 """
 
 from __future__ import annotations
@@ -182,11 +182,13 @@ def _threads(count: str | None):
             os.environ["OMP_NUM_THREADS"] = before
 
 
-def measure_split(model: Path, logs: Path, lengths: list[int], repeats: int) -> dict[int, list[dict[str, float]]]:
-    """``{length: rounds}`` of uncached TTFT per ``SPLIT_NODES`` node; a warm-up round first."""
+def measure_split(model: Path, logs: Path, lengths: list[int], repeats: int, names: list[str]
+                  ) -> dict[int, list[dict[str, float]]]:
+    """``{length: rounds}`` of uncached TTFT per ``SPLIT_NODES`` node in ``names``; a warm-up round first."""
     nodes: dict[str, TPServer] = {}
     try:
-        for name, (cp, threads, flags) in SPLIT_NODES.items():
+        for name in names:
+            cp, threads, flags = SPLIT_NODES[name]
             with _threads(threads):
                 nodes[name] = start_node(model, cp, logs / f"split-{name}.log", *node_flags(max(lengths) // cp + 4096),
                                          *flags)
@@ -216,12 +218,14 @@ def _split_round(nodes: dict[str, TPServer], model: Path, ids: list[int], turn: 
 
 
 def split_report(results: dict[int, list[dict[str, float]]]) -> list[str]:
-    names = list(SPLIT_NODES)
+    names = [n for n in SPLIT_NODES if n in next(iter(results.values()))[0]]
     rows = [f"| prompt tokens | {' | '.join(f'{n} TTFT (s)' for n in names)} |", "|---:|" + "---:|" * len(names)]
     rows += [f"| {n} | {' | '.join(f'{med(rounds, k):.2f}' for k in names)} |" for n, rounds in results.items()]
     rows += ["", "| prompt tokens | ratio | median of per-round ratios |", "|---:|---|---:|"]
     for n, rounds in results.items():
         for label, (a, b) in SPLIT_RATIOS.items():
+            if a not in names or b not in names:
+                continue
             rows.append(f"| {n} | {label} | {statistics.median(r[a] / r[b] for r in rounds):.2f} |")
     return rows
 
@@ -309,6 +313,8 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=16384, help="L1 tokens per rank for the tokens-held part")
     parser.add_argument("--fill-tokens", type=int, default=4096)
     parser.add_argument("--only", nargs="+", choices=["ttft", "split", "held"], default=["ttft", "split", "held"])
+    parser.add_argument("--split-nodes", nargs="+", choices=list(SPLIT_NODES), default=list(SPLIT_NODES),
+                        help="the split part's nodes (default: all; e.g. cp1_1t tp2 for TP=2 / TP=1 alone)")
     parser.add_argument("--logs", type=Path, default=None, help="node logs (default: a temporary folder)")
     args = parser.parse_args()
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
@@ -322,7 +328,7 @@ def main() -> None:
         out += ["", "### TTFT, uncached vs from L3", "", *ttft_report(results),
                 "", "### Per-layer gather left exposed (CP=2, rank 0)", "", *gather_report(results)]
     if "split" in args.only:
-        split = measure_split(model, logs, sorted(args.lengths), args.repeats)
+        split = measure_split(model, logs, sorted(args.lengths), args.repeats, args.split_nodes)
         out += ["", "### Uncached TTFT: the split of the compute (no L3)", "", *split_report(split)]
     if "held" in args.only:
         held = measure_held(model, logs, args.budget, args.fill_tokens)

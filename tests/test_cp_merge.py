@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from tierserve.cache.sharded.cp_pages import PageOwnership
 from tierserve.engine.cp import partial
 from tierserve.engine.cp.merge import own_writes, short_step
-from tierserve.engine.cp.partial import BatchedKeys, SeqKeys, SplitKeys, combine
+from tierserve.engine.cp.partial import BatchedKeys, SeqKeys, SplitKeys
+from tierserve.model.partial_attention import combine
 
 PAGE, HEADS, KV_HEADS, DIM, CP = 4, 4, 2, 8, 2
 SCALE = DIM**-0.5

@@ -10,6 +10,7 @@ import torch
 from tierserve.core.sampling import SamplingParams
 from tierserve.engine.config import EngineConfig
 from tierserve.engine.engine import Engine
+from tierserve.model import attention
 
 NEW_TOKENS = 32
 PROMPT_LENGTHS = (5, 17, 40, 70)
@@ -54,6 +55,17 @@ def test_batched_greedy_matches_hf(reference, page_size: int, chunk: int) -> Non
                                  max_total_tokens=4096, chunked_prefill_size=chunk))
     assert engine.generate(prompts, GREEDY) == expected
     assert engine.stats()["kv_pages_used"] == 0
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_split_extend_matches_hf(reference, monkeypatch, page_size: int) -> None:
+    """Every chunk after the first attends in the split form (prefix unmasked, chunk causal, merged;
+    model/attention.py), which only long chunks take by default."""
+    monkeypatch.setattr(attention, "MIN_SPLIT_MASK", 0)
+    model_dir, prompts, expected = reference
+    engine = Engine(EngineConfig(model_dir, dtype="float32", page_size=page_size,
+                                 max_total_tokens=4096, chunked_prefill_size=7))
+    assert engine.generate(prompts, GREEDY) == expected
 
 
 @pytest.mark.parametrize("page_size", [1, 16])

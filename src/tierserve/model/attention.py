@@ -9,6 +9,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tierserve.model.partial_attention import causal_cpu, combine, unmasked_cpu
+
+# On the CPU, a chunk over a prefix attends in two unmasked parts (``split_extend``) once the mask of the
+# masked form (chunk x (prefix + chunk) elements) would reach this size; below it both take a few ms at most
+# and the masked one is ahead (a second kernel call and the merge cost more than the small mask), above it
+# the split is 1.2-3.5x faster (benchmarks/extend_attention.py, docs/tp.md).
+MIN_SPLIT_MASK = 1 << 18
+
 
 class KVStore(Protocol):
     """What attention needs from a KV pool: per-layer K and V views of shape [slots, kv_heads, head_dim]."""
@@ -114,24 +122,16 @@ class PagedAttention(nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: ExtendSpan, batch: AttentionBatch,
         k_pool: torch.Tensor, v_pool: torch.Tensor,
     ) -> torch.Tensor:
-        q = q.transpose(0, 1).unsqueeze(0)
         if span.prefix_len == 0 and not batch.hide_first_slot:
-            k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+            q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
             return o[0].transpose(0, 1)
-        kv_len = span.prefix_len + span.length
-        if span.prefix_len:
-            k = gather_pages(k_pool, span.kv_pages, batch.page_size)[:, :kv_len].transpose(1, 2)
-            v = gather_pages(v_pool, span.kv_pages, batch.page_size)[:, :kv_len].transpose(1, 2)
-        else:
-            k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
-        q_pos = torch.arange(span.length, device=q.device) + span.prefix_len
-        cols = torch.arange(kv_len, device=q.device)[None, :]
-        mask = cols <= q_pos[:, None]
-        if batch.hide_first_slot:
-            mask &= (cols > 0) | (q_pos[:, None] == 0)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True)
-        return o[0].transpose(0, 1)
+        # Slot 0, when hidden, is seen by position 0 alone, which is never a query after a prefix.
+        first = int(batch.hide_first_slot)
+        if q.device.type == "cpu" and span.prefix_len > first and _mask_size(span) >= MIN_SPLIT_MASK:
+            prefix = [prefix_keys(p, span, batch.page_size, first) for p in (k_pool, v_pool)]
+            return split_extend(q, k, v, prefix[0], prefix[1], self.scale)
+        return masked_extend(q, span, batch, (k, v), (k_pool, v_pool), self.scale)
 
     def _decode(
         self, q: torch.Tensor, batch: AttentionBatch, k_pool: torch.Tensor, v_pool: torch.Tensor
@@ -149,6 +149,48 @@ def decode_attention(q: torch.Tensor, batch: AttentionBatch, pool: tuple[torch.T
         mask[..., 0] = False
     o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     return o.squeeze(2)
+
+
+def _mask_size(span: ExtendSpan) -> int:
+    return span.length * (span.prefix_len + span.length)
+
+
+def split_extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_prefix: torch.Tensor,
+                 v_prefix: torch.Tensor, scale: float) -> torch.Tensor:
+    """A chunk's queries q [Q, heads, dim] over its prefix's keys (k_prefix, v_prefix [P, kv_heads, dim], P > 0,
+    every query sees every one: no mask) and its own (k, v [Q, kv_heads, dim], causal), merged by log-sum-exp
+    (CPU only) -> [Q, heads, dim] in q's dtype. Builds no [Q, P + Q] mask: on a long prompt that mask, the
+    same for every head, cost more than the attention of a tensor-parallel rank's heads (issue 28)."""
+    outs, lses = zip(unmasked_cpu(q, k_prefix, v_prefix, scale), causal_cpu(q, k, v, scale), strict=True)
+    out, _ = combine(torch.stack([o.float() for o in outs]), torch.stack(lses))
+    return out.to(q.dtype)
+
+
+def prefix_keys(pool: torch.Tensor, span: ExtendSpan, page_size: int, first: int = 0) -> torch.Tensor:
+    """Positions ``first``..``prefix_len - 1`` of the span's sequence from one layer's pool, [P, kv_heads, dim]."""
+    pages = span.kv_pages[..., : -(-span.prefix_len // page_size)]
+    return gather_pages(pool, pages, page_size)[0, first : span.prefix_len]
+
+
+def masked_extend(q: torch.Tensor, span: ExtendSpan, batch: AttentionBatch, new: tuple[torch.Tensor, torch.Tensor],
+                  pool: tuple[torch.Tensor, torch.Tensor], scale: float) -> torch.Tensor:
+    """A chunk's queries q [Q, heads, dim] over its prefix and its own keys (``new``, [Q, kv_heads, dim]) with
+    one [Q, prefix + Q] mask: a chunk without a prefix whose slot 0 is hidden, small chunks over short
+    prefixes (where the mask costs less than a second kernel call and the merge) and devices other than the
+    CPU (SDPA there returns no log-sum-exp to merge with)."""
+    kv_len = span.prefix_len + span.length
+    if span.prefix_len:
+        k, v = (gather_pages(p, span.kv_pages, batch.page_size)[:, :kv_len].transpose(1, 2) for p in pool)
+    else:
+        k, v = (t.transpose(0, 1).unsqueeze(0) for t in new)
+    q_pos = torch.arange(span.length, device=q.device) + span.prefix_len
+    cols = torch.arange(kv_len, device=q.device)[None, :]
+    mask = cols <= q_pos[:, None]
+    if batch.hide_first_slot:
+        mask &= (cols > 0) | (q_pos[:, None] == 0)
+    o = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k, v, attn_mask=mask, scale=scale,
+                                       enable_gqa=True)
+    return o[0].transpose(0, 1)
 
 
 def _store(pool: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:

@@ -23,8 +23,8 @@ import torch.distributed as dist
 
 from tierserve.cache.device_pool import DeviceKVPool
 from tierserve.cache.sharded.cp_pages import PageOwnership
-from tierserve.engine.cp.partial import combine
 from tierserve.model.attention import LayerHooks
+from tierserve.model.partial_attention import combine
 
 
 @dataclass

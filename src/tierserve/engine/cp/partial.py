@@ -15,6 +15,7 @@ import torch
 
 from tierserve.cache.sharded.cp_pages import PageOwnership
 from tierserve.model.attention import gather_pages
+from tierserve.model.partial_attention import combine, fused_cpu
 
 # Queries x keys of one block of sequences (padded): bounds its mask and, off the CPU, its scores. A
 # short step's sequences bring at most a page of queries each, so a block is many decodes or a few pages.
@@ -161,17 +162,6 @@ class SplitKeys:
         return out, lse
 
 
-def combine(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """outs [N, ..., D] and lses [N, ...] of attention over N disjoint key sets -> the attention over
-    their union and its lse (0 and -inf where no set has a key)."""
-    top = lses.max(dim=0).values
-    safe = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-    weights = torch.exp(lses - safe)
-    total = weights.sum(dim=0)
-    out = (weights.unsqueeze(-1) * outs).sum(dim=0) / total.clamp_min(torch.finfo(total.dtype).tiny).unsqueeze(-1)
-    return out, torch.log(total) + safe
-
-
 def _owned_tokens(own: PageOwnership, s: SeqKeys, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Positions (up to the step's end) on pages this rank owns, and their local pool slots."""
     end = s.first_position + s.length
@@ -195,23 +185,7 @@ def _attend_tokens(q: torch.Tensor, pool: tuple[torch.Tensor, torch.Tensor], slo
         full = torch.ones(q.shape[0], k.shape[0], dtype=torch.bool, device=q.device) if sees is None else sees
         out, lse = _attend_block(q[None], k[None], v[None], full[None], scale)
         return out[0].float(), lse[0]
-    return _fused_cpu(q, k, v, sees, scale)
-
-
-def _fused_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sees: torch.Tensor | None,
-               scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """PyTorch's CPU flash attention, which also returns the log-sum-exp (a row that sees nothing
-    comes back as 0 and lse 0: set to -inf so a merge ignores it)."""
-    group = q.shape[1] // k.shape[1]
-    qh, kh, vh = (t.transpose(0, 1)[None] for t in (q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)))
-    bias = None
-    if sees is not None:
-        bias = torch.zeros(sees.shape, dtype=q.dtype, device=q.device).masked_fill_(~sees, float("-inf"))
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qh, kh, vh, attn_mask=bias, scale=scale)
-    out, lse = out[0].transpose(0, 1).float(), lse[0].transpose(0, 1).float()
-    if sees is not None:
-        lse = lse.masked_fill(~sees.any(dim=1)[:, None], float("-inf"))
-    return out, lse
+    return fused_cpu(q, k, v, sees, scale)
 
 
 def _fused_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,

@@ -21,8 +21,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tierserve.engine.cp.gather import LayerGather
-from tierserve.engine.cp.partial import combine
 from tierserve.model.attention import AttentionBatch, decode_attention, gather_pages
+from tierserve.model.partial_attention import combine
 
 SPLIT_MIN_TOKENS = 256  # a step with fewer new tokens stays replicated: docs/cp.md has the measurement
 
