@@ -22,7 +22,8 @@ from tierserve.cli.main import build_parser
 from tierserve.core.sampling import SamplingParams
 from tierserve.engine.config import EngineConfig, SpeculativeAlgorithm
 from tierserve.engine.engine import Engine
-from tierserve.model.eagle import EAGLE_ARCHITECTURE, write_random_eagle
+from tierserve.model.eagle import EAGLE_ARCHITECTURE, load_eagle, write_random_eagle
+from tierserve.model.loader import load_model
 
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
 
@@ -102,6 +103,18 @@ def test_published_layout_with_model_prefix_and_own_embedding_loads(heads: dict[
         _engine(heads["target"], own)
 
 
+def test_a_head_copies_the_embedding_a_last_stage_lacks(heads: dict[str, Path]) -> None:
+    """A last pipeline stage (its LM head untied) holds no embedding: the head, which has none of
+    its own, copies the target's from the target's folder, and refuses to load without it."""
+    target = load_model(heads["target"], torch.device("cpu"), torch.float32)
+    embedding = target.embed_tokens.weight.clone()
+    target.embed_tokens = None  # as the last of two stages holds the target
+    with pytest.raises(ValueError, match="needs the target's folder"):
+        load_eagle(heads["mixed"], target, 1, torch.device("cpu"), torch.float32)
+    head = load_eagle(heads["mixed"], target, 1, torch.device("cpu"), torch.float32, heads["target"])
+    assert torch.equal(head.embed_tokens.weight, embedding)
+
+
 def test_model_fetch_writes_a_random_head_for_a_target(heads: dict[str, Path], capsys) -> None:
     args = build_parser().parse_args(["model", "fetch", "--draft", "--eagle", "--target", str(heads["target"])])
     assert args.func(args) == 0
@@ -116,8 +129,8 @@ def test_model_fetch_writes_a_random_head_for_a_target(heads: dict[str, Path], c
 
 @pytest.mark.parametrize("flags, message", [
     (["--speculative-algorithm", "EAGLE"], "EAGLE needs --speculative-draft-model-path"),
-    (["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", "HEAD", "--pp-size", "2"],
-     "EAGLE with --pp-size or --cp-size above 1 is not supported yet"),
+    (["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", "HEAD", "--cp-size", "2"],
+     "EAGLE with --cp-size above 1 is not supported yet"),
     (["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", "WIDE"],
      "hidden size (32) differs from the target's (64)"),
     (["--speculative-algorithm", "eagle", "--speculative-draft-model-path", "HEAD",
