@@ -1,7 +1,8 @@
 """Speculation at several ranks (docs/speculative.md, layouts): ``tierserve serve`` (real rank processes
 over gloo) with NGRAM at PP 2, CP 2 and TP 2 x CP 2, with a STANDALONE draft model at TP 2 and PP 2 (its
 KV packed into the target's pools, or in a sidecar pool), and with an EAGLE head at TP 2 (its rows in a
-sidecar) and PP 2 (packed, on the last stage, which copies the target's embedding), answers a
+sidecar), PP 2 (packed, on the last stage, which copies the target's embedding) and TP 2 x PP 2 (sidecar,
+replicated on the last stage's tensor ranks), answers a
 concurrent batch through the OpenAI API with the greedy tokens of no speculation and of
 ``transformers``, and with a single engine's accepted-draft counts per request (drafts accepted and
 some rejected). With a draft model also: the batch again, its prefixes now cached with their draft
@@ -37,12 +38,13 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 NGRAM = "ngram"
 # HiCache with a 48-page L1 per rank (L2: 96): the batch (about 36 pages) fits, three more prompts push it to L2
 L2 = ("--enable-hierarchical-cache", "--max-total-tokens", "192")
-# name: (tp size, more flags, draft source: a key of ``cases``), one server each
+# name: (tp size, more flags, draft source: a key of ``cases``), one server each; EAGLE's draft layout is
+# ``auto``: packed where the head's KV rows are shaped like a rank's target rows (PP 2), else the sidecar
 LAYOUTS = {"pp2": (1, ("--pp-size", "2"), NGRAM), "cp2": (1, ("--cp-size", "2"), NGRAM),
            "tp2-cp2": (2, ("--cp-size", "2"), NGRAM), "tp2-standalone-packed": (2, (), "packed"),
            "tp2-standalone-sidecar": (2, L2, "sidecar"), "pp2-standalone-packed": (1, ("--pp-size", "2"), "packed"),
            "pp2-standalone-sidecar": (1, ("--pp-size", "2"), "sidecar"), "tp2-eagle": (2, (), "eagle"),
-           "pp2-eagle": (1, ("--pp-size", "2"), "eagle")}
+           "pp2-eagle": (1, ("--pp-size", "2"), "eagle"), "tp2-pp2-eagle": (2, ("--pp-size", "2"), "eagle")}
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
 SAMPLED = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.8, seed=7, ignore_eos=True)
 
