@@ -6,7 +6,8 @@ replicated on the last stage's tensor ranks), answers a
 concurrent batch through the OpenAI API with the greedy tokens of no speculation and of
 ``transformers``, and with a single engine's accepted-draft counts per request (drafts accepted and
 some rejected). With a draft model also: the batch again, its prefixes now cached with their draft
-rows, gives the same counts; a seeded sampled request draws the single engine's tokens. NGRAM at TP 2
+rows, gives the same counts, and so does a prompt followed by its answer (the answer's pages cached);
+a seeded sampled request draws the single engine's tokens. NGRAM at TP 2
 alone is the decode node of ``tests/test_speculative_pd.py``'s ``tierserve up`` test (one cluster fewer)."""
 
 from __future__ import annotations
