@@ -22,7 +22,11 @@ from tierserve.cli.main import build_parser
 from tierserve.core.sampling import SamplingParams
 from tierserve.engine.config import EngineConfig, SpeculativeAlgorithm
 from tierserve.engine.engine import Engine
-from tierserve.model.eagle import EAGLE_ARCHITECTURE, write_random_eagle
+from tierserve.engine.spec.drafts import SpecCounters
+from tierserve.engine.spec.eagle import EagleDrafter
+from tierserve.engine.spec.standalone import DraftRelay
+from tierserve.model.eagle import EAGLE_ARCHITECTURE, load_eagle, write_random_eagle
+from tierserve.model.loader import load_model
 
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
 
@@ -102,6 +106,83 @@ def test_published_layout_with_model_prefix_and_own_embedding_loads(heads: dict[
         _engine(heads["target"], own)
 
 
+def test_a_head_copies_the_embedding_a_last_stage_lacks(heads: dict[str, Path]) -> None:
+    """A last pipeline stage (its LM head untied) holds no embedding: the head, which has none of
+    its own, copies the target's from the target's folder, and refuses to load without it."""
+    target = load_model(heads["target"], torch.device("cpu"), torch.float32)
+    embedding = target.embed_tokens.weight.clone()
+    target.embed_tokens = None  # as the last of two stages holds the target
+    with pytest.raises(ValueError, match="needs the target's folder"):
+        load_eagle(heads["mixed"], target, 1, torch.device("cpu"), torch.float32)
+    head = load_eagle(heads["mixed"], target, 1, torch.device("cpu"), torch.float32, heads["target"])
+    assert torch.equal(head.embed_tokens.weight, embedding)
+
+
+class _Twin:
+    """The engine's EAGLE drafter with a ``DraftRelay`` beside it, as a pipeline stage without the
+    head runs one: the relay takes the head's draws (the sampling rank's) and after every call
+    must hold the head's books (``books``: per call, each request's ``draft_computed`` after the
+    head's call and after the relay's, from the same start; ``hit``: the longest prefix hit seen)."""
+
+    def __init__(self, real: EagleDrafter, keeps_chain: bool = False) -> None:
+        self.real, self.draws, self.books, self.hit = real, [], [], 0
+        real.tokens = _Draws(self.draws, record=True)  # as the sampling rank broadcasts them
+        self.relay = DraftRelay(SpecCounters(), _Draws(self.draws, record=False), keeps_chain)
+
+    def propose(self, batch, hooks):
+        return self._both([s.request for s in batch], lambda d: d.propose(batch, hooks))
+
+    def target_pass(self, spans, hidden, hooks) -> None:
+        self.real.target_pass(spans, hidden, hooks)
+
+    def sync(self, batch, hooks) -> None:
+        self._both([s.request for s in batch], lambda d: d.sync(batch, hooks))
+
+    def verified(self, request, drafted, accepted: int) -> None:
+        self._both([request], lambda d: d.verified(request, drafted, accepted))
+
+    def _both(self, requests, call):
+        before = [r.draft_computed for r in requests]
+        self.hit = max([self.hit, *(r.hit.num_tokens for r in requests)])
+        out = call(self.real)
+        after = [r.draft_computed for r in requests]
+        for r, start in zip(requests, before, strict=True):
+            r.draft_computed = start
+        call(self.relay)
+        self.books.append((after, [r.draft_computed for r in requests]))
+        return out
+
+
+class _Draws:
+    """A ``TokenShare`` over one list: the head's appends its draws, the relay's takes them in order."""
+
+    def __init__(self, draws: list[list[int]], record: bool) -> None:
+        self.draws, self.record = draws, record
+
+    def share(self, batch, count: int, sample) -> list[int]:
+        if not self.record:
+            return self.draws.pop(0)
+        self.draws.append(sample())
+        return self.draws[-1]
+
+
+@pytest.mark.parametrize("keeps_chain", [False, True])
+def test_a_stage_without_the_head_keeps_its_books(heads: dict[str, Path], keeps_chain: bool) -> None:
+    """EAGLE at PP (docs/speculative.md, layouts): a stage without the head relays (``DraftRelay``)
+    and must keep the head's ``draft_computed`` (which bounds what every stage caches) and prompt
+    catch-up count through prefill chunks, verified chains and prefix hits, or the stages would
+    cache other pages. The head recomputes accepted rows, so a relay keeping them as a draft
+    model's (``keeps_chain``, STANDALONE's) parts from it."""
+    engine = _engine(heads["target"], heads["mixed"], chunked_prefill_size=8, speculative_num_steps=3)
+    twin = engine.spec.drafter = _Twin(engine.spec.drafter, keeps_chain)
+    prompts = spread_prompts(4, 12, seed=5)
+    assert engine.generate(prompts, GREEDY) == engine.generate(prompts, GREEDY)  # the second from L1
+    assert engine.spec.counters.accepted_tokens > 0 and not twin.draws and twin.hit >= 8
+    assert len(twin.books) > 20
+    assert all(head == relay for head, relay in twin.books) is not keeps_chain
+    assert twin.relay.counters.prompt_catch_up_tokens == engine.spec.counters.prompt_catch_up_tokens
+
+
 def test_model_fetch_writes_a_random_head_for_a_target(heads: dict[str, Path], capsys) -> None:
     args = build_parser().parse_args(["model", "fetch", "--draft", "--eagle", "--target", str(heads["target"])])
     assert args.func(args) == 0
@@ -116,8 +197,8 @@ def test_model_fetch_writes_a_random_head_for_a_target(heads: dict[str, Path], c
 
 @pytest.mark.parametrize("flags, message", [
     (["--speculative-algorithm", "EAGLE"], "EAGLE needs --speculative-draft-model-path"),
-    (["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", "HEAD", "--pp-size", "2"],
-     "EAGLE with --pp-size or --cp-size above 1 is not supported yet"),
+    (["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", "HEAD", "--cp-size", "2"],
+     "EAGLE with --cp-size above 1 is not supported yet"),
     (["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", "WIDE"],
      "hidden size (32) differs from the target's (64)"),
     (["--speculative-algorithm", "eagle", "--speculative-draft-model-path", "HEAD",

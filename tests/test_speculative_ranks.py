@@ -1,10 +1,13 @@
 """Speculation at several ranks (docs/speculative.md, layouts): ``tierserve serve`` (real rank processes
 over gloo) with NGRAM at PP 2, CP 2 and TP 2 x CP 2, with a STANDALONE draft model at TP 2 and PP 2 (its
-KV packed into the target's pools, or in a sidecar pool), and with an EAGLE head at TP 2, answers a
+KV packed into the target's pools, or in a sidecar pool), and with an EAGLE head at TP 2 (its rows in a
+sidecar), PP 2 (packed, on the last stage, which copies the target's embedding) and TP 2 x PP 2 (sidecar,
+replicated on the last stage's tensor ranks), answers a
 concurrent batch through the OpenAI API with the greedy tokens of no speculation and of
 ``transformers``, and with a single engine's accepted-draft counts per request (drafts accepted and
 some rejected). With a draft model also: the batch again, its prefixes now cached with their draft
-rows, gives the same counts; a seeded sampled request draws the single engine's tokens. NGRAM at TP 2
+rows, gives the same counts, and so does a prompt followed by its answer (the answer's pages cached);
+a seeded sampled request draws the single engine's tokens. NGRAM at TP 2
 alone is the decode node of ``tests/test_speculative_pd.py``'s ``tierserve up`` test (one cluster fewer)."""
 
 from __future__ import annotations
@@ -36,11 +39,13 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 NGRAM = "ngram"
 # HiCache with a 48-page L1 per rank (L2: 96): the batch (about 36 pages) fits, three more prompts push it to L2
 L2 = ("--enable-hierarchical-cache", "--max-total-tokens", "192")
-# name: (tp size, more flags, draft source: a key of ``cases``), one server each
+# name: (tp size, more flags, draft source: a key of ``cases``), one server each; EAGLE's draft layout is
+# ``auto``: packed where the head's KV rows are shaped like a rank's target rows (PP 2), else the sidecar
 LAYOUTS = {"pp2": (1, ("--pp-size", "2"), NGRAM), "cp2": (1, ("--cp-size", "2"), NGRAM),
            "tp2-cp2": (2, ("--cp-size", "2"), NGRAM), "tp2-standalone-packed": (2, (), "packed"),
            "tp2-standalone-sidecar": (2, L2, "sidecar"), "pp2-standalone-packed": (1, ("--pp-size", "2"), "packed"),
-           "pp2-standalone-sidecar": (1, ("--pp-size", "2"), "sidecar"), "tp2-eagle": (2, (), "eagle")}
+           "pp2-standalone-sidecar": (1, ("--pp-size", "2"), "sidecar"), "tp2-eagle": (2, (), "eagle"),
+           "pp2-eagle": (1, ("--pp-size", "2"), "eagle"), "tp2-pp2-eagle": (2, ("--pp-size", "2"), "eagle")}
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
 SAMPLED = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.8, seed=7, ignore_eos=True)
 
@@ -89,7 +94,8 @@ def reference(tiny_llama: Path, tmp_path_factory) -> tuple[Path, list[list[int]]
 class Case:
     """A draft source's serving flags and what a single engine answers with it: the prompts' greedy
     tokens (no speculation's) and (draft, accepted) counts; with a draft model, the first prompt's
-    seeded sampled tokens and counts too."""
+    seeded sampled tokens and counts too, and ``continued``: the first prompt followed by its answer,
+    with its greedy tokens and counts."""
 
     model: Path
     flags: tuple[str, ...]
@@ -97,6 +103,7 @@ class Case:
     plain: list[list[int]]
     counts: list[tuple[int, int]]
     sampled: tuple[list[int], tuple[int, int]] | None = None
+    continued: tuple[list[int], list[int], tuple[int, int]] | None = None
 
 
 def _draft_case(model: Path, draft: Path, prompts: list[list[int]], plain: list[list[int]],
@@ -110,11 +117,14 @@ def _draft_case(model: Path, draft: Path, prompts: list[list[int]], plain: list[
     assert outputs == plain
     assert 0 < sum(a for _, a in counts) < sum(d for d, _ in counts), counts  # accepted and rejected
     sampled, sampled_counts = _single(engine(), prompts[:1], SAMPLED)
+    longer = prompts[0] + plain[0]
+    more, more_counts = _single(engine(), [longer])
     algorithm = spec.get("speculative_algorithm", SpeculativeAlgorithm.STANDALONE).value
     layout = spec.get("speculative_draft_layout")
     flags = ("--speculative-algorithm", algorithm, "--speculative-draft-model-path", str(draft),
              *(("--speculative-draft-layout", layout.value) if layout else ()))
-    return Case(model, flags, prompts, plain, counts, (sampled[0], sampled_counts[0]))
+    return Case(model, flags, prompts, plain, counts, (sampled[0], sampled_counts[0]),
+                (longer, more[0], more_counts[0]))
 
 
 @pytest.fixture(scope="module")
@@ -122,14 +132,15 @@ def cases(reference, tmp_path_factory) -> dict[str, Case]:
     """Per draft source: NGRAM's; STANDALONE's packed and sidecar, with a draft model of the
     reference model (its weights plus noise: it agrees with the target part of the time; for the
     sidecar its KV heads widened, rows of another shape); EAGLE's, a head that recomputes a
-    one-layer target's layer with a tenth of the feature mixed in (its own target and answers)."""
+    target's first layer with a tenth of the feature mixed in (its own target and answers; the
+    target's second layer adds nothing, so it splits over two stages and the head still mimics it)."""
     model, prompts, plain, counts = reference
     root = tmp_path_factory.mktemp("drafts")
     out = {NGRAM: Case(model, ("--speculative-algorithm", "NGRAM"), prompts, plain, counts)}
     for layout, draft in (("packed", make_noisy_draft(model, root / "noisy", 0.03)),
                           ("sidecar", widen_kv_heads(make_noisy_draft(model, root / "wide", 0.03)))):
         out[layout] = _draft_case(model, draft, prompts, plain, speculative_draft_layout=DraftLayout(layout))
-    target = add_word_tokenizer(make_eagle_target(root / "eagle-target"))
+    target = add_word_tokenizer(make_eagle_target(root / "eagle-target", layers=2))
     head = make_mimic_eagle(target, root / "eagle-head", 0.1)
     answers = _single(_engine(target, ngram=False), prompts)[0]
     assert answers == hf_greedy(target, prompts)
@@ -181,8 +192,14 @@ def _cached_and_sampled(node: TPServer, case: Case, hicache: bool) -> None:
     prompts pushed them out of L1) with their draft rows (each rank's head share, or the last
     stage's) gives the single uncached engine's counts (a draft reading wrong rows would agree less
     or more); a seeded sampled request draws the single engine's tokens with its counts (every rank
-    fed the sampling rank's draft draws)."""
+    fed the sampling rank's draft draws). Between them, the first prompt followed by its answer
+    matches the pages its answer filled (cached where every rank counted the same draft rows:
+    a stage whose books differed would match another prefix) and gives the single engine's counts."""
     _again(node, case, "device")
+    longer, tokens, counts = case.continued
+    text, got, tiers = _complete(node, case.model, longer)
+    assert tiers["device"] > len(case.prompts[0]), tiers
+    assert (token_ids(case.model, [text])[0], got) == (tokens, counts)
     if hicache:
         for filler in spread_prompts(3, 40, seed=77):
             _complete(node, case.model, filler)

@@ -159,15 +159,20 @@ def add_builtin_tokenizer(model_dir: Path, chat_template: str | None = None) -> 
     return model_dir
 
 
-def make_eagle_target(out_dir: Path, seed: int = 0) -> Path:
-    """A one-layer tiny llama whose embedding rows have RMS 1, so its first norm only scales them
-    by its weight: an EAGLE head can then compute what the target computes (``make_mimic_eagle``)."""
+def make_eagle_target(out_dir: Path, seed: int = 0, layers: int = 1) -> Path:
+    """A tiny llama whose embedding rows have RMS 1, so its first norm only scales them by its
+    weight: an EAGLE head can then compute what the target computes (``make_mimic_eagle``). Layers
+    after the first add nothing to the residual (their output projections are zero), so the model
+    computes what its first layer does, over as many pipeline stages as ``layers``."""
     from safetensors.torch import load_file, save_file
 
-    make_tiny_model("llama", out_dir, seed=seed, layers=1)
+    make_tiny_model("llama", out_dir, seed=seed, layers=layers)
     tensors = load_file(str(out_dir / "model.safetensors"))
     embed = tensors["model.embed_tokens.weight"]
     tensors["model.embed_tokens.weight"] = embed / embed.pow(2).mean(-1, keepdim=True).sqrt()
+    for name in [n for n in tensors if n.endswith(("o_proj.weight", "down_proj.weight"))]:
+        if not name.startswith("model.layers.0."):
+            tensors[name] = torch.zeros_like(tensors[name])
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     return out_dir
 

@@ -134,19 +134,13 @@ class EngineConfig:
 
     def _spec_layout_problem(self, algorithm: SpeculativeAlgorithm) -> str | None:
         """Why ``algorithm`` cannot run at this rank layout, or None (docs/speculative.md, layouts):
-        NGRAM runs at any; STANDALONE's draft model splits over tensor ranks and runs on the last
-        pipeline stage, not over CP ranks; an EAGLE head is replicated over tensor ranks only."""
-        if algorithm is SpeculativeAlgorithm.NGRAM or self.num_ranks == 1:
+        NGRAM runs at any; a draft model (split) or an EAGLE head (replicated) runs over tensor ranks
+        and on the last pipeline stage, not over CP ranks."""
+        if algorithm is SpeculativeAlgorithm.NGRAM or self.cp_size == 1:
             return None
-        if algorithm is SpeculativeAlgorithm.STANDALONE and self.cp_size == 1:
-            return None
-        if algorithm is SpeculativeAlgorithm.EAGLE and self.cp_size == 1 and self.pp_size == 1:
-            return None
-        what = "--cp-size" if algorithm is SpeculativeAlgorithm.STANDALONE else "--pp-size or --cp-size"
-        runs = "at --tp-size and --pp-size only" if algorithm is SpeculativeAlgorithm.STANDALONE else \
-            "at --tp-size only"
-        return (f"--speculative-algorithm {algorithm.value} with {what} above 1 is not supported yet (its draft "
-                f"runs {runs}): use --speculative-algorithm NGRAM there (docs/speculative.md, layouts)")
+        return (f"--speculative-algorithm {algorithm.value} with --cp-size above 1 is not supported yet (its "
+                "draft runs at --tp-size and --pp-size only): use --speculative-algorithm NGRAM there "
+                "(docs/speculative.md, layouts)")
 
     def _check_algorithm(self) -> None:
         """A draft model exactly for STANDALONE; the n-gram settings only for NGRAM, and in range."""

@@ -6,12 +6,15 @@ concat(embed(token), feature) [2H] to H, then Llama decoder layers (the first wi
 norm), no final norm, then the LM head. The embedding and the head are the target's unless the
 checkpoint has its own (``embed_tokens.weight``, ``lm_head.weight``); tensor names may carry a
 ``model.`` prefix. The feature is the target's final hidden state (after its norm), as SGLang and
-vLLM capture it."""
+vLLM capture it. On a last pipeline stage, which holds the target's LM head but not its embedding
+(unless tied), the head loads its own copy of the target's embedding from the target's checkpoint."""
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator
+from itertools import chain
 from pathlib import Path
 
 import torch
@@ -40,13 +43,16 @@ def feature_layers(hidden_size: int, num_kv_heads: int, head_dim: int) -> int:
 class EagleHead(nn.Module):
     """An EAGLE-1 head. ``first_layer``: the KV layer of the store its layer 0 uses (the feature
     plane's layers come first). ``target``: the model it drafts for, whose embedding and LM head it
-    uses where it has none of its own (kept outside the module: its weights are not the head's)."""
+    uses where it has none of its own (kept outside the module: its weights are not the head's).
+    Where ``target`` has no embedding (a last pipeline stage, its LM head untied) the head has one,
+    a copy of the target's (``load_eagle`` reads it from the target's checkpoint)."""
 
     def __init__(self, cfg: ModelConfig, first_layer: int, target: CausalLM, own: set[str], fc_bias: bool) -> None:
         super().__init__()
         self.config, self.__dict__["target"] = cfg, target
         hidden, tp = cfg.hidden_size, TensorParallel()
-        self.embed_tokens = Embedding(cfg.vocab_size, hidden) if "embed_tokens.weight" in own else None
+        embeds = "embed_tokens.weight" in own or target.embed_tokens is None
+        self.embed_tokens = Embedding(cfg.vocab_size, hidden) if embeds else None
         self.fc = nn.Linear(2 * hidden, hidden, bias=fc_bias)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position, cfg.rope_scaling)
         self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, first_layer + i, tp) for i in range(cfg.num_layers)})
@@ -106,9 +112,11 @@ def _names(draft_dir: Path) -> set[str]:
 
 
 def load_eagle(draft_dir: str | Path, target: CausalLM, first_layer: int, device: torch.device,
-               dtype: torch.dtype) -> EagleHead:
-    """The EAGLE head of ``draft_dir`` on ``device`` in ``dtype``, drafting for ``target``; raises
-    ``ValueError`` naming a tensor the layout has no place for, or a parameter left unloaded."""
+               dtype: torch.dtype, target_dir: Path | None = None) -> EagleHead:
+    """The EAGLE head of ``draft_dir`` on ``device`` in ``dtype``, drafting for ``target`` (loaded
+    from ``target_dir``, which must be given where ``target`` has no embedding and the head none of
+    its own: the head then copies it); raises ``ValueError`` naming a tensor the layout has no place
+    for, or a parameter left unloaded."""
     draft_dir = Path(draft_dir)
     cfg, own, fc_bias = eagle_config(draft_dir)
     previous = torch.get_default_dtype()
@@ -118,13 +126,30 @@ def load_eagle(draft_dir: str | Path, target: CausalLM, first_layer: int, device
             head = EagleHead(cfg, first_layer, target, own, fc_bias)
     finally:
         torch.set_default_dtype(previous)
-    _load(head, draft_dir)
+    borrowed = head.embed_tokens is not None and "embed_tokens.weight" not in own
+    if borrowed and target_dir is None:
+        raise ValueError(f"{draft_dir}: the target has no embedding here and the head none of its own; "
+                         "load_eagle needs the target's folder to copy it from")
+    tensors = checkpoint_tensors(draft_dir)
+    _load(head, draft_dir, chain(tensors, _target_embedding(Path(target_dir))) if borrowed else tensors)
     return head.eval().requires_grad_(False)
 
 
-def _load(head: EagleHead, draft_dir: Path) -> None:
+def _target_embedding(target_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """The target checkpoint's embedding tensor, read alone (its name and tensor)."""
+    from safetensors import safe_open
+
+    for file in sorted(target_dir.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                if parameter_target(name)[0] == "embed_tokens.weight":
+                    yield name, f.get_tensor(name)
+                    return
+
+
+def _load(head: EagleHead, draft_dir: Path, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
     params, loaded = dict(head.named_parameters()), set()
-    for ckpt_name, tensor in checkpoint_tensors(draft_dir):
+    for ckpt_name, tensor in tensors:
         name, shard = parameter_target(ckpt_name)
         if name == "layers.0.input_layernorm.weight" or name.endswith("rotary_emb.inv_freq"):
             continue  # some conversions keep the unused norm

@@ -49,22 +49,23 @@ class SpecDecoder:
     @classmethod
     def of(cls, config: EngineConfig, target: CausalLM, pool: DeviceKVPool, draft_kv: DraftKV | None,
            runner: ModelRunner, tp: TensorParallel = SINGLE) -> SpecDecoder | None:
-        """The engine's decoder for ``config`` (None without speculation; ``draft_kv``: STANDALONE's;
-        ``runner``: the engine's, which NGRAM's target pass runs on, and STANDALONE's at several
-        ranks; ``tp``: the rank's tensor shard, the draft model's too)."""
+        """The engine's decoder for ``config`` (None without speculation; ``draft_kv``: the draft's
+        or EAGLE head's, None on a pipeline stage without it; ``runner``: the engine's, which the
+        target's pass runs on at several ranks; ``tp``: the rank's tensor shard, the draft model's too)."""
         algorithm, counters, device = config.spec_algorithm, SpecCounters(), pool.buffer.device
         if algorithm is SpeculativeAlgorithm.NGRAM:
             drafter: Drafter = NgramDrafter(config.ngram_sizes, target.config.vocab_size, device)
-        elif algorithm is SpeculativeAlgorithm.STANDALONE and draft_kv is None:  # a stage without the draft
-            drafter = DraftRelay(counters, runner.tokens)
+        elif algorithm is None:
+            return None
+        elif draft_kv is None:  # a pipeline stage without the draft
+            drafter = DraftRelay(counters, runner.tokens, keeps_chain=algorithm is SpeculativeAlgorithm.STANDALONE)
         elif algorithm is SpeculativeAlgorithm.STANDALONE:
             path = config.speculative_draft_model_path
             drafter = ModelDrafter(path, draft_kv, device, pool.geometry.dtype, counters, tp, runner.tokens)
-        elif algorithm is SpeculativeAlgorithm.EAGLE and draft_kv is not None:  # at one stage (EngineConfig)
-            path = config.speculative_draft_model_path
-            drafter = EagleDrafter(path, draft_kv, target, device, pool.geometry.dtype, counters, runner.tokens)
         else:
-            return None
+            path = config.speculative_draft_model_path
+            drafter = EagleDrafter(path, draft_kv, target, device, pool.geometry.dtype, counters, runner.tokens,
+                                   config.model_dir)
         on_ranks = runner if algorithm is SpeculativeAlgorithm.NGRAM or config.num_ranks > 1 else None
         return cls(target, pool, drafter, config.spec_steps, counters, on_ranks)
 

@@ -74,13 +74,17 @@ class EagleDrafter:
     the head's own outputs and are recomputed once their tokens are verified)."""
 
     def __init__(self, draft_dir: Path, draft_kv: DraftKV, target: CausalLM, device: torch.device,
-                 dtype: torch.dtype, counters: SpecCounters, tokens: TokenShare | None = None) -> None:
+                 dtype: torch.dtype, counters: SpecCounters, tokens: TokenShare | None = None,
+                 target_dir: Path | None = None) -> None:
         """Several tensor ranks: every rank runs the whole head (replicated: one layer, its KV and
         the plane whole on each rank, fed the target's final hidden states, which every tensor rank
-        has), and ``tokens`` (the runner's) makes it take the sampling rank's draw at each chain step."""
+        has), and ``tokens`` (the runner's) makes it take the sampling rank's draw at each chain step.
+        Pipeline stages: the last runs it (``target`` is that stage's, with the LM head; the head
+        copies the embedding from ``target_dir`` if that stage has none), the others relay
+        (``DraftRelay``)."""
         cfg, _, _ = eagle_config(Path(draft_dir))
         plane = feature_layers(cfg.hidden_size, cfg.num_kv_heads, cfg.head_dim)
-        self.head = load_eagle(draft_dir, target, plane, device, dtype)
+        self.head = load_eagle(draft_dir, target, plane, device, dtype, target_dir)
         self.plane = FeaturePlane(draft_kv.kv, plane, cfg.hidden_size)
         self.draft_kv, self.counters, self.tokens = draft_kv, counters, tokens or SoleSampler()
 

@@ -76,14 +76,16 @@ class ModelDrafter:
 
 
 class DraftRelay:
-    """STANDALONE on a pipeline stage without the draft model (every stage but the last, which runs
-    it whole: docs/speculative.md, layouts) (``Drafter``). It computes nothing but keeps the books
-    the last stage's ``ModelDrafter`` keeps (``draft_computed``, so every stage caches the same
-    pages; the prompt catch-up counter, which rank 0 reports) and takes each chain step's draws from
-    the sampling rank, in the same broadcasts, so every stage verifies the same drafts."""
+    """STANDALONE or EAGLE on a pipeline stage without the draft (every stage but the last, which
+    runs it whole: docs/speculative.md, layouts) (``Drafter``). It computes nothing but keeps the
+    books the last stage's ``ModelDrafter`` or ``EagleDrafter`` keeps (``draft_computed``, so every
+    stage caches the same pages; the prompt catch-up counter, which rank 0 reports) and takes each
+    chain step's draws from the sampling rank, in the same broadcasts, so every stage verifies the
+    same drafts. ``keeps_chain``: whether the chain's rows count once verified (a draft model's),
+    or are recomputed with the target's features (an EAGLE head's: ``EagleDrafter.verified``)."""
 
-    def __init__(self, counters: SpecCounters, tokens: TokenShare) -> None:
-        self.counters, self.tokens = counters, tokens
+    def __init__(self, counters: SpecCounters, tokens: TokenShare, keeps_chain: bool = True) -> None:
+        self.counters, self.tokens, self.keeps_chain = counters, tokens, keeps_chain
 
     def propose(self, batch: list[Scheduled], hooks: LayerHooks | None) -> dict[str, Drafted]:
         """The sampling rank's drafts, step by step as ``chain`` shares them (this rank never samples)."""
@@ -106,7 +108,8 @@ class DraftRelay:
         _synced(batch)
 
     def verified(self, request: Request, drafted: Drafted, accepted: int) -> None:
-        _chain_verified(request, drafted, accepted)
+        if self.keeps_chain:
+            _chain_verified(request, drafted, accepted)
 
 
 def _catch_up(batch: list[Scheduled], counters: SpecCounters) -> list[int]:
