@@ -21,8 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tierserve.engine.cp.gather import LayerGather
-from tierserve.model.attention import AttentionBatch, decode_attention, gather_pages
-from tierserve.model.partial_attention import combine
+from tierserve.model.attention import AttentionBatch, decode_attention, gather_pages, split_extend
 
 SPLIT_MIN_TOKENS = 256  # a step with fewer new tokens stays replicated: docs/cp.md has the measurement
 
@@ -186,9 +185,9 @@ def _before(s: SplitSeq, new: torch.Tensor, buffer: torch.Tensor, page_size: int
 def attend_piece(q: torch.Tensor, k_old: torch.Tensor, v_old: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                  scale: float, fused: bool | None = None) -> torch.Tensor:
     """q [L, heads, dim] over every key of ``k_old`` (the positions before the piece, no mask) and of
-    ``k_new`` (the piece's own, causal; [L, kv_heads, dim]) -> [L, heads, dim]. ``fused``: two calls
-    of the fused CPU kernel (which returns the log-sum-exp) merged, rather than one masked call (the
-    default on CPU, where a mask over every key is materialised and slow)."""
+    ``k_new`` (the piece's own, causal; [L, kv_heads, dim]) -> [L, heads, dim]. ``fused``: the two
+    parts merged by log-sum-exp (``split_extend``, the default on CPU, where a mask over every key is
+    materialised and slow), rather than one masked call."""
     fused = q.device.type == "cpu" if fused is None else fused
     if k_old.shape[0] == 0:
         return _sdpa(q, k_new, v_new, scale, causal=True)
@@ -197,9 +196,7 @@ def attend_piece(q: torch.Tensor, k_old: torch.Tensor, v_old: torch.Tensor, k_ne
         q_pos = torch.arange(q.shape[0], device=q.device) + k_old.shape[0]
         mask = torch.arange(keys.shape[0], device=q.device)[None, :] <= q_pos[:, None]
         return _sdpa(q, keys, values, scale, mask=mask)
-    parts = [_flash(q, k_old, v_old, scale, causal=False), _flash(q, k_new, v_new, scale, causal=True)]
-    out, _ = combine(torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]))
-    return out.to(q.dtype)
+    return split_extend(q, k_new, v_new, k_old, v_old, scale)
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool = False,
@@ -208,11 +205,3 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causa
     o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True)
     return o[0].transpose(0, 1)
 
-
-def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool
-           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """PyTorch's CPU flash attention with its log-sum-exp: out [Q, heads, dim] float32, lse [Q, heads]."""
-    group = q.shape[1] // k.shape[1]
-    qh, kh, vh = (t.transpose(0, 1)[None] for t in (q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)))
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qh, kh, vh, is_causal=causal, scale=scale)
-    return out[0].transpose(0, 1).float(), lse[0].transpose(0, 1).float()
