@@ -19,7 +19,16 @@ from pathlib import Path
 import httpx
 import pytest
 from helpers.polling import poll, poll_settled, wait_for
-from helpers.rank_servers import TPServer, descendants, rank_pids, start_server, wait_exit, wait_gone
+from helpers.rank_servers import (
+    TPServer,
+    cmdline,
+    descendants,
+    proc_state,
+    rank_pids,
+    start_server,
+    wait_exit,
+    wait_gone,
+)
 from helpers.tiny_models import add_word_tokenizer, make_tiny_model
 
 from tierserve.cli.main import main
@@ -156,33 +165,18 @@ def _stop_rank(parent: int) -> int | None:
         return None
     with contextlib.suppress(ProcessLookupError):
         os.kill(pids[0], signal.SIGSTOP)
-        state = poll_settled(lambda: _state(pids[0]), lambda s: s in ("T", "Z", ""), 1, interval_s=0.001)
-        if state == "T" and _cmdline(pids[0]) == _cmdline(parent):
+        state = poll_settled(lambda: proc_state(pids[0]), lambda s: s in ("T", "Z", ""), 1, interval_s=0.001)
+        if state == "T" and cmdline(pids[0]) == cmdline(parent):
             return pids[0]
         os.kill(pids[0], signal.SIGCONT)
     return None
 
 
-def _state(pid: int) -> str:
-    """The process's state letter (``T``: stopped, ``Z``: ended, not yet reaped), "" once it is gone."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return ""
-
-
 def _worker_pids(parent: int) -> list[int]:
     """The node's other ranks: forked on CPU (``spawn.start_method``), so their command line is the
     node's; the node's other children (a short-lived helper a library runs) are not ranks."""
-    node = _cmdline(parent)
-    return [pid for pid in descendants(parent) if _cmdline(pid) == node]
-
-
-def _cmdline(pid: int) -> bytes:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return b""  # it ended while we read
+    node = cmdline(parent)
+    return [pid for pid in descendants(parent) if cmdline(pid) == node]
 
 
 def test_a_tp_size_that_does_not_fit_is_refused(model: Path) -> None:

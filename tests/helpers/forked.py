@@ -66,6 +66,9 @@ class ForkedProcess:
         self.send_signal(signal.SIGKILL)
 
 
+Started = subprocess.Popen | ForkedProcess  # what a test's process helpers accept, however it was started
+
+
 def start_cli(argv: list[str], log: Path, env: dict[str, str] | None = None, append: bool = True) -> ForkedProcess:
     """Starts ``tierserve <argv>`` with stdout and stderr to ``log`` (appended to, or truncated with
     ``append=False``); ``env`` adds to the test's environment."""

@@ -3,20 +3,19 @@
 from __future__ import annotations
 
 import asyncio
-import subprocess
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 if TYPE_CHECKING:
-    from helpers.forked import ForkedProcess
+    from helpers.forked import Started
 
 T = TypeVar("T")
 
 
 def wait_until(ready: Callable[[], bool], what: str, deadline_s: float,
-               proc: subprocess.Popen | ForkedProcess | None = None,
+               proc: Started | None = None,
                log: Path | None = None) -> None:
     """Polls ``ready()`` until it is true; raises ``RuntimeError`` (with the tail of ``log``) when
     ``proc`` exits first and ``TimeoutError`` past the deadline: a process that is not ready."""

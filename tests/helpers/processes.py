@@ -13,13 +13,13 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from helpers.forked import ForkedProcess, start_cli
+from helpers.forked import Started, start_cli
 from helpers.polling import wait_until
 from tierserve.cache.storage.mooncake import MooncakeStorage
 from tierserve.launch import free_port, grpc_serving, http_ok, tcp_open
 
 
-def stop(proc: subprocess.Popen | ForkedProcess) -> None:
+def stop(proc: Started) -> None:
     """SIGTERM, then SIGKILL if it is still running after 20 s."""
     if proc.poll() is None:
         proc.terminate()
@@ -30,7 +30,7 @@ def stop(proc: subprocess.Popen | ForkedProcess) -> None:
             proc.wait(timeout=10)
 
 
-def stop_all(procs: Iterable[subprocess.Popen | ForkedProcess]) -> None:
+def stop_all(procs: Iterable[Started]) -> None:
     """``stop`` for several processes at once: SIGTERM to each, then waits for each, so that their
     shutdowns overlap instead of following one another."""
     running = [proc for proc in procs if proc.poll() is None]

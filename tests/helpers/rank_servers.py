@@ -13,7 +13,7 @@ import openai
 import torch
 from tokenizers import Tokenizer
 
-from helpers.forked import ForkedProcess, start_cli
+from helpers.forked import ForkedProcess, Started, start_cli
 from helpers.polling import wait_until
 from helpers.processes import stop
 from tierserve.launch import free_port, http_ok
@@ -108,19 +108,29 @@ def wait_gone(pids: set[int], deadline_s: float) -> list[str]:
 
 
 def _cmdline(pid: int) -> str:
+    line = cmdline(pid)
+    return f"{pid}: " + (line.replace(b"\0", b" ").decode() if line else "gone")
+
+
+def cmdline(pid: int) -> bytes:
+    """The process's command line as /proc holds it (NUL-separated); b"" once it is gone."""
     try:
-        return f"{pid}: " + Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
-        return f"{pid}: gone"
+        return b""
+
+
+def proc_state(pid: int) -> str:
+    """The process's state letter (``T``: stopped, ``Z``: ended, not yet reaped); "" once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
 
 
 def alive(pid: int) -> bool:
     """Running (not a zombie waiting for its parent to reap it)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
+    return proc_state(pid) not in ("", "Z")
 
 
 def complete(client: openai.OpenAI, model: str, prompt: list[int]) -> str:
@@ -134,13 +144,12 @@ def complete(client: openai.OpenAI, model: str, prompt: list[int]) -> str:
 def rank_pids(parent: int, expected: int) -> list[int]:
     """A node's rank processes after rank 0 (its children that are not multiprocessing's resource
     tracker), sorted; asserts there are ``expected`` of them."""
-    pids = sorted(pid for pid in descendants(parent)
-                  if b"resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_bytes())
+    pids = sorted(pid for pid in descendants(parent) if b"resource_tracker" not in cmdline(pid))
     assert len(pids) == expected, pids
     return pids
 
 
-def wait_exit(proc: subprocess.Popen | ForkedProcess, deadline_s: float) -> int:
+def wait_exit(proc: Started, deadline_s: float) -> int:
     """``proc``'s exit status; kills it and fails if it still runs after ``deadline_s``."""
     try:
         return proc.wait(timeout=deadline_s)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterator
-from itertools import chain
+from itertools import chain, islice
 from pathlib import Path
 
 import torch
@@ -137,14 +137,7 @@ def load_eagle(draft_dir: str | Path, target: CausalLM, first_layer: int, device
 
 def _target_embedding(target_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """The target checkpoint's embedding tensor, read alone (its name and tensor)."""
-    from safetensors import safe_open
-
-    for file in sorted(target_dir.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
-                if parameter_target(name)[0] == "embed_tokens.weight":
-                    yield name, f.get_tensor(name)
-                    return
+    return islice(checkpoint_tensors(target_dir, lambda name: parameter_target(name)[0] == "embed_tokens.weight"), 1)
 
 
 def _load(head: EagleHead, draft_dir: Path, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -42,14 +42,18 @@ def resolve_dtype(name: str, cfg: ModelConfig, device: torch.device) -> torch.dt
     return wanted if wanted is torch.bfloat16 and native_bf16 else torch.float32
 
 
-def checkpoint_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def checkpoint_tensors(model_dir: Path, keep: Callable[[str], bool] | None = None
+                       ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(checkpoint name, tensor) of every tensor of ``model_dir``'s safetensors files, or of those whose
+    name ``keep`` accepts (the others are not read)."""
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{model_dir}: no *.safetensors files")
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
-                yield name, f.get_tensor(name)
+                if keep is None or keep(name):
+                    yield name, f.get_tensor(name)
 
 
 def parameter_target(name: str) -> tuple[str, object]:

@@ -22,8 +22,7 @@ def fused_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sees: torch.Ten
     """q [Q, heads, dim]; k, v [K, kv_heads, dim]; ``sees`` [Q, K] which key each query sees (None: all)
     -> out [Q, heads, dim] float32, lse [Q, heads] (a row that sees nothing: 0 and -inf, so a merge
     ignores it; the kernel itself gives 0 and 0)."""
-    group = q.shape[1] // k.shape[1]
-    qh, kh, vh = (t.transpose(0, 1)[None] for t in (q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)))
+    qh, kh, vh = _per_query_head(q, k, v)
     bias = None
     if sees is not None:
         bias = torch.zeros(sees.shape, dtype=q.dtype, device=q.device).masked_fill_(~sees, float("-inf"))
@@ -53,10 +52,17 @@ def causal_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     """Query i over keys 0..i, on the CPU: q [Q, heads, dim]; k, v [Q, kv_heads, dim] -> out [Q, heads, dim]
     in q's dtype, lse [Q, heads] float32. The keys are copied per query head (only the chunk's own keys;
     folding heads into queries would break the causal diagonal)."""
-    group = q.shape[1] // k.shape[1]
-    qh, kh, vh = (t.transpose(0, 1)[None] for t in (q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)))
+    qh, kh, vh = _per_query_head(q, k, v)
     out, lse = _FLASH_CPU(qh, kh, vh, is_causal=True, scale=scale)[:2]
     return out[0].transpose(0, 1), lse[0].transpose(0, 1)
+
+
+def _per_query_head(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [Q, heads, dim], k and v [K, kv_heads, dim] as the kernel takes them: [1, heads, Q or K, dim], each
+    KV head repeated for its query heads."""
+    group = q.shape[1] // k.shape[1]
+    return tuple(t.transpose(0, 1)[None] for t in (q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)))
 
 
 def combine(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
