@@ -18,6 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from helpers.injected_faults import node_env, write_faults
 from helpers.polling import poll, poll_settled, wait_for
 from helpers.rank_servers import (
     TPServer,
@@ -32,6 +33,7 @@ from helpers.rank_servers import (
 from helpers.tiny_models import add_word_tokenizer, make_tiny_model
 
 from tierserve.cli.main import main
+from tierserve.core.test_hooks import JOIN_LAG
 
 pytestmark = pytest.mark.integration
 DEATH_DEADLINE_S = 30.0
@@ -149,6 +151,19 @@ def test_a_rank_slow_to_start_is_waited_for_past_the_dist_timeout(model: Path, t
                       interval_s=0.005)  # stopped before it reached the rendezvous
         time.sleep(HELD_FOR_S)  # the fault's length (past the 2 s timeout), not a wait for readiness
         os.kill(worker, signal.SIGCONT)
+        server.wait_healthy()
+        assert _stream_in_background(server).wait(60), "no token streamed"
+    finally:
+        server.stop()
+
+
+def test_a_rank_slow_while_the_groups_form_is_waited_for_past_the_dist_timeout(model: Path, tmp_path: Path) -> None:
+    """Every rank arrived, then rank 1 takes longer than --dist-timeout to form the groups (the test's
+    ``join`` lag): still part of the start, so the node serves (CI failed once with rank 0's gloo
+    connect given up after the 2 s collective timeout)."""
+    faults = write_faults(tmp_path / "faults.json", lag={JOIN_LAG: HELD_FOR_S})
+    server = start_server(model, 2, tmp_path / "serve.log", "--dist-timeout", "2", env=node_env(faults))
+    try:
         server.wait_healthy()
         assert _stream_in_background(server).wait(60), "no token streamed"
     finally:

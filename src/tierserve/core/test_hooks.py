@@ -29,6 +29,9 @@ class FaultSwitch(Enum):
     LAG_COMMANDS = "lag_commands"  # a node's ranks 1..N-1 apply these commands late: {command type name: seconds}
 
 
+JOIN_LAG = "join"  # a ``lag_commands`` key: ranks 1..N-1 sleep after all ranks arrived, before the groups form
+
+
 def refuse_test_switches(config: Mapping[str, Any]) -> None:
     """``ValueError`` naming the first test-only switch that ``config`` (an L3 extra config) holds."""
     for switch in FaultSwitch:
@@ -44,6 +47,12 @@ def injected(switch: FaultSwitch) -> Any:
     if not path:
         return None
     return json.loads(Path(path).read_text()).get(switch.value)
+
+
+def injected_lag(name: str) -> float:
+    """Seconds the tests' ``lag_commands`` switch gives ``name`` (a command's type name or ``JOIN_LAG``);
+    0 without it."""
+    return float((injected(FaultSwitch.LAG_COMMANDS) or {}).get(name, 0.0))
 
 
 def lagging(bind: Callable[[C], C]) -> Callable[[C], C]:

@@ -12,6 +12,7 @@ Every group has a timeout, so no rank waits in a collective for ever.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from enum import Enum
@@ -22,6 +23,7 @@ import torch.distributed as dist
 from tierserve.cache.sharded.agreement import Agreement, CollectiveMin, SingleRank
 from tierserve.cache.sharded.cp_pages import PageOwnership
 from tierserve.cache.sharded.shards import HeadRange, KVShard, LayerRange
+from tierserve.core.test_hooks import JOIN_LAG, injected_lag
 from tierserve.engine.config import EngineConfig
 from tierserve.engine.procs.rank_layout import RankLayout, RankPlace
 from tierserve.model.parallel import HeadShard, TensorParallel
@@ -141,7 +143,8 @@ def single_rank(config: EngineConfig) -> Ranks:
 
 def rendezvous(size: int, timeout_s: float) -> dist.TCPStore:
     """Rank 0's store, on any free port of ``HOST`` (``store.port``), for the other ranks to join."""
-    return dist.TCPStore(HOST, 0, size, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+    return dist.TCPStore(HOST, 0, size, is_master=True, timeout=_startup_timeout(timeout_s),
+                         wait_for_workers=False)
 
 
 def nccl_settings(timeout_s: float) -> dict[str, str]:
@@ -157,18 +160,29 @@ def nccl_settings(timeout_s: float) -> dict[str, str]:
 
 def join(spec: RankSpec, config: EngineConfig, store: dist.Store | None = None) -> Ranks:
     """Joins the node's groups as ``spec.rank`` (rank 0 passes the store it hosts); returns the rank's
-    view. Blocks until every rank joined or ``spec.timeout_s`` passed."""
+    view. Forming the groups is part of starting a rank, bounded by the start's timeout
+    (``_startup_timeout``); every collective after it by ``spec.timeout_s`` (``--dist-timeout``)."""
     device = pick_device(config.device, spec.rank, config.base_gpu_id)
-    timeout = timedelta(seconds=spec.timeout_s)
+    startup = _startup_timeout(spec.timeout_s)
     if store is None:
-        store = dist.TCPStore(HOST, spec.store_port, spec.size, is_master=False, timeout=timeout)
+        store = dist.TCPStore(HOST, spec.store_port, spec.size, is_master=False, timeout=startup)
     backend = Backend.NCCL if device.type == "cuda" else Backend.GLOO
     if backend is Backend.NCCL:
         torch.cuda.set_device(device)
         for name, value in nccl_settings(spec.timeout_s).items():
             os.environ.setdefault(name, value)  # read by ProcessGroupNCCL when the group forms; an operator's own win
     _wait_all_arrived(store, spec)
-    dist.init_process_group(backend.value, store=store, rank=spec.rank, world_size=spec.size, timeout=timeout)
+    if spec.rank > 0:
+        time.sleep(injected_lag(JOIN_LAG))
+    dist.init_process_group(backend.value, store=store, rank=spec.rank, world_size=spec.size, timeout=startup)
+    ranks = _join_groups(spec, config, device, backend, startup)
+    _bound_collectives(ranks, timedelta(seconds=spec.timeout_s))
+    return ranks
+
+
+def _join_groups(spec: RankSpec, config: EngineConfig, device: torch.device, backend: Backend,
+                 timeout: timedelta) -> Ranks:
+    """Creates the node's groups (every rank creates every group, in order) and returns this rank's."""
     control = dist.new_group(backend="gloo", timeout=timeout) if backend is Backend.NCCL else None
     _share_cpu(device, spec.size)
     layout = RankLayout(config.tp_size, config.cp_size, config.pp_size)
@@ -187,14 +201,26 @@ def join(spec: RankSpec, config: EngineConfig, store: dist.Store | None = None) 
     return Ranks(tp, device, control, stage, PageOwnership(place.cp, config.cp_size), merges, gathers)
 
 
+def _startup_timeout(timeout_s: float) -> timedelta:
+    """How long a rank's start may take: ``STARTUP_TIMEOUT_S``, or the collective timeout if longer."""
+    return timedelta(seconds=max(STARTUP_TIMEOUT_S, timeout_s))
+
+
+def _bound_collectives(ranks: Ranks, timeout: timedelta) -> None:
+    """Gives every group this rank is in the collective timeout once all formed: a rank frozen or slow
+    while the groups form (a loaded machine) was waited for, one frozen in a step is not. torch has no
+    public call for it; ``_set_pg_timeout`` sets the backend's default timeout, read by each collective."""
+    groups = {None, ranks.control, ranks.tp.group, ranks.cp_merge, ranks.cp_group}
+    for group in groups:
+        dist.distributed_c10d._set_pg_timeout(timeout, group)
+
+
 def _wait_all_arrived(store: dist.Store, spec: RankSpec) -> None:
-    """Waits until every rank of the node reached its join, at most ``STARTUP_TIMEOUT_S`` (or the
-    collective timeout, if longer): starting a rank (imports, device, a loaded machine) is not a
-    step, so ``--dist-timeout`` must not bound it; the rendezvous that follows then finds every rank
-    there. A rank that dies meanwhile takes the node down through the watchdog (docs/ranks.md)."""
+    """Waits until every rank of the node reached its join, at most the start's timeout: starting a
+    rank (imports, device, a loaded machine) is not a step, so ``--dist-timeout`` must not bound it.
+    A rank that dies meanwhile takes the node down through the watchdog (docs/ranks.md)."""
     store.set(f"arrived/{spec.rank}", b"1")
-    wait = timedelta(seconds=max(STARTUP_TIMEOUT_S, spec.timeout_s))
-    store.wait([f"arrived/{rank}" for rank in range(spec.size)], wait)
+    store.wait([f"arrived/{rank}" for rank in range(spec.size)], _startup_timeout(spec.timeout_s))
 
 
 def _own_group(groups: list[list[int]], mine: int, timeout: timedelta) -> dist.ProcessGroup | None:
