@@ -121,11 +121,10 @@ def _serve(args: argparse.Namespace, engine: Engine, on_ready: Callable[[], None
     from tierserve.api.tokenizer import try_load
     from tierserve.engine.loop import EngineLoop
     from tierserve.engine.procs.step_bus import LeaderBus
-    from tierserve.engine.step_watch import StepWatch
     from tierserve.tracing import start_tracing
 
     bus = LeaderBus(engine.ranks, ranks.fail) if ranks is not None else None
-    watch = StepWatch(engine.config.dist_timeout_s) if ranks is not None else None
+    watch = ranks.watch() if ranks is not None else None
     loop = EngineLoop(engine, bus, watch).start()
     try:
         name = args.served_model_name or engine.model_config.name

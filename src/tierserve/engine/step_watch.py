@@ -31,10 +31,15 @@ STEP_FLOOR_S = 3.0  # never overdue sooner: a tiny model's CPU step on a loaded 
 STEP_FACTOR = 4.0
 HISTORY = 32
 LARGE_STEP_TOKENS = 64  # a turn of at least this many tokens measures the per-token cost, not the fixed one
+LIVE_FACTOR = 4.0  # every rank's heartbeat fresh: the step is slow, not frozen (a loaded CPU), so wait longer
 
 
 def _one() -> int:
     return 1
+
+
+def _none() -> list[int]:
+    return []
 
 
 class StepWatch:
@@ -42,8 +47,10 @@ class StepWatch:
     and writes are of single attributes (atomic under the GIL): no lock."""
 
     def __init__(self, dist_timeout_s: float, floor_s: float = STEP_FLOOR_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, stale: Callable[[], list[int]] | None = None) -> None:
         self.floor_s, self.cap_s, self.clock = floor_s, dist_timeout_s / 2, clock
+        self._stale = stale or _none  # the ranks not running at all (``Heartbeats.stale``; None: not known)
+        self._factor = STEP_FACTOR * (LIVE_FACTOR if stale is not None else 1.0)
         self._turns: deque[tuple[int, float]] = deque(maxlen=HISTORY)  # (tokens, seconds) of recent turns
         self._work: Callable[[], int] = _one
         self._started: float | None = None
@@ -51,8 +58,11 @@ class StepWatch:
 
     @property
     def bound_s(self) -> float:
-        """How long the current turn may run before the node reports unhealthy (the rule above)."""
-        return min(max(self.floor_s, STEP_FACTOR * self._expected(max(1, self._work()))), self.cap_s)
+        """How long the current turn may run before the node reports unhealthy (the rule above): the
+        floor alone while a rank is not running at all (its heartbeat is stale)."""
+        if self._stale():
+            return self.floor_s
+        return min(max(self.floor_s, self._factor * self._expected(max(1, self._work()))), self.cap_s)
 
     def _expected(self, tokens: int) -> float:
         """A turn of ``tokens`` tokens takes about this long, from the recent turns (the rule above)."""
@@ -82,14 +92,17 @@ class StepWatch:
             return False
         if not self._reported:
             self._reported = True
-            log.error("rank 0's step has run %.1f s, past its bound of %.1f s (a rank frozen or a collective "
-                      "stuck): the node reports unhealthy until it ends", self.clock() - started, self.bound_s)
+            stale = self._stale()
+            why = f"ranks {stale} not running: no heartbeat" if stale else \
+                "a rank frozen or a collective stuck"
+            log.error("rank 0's step has run %.1f s, past its bound of %.1f s (%s): the node reports unhealthy "
+                      "until it ends", self.clock() - started, self.bound_s, why)
         return True
 
     def _ended(self, took: float, learn: bool) -> None:
         bound = self.bound_s
-        if took > bound:
-            log.warning("rank 0's step ended after %.1f s, past its bound of %.1f s: healthy again", took, bound)
+        if took > bound or self._reported:  # a rank stopped and went on: its bound is long again, the time no step's
+            log.warning("rank 0's step ended after %.1f s, past its bound: healthy again", took)
         elif learn:
             self._turns.append((max(1, self._work()), took))
         self._reported = False

@@ -23,7 +23,6 @@ from tierserve.engine.engine import Engine
 from tierserve.engine.loop import EngineLoop
 from tierserve.engine.procs.spawn import RankProcesses
 from tierserve.engine.procs.step_bus import LeaderBus
-from tierserve.engine.step_watch import StepWatch
 from tierserve.model.parallel import misfit
 from tierserve.node.kv_events import advertised_endpoint, start_kv_events
 from tierserve.node.metrics import NodeMetrics
@@ -120,7 +119,7 @@ def _start(engine: Engine, ranks: RankTransfer, options: NodeOptions, procs: Ran
         curve = CurveKeys.from_token(options.node_token) if options.node_token else None
         kv_events = start_kv_events(engine, f"tcp://{options.host}:{options.kv_events_port}", curve=curve)
     loop = EngineLoop(engine, LeaderBus(engine.ranks, procs.fail) if procs else None,
-                      StepWatch(engine.config.dist_timeout_s) if procs else None)
+                      procs.watch() if procs else None)
     service = "tierserve-" + pb.Role.Name(role).removeprefix("ROLE_").lower()
     tracer = start_tracing(options.tracing, service, f"{options.host}:{options.port}")
     node = Node(engine, loop.start(), ranks.receiver, ranks.peers, NodeMetrics(loop), kv_events, ranks, tracer=tracer)

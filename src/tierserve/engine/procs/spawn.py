@@ -14,8 +14,10 @@ from multiprocessing.process import BaseProcess
 from tierserve.engine.commands import RankRole
 from tierserve.engine.config import EngineConfig
 from tierserve.engine.procs.failure_report import reported_failures
+from tierserve.engine.procs.heartbeat import Heartbeats
 from tierserve.engine.procs.ranks import Ranks, RankSpec, join, pick_device, rendezvous
 from tierserve.engine.procs.worker import run_rank
+from tierserve.engine.step_watch import StepWatch
 
 log = logging.getLogger(__name__)
 STOP_GRACE_S = 10.0  # how long stopped ranks may take to leave before they are killed
@@ -29,6 +31,7 @@ class RankProcesses:
     def __init__(self, config: EngineConfig, log_level: str, role: RankRole | None = None) -> None:
         self.config, self.role = config, role
         self.store = rendezvous(config.num_ranks, config.dist_timeout_s)
+        self.heartbeats = Heartbeats(mp.get_context(start_method(config.device)), config.num_ranks)
         self.children = [self._spawn(rank, log_level) for rank in range(1, config.num_ranks)]
         self._stopping = threading.Event()
         threading.Thread(target=self._watch, name="rank-watchdog", daemon=True).start()
@@ -36,6 +39,10 @@ class RankProcesses:
     def join(self) -> Ranks:
         """Rank 0 joins the node's groups (waits for every rank, at most the timeout)."""
         return join(self._spec(0), self.config, self.store)
+
+    def watch(self) -> StepWatch:
+        """Rank 0's step watch over these ranks (their heartbeats tell a stopped rank from a slow one)."""
+        return StepWatch(self.config.dist_timeout_s, stale=self.heartbeats.stale)
 
     def fail(self, reason: str) -> None:
         """Takes the node down: kills every other rank and exits this process with status 1. The
@@ -58,7 +65,7 @@ class RankProcesses:
         return RankSpec(rank, self.config.num_ranks, self.store.port, self.config.dist_timeout_s)
 
     def _spawn(self, rank: int, log_level: str) -> BaseProcess:
-        args = (self._spec(rank), self.config, os.getpid(), log_level, self.role)
+        args = (self._spec(rank), self.config, os.getpid(), log_level, self.heartbeats, self.role)
         context = mp.get_context(start_method(self.config.device))
         child = context.Process(target=run_rank, args=args, name=f"rank-{rank}", daemon=True)
         child.start()

@@ -16,6 +16,7 @@ from tierserve.engine.commands import Bind, EngineCall, EngineCommand, RankRole,
 from tierserve.engine.config import EngineConfig
 from tierserve.engine.engine import Engine
 from tierserve.engine.procs.failure_report import CommandMismatch, report_failure
+from tierserve.engine.procs.heartbeat import Heartbeats
 from tierserve.engine.procs.ranks import RankSpec, join, leave
 from tierserve.engine.procs.step_bus import FollowerBus, StepMessage
 
@@ -60,7 +61,7 @@ def _named(command: EngineCommand | EngineCall) -> str:
     return type(command).__name__ + (f" of request {request_id}" if request_id else "")
 
 
-def run_rank(spec: RankSpec, config: EngineConfig, parent_pid: int, log_level: str,
+def run_rank(spec: RankSpec, config: EngineConfig, parent_pid: int, log_level: str, heartbeats: Heartbeats,
              role: RankRole | None = None) -> None:
     """A rank process's body (``multiprocessing`` spawn target). Exits non-zero on any failure, which
     rank 0's watchdog turns into the node's exit; dies with rank 0 (parent-death signal). A node
@@ -68,6 +69,7 @@ def run_rank(spec: RankSpec, config: EngineConfig, parent_pid: int, log_level: s
     _die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; rank 0 stops us
     _log_as(spec.rank, log_level)
+    heartbeats.beat(spec.rank)
     try:
         ranks = join(spec, config)
         engine = Engine(config, ranks=ranks)
