@@ -9,6 +9,7 @@ import multiprocessing as mp
 import os
 import signal
 
+import pytest
 from helpers.clock import ManualClock
 from helpers.polling import wait_for
 
@@ -21,8 +22,9 @@ def _beat_until_killed(heartbeats: Heartbeats, rank: int) -> None:
     signal.pause()
 
 
-def test_a_stopped_rank_process_goes_stale_and_fresh_again_when_it_goes_on() -> None:
-    context = mp.get_context("fork")  # as CPU ranks start (engine/procs/spawn.py)
+@pytest.mark.parametrize("method", ["fork", "spawn"])  # how CPU and CUDA ranks start (engine/procs/spawn.py)
+def test_a_stopped_rank_process_goes_stale_and_fresh_again_when_it_goes_on(method: str) -> None:
+    context = mp.get_context(method)
     heartbeats = Heartbeats(context, 3)
     ranks = [context.Process(target=_beat_until_killed, args=(heartbeats, rank), daemon=True) for rank in (1, 2)]
     for rank in ranks:
