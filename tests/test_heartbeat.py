@@ -80,3 +80,13 @@ def test_a_turn_with_a_stopped_rank_is_overdue_after_the_floor_and_not_learnt_af
         stale.clear()  # it went on: the turn ends within the long bound, but it was a freeze
         clock.now += 20.0
     assert watch.bound_s == before
+
+
+def test_a_stopped_rank_between_turns_makes_the_node_unhealthy_until_it_goes_on() -> None:
+    stale: list[int] = []
+    watch = StepWatch(dist_timeout_s=600, clock=ManualClock(100.0), stale=lambda: stale)
+    assert not watch.overdue()
+    stale.append(1)
+    assert watch.overdue() and watch.overdue()  # the next request would stall on it
+    stale.clear()
+    assert not watch.overdue()

@@ -111,9 +111,11 @@ def _stream_to_end(server: TPServer, max_tokens: int, done: list[str]) -> thread
 
 def test_a_frozen_rank_turns_the_node_unhealthy_and_past_the_dist_timeout_takes_it_down(model: Path,
                                                                                          tmp_path: Path) -> None:
-    """SIGSTOP of rank 1 with a request in flight: rank 0's step is overdue (engine/step_watch.py), so
-    /health answers 503 within UNHEALTHY_WITHIN_S; SIGCONT within --dist-timeout: healthy again and the
-    request completes. Stopped again past --dist-timeout: rank 0's collective times out and the node exits 1."""
+    """SIGSTOP of rank 1 while the node is idle: its heartbeat goes stale (engine/procs/heartbeat.py) and the
+    idle loop's keep-alive waits on it, so /health answers 503 within UNHEALTHY_WITHIN_S, and 200 once it
+    goes on. With a request in flight: rank
+    0's step is overdue (engine/step_watch.py), 503 as soon; SIGCONT within --dist-timeout: healthy again and
+    the request completes. Stopped again past --dist-timeout: rank 0's collective times out and the node exits 1."""
     server = start_server(model, 2, tmp_path / "serve.log", "--max-total-tokens", "8192",
                           "--dist-timeout", str(FROZEN_DIST_TIMEOUT_S))
     server.wait_healthy()
@@ -121,6 +123,10 @@ def test_a_frozen_rank_turns_the_node_unhealthy_and_past_the_dist_timeout_takes_
     (worker,) = rank_pids(server.proc.pid, 1)
     done: list[str] = []
     try:
+        os.kill(worker, signal.SIGSTOP)
+        wait_for(lambda: not server.healthy(), "/health non-200 with rank 1 stopped while idle", UNHEALTHY_WITHIN_S)
+        os.kill(worker, signal.SIGCONT)
+        wait_for(server.healthy, "/health 200 once rank 1 goes on", 10)
         assert _stream_to_end(server, 200, done).wait(60), "no token streamed"
         os.kill(worker, signal.SIGSTOP)
         stopped = time.monotonic()

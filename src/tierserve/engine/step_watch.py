@@ -55,6 +55,7 @@ class StepWatch:
         self._work: Callable[[], int] = _one
         self._started: float | None = None
         self._reported = False
+        self._idle_reported = False
 
     @property
     def bound_s(self) -> float:
@@ -86,9 +87,12 @@ class StepWatch:
             self._ended(self.clock() - started, learn)
 
     def overdue(self) -> bool:
-        """The turn running now has run past its bound (any thread); logged once per turn."""
+        """The node cannot serve now (any thread): the turn running has run past its bound, or, between
+        turns, a rank is not running (the next request would stall on it). Logged once per turn or gap."""
         started = self._started
-        if started is None or self.clock() - started <= self.bound_s:
+        if started is None:
+            return self._stale_between_turns()
+        if self.clock() - started <= self.bound_s:
             return False
         if not self._reported:
             self._reported = True
@@ -98,6 +102,17 @@ class StepWatch:
             log.error("rank 0's step has run %.1f s, past its bound of %.1f s (%s): the node reports unhealthy "
                       "until it ends", self.clock() - started, self.bound_s, why)
         return True
+
+    def _stale_between_turns(self) -> bool:
+        stale = self._stale()
+        if bool(stale) is not self._idle_reported:
+            self._idle_reported = bool(stale)
+            if stale:
+                log.error("ranks %s not running (no heartbeat) between steps: the node reports unhealthy until "
+                          "they go on", stale)
+            else:
+                log.warning("every rank runs again: healthy again")
+        return bool(stale)
 
     def _ended(self, took: float, learn: bool) -> None:
         bound = self.bound_s
