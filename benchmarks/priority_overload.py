@@ -8,7 +8,8 @@
 
 The clusters run one at a time (the machine cannot hold both). First, on the ``fcfs`` cluster, the capacity:
 a closed loop of ``--clients`` clients, requests per second. Then, on each cluster: the high class alone,
-one request at a time (its unloaded TTFT), and the overload: Poisson arrivals at ``--overload`` x that
+one request at a time (its unloaded TTFT), the high class's own Poisson arrivals without the low class (its
+TTFT alone: what it costs itself), and the overload: Poisson arrivals at ``--overload`` x that
 capacity (the same rate and the same seeded prompts and classes for both), ``--high-share`` of them high
 priority (0) with a deadline of ``--high-deadline`` x the unloaded p99 TTFT, the rest low priority (5) with
 ``--low-deadline`` x it (deadlines from the ``fcfs`` cluster's unloaded run, the same for both). Every
@@ -69,6 +70,16 @@ def unloaded(url: str, args: argparse.Namespace) -> dict[str, Any]:
     return report.summary()["ttft_s"]
 
 
+def high_alone(url: str, args: argparse.Namespace, rate: float) -> dict[str, Any]:
+    """The high class's own arrivals without the low class: Poisson at its share of the overload's rate,
+    as many requests as it sends there. Its TTFT is what the high class costs itself (queueing behind its
+    own arrivals and the step in flight), the value the overload is compared with in the second ratio."""
+    n = max(1, round(args.requests * args.high_share))
+    report = bench(url, args, n, seed=4, mode="poisson", rate=rate * args.high_share,
+                   classes=(RequestClass(HIGH, 1.0),))
+    return report.summary()["ttft_s"]
+
+
 def overload(url: str, args: argparse.Namespace, rate: float, deadlines: tuple[int, int]) -> dict[str, Any]:
     classes = (RequestClass(HIGH, args.high_share, deadlines[0]), RequestClass(LOW, 1 - args.high_share, deadlines[1]))
     report = bench(url, args, args.requests, seed=3, mode="poisson", rate=rate, classes=classes)
@@ -124,7 +135,8 @@ def main() -> None:
             if "deadlines_ms" not in results:
                 factors = (args.high_deadline, args.low_deadline)
                 results["deadlines_ms"] = [round(base["p99"] * 1000 * k) for k in factors]
-            results[name] = {"unloaded_ttft_s": base,
+            alone = high_alone(cluster.url, args, results["rate"])
+            results[name] = {"unloaded_ttft_s": base, "high_alone_ttft_s": alone,
                              "overload": overload(cluster.url, args, results["rate"], tuple(results["deadlines_ms"])),
                              "router": router_state(cluster.url)}
             print(name, json.dumps(results[name], indent=1), flush=True)
@@ -138,15 +150,17 @@ def main() -> None:
 def table(r: dict[str, Any]) -> str:
     lines = [f"capacity {r.get('capacity_rps', float('nan')):.2f} req/s; offered {r['rate']:.2f} req/s; "
              f"deadlines (ms) high {r['deadlines_ms'][0]}, low {r['deadlines_ms'][1]}",
-             "| setup | unloaded high TTFT p50 / p99 (s) | high TTFT p50 / p99 (s) | high p99 / unloaded p99 | "
-             "low TTFT p50 / p99 (s) | goodput (req/s) | high good / shed / late | low good / shed / late | "
-             "router retries |",
-             "|---|---:|---:|---:|---:|---:|---|---|---:|"]
+             "| setup | unloaded high TTFT p50 / p99 (s) | high alone TTFT p50 / p99 (s) | high TTFT p50 / p99 (s) | "
+             "high p99 / unloaded p99 | high p99 / alone p99 | low TTFT p50 / p99 (s) | goodput (req/s) | "
+             "high good / shed / late | low good / shed / late | router retries |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---|---|---:|"]
     for name in [n for n in SETUPS if n in r]:
         u, o = r[name]["unloaded_ttft_s"], r[name]["overload"]
+        alone = r[name].get("high_alone_ttft_s", {})
         high, low = o["by_priority"].get(HIGH, {}), o["by_priority"].get(LOW, {})
-        lines.append(f"| {name} | {u['median']:.3f} / {u['p99']:.3f} | {_ttft(high)} | "
-                     f"{_ratio(high, u)} | {_ttft(low)} | {o['goodput']['goodput']:.2f} | {_counts(high)} | "
+        lines.append(f"| {name} | {u['median']:.3f} / {u['p99']:.3f} | {_ttft({'ttft_s': alone})} | {_ttft(high)} | "
+                     f"{_ratio(high, u)} | {_ratio(high, alone) if alone else '-'} | {_ttft(low)} | "
+                     f"{o['goodput']['goodput']:.2f} | {_counts(high)} | "
                      f"{_counts(low)} | {r[name].get('router', {}).get('retries', '-')} |")
     return "\n".join(lines)
 
