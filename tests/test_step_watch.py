@@ -223,7 +223,7 @@ def test_a_long_step_of_a_loaded_prefill_node_is_bounded_by_its_large_steps_not_
         assert watch.bound_s == STEP_FACTOR * 1.0  # 1,000 tokens at the large turns' 1 ms a token
         clock.now += STEP_FACTOR * 1.0 + 0.1
         assert watch.overdue(), "a frozen rank is reported within a few of its steps' times"
-    with watch.span(learn=False, work=lambda: 4):  # a small turn (a decode batch) keeps the any-turn rate
+    with watch.span(learn=False, work=lambda: 4):  # a small turn: the small turns within its span, scaled up
         assert watch.bound_s == STEP_FACTOR * 4 * 0.5
     assert LARGE_STEP_TOKENS > 4
 
