@@ -17,17 +17,21 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 import pytest
+from grpc_health.v1 import health, health_pb2_grpc
 from helpers.processes import free_port
 
 from tierserve.launch import Cluster, RestartPolicy, grpc_serving, tcp_open
 from tierserve.launch.supervisor import CrashLoop, Supervisor
 
 RESTART_LIMIT = 3  # deaths of one child within the window that stop up (the last test makes them)
+SPAWNS_UNDER_GRPC = 100  # before the fix, one of 20 to 120 children aborted
 BODY = {"prompt": [5, 6, 7, 8, 9, 10], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
 
 
@@ -210,3 +214,47 @@ def test_restart_delays_double_up_to_the_cap() -> None:
     assert [policy.delay(n) for n in range(1, 6)] == [0.5, 1.0, 2.0, 3.0, 3.0]
     with pytest.raises(ValueError):
         RestartPolicy(max_deaths=0)
+
+
+def test_children_started_while_up_probes_grpc_neither_abort_nor_outlive_up() -> None:
+    """gRPC's fork handlers, with gRPC calls running in ``up``'s process (its probes), aborted a
+    child forked by a ``preexec_fn`` before its exec (a router dead at start with SIGABRT in CI, about
+    1 child in 100 here): children start through vfork and set their parent-death signal themselves,
+    and still die with ``up``."""
+    server = grpc.server(ThreadPoolExecutor(2))
+    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
+    port, probing = server.add_insecure_port("127.0.0.1:0"), threading.Event()
+    server.start()
+
+    def probe() -> None:
+        while not probing.is_set():
+            grpc_serving(port)
+
+    probers = [threading.Thread(target=probe) for _ in range(3)]
+    for prober in probers:
+        prober.start()
+    try:
+        for n in range(SPAWNS_UNDER_GRPC):
+            child = Cluster().start(f"child-{n}", ["true"])
+            assert child.proc.wait(30) == 0, n
+    finally:
+        probing.set()
+        for prober in probers:
+            prober.join()
+        server.stop(0)
+    _a_child_dies_with_its_up()
+
+
+def _a_child_dies_with_its_up() -> None:
+    """A parent that starts a child through ``Cluster`` then is SIGKILLed: its child gets SIGTERM."""
+    script = ("import time; from tierserve.launch import Cluster; c = Cluster(); c.start('sleeper', ['sleep', '120']); "
+              "print(c.children[0].pid, flush=True); time.sleep(120)")
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(parent.stdout.readline())
+        poll(lambda: b"sleep" in Path(f"/proc/{child}/cmdline").read_bytes(), "the child execs its command", 30)
+    finally:
+        parent.kill()
+        parent.wait()
+    poll(lambda: not Path(f"/proc/{child}").exists() or Path(f"/proc/{child}/stat").read_text().split()[2] == "Z",
+         "the child dies with its parent", 10)

@@ -12,6 +12,9 @@ follows and a node's snapshot holds none: ``StorageTier._announce``).
 On the wire a batch is the multipart message ``[topic, seq, payload]`` with ``seq`` an 8-byte
 big-endian counter that starts at 0 for each publisher; a subscriber that sees anything but
 ``last + 1`` lost events (or the publisher restarted) and must resynchronise from a snapshot.
+An idle publisher sends a heartbeat, ``[topic, seq]`` with no payload, every ``HEARTBEAT_S``: batches
+up to ``seq`` were sent (or lost), so a subscriber behind it lost the last ones even though no batch
+follows (a reader of vLLM's format that expects three frames must skip two-frame messages).
 
 Threads: the radix tree calls the ``KVEventRecorder`` on the engine thread (a list append under
 an uncontended lock); ``KVEventPublisher``'s own thread batches and sends, so the engine never
@@ -41,6 +44,7 @@ HOST = CacheTier.HOST  # L2
 STORAGE = CacheTier.STORAGE  # L3 (stored events only)
 MEDIUMS = (DEVICE, HOST)
 DEFAULT_TOPIC = b"kv-events"
+HEARTBEAT_S = 1.0  # an idle publisher says its last batch number this often (a subscriber's gap shows)
 
 
 @dataclass(frozen=True)
@@ -210,19 +214,26 @@ class KVEventPublisher:
     ``endpoint`` is what to bind (``tcp://127.0.0.1:0`` picks a free port); after ``start``,
     ``endpoint`` is the address actually bound. Pending events are cut into a batch every
     ``interval_s`` (or sooner when someone calls ``recorder.flush``, e.g. once per engine step).
-    A PUB socket drops messages for slow subscribers rather than blocking; they see the gap.
+    A PUB socket drops messages for slow subscribers rather than blocking; they see the gap at the
+    next batch, or, when none follows, at the next heartbeat: after ``heartbeat_s`` without a
+    message, ``[topic, seq]`` (no batch frame) says every batch up to ``seq`` was sent or lost.
+    A subscriber that joined late (ZMQ's slow joiner: its subscription reaches this socket after
+    its handshake) and missed the batch right after its snapshot learns it within ``heartbeat_s``.
     """
 
     def __init__(self, recorder: KVEventRecorder, endpoint: str, topic: bytes = DEFAULT_TOPIC,
-                 interval_s: float = 0.01, curve: CurveKeys | None = None) -> None:
+                 interval_s: float = 0.01, curve: CurveKeys | None = None,
+                 heartbeat_s: float = HEARTBEAT_S) -> None:
         """``curve``: publish under ZMQ CURVE to the holders of these keys only (``core/kv_events_auth.py``)."""
         self.recorder, self.endpoint, self.topic, self.interval_s = recorder, endpoint, topic, interval_s
-        self.curve, self._auth = curve, None
+        self.curve, self._auth, self.heartbeat_s = curve, None, heartbeat_s
         self._ctx: zmq.Context | None = None
         self._socket: zmq.Socket | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
         self.sent_batches = 0
+        self._done = -1  # every batch numbered up to this was sent or lost
+        self._spoke = time.monotonic()  # when the last message left
 
     def start(self) -> KVEventPublisher:
         self._ctx = zmq.Context()
@@ -255,6 +266,7 @@ class KVEventPublisher:
                 with self.recorder.ready:
                     self.recorder.ready.wait(self.interval_s)
                 self._send_ready()
+                self._heartbeat()
             self._send_ready()
         except zmq.ZMQError:
             log.exception("KV event publisher stopped")
@@ -262,10 +274,21 @@ class KVEventPublisher:
             self._socket.close(linger=500)  # let the last batches leave
 
     def _send_ready(self) -> None:
-        self.recorder.flush()
+        done = self.recorder.flush()  # every number up to it is taken below, or was lost before
         for seq, batch in self.recorder.take():
-            self._socket.send_multipart([self.topic, encode_seq(seq), encode_batch(batch)])
+            self._send([self.topic, encode_seq(seq), encode_batch(batch)])
             self.sent_batches += 1
+            done = max(done, seq)
+        self._done = done
+
+    def _heartbeat(self) -> None:
+        if self._done >= 0 and time.monotonic() - self._spoke >= self.heartbeat_s:
+            self._send([self.topic, encode_seq(self._done)])
+
+    def _send(self, frames: list[bytes]) -> None:
+        assert self._socket is not None
+        self._socket.send_multipart(frames)
+        self._spoke = time.monotonic()
 
 
 def _wildcard_port(endpoint: str) -> str:

@@ -4,18 +4,30 @@ its health endpoints until the turn ends. The bound of a turn is derived from it
 
     min(max(STEP_FLOOR_S, STEP_FACTOR x expected(the tokens its step scheduled)), dist_timeout / 2)
 
-from the last HISTORY turns that stepped. For a large turn (at least LARGE_STEP_TOKENS tokens), once some
-recent ones were large, ``expected(n)`` is the larger of the slowest small turn and n x the slowest seconds
-per token of the large ones; otherwise n x the slowest seconds per token of any. The floor keeps a slow CPU step, or a
-machine's hiccup, from being called a freeze; scaling by the step's tokens lets a long prefill chunk after
-a run of short decode steps take its time (a bound learnt from step times alone flagged every such chunk,
-and never learnt from them). A large turn's per-token rate comes from large turns once there are some: a
-small turn's time is mostly fixed cost, and scaled by a long chunk's tokens it put that chunk's bound at the
-cap (a frozen rank of a loaded prefill node went unreported for the whole freeze, benchmarks/RELIABILITY.md).
-Small turns (decode batches) keep the any-turn rate: bounded by the slowest small turn alone, the decode
-nodes of an overloaded machine called their own slow batches freezes (benchmarks/RELIABILITY.md).
-Half the ``--dist-timeout`` reports a frozen rank before its collective times out and the node exits. A
-turn that ran past its bound is not learnt from: a freeze must not lengthen the bound of the next one.
+from the last HISTORY turns that stepped. Each recent turn of m tokens that took t seconds predicts a turn
+of n tokens: t x n / m, except that a small turn (under LARGE_STEP_TOKENS) is never scaled down (its time is
+mostly fixed cost). Only turns of at least 1/SCALE_SPAN of min(n, the largest recent turn) predict, and
+``expected(n)`` is the slowest of their predictions once the slowest eighth is set aside (OUTLIER_SHARE).
+
+The floor keeps a slow CPU step, or a machine's hiccup, from being called a freeze; scaling by the step's
+tokens lets a long prefill chunk after a run of short decode steps take its time (a bound learnt from step
+times alone flagged every such chunk, and never learnt from them). The span keeps a much smaller turn's
+fixed cost from being scaled by a long turn's tokens: a slow small turn scaled by a long prefill chunk's
+tokens put that chunk's bound at the cap (a frozen rank of a loaded prefill node went unreported for the
+whole freeze, benchmarks/RELIABILITY.md). Setting the slowest eighth aside keeps one hiccup from setting
+the bound for the next HISTORY turns: one 1-token turn of 2 s on a loaded machine, scaled to a 16-token
+chunk, put the bound at the cap and a frozen CP rank went unreported (issue 31). Small turns are not
+scaled down: with batch sizes that vary and turn times that do not (an overloaded decode node), a
+per-token rate learnt from the larger batches called the smaller ones freezes (as did a bound from the
+slowest small turn alone: benchmarks/RELIABILITY.md). Half the ``--dist-timeout`` reports a frozen rank
+before its collective times out and the node exits. A turn that ran past its bound is not learnt from: a
+freeze must not lengthen the bound of the next one.
+
+With the ranks' heartbeats (``engine/procs/heartbeat.py``), which every multi-rank node has: a rank not
+stamping (stopped or gone) makes the bound the floor alone, and between turns makes the node unhealthy
+too; while every rank stamps, the step is slow rather than frozen, and STEP_FACTOR is LIVE_FACTOR times
+larger (healthy nodes of an overloaded machine called their slow steps freezes, and the router had no node
+of their role: benchmarks/RELIABILITY.md).
 """
 
 from __future__ import annotations
@@ -32,6 +44,8 @@ STEP_FACTOR = 4.0
 HISTORY = 32
 LARGE_STEP_TOKENS = 64  # a turn of at least this many tokens measures the per-token cost, not the fixed one
 LIVE_FACTOR = 4.0  # every rank's heartbeat fresh: the step is slow, not frozen (a loaded CPU), so wait longer
+SCALE_SPAN = 4  # a turn predicts turns of up to this many times its tokens: beyond, its fixed cost would be scaled
+OUTLIER_SHARE = 8  # the slowest eighth of the predictions is set aside (rounded: from 4 turns, one)
 
 
 def _one() -> int:
@@ -40,6 +54,21 @@ def _one() -> int:
 
 def _none() -> list[int]:
     return []
+
+
+def _predicted(n: int, took: float, tokens: int) -> float:
+    """What a turn of ``n`` tokens that took ``took`` seconds predicts for one of ``tokens``: scaled by
+    tokens, but a small turn (mostly fixed cost) never down."""
+    scale = tokens / n
+    return took * (max(scale, 1.0) if n < LARGE_STEP_TOKENS else scale)
+
+
+def _high(predictions: list[float]) -> float:
+    """The slowest prediction once the slowest eighth (a loaded machine's hiccups) is set aside; 0 if none."""
+    if not predictions:
+        return 0.0
+    ordered = sorted(predictions)
+    return ordered[len(ordered) - 1 - (len(ordered) + OUTLIER_SHARE // 2) // OUTLIER_SHARE]
 
 
 class StepWatch:
@@ -67,11 +96,8 @@ class StepWatch:
 
     def _expected(self, tokens: int) -> float:
         """A turn of ``tokens`` tokens takes about this long, from the recent turns (the rule above)."""
-        large = [took / n for n, took in self._turns if n >= LARGE_STEP_TOKENS]
-        if tokens < LARGE_STEP_TOKENS or not large:
-            return tokens * max((took / n for n, took in self._turns), default=0.0)
-        small = max((took for n, took in self._turns if n < LARGE_STEP_TOKENS), default=0.0)
-        return max(small, tokens * max(large))
+        reach = min(tokens, max((n for n, _ in self._turns), default=0))
+        return _high([_predicted(n, took, tokens) for n, took in self._turns if n * SCALE_SPAN >= reach])
 
     @contextmanager
     def span(self, learn: bool, work: Callable[[], int] = _one) -> Iterator[None]:

@@ -4,7 +4,7 @@ line with their name, stopped newest first. A child can be started again from it
 from __future__ import annotations
 
 import contextlib
-import ctypes
+import os
 import signal
 import subprocess
 import sys
@@ -15,7 +15,21 @@ from dataclasses import dataclass, field
 
 from tierserve.launch.plan import ChildSpec
 
-_PR_SET_PDEATHSIG = 1
+# Run by a child before it execs its command: Linux sends it SIGTERM if ``tierserve up`` dies (even by
+# SIGKILL), so no node outlives the command that started it; if up died already, it does not start.
+# Not a ``preexec_fn``: that makes Python fork (not vfork), and gRPC's fork handlers, with up's gRPC
+# probes running, can abort the child before its exec (SIGABRT in ev_epoll1_linux.cc: a router that
+# died at start in CI; grpc/grpc issue 43055).
+_DIE_WITH_PARENT = """
+import ctypes, os, signal, sys
+try:
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+except (OSError, AttributeError):  # not Linux: Ctrl-C and SIGTERM still stop everything
+    pass
+if os.getppid() != int(sys.argv[1]):
+    sys.exit(1)
+os.execvp(sys.argv[2], sys.argv[2:])
+"""
 STOP_GRACE_S = 15.0  # a node drains for 5 s and unmounts its L3 segment before it exits
 
 
@@ -49,9 +63,9 @@ class Child:
     def spawn(self) -> None:
         """Starts the process; must run on the thread that stays alive as long as ``up`` (the
         parent-death signal is tied to the thread that forked)."""
-        self.proc = subprocess.Popen(self.spec.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     bufsize=1, start_new_session=True,  # Ctrl-C reaches us only; we stop in order
-                                     preexec_fn=_die_with_parent)
+        self.proc = subprocess.Popen(_dying_with_us(self.spec.argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, bufsize=1,
+                                     start_new_session=True)  # Ctrl-C reaches us only; we stop in order
         threading.Thread(target=_relay, args=(self.name, self.proc, self.spec.hidden), daemon=True).start()
 
     def stop(self) -> None:
@@ -103,11 +117,9 @@ class Cluster:
             child.stop()
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: Linux sends it SIGTERM if ``tierserve up`` dies (even by SIGKILL),
-    so no node outlives the command that started it."""
-    with contextlib.suppress(OSError, AttributeError):  # not Linux: Ctrl-C and SIGTERM still stop everything
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+def _dying_with_us(argv: Sequence[str]) -> list[str]:
+    """``argv`` behind a bare interpreter that sets the parent-death signal, then execs it (same PID)."""
+    return [sys.executable, "-I", "-S", "-c", _DIE_WITH_PARENT, str(os.getpid()), *argv]
 
 
 def _relay(name: str, proc: subprocess.Popen, hidden: tuple[str, ...] = ()) -> None:

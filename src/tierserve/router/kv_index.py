@@ -153,6 +153,18 @@ class KVIndex:
         w.last_seq, w.from_snapshot = seq, False
         return True
 
+    def heard(self, worker: str, seq: int) -> None:
+        """The worker's publisher sent (or lost) every batch up to ``seq`` (its heartbeat): one beyond
+        the last applied was lost with none after it to show the gap, so resynchronise. Batches come
+        in order on the socket, so one not applied by now never will be."""
+        w = self._workers.get(worker)
+        if w is None or w.last_seq is None or seq <= w.last_seq:
+            return
+        log.warning("KV events of %s: the publisher is at batch %d, we at %d, resynchronising", worker, seq, w.last_seq)
+        self.gaps += 1
+        w.last_seq = None
+        self._ask(worker)
+
     def reset(self, worker: str, snapshot_seq: int, entries: SnapshotEntries) -> None:
         """Replaces the worker's sets by a snapshot taken after batch ``snapshot_seq`` (-1: before
         any), then replays the buffered batches numbered after it."""
@@ -291,6 +303,9 @@ class KVEventSubscriber:
 
     def _on_message(self, worker: str, frames: list[bytes]) -> None:
         try:
+            if len(frames) == 2:  # a heartbeat: the publisher's last batch number (cache/events.py)
+                self.index.heard(worker, decode_seq(frames[1]))
+                return
             seq, batch = decode_seq(frames[1]), decode_batch(frames[2])
         except (ValueError, IndexError) as exc:
             log.warning("KV events of %s: dropping a malformed message (%s)", worker, exc)
