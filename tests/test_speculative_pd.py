@@ -39,7 +39,7 @@ from tierserve.core.outputs import TokenLogprob
 from tierserve.core.sampling import SamplingParams
 from tierserve.engine.config import EngineConfig, SpeculativeAlgorithm
 from tierserve.engine.engine import Engine
-from tierserve.node.convert import destination_draft, draft_message, sidecar_problem
+from tierserve.node.convert import destination_ranks, kv_ranks, sidecar_problem
 from tierserve.node.rank_transfer import HandoffPlan, NodeRankRole, RankTransfer, Side, TransferOptions
 from tierserve.proto import tierserve_pb2 as pb
 from tierserve.proto.sampling import logprob_from_proto, to_proto
@@ -259,9 +259,7 @@ def _handed_over(sides: tuple[RankTransfer, RankTransfer], batch: list[list[int]
     before D decodes."""
     p, d = sides
     reserved = [d.engine.reserve(str(i), prompt, MAX_NEW) for i, prompt in enumerate(batch)]
-    dest = pb.KVDestination(transfer_endpoint=d.arenas[0].endpoint, draft=draft_message(d.engine))
-    draft = destination_draft(dest, p.engine.draft_pool.geometry)
-    handoffs = [p.handoff(HandoffPlan((d.arenas[0],), tuple(r.pages), r.num_computed, len(r.prompt_ids), draft))
+    handoffs = [p.handoff(HandoffPlan((d.arenas[0],), tuple(r.pages), r.num_computed, len(r.prompt_ids)))
                 for r in reserved]
     for i, (prompt, handoff) in enumerate(zip(batch, handoffs, strict=True)):
         p.engine.add_request(str(i), prompt, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True),
@@ -329,16 +327,21 @@ def test_handed_eagle_rows_and_hidden_states_decide_the_acceptance(eagle: dict[s
 
 
 def test_prefill_checks_the_destination_draft_pool(sides) -> None:
-    """A prefill node with a sidecar draft hands its KV only into a draft pool shaped like its own."""
-    mine, offered = sides[0].engine.draft_pool.geometry, draft_message(sides[1].engine)
-    assert sidecar_problem(pb.KVDestination(pages=[3], draft=offered), mine) is None
-    assert "names no draft pool" in sidecar_problem(pb.KVDestination(pages=[3]), mine)
-    assert "this node has none" in sidecar_problem(pb.KVDestination(draft=offered), None)
-    other = pb.KVDraftArena(base_address=offered.base_address, num_slots=offered.num_slots, num_layers=1,
-                            num_kv_heads=offered.num_kv_heads, head_dim=offered.head_dim)
-    assert "this node's draft" in sidecar_problem(pb.KVDestination(draft=other), mine)
-    outside = pb.KVDestination(pages=[offered.num_slots // PAGE], draft=offered)
-    assert "outside its draft pool" in sidecar_problem(outside, mine)
+    """A prefill node with a sidecar draft hands its KV only into draft pools shaped like its own
+    that hold the draft KV heads its ranks hold; the Reserve answer names each rank's pool."""
+    mine, offered = [sides[0].arenas[0].draft], sides[1].arenas[0].draft
+    named = pb.KVDestination(identity=pb.KVIdentity(head_dim=16, page_size=PAGE),
+                             ranks=kv_ranks(sides[1].arenas, itemsize=4))
+    assert destination_ranks(named, head_bytes=16 * 4)[0].draft == offered  # as the Reserve answer names it
+    assert sidecar_problem([offered], mine, 3) is None
+    assert "names no draft pool" in sidecar_problem([], mine, 3)
+    assert "this node has none" in sidecar_problem([offered], [], 3)
+    other = dataclasses.replace(offered, arena=dataclasses.replace(offered.arena, num_layers=1))
+    assert "this node's draft" in sidecar_problem([other], mine, 3)
+    assert "lies outside it" in sidecar_problem([offered], mine, offered.arena.num_pages)
+    half = dataclasses.replace(offered, heads=dataclasses.replace(offered.heads, count=offered.heads.count // 2),
+                               arena=dataclasses.replace(offered.arena, slot_bytes=offered.arena.slot_bytes // 2))
+    assert "cannot hand the draft's KV over" in sidecar_problem([half], mine, 3)  # a draft KV head nowhere
 
 
 def test_a_failed_draft_transfer_fails_the_handoff(sides) -> None:
@@ -347,10 +350,10 @@ def test_a_failed_draft_transfer_fails_the_handoff(sides) -> None:
     p, d = sides
     prompt = _prompts()[1]
     reserved = d.engine.reserve("99", prompt, MAX_NEW)
-    dest = pb.KVDestination(transfer_endpoint=d.arenas[0].endpoint, draft=draft_message(d.engine))
-    good = destination_draft(dest, p.engine.draft_pool.geometry)
-    bad = dataclasses.replace(good, arena=dataclasses.replace(good.arena, base=64))
-    handoff = p.handoff(HandoffPlan((d.arenas[0],), tuple(reserved.pages), 0, len(prompt), bad))
+    good = d.arenas[0].draft
+    bad = dataclasses.replace(d.arenas[0], draft=dataclasses.replace(good, arena=dataclasses.replace(good.arena,
+                                                                                                      base=64)))
+    handoff = p.handoff(HandoffPlan((bad,), tuple(reserved.pages), 0, len(prompt)))
     p.engine.add_request("99", prompt, SamplingParams(max_tokens=1, temperature=0), handoff=handoff)
     _drain(p.engine)
     assert handoff.result(30).error is not None
