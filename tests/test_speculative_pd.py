@@ -19,6 +19,7 @@ import grpc
 import httpx
 import pytest
 import torch
+from helpers import metrics
 from helpers.logprob_checks import ids_of
 from helpers.pd_nodes import CHUNK, DECODE_ARGS, MAX_NEW, NODE_ARGS, PAGE, greedy, node_metric, reference
 from helpers.processes import NodeProcess, free_port, running_up
@@ -185,12 +186,15 @@ async def _run_constrained(prefill: str, decode: str, prompt: list[int], samplin
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["packed", "sidecar", "eagle"])
+@pytest.mark.parametrize(("layout", "prefill_tp", "decode_tp"), [("packed", 2, 2), ("sidecar", 1, 2), ("eagle", 2, 2)])
 def test_up_with_a_draft_equals_no_speculation(tiny: Path, drafts: dict[str, Path], eagle: dict[str, Path],
-                                               layout: str) -> None:
-    """``tierserve up`` (router, prefill node, decode node) with a draft of either layout, or an
-    EAGLE head (its hidden states handed over with its rows): greedy outputs equal decoding without
-    speculation and ``usage.speculative`` the single engine's counts."""
+                                               layout: str, prefill_tp: int, decode_tp: int) -> None:
+    """``tierserve up`` (router, prefill node, decode node, of two tensor ranks each here but for
+    one) with a draft of either layout, or an EAGLE head (its hidden states handed over with its
+    rows): greedy outputs equal decoding without speculation, ``usage.speculative`` the single
+    engine's counts, and the decode node's draft computes no prompt position (every rank got its
+    draft rows: the packed draft's layers of its heads with the target's, the split sidecar draft's
+    heads from one prefill rank into two, the replicated head's rows from prefill rank 0 into both)."""
     batch, model, draft = _prompts(), tiny, drafts.get(layout)
     spec, flags = {}, []
     if layout == "eagle":
@@ -200,12 +204,21 @@ def test_up_with_a_draft_equals_no_speculation(tiny: Path, drafts: dict[str, Pat
     port = free_port()
     with running_up(port, "--model", str(model), "--dtype", "float32", "--no-l3", "--page-size", str(PAGE),
                     "--chunked-prefill-size", str(CHUNK), "--max-total-tokens", "4096",
-                    "--speculative-draft-model-path", str(draft), *flags):
+                    "--prefill-tp-size", str(prefill_tp), "--decode-tp-size", str(decode_tp),
+                    "--speculative-draft-model-path", str(draft), *flags) as lines:
         answers = asyncio.run(_complete_all(port, batch))  # concurrent: the nodes batch them
         assert [ids_of(a["choices"][0]["logprobs"]["tokens"]) for a in answers] == plain
         assert [a["usage"]["speculative"]["accepted_tokens"] for a in answers] == [n for _, n in want.values()]
+        decode = _metrics_of(lines, "decode-0")
+        assert metrics.find(decode, "tierserve_spec_prompt_catch_up_tokens_total") == 0
+        assert metrics.find(decode, "tierserve_spec_accepted_tokens_total") == sum(n for _, n in want.values())
 
 
+def _metrics_of(lines: list[str], child: str) -> str:
+    """The /metrics text of ``up``'s ``child``, at the URL its banner line names."""
+    line = next(x for x in "".join(lines).splitlines() if x.strip().startswith(child + " "))
+    url = next(f.removeprefix("metrics=") for f in line.split() if f.startswith("metrics="))
+    return metrics.scrape(url.removesuffix("/metrics"))
 
 
 @pytest.mark.slow
