@@ -100,7 +100,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         """Every rank, with the staging the reservation holds on it (at the same offset on every rank)."""
         if self.receive is None:
             return kv_ranks(self.arenas, self.itemsize)
-        return kv_ranks([replace(a, staged=tuple(self.receive.parts(rid, a.staging_base, a.heads)))
+        return kv_ranks([replace(a, staged=tuple(self.receive.parts(rid, a.staging_base, a.heads, a.arena.num_layers)))
                          for a in self.arenas], self.itemsize)
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext

@@ -19,9 +19,10 @@ __all__ = ["arena", "destination_arena", "destination_ranks", "draft_arena", "dr
 
 def identity(engine: Engine) -> pb.KVIdentity:
     """What two nodes must share to exchange KV. With a packed draft (docs/speculative.md, PD) its layers are more
-    layers of every page and the model names the draft too, so a node with another draft, or none, is refused."""
+    layers of every page and the model names the draft too, so a node with another draft, or none, is refused.
+    Counted from the draft's plan: under pipeline stages only the last stage's pools hold them, not rank 0's."""
     ns = engine.namespace
-    packed = engine.pool.geometry.num_layers - engine.geometry.num_layers
+    packed = engine.draft.packed_layers if engine.draft is not None else 0
     model = f"{ns.model}+draft:{ns.draft}" if ns.draft else ns.model
     return pb.KVIdentity(model=model, dtype=ns.kv_dtype, page_size=ns.page_size, num_layers=ns.num_layers + packed,
                          num_kv_heads=ns.num_kv_heads, head_dim=ns.head_dim)

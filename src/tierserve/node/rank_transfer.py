@@ -176,8 +176,9 @@ class NodeRankRole:
         if self.side is not Side.DECODE or self.options.staging_bytes <= 0:
             return None
         staging = StagingArena(self.options.staging_bytes, engine.pool.buffer.device)
+        # regions sized for every layer (a packed draft's too): any stage's fit, at one offset on every rank
         receive = ReceiveStaging(staging, engine.pool.buffer, arena(engine), held, engine.model_config.num_kv_heads,
-                                 engine.ranks.cp)
+                                 engine.ranks.cp, engine.kv_shard.layers.total)
         engine.reservations.staging = receive
         return receive
 
