@@ -19,6 +19,8 @@ import grpc
 import httpx
 import pytest
 import torch
+import transformers
+from helpers import metrics
 from helpers.logprob_checks import ids_of
 from helpers.pd_nodes import CHUNK, DECODE_ARGS, MAX_NEW, NODE_ARGS, PAGE, greedy, node_metric, reference
 from helpers.processes import NodeProcess, free_port, running_up
@@ -39,7 +41,7 @@ from tierserve.core.outputs import TokenLogprob
 from tierserve.core.sampling import SamplingParams
 from tierserve.engine.config import EngineConfig, SpeculativeAlgorithm
 from tierserve.engine.engine import Engine
-from tierserve.node.convert import destination_draft, draft_message, sidecar_problem
+from tierserve.node.convert import destination_ranks, kv_ranks, sidecar_problem
 from tierserve.node.rank_transfer import HandoffPlan, NodeRankRole, RankTransfer, Side, TransferOptions
 from tierserve.proto import tierserve_pb2 as pb
 from tierserve.proto.sampling import logprob_from_proto, to_proto
@@ -185,27 +187,48 @@ async def _run_constrained(prefill: str, decode: str, prompt: list[int], samplin
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["packed", "sidecar", "eagle"])
+# each role's sizes: TP 2 on both sides (packed: the draft's layers of each rank's heads; EAGLE: the replicated
+# head's rows from prefill rank 0 into both decode ranks), the split sidecar draft's heads from the last
+# of two stages into two tensor ranks, and the packed draft's layers from two tensor ranks (through the
+# decode ranks' staging) into the last of two stages (rank 0 of which holds none of them)
+@pytest.mark.parametrize(("layout", "sizes"), [("packed", "--prefill-tp-size 2 --decode-tp-size 2"),
+                                               ("sidecar", "--prefill-pp-size 2 --decode-tp-size 2"),
+                                               ("eagle", "--prefill-tp-size 2 --decode-tp-size 2"),
+                                               ("packed", "--prefill-tp-size 2 --decode-pp-size 2")],
+                         ids=["packed-tp2-tp2", "sidecar-pp2-tp2", "eagle-tp2-tp2", "packed-tp2-pp2"])
 def test_up_with_a_draft_equals_no_speculation(tiny: Path, drafts: dict[str, Path], eagle: dict[str, Path],
-                                               layout: str) -> None:
-    """``tierserve up`` (router, prefill node, decode node) with a draft of either layout, or an
-    EAGLE head (its hidden states handed over with its rows): greedy outputs equal decoding without
-    speculation and ``usage.speculative`` the single engine's counts."""
+                                               layout: str, sizes: str) -> None:
+    """``tierserve up`` (router, prefill node, decode node, of several ranks) with a draft of either
+    layout, or an EAGLE head (its hidden states handed over with its rows): greedy outputs equal
+    decoding without speculation, ``usage.speculative`` the single engine's counts, and the decode
+    node's draft computes no prompt position (every decode rank holding the draft got its rows)."""
     batch, model, draft = _prompts(), tiny, drafts.get(layout)
     spec, flags = {}, []
     if layout == "eagle":
         model, draft, spec = eagle["target"], eagle["head"], _EAGLE
         flags = ["--speculative-algorithm", "EAGLE", "--speculative-draft-layout", "sidecar"]
     plain, want = reference(model, batch), _uncached(model, draft, batch, **spec)
+    words = transformers.AutoTokenizer.from_pretrained(model)  # one word per token id
     port = free_port()
     with running_up(port, "--model", str(model), "--dtype", "float32", "--no-l3", "--page-size", str(PAGE),
                     "--chunked-prefill-size", str(CHUNK), "--max-total-tokens", "4096",
-                    "--speculative-draft-model-path", str(draft), *flags):
-        answers = asyncio.run(_complete_all(port, batch))  # concurrent: the nodes batch them
-        assert [ids_of(a["choices"][0]["logprobs"]["tokens"]) for a in answers] == plain
+                    *sizes.split(),
+                    "--speculative-draft-model-path", str(draft), *flags) as lines:
+        # concurrent: the nodes batch them; no logprobs (none at pipeline stages yet): the text says the tokens
+        answers = asyncio.run(_complete_all(port, batch, logprobs=False))
+        assert all("choices" in a for a in answers), answers
+        assert [a["choices"][0]["text"] for a in answers] == [words.decode(ids) for ids in plain]
         assert [a["usage"]["speculative"]["accepted_tokens"] for a in answers] == [n for _, n in want.values()]
+        decode = _metrics_of(lines, "decode-0")
+        assert metrics.find(decode, "tierserve_spec_prompt_catch_up_tokens_total") == 0
+        assert metrics.find(decode, "tierserve_spec_accepted_tokens_total") == sum(n for _, n in want.values())
 
 
+def _metrics_of(lines: list[str], child: str) -> str:
+    """The /metrics text of ``up``'s ``child``, at the URL its banner line names."""
+    line = next(x for x in "".join(lines).splitlines() if x.strip().startswith(child + " "))
+    url = next(f.removeprefix("metrics=") for f in line.split() if f.startswith("metrics="))
+    return metrics.scrape(url.removesuffix("/metrics"))
 
 
 @pytest.mark.slow
@@ -234,10 +257,11 @@ def test_up_with_ngram_equals_no_speculation(tiny: Path, tmp_path: Path) -> None
         assert [a["usage"]["speculative"]["accepted_tokens"] for a in answers] == want
 
 
-async def _complete_all(port: int, batch: list[list[int]]) -> list[dict]:
+async def _complete_all(port: int, batch: list[list[int]], logprobs: bool = True) -> list[dict]:
+    """``batch``'s greedy completions, at once; ``logprobs``: with the tokens' ids in their logprobs."""
+    ids = {"return_tokens_as_token_ids": True, "logprobs": 0} if logprobs else {}
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=120) as client:
-        bodies = [{"prompt": p, "max_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True,
-                   "return_tokens_as_token_ids": True, "logprobs": 0} for p in batch]
+        bodies = [{"prompt": p, "max_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True, **ids} for p in batch]
         answers = await asyncio.gather(*(client.post("/v1/completions", json=b) for b in bodies))
         return [a.json() for a in answers]
 
@@ -259,9 +283,7 @@ def _handed_over(sides: tuple[RankTransfer, RankTransfer], batch: list[list[int]
     before D decodes."""
     p, d = sides
     reserved = [d.engine.reserve(str(i), prompt, MAX_NEW) for i, prompt in enumerate(batch)]
-    dest = pb.KVDestination(transfer_endpoint=d.arenas[0].endpoint, draft=draft_message(d.engine))
-    draft = destination_draft(dest, p.engine.draft_pool.geometry)
-    handoffs = [p.handoff(HandoffPlan((d.arenas[0],), tuple(r.pages), r.num_computed, len(r.prompt_ids), draft))
+    handoffs = [p.handoff(HandoffPlan((d.arenas[0],), tuple(r.pages), r.num_computed, len(r.prompt_ids)))
                 for r in reserved]
     for i, (prompt, handoff) in enumerate(zip(batch, handoffs, strict=True)):
         p.engine.add_request(str(i), prompt, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True),
@@ -329,16 +351,21 @@ def test_handed_eagle_rows_and_hidden_states_decide_the_acceptance(eagle: dict[s
 
 
 def test_prefill_checks_the_destination_draft_pool(sides) -> None:
-    """A prefill node with a sidecar draft hands its KV only into a draft pool shaped like its own."""
-    mine, offered = sides[0].engine.draft_pool.geometry, draft_message(sides[1].engine)
-    assert sidecar_problem(pb.KVDestination(pages=[3], draft=offered), mine) is None
-    assert "names no draft pool" in sidecar_problem(pb.KVDestination(pages=[3]), mine)
-    assert "this node has none" in sidecar_problem(pb.KVDestination(draft=offered), None)
-    other = pb.KVDraftArena(base_address=offered.base_address, num_slots=offered.num_slots, num_layers=1,
-                            num_kv_heads=offered.num_kv_heads, head_dim=offered.head_dim)
-    assert "this node's draft" in sidecar_problem(pb.KVDestination(draft=other), mine)
-    outside = pb.KVDestination(pages=[offered.num_slots // PAGE], draft=offered)
-    assert "outside its draft pool" in sidecar_problem(outside, mine)
+    """A prefill node with a sidecar draft hands its KV only into draft pools shaped like its own
+    that hold the draft KV heads its ranks hold; the Reserve answer names each rank's pool."""
+    mine, offered = [sides[0].arenas[0].draft], sides[1].arenas[0].draft
+    named = pb.KVDestination(identity=pb.KVIdentity(head_dim=16, page_size=PAGE),
+                             ranks=kv_ranks(sides[1].arenas, itemsize=4))
+    assert destination_ranks(named, head_bytes=16 * 4)[0].draft == offered  # as the Reserve answer names it
+    assert sidecar_problem([offered], mine, 3) is None
+    assert "names no draft pool" in sidecar_problem([], mine, 3)
+    assert "this node has none" in sidecar_problem([offered], [], 3)
+    other = dataclasses.replace(offered, arena=dataclasses.replace(offered.arena, num_layers=1))
+    assert "this node's draft" in sidecar_problem([other], mine, 3)
+    assert "lies outside it" in sidecar_problem([offered], mine, offered.arena.num_pages)
+    half = dataclasses.replace(offered, heads=dataclasses.replace(offered.heads, count=offered.heads.count // 2),
+                               arena=dataclasses.replace(offered.arena, slot_bytes=offered.arena.slot_bytes // 2))
+    assert "cannot hand the draft's KV over" in sidecar_problem([half], mine, 3)  # a draft KV head nowhere
 
 
 def test_a_failed_draft_transfer_fails_the_handoff(sides) -> None:
@@ -347,10 +374,10 @@ def test_a_failed_draft_transfer_fails_the_handoff(sides) -> None:
     p, d = sides
     prompt = _prompts()[1]
     reserved = d.engine.reserve("99", prompt, MAX_NEW)
-    dest = pb.KVDestination(transfer_endpoint=d.arenas[0].endpoint, draft=draft_message(d.engine))
-    good = destination_draft(dest, p.engine.draft_pool.geometry)
-    bad = dataclasses.replace(good, arena=dataclasses.replace(good.arena, base=64))
-    handoff = p.handoff(HandoffPlan((d.arenas[0],), tuple(reserved.pages), 0, len(prompt), bad))
+    good = d.arenas[0].draft
+    bad = dataclasses.replace(d.arenas[0], draft=dataclasses.replace(good, arena=dataclasses.replace(good.arena,
+                                                                                                      base=64)))
+    handoff = p.handoff(HandoffPlan((bad,), tuple(reserved.pages), 0, len(prompt)))
     p.engine.add_request("99", prompt, SamplingParams(max_tokens=1, temperature=0), handoff=handoff)
     _drain(p.engine)
     assert handoff.result(30).error is not None

@@ -229,3 +229,20 @@ def test_a_cancelled_handoff_gives_back_the_staging_of_what_it_never_sent(receiv
     result, staging = _handoff(receivers, full, delay_s=0.5, cancel=True)
     assert result.error == "the request was aborted"
     assert staging.free_bytes == staging.capacity
+
+
+def test_stages_of_other_layer_counts_hold_every_region_at_the_same_offset() -> None:
+    """Pipeline stages hold other layer counts (an uneven partition; a packed draft's layers on the
+    last stage): sized for the node's most layers, a reservation's region lies at the same offset on
+    every stage, so rank 0 names each rank's parts from its own (with that rank's layers)."""
+    stages = []
+    for layers in (1, 3):
+        pool = torch.zeros(layers, 2, PAGES * PAGE, HEADS, DIM)
+        arena = KVArena(pool.data_ptr(), layers, PAGES * PAGE, HEADS * HEAD_BYTES, PAGE)
+        stages.append(ReceiveStaging(StagingArena(1 << 20), pool, arena, HeadRange(0, HEADS), HEADS, region_layers=3))
+    for rid in ("a", "b", "c"):
+        regions = [s.stage(rid, DST_PAGES, END, 2) for s in stages]
+        assert regions[0].offset == regions[1].offset, rid
+    first, last = stages
+    assert first.parts("b", 0, HeadRange(0, HEADS), layers=3) == last.parts("b", 0, HeadRange(0, HEADS))
+    assert all(p.arena.num_layers == 3 for p in first.parts("b", 0, HeadRange(0, HEADS), layers=3))

@@ -28,7 +28,7 @@ from tierserve.core.tiers import CacheTier
 from tierserve.engine.commands import CancelReservation, FlushCache, Reserve
 from tierserve.engine.handoff import HandoffCheckError
 from tierserve.engine.reservations import DEFAULT_TERMS, CapacityError, ReservationTerms
-from tierserve.node.convert import arena, draft_message, identity, kv_ranks, sampling_params
+from tierserve.node.convert import arena, identity, kv_ranks, sampling_params
 from tierserve.node.server import AddService, Node
 from tierserve.proto import tierserve_pb2 as pb
 from tierserve.proto import tierserve_pb2_grpc as pb_grpc
@@ -51,8 +51,8 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         self.node, self.terms, self.max_lease_s = node, terms, max_lease_s
         self.integrity = node.ranks is not None and node.ranks.integrity  # --handoff-integrity: digests required
         self.identity, self.arena = identity(node.engine), arena(node.engine)
-        self.draft = draft_message(node.engine)  # a sidecar draft's pool, registered beside the arena
-        self.arenas = node.ranks.arenas if node.ranks is not None else []  # every rank's arena and heads
+        self.arenas = node.ranks.arenas if node.ranks is not None else []  # every rank's arena, heads, draft pool
+        self.itemsize = node.engine.geometry.dtype.itemsize
         self.receive = node.ranks.receive if node.ranks is not None else None  # rank 0's staging
         self.running: set[str] = set()  # reservation ids of the generations streaming now
         self.draining, self._handed_back = False, asyncio.Event()
@@ -86,8 +86,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         self.node.sessions.own(request.router_id, rid)  # its router's lost session ends it
         dest = pb.KVDestination(reservation_id=rid, transfer_endpoint=self.node.transfer.endpoint,
                                 identity=self.identity, base_address=self.arena.base, num_slots=self.arena.num_slots,
-                                pages=reserved.pages, cached_tokens=reserved.num_computed, ranks=self._ranks(rid),
-                                draft=self.draft)
+                                pages=reserved.pages, cached_tokens=reserved.num_computed, ranks=self._ranks(rid))
         return pb.ReserveResponse(destination=dest, lease_seconds=terms.lease_s)
 
     async def forget(self, ids: list[str]) -> None:
@@ -100,9 +99,9 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
     def _ranks(self, rid: str) -> list[pb.KVRank]:
         """Every rank, with the staging the reservation holds on it (at the same offset on every rank)."""
         if self.receive is None:
-            return kv_ranks(self.arenas)
-        return kv_ranks([replace(a, staged=tuple(self.receive.parts(rid, a.staging_base, a.heads)))
-                         for a in self.arenas])
+            return kv_ranks(self.arenas, self.itemsize)
+        return kv_ranks([replace(a, staged=tuple(self.receive.parts(rid, a.staging_base, a.heads, a.arena.num_layers)))
+                         for a in self.arenas], self.itemsize)
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[pb.GenerateChunk]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from tierserve.cache.device_pool import DeviceKVPool, KVGeometry
+from tierserve.cache.device_pool import DeviceKVPool
 from tierserve.cache.sharded.cp_pages import PageOwnership
 from tierserve.engine.engine import Engine
 from tierserve.proto import tierserve_pb2 as pb
@@ -12,16 +12,17 @@ from tierserve.proto.sampling import from_proto as sampling_params
 from tierserve.transfer.layout import HeadRange, KVArena, RankArena, StagedPart, staged_slots
 from tierserve.transfer.receive_staging import staged_heads
 
-__all__ = ["arena", "destination_arena", "destination_draft", "destination_ranks", "draft_arena", "draft_message",
+__all__ = ["arena", "destination_arena", "destination_ranks", "draft_arena", "draft_message", "draft_rank",
            "heads_problem", "identity", "identity_mismatch", "kv_ranks", "sampling_params", "sidecar_problem",
            "staging_problem"]
 
 
 def identity(engine: Engine) -> pb.KVIdentity:
     """What two nodes must share to exchange KV. With a packed draft (docs/speculative.md, PD) its layers are more
-    layers of every page and the model names the draft too, so a node with another draft, or none, is refused."""
+    layers of every page and the model names the draft too, so a node with another draft, or none, is refused.
+    Counted from the draft's plan: under pipeline stages only the last stage's pools hold them, not rank 0's."""
     ns = engine.namespace
-    packed = engine.pool.geometry.num_layers - engine.geometry.num_layers
+    packed = engine.draft.packed_layers if engine.draft is not None else 0
     model = f"{ns.model}+draft:{ns.draft}" if ns.draft else ns.model
     return pb.KVIdentity(model=model, dtype=ns.kv_dtype, page_size=ns.page_size, num_layers=ns.num_layers + packed,
                          num_kv_heads=ns.num_kv_heads, head_dim=ns.head_dim)
@@ -50,41 +51,63 @@ def _pool_arena(pool: DeviceKVPool) -> KVArena:
                    g.num_kv_heads * g.head_dim * g.dtype.itemsize, g.page_size)
 
 
-def draft_message(engine: Engine) -> pb.KVDraftArena | None:
-    """The ``KVDestination.draft`` a decode node names: its sidecar draft pool, if it has one."""
-    pool = engine.draft_pool
-    if pool is None:
+def draft_rank(engine: Engine, endpoint: str) -> RankArena | None:
+    """The engine's sidecar draft pool as a rank at ``endpoint`` holding this rank's draft KV heads
+    (a draft model's share, split like the target; an EAGLE head's every one, replicated); None
+    without one (no draft, a packed one, a pipeline stage without the draft)."""
+    pool = draft_arena(engine)
+    if pool is None or engine.draft is None:
         return None
-    g = pool.geometry
-    return pb.KVDraftArena(base_address=pool.buffer.data_ptr(), num_slots=pool.num_pages * g.page_size,
-                           num_layers=g.num_layers, num_kv_heads=g.num_kv_heads, head_dim=g.head_dim)
+    return RankArena(endpoint, pool, HeadRange(engine.draft.heads.start, engine.draft.heads.count))
 
 
-def sidecar_problem(dest: pb.KVDestination, mine: KVGeometry | None) -> str | None:
-    """Why a prefill node whose sidecar draft pool is shaped ``mine`` (None: none) cannot hand its
-    draft's KV into ``dest``, or None: both sides have such a pool, shaped alike, holding every page."""
-    if not dest.HasField("draft"):
-        return None if mine is None else "the destination names no draft pool for this node's sidecar draft"
-    d = dest.draft
-    if mine is None:
-        return "the destination names a sidecar draft pool, this node has none"
-    if (d.num_layers, d.num_kv_heads, d.head_dim) != (mine.num_layers, mine.num_kv_heads, mine.head_dim):
-        return (f"the destination's draft pool holds {d.num_layers} layers x {d.num_kv_heads} KV heads x "
-                f"{d.head_dim}, this node's draft {mine.num_layers} x {mine.num_kv_heads} x {mine.head_dim}")
-    if dest.pages and (max(dest.pages) + 1) * mine.page_size > d.num_slots:
-        return "a destination page lies outside its draft pool"
+def draft_message(draft: RankArena | None, itemsize: int) -> pb.KVDraftArena | None:
+    """A rank's sidecar draft pool as the ``KVDestination`` names it (``itemsize``: the KV dtype's bytes)."""
+    if draft is None:
+        return None
+    a, heads = draft.arena, draft.heads
+    return pb.KVDraftArena(base_address=a.base, num_slots=a.num_slots, num_layers=a.num_layers,
+                           num_kv_heads=heads.count, head_dim=a.slot_bytes // heads.count // itemsize,
+                           kv_head_start=heads.start)
+
+
+def _draft_of(m: pb.KVDraftArena, endpoint: str, itemsize: int, page_size: int) -> RankArena:
+    pool = KVArena(m.base_address, m.num_layers, m.num_slots, m.num_kv_heads * m.head_dim * itemsize, page_size)
+    return RankArena(endpoint, pool, HeadRange(m.kv_head_start, m.num_kv_heads))
+
+
+def sidecar_problem(theirs: list[RankArena], mine: list[RankArena], max_page: int) -> str | None:
+    """Why a prefill node whose ranks hold the sidecar draft pools ``mine`` cannot hand its draft's
+    KV into the destination ranks' pools ``theirs`` (up to page ``max_page``), or None: both or
+    neither have such pools, shaped alike (layers, bytes per head), and the destination's ranks hold
+    exactly the draft KV heads this node's do (each wherever it likes: they map as the target's do)."""
+    if not mine:
+        return "the destination names a sidecar draft pool, this node has none" if theirs else None
+    if not theirs:
+        return "the destination names no draft pool for this node's sidecar draft"
+    for rank, d in enumerate(theirs):
+        problem = _draft_pool_problem(d, mine[0], max_page)
+        if problem is not None:
+            return f"the destination's draft pool {rank}: {problem}"
+    held, needed = _draft_heads(theirs), _draft_heads(mine)
+    if held != needed:
+        return (f"the destination's draft pools hold draft KV heads {sorted(held)}, this node's {sorted(needed)}: "
+                "this prefill-decode pairing cannot hand the draft's KV over")
     return None
 
 
-def destination_draft(dest: pb.KVDestination, mine: KVGeometry | None) -> RankArena | None:
-    """The destination's sidecar draft pool as a rank holding every draft KV head, at the
-    destination's endpoint (checked by ``sidecar_problem``); None when it names none."""
-    if mine is None or not dest.HasField("draft"):
-        return None
-    d = dest.draft
-    slot_bytes = d.num_kv_heads * d.head_dim * mine.dtype.itemsize
-    pool = KVArena(d.base_address, d.num_layers, d.num_slots, slot_bytes, mine.page_size)
-    return RankArena(dest.transfer_endpoint, pool, HeadRange(0, d.num_kv_heads))
+def _draft_pool_problem(theirs: RankArena, mine: RankArena, max_page: int) -> str | None:
+    shapes = [(d.arena.num_layers, d.arena.slot_bytes // d.heads.count) for d in (theirs, mine)]
+    if shapes[0] != shapes[1]:
+        return (f"{shapes[0][0]} layers x {shapes[0][1]} bytes a KV head, this node's draft "
+                f"{shapes[1][0]} x {shapes[1][1]}")
+    if (max_page + 1) * theirs.arena.page_size > theirs.arena.num_slots:
+        return "a destination page lies outside it"
+    return None
+
+
+def _draft_heads(drafts: list[RankArena]) -> set[int]:
+    return {h for d in drafts for h in range(d.heads.start, d.heads.end)}
 
 
 def destination_arena(dest: pb.KVDestination, slot_bytes: int) -> KVArena:
@@ -92,14 +115,15 @@ def destination_arena(dest: pb.KVDestination, slot_bytes: int) -> KVArena:
     return KVArena(dest.base_address, i.num_layers, dest.num_slots, slot_bytes, i.page_size)
 
 
-def kv_ranks(arenas: list[RankArena]) -> list[pb.KVRank]:
-    """A node's ranks as the ``KVDestination`` names them (with the staged parts of one request)."""
+def kv_ranks(arenas: list[RankArena], itemsize: int) -> list[pb.KVRank]:
+    """A node's ranks as the ``KVDestination`` names them (with the staged parts of one request and
+    their sidecar draft pools; ``itemsize``: the KV dtype's bytes)."""
     return [pb.KVRank(transfer_endpoint=a.endpoint, base_address=a.arena.base, num_slots=a.arena.num_slots,
                       kv_head_start=a.heads.start, kv_heads=a.heads.count,
                       staged=[pb.KVStagedPart(kv_head_start=s.heads.start, kv_heads=s.heads.count,
                                               address=s.arena.base, tokens=s.arena.num_slots) for s in a.staged],
                       layer_start=a.first_layer, num_layers=a.arena.num_layers, cp_rank=a.owner.rank,
-                      cp_size=a.owner.size)
+                      cp_size=a.owner.size, draft=draft_message(a.draft, itemsize))
             for a in arenas]
 
 
@@ -109,7 +133,9 @@ def destination_ranks(dest: pb.KVDestination, head_bytes: int) -> list[RankArena
     i = dest.identity
     if not dest.ranks:
         whole = KVArena(dest.base_address, i.num_layers, dest.num_slots, i.num_kv_heads * head_bytes, i.page_size)
-        return [RankArena(dest.transfer_endpoint, whole, HeadRange(0, i.num_kv_heads))]
+        draft = _draft_of(dest.draft, dest.transfer_endpoint, head_bytes // i.head_dim, i.page_size) \
+            if dest.HasField("draft") else None
+        return [RankArena(dest.transfer_endpoint, whole, HeadRange(0, i.num_kv_heads), draft=draft)]
     return [_rank_arena(r, i, head_bytes) for r in dest.ranks]
 
 
@@ -120,8 +146,10 @@ def _rank_arena(r: pb.KVRank, i: pb.KVIdentity, head_bytes: int) -> RankArena:
     arena = KVArena(r.base_address, layers, r.num_slots, r.kv_heads * head_bytes, i.page_size)
     staged = tuple(_staged_part(s, layers, i.page_size, head_bytes) for s in r.staged)
     owner = PageOwnership(r.cp_rank, r.cp_size or 1)
+    draft = _draft_of(r.draft, r.transfer_endpoint, head_bytes // i.head_dim, i.page_size) if r.HasField("draft") \
+        else None
     return RankArena(r.transfer_endpoint, arena, HeadRange(r.kv_head_start, r.kv_heads), staged, 0, r.layer_start,
-                     owner)
+                     owner, draft)
 
 
 def _staged_part(part: pb.KVStagedPart, layers: int, page_size: int, head_bytes: int) -> StagedPart:

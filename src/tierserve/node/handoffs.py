@@ -24,6 +24,7 @@ from tierserve.engine.procs.ranks import Ranks
 from tierserve.engine.request import RequestOutput
 from tierserve.transfer.digest import MASK
 from tierserve.transfer.handoff import HandoffResult, HandoffState, KVHandoff
+from tierserve.transfer.sidecar import SidecarHandoff
 
 _STATE_FIELDS = len(fields(HandoffState))  # a row's first values; then its digests, if any
 
@@ -50,11 +51,12 @@ class HandoffBoard:
 
 
 class AgreedHandoff:
-    """One rank's side of a request's handoff: ``local`` sends this rank's heads; ``busy`` is the
+    """One rank's side of a request's handoff: ``local`` sends this rank's heads (and its sidecar
+    draft pool's, if any: a ``SidecarHandoff``); ``busy`` is the
     agreed value. Rank 0's servicer uses ``cancel`` (reaches the other ranks at the next
     agreement), ``result``, ``wait_stopped`` and ``peer_failed`` for the whole node."""
 
-    def __init__(self, local: KVHandoff, board: HandoffBoard) -> None:
+    def __init__(self, local: KVHandoff | SidecarHandoff, board: HandoffBoard) -> None:
         self.local, self.board = local, board
         self.target = local.target
         self._agreed = threading.Event()  # every rank's sender finished

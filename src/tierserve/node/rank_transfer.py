@@ -18,7 +18,7 @@ import torch.distributed as dist
 from tierserve.core.transfer import TransferProtocol
 from tierserve.engine.commands import AddRequest, Bind, EngineCall, EngineCommand
 from tierserve.engine.engine import Engine
-from tierserve.node.convert import arena, draft_arena
+from tierserve.node.convert import arena, draft_arena, draft_rank
 from tierserve.node.handoffs import AgreedHandoff, HandoffAdd, HandoffBoard
 from tierserve.transfer.digest import SendDigests
 from tierserve.transfer.engine import PeerEngines, TransferEngineHandle
@@ -53,14 +53,13 @@ class TransferOptions:
 @dataclass(frozen=True)
 class HandoffPlan:
     """What every prefill rank builds its own handoff of one request from (it crosses ranks):
-    the destination's ranks, page table, tokens it holds already, and the prompt's length;
-    ``draft``: the destination's sidecar draft pool, when both nodes' drafts have one."""
+    the destination's ranks (with their sidecar draft pools, if any), page table, tokens it holds
+    already, and the prompt's length."""
 
     dests: tuple[RankArena, ...]
     dst_pages: tuple[int, ...]
     dst_start: int
     prompt_len: int
-    draft: RankArena | None = None
 
 
 @dataclass
@@ -68,7 +67,8 @@ class RankTransfer:
     """One rank's transfer side: ``receiver`` (decode ranks and rank 0; None on other prefill
     ranks), ``peers`` for sending, ``arenas`` of every rank in rank order, ``board`` of agreed
     handoffs (prefill node of several ranks, else None), ``sends``: the heads this rank hands over
-    (None: a replica of a KV head another rank sends)."""
+    (None: a replica of a KV head another rank sends); ``draft_sends``: the same for its sidecar
+    draft pool's heads (None: none, or another rank sends those rows, e.g. a replicated EAGLE head's)."""
 
     engine: Engine
     receiver: TransferEngineHandle | None
@@ -79,6 +79,7 @@ class RankTransfer:
     gatherer: Gatherer | None = None
     receive: ReceiveStaging | None = None
     integrity: bool = False  # senders digest what they send (``--handoff-integrity``)
+    draft_sends: HeadRange | None = None
 
     @property
     def head_bytes(self) -> int:
@@ -105,22 +106,25 @@ class RankTransfer:
                          self.engine.ranks.cp, self._digests())
 
     def _with_draft(self, target: KVHandoff, plan: HandoffPlan) -> SenderHandoff:
-        """``target`` paired with a sender of the sidecar draft's pool when both nodes have one (the
-        prefill service checked that they do, or that neither does: ``sidecar_problem``)."""
+        """``target`` paired with a sender of this rank's sidecar draft pool when both nodes have such
+        pools (the prefill service checked that they do, or that neither does: ``sidecar_problem``):
+        its draft heads go to every destination rank's pool holding some of them, as the target's do
+        (whole slots when both hold the same heads); a rank whose rows another sends sends nothing."""
         source = draft_arena(self.engine)
-        if source is None or plan.draft is None:
+        theirs = [d.draft for d in plan.dests if d.draft is not None]
+        if source is None or not theirs:
             return target
-        # drafts run at one rank only (EngineConfig._check_speculative): whole slots, every draft head
-        routes = plan_routes(plan.draft.heads, source.slot_bytes // plan.draft.heads.count, [plan.draft])
-        draft = KVHandoff(self.peers, routes if self.sends else [], source, list(plan.dst_pages), plan.dst_start,
-                          plan.prompt_len, cuda=self.engine.device.type == "cuda")
+        mine = self.draft_sends
+        routes = plan_routes(mine, source.slot_bytes // mine.count, theirs) if mine else []
+        draft = KVHandoff(self.peers, routes, source, list(plan.dst_pages), plan.dst_start, plan.prompt_len,
+                          cuda=self.engine.device.type == "cuda")
         return SidecarHandoff(target, draft, self.engine.geometry.num_layers)
 
     def agreed(self, plan: HandoffPlan, faults: HandoffFaults = NO_FAULTS) -> AgreedHandoff:
-        """This rank's side of the node's sender for ``plan`` (a node of several ranks, so no
-        sidecar draft: drafts run at one rank only, ``EngineConfig._check_speculative``)."""
+        """This rank's side of the node's sender for ``plan`` (a node of several ranks; with a
+        sidecar draft, its pool's part too)."""
         assert self.board is not None, "an agreed handoff needs a node of several ranks"
-        return AgreedHandoff(self._heads(plan, faults), self.board)
+        return AgreedHandoff(self.handoff(plan, faults), self.board)
 
     def _digests(self) -> SendDigests | None:
         """Every rank digests, a replica that sends nothing too (zeros): the node's rows stay alike."""
@@ -159,19 +163,22 @@ class NodeRankRole:
         if receiver is not None and receive is not None:
             receiver.register(receive.staging.buffer)
         base = receive.staging.base if receive else 0
-        own = RankArena(receiver.endpoint if receiver else "", arena(engine), held, (), base, own_layers(engine).start,
-                        engine.ranks.cp)
+        endpoint = receiver.endpoint if receiver else ""
+        own = RankArena(endpoint, arena(engine), held, (), base, own_layers(engine).start, engine.ranks.cp,
+                        draft_rank(engine, endpoint))
         arenas = _gather(engine, own)
+        draft_sends = own.draft.heads if own.draft is not None and engine.draft.writes else None
         return RankTransfer(engine, receiver, peers, arenas, self._board(engine), held if shard.writes else None,
-                            gatherer, receive, o.integrity)
+                            gatherer, receive, o.integrity, draft_sends)
 
     def _receive(self, engine: Engine, held: HeadRange) -> ReceiveStaging | None:
         """Decode ranks stage writers that hold fewer heads (``transfer/receive_staging.py``)."""
         if self.side is not Side.DECODE or self.options.staging_bytes <= 0:
             return None
         staging = StagingArena(self.options.staging_bytes, engine.pool.buffer.device)
+        # regions sized for every layer (a packed draft's too): any stage's fit, at one offset on every rank
         receive = ReceiveStaging(staging, engine.pool.buffer, arena(engine), held, engine.model_config.num_kv_heads,
-                                 engine.ranks.cp)
+                                 engine.ranks.cp, engine.kv_shard.layers.total)
         engine.reservations.staging = receive
         return receive
 

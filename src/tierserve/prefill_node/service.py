@@ -10,14 +10,12 @@ from dataclasses import dataclass, replace
 
 import grpc
 
-from tierserve.cache.device_pool import KVGeometry
 from tierserve.core.outputs import RequestOutput
 from tierserve.core.sampling import InvalidRequestError, SamplingParams
 from tierserve.core.scope import CacheScope
 from tierserve.core.tiers import CacheTier
 from tierserve.engine.commands import AddRequest, EngineCommand
 from tierserve.node.convert import (
-    destination_draft,
     destination_ranks,
     heads_problem,
     identity,
@@ -38,6 +36,7 @@ from tierserve.tracing import attributes as at
 from tierserve.tracing.engine_spans import record_prefill
 from tierserve.transfer.faulty import NO_FAULTS, HandoffFaults
 from tierserve.transfer.handoff import HandoffResult
+from tierserve.transfer.layout import RankArena
 from tierserve.transfer.sender import SenderHandoff
 
 log = logging.getLogger(__name__)
@@ -108,13 +107,11 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
 
     def _plan(self, prompt: list[int], dest: pb.KVDestination) -> HandoffPlan:
         dests = destination_ranks(dest, self.node.ranks.head_bytes)
-        draft = destination_draft(dest, self._draft_geometry())
-        return HandoffPlan(tuple(dests), tuple(dest.pages), dest.cached_tokens, len(prompt), draft)
+        return HandoffPlan(tuple(dests), tuple(dest.pages), dest.cached_tokens, len(prompt))
 
-    def _draft_geometry(self) -> KVGeometry | None:
-        """This node's sidecar draft pool's shape; None without one."""
-        pool = self.node.engine.draft_pool
-        return pool.geometry if pool is not None else None
+    def _drafts(self) -> list[RankArena]:
+        """This node's ranks' sidecar draft pools (none without a sidecar draft)."""
+        return [a.draft for a in self.node.ranks.arenas if a.draft is not None]
 
     def _handoff(self, request: pb.PrefillRequest, prompt: list[int], params: SamplingParams, plan: HandoffPlan
                  ) -> tuple[SenderHandoff, EngineCommand]:
@@ -205,7 +202,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         dests = destination_ranks(dest, self.node.ranks.head_bytes)
         i = self.identity
         return heads_problem(dests, i.num_kv_heads, max(dest.pages), i.num_layers) or \
-            sidecar_problem(dest, self._draft_geometry()) or \
+            sidecar_problem([d.draft for d in dests if d.draft is not None], self._drafts(), max(dest.pages)) or \
             staging_problem(dests, i.num_kv_heads, self.node.engine.ranks.tp.size, len(prompt), dest.pages)
 
 

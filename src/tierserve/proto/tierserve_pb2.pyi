@@ -47,7 +47,7 @@ class KVIdentity(_message.Message):
     def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., page_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ...) -> None: ...
 
 class KVRank(_message.Message):
-    __slots__ = ("transfer_endpoint", "base_address", "num_slots", "kv_head_start", "kv_heads", "staged", "layer_start", "num_layers", "cp_rank", "cp_size")
+    __slots__ = ("transfer_endpoint", "base_address", "num_slots", "kv_head_start", "kv_heads", "staged", "layer_start", "num_layers", "cp_rank", "cp_size", "draft")
     TRANSFER_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     BASE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +58,7 @@ class KVRank(_message.Message):
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     CP_RANK_FIELD_NUMBER: _ClassVar[int]
     CP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
     transfer_endpoint: str
     base_address: int
     num_slots: int
@@ -68,7 +69,8 @@ class KVRank(_message.Message):
     num_layers: int
     cp_rank: int
     cp_size: int
-    def __init__(self, transfer_endpoint: _Optional[str] = ..., base_address: _Optional[int] = ..., num_slots: _Optional[int] = ..., kv_head_start: _Optional[int] = ..., kv_heads: _Optional[int] = ..., staged: _Optional[_Iterable[_Union[KVStagedPart, _Mapping]]] = ..., layer_start: _Optional[int] = ..., num_layers: _Optional[int] = ..., cp_rank: _Optional[int] = ..., cp_size: _Optional[int] = ...) -> None: ...
+    draft: KVDraftArena
+    def __init__(self, transfer_endpoint: _Optional[str] = ..., base_address: _Optional[int] = ..., num_slots: _Optional[int] = ..., kv_head_start: _Optional[int] = ..., kv_heads: _Optional[int] = ..., staged: _Optional[_Iterable[_Union[KVStagedPart, _Mapping]]] = ..., layer_start: _Optional[int] = ..., num_layers: _Optional[int] = ..., cp_rank: _Optional[int] = ..., cp_size: _Optional[int] = ..., draft: _Optional[_Union[KVDraftArena, _Mapping]] = ...) -> None: ...
 
 class KVStagedPart(_message.Message):
     __slots__ = ("kv_head_start", "kv_heads", "address", "tokens")
@@ -105,18 +107,20 @@ class KVDestination(_message.Message):
     def __init__(self, reservation_id: _Optional[str] = ..., transfer_endpoint: _Optional[str] = ..., identity: _Optional[_Union[KVIdentity, _Mapping]] = ..., base_address: _Optional[int] = ..., num_slots: _Optional[int] = ..., pages: _Optional[_Iterable[int]] = ..., cached_tokens: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[KVRank, _Mapping]]] = ..., draft: _Optional[_Union[KVDraftArena, _Mapping]] = ...) -> None: ...
 
 class KVDraftArena(_message.Message):
-    __slots__ = ("base_address", "num_slots", "num_layers", "num_kv_heads", "head_dim")
+    __slots__ = ("base_address", "num_slots", "num_layers", "num_kv_heads", "head_dim", "kv_head_start")
     BASE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    KV_HEAD_START_FIELD_NUMBER: _ClassVar[int]
     base_address: int
     num_slots: int
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    def __init__(self, base_address: _Optional[int] = ..., num_slots: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ...) -> None: ...
+    kv_head_start: int
+    def __init__(self, base_address: _Optional[int] = ..., num_slots: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., kv_head_start: _Optional[int] = ...) -> None: ...
 
 class SamplingOptions(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "seed", "max_tokens", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens", "min_tokens", "logprobs", "prompt_logprobs", "prompt_logprobs_start", "constraint", "priority", "deadline_ms")

@@ -77,7 +77,9 @@ class RankArena:
     holds, and the staging it offers this request (none: every source writes in place). Its
     arena's layer i (and its staging's) is the model's layer ``first_layer + i``: a pipeline
     stage holds only its layers. ``owner``: the logical pages its arena holds (a decode node with
-    context parallelism: only those it owns, each at its local slot; ``docs/cp.md``)."""
+    context parallelism: only those it owns, each at its local slot; ``docs/cp.md``). ``draft``: the
+    rank's sidecar speculative draft pool, as a rank holding the draft's KV heads ``draft.heads``
+    (None: it holds none; ``docs/speculative.md``, PD)."""
 
     endpoint: str
     arena: KVArena
@@ -86,6 +88,7 @@ class RankArena:
     staging_base: int = 0  # where the rank's staging arena starts (0: it has none)
     first_layer: int = 0
     owner: PageOwnership = EVERY_PAGE
+    draft: RankArena | None = None
 
     @property
     def layers(self) -> LayerRange:

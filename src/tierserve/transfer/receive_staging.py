@@ -69,12 +69,17 @@ def parts(region: Region, base: int, own: HeadRange, num_kv_heads: int, layers: 
 class ReceiveStaging:
     """One decode rank's staging regions, by reservation; called from the engine's commands only.
     Under context parallelism (``owner``) a region holds the pages this rank owns only, packed in
-    page-table order (``held_pages`` by token): the writers fill, and ``scatter`` copies, those."""
+    page-table order (``held_pages`` by token): the writers fill, and ``scatter`` copies, those.
+    ``region_layers``: the layers a region is sized for on every rank (0: this rank's arena's), the
+    most any rank of the node holds: pipeline stages hold different layer counts (an uneven
+    partition; a packed speculative draft's layers on the last stage only), and a reservation's
+    region must lie at the same offset on every rank."""
 
     def __init__(self, staging: StagingArena, pool: torch.Tensor, arena: KVArena, own: HeadRange,
-                 num_kv_heads: int, owner: PageOwnership | None = None) -> None:
+                 num_kv_heads: int, owner: PageOwnership | None = None, region_layers: int = 0) -> None:
         self.staging, self.arena, self.own, self.num_kv_heads = staging, arena, own, num_kv_heads
         self.pool, self.owner = pool, owner or PageOwnership()
+        self.region_layers = region_layers or arena.num_layers
         self.regions: dict[str, Region] = {}
         self._quarantine: list[tuple[float, Region]] = []  # (free at, region)
 
@@ -95,7 +100,7 @@ class ReceiveStaging:
         if not staged_heads(self.own, source_tp, self.num_kv_heads):
             return None
         tokens = region_slots(self.owner, pages, tokens, self.arena.page_size)
-        nbytes = self.arena.num_layers * 2 * tokens * self.arena.slot_bytes
+        nbytes = self.region_layers * 2 * tokens * self.arena.slot_bytes
         offset = self.staging.alloc(nbytes)
         if offset is None:
             return None
@@ -106,12 +111,13 @@ class ReceiveStaging:
         """The reservation has a region here (its writers stage; ``scatter`` has work)."""
         return request_id in self.regions
 
-    def parts(self, request_id: str, base: int, own: HeadRange) -> list[StagedPart]:
-        """The parts of ``request_id``'s region on the rank holding ``own`` at arena ``base``."""
+    def parts(self, request_id: str, base: int, own: HeadRange, layers: int | None = None) -> list[StagedPart]:
+        """The parts of ``request_id``'s region on the rank holding ``own`` of ``layers`` layers
+        (default: as many as this rank) at arena ``base``."""
         region = self.regions.get(request_id)
         if region is None:
             return []
-        return parts(region, base, own, self.num_kv_heads, self.arena.num_layers, self.head_bytes,
+        return parts(region, base, own, self.num_kv_heads, layers or self.arena.num_layers, self.head_bytes,
                      self.arena.page_size)
 
     def scatter(self, request_id: str, pages: list[int], start: int, end: int) -> None:

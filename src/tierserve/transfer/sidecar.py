@@ -37,6 +37,10 @@ class SidecarHandoff:
             if part.busy():
                 part.cancel(reason)
 
+    def digest_row(self) -> list[int]:
+        """The target part's digests (``KVHandoff.digest_row``): ``--handoff-integrity`` covers the target's KV."""
+        return self.parts[0].digest_row()
+
     def all_submitted(self) -> bool:
         return all(p.all_submitted() for p in self.parts)
 

@@ -110,16 +110,6 @@ def draft_problem(config: EngineConfig) -> str | None:
     return None
 
 
-def pd_draft_problem(config: EngineConfig) -> str | None:
-    """Why a prefill or decode node of ``config`` cannot run its draft model, or None: the draft's
-    KV is handed over between nodes of one rank each only (docs/speculative.md, layouts)."""
-    if config.speculative_draft_model_path is None or config.num_ranks == 1:
-        return None
-    return (f"--speculative-algorithm {config.spec_algorithm.value} on a prefill or decode node of several "
-            "ranks is not supported yet (the draft's KV is handed over between single-rank nodes only): use "
-            "--speculative-algorithm NGRAM there, or tierserve serve (docs/speculative.md, layouts)")
-
-
 @dataclass(frozen=True)
 class DraftPlan:
     """The draft's KV ``geometry`` and resolved ``layout``; ``identity`` names both in the cache
