@@ -162,11 +162,8 @@ def _outputs(engine: Engine) -> dict:
     (["--speculative-num-steps", "2"], "need --speculative-draft-model-path"),
     (["--speculative-draft-model-path", "DRAFT", "--speculative-num-steps", "2",
       "--speculative-num-draft-tokens", "4"], "must be --speculative-num-steps + 1"),
-    (["--speculative-draft-model-path", "DRAFT", "--cp-size", "2", "--tp-size", "2"],
-     "STANDALONE with --cp-size above 1 is not supported yet"),
     (["--speculative-draft-model-path", "ODD_HEADS", "--tp-size", "2"],
      "the draft model cannot be split like the target: tensor-parallel size 2 does not divide the model's 3"),
-    (["--speculative-draft-model-path", "DRAFT", "--cp-size", "2"], "use --speculative-algorithm NGRAM there"),
     (["--speculative-draft-model-path", "OTHER_VOCAB"], "vocabulary (200 tokens) differs"),
 ])
 def test_bad_speculative_flags_are_refused_at_start(tiny_llama: Path, drafts: dict[str, Path], tmp_path: Path,

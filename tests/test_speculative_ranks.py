@@ -39,13 +39,17 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 NGRAM = "ngram"
 # HiCache with a 48-page L1 per rank (L2: 96): the batch (about 36 pages) fits, three more prompts push it to L2
 L2 = ("--enable-hierarchical-cache", "--max-total-tokens", "192")
+# per CP rank: 24 pages, 48 in all as L2's; so small that a logical page id read as a local slot is out of range
+CP_L2 = ("--enable-hierarchical-cache", "--max-total-tokens", "96")
 # name: (tp size, more flags, draft source: a key of ``cases``), one server each; EAGLE's draft layout is
 # ``auto``: packed where the head's KV rows are shaped like a rank's target rows (PP 2), else the sidecar
 LAYOUTS = {"pp2": (1, ("--pp-size", "2"), NGRAM), "cp2": (1, ("--cp-size", "2"), NGRAM),
            "tp2-cp2": (2, ("--cp-size", "2"), NGRAM), "tp2-standalone-packed": (2, (), "packed"),
            "tp2-standalone-sidecar": (2, L2, "sidecar"), "pp2-standalone-packed": (1, ("--pp-size", "2"), "packed"),
            "pp2-standalone-sidecar": (1, ("--pp-size", "2"), "sidecar"), "tp2-eagle": (2, (), "eagle"),
-           "pp2-eagle": (1, ("--pp-size", "2"), "eagle"), "tp2-pp2-eagle": (2, ("--pp-size", "2"), "eagle")}
+           "pp2-eagle": (1, ("--pp-size", "2"), "eagle"), "tp2-pp2-eagle": (2, ("--pp-size", "2"), "eagle"),
+           "cp2-standalone-packed": (1, ("--cp-size", "2", "--max-total-tokens", "96"), "packed"),
+           "cp2-standalone-sidecar": (1, ("--cp-size", "2", *CP_L2), "sidecar")}
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
 SAMPLED = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.8, seed=7, ignore_eos=True)
 
@@ -155,7 +159,7 @@ def server(request, cases, tmp_path_factory) -> Iterator[tuple[TPServer, Case, b
     case = cases[source]
     log = tmp_path_factory.mktemp(request.param) / "serve.log"
     node = start_server(case.model, tp, log, *case.flags, *flags).wait_healthy()
-    yield node, case, flags == L2
+    yield node, case, "--enable-hierarchical-cache" in flags
     node.stop()
 
 

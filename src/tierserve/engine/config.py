@@ -134,13 +134,14 @@ class EngineConfig:
 
     def _spec_layout_problem(self, algorithm: SpeculativeAlgorithm) -> str | None:
         """Why ``algorithm`` cannot run at this rank layout, or None (docs/speculative.md, layouts):
-        NGRAM runs at any; a draft model (split) or an EAGLE head (replicated) runs over tensor ranks
-        and on the last pipeline stage, not over CP ranks."""
-        if algorithm is SpeculativeAlgorithm.NGRAM or self.cp_size == 1:
+        NGRAM runs at any; a draft model (split) over tensor ranks, on the last pipeline stage and
+        over CP ranks (its KV owned as the target's); an EAGLE head (replicated) over tensor ranks
+        and on the last stage, not over CP ranks (its feature plane is read across pages)."""
+        if algorithm is not SpeculativeAlgorithm.EAGLE or self.cp_size == 1:
             return None
-        return (f"--speculative-algorithm {algorithm.value} with --cp-size above 1 is not supported yet (its "
-                "draft runs at --tp-size and --pp-size only): use --speculative-algorithm NGRAM there "
-                "(docs/speculative.md, layouts)")
+        return ("--speculative-algorithm EAGLE with --cp-size above 1 is not supported yet (the head reads the "
+                "target's hidden state of the position before each row from the feature plane, which is not "
+                "sharded by page owner): use a STANDALONE draft model or NGRAM there (docs/speculative.md, layouts)")
 
     def _check_algorithm(self) -> None:
         """A draft model exactly for STANDALONE; the n-gram settings only for NGRAM, and in range."""

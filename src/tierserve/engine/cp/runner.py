@@ -59,7 +59,7 @@ class CPRunner:
         if every_row or self.attention is CPAttention.GATHER or sum(s.num_tokens for s in extends) < SPLIT_MIN_TOKENS:
             return CPStep(self.kv(ordered, attn))
         seqs, start = [], 0
-        gather = self._sharded(ordered, attn)  # the prefix's pages, per layer, from their owners
+        gather = self._sharded(prefix_pages(ordered, self.page_size), attn)  # the prefix's pages, per layer
         for s in extends:
             computed = s.request.num_computed
             prefix = gather.plan.rows[self._tensor(s.request.pages[: pages_for(computed, self.page_size)])]
@@ -74,14 +74,27 @@ class CPRunner:
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)
 
+    def over(self, pool: DeviceKVPool) -> CPRunner:
+        """The same ranks, groups and choice over another KV store with the same page ids and
+        owners (a speculative draft's: a sidecar pool, or a packed pool's draft layers as a pool of
+        their own, ``OffsetKV``; docs/speculative.md, STANDALONE at CP). Its clocks are its own, so
+        the target's metrics count the target's passes only."""
+        return CPRunner(self.own, pool, self.device, self.merge_group, self.attention, self.group)
+
     def kv(self, ordered: list[Scheduled], attn: AttentionBatch) -> KVStore:
-        """What the model reads and writes for ``ordered`` (``attn`` is set up to match). Every
-        layer of a short step merges each rank's attention over its own pages; a longer step with a
-        cached prefix merges layer 0 and gathers the prefix pages of layers 1.. from their owners."""
-        seqs = self._seq_keys(ordered)
+        """What the model reads and writes for ``ordered`` (``attn`` is set up to match): ``kv_of``
+        its sequences."""
+        return self.kv_of(self._seq_keys(ordered), attn)
+
+    def kv_of(self, seqs: list[SeqKeys], attn: AttentionBatch) -> KVStore:
+        """What the model reads and writes for the step of ``seqs`` (in ``attn``'s flat order; a
+        sequence's ``pages`` hold its tokens up to the step's end). Every layer of a short step
+        merges each rank's attention over its own pages; a longer step with a cached prefix merges
+        layer 0 and gathers the prefix pages of layers 1.. from their owners."""
         short = short_step([s.length for s in seqs], self.page_size)
-        if self.attention is CPAttention.GATHER or not (short or prefix_pages(ordered, self.page_size)):
-            return self._sharded(ordered, attn)  # asked to gather, or nothing cached to merge or gather
+        prefix = {p for s in seqs for p in s.pages[: pages_for(s.first_position, self.page_size)]}
+        if self.attention is CPAttention.GATHER or not (short or prefix):
+            return self._sharded(prefix, attn)  # asked to gather, or nothing cached to merge or gather
         reader = (BatchedKeys if short else SplitKeys)(self.own, seqs, self.page_size, self.device)
         layers = self.pool.geometry.num_layers if short else 1
         writes = own_writes(self.own, attn.out_slots, self.page_size)
@@ -91,7 +104,7 @@ class CPRunner:
             self.merge_clock.short_steps += 1
             return self.pool
         self.merge_clock.first_layer_steps += 1
-        return self._sharded(ordered, attn, first=1)
+        return self._sharded(prefix, attn, first=1)
 
     def stats(self) -> dict[str, float]:
         """This rank's seconds spent waiting for per-layer gathers, its merged and its split steps."""
@@ -106,11 +119,11 @@ class CPRunner:
             start += s.num_tokens
         return seqs
 
-    def _sharded(self, ordered: list[Scheduled], attn: AttentionBatch, first: int = 0) -> LayerGather:
-        """Renumbers ``attn`` onto a step buffer and gathers its prefix pages from their owners,
+    def _sharded(self, prefix: set[int], attn: AttentionBatch, first: int = 0) -> LayerGather:
+        """Renumbers ``attn`` onto a step buffer and gathers its ``prefix`` pages from their owners,
         layer ``first`` on (``engine/cp/gather.py``)."""
         touched = set((attn.out_slots // self.page_size).tolist())
-        plan = plan_rows(self.own, prefix_pages(ordered, self.page_size), touched,
+        plan = plan_rows(self.own, prefix, touched,
                          self.pool.num_pages * self.own.size, self.device)
         slots = renumber(attn, plan.rows)
         attn.hooks = LayerGather(self.own, self.pool, plan, slots, attn, attn.hooks, self.group,

@@ -61,7 +61,8 @@ class SpecDecoder:
             drafter = DraftRelay(counters, runner.tokens, keeps_chain=algorithm is SpeculativeAlgorithm.STANDALONE)
         elif algorithm is SpeculativeAlgorithm.STANDALONE:
             path = config.speculative_draft_model_path
-            drafter = ModelDrafter(path, draft_kv, device, pool.geometry.dtype, counters, tp, runner.tokens)
+            cp = runner.cp.over(draft_kv.kv) if runner.cp is not None else None  # type: ignore[arg-type]
+            drafter = ModelDrafter(path, draft_kv, device, pool.geometry.dtype, counters, tp, runner.tokens, cp)
         else:
             path = config.speculative_draft_model_path
             drafter = EagleDrafter(path, draft_kv, target, device, pool.geometry.dtype, counters, runner.tokens,

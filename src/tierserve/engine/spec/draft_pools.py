@@ -201,10 +201,13 @@ class DraftPlan:
 
 
 class OffsetKV:
-    """The draft's layers of a packed pool: draft layer i is pool layer ``offset + i``."""
+    """The draft's layers of a packed pool: draft layer i is pool layer ``offset + i``. Its
+    ``geometry`` and ``num_pages`` are those layers' (context parallelism reads it as a pool)."""
 
     def __init__(self, pool: DeviceKVPool, offset: int) -> None:
         self.pool, self.offset, self.buffer = pool, offset, pool.buffer
+        self.geometry = dataclasses.replace(pool.geometry, num_layers=pool.geometry.num_layers - offset)
+        self.num_pages = pool.num_pages
 
     @property
     def page_size(self) -> int:

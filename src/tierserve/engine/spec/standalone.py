@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from tierserve.engine.cp.runner import CPRunner
 from tierserve.engine.procs.token_share import SoleSampler, TokenShare
 from tierserve.engine.request import Request
 from tierserve.engine.scheduler import Scheduled
@@ -32,18 +33,23 @@ class ModelDrafter:
     Several tensor ranks (docs/speculative.md, layouts): the draft is split over ``tp`` like the
     target (its heads and MLP rows; its all-reduces ride the same group), its KV holds this rank's
     heads, every rank runs every pass in lock-step, and ``tokens`` (the runner's) makes every rank
-    take the sampling rank's draw at each step of the chain."""
+    take the sampling rank's draw at each step of the chain.
+
+    Several CP ranks: ``cp`` (the target's ``CPRunner`` over the draft's KV) makes every pass read
+    the draft pages other ranks own as a replicated target step reads the target's (the draft's
+    page p is on the owner of target page p), every rank running it in lock-step."""
 
     def __init__(self, draft_dir: Path, draft_kv: DraftKV, device: torch.device, dtype: torch.dtype,
-                 counters: SpecCounters, tp: TensorParallel = SINGLE, tokens: TokenShare | None = None) -> None:
+                 counters: SpecCounters, tp: TensorParallel = SINGLE, tokens: TokenShare | None = None,
+                 cp: CPRunner | None = None) -> None:
         self.draft, self.draft_kv, self.counters = load_model(draft_dir, device, dtype, tp), draft_kv, counters
-        self.tokens = tokens or SoleSampler()
+        self.tokens, self.cp = tokens or SoleSampler(), cp
 
     def propose(self, batch: list[Scheduled], hooks: LayerHooks | None) -> dict[str, Drafted]:
         """The draft's chain: per speculating request, its draft tokens and their q rows."""
         spec = [s for s in batch if s.draft_tokens > 0]
         live = [(s, h[-1:]) for s, h in zip(spec, self._forward_sync(spec, hooks), strict=True)]
-        return chain(live, lambda spans, _: forward(self.draft, self.draft_kv.kv, spans), self.draft.logits,
+        return chain(live, lambda spans, _: forward(self.draft, self.draft_kv.kv, spans, cp=self.cp), self.draft.logits,
                      self._chain_span, self._agree)
 
     def _agree(self, live: list[Scheduled], tokens: list[int]) -> list[int]:
@@ -70,7 +76,7 @@ class ModelDrafter:
             return []
         spans = [Span(s.request.tokens(start, s.request.num_computed + s.num_tokens), start, s.request.pages)
                  for s, start in zip(batch, _catch_up(batch, self.counters), strict=True)]
-        hidden = forward(self.draft, self.draft_kv.kv, spans, self.draft_kv.hooks(hooks))
+        hidden = forward(self.draft, self.draft_kv.kv, spans, self.draft_kv.hooks(hooks), self.cp)
         _synced(batch)
         return hidden
 
