@@ -43,7 +43,10 @@ L2 = ("--enable-hierarchical-cache", "--max-total-tokens", "192")
 CP_L2 = ("--enable-hierarchical-cache", "--max-total-tokens", "96")
 # name: (tp size, more flags, draft source: a key of ``cases``), one server each; EAGLE's draft layout is
 # ``auto``: packed where the head's KV rows are shaped like a rank's target rows (PP 2), else the sidecar
-LAYOUTS = {"pp2": (1, ("--pp-size", "2"), NGRAM), "cp2": (1, ("--cp-size", "2"), NGRAM),
+# cp2: chunks of 512, so a long prompt's step splits (``test_a_split_step_under_speculation_samples_its_own_rows``;
+# NGRAM's counts follow from the greedy tokens alone, so the single engine's chunks of 16 give the same)
+LAYOUTS = {"pp2": (1, ("--pp-size", "2"), NGRAM),
+           "cp2": (1, ("--cp-size", "2", "--chunked-prefill-size", "512"), NGRAM),
            "tp2-cp2": (2, ("--cp-size", "2"), NGRAM), "tp2-standalone-packed": (2, (), "packed"),
            "tp2-standalone-sidecar": (2, L2, "sidecar"), "pp2-standalone-packed": (1, ("--pp-size", "2"), "packed"),
            "pp2-standalone-sidecar": (1, ("--pp-size", "2"), "sidecar"), "tp2-eagle": (2, (), "eagle"),
@@ -220,3 +223,16 @@ def _again(node: TPServer, case: Case, tier: str) -> None:
     assert all(tiers[tier] > 0 for _, _, tiers in again), again
     assert token_ids(case.model, [text for text, _, _ in again]) == case.plain
     assert [c for _, c, _ in again] == case.counts
+
+
+@pytest.mark.parametrize("server", ["cp2"], indirect=True)
+def test_a_split_step_under_speculation_samples_its_own_rows(server: tuple[TPServer, Case, bool]) -> None:
+    """At CP 2 with chunks of 512 a 300-token prompt's step splits its tokens between the ranks
+    (docs/cp.md) though it runs as a speculative step (``Verify``, no drafts yet): the sampling rank
+    samples the prompt's last row among its own rows (it indexed the flat rows, of which it holds
+    about half: a 500), and the answer and counts are a single engine's."""
+    node, case, _ = server
+    prompt = (case.prompts[0] * 12)[:300]
+    tokens, counts = _single(_engine(case.model, ngram=True), [prompt])
+    text, got, _ = _complete(node, case.model, prompt)
+    assert (token_ids(case.model, [text])[0], got) == ([t for t in tokens[0] if t >= 2], counts[0])
