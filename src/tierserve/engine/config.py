@@ -114,8 +114,8 @@ class EngineConfig:
         self._check_speculative()
 
     def _check_speculative(self) -> None:
-        """Flags that need an algorithm (or another one), step counts that disagree, and what
-        speculation does not run with yet."""
+        """Flags that need an algorithm (or another one) and step counts that disagree (every algorithm
+        runs at any rank layout of ``serve``: docs/speculative.md, layouts)."""
         algorithm, steps, tokens = self.spec_algorithm, self.speculative_num_steps, self.speculative_num_draft_tokens
         self._check_algorithm()
         if algorithm is None:
@@ -129,19 +129,6 @@ class EngineConfig:
         if steps is not None and tokens is not None and tokens != steps + 1:
             raise ValueError(f"drafts are a chain (topk 1): --speculative-num-draft-tokens must be "
                              f"--speculative-num-steps + 1, not {tokens} with {steps} steps")
-        if (problem := self._spec_layout_problem(algorithm)) is not None:
-            raise ValueError(problem)
-
-    def _spec_layout_problem(self, algorithm: SpeculativeAlgorithm) -> str | None:
-        """Why ``algorithm`` cannot run at this rank layout, or None (docs/speculative.md, layouts):
-        NGRAM runs at any; a draft model (split) over tensor ranks, on the last pipeline stage and
-        over CP ranks (its KV owned as the target's); an EAGLE head (replicated) over tensor ranks
-        and on the last stage, not over CP ranks (its feature plane is read across pages)."""
-        if algorithm is not SpeculativeAlgorithm.EAGLE or self.cp_size == 1:
-            return None
-        return ("--speculative-algorithm EAGLE with --cp-size above 1 is not supported yet (the head reads the "
-                "target's hidden state of the position before each row from the feature plane, which is not "
-                "sharded by page owner): use a STANDALONE draft model or NGRAM there (docs/speculative.md, layouts)")
 
     def _check_algorithm(self) -> None:
         """A draft model exactly for STANDALONE; the n-gram settings only for NGRAM, and in range."""

@@ -39,8 +39,9 @@ class CPRunner:
 
     def __init__(self, own: PageOwnership, pool: DeviceKVPool, device: torch.device,
                  merge_group: dist.ProcessGroup | None = None, attention: CPAttention = CPAttention.MERGE,
-                 group: dist.ProcessGroup | None = None) -> None:
-        self.own, self.pool, self.device = own, pool, device
+                 group: dist.ProcessGroup | None = None, attended: int = 0) -> None:
+        """``attended``: the first of ``pool``'s layers the model attends over (an EAGLE head's)."""
+        self.own, self.pool, self.device, self.attended = own, pool, device, attended
         self.page_size = pool.page_size
         self.merge_group = merge_group  # the merged attention's group (None: the default group)
         self.group = group  # the gathers' group (None: the default group)
@@ -74,12 +75,15 @@ class CPRunner:
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)
 
-    def over(self, pool: DeviceKVPool) -> CPRunner:
-        """The same ranks, groups and choice over another KV store with the same page ids and
-        owners (a speculative draft's: a sidecar pool, or a packed pool's draft layers as a pool of
-        their own, ``OffsetKV``; docs/speculative.md, STANDALONE at CP). Its clocks are its own, so
-        the target's metrics count the target's passes only."""
-        return CPRunner(self.own, pool, self.device, self.merge_group, self.attention, self.group)
+    def over(self, pool: DeviceKVPool, attention: CPAttention | None = None, attended: int = 0) -> CPRunner:
+        """The same ranks and groups over another KV store with the same page ids and owners (a
+        speculative draft's: a sidecar pool, or a packed pool's draft layers as a pool of their own,
+        ``OffsetKV``; docs/speculative.md, STANDALONE and EAGLE at CP), the same ``attention`` unless
+        given, the model attending over its layers from ``attended`` on (above 0 with
+        ``CPAttention.GATHER`` only: the merge counts layers from 0). Its clocks are its own, so the
+        target's metrics count the target's passes only."""
+        return CPRunner(self.own, pool, self.device, self.merge_group, attention or self.attention, self.group,
+                        attended)
 
     def kv(self, ordered: list[Scheduled], attn: AttentionBatch) -> KVStore:
         """What the model reads and writes for ``ordered`` (``attn`` is set up to match): ``kv_of``
@@ -127,7 +131,7 @@ class CPRunner:
                          self.pool.num_pages * self.own.size, self.device)
         slots = renumber(attn, plan.rows)
         attn.hooks = LayerGather(self.own, self.pool, plan, slots, attn, attn.hooks, self.group,
-                                 clock=self.gather_clock, first=first)
+                                 clock=self.gather_clock, first=max(first, self.attended), attended=self.attended)
         return attn.hooks
 
 

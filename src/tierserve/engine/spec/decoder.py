@@ -67,7 +67,7 @@ class SpecDecoder:
         else:
             path = config.speculative_draft_model_path
             drafter = EagleDrafter(path, draft_kv, target, device, pool.geometry.dtype, counters, runner.tokens,
-                                   config.model_dir)
+                                   config.model_dir, runner.cp)
         on_ranks = runner if algorithm is SpeculativeAlgorithm.NGRAM or config.num_ranks > 1 else None
         return cls(target, pool, drafter, config.spec_steps, counters, on_ranks,
                    algorithm is SpeculativeAlgorithm.EAGLE)
