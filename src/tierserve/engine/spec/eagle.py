@@ -76,8 +76,11 @@ class FeaturePlane:
             rows += [pool.view(pool.shape[0], -1).index_select(0, slots) for pool in self.kv.layer(layer)]
         out = torch.cat(rows, dim=-1)[:, : self.hidden]
         if mine is not None:
-            out = torch.where(mine[:, None], out, 0)  # another rank's row: read at slot 0 here, not its own
-            dist.all_reduce(out, group=self.cp.merge_group)
+            # another rank's row was read at slot 0 here; summed in float32 (gloo's sums), which holds any
+            # pool dtype's values exactly
+            summed = torch.where(mine[:, None], out, 0).float()
+            dist.all_reduce(summed, group=self.cp.merge_group)
+            out = summed.to(out.dtype)
         return out
 
     def _parts(self, values: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
