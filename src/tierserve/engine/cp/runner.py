@@ -51,22 +51,23 @@ class CPRunner:
         self.split_clock = SplitClock()  # long steps whose tokens the ranks divided
 
     def step(self, ordered: list[Scheduled], attn: AttentionBatch, every_row: bool) -> CPStep:
-        """What the model runs on for ``ordered`` (extends, then decodes): a long step (at least
-        ``SPLIT_MIN_TOKENS`` new tokens in its extends, no need of ``every_row``'s hidden states, as
-        prompt logprobs have) splits its extends' tokens between the ranks, every rank computing the
-        decodes (``split.py``); any other step is replicated, its attention set up by ``kv``.
-        ``--cp-attention gather`` never splits."""
-        extends = [s for s in ordered if not _is_decode(s)]
-        if every_row or self.attention is CPAttention.GATHER or sum(s.num_tokens for s in extends) < SPLIT_MIN_TOKENS:
-            return CPStep(self.kv(ordered, attn))
-        seqs, start = [], 0
-        gather = self._sharded(prefix_pages(ordered, self.page_size), attn)  # the prefix's pages, per layer
-        for s in extends:
-            computed = s.request.num_computed
-            prefix = gather.plan.rows[self._tensor(s.request.pages[: pages_for(computed, self.page_size)])]
-            seqs.append(SplitSeq(start, s.num_tokens, computed, prefix if computed else None))
-            start += s.num_tokens
-        plan = SplitPlan.build(seqs, self.own.rank, self.own.size, self.device, len(ordered) - len(extends))
+        """What the model runs on for ``ordered`` (extends, then decodes): ``step_of`` its sequences."""
+        return self.step_of(self._seq_keys(ordered), attn, every_row)
+
+    def step_of(self, seqs: list[SeqKeys], attn: AttentionBatch, every_row: bool = False) -> CPStep:
+        """What the model runs on for the step of ``seqs`` (extends, then decodes, in ``attn``'s flat
+        order): a long step (at least ``SPLIT_MIN_TOKENS`` new tokens in its extends, no need of
+        ``every_row``'s hidden states, as prompt logprobs have) splits its extends' tokens between the
+        ranks, every rank computing the decodes (``split.py``); any other step is replicated, its
+        attention set up by ``kv_of``. ``--cp-attention gather`` never splits."""
+        extends = [s for s in seqs if not (s.length == 1 and s.first_position > 0)]
+        if every_row or self.attention is CPAttention.GATHER or sum(s.length for s in extends) < SPLIT_MIN_TOKENS:
+            return CPStep(self.kv_of(seqs, attn))
+        gather = self._sharded(_prefix(seqs, self.page_size), attn)  # the prefix's pages, per layer
+        split = [SplitSeq(s.start, s.length, s.first_position,
+                          gather.plan.rows[self._tensor(s.pages[: pages_for(s.first_position, self.page_size)])]
+                          if s.first_position else None) for s in extends]
+        plan = SplitPlan.build(split, self.own.rank, self.own.size, self.device, len(seqs) - len(extends))
         attn.partial = SplitAttention(plan, gather, attn, self.merge_group, self.split_clock)
         self.split_clock.steps += 1
         self.split_clock.decodes += plan.decodes
@@ -96,7 +97,7 @@ class CPRunner:
         merges each rank's attention over its own pages; a longer step with a cached prefix merges
         layer 0 and gathers the prefix pages of layers 1.. from their owners."""
         short = short_step([s.length for s in seqs], self.page_size)
-        prefix = {p for s in seqs for p in s.pages[: pages_for(s.first_position, self.page_size)]}
+        prefix = _prefix(seqs, self.page_size)
         if self.attention is CPAttention.GATHER or not (short or prefix):
             return self._sharded(prefix, attn)  # asked to gather, or nothing cached to merge or gather
         reader = (BatchedKeys if short else SplitKeys)(self.own, seqs, self.page_size, self.device)
@@ -143,11 +144,6 @@ def context_parallel(own: PageOwnership, pool: DeviceKVPool, device: torch.devic
     return CPRunner(own, pool, device, merge_group, attention, group) if own.size > 1 else None
 
 
-def prefix_pages(ordered: list[Scheduled], page_size: int) -> set[int]:
-    """The pages holding tokens computed before this step: what attention reads from their owners."""
-    return {p for s in ordered for p in s.request.pages[: pages_for(s.request.num_computed, page_size)]}
-
-
-def _is_decode(s: Scheduled) -> bool:
-    """A decode (one token after computed ones): ``ModelRunner`` puts them after the extends."""
-    return s.num_tokens == 1 and s.request.num_computed > 0
+def _prefix(seqs: list[SeqKeys], page_size: int) -> set[int]:
+    """The pages holding tokens computed before the step of ``seqs``: what attention reads from their owners."""
+    return {p for s in seqs for p in s.pages[: pages_for(s.first_position, page_size)]}

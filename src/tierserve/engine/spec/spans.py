@@ -9,7 +9,7 @@ from typing import Protocol
 import torch
 
 from tierserve.engine.cp.partial import SeqKeys
-from tierserve.engine.cp.runner import CPRunner
+from tierserve.engine.cp.runner import CPRunner, CPStep
 from tierserve.engine.scheduler import pages_for
 from tierserve.model.attention import AttentionBatch, ExtendSpan, KVStore, LayerHooks
 from tierserve.model.llama import CausalLM
@@ -39,12 +39,15 @@ class Span:
 
 
 def forward(model: CausalLM, pool: PagedKV, spans: list[Span], hooks: LayerHooks | None = None,
-            cp: CPRunner | None = None) -> list[torch.Tensor]:
+            cp: CPRunner | None = None, split: bool = False) -> list[torch.Tensor]:
     """Writes every span's KV into ``pool`` and returns each span's final hidden states [len(ids),
     hidden], in the order of ``spans``. Extends attend one by one, single-token decodes in one
     padded batch (as ``ModelRunner.run``). Under context parallelism ``cp`` (over ``pool``) reads
     the pages other ranks own as a replicated target step does (``CPRunner.kv_of``: merged, or
-    merged at layer 0 and gathered after): every rank of its group calls this for the same spans."""
+    merged at layer 0 and gathered after): every rank of its group calls this for the same spans.
+    ``split``: the caller reads no hidden state, so a long pass divides its extends' tokens between
+    the CP ranks as a long target step does (``CPRunner.step_of``) and then returns [] (no rank
+    holds every row)."""
     device = pool.buffer.device
     order = [i for i, s in enumerate(spans) if not s.is_decode] + [i for i, s in enumerate(spans) if s.is_decode]
     ordered = [spans[i] for i in order]
@@ -59,8 +62,17 @@ def forward(model: CausalLM, pool: PagedKV, spans: list[Span], hooks: LayerHooks
     attn.decode_start = len(ids) - len(decodes)
     if decodes:
         attn.decode_pages, attn.decode_mask = _decode_tables(decodes, pool.page_size, device)
-    kv = pool if cp is None else cp.kv_of(_seq_keys(ordered, pool.page_size), attn)
-    hidden = model(_tensor(ids, device), pos, attn, kv)
+    ids_t = _tensor(ids, device)
+    if cp is None:
+        step = CPStep(pool)  # type: ignore[arg-type]
+    else:
+        seqs = _seq_keys(ordered, pool.page_size)
+        step = cp.step_of(seqs, attn) if split else CPStep(cp.kv_of(seqs, attn))
+    if step.split is not None:
+        ids_t, pos = ids_t[step.split.mine], pos[step.split.mine]
+    hidden = model(ids_t, pos, attn, step.kv)
+    if step.split is not None:
+        return []
     starts = [0]
     for s in ordered:
         starts.append(starts[-1] + len(s.ids))

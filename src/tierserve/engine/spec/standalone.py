@@ -59,7 +59,10 @@ class ModelDrafter:
         """Nothing: the draft reads no target hidden states."""
 
     def sync(self, batch: list[Scheduled], hooks: LayerHooks | None) -> None:
-        self._forward_sync(batch, hooks)
+        """The draft's pass over ``batch``; under CP a long one divides its tokens between the ranks
+        (counted in ``SpecCounters.draft_split_steps``), as the target's pass over it did."""
+        if batch and not self._forward_sync(batch, hooks, split=True):
+            self.counters.draft_split_steps += 1
 
     def verified(self, request: Request, drafted: Drafted, accepted: int) -> None:
         _chain_verified(request, drafted, accepted)
@@ -67,16 +70,18 @@ class ModelDrafter:
     def _chain_span(self, request: Request, drafted: list[int]) -> Span:
         return Span([drafted[-1]], request.num_tokens - 1 + len(drafted), request.pages)
 
-    def _forward_sync(self, batch: list[Scheduled], hooks: LayerHooks | None) -> list[torch.Tensor]:
+    def _forward_sync(self, batch: list[Scheduled], hooks: LayerHooks | None, split: bool = False
+                      ) -> list[torch.Tensor]:
         """Feeds the draft each request's tokens of this step and any before them it has no KV for
         (waiting for restored draft layers, telling handoffs of written ones); returns the draft's
-        hidden states per request. ``draft_computed`` moves only once the pass ran: a step that
+        hidden states per request ([] where ``split`` let a long pass divide its tokens between the
+        CP ranks: ``spans.forward``). ``draft_computed`` moves only once the pass ran: a step that
         fails (a failed L2 load) leaves it where the KV is, and the step's rerun feeds its tokens again."""
         if not batch:
             return []
         spans = [Span(s.request.tokens(start, s.request.num_computed + s.num_tokens), start, s.request.pages)
                  for s, start in zip(batch, _catch_up(batch, self.counters), strict=True)]
-        hidden = forward(self.draft, self.draft_kv.kv, spans, self.draft_kv.hooks(hooks), self.cp)
+        hidden = forward(self.draft, self.draft_kv.kv, spans, self.draft_kv.hooks(hooks), self.cp, split)
         _synced(batch)
         return hidden
 
