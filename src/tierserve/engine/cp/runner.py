@@ -63,7 +63,7 @@ class CPRunner:
         extends = [s for s in seqs if not (s.length == 1 and s.first_position > 0)]
         if every_row or self.attention is CPAttention.GATHER or sum(s.length for s in extends) < SPLIT_MIN_TOKENS:
             return CPStep(self.kv_of(seqs, attn))
-        gather = self._sharded(_prefix(seqs, self.page_size), attn)  # the prefix's pages, per layer
+        gather = self._sharded(prefix_pages(seqs, self.page_size), attn)  # the prefix's pages, per layer
         split = [SplitSeq(s.start, s.length, s.first_position,
                           gather.plan.rows[self._tensor(s.pages[: pages_for(s.first_position, self.page_size)])]
                           if s.first_position else None) for s in extends]
@@ -97,7 +97,7 @@ class CPRunner:
         merges each rank's attention over its own pages; a longer step with a cached prefix merges
         layer 0 and gathers the prefix pages of layers 1.. from their owners."""
         short = short_step([s.length for s in seqs], self.page_size)
-        prefix = _prefix(seqs, self.page_size)
+        prefix = prefix_pages(seqs, self.page_size)
         if self.attention is CPAttention.GATHER or not (short or prefix):
             return self._sharded(prefix, attn)  # asked to gather, or nothing cached to merge or gather
         reader = (BatchedKeys if short else SplitKeys)(self.own, seqs, self.page_size, self.device)
@@ -144,6 +144,6 @@ def context_parallel(own: PageOwnership, pool: DeviceKVPool, device: torch.devic
     return CPRunner(own, pool, device, merge_group, attention, group) if own.size > 1 else None
 
 
-def _prefix(seqs: list[SeqKeys], page_size: int) -> set[int]:
+def prefix_pages(seqs: list[SeqKeys], page_size: int) -> set[int]:
     """The pages holding tokens computed before the step of ``seqs``: what attention reads from their owners."""
     return {p for s in seqs for p in s.pages[: pages_for(s.first_position, page_size)]}
