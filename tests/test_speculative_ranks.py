@@ -1,13 +1,14 @@
 """Speculation at several ranks (docs/speculative.md, layouts): ``tierserve serve`` (real rank processes
-over gloo) with NGRAM at PP 2, CP 2 and TP 2 x CP 2, with a STANDALONE draft model at TP 2 and PP 2 (its
-KV packed into the target's pools, or in a sidecar pool), and with an EAGLE head at TP 2 (its rows in a
-sidecar), PP 2 (packed, on the last stage, which copies the target's embedding) and TP 2 x PP 2 (sidecar,
-replicated on the last stage's tensor ranks), answers a
+over gloo) with NGRAM at PP 2, CP 2 and TP 2 x CP 2, with a STANDALONE draft model at TP 2, PP 2 and CP 2
+(its KV packed into the target's pools, or in a sidecar pool; at CP owned as the target's pages), and with
+an EAGLE head at TP 2 (its rows in a sidecar), PP 2 (packed, on the last stage, which copies the target's
+embedding), TP 2 x PP 2 (sidecar, replicated on the last stage's tensor ranks) and CP 2 (packed), answers a
 concurrent batch through the OpenAI API with the greedy tokens of no speculation and of
 ``transformers``, and with a single engine's accepted-draft counts per request (drafts accepted and
 some rejected). With a draft model also: the batch again, its prefixes now cached with their draft
 rows, gives the same counts, and so does a prompt followed by its answer (the answer's pages cached);
-a seeded sampled request draws the single engine's tokens. NGRAM at TP 2
+a seeded sampled request draws the single engine's tokens. At CP 2 a long prompt's split step gives the
+single engine's answer and counts, with NGRAM and with a draft model whose own pass splits. NGRAM at TP 2
 alone is the decode node of ``tests/test_speculative_pd.py``'s ``tierserve up`` test (one cluster fewer)."""
 
 from __future__ import annotations
