@@ -162,11 +162,8 @@ def _outputs(engine: Engine) -> dict:
     (["--speculative-num-steps", "2"], "need --speculative-draft-model-path"),
     (["--speculative-draft-model-path", "DRAFT", "--speculative-num-steps", "2",
       "--speculative-num-draft-tokens", "4"], "must be --speculative-num-steps + 1"),
-    (["--speculative-draft-model-path", "DRAFT", "--cp-size", "2", "--tp-size", "2"],
-     "STANDALONE with --cp-size above 1 is not supported yet"),
     (["--speculative-draft-model-path", "ODD_HEADS", "--tp-size", "2"],
      "the draft model cannot be split like the target: tensor-parallel size 2 does not divide the model's 3"),
-    (["--speculative-draft-model-path", "DRAFT", "--cp-size", "2"], "use --speculative-algorithm NGRAM there"),
     (["--speculative-draft-model-path", "OTHER_VOCAB"], "vocabulary (200 tokens) differs"),
 ])
 def test_bad_speculative_flags_are_refused_at_start(tiny_llama: Path, drafts: dict[str, Path], tmp_path: Path,
@@ -178,6 +175,16 @@ def test_bad_speculative_flags_are_refused_at_start(tiny_llama: Path, drafts: di
     args = build_parser().parse_args(["serve", "--model", str(tiny_llama), *[names.get(f, f) for f in flags]])
     assert args.func(args) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_draft_on_a_prefill_or_decode_node_with_cp_is_refused_at_start(tiny_llama: Path, drafts: dict[str, Path],
+                                                                         capsys, role: str) -> None:
+    """``serve`` runs a draft at CP, a PD node does not hand its KV over yet (``pd_draft_problem``)."""
+    args = build_parser().parse_args([role, "--model", str(tiny_llama), "--port", "0", "--cp-size", "2",
+                                      "--speculative-draft-model-path", str(drafts["layer0"])])
+    assert args.func(args) == 2
+    assert "on a prefill or decode node with --cp-size above 1 is not supported yet" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -21,6 +21,8 @@ from tierserve.cache.hashing import Namespace
 from tierserve.cache.host_pool import HostKVPool, host_page_bytes
 from tierserve.cache.loads import HostLoadError
 from tierserve.cache.options import DraftLayout, HiCacheOptions, HostLayout, PrefetchPolicy
+from tierserve.cache.sharded.cp_host import OwnedShardIO
+from tierserve.cache.sharded.cp_pages import PageOwnership
 from tierserve.cache.sharded.shard_io import ShardIO
 from tierserve.cache.sharded.shards import HeadRange, KVShard
 from tierserve.cache.staging import page_io
@@ -321,6 +323,31 @@ def test_sidecar_draft_objects_of_tp_ranks_are_named_by_their_heads(tmp_path: Pa
         assert io.get_into(storage, io.own, [b"page"], [1]) == [True]
         assert torch.all(draft.buffer.view(2, -1)[1] == rank + 1.0)
     assert draft_key(b"page", HeadRange(0, 4, 4)) == draft_key(b"page")
+
+
+def test_sidecar_draft_objects_of_cp_ranks_are_written_and_read_by_their_owners(tmp_path: Path) -> None:
+    """At CP 2 a rank's host pools hold the pages it owns at local slots (host ids are logical): each
+    rank backs up the draft objects of its own pages, from their local slots, and reads them back
+    into them; another rank's page counts as read (its owner reports on it). Before, the draft part
+    wrote and read every page at its logical id, beside a target part that reported its own only."""
+    storage, keys = FileStorage(tmp_path / "l3"), [bytes([i]) * 32 for i in range(4)]
+    for rank in (0, 1):
+        io, draft = _cp_sidecar_io(rank, storage)
+        draft.buffer.view(2, -1)[0], draft.buffer.view(2, -1)[1] = 10.0 * rank + 1, 10.0 * rank + 2
+        assert io.set_from(storage, keys, [0, 1, 2, 3]) == [True, True]  # its own two pages
+    assert storage.batch_exists([draft_key(k) for k in keys]) == 4  # each page's rows, written by its owner
+    for rank in (0, 1):
+        io, draft = _cp_sidecar_io(rank, storage)
+        assert io.get_into(storage, io.own, keys, [2, 3, 0, 1]) == [True] * 4
+        assert draft.buffer.view(2, -1)[:, 0].tolist() == [10.0 * rank + 2, 10.0 * rank + 1]  # pages 2, 0 or 3, 1
+
+
+def _cp_sidecar_io(rank: int, storage: FileStorage) -> tuple[SidecarIO, HostKVPool]:
+    own = PageOwnership(rank, 2)
+    target = HostKVPool(KVGeometry(2, 1, 16, 4, torch.float32), 2, HostLayout.PAGE_FIRST, ownership=own)
+    draft = HostKVPool(KVGeometry(2, 2, 16, 4, torch.float32), 2, HostLayout.PAGE_FIRST)
+    io = SidecarIO(OwnedShardIO(target, page_io(target), KVShard.whole(1), own), draft, storage, ownership=own)
+    return io, draft
 
 
 @pytest.mark.parametrize(("algorithm", "writers"), [(SpeculativeAlgorithm.STANDALONE, [True, False, True, False]),

@@ -197,8 +197,6 @@ def test_model_fetch_writes_a_random_head_for_a_target(heads: dict[str, Path], c
 
 @pytest.mark.parametrize("flags, message", [
     (["--speculative-algorithm", "EAGLE"], "EAGLE needs --speculative-draft-model-path"),
-    (["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", "HEAD", "--cp-size", "2"],
-     "EAGLE with --cp-size above 1 is not supported yet"),
     (["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", "WIDE"],
      "hidden size (32) differs from the target's (64)"),
     (["--speculative-algorithm", "eagle", "--speculative-draft-model-path", "HEAD",

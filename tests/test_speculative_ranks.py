@@ -1,23 +1,25 @@
 """Speculation at several ranks (docs/speculative.md, layouts): ``tierserve serve`` (real rank processes
-over gloo) with NGRAM at PP 2, CP 2 and TP 2 x CP 2, with a STANDALONE draft model at TP 2 and PP 2 (its
-KV packed into the target's pools, or in a sidecar pool), and with an EAGLE head at TP 2 (its rows in a
-sidecar), PP 2 (packed, on the last stage, which copies the target's embedding) and TP 2 x PP 2 (sidecar,
-replicated on the last stage's tensor ranks), answers a
+over gloo) with NGRAM at PP 2, CP 2 and TP 2 x CP 2, with a STANDALONE draft model at TP 2, PP 2 and CP 2
+(its KV packed into the target's pools, or in a sidecar pool; at CP owned as the target's pages), and with
+an EAGLE head at TP 2 (its rows in a sidecar), PP 2 (packed, on the last stage, which copies the target's
+embedding), TP 2 x PP 2 (sidecar, replicated on the last stage's tensor ranks) and CP 2 (packed), answers a
 concurrent batch through the OpenAI API with the greedy tokens of no speculation and of
 ``transformers``, and with a single engine's accepted-draft counts per request (drafts accepted and
 some rejected). With a draft model also: the batch again, its prefixes now cached with their draft
 rows, gives the same counts, and so does a prompt followed by its answer (the answer's pages cached);
-a seeded sampled request draws the single engine's tokens. NGRAM at TP 2
+a seeded sampled request draws the single engine's tokens. At CP 2 a long prompt's split step gives the
+single engine's answer and counts, with NGRAM and with a draft model whose own pass splits. NGRAM at TP 2
 alone is the decode node of ``tests/test_speculative_pd.py``'s ``tierserve up`` test (one cluster fewer)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from helpers import metrics
 from helpers.engine_runs import spread_prompts
 from helpers.rank_servers import NEW_TOKENS, TPServer, hf_greedy, start_server, token_ids
 from helpers.tiny_models import (
@@ -39,13 +41,22 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 NGRAM = "ngram"
 # HiCache with a 48-page L1 per rank (L2: 96): the batch (about 36 pages) fits, three more prompts push it to L2
 L2 = ("--enable-hierarchical-cache", "--max-total-tokens", "192")
+# per CP rank: 24 pages, 48 in all as L2's; so small that a logical page id read as a local slot is out of range
+# (where a draft pass ignored CP: a 500)
+CP_L2 = ("--enable-hierarchical-cache", "--max-total-tokens", "96")
 # name: (tp size, more flags, draft source: a key of ``cases``), one server each; EAGLE's draft layout is
 # ``auto``: packed where the head's KV rows are shaped like a rank's target rows (PP 2), else the sidecar
-LAYOUTS = {"pp2": (1, ("--pp-size", "2"), NGRAM), "cp2": (1, ("--cp-size", "2"), NGRAM),
+# cp2 and cp2-standalone-packed: chunks of 512, so a long prompt's step splits (``test_a_split_step_under_...``;
+# the batch's prompts take one chunk but equal the single engine's with chunks of 16)
+LAYOUTS = {"pp2": (1, ("--pp-size", "2"), NGRAM),
+           "cp2": (1, ("--cp-size", "2", "--chunked-prefill-size", "512"), NGRAM),
            "tp2-cp2": (2, ("--cp-size", "2"), NGRAM), "tp2-standalone-packed": (2, (), "packed"),
            "tp2-standalone-sidecar": (2, L2, "sidecar"), "pp2-standalone-packed": (1, ("--pp-size", "2"), "packed"),
            "pp2-standalone-sidecar": (1, ("--pp-size", "2"), "sidecar"), "tp2-eagle": (2, (), "eagle"),
-           "pp2-eagle": (1, ("--pp-size", "2"), "eagle"), "tp2-pp2-eagle": (2, ("--pp-size", "2"), "eagle")}
+           "pp2-eagle": (1, ("--pp-size", "2"), "eagle"), "tp2-pp2-eagle": (2, ("--pp-size", "2"), "eagle"),
+           "cp2-standalone-packed": (1, ("--cp-size", "2", "--chunked-prefill-size", "512"), "packed"),
+           "cp2-standalone-sidecar": (1, ("--cp-size", "2", *CP_L2), "sidecar"),
+           "cp2-eagle": (1, ("--cp-size", "2", "--max-total-tokens", "96"), "eagle")}
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
 SAMPLED = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.8, seed=7, ignore_eos=True)
 
@@ -104,6 +115,7 @@ class Case:
     counts: list[tuple[int, int]]
     sampled: tuple[list[int], tuple[int, int]] | None = None
     continued: tuple[list[int], list[int], tuple[int, int]] | None = None
+    engine: Callable[[], Engine] | None = None  # a single engine with the draft source
 
 
 def _draft_case(model: Path, draft: Path, prompts: list[list[int]], plain: list[list[int]],
@@ -124,7 +136,7 @@ def _draft_case(model: Path, draft: Path, prompts: list[list[int]], plain: list[
     flags = ("--speculative-algorithm", algorithm, "--speculative-draft-model-path", str(draft),
              *(("--speculative-draft-layout", layout.value) if layout else ()))
     return Case(model, flags, prompts, plain, counts, (sampled[0], sampled_counts[0]),
-                (longer, more[0], more_counts[0]))
+                (longer, more[0], more_counts[0]), engine)
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +148,8 @@ def cases(reference, tmp_path_factory) -> dict[str, Case]:
     target's second layer adds nothing, so it splits over two stages and the head still mimics it)."""
     model, prompts, plain, counts = reference
     root = tmp_path_factory.mktemp("drafts")
-    out = {NGRAM: Case(model, ("--speculative-algorithm", "NGRAM"), prompts, plain, counts)}
+    out = {NGRAM: Case(model, ("--speculative-algorithm", "NGRAM"), prompts, plain, counts,
+                       engine=lambda: _engine(model, ngram=True))}
     for layout, draft in (("packed", make_noisy_draft(model, root / "noisy", 0.03)),
                           ("sidecar", widen_kv_heads(make_noisy_draft(model, root / "wide", 0.03)))):
         out[layout] = _draft_case(model, draft, prompts, plain, speculative_draft_layout=DraftLayout(layout))
@@ -155,7 +168,7 @@ def server(request, cases, tmp_path_factory) -> Iterator[tuple[TPServer, Case, b
     case = cases[source]
     log = tmp_path_factory.mktemp(request.param) / "serve.log"
     node = start_server(case.model, tp, log, *case.flags, *flags).wait_healthy()
-    yield node, case, flags == L2
+    yield node, case, "--enable-hierarchical-cache" in flags
     node.stop()
 
 
@@ -216,3 +229,29 @@ def _again(node: TPServer, case: Case, tier: str) -> None:
     assert all(tiers[tier] > 0 for _, _, tiers in again), again
     assert token_ids(case.model, [text for text, _, _ in again]) == case.plain
     assert [c for _, c, _ in again] == case.counts
+
+
+@pytest.mark.parametrize("server", ["cp2", "cp2-standalone-packed"], indirect=True)
+def test_a_split_step_under_speculation_samples_its_own_rows(server: tuple[TPServer, Case, bool]) -> None:
+    """At CP 2 with chunks of 512 a 300-token prompt's step splits its tokens between the ranks
+    (docs/cp.md) though it runs as a speculative step (``Verify``, no drafts yet): the sampling rank
+    samples the prompt's last row among its own rows (it indexed the flat rows, of which it holds
+    about half: a 500), and the answer and counts are a single engine's. A draft model's pass over
+    that prompt splits too (``tierserve_spec_draft_split_steps_total``), its KV as a whole pass's."""
+    node, case, _ = server
+    prompt = (case.prompts[0] * 12)[:300]
+    tokens, counts = _single(case.engine(), [prompt])
+    before = [_metric(node, name) for name in SPLITS]
+    text, got, _ = _complete(node, case.model, prompt)
+    assert (token_ids(case.model, [text])[0], got) == ([t for t in tokens[0] if t >= 2], counts[0])
+    splits = [_metric(node, name) - b for name, b in zip(SPLITS, before, strict=True)]
+    assert splits[0] > 0 and (splits[1] > 0) == (case.flags[1] == "STANDALONE"), splits
+
+
+SPLITS = ("tierserve_cp_split_steps_total", "tierserve_spec_draft_split_steps_total")
+
+
+def _metric(node: TPServer, name: str) -> float:
+    found = metrics.find(metrics.scrape(node.url), name)
+    assert found is not None, f"{name} not on /metrics"
+    return found

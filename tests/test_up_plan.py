@@ -227,8 +227,8 @@ def test_nodes_get_no_tp_size_unless_asked(monkeypatch, ranks_llama: Path) -> No
      "--prefill-pp-layer-partition 4: --pp-layer-partition: the layer partition 4 names 1 stage(s)"),
     ("pp", ["--no-l3", "--pp-layer-partition", "2,2"], "--prefill-pp-layer-partition and --decode-pp-layer-partition"),
     ("cp", ["--no-l3", "--speculative-draft-model-path", "MODEL", "--decode-cp-size", "2"],
-     "--decode-tp-size 1 --decode-cp-size 2: --speculative-algorithm STANDALONE with --cp-size above 1 is not "
-     "supported yet"),
+     "--decode-tp-size 1 --decode-cp-size 2: --speculative-algorithm STANDALONE on a prefill or decode node with "
+     "--cp-size above 1 is not supported yet"),
 ], ids=["tp-decode-3", "tp-one-flag", "cp-one-flag", "cp-0", "decode-cp-0", "pp-decode-5", "pp-one-flag",
         "pp-partition-sum", "pp-partition-count", "pp-partition-one-flag", "standalone-cp"])
 def test_a_layout_size_that_cannot_run_is_refused_before_any_child_starts(monkeypatch, capsys, request, layout: str,

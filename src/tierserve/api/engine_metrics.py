@@ -32,6 +32,7 @@ _ENGINE_COUNTERS = {
     "spec_accepted_tokens": "tierserve_spec_accepted_tokens",
     "spec_verify_steps": "tierserve_spec_verify_steps",
     "spec_prompt_catch_up_tokens": "tierserve_spec_prompt_catch_up_tokens",
+    "spec_draft_split_steps": "tierserve_spec_draft_split_steps",
 }
 
 

@@ -18,6 +18,7 @@ import torch
 
 from tierserve.cache.device_pool import DeviceKVPool
 from tierserve.cache.host_pool import HostKVPool
+from tierserve.cache.sharded.cp_pages import PageOwnership
 from tierserve.cache.sharded.shards import HeadRange, Source, object_key
 from tierserve.cache.staging import page_io
 from tierserve.cache.storage import StorageBackend
@@ -78,11 +79,16 @@ class SidecarIO:
     """The L3 side of a sidecar: wraps the target's ``ShardIO`` so that every page is stored, found
     and read only together with its draft object (a page is present when both are). ``shard``: the
     draft's rows ``host`` holds (default: all, written here). A draft object is read only as this
-    rank's heads were written: another TP size's finds none, so the page is absent for it."""
+    rank's heads were written: another TP size's finds none, so the page is absent for it.
+    ``ownership``: a CP rank's (host page ids are logical, ``cache/sharded/cp_host.py``): it stores
+    and reads the draft objects of the pages it owns only, at their local slots, as the target's
+    ``OwnedShardIO`` does (another rank's page counts as read here: its owner reports on it)."""
 
-    def __init__(self, target, host: HostKVPool, storage: StorageBackend, shard: DraftShard | None = None) -> None:
+    def __init__(self, target, host: HostKVPool, storage: StorageBackend, shard: DraftShard | None = None,
+                 ownership: PageOwnership | None = None) -> None:
         self.target, self.draft, self.shard = target, page_io(host), shard or DraftShard()
         self.own = target.own
+        self.ownership = ownership or PageOwnership()
         storage.attach_host_buffer(self.draft.buffer)
 
     def _keys(self, page_keys: list[bytes]) -> list[bytes]:
@@ -101,14 +107,28 @@ class SidecarIO:
         return min(n, storage.batch_exists(self._keys(page_keys[:n])))
 
     def set_from(self, storage: StorageBackend, page_keys: list[bytes], host_pages: list[int]) -> list[bool]:
+        """Per page this rank stores (under CP, those it owns, as the target's result lists them)."""
         ok = self.target.set_from(storage, page_keys, host_pages)
         if not self.shard.writes:  # another rank writes these rows
             return ok
-        drafts = self.draft.set_from(storage, self._keys(page_keys), host_pages)
+        mine = self._mine(host_pages)
+        drafts = self.draft.set_from(storage, self._keys([page_keys[i] for i in mine]), self._local(host_pages, mine)) \
+            if mine else []
         return [a and b for a, b in zip(ok, drafts, strict=True)]
 
     def get_into(self, storage: StorageBackend, source: Source, page_keys: list[bytes],
                  host_pages: list[int]) -> list[bool]:
         ok = self.target.get_into(storage, source, page_keys, host_pages)
-        drafts = self.draft.get_into(storage, self._keys(page_keys), host_pages)
+        mine = self._mine(host_pages)
+        got = self.draft.get_into(storage, self._keys([page_keys[i] for i in mine]), self._local(host_pages, mine)) \
+            if mine else []
+        drafts = [True] * len(page_keys)
+        for i, read in zip(mine, got, strict=True):
+            drafts[i] = read
         return [a and b for a, b in zip(ok, drafts, strict=True)]
+
+    def _mine(self, host_pages: list[int]) -> list[int]:
+        return [i for i, p in enumerate(host_pages) if self.ownership.owns(p)]
+
+    def _local(self, host_pages: list[int], mine: list[int]) -> list[int]:
+        return [self.ownership.local(host_pages[i]) for i in mine]

@@ -83,7 +83,7 @@ class StorageTier:
         self.io = rank_io(host, page_io(host), shard, self.ownership)
         storage.attach_host_buffer(self.io.buffer)
         if sidecar is not None:  # a draft's own objects go and come with every page
-            self.io = SidecarIO(self.io, sidecar.host, storage, sidecar.shard)
+            self.io = SidecarIO(self.io, sidecar.host, storage, sidecar.shard, self.ownership)
         self._host_pages = host_pages
         # Two lanes: a prefetch (probe, then read) is on a request's critical path and must never
         # queue behind backups, which pile up under load.

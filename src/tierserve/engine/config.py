@@ -114,8 +114,8 @@ class EngineConfig:
         self._check_speculative()
 
     def _check_speculative(self) -> None:
-        """Flags that need an algorithm (or another one), step counts that disagree, and what
-        speculation does not run with yet."""
+        """Flags that need an algorithm (or another one) and step counts that disagree (every algorithm
+        runs at any rank layout of ``serve``: docs/speculative.md, layouts)."""
         algorithm, steps, tokens = self.spec_algorithm, self.speculative_num_steps, self.speculative_num_draft_tokens
         self._check_algorithm()
         if algorithm is None:
@@ -129,18 +129,6 @@ class EngineConfig:
         if steps is not None and tokens is not None and tokens != steps + 1:
             raise ValueError(f"drafts are a chain (topk 1): --speculative-num-draft-tokens must be "
                              f"--speculative-num-steps + 1, not {tokens} with {steps} steps")
-        if (problem := self._spec_layout_problem(algorithm)) is not None:
-            raise ValueError(problem)
-
-    def _spec_layout_problem(self, algorithm: SpeculativeAlgorithm) -> str | None:
-        """Why ``algorithm`` cannot run at this rank layout, or None (docs/speculative.md, layouts):
-        NGRAM runs at any; a draft model (split) or an EAGLE head (replicated) runs over tensor ranks
-        and on the last pipeline stage, not over CP ranks."""
-        if algorithm is SpeculativeAlgorithm.NGRAM or self.cp_size == 1:
-            return None
-        return (f"--speculative-algorithm {algorithm.value} with --cp-size above 1 is not supported yet (its "
-                "draft runs at --tp-size and --pp-size only): use --speculative-algorithm NGRAM there "
-                "(docs/speculative.md, layouts)")
 
     def _check_algorithm(self) -> None:
         """A draft model exactly for STANDALONE; the n-gram settings only for NGRAM, and in range."""

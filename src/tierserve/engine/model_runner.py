@@ -90,33 +90,36 @@ class ModelRunner:
         if decodes:
             attn.decode_pages, attn.decode_mask = self._decode_tables(decodes)
         logprobs, prompt = StepLogprobs(), prompt_rows(ordered)
-        # Verification reads every row of a drafting request's span, so such a step stays replicated.
-        every_row = bool(prompt) or bool(drafts)
+        # Verification reads every row of a drafting request's span, and a draft head every row's
+        # hidden state (``seen``), so such a step stays replicated.
+        every_row = bool(prompt) or bool(drafts) or (verify is not None and verify.seen is not None)
         step = self.cp.step(ordered, attn, every_row=every_row) if self.cp is not None else CPStep(self.pool)
         ids_t, positions_t = self._tensor(ids), self._tensor(positions)
         if step.split is not None:  # this rank computes its share of the rows (docs/cp.md)
             ids_t, positions_t = ids_t[step.split.mine], positions_t[step.split.mine]
         hidden = self.model(ids_t, positions_t, attn, step.kv)
+        local = step.split.local_rows if step.split is not None else list
         if verify is not None:
             if verify.seen is not None and self.model.pp.last:
                 verify.seen(ordered, hidden)
-            return self._verified(ordered, hidden, verify, prompt, logprobs)
+            return self._verified(ordered, hidden, verify, prompt, logprobs, local)
         rows, sampled = _rows_to_sample(ordered)
-        local = step.split.local_rows if step.split is not None else list
         tokens = self.tokens.share(ordered, len(rows),
                                    lambda: self._sample(hidden, local(rows), sampled, prompt, logprobs))
         return StepResult({r.request_id: [t] for r, t in zip(sampled, tokens, strict=True)}, logprobs)
 
     def _verified(self, ordered: list[Scheduled], hidden: torch.Tensor, verify: Verify, prompt: list[PromptRows],
-                  logprobs: StepLogprobs) -> StepResult:
-        """The tokens of a speculative step (replicated: every row is this rank's). Each request
-        that completed gets a slot of 1 + (its drafts) tokens in the shared message, led by how many
-        it kept, so every rank knows the message's length before it comes."""
+                  logprobs: StepLogprobs, local: Callable[[list[int]], list[int]] = list) -> StepResult:
+        """The tokens of a speculative step. Each request that completed gets a slot of 1 + (its
+        drafts) tokens in the shared message, led by how many it kept, so every rank knows the
+        message's length before it comes. ``local``: this rank's row of each flat row (a step with
+        drafts is replicated; one without may be split under CP, docs/cp.md, where the sampling rank
+        holds each sequence's last row only)."""
         spans, sampled = _spans_to_sample(ordered, verify.drafts)
         widths = [len(rows) for rows in spans]
 
         def judge() -> list[int]:
-            kept = self._judge(hidden, spans, sampled, verify, prompt, logprobs)
+            kept = self._judge(hidden, [local(rows) for rows in spans], sampled, verify, prompt, logprobs)
             return [x for k, w in zip(kept, widths, strict=True) for x in (len(k), *k, *[-1] * (w - len(k)))]
 
         shared = self.tokens.share(ordered, sum(widths) + len(widths), judge)

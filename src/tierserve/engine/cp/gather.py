@@ -102,9 +102,12 @@ class LayerGather:
 
     def __init__(self, own: PageOwnership, pool: DeviceKVPool, plan: RowPlan, slots: torch.Tensor,
                  batch: AttentionBatch, inner: LayerHooks | None = None, group: dist.ProcessGroup | None = None,
-                 clock: GatherClock | None = None, first: int = 0) -> None:
+                 clock: GatherClock | None = None, first: int = 0, attended: int = 0) -> None:
+        """``first``: the first gathered layer (those before it merge, ``engine/cp/merge.py``);
+        ``attended``: the forward's first attending layer (an EAGLE head's, after its feature plane's
+        layers), where a gather that nothing earlier starts is started here."""
         self.own, self.pool, self.plan, self.inner, self.group = own, pool, plan, inner, group
-        self.first = first  # the first gathered layer: those before it merge (engine/cp/merge.py)
+        self.first = first
         self.clock = clock
         self.started: dict[int, float] = {}  # layer -> when its gather was started
         self.page_size = pool.page_size
@@ -120,8 +123,8 @@ class LayerGather:
         self._own_writes(slots, batch.out_slots)
         self.pending: dict[int, list] = {}
         self.num_layers = g.num_layers
-        if first == 0:
-            self._start(0)
+        if first == attended:
+            self._start(first)
 
     def _own_writes(self, slots: torch.Tensor, buffer_slots: torch.Tensor) -> None:
         """The pool slots of the new tokens whose pages this rank owns, and their buffer slots."""

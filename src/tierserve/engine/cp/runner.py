@@ -39,8 +39,9 @@ class CPRunner:
 
     def __init__(self, own: PageOwnership, pool: DeviceKVPool, device: torch.device,
                  merge_group: dist.ProcessGroup | None = None, attention: CPAttention = CPAttention.MERGE,
-                 group: dist.ProcessGroup | None = None) -> None:
-        self.own, self.pool, self.device = own, pool, device
+                 group: dist.ProcessGroup | None = None, attended: int = 0) -> None:
+        """``attended``: the first of ``pool``'s layers the model attends over (an EAGLE head's)."""
+        self.own, self.pool, self.device, self.attended = own, pool, device, attended
         self.page_size = pool.page_size
         self.merge_group = merge_group  # the merged attention's group (None: the default group)
         self.group = group  # the gathers' group (None: the default group)
@@ -50,22 +51,23 @@ class CPRunner:
         self.split_clock = SplitClock()  # long steps whose tokens the ranks divided
 
     def step(self, ordered: list[Scheduled], attn: AttentionBatch, every_row: bool) -> CPStep:
-        """What the model runs on for ``ordered`` (extends, then decodes): a long step (at least
-        ``SPLIT_MIN_TOKENS`` new tokens in its extends, no need of ``every_row``'s hidden states, as
-        prompt logprobs have) splits its extends' tokens between the ranks, every rank computing the
-        decodes (``split.py``); any other step is replicated, its attention set up by ``kv``.
-        ``--cp-attention gather`` never splits."""
-        extends = [s for s in ordered if not _is_decode(s)]
-        if every_row or self.attention is CPAttention.GATHER or sum(s.num_tokens for s in extends) < SPLIT_MIN_TOKENS:
-            return CPStep(self.kv(ordered, attn))
-        seqs, start = [], 0
-        gather = self._sharded(ordered, attn)  # the prefix's pages, per layer, from their owners
-        for s in extends:
-            computed = s.request.num_computed
-            prefix = gather.plan.rows[self._tensor(s.request.pages[: pages_for(computed, self.page_size)])]
-            seqs.append(SplitSeq(start, s.num_tokens, computed, prefix if computed else None))
-            start += s.num_tokens
-        plan = SplitPlan.build(seqs, self.own.rank, self.own.size, self.device, len(ordered) - len(extends))
+        """What the model runs on for ``ordered`` (extends, then decodes): ``step_of`` its sequences."""
+        return self.step_of(self._seq_keys(ordered), attn, every_row)
+
+    def step_of(self, seqs: list[SeqKeys], attn: AttentionBatch, every_row: bool = False) -> CPStep:
+        """What the model runs on for the step of ``seqs`` (extends, then decodes, in ``attn``'s flat
+        order): a long step (at least ``SPLIT_MIN_TOKENS`` new tokens in its extends, no need of
+        ``every_row``'s hidden states, as prompt logprobs have) splits its extends' tokens between the
+        ranks, every rank computing the decodes (``split.py``); any other step is replicated, its
+        attention set up by ``kv_of``. ``--cp-attention gather`` never splits."""
+        extends = [s for s in seqs if not (s.length == 1 and s.first_position > 0)]
+        if every_row or self.attention is CPAttention.GATHER or sum(s.length for s in extends) < SPLIT_MIN_TOKENS:
+            return CPStep(self.kv_of(seqs, attn))
+        gather = self._sharded(prefix_pages(seqs, self.page_size), attn)  # the prefix's pages, per layer
+        split = [SplitSeq(s.start, s.length, s.first_position,
+                          gather.plan.rows[self._tensor(s.pages[: pages_for(s.first_position, self.page_size)])]
+                          if s.first_position else None) for s in extends]
+        plan = SplitPlan.build(split, self.own.rank, self.own.size, self.device, len(seqs) - len(extends))
         attn.partial = SplitAttention(plan, gather, attn, self.merge_group, self.split_clock)
         self.split_clock.steps += 1
         self.split_clock.decodes += plan.decodes
@@ -74,14 +76,30 @@ class CPRunner:
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)
 
+    def over(self, pool: DeviceKVPool, attention: CPAttention | None = None, attended: int = 0) -> CPRunner:
+        """The same ranks and groups over another KV store with the same page ids and owners (a
+        speculative draft's: a sidecar pool, or a packed pool's draft layers as a pool of their own,
+        ``OffsetKV``; docs/speculative.md, STANDALONE and EAGLE at CP), the same ``attention`` unless
+        given, the model attending over its layers from ``attended`` on (above 0 with
+        ``CPAttention.GATHER`` only: the merge counts layers from 0). Its clocks are its own, so the
+        target's metrics count the target's passes only."""
+        return CPRunner(self.own, pool, self.device, self.merge_group, attention or self.attention, self.group,
+                        attended)
+
     def kv(self, ordered: list[Scheduled], attn: AttentionBatch) -> KVStore:
-        """What the model reads and writes for ``ordered`` (``attn`` is set up to match). Every
-        layer of a short step merges each rank's attention over its own pages; a longer step with a
-        cached prefix merges layer 0 and gathers the prefix pages of layers 1.. from their owners."""
-        seqs = self._seq_keys(ordered)
+        """What the model reads and writes for ``ordered`` (``attn`` is set up to match): ``kv_of``
+        its sequences."""
+        return self.kv_of(self._seq_keys(ordered), attn)
+
+    def kv_of(self, seqs: list[SeqKeys], attn: AttentionBatch) -> KVStore:
+        """What the model reads and writes for the step of ``seqs`` (in ``attn``'s flat order; a
+        sequence's ``pages`` hold its tokens up to the step's end). Every layer of a short step
+        merges each rank's attention over its own pages; a longer step with a cached prefix merges
+        layer 0 and gathers the prefix pages of layers 1.. from their owners."""
         short = short_step([s.length for s in seqs], self.page_size)
-        if self.attention is CPAttention.GATHER or not (short or prefix_pages(ordered, self.page_size)):
-            return self._sharded(ordered, attn)  # asked to gather, or nothing cached to merge or gather
+        prefix = prefix_pages(seqs, self.page_size)
+        if self.attention is CPAttention.GATHER or not (short or prefix):
+            return self._sharded(prefix, attn)  # asked to gather, or nothing cached to merge or gather
         reader = (BatchedKeys if short else SplitKeys)(self.own, seqs, self.page_size, self.device)
         layers = self.pool.geometry.num_layers if short else 1
         writes = own_writes(self.own, attn.out_slots, self.page_size)
@@ -91,7 +109,7 @@ class CPRunner:
             self.merge_clock.short_steps += 1
             return self.pool
         self.merge_clock.first_layer_steps += 1
-        return self._sharded(ordered, attn, first=1)
+        return self._sharded(prefix, attn, first=1)
 
     def stats(self) -> dict[str, float]:
         """This rank's seconds spent waiting for per-layer gathers, its merged and its split steps."""
@@ -106,15 +124,15 @@ class CPRunner:
             start += s.num_tokens
         return seqs
 
-    def _sharded(self, ordered: list[Scheduled], attn: AttentionBatch, first: int = 0) -> LayerGather:
-        """Renumbers ``attn`` onto a step buffer and gathers its prefix pages from their owners,
+    def _sharded(self, prefix: set[int], attn: AttentionBatch, first: int = 0) -> LayerGather:
+        """Renumbers ``attn`` onto a step buffer and gathers its ``prefix`` pages from their owners,
         layer ``first`` on (``engine/cp/gather.py``)."""
         touched = set((attn.out_slots // self.page_size).tolist())
-        plan = plan_rows(self.own, prefix_pages(ordered, self.page_size), touched,
+        plan = plan_rows(self.own, prefix, touched,
                          self.pool.num_pages * self.own.size, self.device)
         slots = renumber(attn, plan.rows)
         attn.hooks = LayerGather(self.own, self.pool, plan, slots, attn, attn.hooks, self.group,
-                                 clock=self.gather_clock, first=first)
+                                 clock=self.gather_clock, first=max(first, self.attended), attended=self.attended)
         return attn.hooks
 
 
@@ -126,11 +144,6 @@ def context_parallel(own: PageOwnership, pool: DeviceKVPool, device: torch.devic
     return CPRunner(own, pool, device, merge_group, attention, group) if own.size > 1 else None
 
 
-def prefix_pages(ordered: list[Scheduled], page_size: int) -> set[int]:
-    """The pages holding tokens computed before this step: what attention reads from their owners."""
-    return {p for s in ordered for p in s.request.pages[: pages_for(s.request.num_computed, page_size)]}
-
-
-def _is_decode(s: Scheduled) -> bool:
-    """A decode (one token after computed ones): ``ModelRunner`` puts them after the extends."""
-    return s.num_tokens == 1 and s.request.num_computed > 0
+def prefix_pages(seqs: list[SeqKeys], page_size: int) -> set[int]:
+    """The pages holding tokens computed before the step of ``seqs``: what attention reads from their owners."""
+    return {p for s in seqs for p in s.pages[: pages_for(s.first_position, page_size)]}

@@ -42,9 +42,10 @@ class SpecDecoder:
     layouts)."""
 
     def __init__(self, target: CausalLM, pool: DeviceKVPool, drafter: Drafter, steps: int,
-                 counters: SpecCounters, runner: ModelRunner | None = None) -> None:
+                 counters: SpecCounters, runner: ModelRunner | None = None, feeds_hidden: bool = False) -> None:
+        """``feeds_hidden``: the drafter reads the target's hidden states (EAGLE; on every stage alike)."""
         self.target, self.pool, self.drafter, self.steps, self.counters = target, pool, drafter, steps, counters
-        self.runner = runner
+        self.runner, self.feeds_hidden = runner, feeds_hidden
 
     @classmethod
     def of(cls, config: EngineConfig, target: CausalLM, pool: DeviceKVPool, draft_kv: DraftKV | None,
@@ -61,13 +62,15 @@ class SpecDecoder:
             drafter = DraftRelay(counters, runner.tokens, keeps_chain=algorithm is SpeculativeAlgorithm.STANDALONE)
         elif algorithm is SpeculativeAlgorithm.STANDALONE:
             path = config.speculative_draft_model_path
-            drafter = ModelDrafter(path, draft_kv, device, pool.geometry.dtype, counters, tp, runner.tokens)
+            cp = runner.cp.over(draft_kv.kv) if runner.cp is not None else None  # type: ignore[arg-type]
+            drafter = ModelDrafter(path, draft_kv, device, pool.geometry.dtype, counters, tp, runner.tokens, cp)
         else:
             path = config.speculative_draft_model_path
             drafter = EagleDrafter(path, draft_kv, target, device, pool.geometry.dtype, counters, runner.tokens,
-                                   config.model_dir)
+                                   config.model_dir, runner.cp)
         on_ranks = runner if algorithm is SpeculativeAlgorithm.NGRAM or config.num_ranks > 1 else None
-        return cls(target, pool, drafter, config.spec_steps, counters, on_ranks)
+        return cls(target, pool, drafter, config.spec_steps, counters, on_ranks,
+                   algorithm is SpeculativeAlgorithm.EAGLE)
 
     def lookahead(self, request: Request) -> int:
         """Draft tokens worth proposing for ``request`` now: never more than it may still append minus
@@ -117,7 +120,8 @@ class SpecDecoder:
             spans = [_wide_span(s, drafts.get(s.request.request_id)) for s in ordered]
             self.drafter.target_pass(spans, list(hidden.split([len(x.ids) for x in spans])), hooks)
 
-        verify = Verify({rid: d.tokens for rid, d in drafts.items()}, judge, seen)
+        # only a head fed the target's hidden states needs them (so its steps are never split, on every stage)
+        verify = Verify({rid: d.tokens for rid, d in drafts.items()}, judge, seen if self.feeds_hidden else None)
         out = self.runner.run(batch, restores, verify)
         self.drafter.sync([s for s in batch if s.draft_tokens == 0], hooks)
         for s in batch:

@@ -20,16 +20,19 @@ from tierserve.model.attention import LayerHooks
 class SpecCounters:
     """Totals since start: draft tokens proposed and accepted, verifications that had drafts, and
     prompt catch-up tokens: prompt positions the draft computed after the target had (none while
-    every cached, restored or handed-over prefix brings its draft KV; the prefix where it does not)."""
+    every cached, restored or handed-over prefix brings its draft KV; the prefix where it does not),
+    and a draft model's passes under CP whose tokens the ranks divided (docs/speculative.md, STANDALONE at CP)."""
 
     draft_tokens: int = 0
     accepted_tokens: int = 0
     verify_steps: int = 0
     prompt_catch_up_tokens: int = 0
+    draft_split_steps: int = 0  # a draft model's passes whose tokens the CP ranks divided
 
     def stats(self) -> dict[str, float]:
         return {"spec_draft_tokens": self.draft_tokens, "spec_accepted_tokens": self.accepted_tokens,
-                "spec_verify_steps": self.verify_steps, "spec_prompt_catch_up_tokens": self.prompt_catch_up_tokens}
+                "spec_verify_steps": self.verify_steps, "spec_prompt_catch_up_tokens": self.prompt_catch_up_tokens,
+                "spec_draft_split_steps": self.draft_split_steps}
 
 
 @dataclass(frozen=True)

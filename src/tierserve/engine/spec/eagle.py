@@ -19,7 +19,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
+from tierserve.engine.config import CPAttention
+from tierserve.engine.cp.merge import own_writes
+from tierserve.engine.cp.runner import CPRunner
 from tierserve.engine.procs.token_share import SoleSampler, TokenShare
 from tierserve.engine.request import Request
 from tierserve.engine.scheduler import Scheduled
@@ -34,13 +38,21 @@ from tierserve.model.llama import CausalLM
 class FeaturePlane:
     """The target's hidden state per slot, in ``layers`` KV layers of ``kv`` (K then V rows of
     layer 0, then layer 1, ...), zero-padded to their width. Reads and writes go through the
-    step's hooks as the draft's layers 0..layers-1 (``DraftKV.hooks``: loads and handoffs)."""
+    step's hooks as the draft's layers 0..layers-1 (``DraftKV.hooks``: loads and handoffs).
 
-    def __init__(self, kv: KVStore, layers: int, hidden: int) -> None:
-        self.kv, self.layers, self.hidden = kv, layers, hidden
+    Under context parallelism (``cp``: the CP ranks of this rank's place) slots are logical and a
+    page's rows live on its owner at its local slot, as the head's KV: every rank is handed every
+    row and writes those of its own pages; a read takes each rank's own rows and sums them over the
+    ranks (one all-reduce: exactly one rank holds each row, the others add zeros)."""
+
+    def __init__(self, kv: KVStore, layers: int, hidden: int, cp: CPRunner | None = None) -> None:
+        self.kv, self.layers, self.hidden, self.cp = kv, layers, hidden, cp
 
     def write(self, slots: torch.Tensor, values: torch.Tensor, hooks: LayerHooks | None) -> None:
         """Stores ``values`` [n, hidden] at ``slots`` [n]."""
+        if self.cp is not None:
+            rows, slots = own_writes(self.cp.own, slots, self.cp.page_size)
+            values = values.index_select(0, rows)
         parts = self._parts(values)
         for layer in range(self.layers):
             if hooks is not None:
@@ -52,12 +64,24 @@ class FeaturePlane:
 
     def read(self, slots: torch.Tensor, hooks: LayerHooks | None) -> torch.Tensor:
         """The hidden states [n, hidden] at ``slots`` [n]."""
+        mine = None
+        if self.cp is not None:
+            own, ps = self.cp.own, self.cp.page_size
+            mine = (slots // ps) % own.size == own.rank
+            slots = torch.where(mine, (slots // ps // own.size) * ps + slots % ps, 0)
         rows = []
         for layer in range(self.layers):
             if hooks is not None:
                 hooks.before_attention(layer)
             rows += [pool.view(pool.shape[0], -1).index_select(0, slots) for pool in self.kv.layer(layer)]
-        return torch.cat(rows, dim=-1)[:, : self.hidden]
+        out = torch.cat(rows, dim=-1)[:, : self.hidden]
+        if mine is not None:
+            # another rank's row was read at slot 0 here; summed in float32 (gloo's sums), which holds any
+            # pool dtype's values exactly
+            summed = torch.where(mine[:, None], out, 0).float()
+            dist.all_reduce(summed, group=self.cp.merge_group)
+            out = summed.to(out.dtype)
+        return out
 
     def _parts(self, values: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         k, _ = self.kv.layer(0)
@@ -75,17 +99,21 @@ class EagleDrafter:
 
     def __init__(self, draft_dir: Path, draft_kv: DraftKV, target: CausalLM, device: torch.device,
                  dtype: torch.dtype, counters: SpecCounters, tokens: TokenShare | None = None,
-                 target_dir: Path | None = None) -> None:
+                 target_dir: Path | None = None, cp: CPRunner | None = None) -> None:
         """Several tensor ranks: every rank runs the whole head (replicated: one layer, its KV and
         the plane whole on each rank, fed the target's final hidden states, which every tensor rank
         has), and ``tokens`` (the runner's) makes it take the sampling rank's draw at each chain step.
         Pipeline stages: the last runs it (``target`` is that stage's, with the LM head; the head
         copies the embedding from ``target_dir`` if that stage has none), the others relay
-        (``DraftRelay``)."""
+        (``DraftRelay``). Several CP ranks: ``cp`` (the target's ``CPRunner``) places the plane's and
+        the head's rows on their pages' owners, the plane read across them (``FeaturePlane``), the
+        head's attention gathering the prefix pages of its layers from their owners every pass
+        (``CPAttention.GATHER``: the merged attention's readers cannot hide slot 0)."""
         cfg, _, _ = eagle_config(Path(draft_dir))
         plane = feature_layers(cfg.hidden_size, cfg.num_kv_heads, cfg.head_dim)
         self.head = load_eagle(draft_dir, target, plane, device, dtype, target_dir)
-        self.plane = FeaturePlane(draft_kv.kv, plane, cfg.hidden_size)
+        self.cp = cp.over(draft_kv.kv, CPAttention.GATHER, plane) if cp is not None else None  # type: ignore[arg-type]
+        self.plane = FeaturePlane(draft_kv.kv, plane, cfg.hidden_size, self.cp)
         self.draft_kv, self.counters, self.tokens = draft_kv, counters, tokens or SoleSampler()
 
     def target_pass(self, spans: list[Span], hidden: list[torch.Tensor], hooks: LayerHooks | None) -> None:
@@ -152,7 +180,8 @@ class EagleDrafter:
 
     def _forward(self, spans: list[Span], features: list[torch.Tensor], hooks: LayerHooks | None
                  ) -> list[torch.Tensor]:
-        return forward(_Fed(self.head, spans, features), self.draft_kv.kv, spans, hooks)  # type: ignore[arg-type]
+        return forward(_Fed(self.head, spans, features), self.draft_kv.kv, spans, hooks,  # type: ignore[arg-type]
+                       self.cp)
 
 
 class _Fed:

@@ -8,6 +8,8 @@ from typing import Protocol
 
 import torch
 
+from tierserve.engine.cp.partial import SeqKeys
+from tierserve.engine.cp.runner import CPRunner, CPStep
 from tierserve.engine.scheduler import pages_for
 from tierserve.model.attention import AttentionBatch, ExtendSpan, KVStore, LayerHooks
 from tierserve.model.llama import CausalLM
@@ -36,11 +38,16 @@ class Span:
         return len(self.ids) == 1 and self.start > 0
 
 
-def forward(model: CausalLM, pool: PagedKV, spans: list[Span], hooks: LayerHooks | None = None
-            ) -> list[torch.Tensor]:
+def forward(model: CausalLM, pool: PagedKV, spans: list[Span], hooks: LayerHooks | None = None,
+            cp: CPRunner | None = None, split: bool = False) -> list[torch.Tensor]:
     """Writes every span's KV into ``pool`` and returns each span's final hidden states [len(ids),
     hidden], in the order of ``spans``. Extends attend one by one, single-token decodes in one
-    padded batch (as ``ModelRunner.run``)."""
+    padded batch (as ``ModelRunner.run``). Under context parallelism ``cp`` (over ``pool``) reads
+    the pages other ranks own as a replicated target step does (``CPRunner.kv_of``: merged, or
+    merged at layer 0 and gathered after): every rank of its group calls this for the same spans.
+    ``split``: the caller reads no hidden state, so a long pass divides its extends' tokens between
+    the CP ranks as a long target step does (``CPRunner.step_of``) and then returns [] (no rank
+    holds every row)."""
     device = pool.buffer.device
     order = [i for i, s in enumerate(spans) if not s.is_decode] + [i for i, s in enumerate(spans) if s.is_decode]
     ordered = [spans[i] for i in order]
@@ -55,12 +62,31 @@ def forward(model: CausalLM, pool: PagedKV, spans: list[Span], hooks: LayerHooks
     attn.decode_start = len(ids) - len(decodes)
     if decodes:
         attn.decode_pages, attn.decode_mask = _decode_tables(decodes, pool.page_size, device)
-    hidden = model(_tensor(ids, device), pos, attn, pool)
+    ids_t = _tensor(ids, device)
+    if cp is None:
+        step = CPStep(pool)  # type: ignore[arg-type]
+    else:
+        seqs = _seq_keys(ordered, pool.page_size)
+        step = cp.step_of(seqs, attn) if split else CPStep(cp.kv_of(seqs, attn))
+    if step.split is not None:
+        ids_t, pos = ids_t[step.split.mine], pos[step.split.mine]
+    hidden = model(ids_t, pos, attn, step.kv)
+    if step.split is not None:
+        return []
     starts = [0]
     for s in ordered:
         starts.append(starts[-1] + len(s.ids))
     rows = {i: hidden[starts[k]: starts[k + 1]] for k, i in enumerate(order)}
     return [rows[i] for i in range(len(spans))]
+
+
+def _seq_keys(ordered: list[Span], page_size: int) -> list[SeqKeys]:
+    """The spans' rows in the flat batch and pages up to their ends, as ``CPRunner.kv_of`` reads them."""
+    seqs, row = [], 0
+    for s in ordered:
+        seqs.append(SeqKeys(row, len(s.ids), s.start, s.pages[: pages_for(s.start + len(s.ids), page_size)]))
+        row += len(s.ids)
+    return seqs
 
 
 def _extends(spans: list[Span], page_size: int, device: torch.device) -> list[ExtendSpan]:

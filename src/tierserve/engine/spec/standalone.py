@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from tierserve.engine.cp.runner import CPRunner
 from tierserve.engine.procs.token_share import SoleSampler, TokenShare
 from tierserve.engine.request import Request
 from tierserve.engine.scheduler import Scheduled
@@ -32,18 +33,23 @@ class ModelDrafter:
     Several tensor ranks (docs/speculative.md, layouts): the draft is split over ``tp`` like the
     target (its heads and MLP rows; its all-reduces ride the same group), its KV holds this rank's
     heads, every rank runs every pass in lock-step, and ``tokens`` (the runner's) makes every rank
-    take the sampling rank's draw at each step of the chain."""
+    take the sampling rank's draw at each step of the chain.
+
+    Several CP ranks: ``cp`` (the target's ``CPRunner`` over the draft's KV) makes every pass read
+    the draft pages other ranks own as a replicated target step reads the target's (the draft's
+    page p is on the owner of target page p), every rank running it in lock-step."""
 
     def __init__(self, draft_dir: Path, draft_kv: DraftKV, device: torch.device, dtype: torch.dtype,
-                 counters: SpecCounters, tp: TensorParallel = SINGLE, tokens: TokenShare | None = None) -> None:
+                 counters: SpecCounters, tp: TensorParallel = SINGLE, tokens: TokenShare | None = None,
+                 cp: CPRunner | None = None) -> None:
         self.draft, self.draft_kv, self.counters = load_model(draft_dir, device, dtype, tp), draft_kv, counters
-        self.tokens = tokens or SoleSampler()
+        self.tokens, self.cp = tokens or SoleSampler(), cp
 
     def propose(self, batch: list[Scheduled], hooks: LayerHooks | None) -> dict[str, Drafted]:
         """The draft's chain: per speculating request, its draft tokens and their q rows."""
         spec = [s for s in batch if s.draft_tokens > 0]
         live = [(s, h[-1:]) for s, h in zip(spec, self._forward_sync(spec, hooks), strict=True)]
-        return chain(live, lambda spans, _: forward(self.draft, self.draft_kv.kv, spans), self.draft.logits,
+        return chain(live, lambda spans, _: forward(self.draft, self.draft_kv.kv, spans, cp=self.cp), self.draft.logits,
                      self._chain_span, self._agree)
 
     def _agree(self, live: list[Scheduled], tokens: list[int]) -> list[int]:
@@ -53,7 +59,10 @@ class ModelDrafter:
         """Nothing: the draft reads no target hidden states."""
 
     def sync(self, batch: list[Scheduled], hooks: LayerHooks | None) -> None:
-        self._forward_sync(batch, hooks)
+        """The draft's pass over ``batch``; under CP a long one divides its tokens between the ranks
+        (counted in ``SpecCounters.draft_split_steps``), as the target's pass over it did."""
+        if batch and not self._forward_sync(batch, hooks, split=True):
+            self.counters.draft_split_steps += 1
 
     def verified(self, request: Request, drafted: Drafted, accepted: int) -> None:
         _chain_verified(request, drafted, accepted)
@@ -61,16 +70,18 @@ class ModelDrafter:
     def _chain_span(self, request: Request, drafted: list[int]) -> Span:
         return Span([drafted[-1]], request.num_tokens - 1 + len(drafted), request.pages)
 
-    def _forward_sync(self, batch: list[Scheduled], hooks: LayerHooks | None) -> list[torch.Tensor]:
+    def _forward_sync(self, batch: list[Scheduled], hooks: LayerHooks | None, split: bool = False
+                      ) -> list[torch.Tensor]:
         """Feeds the draft each request's tokens of this step and any before them it has no KV for
         (waiting for restored draft layers, telling handoffs of written ones); returns the draft's
-        hidden states per request. ``draft_computed`` moves only once the pass ran: a step that
+        hidden states per request ([] where ``split`` let a long pass divide its tokens between the
+        CP ranks: ``spans.forward``). ``draft_computed`` moves only once the pass ran: a step that
         fails (a failed L2 load) leaves it where the KV is, and the step's rerun feeds its tokens again."""
         if not batch:
             return []
         spans = [Span(s.request.tokens(start, s.request.num_computed + s.num_tokens), start, s.request.pages)
                  for s, start in zip(batch, _catch_up(batch, self.counters), strict=True)]
-        hidden = forward(self.draft, self.draft_kv.kv, spans, self.draft_kv.hooks(hooks))
+        hidden = forward(self.draft, self.draft_kv.kv, spans, self.draft_kv.hooks(hooks), self.cp, split)
         _synced(batch)
         return hidden
 
