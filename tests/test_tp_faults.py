@@ -20,11 +20,10 @@ import httpx
 import pytest
 from helpers.injected_faults import node_env, write_faults
 from helpers.polling import poll, poll_settled, wait_for
+from helpers.processes import cmdline, proc_state
 from helpers.rank_servers import (
     TPServer,
-    cmdline,
     descendants,
-    proc_state,
     rank_pids,
     start_server,
     wait_exit,

@@ -25,7 +25,7 @@ import grpc
 import httpx
 import pytest
 from grpc_health.v1 import health, health_pb2_grpc
-from helpers.processes import free_port
+from helpers.processes import alive, cmdline, free_port
 
 from tierserve.launch import Cluster, RestartPolicy, grpc_serving, tcp_open
 from tierserve.launch.supervisor import CrashLoop, Supervisor
@@ -252,9 +252,8 @@ def _a_child_dies_with_its_up() -> None:
     parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
         child = int(parent.stdout.readline())
-        poll(lambda: b"sleep" in Path(f"/proc/{child}/cmdline").read_bytes(), "the child execs its command", 30)
+        poll(lambda: b"sleep" in cmdline(child), "the child execs its command", 30)
     finally:
         parent.kill()
         parent.wait()
-    poll(lambda: not Path(f"/proc/{child}").exists() or Path(f"/proc/{child}/stat").read_text().split()[2] == "Z",
-         "the child dies with its parent", 10)
+    poll(lambda: not alive(child), "the child dies with its parent", 10)

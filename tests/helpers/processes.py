@@ -246,3 +246,24 @@ def running_up(port: int, *flags: str, env: dict[str, str] | None = None) -> Ite
             proc.kill()
             raise
     assert code == 0, "tierserve up did not exit cleanly on Ctrl-C:\n" + "".join(lines[-40:])
+
+
+def cmdline(pid: int) -> bytes:
+    """The process's command line as /proc holds it (NUL-separated); b"" once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def proc_state(pid: int) -> str:
+    """The process's state letter (``T``: stopped, ``Z``: ended, not yet reaped); "" once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
+def alive(pid: int) -> bool:
+    """Running (not a zombie waiting for its parent to reap it)."""
+    return proc_state(pid) not in ("", "Z")

@@ -15,7 +15,7 @@ from tokenizers import Tokenizer
 
 from helpers.forked import ForkedProcess, Started, start_cli
 from helpers.polling import wait_until
-from helpers.processes import stop
+from helpers.processes import alive, cmdline, stop
 from tierserve.launch import free_port, http_ok
 
 STARTUP_DEADLINE_S = 120.0
@@ -110,27 +110,6 @@ def wait_gone(pids: set[int], deadline_s: float) -> list[str]:
 def _cmdline(pid: int) -> str:
     line = cmdline(pid)
     return f"{pid}: " + (line.replace(b"\0", b" ").decode() if line else "gone")
-
-
-def cmdline(pid: int) -> bytes:
-    """The process's command line as /proc holds it (NUL-separated); b"" once it is gone."""
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return b""
-
-
-def proc_state(pid: int) -> str:
-    """The process's state letter (``T``: stopped, ``Z``: ended, not yet reaped); "" once it is gone."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return ""
-
-
-def alive(pid: int) -> bool:
-    """Running (not a zombie waiting for its parent to reap it)."""
-    return proc_state(pid) not in ("", "Z")
 
 
 def complete(client: openai.OpenAI, model: str, prompt: list[int]) -> str:

@@ -142,9 +142,7 @@ class KVIndex:
         if w.from_snapshot and w.last_seq is not None and seq <= w.last_seq:
             return False
         if w.last_seq is not None and seq != w.last_seq + 1:
-            log.warning("KV events of %s: got batch %d after %d, resynchronising", worker, seq, w.last_seq)
-            self.gaps += 1
-            w.last_seq = None
+            self._gap(worker, w, f"got batch {seq} after {w.last_seq}")
         if w.last_seq is None:
             self._buffer(w, seq, batch)
             self._ask(worker)
@@ -160,10 +158,14 @@ class KVIndex:
         w = self._workers.get(worker)
         if w is None or w.last_seq is None or seq <= w.last_seq:
             return
-        log.warning("KV events of %s: the publisher is at batch %d, we at %d, resynchronising", worker, seq, w.last_seq)
+        self._gap(worker, w, f"the publisher is at batch {seq}, we at {w.last_seq}")
+        self._ask(worker)
+
+    def _gap(self, worker: str, w: _Worker, what: str) -> None:
+        """Events of ``worker`` were lost: its sets wait for a snapshot (``_ask``)."""
+        log.warning("KV events of %s: %s, resynchronising", worker, what)
         self.gaps += 1
         w.last_seq = None
-        self._ask(worker)
 
     def reset(self, worker: str, snapshot_seq: int, entries: SnapshotEntries) -> None:
         """Replaces the worker's sets by a snapshot taken after batch ``snapshot_seq`` (-1: before

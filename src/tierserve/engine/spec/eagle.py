@@ -64,24 +64,25 @@ class FeaturePlane:
 
     def read(self, slots: torch.Tensor, hooks: LayerHooks | None) -> torch.Tensor:
         """The hidden states [n, hidden] at ``slots`` [n]."""
-        mine = None
-        if self.cp is not None:
-            own, ps = self.cp.own, self.cp.page_size
-            mine = (slots // ps) % own.size == own.rank
-            slots = torch.where(mine, (slots // ps // own.size) * ps + slots % ps, 0)
+        if self.cp is None:
+            return self._rows(slots, hooks)
+        rows, local = own_writes(self.cp.own, slots, self.cp.page_size)
+        own = self._rows(local, hooks)
+        # each row is on one rank, zeros elsewhere; summed in float32 (gloo's sums), which holds any pool
+        # dtype's values exactly
+        summed = torch.zeros(len(slots), self.hidden, dtype=torch.float32, device=own.device)
+        summed[rows] = own.float()
+        dist.all_reduce(summed, group=self.cp.merge_group)
+        return summed.to(own.dtype)
+
+    def _rows(self, slots: torch.Tensor, hooks: LayerHooks | None) -> torch.Tensor:
+        """The hidden states [n, hidden] at this rank's pool ``slots`` [n]."""
         rows = []
         for layer in range(self.layers):
             if hooks is not None:
                 hooks.before_attention(layer)
             rows += [pool.view(pool.shape[0], -1).index_select(0, slots) for pool in self.kv.layer(layer)]
-        out = torch.cat(rows, dim=-1)[:, : self.hidden]
-        if mine is not None:
-            # another rank's row was read at slot 0 here; summed in float32 (gloo's sums), which holds any
-            # pool dtype's values exactly
-            summed = torch.where(mine[:, None], out, 0).float()
-            dist.all_reduce(summed, group=self.cp.merge_group)
-            out = summed.to(out.dtype)
-        return out
+        return torch.cat(rows, dim=-1)[:, : self.hidden]
 
     def _parts(self, values: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         k, _ = self.kv.layer(0)
