@@ -4,15 +4,17 @@
 - ``fcfs``: nodes ``--schedule-policy fcfs``, router ``--admission fcfs`` (every request queued in arrival
   order, deadlines only counted);
 - ``priority``: nodes ``--schedule-policy priority``, router ``--admission ttft`` (waiting work ordered by
-  priority, less important work preempted, a request whose predicted TTFT is past its deadline shed with 429).
+  priority, less important work preempted, a request whose predicted TTFT is past its deadline shed with 429);
+- ``spill``: ``priority`` and router ``--disaggregation-spill-priority 0``: a high request whose prefill node
+  is backed up with high work is prefilled on the decode node, when it computes no high prompt itself.
 
-The clusters run one at a time (the machine cannot hold both). First, on the ``fcfs`` cluster, the capacity:
+The clusters run one at a time (the machine cannot hold two). First, on the first cluster, the capacity:
 a closed loop of ``--clients`` clients, requests per second. Then, on each cluster: the high class alone,
 one request at a time (its unloaded TTFT), the high class's own Poisson arrivals without the low class (its
 TTFT alone: what it costs itself), and the overload: Poisson arrivals at ``--overload`` x that
-capacity (the same rate and the same seeded prompts and classes for both), ``--high-share`` of them high
+capacity (the same rate and the same seeded prompts and classes for each), ``--high-share`` of them high
 priority (0) with a deadline of ``--high-deadline`` x the unloaded p99 TTFT, the rest low priority (5) with
-``--low-deadline`` x it (deadlines from the ``fcfs`` cluster's unloaded run, the same for both). Every
+``--low-deadline`` x it (deadlines from the first cluster's unloaded run, the same for each). Every
 prompt is fresh random token ids (no cache hits), ``--prompt`` tokens, ``--max-tokens`` new. Reported per
 cluster and class: TTFT p50/p99, goodput (requests finished within their deadline per second), shed and late.
 
@@ -44,7 +46,9 @@ from tierserve.bench.report import Report  # noqa: E402
 VOCAB = 49152  # the built-in model's
 HIGH, LOW = 0, 5
 SETUPS = {"fcfs": ["--schedule-policy", "fcfs", "--admission", "fcfs"],
-          "priority": ["--schedule-policy", "priority", "--admission", "ttft"]}
+          "priority": ["--schedule-policy", "priority", "--admission", "ttft"],
+          "spill": ["--schedule-policy", "priority", "--admission", "ttft",
+                    "--disaggregation-spill-priority", str(HIGH)]}
 
 
 def workload(args: argparse.Namespace, n: int, seed: int) -> Any:
@@ -88,9 +92,10 @@ def overload(url: str, args: argparse.Namespace, rate: float, deadlines: tuple[i
 
 
 def router_state(url: str) -> dict[str, Any]:
-    """The router's retries (a busy decode node's waits among them) and its lanes at the end."""
+    """The router's retries (a busy decode node's waits among them), its tries per path, those spilled
+    to the decode node, and its lanes at the end."""
     state = httpx.get(f"{url}/debug/state", timeout=10).json()
-    return {"retries": state["retries"], "lanes": state["lanes"]}
+    return {key: state[key] for key in ("retries", "served", "spilled", "lanes")}
 
 
 def main() -> None:

@@ -138,7 +138,7 @@ def test_a_second_router_counts_the_first_routers_work_on_the_node_in_its_admiss
             if thread.is_alive():
                 thread.join(120)
         try:
-            assert all(status == 200 for _, status in done.values()) and len(done) == QUEUED
+            assert all(status == 200 for _, status, _ in done.values()) and len(done) == QUEUED
             wait_for(lambda: _lane(b, decode)["work_ahead"] == 0, "the backlog drained in router B's view", 30)
             assert _lane(b, decode)["rate"] == rate  # the shed request measured nothing
             ok = complete(b, _prompt(LOCAL, 51), {"x-request-deadline-ms": str(deadline_ms)})
@@ -161,10 +161,12 @@ def _stream_until(router: RouterProcess, stop: threading.Event) -> None:
 
 
 def _finish_in_thread(router: RouterProcess, name: str, seed: int, fields: dict, headers: dict,
-                      done: dict[str, tuple[float, int]], length: int = SHORT) -> threading.Thread:
+                      done: dict[str, tuple], length: int = SHORT) -> threading.Thread:
+    """``done[name]``: (when it finished, its status, its text or None)."""
     def run() -> None:
         r = complete(router, _prompt(length, seed), headers, max_tokens=8, **fields)
-        done[name] = (time.monotonic(), r.status_code)
+        text = r.json()["choices"][0]["text"] if r.status_code == 200 else None
+        done[name] = (time.monotonic(), r.status_code, text)
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
@@ -182,3 +184,36 @@ def _routes(router: RouterProcess) -> int:
 
 def _lanes(router: RouterProcess) -> bool:
     return any(lane["rate"] for lane in httpx.get(f"{router.url}/debug/state").json()["lanes"].values())
+
+
+def test_an_important_prompt_is_prefilled_on_the_decode_node_while_the_prefill_node_is_backed_up(
+        cluster, builtin_model: Path, tmp_path: Path) -> None:
+    """Router C spills priority 0 (``--disaggregation-spill-priority 0``): behind a long important
+    prompt on the prefill node, a less important one still goes there, while the next important one
+    is prefilled on the idle decode node, with the tokens the PD path gives it."""
+    _, prefill, decode = cluster
+    c = RouterProcess(["--model", str(builtin_model), "--prefill", prefill.address, "--decode", decode.address,
+                       "--disaggregation-threshold", "24", "--admission", "ttft",
+                       "--disaggregation-spill-priority", "0"], tmp_path / "router-c.log")
+    done: dict[str, tuple] = {}
+    try:
+        c.wait_ready()
+        # the PD path's tokens (C measures the prefill node's rate), in a cache namespace of their own: the
+        # spilled request finds nothing cached
+        reference = complete(c, _prompt(200, 63), max_tokens=8, cache_salt="reference").json()
+        wait_for(lambda: _lane(c, prefill)["rate"], "router C's rate for the prefill node", 30)
+        threads = []
+        for name, seed, priority, length in [("long", 61, 0, 800), ("low", 62, 5, 200), ("spilled", 63, 0, 200)]:
+            routed = _routes(c)  # one at a time, each routed before the next is sent
+            threads.append(_finish_in_thread(c, name, seed, {"priority": priority}, {}, done, length))
+            wait_for(lambda routed=routed: _routes(c) > routed, f"{name} routed", 30)
+        for thread in threads:
+            thread.join(120)
+        routes = httpx.get(f"{c.url}/debug/state").json()["routes"]
+        assert [(r["path"], r.get("spilled", False)) for r in routes] == [
+            ("prefill_decode", False), ("prefill_decode", False), ("prefill_decode", False), ("decode_only", True)]
+        assert {name: status for name, (_, status, _) in done.items()} == dict.fromkeys(("long", "low", "spilled"), 200)
+        assert done["spilled"][2] == reference["choices"][0]["text"]
+        assert metric(c, "tierserve_router_spilled_total") == 1
+    finally:
+        c.stop()

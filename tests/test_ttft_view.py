@@ -47,3 +47,60 @@ def test_a_prompt_in_l3_only_is_predicted_sooner_than_a_cold_one_of_the_same_len
 def test_l3_pages_count_as_computed_until_the_node_measured_a_read() -> None:
     view = _view(0.0)
     assert view.predict(WARM, 0, "") == pytest.approx(view.predict(COLD, 0, "")) == pytest.approx(160 / RATE)
+
+
+def _pair() -> tuple[TTFTView, Worker, Worker, ManualClock]:
+    """A measured prefill node (``RATE``) and an unmeasured decode node, nothing cached anywhere."""
+    registry = Registry()
+    registry.info = pb.NodeInfo(identity=pb.KVIdentity(page_size=PAGE))
+    prefill = Worker(Role.PREFILL, "10.0.0.1:1", channel=None, state=WorkerState.HEALTHY)
+    decode = Worker(Role.DECODE, "10.0.0.2:1", channel=None, state=WorkerState.HEALTHY)
+    for worker in (prefill, decode):
+        registry.workers[(worker.role, worker.address)] = worker
+    view = TTFTView(registry, lambda prompt, salt: lambda w: CachedPrefix(), Disaggregation(0, 0))
+    clock = ManualClock()
+    view.lanes[prefill.address], view.lanes[decode.address] = Lane(clock), Lane(clock)
+    view.lanes[prefill.address].sent("measure", 0, 100)
+    clock.now = 1.0
+    view.lanes[prefill.address].first_token("measure")
+    return view, prefill, decode, clock
+
+
+def test_a_prompt_spills_to_the_decode_node_only_behind_as_important_work_on_the_prefill_node() -> None:
+    view, prefill, decode, _ = _pair()
+    assert not view.spills(decode, prefill, COLD, 0, "")  # nothing ahead: the prefill node is as soon
+    view.lanes[prefill.address].sent("less-important", 5, 1000)
+    assert not view.spills(decode, prefill, COLD, 0, "")  # priority 0 goes first there: still as soon
+    assert view.spills(decode, prefill, COLD, 5, "")  # but priority 5 waits behind it (decode: prefill's rate)
+    view.lanes[prefill.address].sent("important", 0, 160)  # the prompt's own length: predicted 2x the decode node's
+    assert view.spills(decode, prefill, COLD, 0, "")
+    view.lanes[prefill.address].first_token("important")
+    view.lanes[prefill.address].sent("shorter", 0, 40)  # 1.25x: within the margin
+    assert not view.spills(decode, prefill, COLD, 0, "")
+
+
+def test_a_decode_node_computing_as_important_a_prompt_takes_no_more() -> None:
+    view, prefill, decode, _ = _pair()
+    view.lanes[prefill.address].sent("ahead", 0, 1000)
+    view.lanes[decode.address].sent("less-important", 5, 100)
+    assert view.spills(decode, prefill, COLD, 0, "")
+    view.lanes[decode.address].sent("spilled", 0, 160)
+    assert not view.spills(decode, prefill, COLD, 0, "")
+
+
+def test_the_decode_nodes_own_rate_decides_once_measured() -> None:
+    view, prefill, decode, clock = _pair()
+    view.lanes[prefill.address].sent("ahead", 0, 160)  # 2x the prompt at the prefill node's rate
+    assert view.spills(decode, prefill, COLD, 0, "")
+    lane = view.lanes[decode.address]
+    lane.sent("measure", 0, 100)
+    clock.now = 3.0
+    lane.first_token("measure")  # 50 tokens/s: the prompt takes it 3.2 s, the prefill node 3.2 s
+    assert not view.spills(decode, prefill, COLD, 0, "")
+
+
+def test_an_unmeasured_prefill_node_sends_nothing_to_the_decode_node() -> None:
+    view, prefill, decode, _ = _pair()
+    view.lanes[prefill.address] = Lane(ManualClock())
+    view.lanes[prefill.address].sent("ahead", 0, 10_000)
+    assert not view.spills(decode, prefill, COLD, 0, "")

@@ -36,13 +36,17 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_disaggregation_args(p: argparse.ArgumentParser) -> None:
-    """``--disaggregation-threshold`` (``tierserve router`` and ``up``)."""
+    """``--disaggregation-threshold`` and ``--disaggregation-spill-priority`` (``tierserve router`` and ``up``)."""
     from tierserve.router.disaggregation import DEFAULT_THRESHOLD
 
     p.add_argument("--disaggregation-threshold", type=non_negative_tokens, default=DEFAULT_THRESHOLD,
                    metavar="TOKENS", help="a prompt with fewer tokens than this not cached on the picked decode "
                    f"node is prefilled there, without a prefill node (0: always through a prefill node; "
                    f"default {DEFAULT_THRESHOLD})")
+    p.add_argument("--disaggregation-spill-priority", type=int, metavar="PRIORITY",
+                   help="a request of this priority or a more important one (lower) is also prefilled on its decode "
+                   "node when the prefill nodes are backed up: their predicted TTFT 1.5x the decode node's own, "
+                   "which computes no prompt as important (default: never)")
 
 
 def add_router_args(p: argparse.ArgumentParser) -> None:
@@ -112,7 +116,8 @@ def router_config(args: argparse.Namespace, folder: Path) -> RouterConfig:
         options=RouterOptions(max_running=args.max_running_requests, max_queued=args.max_queued_requests,
                               timeout_s=args.request_timeout, max_retries=args.max_retries,
                               stream_idle_timeout_s=args.stream_idle_timeout, max_migrations=args.max_migrations,
-                              disaggregation_threshold=args.disaggregation_threshold),
+                              disaggregation_threshold=args.disaggregation_threshold,
+                              disaggregation_spill_priority=args.disaggregation_spill_priority),
         health_check_interval_s=args.health_check_interval, drain_timeout_s=args.worker_drain_timeout,
         node_token=read_token(args.node_token, args.node_token_file),
         tls=TLSFiles.of(args.tls_cert, args.tls_key, args.tls_ca, args.tls_server_name), tracing=tracing_config(args),

@@ -245,7 +245,12 @@ def _router_flags(args: argparse.Namespace) -> list[str]:
                                        ("--admin-api-key", args.admin_api_key)) if value for f in (flag, value)]
     return [*keys, *chat_flags(args), "--prefill-policy", args.prefill_policy.value, "--decode-policy",
             args.decode_policy.value, "--disaggregation-threshold", str(args.disaggregation_threshold),
-            "--admission", args.admission.value]
+            "--admission", args.admission.value, *_spill_flags(args)]
+
+
+def _spill_flags(args: argparse.Namespace) -> list[str]:
+    spill = args.disaggregation_spill_priority
+    return [] if spill is None else ["--disaggregation-spill-priority", str(spill)]
 
 
 def _announce(args: argparse.Namespace, base: str, children: list[str], tls: ClusterTLS | None = None) -> None:

@@ -176,6 +176,9 @@ class _RouterCollector:
         for path, count in self.backend.served.items():
             served.add_metric([path.value], count)
         yield served
+        yield CounterMetricFamily("tierserve_router_spilled", "decode_only tries of prompts the decode node "
+                                  "prefilled as the prefill nodes were backed up (--disaggregation-spill-priority)",
+                                  value=self.backend.spilled)
 
     def _indexed(self) -> GaugeMetricFamily:
         pages = GaugeMetricFamily("tierserve_router_indexed_pages", "Pages the router's KV-event index holds "

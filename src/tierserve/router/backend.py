@@ -60,6 +60,7 @@ class RouterOptions:
     stream_idle_timeout_s: float = 30.0  # a decode stream with no chunk for this long is given up
     max_migrations: int = 2  # times a request that produced tokens continues on another pair
     disaggregation_threshold: int = DEFAULT_THRESHOLD  # fewer uncached prompt tokens: the decode node prefills
+    disaggregation_spill_priority: int | None = None  # this important or more: prefilled there when P is backed up
 
 
 @dataclass(frozen=True)
@@ -96,8 +97,9 @@ class PDBackend:
         self._slots = PrioritySlots(options.max_running)
         self.retries = 0
         self.migrations = Migrations()
-        self.disaggregation = Disaggregation(options.disaggregation_threshold)
+        self.disaggregation = Disaggregation(options.disaggregation_threshold, options.disaggregation_spill_priority)
         self.served = {path: 0 for path in ServedPath}  # tries started per path
+        self.spilled = 0  # of the decode_only tries, those the prefill nodes' backlog sent there (``_spills``)
         self.forks = 0  # sibling choices sent to their leader's decode node (docs/pd.md, n choices)
         self.routes: deque[dict[str, object]] = deque(maxlen=256)  # recent decisions, for operators and tests
         self.ttft = TTFTView(registry, self.lookup, self.disaggregation, l3_lookup)  # admission by predicted TTFT
@@ -115,7 +117,8 @@ class PDBackend:
 
     async def debug_state(self) -> dict[str, Any]:
         return {"workers": [w.describe() for w in self.registry.listed()], "queued": self.queued,
-                "retries": self.retries, "served": {p.value: n for p, n in self.served.items()}, "forks": self.forks,
+                "retries": self.retries, "served": {p.value: n for p, n in self.served.items()},
+                "spilled": self.spilled, "forks": self.forks,
                 "routes": list(self.routes), "lanes": self.ttft.state()} | self.migrations.state()
 
     def predict_ttft(self, prompt_ids: list[int], params: SamplingParams, scope: CacheScope) -> float | None:
@@ -328,8 +331,12 @@ class PDBackend:
                  "decode_cached_pages": [held.device, held.host]}
         if path is not ServedPath.DECODE_ONLY and not prefills:
             raise oa.APIError(503, "no healthy prefill worker", code="unavailable")
-        self.served[path] += 1
         prefill = self.prefill_policy.pick(prefills, lookup) if path is not ServedPath.DECODE_ONLY else None
+        if path is ServedPath.PREFILL_DECODE and self._spills(decode, prefill, request):
+            path, prefill = ServedPath.DECODE_ONLY, None
+            route |= {"path": path.value, "spilled": True}
+            self.spilled += 1
+        self.served[path] += 1
         request = replace(request, uncached=uncached_tokens(len(request.prompt), held, page))
         if prefill is not None:
             cached = lookup(prefill)
@@ -340,6 +347,13 @@ class PDBackend:
         self.routes.append(route)
         log.debug("route: %s", route)
         return (prefill, None if path is ServedPath.PREFILL_ONLY else decode), request
+
+    def _spills(self, decode: Worker, prefill: Worker, request: _Request) -> bool:
+        """Whether the decode node prefills this prompt itself because the prefill nodes are backed up
+        (``--disaggregation-spill-priority``, ``TTFTView.spills``)."""
+        priority = request.sampling.priority
+        return self.disaggregation.may_spill(priority) and \
+            self.ttft.spills(decode, prefill, request.prompt, priority, request.scope.salt)
 
     async def _prefill(self, pair: tuple[Worker, Worker], rid: str, request: _Request
                        ) -> tuple[pd_flow.Pair, pd_flow.Prefilled]:

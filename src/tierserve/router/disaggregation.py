@@ -37,9 +37,14 @@ class ServedPath(Enum):
 class Disaggregation:
     """``threshold``: a decode node prefills a prompt itself when fewer than this many of its
     tokens are not in its cache (0: always through a prefill node), times the node's CP size
-    (``limit``)."""
+    (``limit``). ``spill_priority``: requests of this priority or a more important one (lower) may
+    also be prefilled there when the prefill nodes are backed up (``TTFTView.spills``); None: never."""
 
     threshold: int = DEFAULT_THRESHOLD
+    spill_priority: int | None = None
+
+    def may_spill(self, priority: int) -> bool:
+        return self.spill_priority is not None and priority <= self.spill_priority
 
     def path(self, prompt_len: int, held: CachedPrefix, page_size: int, max_tokens: int, cp_size: int = 1
              ) -> ServedPath:

@@ -10,6 +10,10 @@ holding in L1 or L2; of those, the pages after them that the cluster's L3 holds 
 the rest are computed. The prediction is the best worker's: the work ahead at the request's
 priority or a more important one (or the L3 load, if longer) plus its own computed tokens, over
 that worker's rate. Workers not yet measured give none.
+
+The same lanes choose a request's path under ``--disaggregation-spill-priority`` (``spills``): an
+important prompt whose prefill nodes are backed up with as important work is prefilled on its decode
+node instead (Dynamo's load-based conditional disaggregation, docs/router.md).
 """
 
 from __future__ import annotations
@@ -23,6 +27,10 @@ from tierserve.router.disaggregation import Disaggregation, uncached_tokens
 from tierserve.router.policies import CachedPrefix
 from tierserve.router.registry import Registry, Worker
 from tierserve.router.roles import Role
+
+# The prefill path must be predicted this many times slower than the decode node's own prefill: that
+# prediction leaves out the decode steps sharing its steps, and a spilled prefill slows its streams.
+SPILL_MARGIN = 1.5
 
 LookupFactory = Callable[[list[int], str], Callable[[Worker], CachedPrefix]]
 L3LookupFactory = Callable[[list[int], str], Callable[[int], int]]  # prompt -> (pages held -> L3 pages after)
@@ -63,6 +71,22 @@ class TTFTView:
         loaded = min(l3(held.device + held.host) * self._page_size(), uncached - 1)
         rate = worker.report.l3_read_tokens_per_second if worker.report is not None else 0.0
         return self.lane(worker).predict(priority, uncached - loaded, loaded, rate)
+
+    def spills(self, decode: Worker, prefill: Worker, prompt: list[int], priority: int, salt: str) -> bool:
+        """Whether ``decode`` should prefill the prompt itself rather than ``prefill``: it computes no
+        prompt of ``priority`` or a more important one (its lane's work ahead, every router's), and
+        ``prefill``'s prediction is ``SPILL_MARGIN`` times its own at ``decode``'s measured rate (or,
+        not measured yet, ``prefill``'s: the same model's). False while ``prefill`` is not measured."""
+        lane = self.lane(decode)
+        if lane.work_ahead(priority) > 0:
+            return False
+        lookup, l3 = self.lookup(prompt, salt), self.l3_lookup(prompt, salt)
+        held = lookup(prefill)
+        remote = self._predict(prefill, self._uncached(prompt, held), held, l3, priority)
+        rate = lane.rate or self.lane(prefill).rate
+        if remote is None or rate is None:
+            return False
+        return remote > SPILL_MARGIN * self._uncached(prompt, lookup(decode)) / rate
 
     def track(self, worker: Worker, request_id: str, tokens: int, priority: int,
               outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
