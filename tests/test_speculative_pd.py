@@ -194,8 +194,12 @@ async def _run_constrained(prefill: str, decode: str, prompt: list[int], samplin
 @pytest.mark.parametrize(("layout", "sizes"), [("packed", "--prefill-tp-size 2 --decode-tp-size 2"),
                                                ("sidecar", "--prefill-pp-size 2 --decode-tp-size 2"),
                                                ("eagle", "--prefill-tp-size 2 --decode-tp-size 2"),
-                                               ("packed", "--prefill-tp-size 2 --decode-pp-size 2")],
-                         ids=["packed-tp2-tp2", "sidecar-pp2-tp2", "eagle-tp2-tp2", "packed-tp2-pp2"])
+                                               ("packed", "--prefill-tp-size 2 --decode-pp-size 2"),
+                                               ("packed", "--prefill-cp-size 2"),
+                                               ("sidecar", "--decode-cp-size 2"),
+                                               ("eagle", "--prefill-cp-size 2")],
+                         ids=["packed-tp2-tp2", "sidecar-pp2-tp2", "eagle-tp2-tp2", "packed-tp2-pp2", "packed-cp2-1",
+                              "sidecar-1-cp2", "eagle-cp2-1"])
 def test_up_with_a_draft_equals_no_speculation(tiny: Path, drafts: dict[str, Path], eagle: dict[str, Path],
                                                layout: str, sizes: str) -> None:
     """``tierserve up`` (router, prefill node, decode node, of several ranks) with a draft of either
