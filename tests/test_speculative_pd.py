@@ -191,7 +191,9 @@ async def _run_constrained(prefill: str, decode: str, prompt: list[int], samplin
 # each role's sizes: TP 2 on both sides (packed: the draft's layers of each rank's heads; EAGLE: the replicated
 # head's rows from prefill rank 0 into both decode ranks), the split sidecar draft's heads from the last
 # of two stages into two tensor ranks, and the packed draft's layers from two tensor ranks (through the
-# decode ranks' staging) into the last of two stages (rank 0 of which holds none of them)
+# decode ranks' staging) into the last of two stages (rank 0 of which holds none of them); with CP (the draft's
+# pages owned as the target's): the packed draft's layers and the EAGLE head's sidecar rows (its feature plane
+# with them) each sent by their page's prefill owner, the sidecar's rows each into its decode owner's local slots
 @pytest.mark.parametrize(("layout", "sizes"), [("packed", "--prefill-tp-size 2 --decode-tp-size 2"),
                                                ("sidecar", "--prefill-pp-size 2 --decode-tp-size 2"),
                                                ("eagle", "--prefill-tp-size 2 --decode-tp-size 2"),
