@@ -177,16 +177,6 @@ def test_bad_speculative_flags_are_refused_at_start(tiny_llama: Path, drafts: di
     assert message in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("role", ["prefill", "decode"])
-def test_a_draft_on_a_prefill_or_decode_node_with_cp_is_refused_at_start(tiny_llama: Path, drafts: dict[str, Path],
-                                                                         capsys, role: str) -> None:
-    """``serve`` runs a draft at CP, a PD node does not hand its KV over yet (``pd_draft_problem``)."""
-    args = build_parser().parse_args([role, "--model", str(tiny_llama), "--port", "0", "--cp-size", "2",
-                                      "--speculative-draft-model-path", str(drafts["layer0"])])
-    assert args.func(args) == 2
-    assert "on a prefill or decode node with --cp-size above 1 is not supported yet" in capsys.readouterr().err
-
-
 @pytest.mark.slow
 def test_builtin_draft_from_model_fetch_is_lossless(builtin_model: Path, tmp_path: Path, capsys) -> None:
     """``tierserve model fetch --draft`` prints a folder holding the built-in model's chosen layers;

@@ -36,6 +36,7 @@ from helpers.tiny_models import (
 )
 
 from tierserve.cache.options import DraftLayout
+from tierserve.cache.sharded.cp_pages import PageOwnership
 from tierserve.core.constraint import Constraint, ConstraintKind
 from tierserve.core.outputs import TokenLogprob
 from tierserve.core.sampling import SamplingParams
@@ -190,12 +191,18 @@ async def _run_constrained(prefill: str, decode: str, prompt: list[int], samplin
 # each role's sizes: TP 2 on both sides (packed: the draft's layers of each rank's heads; EAGLE: the replicated
 # head's rows from prefill rank 0 into both decode ranks), the split sidecar draft's heads from the last
 # of two stages into two tensor ranks, and the packed draft's layers from two tensor ranks (through the
-# decode ranks' staging) into the last of two stages (rank 0 of which holds none of them)
+# decode ranks' staging) into the last of two stages (rank 0 of which holds none of them); with CP (the draft's
+# pages owned as the target's): the packed draft's layers and the EAGLE head's sidecar rows (its feature plane
+# with them) each sent by their page's prefill owner, the sidecar's rows each into its decode owner's local slots
 @pytest.mark.parametrize(("layout", "sizes"), [("packed", "--prefill-tp-size 2 --decode-tp-size 2"),
                                                ("sidecar", "--prefill-pp-size 2 --decode-tp-size 2"),
                                                ("eagle", "--prefill-tp-size 2 --decode-tp-size 2"),
-                                               ("packed", "--prefill-tp-size 2 --decode-pp-size 2")],
-                         ids=["packed-tp2-tp2", "sidecar-pp2-tp2", "eagle-tp2-tp2", "packed-tp2-pp2"])
+                                               ("packed", "--prefill-tp-size 2 --decode-pp-size 2"),
+                                               ("packed", "--prefill-cp-size 2"),
+                                               ("sidecar", "--decode-cp-size 2"),
+                                               ("eagle", "--prefill-cp-size 2")],
+                         ids=["packed-tp2-tp2", "sidecar-pp2-tp2", "eagle-tp2-tp2", "packed-tp2-pp2", "packed-cp2-1",
+                              "sidecar-1-cp2", "eagle-cp2-1"])
 def test_up_with_a_draft_equals_no_speculation(tiny: Path, drafts: dict[str, Path], eagle: dict[str, Path],
                                                layout: str, sizes: str) -> None:
     """``tierserve up`` (router, prefill node, decode node, of several ranks) with a draft of either
@@ -366,6 +373,24 @@ def test_prefill_checks_the_destination_draft_pool(sides) -> None:
     half = dataclasses.replace(offered, heads=dataclasses.replace(offered.heads, count=offered.heads.count // 2),
                                arena=dataclasses.replace(offered.arena, slot_bytes=offered.arena.slot_bytes // 2))
     assert "cannot hand the draft's KV over" in sidecar_problem([half], mine, 3)  # a draft KV head nowhere
+
+
+def test_a_cp_decode_nodes_draft_pools_hold_their_own_pages(sides) -> None:
+    """Under context parallelism each decode rank's draft pool holds the pages its rank owns, at
+    local slots (docs/speculative.md, PD): the Reserve answer gives each pool its rank's ownership,
+    so the handoff's draft routes write a page only to its owner; the prefill node checks a page
+    table against the local slots and wants every draft KV head on every CP rank."""
+    mine, offered = [sides[0].arenas[0].draft], sides[1].arenas[0].draft
+    ranks = [dataclasses.replace(sides[1].arenas[0], owner=PageOwnership(r, 2)) for r in (0, 1)]
+    named = pb.KVDestination(identity=pb.KVIdentity(head_dim=16, page_size=PAGE), ranks=kv_ranks(ranks, itemsize=4))
+    pools = [r.draft for r in destination_ranks(named, head_bytes=16 * 4)]
+    assert [p.owner for p in pools] == [PageOwnership(0, 2), PageOwnership(1, 2)]
+    last = 2 * offered.arena.num_pages - 1  # as a logical id beyond one pool, as a local slot its last page
+    assert sidecar_problem(pools, mine, last) is None
+    assert "lies outside it" in sidecar_problem(pools, mine, last + 1)
+    half = dataclasses.replace(pools[1], heads=dataclasses.replace(offered.heads, count=offered.heads.count // 2),
+                               arena=dataclasses.replace(offered.arena, slot_bytes=offered.arena.slot_bytes // 2))
+    assert "on CP rank 1" in sidecar_problem([pools[0], half], mine, 3)  # half the draft heads there
 
 
 def test_a_failed_draft_transfer_fails_the_handoff(sides) -> None:

@@ -196,7 +196,10 @@ def _layout_model(request, layout: str) -> Path:
      ("decode.tp_size", "decode.cp_size", "decode.speculative_algorithm"), (2, 2, SpeculativeAlgorithm.NGRAM)),
     ("pp", ["--speculative-draft-model-path", "MODEL", "--prefill-tp-size", "2", "--decode-pp-size", "2"],
      ("prefill.tp_size", "decode.pp_size"), (2, 2)),
-], ids=["tp", "cp", "cp-with-tp", "cp-with-pp", "decode-cp", "pp", "pp-uneven", "ngram-tp-cp", "standalone-tp-pp"])
+    ("cp", ["--speculative-draft-model-path", "MODEL", "--prefill-cp-size", "2", "--decode-cp-size", "2"],
+     ("prefill.cp_size", "decode.cp_size"), (2, 2)),  # a draft at CP hands its KV over (docs/speculative.md, PD)
+], ids=["tp", "cp", "cp-with-tp", "cp-with-pp", "decode-cp", "pp", "pp-uneven", "ngram-tp-cp", "standalone-tp-pp",
+        "standalone-cp-cp"])
 def test_each_role_gets_its_layout_sizes(monkeypatch, request, layout: str, flags: list[str],
                                          fields: tuple[str, ...], expected: tuple) -> None:
     model = _layout_model(request, layout)
@@ -226,11 +229,8 @@ def test_nodes_get_no_tp_size_unless_asked(monkeypatch, ranks_llama: Path) -> No
     ("pp", ["--no-l3", "--prefill-pp-size", "2", "--prefill-pp-layer-partition", "4"],
      "--prefill-pp-layer-partition 4: --pp-layer-partition: the layer partition 4 names 1 stage(s)"),
     ("pp", ["--no-l3", "--pp-layer-partition", "2,2"], "--prefill-pp-layer-partition and --decode-pp-layer-partition"),
-    ("cp", ["--no-l3", "--speculative-draft-model-path", "MODEL", "--decode-cp-size", "2"],
-     "--decode-tp-size 1 --decode-cp-size 2: --speculative-algorithm STANDALONE on a prefill or decode node with "
-     "--cp-size above 1 is not supported yet"),
 ], ids=["tp-decode-3", "tp-one-flag", "cp-one-flag", "cp-0", "decode-cp-0", "pp-decode-5", "pp-one-flag",
-        "pp-partition-sum", "pp-partition-count", "pp-partition-one-flag", "standalone-cp"])
+        "pp-partition-sum", "pp-partition-count", "pp-partition-one-flag"])
 def test_a_layout_size_that_cannot_run_is_refused_before_any_child_starts(monkeypatch, capsys, request, layout: str,
                                                                           flags: list[str], message: str) -> None:
     model = _layout_model(request, layout)

@@ -81,9 +81,9 @@ def run_role(args: argparse.Namespace, role: int, add_service: AddService, offlo
     if config is None:
         return 2
     if config.speculative_draft_model_path is not None:
-        from tierserve.engine.spec.draft_pools import draft_problem, pd_draft_problem
+        from tierserve.engine.spec.draft_pools import draft_problem
 
-        if (problem := pd_draft_problem(config) or draft_problem(config)) is not None:
+        if (problem := draft_problem(config)) is not None:
             print(f"tierserve: {problem}", file=sys.stderr)
             return 2
     run_node(replace(config, offload_generated=offload_generated), node_options(args), role, add_service)

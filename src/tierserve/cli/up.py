@@ -202,7 +202,7 @@ class RoleSizes:
 
 
 def _check_role(role: str, sizes: RoleSizes, config: EngineConfig) -> None:
-    from tierserve.engine.spec.draft_pools import draft_problem, pd_draft_problem
+    from tierserve.engine.spec.draft_pools import draft_problem
     from tierserve.model.parallel import misfit
 
     flags = sizes.flags(role)
@@ -211,8 +211,7 @@ def _check_role(role: str, sizes: RoleSizes, config: EngineConfig) -> None:
                         pp_layer_partition=sizes.partition)
     except ValueError as exc:
         raise ValueError(f"{flags}: {exc}") from None
-    problem = misfit(config.model_dir, sizes.tp, sizes.pp, sizes.partition) or pd_draft_problem(sized) \
-        or draft_problem(sized)
+    problem = misfit(config.model_dir, sizes.tp, sizes.pp, sizes.partition) or draft_problem(sized)
     if problem is not None:
         raise ValueError(f"{flags}: {problem}")
 

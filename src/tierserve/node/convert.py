@@ -9,7 +9,7 @@ from tierserve.cache.sharded.cp_pages import PageOwnership
 from tierserve.engine.engine import Engine
 from tierserve.proto import tierserve_pb2 as pb
 from tierserve.proto.sampling import from_proto as sampling_params
-from tierserve.transfer.layout import HeadRange, KVArena, RankArena, StagedPart, staged_slots
+from tierserve.transfer.layout import EVERY_PAGE, HeadRange, KVArena, RankArena, StagedPart, staged_slots
 from tierserve.transfer.receive_staging import staged_heads
 
 __all__ = ["arena", "destination_arena", "destination_ranks", "draft_arena", "draft_message", "draft_rank",
@@ -58,7 +58,8 @@ def draft_rank(engine: Engine, endpoint: str) -> RankArena | None:
     pool = draft_arena(engine)
     if pool is None or engine.draft is None:
         return None
-    return RankArena(endpoint, pool, HeadRange(engine.draft.heads.start, engine.draft.heads.count))
+    heads = HeadRange(engine.draft.heads.start, engine.draft.heads.count)
+    return RankArena(endpoint, pool, heads, owner=engine.ranks.cp)
 
 
 def draft_message(draft: RankArena | None, itemsize: int) -> pb.KVDraftArena | None:
@@ -71,16 +72,19 @@ def draft_message(draft: RankArena | None, itemsize: int) -> pb.KVDraftArena | N
                            kv_head_start=heads.start)
 
 
-def _draft_of(m: pb.KVDraftArena, endpoint: str, itemsize: int, page_size: int) -> RankArena:
+def _draft_of(m: pb.KVDraftArena, endpoint: str, itemsize: int, page_size: int,
+              owner: PageOwnership = EVERY_PAGE) -> RankArena:
+    """A rank's draft pool, holding the pages its rank holds (``owner``: a CP rank's own, at local slots)."""
     pool = KVArena(m.base_address, m.num_layers, m.num_slots, m.num_kv_heads * m.head_dim * itemsize, page_size)
-    return RankArena(endpoint, pool, HeadRange(m.kv_head_start, m.num_kv_heads))
+    return RankArena(endpoint, pool, HeadRange(m.kv_head_start, m.num_kv_heads), owner=owner)
 
 
 def sidecar_problem(theirs: list[RankArena], mine: list[RankArena], max_page: int) -> str | None:
     """Why a prefill node whose ranks hold the sidecar draft pools ``mine`` cannot hand its draft's
     KV into the destination ranks' pools ``theirs`` (up to page ``max_page``), or None: both or
     neither have such pools, shaped alike (layers, bytes per head), and the destination's ranks hold
-    exactly the draft KV heads this node's do (each wherever it likes: they map as the target's do)."""
+    exactly the draft KV heads this node's do (each wherever it likes: they map as the target's do;
+    under context parallelism, the ranks of every CP place: each holds its own pages)."""
     if not mine:
         return "the destination names a sidecar draft pool, this node has none" if theirs else None
     if not theirs:
@@ -89,10 +93,14 @@ def sidecar_problem(theirs: list[RankArena], mine: list[RankArena], max_page: in
         problem = _draft_pool_problem(d, mine[0], max_page)
         if problem is not None:
             return f"the destination's draft pool {rank}: {problem}"
-    held, needed = _draft_heads(theirs), _draft_heads(mine)
-    if held != needed:
-        return (f"the destination's draft pools hold draft KV heads {sorted(held)}, this node's {sorted(needed)}: "
-                "this prefill-decode pairing cannot hand the draft's KV over")
+    needed = _draft_heads(mine)
+    for cp in range(theirs[0].owner.size):  # under context parallelism each CP rank holds its own pages
+        owners = [d for d in theirs if d.owner.rank == cp]
+        held = _draft_heads(owners)
+        if held != needed:
+            where = f" on CP rank {cp}" if len(owners) < len(theirs) else ""
+            return (f"the destination's draft pools hold draft KV heads {sorted(held)}{where}, this node's "
+                    f"{sorted(needed)}: this prefill-decode pairing cannot hand the draft's KV over")
     return None
 
 
@@ -101,7 +109,7 @@ def _draft_pool_problem(theirs: RankArena, mine: RankArena, max_page: int) -> st
     if shapes[0] != shapes[1]:
         return (f"{shapes[0][0]} layers x {shapes[0][1]} bytes a KV head, this node's draft "
                 f"{shapes[1][0]} x {shapes[1][1]}")
-    if (max_page + 1) * theirs.arena.page_size > theirs.arena.num_slots:
+    if (theirs.owner.local(max_page) + 1) * theirs.arena.page_size > theirs.arena.num_slots:
         return "a destination page lies outside it"
     return None
 
@@ -146,8 +154,8 @@ def _rank_arena(r: pb.KVRank, i: pb.KVIdentity, head_bytes: int) -> RankArena:
     arena = KVArena(r.base_address, layers, r.num_slots, r.kv_heads * head_bytes, i.page_size)
     staged = tuple(_staged_part(s, layers, i.page_size, head_bytes) for s in r.staged)
     owner = PageOwnership(r.cp_rank, r.cp_size or 1)
-    draft = _draft_of(r.draft, r.transfer_endpoint, head_bytes // i.head_dim, i.page_size) if r.HasField("draft") \
-        else None
+    draft = _draft_of(r.draft, r.transfer_endpoint, head_bytes // i.head_dim, i.page_size, owner) \
+        if r.HasField("draft") else None
     return RankArena(r.transfer_endpoint, arena, HeadRange(r.kv_head_start, r.kv_heads), staged, 0, r.layer_start,
                      owner, draft)
 

@@ -109,7 +109,9 @@ class RankTransfer:
         """``target`` paired with a sender of this rank's sidecar draft pool when both nodes have such
         pools (the prefill service checked that they do, or that neither does: ``sidecar_problem``):
         its draft heads go to every destination rank's pool holding some of them, as the target's do
-        (whole slots when both hold the same heads); a rank whose rows another sends sends nothing."""
+        (whole slots when both hold the same heads); a rank whose rows another sends sends nothing.
+        Under context parallelism the draft's pages are owned as the target's: a CP prefill rank sends
+        its own pages of the draft pool, each into the decode rank holding that page (``owner``)."""
         source = draft_arena(self.engine)
         theirs = [d.draft for d in plan.dests if d.draft is not None]
         if source is None or not theirs:
@@ -117,7 +119,7 @@ class RankTransfer:
         mine = self.draft_sends
         routes = plan_routes(mine, source.slot_bytes // mine.count, theirs) if mine else []
         draft = KVHandoff(self.peers, routes, source, list(plan.dst_pages), plan.dst_start, plan.prompt_len,
-                          cuda=self.engine.device.type == "cuda")
+                          self.engine.device.type == "cuda", owner=self.engine.ranks.cp)
         return SidecarHandoff(target, draft, self.engine.geometry.num_layers)
 
     def agreed(self, plan: HandoffPlan, faults: HandoffFaults = NO_FAULTS) -> AgreedHandoff:

@@ -110,16 +110,6 @@ def draft_problem(config: EngineConfig) -> str | None:
     return None
 
 
-def pd_draft_problem(config: EngineConfig) -> str | None:
-    """Why a prefill or decode node of ``config`` cannot run its draft, or None: at CP the draft's KV is
-    not handed over (docs/speculative.md, still refused); ``serve`` runs drafts at CP."""
-    if config.speculative_draft_model_path is None or config.cp_size == 1:
-        return None
-    return (f"--speculative-algorithm {config.spec_algorithm.value} on a prefill or decode node with --cp-size above "
-            "1 is not supported yet (the draft's KV is handed over between TP and PP ranks only): use it on "
-            "tierserve serve, or --speculative-algorithm NGRAM there (docs/speculative.md, layouts)")
-
-
 @dataclass(frozen=True)
 class DraftPlan:
     """The draft's KV ``geometry`` and resolved ``layout``; ``identity`` names both in the cache
