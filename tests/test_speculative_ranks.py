@@ -56,7 +56,10 @@ LAYOUTS = {"pp2": (1, ("--pp-size", "2"), NGRAM),
            "pp2-eagle": (1, ("--pp-size", "2"), "eagle"), "tp2-pp2-eagle": (2, ("--pp-size", "2"), "eagle"),
            "cp2-standalone-packed": (1, ("--cp-size", "2", "--chunked-prefill-size", "512"), "packed"),
            "cp2-standalone-sidecar": (1, ("--cp-size", "2", *CP_L2), "sidecar"),
-           "cp2-eagle": (1, ("--cp-size", "2", "--max-total-tokens", "96"), "eagle")}
+           "cp2-eagle": (1, ("--cp-size", "2", "--max-total-tokens", "96"), "eagle"),
+           "tp2-cp2-standalone-sidecar": (2, ("--cp-size", "2", *CP_L2), "sidecar"),
+           "tp2-cp2-eagle": (2, ("--cp-size", "2", *CP_L2), "eagle"),
+           "pp2-cp2-standalone-packed": (1, ("--pp-size", "2", "--cp-size", "2", *CP_L2), "packed")}
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
 SAMPLED = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.8, seed=7, ignore_eos=True)
 
