@@ -194,8 +194,11 @@ async def _run_constrained(prefill: str, decode: str, prompt: list[int], samplin
 @pytest.mark.parametrize(("layout", "sizes"), [("packed", "--prefill-tp-size 2 --decode-tp-size 2"),
                                                ("sidecar", "--prefill-pp-size 2 --decode-tp-size 2"),
                                                ("eagle", "--prefill-tp-size 2 --decode-tp-size 2"),
-                                               ("packed", "--prefill-tp-size 2 --decode-pp-size 2")],
-                         ids=["packed-tp2-tp2", "sidecar-pp2-tp2", "eagle-tp2-tp2", "packed-tp2-pp2"])
+                                               ("packed", "--prefill-tp-size 2 --decode-pp-size 2"),
+                                               ("eagle-auto", "--prefill-pp-size 2"),
+                                               ("eagle-auto", "--prefill-pp-size 2 --decode-tp-size 2")],
+                         ids=["packed-tp2-tp2", "sidecar-pp2-tp2", "eagle-tp2-tp2", "packed-tp2-pp2",
+                              "eagle-packed-pp2-tp1", "eagle-auto-pp2-tp2"])
 def test_up_with_a_draft_equals_no_speculation(tiny: Path, drafts: dict[str, Path], eagle: dict[str, Path],
                                                layout: str, sizes: str) -> None:
     """``tierserve up`` (router, prefill node, decode node, of several ranks) with a draft of either
@@ -204,9 +207,9 @@ def test_up_with_a_draft_equals_no_speculation(tiny: Path, drafts: dict[str, Pat
     node's draft computes no prompt position (every decode rank holding the draft got its rows)."""
     batch, model, draft = _prompts(), tiny, drafts.get(layout)
     spec, flags = {}, []
-    if layout == "eagle":
+    if layout.startswith("eagle"):
         model, draft, spec = eagle["target"], eagle["head"], _EAGLE
-        flags = ["--speculative-algorithm", "EAGLE", "--speculative-draft-layout", "sidecar"]
+        flags = ["--speculative-algorithm", "EAGLE", *(["--speculative-draft-layout", "sidecar"] * (layout == "eagle"))]
     plain, want = reference(model, batch), _uncached(model, draft, batch, **spec)
     words = transformers.AutoTokenizer.from_pretrained(model)  # one word per token id
     port = free_port()
@@ -320,7 +323,7 @@ _EAGLE = {"speculative_algorithm": SpeculativeAlgorithm.EAGLE, "speculative_draf
 def eagle(tmp_path_factory) -> dict[str, Path]:
     """The one-layer target (with the word tokenizer) and an EAGLE head agreeing with it now and then."""
     root = tmp_path_factory.mktemp("eagle")
-    target = add_word_tokenizer(make_eagle_target(root / "target"), byte_level=True)
+    target = add_word_tokenizer(make_eagle_target(root / "target", layers=2), byte_level=True)
     return {"target": target, "head": make_mimic_eagle(target, root / "head", 0.1)}
 
 
