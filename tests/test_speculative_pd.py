@@ -6,7 +6,7 @@ with the draft state a single engine would have. Checked by effect: per request,
 equals decoding without speculation and the accepted-draft count equals a single uncached engine's,
 on a cold and on a warm cluster (prefixes cached on both nodes), through gRPC as the router drives
 the nodes and through ``tierserve up``; noise written over the handed draft rows changes the counts.
-An EAGLE head's rows and the target's hidden states it reads travel the same way (its sidecar)."""
+An EAGLE head's rows and the target's hidden states it reads travel the same way (sidecar or packed)."""
 
 from __future__ import annotations
 
@@ -190,7 +190,9 @@ async def _run_constrained(prefill: str, decode: str, prompt: list[int], samplin
 # each role's sizes: TP 2 on both sides (packed: the draft's layers of each rank's heads; EAGLE: the replicated
 # head's rows from prefill rank 0 into both decode ranks), the split sidecar draft's heads from the last
 # of two stages into two tensor ranks, and the packed draft's layers from two tensor ranks (through the
-# decode ranks' staging) into the last of two stages (rank 0 of which holds none of them)
+# decode ranks' staging) into the last of two stages (rank 0 of which holds none of them); EAGLE's ``auto``
+# from two stages: into one rank packed on both nodes (the head's layers on P's last stage only), into two
+# tensor ranks the sidecar on both (``up`` makes it so: P alone would pack it, D not)
 @pytest.mark.parametrize(("layout", "sizes"), [("packed", "--prefill-tp-size 2 --decode-tp-size 2"),
                                                ("sidecar", "--prefill-pp-size 2 --decode-tp-size 2"),
                                                ("eagle", "--prefill-tp-size 2 --decode-tp-size 2"),
@@ -222,6 +224,7 @@ def test_up_with_a_draft_equals_no_speculation(tiny: Path, drafts: dict[str, Pat
         assert all("choices" in a for a in answers), answers
         assert [a["choices"][0]["text"] for a in answers] == [words.decode(ids) for ids in plain]
         assert [a["usage"]["speculative"]["accepted_tokens"] for a in answers] == [n for _, n in want.values()]
+        assert sum(n for _, n in want.values()) > 0
         decode = _metrics_of(lines, "decode-0")
         assert metrics.find(decode, "tierserve_spec_prompt_catch_up_tokens_total") == 0
         assert metrics.find(decode, "tierserve_spec_accepted_tokens_total") == sum(n for _, n in want.values())
