@@ -324,7 +324,8 @@ _EAGLE = {"speculative_algorithm": SpeculativeAlgorithm.EAGLE, "speculative_draf
 
 @pytest.fixture(scope="module")
 def eagle(tmp_path_factory) -> dict[str, Path]:
-    """The one-layer target (with the word tokenizer) and an EAGLE head agreeing with it now and then."""
+    """The target (with the word tokenizer; its second layer adds nothing, so it splits over two
+    stages) and an EAGLE head agreeing with it now and then."""
     root = tmp_path_factory.mktemp("eagle")
     target = add_word_tokenizer(make_eagle_target(root / "target", layers=2), byte_level=True)
     return {"target": target, "head": make_mimic_eagle(target, root / "head", 0.1)}
