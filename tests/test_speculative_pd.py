@@ -6,7 +6,7 @@ with the draft state a single engine would have. Checked by effect: per request,
 equals decoding without speculation and the accepted-draft count equals a single uncached engine's,
 on a cold and on a warm cluster (prefixes cached on both nodes), through gRPC as the router drives
 the nodes and through ``tierserve up``; noise written over the handed draft rows changes the counts.
-An EAGLE head's rows and the target's hidden states it reads travel the same way (its sidecar)."""
+An EAGLE head's rows and the target's hidden states it reads travel the same way (sidecar or packed)."""
 
 from __future__ import annotations
 
@@ -193,16 +193,19 @@ async def _run_constrained(prefill: str, decode: str, prompt: list[int], samplin
 # of two stages into two tensor ranks, and the packed draft's layers from two tensor ranks (through the
 # decode ranks' staging) into the last of two stages (rank 0 of which holds none of them); with CP (the draft's
 # pages owned as the target's): the packed draft's layers and the EAGLE head's sidecar rows (its feature plane
-# with them) each sent by their page's prefill owner, the sidecar's rows each into its decode owner's local slots
+# with them) each sent by their page's prefill owner, the sidecar's rows each into its decode owner's local slots;
+# EAGLE's ``auto`` from two stages into one rank: packed on both nodes (the head's layers on P's last stage only;
+# into two tensor ranks ``up`` makes it the sidecar on both, ``test_up_plan``, passed here once by hand)
 @pytest.mark.parametrize(("layout", "sizes"), [("packed", "--prefill-tp-size 2 --decode-tp-size 2"),
                                                ("sidecar", "--prefill-pp-size 2 --decode-tp-size 2"),
                                                ("eagle", "--prefill-tp-size 2 --decode-tp-size 2"),
                                                ("packed", "--prefill-tp-size 2 --decode-pp-size 2"),
                                                ("packed", "--prefill-cp-size 2"),
                                                ("sidecar", "--decode-cp-size 2"),
-                                               ("eagle", "--prefill-cp-size 2")],
+                                               ("eagle", "--prefill-cp-size 2"),
+                                               ("eagle-auto", "--prefill-pp-size 2")],
                          ids=["packed-tp2-tp2", "sidecar-pp2-tp2", "eagle-tp2-tp2", "packed-tp2-pp2", "packed-cp2-1",
-                              "sidecar-1-cp2", "eagle-cp2-1"])
+                              "sidecar-1-cp2", "eagle-cp2-1", "eagle-packed-pp2-tp1"])
 def test_up_with_a_draft_equals_no_speculation(tiny: Path, drafts: dict[str, Path], eagle: dict[str, Path],
                                                layout: str, sizes: str) -> None:
     """``tierserve up`` (router, prefill node, decode node, of several ranks) with a draft of either
@@ -211,9 +214,9 @@ def test_up_with_a_draft_equals_no_speculation(tiny: Path, drafts: dict[str, Pat
     node's draft computes no prompt position (every decode rank holding the draft got its rows)."""
     batch, model, draft = _prompts(), tiny, drafts.get(layout)
     spec, flags = {}, []
-    if layout == "eagle":
+    if layout.startswith("eagle"):
         model, draft, spec = eagle["target"], eagle["head"], _EAGLE
-        flags = ["--speculative-algorithm", "EAGLE", "--speculative-draft-layout", "sidecar"]
+        flags = ["--speculative-algorithm", "EAGLE", *(["--speculative-draft-layout", "sidecar"] * (layout == "eagle"))]
     plain, want = reference(model, batch), _uncached(model, draft, batch, **spec)
     words = transformers.AutoTokenizer.from_pretrained(model)  # one word per token id
     port = free_port()
@@ -226,6 +229,7 @@ def test_up_with_a_draft_equals_no_speculation(tiny: Path, drafts: dict[str, Pat
         assert all("choices" in a for a in answers), answers
         assert [a["choices"][0]["text"] for a in answers] == [words.decode(ids) for ids in plain]
         assert [a["usage"]["speculative"]["accepted_tokens"] for a in answers] == [n for _, n in want.values()]
+        assert sum(n for _, n in want.values()) > 0
         decode = _metrics_of(lines, "decode-0")
         assert metrics.find(decode, "tierserve_spec_prompt_catch_up_tokens_total") == 0
         assert metrics.find(decode, "tierserve_spec_accepted_tokens_total") == sum(n for _, n in want.values())
@@ -325,9 +329,10 @@ _EAGLE = {"speculative_algorithm": SpeculativeAlgorithm.EAGLE, "speculative_draf
 
 @pytest.fixture(scope="module")
 def eagle(tmp_path_factory) -> dict[str, Path]:
-    """The one-layer target (with the word tokenizer) and an EAGLE head agreeing with it now and then."""
+    """The target (with the word tokenizer; its second layer adds nothing, so it splits over two
+    stages) and an EAGLE head agreeing with it now and then."""
     root = tmp_path_factory.mktemp("eagle")
-    target = add_word_tokenizer(make_eagle_target(root / "target"), byte_level=True)
+    target = add_word_tokenizer(make_eagle_target(root / "target", layers=2), byte_level=True)
     return {"target": target, "head": make_mimic_eagle(target, root / "head", 0.1)}
 
 

@@ -1,8 +1,9 @@
 """Speculation at several ranks (docs/speculative.md, layouts): ``tierserve serve`` (real rank processes
 over gloo) with NGRAM at PP 2, CP 2 and TP 2 x CP 2, with a STANDALONE draft model at TP 2, PP 2 and CP 2
-(its KV packed into the target's pools, or in a sidecar pool; at CP owned as the target's pages), and with
-an EAGLE head at TP 2 (its rows in a sidecar), PP 2 (packed, on the last stage, which copies the target's
-embedding), TP 2 x PP 2 (sidecar, replicated on the last stage's tensor ranks) and CP 2 (packed), answers a
+(its KV packed into the target's pools, or in a sidecar pool; at CP owned as the target's pages), at
+TP 2 x CP 2 (sidecar) and PP 2 x CP 2 (packed), and with an EAGLE head at TP 2 (its rows in a sidecar), PP 2
+(packed, on the last stage, which copies the target's embedding), TP 2 x PP 2 (sidecar, replicated on the
+last stage's tensor ranks), CP 2 (packed) and TP 2 x CP 2 (sidecar, replicated on the tensor ranks), answers a
 concurrent batch through the OpenAI API with the greedy tokens of no speculation and of
 ``transformers``, and with a single engine's accepted-draft counts per request (drafts accepted and
 some rejected). With a draft model also: the batch again, its prefixes now cached with their draft
@@ -46,6 +47,7 @@ L2 = ("--enable-hierarchical-cache", "--max-total-tokens", "192")
 CP_L2 = ("--enable-hierarchical-cache", "--max-total-tokens", "96")
 # name: (tp size, more flags, draft source: a key of ``cases``), one server each; EAGLE's draft layout is
 # ``auto``: packed where the head's KV rows are shaped like a rank's target rows (PP 2), else the sidecar
+# the TP 2 x CP 2 and PP 2 x CP 2 drafts have CP_L2's HiCache, so their batch comes back from L1 and from L2;
 # cp2 and cp2-standalone-packed: chunks of 512, so a long prompt's step splits (``test_a_split_step_under_...``;
 # the batch's prompts take one chunk but equal the single engine's with chunks of 16)
 LAYOUTS = {"pp2": (1, ("--pp-size", "2"), NGRAM),
@@ -56,7 +58,10 @@ LAYOUTS = {"pp2": (1, ("--pp-size", "2"), NGRAM),
            "pp2-eagle": (1, ("--pp-size", "2"), "eagle"), "tp2-pp2-eagle": (2, ("--pp-size", "2"), "eagle"),
            "cp2-standalone-packed": (1, ("--cp-size", "2", "--chunked-prefill-size", "512"), "packed"),
            "cp2-standalone-sidecar": (1, ("--cp-size", "2", *CP_L2), "sidecar"),
-           "cp2-eagle": (1, ("--cp-size", "2", "--max-total-tokens", "96"), "eagle")}
+           "cp2-eagle": (1, ("--cp-size", "2", "--max-total-tokens", "96"), "eagle"),
+           "tp2-cp2-standalone-sidecar": (2, ("--cp-size", "2", *CP_L2), "sidecar"),
+           "tp2-cp2-eagle": (2, ("--cp-size", "2", *CP_L2), "eagle"),
+           "pp2-cp2-standalone-packed": (1, ("--pp-size", "2", "--cp-size", "2", *CP_L2), "packed")}
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
 SAMPLED = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.8, seed=7, ignore_eos=True)
 

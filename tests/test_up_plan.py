@@ -9,13 +9,16 @@ import os
 from pathlib import Path
 
 import pytest
+from helpers.tiny_models import make_eagle_target, make_mimic_eagle
 from helpers.up_plans import capture_plans, child_args, children, plan_up, run_up
 
 from tierserve import launch
 from tierserve.api.admission import AdmissionPolicy
+from tierserve.cache.options import DraftLayout
 from tierserve.cli.flags import engine_config, engine_flags
 from tierserve.cli.main import build_parser
 from tierserve.engine.config import SchedulePolicy, SpeculativeAlgorithm
+from tierserve.engine.spec.draft_pools import draft_layout
 from tierserve.launch.plan import KNOWN_NOISE, stages
 
 pytestmark = pytest.mark.fakes
@@ -237,3 +240,22 @@ def test_a_layout_size_that_cannot_run_is_refused_before_any_child_starts(monkey
     status, plans = plan_up(monkeypatch, model, *[str(model) if f == "MODEL" else f for f in flags])
     assert status == 2 and plans == []
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("sizes", "layout"), [("--prefill-pp-size 2 --decode-tp-size 2", DraftLayout.SIDECAR),
+                                               ("--prefill-tp-size 2 --decode-pp-size 2", DraftLayout.SIDECAR),
+                                               ("--prefill-pp-size 2", DraftLayout.PACKED),
+                                               ("--prefill-tp-size 2 --decode-tp-size 2", DraftLayout.SIDECAR)])
+def test_both_roles_resolve_an_eagle_heads_auto_layout_alike(monkeypatch, tmp_path: Path, sizes: str,
+                                                             layout: DraftLayout) -> None:
+    """An EAGLE head's ``auto`` layout is packed at TP 1 and the sidecar at TP 2, and nodes of two
+    layouts have two KV namespaces: the router refused the prefill node of PP 2 (packed) beside a
+    decode node of TP 2 (sidecar) and ``up`` waited for it for ever. ``up`` now gives both roles
+    the sidecar where they would differ, and leaves ``auto`` where they agree."""
+    target = make_eagle_target(tmp_path / "target", layers=2)
+    head = make_mimic_eagle(target, tmp_path / "head", 0.1)
+    status, plans = plan_up(monkeypatch, target, "--no-l3", "--speculative-algorithm", "EAGLE",
+                            "--speculative-draft-model-path", str(head), *sizes.split())
+    assert status == 0
+    roles = [child_args(argv) for name, argv in children(plans[0]).items() if name in ("prefill-0", "decode-0")]
+    assert [draft_layout(engine_config(args, target)) for args in roles] == [layout, layout]

@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tierserve.cache.options import DraftLayout
 from tierserve.cli.decode import add_decode_args
 from tierserve.cli.flags import (
     add_admission_args,
@@ -112,6 +113,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         config = engine_config(args, folder)
         restart = RestartPolicy(max_deaths=args.restart_limit, window_s=args.restart_window)
         _check_sizes(args, config)
+        config = _one_draft_layout(args, config)
         tenant_keys(args)  # a bad key file fails here, not in a router restarted until the crash limit
         tls = _tls(args)
     except ValueError as exc:
@@ -181,6 +183,19 @@ def _check_sizes(args: argparse.Namespace, config: EngineConfig) -> None:
                                              args.decode_pp_layer_partition))):
         if sizes != RoleSizes():
             _check_role(role, sizes, replace(config, enable_hierarchical_cache=True) if not args.no_l3 else config)
+
+
+def _one_draft_layout(args: argparse.Namespace, config: EngineConfig) -> EngineConfig:
+    """``config``, its draft's ``auto`` layout made the sidecar where the roles would resolve it
+    differently (an EAGLE head's: packed at TP 1, the sidecar beside a tensor rank's share of the
+    target's KV heads). Nodes of two layouts have two KV namespaces, so the router would refuse
+    one role's nodes and never become ready; the sidecar runs at any layout."""
+    from tierserve.engine.spec.draft_pools import draft_layout
+
+    if config.speculative_draft_layout is not DraftLayout.AUTO:
+        return config
+    roles = {draft_layout(replace(config, tp_size=tp)) for tp in (args.prefill_tp_size, args.decode_tp_size)}
+    return replace(config, speculative_draft_layout=DraftLayout.SIDECAR) if len(roles) > 1 else config
 
 
 @dataclass(frozen=True)

@@ -86,25 +86,33 @@ def resolve_layout(asked: DraftLayout, target: KVGeometry, draft: KVGeometry) ->
     return asked
 
 
-def draft_problem(config: EngineConfig) -> str | None:
-    """Why ``config``'s draft cannot run, or None (also without one), read from the model folders
-    before anything loads (``tierserve serve``, prefill and decode nodes, ``tierserve up``)."""
+def draft_layout(config: EngineConfig) -> DraftLayout | None:
+    """The layout ``config``'s draft resolves to at its TP size (None without a draft), read from the
+    model folders before anything loads; ``DraftMismatchError`` when the draft cannot run. A draft
+    model's is the same at any size; an EAGLE head's ``auto`` is packed at TP 1 and, where a tensor
+    rank holds fewer of the target's KV heads than the replicated head has, the sidecar."""
     path = config.speculative_draft_model_path
     if path is None:
         return None
+    draft = check_draft(config.model_dir, path, config.max_model_len)
+    eagle = config.spec_algorithm is SpeculativeAlgorithm.EAGLE
+    if eagle:
+        check_eagle(config.model_dir, path, draft)
+    else:
+        check_draft_split(draft, config.tp_size)
+    target = ModelConfig.from_dir(config.model_dir)
+    # a replicated EAGLE head's rows beside one tensor rank's of the target, else the whole models'
+    target_heads = kv_heads_of(0, config.tp_size, target.num_kv_heads)[1] if eagle else target.num_kv_heads
+    shape = [KVGeometry(c.num_layers, heads, c.head_dim, 1, torch.float32)
+             for c, heads in ((target, target_heads), (draft, draft.num_kv_heads))]
+    return resolve_layout(config.speculative_draft_layout, *shape)
+
+
+def draft_problem(config: EngineConfig) -> str | None:
+    """Why ``config``'s draft cannot run, or None (also without one), read from the model folders
+    before anything loads (``tierserve serve``, prefill and decode nodes, ``tierserve up``)."""
     try:
-        draft = check_draft(config.model_dir, path, config.max_model_len)
-        eagle = config.spec_algorithm is SpeculativeAlgorithm.EAGLE
-        if eagle:
-            check_eagle(config.model_dir, path, draft)
-        else:
-            check_draft_split(draft, config.tp_size)
-        target = ModelConfig.from_dir(config.model_dir)
-        # a replicated EAGLE head's rows beside one tensor rank's of the target, else the whole models'
-        target_heads = kv_heads_of(0, config.tp_size, target.num_kv_heads)[1] if eagle else target.num_kv_heads
-        shape = [KVGeometry(c.num_layers, heads, c.head_dim, 1, torch.float32)
-                 for c, heads in ((target, target_heads), (draft, draft.num_kv_heads))]
-        resolve_layout(config.speculative_draft_layout, *shape)
+        draft_layout(config)
     except DraftMismatchError as exc:
         return str(exc)
     return None
