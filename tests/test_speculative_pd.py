@@ -235,7 +235,9 @@ def test_up_with_a_draft_equals_no_speculation(tiny: Path, drafts: dict[str, Pat
     """``tierserve up`` (router, prefill node, decode node, of several ranks) with a draft of either
     layout, or an EAGLE head (its hidden states handed over with its rows): greedy outputs equal
     decoding without speculation, ``usage.speculative`` the single engine's counts, and the decode
-    node's draft computes no prompt position (every decode rank holding the draft got its rows)."""
+    node's draft computes no prompt position (every decode rank holding the draft got its rows).
+    With ``--handoff-integrity``: the ranks' digests of the draft's rows add up on both sides (the
+    replicated EAGLE head's, sent by prefill rank 0 to both decode ranks, counted once per decode rank)."""
     batch, model, draft = _prompts(), tiny, drafts.get(layout)
     spec, flags = {}, []
     if layout == "eagle":
@@ -246,7 +248,7 @@ def test_up_with_a_draft_equals_no_speculation(tiny: Path, drafts: dict[str, Pat
     port = free_port()
     with running_up(port, "--model", str(model), "--dtype", "float32", "--no-l3", "--page-size", str(PAGE),
                     "--chunked-prefill-size", str(CHUNK), "--max-total-tokens", "4096",
-                    *sizes.split(),
+                    *sizes.split(), "--handoff-integrity",  # the draft's digests add up across ranks: no false alarm
                     "--speculative-draft-model-path", str(draft), *flags) as lines:
         # concurrent: the nodes batch them; no logprobs (none at pipeline stages yet): the text says the tokens
         answers = asyncio.run(_complete_all(port, batch, logprobs=False))
