@@ -258,6 +258,7 @@ def test_up_with_a_draft_equals_no_speculation(tiny: Path, drafts: dict[str, Pat
         decode = _metrics_of(lines, "decode-0")
         assert metrics.find(decode, "tierserve_spec_prompt_catch_up_tokens_total") == 0
         assert metrics.find(decode, "tierserve_spec_accepted_tokens_total") == sum(n for _, n in want.values())
+        assert metrics.find(decode, "tierserve_handoff_integrity_failures_total") == 0  # no retried false alarm
 
 
 def _metrics_of(lines: list[str], child: str) -> str:
