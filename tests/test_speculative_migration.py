@@ -1,8 +1,10 @@
 """Speculative decoding survives a migration (issue 32 item 3, docs/migration.md): a STANDALONE
-draft whose KV rows need the sidecar layout (its own pool, its own L3 objects) on a prefill node and
-two decode nodes of one rank; an EAGLE head (sidecar, replicated) on decode nodes of two tensor ranks. Greedy streams lose their decode node (SIGKILL) mid-stream and continue on the
-spare, re-prefilled from L3, where the victim's continuous offload put the target's and the draft's
-pages as they filled. Checked by effect, per stream: the tokens equal decoding without speculation;
+draft whose KV rows need the sidecar layout (its own pool, its own L3 objects) on a prefill node of
+one rank and two decode nodes, of one rank or of two tensor ranks (each holding and backing up its
+share of the target's and of the draft's KV heads, which the prefill node reads whole: L3 across TP
+sizes). Greedy streams lose their decode node (SIGKILL) mid-stream and continue on the spare,
+re-prefilled from L3, where the victim's continuous offload put the target's and the draft's pages
+as they filled. Checked by effect, per stream: the tokens equal decoding without speculation;
 the accepted drafts reported for the whole request equal those of one uninterrupted engine up to
 the seam plus those of a cold engine continuing from the seam, so the draft state the spare got
 from L3 and the handoff is the one a cold engine computes; no prompt position's draft KV was
@@ -13,7 +15,6 @@ from __future__ import annotations
 
 import signal
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -21,17 +22,10 @@ import pytest
 from helpers.migration_streams import ARGS, PAGE, Stream, l3_args, model_with_words, prompts, start_all, wait_streaming
 from helpers.pd_nodes import node_metric
 from helpers.processes import MasterProcess, NodeProcess, RouterProcess, free_port
-from helpers.tiny_models import (
-    add_word_tokenizer,
-    make_eagle_target,
-    make_mimic_eagle,
-    make_noisy_draft,
-    widen_kv_heads,
-)
+from helpers.tiny_models import make_noisy_draft, widen_kv_heads
 
-from tierserve.cache.options import DraftLayout
 from tierserve.core.sampling import SamplingParams
-from tierserve.engine.config import EngineConfig, SpeculativeAlgorithm
+from tierserve.engine.config import EngineConfig
 from tierserve.engine.engine import Engine
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -40,46 +34,28 @@ STREAMS, PROMPT, MAX_NEW, CUT = 4, 40, 300, 40  # CUT: tokens every stream got b
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
 
 
-@dataclass(frozen=True)
-class Case:
-    """A draft and where it runs: ``spec`` its engine settings, ``flags`` the nodes' (decode nodes
-    add ``decode``)."""
-
-    target: Path
-    draft: Path
-    spec: dict = field(default_factory=dict)
-    flags: tuple[str, ...] = ()
-    decode: tuple[str, ...] = ()
-
-
-@pytest.fixture(scope="module", params=["standalone-sidecar", "eagle-decode-tp2"])
-def case(request, tmp_path_factory) -> Case:
-    """The word-tokenizer llama and a draft agreeing with it often, its KV heads doubled (sidecar);
-    or the one-layer target with an EAGLE head (sidecar, replicated on every tensor rank: tensor
-    rank 0 backs its rows and features up, whole), on decode nodes of two tensor ranks (each
-    backing its target KV head up, which the prefill node of one rank reads as one page)."""
-    root = tmp_path_factory.mktemp("spec-migration")
-    if request.param == "standalone-sidecar":
-        target = model_with_words(root / "target")
-        return Case(target, widen_kv_heads(make_noisy_draft(target, root / "draft", 0.03)))
-    target = add_word_tokenizer(make_eagle_target(root / "target"), byte_level=True)
-    spec = {"speculative_algorithm": SpeculativeAlgorithm.EAGLE, "speculative_draft_layout": DraftLayout.SIDECAR}
-    return Case(target, make_mimic_eagle(target, root / "head", 0.1), spec,
-                ("--speculative-algorithm", "EAGLE", "--speculative-draft-layout", "sidecar"), ("--tp-size", "2"))
-
-
 @pytest.fixture(scope="module")
-def cluster(case: Case, tmp_path_factory) -> Iterator[tuple[RouterProcess, list[NodeProcess]]]:
+def models(tmp_path_factory) -> tuple[Path, Path]:
+    """The word-tokenizer llama and a draft agreeing with it often, its KV heads doubled (sidecar)."""
+    root = tmp_path_factory.mktemp("spec-migration")
+    target = model_with_words(root / "target")
+    return target, widen_kv_heads(make_noisy_draft(target, root / "draft", 0.03))
+
+
+@pytest.fixture(scope="module", params=[(), ("--tp-size", "2")], ids=["decode-tp1", "decode-tp2"])
+def cluster(request, models, tmp_path_factory) -> Iterator[tuple[RouterProcess, list[NodeProcess]]]:
     """Master, prefill node (the only L3 segment), victim and spare decode nodes (store clients
-    only: what they back up outlives them), all with the draft; a router that knows the victim."""
+    only: what they back up outlives them), all with the draft; a router that knows the victim. The
+    decode nodes take the parameter's flags (their TP size)."""
+    target, draft = models
     logs = tmp_path_factory.mktemp("logs")
     master = MasterProcess(logs / "master.log").start()
 
     def node(role: str, name: str, segment: int) -> NodeProcess:
-        own = case.decode if role == "decode" else ()
-        return NodeProcess(role, ["--model", str(case.target), *ARGS, "--speculative-draft-model-path", str(case.draft),
-                                  *case.flags, *own, "--metrics-port", str(free_port()),
-                                  *l3_args(master.address, segment)], logs / f"{name}.log")
+        sizes = request.param if role == "decode" else ()
+        return NodeProcess(role, ["--model", str(target), *ARGS, "--speculative-draft-model-path", str(draft), *sizes,
+                                  "--metrics-port", str(free_port()), *l3_args(master.address, segment)],
+                           logs / f"{name}.log")
 
     prefill = node("prefill", "prefill", 256 << 20)
     victim, spare = node("decode", "victim", 0), node("decode", "spare", 0)
@@ -87,7 +63,7 @@ def cluster(case: Case, tmp_path_factory) -> Iterator[tuple[RouterProcess, list[
     try:
         for n in nodes:
             n.wait_ready()
-        router = RouterProcess(["--model", str(case.target), "--prefill", prefill.address, "--decode", victim.address,
+        router = RouterProcess(["--model", str(target), "--prefill", prefill.address, "--decode", victim.address,
                                 "--admin-api-key", "k", "--health-check-interval", "0.5"],
                                logs / "router.log").wait_ready()
         yield router, nodes
@@ -98,15 +74,15 @@ def cluster(case: Case, tmp_path_factory) -> Iterator[tuple[RouterProcess, list[
         master.kill()
 
 
-def engine(target: Path, draft: Path | None, **spec) -> Engine:
+def engine(target: Path, draft: Path | None) -> Engine:
     return Engine(EngineConfig(target, device="cpu", dtype="float32", page_size=PAGE, max_total_tokens=16384,
-                               disable_radix_cache=True, speculative_draft_model_path=draft, **spec))
+                               disable_radix_cache=True, speculative_draft_model_path=draft))
 
 
-def accepted_by_length(case: Case, prompt: list[int], max_tokens: int) -> dict[int, int]:
+def accepted_by_length(target: Path, draft: Path, prompt: list[int], max_tokens: int) -> dict[int, int]:
     """One cold engine's run of ``prompt``: drafts accepted so far, by tokens produced so far, after
     each of its steps (a stream's seam falls between two steps: the router forwards whole steps)."""
-    eng, seen, count = engine(case.target, case.draft, **case.spec), {}, 0
+    eng, seen, count = engine(target, draft), {}, 0
     eng.add_request("0", prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
     while eng.has_work():
         for out in eng.step():
@@ -115,7 +91,8 @@ def accepted_by_length(case: Case, prompt: list[int], max_tokens: int) -> dict[i
     return seen
 
 
-def test_speculation_continues_after_a_sigkill_migration_with_the_draft_state_from_l3(case: Case, cluster) -> None:
+def test_speculation_continues_after_a_sigkill_migration_with_the_draft_state_from_l3(models, cluster) -> None:
+    target, draft = models
     router, (prefill, victim, spare) = cluster
     batch = prompts(STREAMS, PROMPT, seed=7)
     usage = {"stream_options": {"include_usage": True}}
@@ -130,7 +107,7 @@ def test_speculation_continues_after_a_sigkill_migration_with_the_draft_state_fr
         thread.join(180)
     assert all(s.status == 200 and not s.errors and s.finish_reason == "length" for s in streams), \
         [(s.status, s.errors, s.finish_reason) for s in streams]
-    assert [s.tokens for s in streams] == engine(case.target, None).generate(batch, GREEDY)
+    assert [s.tokens for s in streams] == engine(target, None).generate(batch, GREEDY)
     seams = {m["request"]: m for m in httpx.get(f"{router.url}/debug/state", headers=ADMIN).json()["recent_migrations"]}
     assert len(seams) == STREAMS, seams  # every stream was still running on the victim when it died
     for stream, prompt in zip(streams, batch, strict=True):
@@ -139,9 +116,9 @@ def test_speculation_continues_after_a_sigkill_migration_with_the_draft_state_fr
         seam = found[0]
         cut = seam["generated"]
         assert CUT <= cut < MAX_NEW, seam
-        before = accepted_by_length(case, prompt, MAX_NEW)
+        before = accepted_by_length(target, draft, prompt, MAX_NEW)
         assert cut in before, f"the seam ({cut} tokens) is not between two steps of one engine's run: {before}"
-        after = accepted_by_length(case, prompt + stream.tokens[:cut], MAX_NEW - cut)[MAX_NEW - cut]
+        after = accepted_by_length(target, draft, prompt + stream.tokens[:cut], MAX_NEW - cut)[MAX_NEW - cut]
         assert stream.usage["speculative"]["accepted_tokens"] == before[cut] + after, (before, after, stream.usage)
     assert sum(s.usage["speculative"]["accepted_tokens"] for s in streams) > 0
     assert sum(m["cached_by_tier"].get("storage", 0) for m in seams.values()) > 0, seams  # re-prefills read L3
