@@ -325,6 +325,49 @@ def test_sidecar_draft_objects_of_tp_ranks_are_named_by_their_heads(tmp_path: Pa
     assert draft_key(b"page", HeadRange(0, 4, 4)) == draft_key(b"page")
 
 
+def test_sidecar_draft_objects_are_read_across_tp_sizes(tmp_path: Path) -> None:
+    """A node of one rank finds and reads the draft rows two tensor ranks backed up (each its heads'
+    object), and each of two ranks its heads of the rows one rank backed up whole, as the target's
+    shares are read. Before, another TP size's draft objects were never found: the page counted as
+    absent, so a re-prefill between TP sizes (a migration) computed its prompt again."""
+    storage = FileStorage(tmp_path / "l3")
+    for rank in range(2):
+        io, draft = _tp_sidecar_io(rank, 2, storage)
+        _set_heads(draft, 0, [1.0 + 2 * rank + h for h in range(2)])
+        assert io.set_from(storage, [b"a"], [0]) == [True]
+    whole, draft = _tp_sidecar_io(0, 1, storage)
+    found, source = whole.probe(storage, [b"a", b"b"])
+    assert found == 1 and whole.get_into(storage, source, [b"a"], [1]) == [True]
+    assert _heads(draft, 1) == [1.0, 2.0, 3.0, 4.0]
+    _set_heads(draft, 0, [10.0, 11.0, 12.0, 13.0])
+    assert whole.set_from(storage, [b"b"], [0]) == [True]
+    for rank in range(2):
+        io, draft = _tp_sidecar_io(rank, 2, storage)
+        found, source = io.probe(storage, [b"b"])
+        assert found == 1 and io.get_into(storage, source, [b"b"], [1]) == [True]
+        assert _heads(draft, 1) == [10.0 + 2 * rank, 11.0 + 2 * rank]
+
+
+def _tp_sidecar_io(rank: int, tp: int, storage: FileStorage) -> tuple[SidecarIO, HostKVPool]:
+    """Tensor rank ``rank`` of ``tp``: its L3 side over its share of 2 target and 4 draft KV heads."""
+    target = HostKVPool(KVGeometry(2, 2 // tp, 16, 4, torch.float32), 2, HostLayout.PAGE_FIRST)
+    draft = HostKVPool(KVGeometry(2, 4 // tp, 16, 4, torch.float32), 2, HostLayout.PAGE_FIRST)
+    shard = KVShard(HeadRange(rank * 2 // tp, 2 // tp, 2), rank=rank, ranks=tp)
+    heads = DraftShard(HeadRange(rank * 4 // tp, 4 // tp, 4))
+    return SidecarIO(ShardIO(target, page_io(target), shard), draft, storage, heads), draft
+
+
+def _set_heads(pool: HostKVPool, page: int, values: list[float]) -> None:
+    for h, value in enumerate(values):
+        pool.run_all_layers(page, 1)[..., h, :] = value
+
+
+def _heads(pool: HostKVPool, page: int) -> list[float]:
+    """Each head's value on host page ``page`` (every element of a head is that value)."""
+    rows = pool.run_all_layers(page, 1)
+    return [float(rows[..., h, :].unique().item()) for h in range(rows.shape[-2])]
+
+
 def test_sidecar_draft_objects_of_cp_ranks_are_written_and_read_by_their_owners(tmp_path: Path) -> None:
     """At CP 2 a rank's host pools hold the pages it owns at local slots (host ids are logical): each
     rank backs up the draft objects of its own pages, from their local slots, and reads them back

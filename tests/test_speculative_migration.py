@@ -1,8 +1,10 @@
 """Speculative decoding survives a migration (issue 32 item 3, docs/migration.md): a STANDALONE
-draft whose KV rows need the sidecar layout (its own pool, its own L3 objects) on a prefill node and
-two decode nodes. Greedy streams lose their decode node (SIGKILL) mid-stream and continue on the
-spare, re-prefilled from L3, where the victim's continuous offload put the target's and the draft's
-pages as they filled. Checked by effect, per stream: the tokens equal decoding without speculation;
+draft whose KV rows need the sidecar layout (its own pool, its own L3 objects) on a prefill node of
+one rank and two decode nodes, of one rank or of two tensor ranks (each holding and backing up its
+share of the target's and of the draft's KV heads, which the prefill node reads whole: L3 across TP
+sizes). Greedy streams lose their decode node (SIGKILL) mid-stream and continue on the spare,
+re-prefilled from L3, where the victim's continuous offload put the target's and the draft's pages
+as they filled. Checked by effect, per stream: the tokens equal decoding without speculation;
 the accepted drafts reported for the whole request equal those of one uninterrupted engine up to
 the seam plus those of a cold engine continuing from the seam, so the draft state the spare got
 from L3 and the handoff is the one a cold engine computes; no prompt position's draft KV was
@@ -40,16 +42,18 @@ def models(tmp_path_factory) -> tuple[Path, Path]:
     return target, widen_kv_heads(make_noisy_draft(target, root / "draft", 0.03))
 
 
-@pytest.fixture(scope="module")
-def cluster(models, tmp_path_factory) -> Iterator[tuple[RouterProcess, list[NodeProcess]]]:
+@pytest.fixture(scope="module", params=[(), ("--tp-size", "2")], ids=["decode-tp1", "decode-tp2"])
+def cluster(request, models, tmp_path_factory) -> Iterator[tuple[RouterProcess, list[NodeProcess]]]:
     """Master, prefill node (the only L3 segment), victim and spare decode nodes (store clients
-    only: what they back up outlives them), all with the draft; a router that knows the victim."""
+    only: what they back up outlives them), all with the draft; a router that knows the victim. The
+    decode nodes take the parameter's flags (their TP size)."""
     target, draft = models
     logs = tmp_path_factory.mktemp("logs")
     master = MasterProcess(logs / "master.log").start()
 
     def node(role: str, name: str, segment: int) -> NodeProcess:
-        return NodeProcess(role, ["--model", str(target), *ARGS, "--speculative-draft-model-path", str(draft),
+        sizes = request.param if role == "decode" else ()
+        return NodeProcess(role, ["--model", str(target), *ARGS, "--speculative-draft-model-path", str(draft), *sizes,
                                   "--metrics-port", str(free_port()), *l3_args(master.address, segment)],
                            logs / f"{name}.log")
 

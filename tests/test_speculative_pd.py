@@ -38,15 +38,20 @@ from helpers.tiny_models import (
 from tierserve.cache.options import DraftLayout
 from tierserve.cache.sharded.cp_pages import PageOwnership
 from tierserve.core.constraint import Constraint, ConstraintKind
+from tierserve.core.model_config import ModelConfig
 from tierserve.core.outputs import TokenLogprob
 from tierserve.core.sampling import SamplingParams
 from tierserve.engine.config import EngineConfig, SpeculativeAlgorithm
 from tierserve.engine.engine import Engine
+from tierserve.engine.handoff import HandoffCheckError
+from tierserve.engine.request import Request
 from tierserve.node.convert import destination_ranks, kv_ranks, sidecar_problem
 from tierserve.node.rank_transfer import HandoffPlan, NodeRankRole, RankTransfer, Side, TransferOptions
 from tierserve.proto import tierserve_pb2 as pb
 from tierserve.proto.sampling import logprob_from_proto, to_proto
 from tierserve.router import pd_flow
+from tierserve.transfer.handoff import HandoffResult
+from tierserve.transfer.receive_check import ReceiveCheck
 
 pytestmark = pytest.mark.integration
 WORD_REGEX_IDS = {*range(2, 10), *range(20, 100)}  # the words WORD_REGEX allows
@@ -112,9 +117,11 @@ async def _run_pd(prefill: str, decode: str, rid: str, prompt: list[int]) -> tup
 @pytest.fixture(scope="module", params=["packed", "sidecar"])
 def spec_pair(request, tiny: Path, drafts: dict[str, Path], tmp_path_factory
               ) -> Iterator[tuple[NodeProcess, NodeProcess, Path]]:
-    """A prefill and a decode node with the draft of one layout (``auto`` picks it)."""
+    """A prefill and a decode node with the draft of one layout (``auto`` picks it), both with
+    ``--handoff-integrity`` (so every test here also finds no false alarm over the draft's layers)."""
     logs, draft = tmp_path_factory.mktemp(f"spec-pd-{request.param}"), drafts[request.param]
-    flags = ["--model", str(tiny), "--speculative-draft-model-path", str(draft), "--speculative-num-steps", "3"]
+    flags = ["--model", str(tiny), "--speculative-draft-model-path", str(draft), "--speculative-num-steps", "3",
+             "--handoff-integrity"]
     prefill = NodeProcess("prefill", [*flags, *NODE_ARGS], logs / "prefill.log")
     decode = NodeProcess("decode", [*flags, *DECODE_ARGS, "--metrics-port", str(free_port())], logs / "decode.log")
     try:
@@ -142,6 +149,33 @@ def test_pd_handoff_carries_the_draft_state(tiny: Path, spec_pair) -> None:
     # the decode node's draft computed no prompt position: it had the prefill node's draft KV
     assert node_metric(decode, "tierserve_spec_prompt_catch_up_tokens_total") == 0
     assert node_metric(decode, "tierserve_spec_draft_tokens_total") > 0
+
+
+def test_pd_digests_cover_the_draft_layers(tiny: Path, spec_pair) -> None:
+    """The prefill node's digests have one value per target layer, then one per draft layer (packed:
+    more layers of its pool; sidecar: its draft pool's), and the decode node checks those too: a
+    Generate whose digest of the draft's last layer is one off is refused, a counted DATA_LOSS."""
+    prefill, decode, draft = spec_pair
+    layers = ModelConfig.from_dir(tiny).num_layers, ModelConfig.from_dir(draft).num_layers
+    before = node_metric(decode, "tierserve_handoff_integrity_failures_total")
+    count, error = asyncio.run(_with_a_wrong_draft_digest(prefill.address, decode.address, _prompts()[1]))
+    assert count == sum(layers)
+    assert error.code() is grpc.StatusCode.DATA_LOSS and f"layers [{sum(layers) - 1}]" in error.details()
+    assert node_metric(decode, "tierserve_handoff_integrity_failures_total") == before + 1
+
+
+async def _with_a_wrong_draft_digest(prefill: str, decode: str, prompt: list[int]) -> tuple[int, grpc.aio.AioRpcError]:
+    """As the router, with the last layer's digest (the draft's) changed before Generate: how many
+    digests the prefill node sent, and the decode node's answer."""
+    async with grpc.aio.insecure_channel(prefill) as p, grpc.aio.insecure_channel(decode) as d:
+        pair = pd_flow.Pair.connect(p, d)
+        done = await pd_flow.prefill(pair, "tampered", prompt, greedy(), timeout_s=60)
+        digests = done.response.kv_digests
+        digests[-1] ^= 1
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            async for _ in pd_flow.generate(pair, done, greedy()):
+                pass
+        return len(digests), refused.value
 
 
 def test_pd_speculation_under_a_grammar_equals_one_engine(tiny: Path, spec_pair) -> None:
@@ -211,7 +245,9 @@ def test_up_with_a_draft_equals_no_speculation(tiny: Path, drafts: dict[str, Pat
     """``tierserve up`` (router, prefill node, decode node, of several ranks) with a draft of either
     layout, or an EAGLE head (its hidden states handed over with its rows): greedy outputs equal
     decoding without speculation, ``usage.speculative`` the single engine's counts, and the decode
-    node's draft computes no prompt position (every decode rank holding the draft got its rows)."""
+    node's draft computes no prompt position (every decode rank holding the draft got its rows).
+    With ``--handoff-integrity``: the ranks' digests of the draft's rows add up on both sides (the
+    replicated EAGLE head's, sent by prefill rank 0 to both decode ranks, counted once per decode rank)."""
     batch, model, draft = _prompts(), tiny, drafts.get(layout)
     spec, flags = {}, []
     if layout.startswith("eagle"):
@@ -222,7 +258,7 @@ def test_up_with_a_draft_equals_no_speculation(tiny: Path, drafts: dict[str, Pat
     port = free_port()
     with running_up(port, "--model", str(model), "--dtype", "float32", "--no-l3", "--page-size", str(PAGE),
                     "--chunked-prefill-size", str(CHUNK), "--max-total-tokens", "4096",
-                    *sizes.split(),
+                    *sizes.split(), "--handoff-integrity",  # the draft's digests add up across ranks: no false alarm
                     "--speculative-draft-model-path", str(draft), *flags) as lines:
         # concurrent: the nodes batch them; no logprobs (none at pipeline stages yet): the text says the tokens
         answers = asyncio.run(_complete_all(port, batch, logprobs=False))
@@ -233,6 +269,7 @@ def test_up_with_a_draft_equals_no_speculation(tiny: Path, drafts: dict[str, Pat
         decode = _metrics_of(lines, "decode-0")
         assert metrics.find(decode, "tierserve_spec_prompt_catch_up_tokens_total") == 0
         assert metrics.find(decode, "tierserve_spec_accepted_tokens_total") == sum(n for _, n in want.values())
+        assert metrics.find(decode, "tierserve_handoff_integrity_failures_total") == 0  # no retried false alarm
 
 
 def _metrics_of(lines: list[str], child: str) -> str:
@@ -292,6 +329,18 @@ def _handed_over(sides: tuple[RankTransfer, RankTransfer], batch: list[list[int]
     """Each prompt reserved on D, computed and handed over (with the sidecar draft's pool) by P,
     then decoded on D, batched; ``noise``: the handed draft rows (of ``layers``) are overwritten
     before D decodes."""
+    reserved, first, _ = _hand(sides, batch)
+    if noise:
+        slots = torch.tensor([page * PAGE + j for r in reserved for page in r.pages for j in range(PAGE)])
+        rows = sides[1].engine.draft_pool.buffer
+        rows[layers, :, slots] = torch.randn(rows[layers, :, slots].shape) * 4
+    return _decoded(sides[1].engine, first)  # type: ignore[return-value]
+
+
+def _hand(sides: tuple[RankTransfer, RankTransfer], batch: list[list[int]]
+          ) -> tuple[list[Request], dict[int, tuple[list[int], int]], list[HandoffResult]]:
+    """Each prompt reserved on D, computed and handed over by P (its sidecar draft's pool too):
+    D's reservations, P's first tokens, the handoffs' results (each succeeded)."""
     p, d = sides
     reserved = [d.engine.reserve(str(i), prompt, MAX_NEW) for i, prompt in enumerate(batch)]
     handoffs = [p.handoff(HandoffPlan((d.arenas[0],), tuple(r.pages), r.num_computed, len(r.prompt_ids)))
@@ -300,14 +349,23 @@ def _handed_over(sides: tuple[RankTransfer, RankTransfer], batch: list[list[int]
         p.engine.add_request(str(i), prompt, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True),
                              handoff=handoff)
     first = _drain(p.engine)
-    assert [h.result(30).error for h in handoffs] == [None] * len(batch)
-    if noise:
-        slots = torch.tensor([page * PAGE + j for r in reserved for page in r.pages for j in range(PAGE)])
-        rows = d.engine.draft_pool.buffer
-        rows[layers, :, slots] = torch.randn(rows[layers, :, slots].shape) * 4
+    results = [h.result(30) for h in handoffs]
+    assert [r.error for r in results] == [None] * len(batch)
+    return reserved, first, results
+
+
+def _decoded(engine: Engine, first: dict[int, tuple[list[int], int]], checks: dict[int, ReceiveCheck] | None = None
+             ) -> dict[int, tuple[list[int], int] | str]:
+    """Each reservation started on ``engine`` with P's first token (under its digests' check, if
+    ``checks`` has one) and decoded, batched: its (output, accepted drafts), or why the check refused it."""
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
-    starts = {i: d.engine.start_reserved(str(i), first[i][0][0], params) for i in range(len(batch))}
-    return {i: (starts[i].new_token_ids + ids, n) for i, (ids, n) in _drain(d.engine).items()}
+    starts, refused = {}, {}
+    for i, (tokens, _) in first.items():
+        try:
+            starts[i] = engine.start_reserved(str(i), tokens[0], params, check=(checks or {}).get(i))
+        except HandoffCheckError as exc:
+            refused[i] = str(exc)
+    return {**refused, **{i: (starts[i].new_token_ids + ids, n) for i, (ids, n) in _drain(engine).items()}}
 
 
 def test_handed_sidecar_draft_rows_decide_the_acceptance(tiny: Path, drafts: dict[str, Path], sides) -> None:
@@ -360,6 +418,32 @@ def test_handed_eagle_rows_and_hidden_states_decide_the_acceptance(eagle: dict[s
     counts = ([n for _, n in got.values()], [n for _, n in want.values()])
     assert (counts[0] != counts[1]) if part != "none" else (counts[0] == counts[1]), counts
     assert sum(counts[1]) > 0
+
+
+@pytest.mark.parametrize("part", ["draft", "head", "features"])
+def test_handoff_integrity_covers_the_draft_rows(request, tiny: Path, drafts: dict[str, Path],
+                                                 eagle: dict[str, Path], part: str) -> None:
+    """``--handoff-integrity`` (the sender's ``integrity``): the digests count the sidecar pool's
+    layers after the target's (a draft model's rows; an EAGLE head's, its feature plane's first),
+    so one bit flipped in one handed row of one request (the draft's last layer, the head's
+    first, a hidden state of the plane) after it arrived fails that request's check, its pages
+    freed, and never reaches a draft or an acceptance; the others pass (no false alarm) with a
+    single uncached engine's outputs and accepted counts."""
+    p, d = request.getfixturevalue("sides" if part == "draft" else "eagle_sides")
+    model, head, spec = (tiny, drafts["sidecar"], {}) if part == "draft" else (eagle["target"], eagle["head"], _EAGLE)
+    batch = _prompts()
+    want = _uncached(model, head, batch, **spec)
+    free = d.engine.allocator.num_free
+    reserved, first, results = _hand((dataclasses.replace(p, integrity=True), d), batch)
+    assert {len(r.digests) for r in results} == {d.engine.model_config.num_layers + d.engine.draft.geometry.num_layers}
+    plane = d.engine.spec.drafter.plane.layers if part != "draft" else 0
+    layer = {"draft": -1, "head": plane, "features": plane - 1}[part]
+    row = d.engine.draft_pool.buffer[layer, 0, reserved[1].pages[2] * PAGE + 3]  # a K row of token 2 x PAGE + 3
+    row.view(torch.int32)[0, 0] ^= 1  # its lowest bit: a draft it made might well be the same
+    got = _decoded(d.engine, first, {i: ReceiveCheck(tuple(r.digests)) for i, r in enumerate(results)})
+    assert "does not match its digest" in got[1], got[1]
+    assert [got[i] for i in (0, 2, 3)] == [want[i] for i in (0, 2, 3)]
+    assert d.engine.allocator.num_free == free  # D caches nothing: every page back, the refused one's too
 
 
 def test_prefill_checks_the_destination_draft_pool(sides) -> None:

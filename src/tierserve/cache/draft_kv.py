@@ -19,7 +19,8 @@ import torch
 from tierserve.cache.device_pool import DeviceKVPool
 from tierserve.cache.host_pool import HostKVPool
 from tierserve.cache.sharded.cp_pages import PageOwnership
-from tierserve.cache.sharded.shards import HeadRange, Source, object_key
+from tierserve.cache.sharded.shard_io import ShardIO
+from tierserve.cache.sharded.shards import HeadRange, KVShard, Source, object_key
 from tierserve.cache.staging import page_io
 from tierserve.cache.storage import StorageBackend
 
@@ -71,28 +72,35 @@ def planes(target: DeviceKVPool, host: HostKVPool, sidecar: SidecarKV | None, la
 def draft_key(page_key: bytes, heads: HeadRange | None = None) -> bytes:
     """The L3 key of a page's draft rows in the sidecar layout: of the draft's ``heads`` (a tensor
     rank's; None or all of them: the whole page's key), so the ranks of a TP node store their own
-    heads under their own names."""
-    return hashlib.sha256(b"draft:" + (page_key if heads is None else object_key(page_key, heads))).digest()
+    heads under their own names. They are named as the target's shares of a page are
+    (``object_key``), from the draft's own page key, so a node of another TP size reads them as it
+    reads the target's (``ShardIO``)."""
+    key = hashlib.sha256(b"draft:" + page_key).digest()
+    return key if heads is None else object_key(key, heads)
 
 
 class SidecarIO:
     """The L3 side of a sidecar: wraps the target's ``ShardIO`` so that every page is stored, found
     and read only together with its draft object (a page is present when both are). ``shard``: the
-    draft's rows ``host`` holds (default: all, written here). A draft object is read only as this
-    rank's heads were written: another TP size's finds none, so the page is absent for it.
+    draft's rows ``host`` holds (default: all, written here). The draft's objects go through a
+    ``ShardIO`` of their own over the draft's page keys (``draft_key``): a rank stores its draft
+    heads' object and reads its heads from whatever objects a node of another TP size stored.
     ``ownership``: a CP rank's (host page ids are logical, ``cache/sharded/cp_host.py``): it stores
     and reads the draft objects of the pages it owns only, at their local slots, as the target's
     ``OwnedShardIO`` does (another rank's page counts as read here: its owner reports on it)."""
 
     def __init__(self, target, host: HostKVPool, storage: StorageBackend, shard: DraftShard | None = None,
                  ownership: PageOwnership | None = None) -> None:
-        self.target, self.draft, self.shard = target, page_io(host), shard or DraftShard()
+        self.target, self.shard = target, shard or DraftShard()
+        heads = self.shard.heads or HeadRange(0, host.geometry.num_kv_heads, host.geometry.num_kv_heads)
+        self.draft = ShardIO(host, page_io(host), KVShard(heads, writes=self.shard.writes))
         self.own = target.own
         self.ownership = ownership or PageOwnership()
         storage.attach_host_buffer(self.draft.buffer)
 
-    def _keys(self, page_keys: list[bytes]) -> list[bytes]:
-        return [draft_key(k, self.shard.heads) for k in page_keys]
+    @staticmethod
+    def _keys(page_keys: list[bytes]) -> list[bytes]:
+        return [draft_key(k) for k in page_keys]
 
     @property
     def buffer(self) -> torch.Tensor:
@@ -100,17 +108,16 @@ class SidecarIO:
 
     def probe(self, storage: StorageBackend, page_keys: list[bytes]) -> tuple[int, Source]:
         n, source = self.target.probe(storage, page_keys)
-        return min(n, storage.batch_exists(self._keys(page_keys[:n]))), source
+        return min(n, self.draft.probe(storage, self._keys(page_keys[:n]))[0]), source
 
     def exists(self, storage: StorageBackend, page_keys: list[bytes]) -> int:
         n = self.target.exists(storage, page_keys)
-        return min(n, storage.batch_exists(self._keys(page_keys[:n])))
+        return min(n, self.draft.exists(storage, self._keys(page_keys[:n])))
 
     def set_from(self, storage: StorageBackend, page_keys: list[bytes], host_pages: list[int]) -> list[bool]:
-        """Per page this rank stores (under CP, those it owns, as the target's result lists them)."""
+        """Per page this rank stores (under CP, those it owns, as the target's result lists them);
+        a rank whose draft rows another writes reports the target's result (``ShardIO.set_from``)."""
         ok = self.target.set_from(storage, page_keys, host_pages)
-        if not self.shard.writes:  # another rank writes these rows
-            return ok
         mine = self._mine(host_pages)
         drafts = self.draft.set_from(storage, self._keys([page_keys[i] for i in mine]), self._local(host_pages, mine)) \
             if mine else []
@@ -120,12 +127,18 @@ class SidecarIO:
                  host_pages: list[int]) -> list[bool]:
         ok = self.target.get_into(storage, source, page_keys, host_pages)
         mine = self._mine(host_pages)
-        got = self.draft.get_into(storage, self._keys([page_keys[i] for i in mine]), self._local(host_pages, mine)) \
-            if mine else []
+        got = self._read_drafts(storage, self._keys([page_keys[i] for i in mine]), self._local(host_pages, mine))
         drafts = [True] * len(page_keys)
         for i, read in zip(mine, got, strict=True):
             drafts[i] = read
         return [a and b for a, b in zip(ok, drafts, strict=True)]
+
+    def _read_drafts(self, storage: StorageBackend, keys: list[bytes], hosts: list[int]) -> list[bool]:
+        """This rank's draft heads of each page, from the objects that hold the most leading pages
+        (``ShardIO.probe``: its own range's when all are there); per-page success."""
+        n, source = self.draft.probe(storage, keys) if keys else (0, self.draft.own)
+        got = self.draft.get_into(storage, source, keys[:n], hosts[:n]) if n else []
+        return [*got, *[False] * (len(keys) - n)]
 
     def _mine(self, host_pages: list[int]) -> list[int]:
         return [i for i, p in enumerate(host_pages) if self.ownership.owns(p)]

@@ -25,7 +25,7 @@ from tierserve.transfer.engine import PeerEngines, TransferEngineHandle
 from tierserve.transfer.faulty import NO_FAULTS, HandoffFaults, with_faults
 from tierserve.transfer.handoff import KVHandoff
 from tierserve.transfer.layout import HeadRange, LayerRange, RankArena, plan_routes
-from tierserve.transfer.receive_check import engine_weights
+from tierserve.transfer.receive_check import DigestedPool, digest_layers, draft_pool, target_pool
 from tierserve.transfer.receive_staging import ReceiveStaging
 from tierserve.transfer.sender import SenderHandoff
 from tierserve.transfer.sidecar import SidecarHandoff
@@ -103,7 +103,7 @@ class RankTransfer:
         routes = plan_routes(self.sends, self.head_bytes, list(plan.dests), self.layers) if self.sends else []
         return KVHandoff(with_faults(self.peers, faults), routes, arena(self.engine), list(plan.dst_pages),
                          plan.dst_start, plan.prompt_len, self.engine.device.type == "cuda", self.gatherer,
-                         self.engine.ranks.cp, self._digests())
+                         self.engine.ranks.cp, self._digests(target_pool(self.engine)))
 
     def _with_draft(self, target: KVHandoff, plan: HandoffPlan) -> SenderHandoff:
         """``target`` paired with a sender of this rank's sidecar draft pool when both nodes have such
@@ -119,7 +119,8 @@ class RankTransfer:
         mine = self.draft_sends
         routes = plan_routes(mine, source.slot_bytes // mine.count, theirs) if mine else []
         draft = KVHandoff(self.peers, routes, source, list(plan.dst_pages), plan.dst_start, plan.prompt_len,
-                          self.engine.device.type == "cuda", owner=self.engine.ranks.cp)
+                          cuda=self.engine.device.type == "cuda", owner=self.engine.ranks.cp,
+                          digests=self._digests(draft_pool(self.engine)))
         return SidecarHandoff(target, draft, self.engine.geometry.num_layers)
 
     def agreed(self, plan: HandoffPlan, faults: HandoffFaults = NO_FAULTS) -> AgreedHandoff:
@@ -128,13 +129,14 @@ class RankTransfer:
         assert self.board is not None, "an agreed handoff needs a node of several ranks"
         return AgreedHandoff(self.handoff(plan, faults), self.board)
 
-    def _digests(self) -> SendDigests | None:
-        """Every rank digests, a replica that sends nothing too (zeros): the node's rows stay alike."""
-        if not self.integrity:
+    def _digests(self, pool: DigestedPool | None) -> SendDigests | None:
+        """The digests of what this rank sends from ``pool`` (its target pool or its sidecar draft's),
+        over every digest layer: every rank digests, a replica that sends nothing too (zeros), so
+        the node's rows stay alike (``node/handoffs.py`` adds a ``SidecarHandoff``'s parts up)."""
+        if not self.integrity or pool is None:
             return None
-        e = self.engine
-        heads = (e.kv_shard.heads.start, self.head_bytes)
-        return SendDigests(e.pool.buffer, engine_weights(e), heads, self.layers.start, e.model_config.num_layers)
+        heads = (pool.head_start, pool.head_bytes)
+        return SendDigests(pool.buffer, pool.weights, heads, pool.first_layer, digest_layers(self.engine))
 
     def bind(self, command: EngineCommand | EngineCall) -> EngineCommand | EngineCall:
         """A request rank 0 hands over becomes this rank's own handoff of it (``RankRole``)."""

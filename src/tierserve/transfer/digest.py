@@ -114,13 +114,15 @@ def as_unsigned(values: torch.Tensor) -> list[int]:
 
 
 class SendDigests:
-    """A sender rank's running digests of one handoff, one per model layer (zero where it sends
-    nothing): ``add`` on the engine thread as layers are written, ``values`` once all were."""
+    """A sender rank's running digests of one handoff, one per model layer, then per draft layer
+    (``receive_check.digest_layers``; zero where it sends nothing): ``add`` on the engine thread as
+    layers are written, ``values`` once all were."""
 
     def __init__(self, buffer: torch.Tensor, weights: DigestWeights, heads: tuple[int, int], first_layer: int,
                  num_layers: int) -> None:
-        """``buffer``: the rank's pool [layers, 2, slots, heads, dim], its arena layer 0 being the model's
-        ``first_layer`` and its head 0 the model's ``heads[0]``; ``heads[1]``: bytes per head."""
+        """``buffer``: the rank's pool [layers, 2, slots, heads, dim] (the target's, or a sidecar draft's),
+        its arena layer 0 being the digests' ``first_layer`` and its head 0 the model's ``heads[0]``;
+        ``heads[1]``: bytes per head."""
         self.buffer, self.weights, self.first_layer = buffer, weights, first_layer
         self.held_start, self.head_bytes = heads
         self.sums = torch.zeros(num_layers, dtype=torch.int64, device=buffer.device)

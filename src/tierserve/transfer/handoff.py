@@ -58,7 +58,7 @@ class HandoffResult:
     bytes: int
     transfer_seconds: float  # first submission to last completion
     exposed_seconds: float  # last submission (the compute's end) to last completion
-    digests: list[int] = field(default_factory=list)  # per model layer, with ``--handoff-integrity``
+    digests: list[int] = field(default_factory=list)  # per model layer, then draft layer, with ``--handoff-integrity``
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -27,18 +28,66 @@ def engine_weights(engine: Engine) -> DigestWeights:
     return _weights(engine.model_config.num_kv_heads, g.head_dim * g.dtype.itemsize, engine.device)
 
 
+def digest_layers(engine: Engine) -> int:
+    """How many digests a handoff has: one per target layer, then one per draft layer (packed or
+    sidecar; an EAGLE head's feature plane first), the engine's numbering (draft layer i is Lt + i).
+    The same on every rank of both nodes, whichever layers a rank holds."""
+    return engine.model_config.num_layers + (engine.draft.geometry.num_layers if engine.draft else 0)
+
+
+@dataclass(frozen=True)
+class DigestedPool:
+    """A rank's pool whose rows a handoff carries, as the digests count it: ``buffer`` [layers, 2,
+    slots, heads, dim], its head 0 the model's (or draft's) head ``head_start``, its layer 0 the
+    digests' layer ``first_layer``; ``weights``: the constants of the model it holds the KV of."""
+
+    buffer: torch.Tensor
+    weights: DigestWeights
+    head_start: int
+    first_layer: int
+
+    @property
+    def head_bytes(self) -> int:
+        return self.weights.words * 4
+
+
+def target_pool(engine: Engine) -> DigestedPool:
+    """The rank's device pool: its heads of its stage's target layers (and a packed draft's, which
+    follow the target's last layer, as ``own_layers`` numbers them)."""
+    shard = engine.kv_shard
+    return DigestedPool(engine.pool.buffer, engine_weights(engine), shard.heads.start, shard.layers.start)
+
+
+def draft_pool(engine: Engine) -> DigestedPool | None:
+    """The rank's sidecar draft pool (None: none here): its draft heads, digested with the draft's
+    own constants (its heads and head size) as the digests' layers after the target's."""
+    if engine.draft is None or engine.draft_pool is None:
+        return None
+    g, heads = engine.draft.geometry, engine.draft.heads
+    weights = _weights(heads.total, g.head_dim * g.dtype.itemsize, engine.device)
+    return DigestedPool(engine.draft_pool.buffer, weights, heads.start, engine.model_config.num_layers)
+
+
 def received_digests(engine: Engine, request: Request) -> list[int]:
-    """This rank's part of the digests of ``request``'s tokens after its cached prefix, per model
-    layer (zero for layers of other stages); under context parallelism, of the pages it owns."""
+    """This rank's part of the digests of ``request``'s tokens after its cached prefix, per digest
+    layer (``digest_layers``; zero for layers it does not hold: other stages', a draft elsewhere);
+    under context parallelism, of the pages it owns."""
     pages, page_size = local_pages(engine.ranks.cp, request.pages), engine.geometry.page_size
     slots, positions = slots_of(pages, request.num_computed, len(request.prompt_ids), page_size)
-    shard, weights = engine.kv_shard, engine_weights(engine)
-    heads = (0, shard.heads.count, shard.heads.start)
-    own = [layer_digest(engine.pool.buffer[layer], weights, shard.layers.start + layer, slots, positions, heads)
-           for layer in range(engine.geometry.num_layers)]
-    sums = [0] * engine.model_config.num_layers
-    sums[shard.layers.start:shard.layers.start + len(own)] = torch.stack(own).cpu().tolist()  # one device sync
+    held = [p for p in (target_pool(engine), draft_pool(engine)) if p is not None]
+    own = [_pool_digests(p, slots, positions) for p in held]
+    values, sums = iter(torch.cat(own).cpu().tolist()), [0] * digest_layers(engine)  # one device sync
+    for pool in held:
+        for layer in range(pool.buffer.shape[0]):
+            sums[pool.first_layer + layer] = next(values)
     return sums
+
+
+def _pool_digests(pool: DigestedPool, slots: np.ndarray, positions: np.ndarray) -> torch.Tensor:
+    """Per layer of ``pool``, the digest of every head it holds at ``slots``."""
+    heads = (0, pool.buffer.shape[3], pool.head_start)
+    return torch.stack([layer_digest(pool.buffer[layer], pool.weights, pool.first_layer + layer, slots, positions,
+                                     heads) for layer in range(pool.buffer.shape[0])])
 
 
 def _node_sums(engine: Engine, local: list[int]) -> list[int]:

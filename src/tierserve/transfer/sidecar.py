@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import astuple
 
+from tierserve.transfer.digest import MASK
 from tierserve.transfer.handoff import HandoffResult, HandoffState, KVHandoff
 
 
@@ -38,8 +39,9 @@ class SidecarHandoff:
                 part.cancel(reason)
 
     def digest_row(self) -> list[int]:
-        """The target part's digests (``KVHandoff.digest_row``): ``--handoff-integrity`` covers the target's KV."""
-        return self.parts[0].digest_row()
+        """Both parts' digests added up (``KVHandoff.digest_row``): each counts its own layers (the
+        target's, then the draft's), zeros at the other's, so ``--handoff-integrity`` covers both."""
+        return _added(*(p.digest_row() for p in self.parts))
 
     def all_submitted(self) -> bool:
         return all(p.all_submitted() for p in self.parts)
@@ -56,16 +58,17 @@ class SidecarHandoff:
     def result(self, timeout: float) -> HandoffResult:
         """Waits up to ``timeout`` seconds for both parts; one part's failure cancels the other."""
         deadline = time.monotonic() + timeout
-        error = None
+        error, outcomes = None, []
         for part in self.parts:  # both waited for: a cancelled part still ends its batches
-            outcome = part.result(max(0.0, deadline - time.monotonic()))
-            if error is None and outcome.error is not None:
-                error = outcome.error
+            outcomes.append(part.result(max(0.0, deadline - time.monotonic())))
+            if error is None and outcomes[-1].error is not None:
+                error = outcomes[-1].error
                 self.cancel(error)
         state = self.state()
         started = state.first_submit_us or state.last_done_us
         return HandoffResult(error, state.bytes, max(0.0, (state.last_done_us - started) / 1e6),
-                             max(0.0, (state.last_done_us - (state.last_submit_us or started)) / 1e6))
+                             max(0.0, (state.last_done_us - (state.last_submit_us or started)) / 1e6),
+                             _added(*(o.digests for o in outcomes)) if error is None else [])
 
     def state(self) -> HandoffState:
         """Both parts as one (``finished`` only when both are; times from the first start to the last end)."""
@@ -74,3 +77,10 @@ class SidecarHandoff:
         starts = [row[5] for row in rows if row[5]]
         return HandoffState(all(row[0] for row in rows), *flags, sum(row[4] for row in rows),
                             min(starts, default=0), max(row[6] for row in rows), max(row[7] for row in rows))
+
+
+def _added(target: list[int], draft: list[int]) -> list[int]:
+    """Two parts' digest rows summed per layer (mod 2^32); none without digests."""
+    if not target or not draft:
+        return target or draft
+    return [(a + b) & MASK for a, b in zip(target, draft, strict=True)]
