@@ -49,7 +49,7 @@ def test_l3_pages_count_as_computed_until_the_node_measured_a_read() -> None:
     assert view.predict(WARM, 0, "") == pytest.approx(view.predict(COLD, 0, "")) == pytest.approx(160 / RATE)
 
 
-def _pair() -> tuple[TTFTView, Worker, Worker, ManualClock]:
+def _pair(spill_priority: int | None = 0) -> tuple[TTFTView, Worker, Worker, ManualClock]:
     """A measured prefill node (``RATE``) and an unmeasured decode node, nothing cached anywhere."""
     registry = Registry()
     registry.info = pb.NodeInfo(identity=pb.KVIdentity(page_size=PAGE))
@@ -57,7 +57,7 @@ def _pair() -> tuple[TTFTView, Worker, Worker, ManualClock]:
     decode = Worker(Role.DECODE, "10.0.0.2:1", channel=None, state=WorkerState.HEALTHY)
     for worker in (prefill, decode):
         registry.workers[(worker.role, worker.address)] = worker
-    view = TTFTView(registry, lambda prompt, salt: lambda w: CachedPrefix(), Disaggregation(0, 0))
+    view = TTFTView(registry, lambda prompt, salt: lambda w: CachedPrefix(), Disaggregation(0, spill_priority))
     clock = ManualClock()
     view.lanes[prefill.address], view.lanes[decode.address] = Lane(clock), Lane(clock)
     view.lanes[prefill.address].sent("measure", 0, 100)
@@ -104,3 +104,16 @@ def test_an_unmeasured_prefill_node_sends_nothing_to_the_decode_node() -> None:
     view.lanes[prefill.address] = Lane(ManualClock())
     view.lanes[prefill.address].sent("ahead", 0, 10_000)
     assert not view.spills(decode, prefill, COLD, 0, "")
+
+
+@pytest.mark.parametrize(("spill_priority", "priority", "spilled"), [(0, 0, True), (None, 0, False), (0, 5, False)])
+def test_admission_predicts_the_decode_node_a_prompt_would_spill_to(spill_priority: int | None, priority: int,
+                                                                     spilled: bool) -> None:
+    """The deadline check (``predict``) agrees with the routing (``spills``): a prompt that would spill is
+    predicted at the decode node's prefill of it, not behind the prefill node's backlog."""
+    views = [_pair(spill_priority)[:2], _pair(None)[:2]]
+    for view, prefill in views:
+        view.lanes[prefill.address].sent("ahead", 0, 2000)
+    remote = views[1][0].predict(COLD, priority, "")
+    assert remote >= (2000 + 160) / RATE
+    assert views[0][0].predict(COLD, priority, "") == pytest.approx(160 / RATE if spilled else remote)

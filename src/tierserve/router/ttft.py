@@ -55,14 +55,16 @@ class TTFTView:
     def predict(self, prompt: list[int], priority: int, salt: str) -> float | None:
         """Seconds to the first token on the best worker that would compute the prompt: any prefill
         node, or a decode node holding all but fewer than ``--disaggregation-threshold`` (times its
-        CP size: ``Disaggregation.limit``) of its tokens; None when none of them was measured yet."""
+        CP size: ``Disaggregation.limit``) of its tokens, or one the prompt would spill to (``spills``);
+        None when none of them was measured yet."""
         lookup, l3 = self.lookup(prompt, salt), self.l3_lookup(prompt, salt)
         held = {w: lookup(w) for role in (Role.PREFILL, Role.DECODE) for w in self.registry.available(role)}
         candidates = [(w, self._uncached(prompt, h), h) for w, h in held.items()]
         candidates = [(w, n, h) for w, n, h in candidates
                       if w.role is Role.PREFILL or n < self.disaggregation.limit(w.cp_size)]
         known = [p for w, n, h in candidates if (p := self._predict(w, n, h, l3, priority)) is not None]
-        return min(known, default=None)
+        best, spilled = min(known, default=None), self._spill_time(prompt, priority, lookup)
+        return spilled if best is not None and spilled is not None and best > SPILL_MARGIN * spilled else best
 
     def _predict(self, worker: Worker, uncached: int, held: CachedPrefix, l3: Callable[[int], int],
                  priority: int) -> float | None:
@@ -75,18 +77,36 @@ class TTFTView:
     def spills(self, decode: Worker, prefill: Worker, prompt: list[int], priority: int, salt: str) -> bool:
         """Whether ``decode`` should prefill the prompt itself rather than ``prefill``: it computes no
         prompt of ``priority`` or a more important one (its lane's work ahead, every router's), and
-        ``prefill``'s prediction is ``SPILL_MARGIN`` times its own at ``decode``'s measured rate (or,
-        not measured yet, ``prefill``'s: the same model's). False while ``prefill`` is not measured."""
-        lane = self.lane(decode)
-        if lane.work_ahead(priority) > 0:
-            return False
+        ``prefill``'s prediction is ``SPILL_MARGIN`` times its own (``_local_time``). False while
+        ``prefill`` is not measured."""
         lookup, l3 = self.lookup(prompt, salt), self.l3_lookup(prompt, salt)
         held = lookup(prefill)
         remote = self._predict(prefill, self._uncached(prompt, held), held, l3, priority)
-        rate = lane.rate or self.lane(prefill).rate
-        if remote is None or rate is None:
-            return False
-        return remote > SPILL_MARGIN * self._uncached(prompt, lookup(decode)) / rate
+        local = self._local_time(decode, prompt, priority, lookup, self.lane(prefill).rate)
+        return remote is not None and local is not None and remote > SPILL_MARGIN * local
+
+    def _spill_time(self, prompt: list[int], priority: int, lookup: Callable[[Worker], CachedPrefix]
+                    ) -> float | None:
+        """Under ``--disaggregation-spill-priority`` for ``priority``: the soonest first token of a
+        decode node that would take the prompt spilled (``_local_time``, a prefill node's rate where
+        it has none); None otherwise."""
+        if not self.disaggregation.may_spill(priority):
+            return None
+        rates = [r for w in self.registry.available(Role.PREFILL) if (r := self.lane(w).rate) is not None]
+        times = [self._local_time(w, prompt, priority, lookup, max(rates, default=None))
+                 for w in self.registry.available(Role.DECODE)]
+        return min((t for t in times if t is not None), default=None)
+
+    def _local_time(self, decode: Worker, prompt: list[int], priority: int, lookup: Callable[[Worker], CachedPrefix],
+                    fallback: float | None) -> float | None:
+        """Seconds for ``decode`` to prefill the prompt itself, at its measured rate (or, not measured
+        yet, ``fallback``: a prefill node's, the same model's); None while it computes a prompt of
+        ``priority`` or a more important one (one at a time), or with no rate."""
+        lane = self.lane(decode)
+        rate = lane.rate or fallback
+        if lane.work_ahead(priority) > 0 or rate is None:
+            return None
+        return self._uncached(prompt, lookup(decode)) / rate
 
     def track(self, worker: Worker, request_id: str, tokens: int, priority: int,
               outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
