@@ -52,7 +52,8 @@ class Piece:
 @dataclass
 class SplitClock:
     """Steps that split their tokens between the ranks, the decodes they computed on every rank
-    (steps mixing a long chunk with decodes), and the seconds in their K/V exchanges."""
+    (steps mixing a long chunk with decodes), and the seconds attention waited for their K/V exchanges
+    (what the attention started before the wait did not hide)."""
 
     steps: int = 0
     decodes: int = 0
@@ -187,23 +188,23 @@ class SplitAttention:
             out[p.local: p.local + p.length] = attend_piece(q[p.local: p.local + p.length], *old,
                                                             new[0][mine], new[1][mine], scale)
 
-    def _start_exchange(self, mine: torch.Tensor) -> tuple[dist.Work, list[torch.Tensor], float]:
-        """Sends this rank's rows [n, ...] to every rank (asynchronous): the handle, where they land, the start."""
-        started = time.perf_counter()
+    def _start_exchange(self, mine: torch.Tensor) -> tuple[dist.Work, list[torch.Tensor]]:
+        """Sends this rank's rows [n, ...] to every rank (asynchronous): the handle and where they land."""
         padded = mine.new_zeros((self.width, *mine.shape[1:]))
         padded[: mine.shape[0]] = mine
         parts = [torch.empty_like(padded) for _ in self.plan.rows]
-        return dist.all_gather(parts, padded, group=self.group, async_op=True), parts, started
+        return dist.all_gather(parts, padded, group=self.group, async_op=True), parts
 
-    def _finish_exchange(self, handle: dist.Work, parts: list[torch.Tensor], started: float) -> torch.Tensor:
+    def _finish_exchange(self, handle: dist.Work, parts: list[torch.Tensor]) -> torch.Tensor:
         """Every flat row of the step's extends, in flat order, once the exchange is done. The clock counts
-        from its start: the seconds it ran, hidden or not."""
+        the seconds waited for it (the part the early attention did not hide)."""
+        started = time.perf_counter()
         handle.wait()
+        if self.clock is not None:
+            self.clock.seconds += time.perf_counter() - started
         gathered = torch.cat([part[: len(rows)] for part, rows in zip(parts, self.plan.rows, strict=True)])
         flat = torch.empty_like(gathered)
         flat[self.plan.perm] = gathered
-        if self.clock is not None:
-            self.clock.seconds += time.perf_counter() - started
         return flat
 
 
