@@ -7,8 +7,10 @@ process only, the phases of a step are wrapped with ``perf_counter`` spans (monk
 product carries no profiling code): the model's projections, MLP, norms and rope; attention and, in a
 split step, its parts (the K/V exchange, the prefix gather's wait and start, the owners' pool writes,
 the copy of the prefix's keys, the kernel calls); TP's all-reduces; sampling and the step's agreement.
-Every exchange's seconds are kept per call on every rank: the two ranks' times of one all-gather
-differ by how long the earlier rank waited for the later one (imbalance); the smaller is the transfer.
+Each rank's process CPU time is recorded beside its wall time (on shared cores, wall minus CPU is time
+the rank was blocked or waiting for a core). Every exchange's seconds are kept per call on every rank:
+the two ranks' times of one all-gather differ by how long the earlier rank waited for the later one
+(imbalance); the smaller is the transfer.
 
     PYTHONPATH=src .venv/bin/python benchmarks/cp_profile.py [--tokens 32768] [--repeats 3] [--layouts cp1 cp2 tp2]
 """
@@ -137,10 +139,10 @@ def _rank(rank: int, port: int, model: str, layout: str, prompts: list[list[int]
     rounds = []
     for i, ids in enumerate(prompts[1:]):
         spans.reset()
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.process_time()
         tokens, _ = run_agreed(engine, f"timed-{i}", ids)
-        rounds.append({"wall": time.perf_counter() - started, "tokens": tokens, "seconds": dict(spans.seconds),
-                       "calls": dict(spans.calls)})
+        rounds.append({"wall": time.perf_counter() - started, "cpu": time.process_time() - cpu, "tokens": tokens,
+                       "seconds": dict(spans.seconds), "calls": dict(spans.calls)})
     report = {"threads": torch.get_num_threads(), "interop": torch.get_num_interop_threads(), "rounds": rounds}
     if size == 1:
         Path(out).write_text(json.dumps(report))
@@ -200,6 +202,8 @@ def report(results: dict[str, list[list[dict]]]) -> list[str]:
             "|---|" + "---:|" * len(columns)]
     walls = [statistics.median(ranks[rank]["wall"] for ranks in results[layout]) for layout, rank in columns]
     rows.append("| wall (the prompt's steps) | " + " | ".join(f"{w:.3f}" for w in walls) + " |")
+    cpus = [statistics.median(ranks[rank]["cpu"] for ranks in results[layout]) for layout, rank in columns]
+    rows.append("| CPU time of the rank's process | " + " | ".join(f"{c:.3f}" for c in cpus) + " |")
     for name in names:
         rows.append(f"| {name} | " + " | ".join(
             f"{statistics.median(ranks[rank]['seconds'].get(name, 0.0) for ranks in results[layout]):.3f}"
