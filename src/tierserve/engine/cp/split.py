@@ -6,9 +6,10 @@ Each sequence's new tokens are cut into ``2N`` zigzag chunks and rank r computes
 pairs cost every rank the same, and rank 0 (the sampling rank under CP) holds every sequence's last
 token, the only hidden row sampling needs. A rank runs the embedding, projections, MLP and norms on
 its own rows only; at attention it exchanges its rows' new K/V with the other ranks (one all-gather
-per layer, ``SplitAttention._exchange``), so the owner of every page stores the step's KV of that
+per layer, ``SplitAttention._start_exchange``), so the owner of every page stores the step's KV of that
 page and every rank attends its queries over the cached prefix (gathered per layer from its owners,
-``engine/cp/gather.py``) plus every new key up to its position.
+``engine/cp/gather.py``) plus every new key up to its position. On the CPU the exchange runs while the
+rank attends over the prefix and its own keys; only the part over the step's earlier keys waits for it.
 """
 
 from __future__ import annotations
