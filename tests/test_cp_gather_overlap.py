@@ -1,11 +1,14 @@
 """The CP gather overlaps compute (real rank processes over gloo, docs/cp.md "The per-layer gather"):
-layer l+1's pages are gathered while layer l computes.
+layer l+1's pages are gathered while layer l computes. And a split step's K/V exchange (docs/cp.md, "How
+the ranks split the compute") overlaps each rank's attention over the prefix and its own keys.
 
 Each layer's gather and each layer's compute are slowed on purpose (both wrapped in the rank
 processes only): a gather's wait ends no sooner than ``DELAY_S`` after the gather started, and each
 attention sleeps ``DELAY_S`` before it reads its layer. The step that reads a cached prefix must
 cost less than gathering then computing every layer in turn. With ``TIERSERVE_TEST_SYNC_GATHER=1``
-each layer's gather starts only when its attention waits for it (no overlap), and this test fails."""
+each layer's gather starts only when its attention waits for it (no overlap), and this test fails. The
+split step's test slows each exchange and each rank's early parts alike; with
+``TIERSERVE_TEST_SYNC_EXCHANGE=1`` each exchange is waited for as soon as it starts, and it fails."""
 
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ from helpers.rank_agreement import PAGE, PROMPT, rank_reports, report_and_leave,
 from helpers.tiny_models import make_tiny_model
 
 from tierserve.engine.config import CPAttention, EngineConfig
-from tierserve.engine.cp import gather
+from tierserve.engine.cp import gather, split
 from tierserve.engine.engine import Engine
 from tierserve.engine.procs.ranks import HOST, RankSpec, join
 from tierserve.model import attention
@@ -28,6 +31,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 FORWARD = attention.PagedAttention.forward
 START = gather.LayerGather._start
 BEFORE_ATTENTION = gather.LayerGather.before_attention
+LOCAL_PARTS = split.SplitAttention._local_parts
+START_EXCHANGE = split.SplitAttention._start_exchange
 
 LAYERS = 4
 TIMEOUT_S = 30.0  # every collective's
@@ -35,6 +40,7 @@ DELAY_S = 0.3  # each layer's gather, and each layer's compute
 # merge: layer 0 merges, layers 1.. gather (a step of a few new tokens over a cached prefix); gather: every layer
 MODES = {"merge": CPAttention.MERGE, "gather": CPAttention.GATHER}
 TAIL = [(t * 11 + 5) % 380 + 2 for t in range(20)]  # new tokens after the cached PROMPT: more than a page
+SPLIT_PROMPT = [(t * 7 + 3) % 380 + 2 for t in range(400)]  # one step, long enough to split (the model's 512 fit)
 
 
 class _Late:
@@ -118,3 +124,40 @@ def test_the_cp_gather_of_the_next_layer_overlaps_the_compute_of_this_one(model:
         gathered = LAYERS - (1 if mode == "merge" else 0)
         serial = (LAYERS + gathered) * DELAY_S
         assert r["first_step_s"] < serial - DELAY_S, f"{r['first_step_s']:.2f} s: the gathers did not overlap"
+
+
+def _slow_local_parts(self, *args: object):  # a split step's attention before its exchange ends
+    time.sleep(DELAY_S)
+    return LOCAL_PARTS(self, *args)
+
+
+def _exchange_waited_at_once(self, *args: object):
+    """The overlap off, to show the test can fail: the exchange is waited for as soon as it starts."""
+    started = START_EXCHANGE(self, *args)
+    started[0].wait()
+    return started
+
+
+def _split_rank(rank: int, port: int, model: str, synchronous: bool, out: str) -> None:
+    store = dist.TCPStore(HOST, port, 2, is_master=True, wait_for_workers=False) if rank == 0 else None
+    config = EngineConfig(Path(model), device="cpu", dtype="float32", page_size=PAGE, max_total_tokens=2048,
+                          chunked_prefill_size=len(SPLIT_PROMPT), cp_size=2, dist_timeout_s=TIMEOUT_S)
+    engine = Engine(config, ranks=join(RankSpec(rank, 2, port, TIMEOUT_S), config, store))
+    split.dist = _SlowDist()
+    split.SplitAttention._local_parts = _slow_local_parts
+    if synchronous:
+        split.SplitAttention._start_exchange = _exchange_waited_at_once
+    seconds: list[float] = []
+    run_agreed(engine, "split", SPLIT_PROMPT, step_seconds=seconds)
+    report_and_leave(engine, out, {"first_step_s": seconds[0], "split": engine.runner.cp.split_clock.stats()})
+
+
+def test_a_split_steps_kv_exchange_overlaps_the_attention_over_the_prefix_and_own_keys(model: Path,
+                                                                                      tmp_path: Path) -> None:
+    synchronous = os.environ.get("TIERSERVE_TEST_SYNC_EXCHANGE") == "1"
+    for r in rank_reports(_split_rank, lambda rank, port, out: (rank, port, str(model), synchronous, out), 2,
+                          tmp_path, 4 * TIMEOUT_S):
+        assert r["split"]["cp_split_steps_total"] == 1, r["split"]  # the prompt's one step split
+        # overlapped: each layer's exchange behind its early parts (~LAYERS delays); in turn 2 * LAYERS
+        serial = 2 * LAYERS * DELAY_S
+        assert r["first_step_s"] < serial - DELAY_S, f"{r['first_step_s']:.2f} s: the exchanges did not overlap"

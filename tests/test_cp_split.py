@@ -19,8 +19,17 @@ from helpers.processes import NodeProcess
 from helpers.rank_servers import HEADS, TPServer, complete_all, hf_greedy, start_server, token_ids
 from helpers.tiny_models import add_word_tokenizer, make_tiny_model
 
-from tierserve.engine.cp.split import SPLIT_MIN_TOKENS, SplitPlan, SplitSeq, attend_piece, zigzag
+from tierserve.engine.cp.split import (
+    SPLIT_MIN_TOKENS,
+    SplitPlan,
+    SplitSeq,
+    attend_piece,
+    local_parts,
+    merge_parts,
+    zigzag,
+)
 from tierserve.launch import free_port
+from tierserve.model.partial_attention import unmasked_cpu
 
 Q_HEADS, KV_HEADS, DIM = 4, 2, 8
 SCALE = DIM**-0.5
@@ -78,6 +87,25 @@ def test_every_ranks_pieces_together_equal_causal_attention(fused: bool, prefix:
             new = slice(prefix + p.offset, prefix + p.offset + p.length)
             rows = slice(p.offset, p.offset + p.length)
             out[rows] = attend_piece(q[rows], k[: new.start], v[: new.start], k[new], v[new], SCALE, fused)
+    torch.testing.assert_close(out, _reference(q, k, v, prefix), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize(("prefix", "length", "size"), [(0, 37, 2), (21, 40, 2), (9, 64, 4), (0, 5, 4)])
+def test_pieces_attended_before_and_after_the_exchange_equal_causal_attention(prefix: int, length: int,
+                                                                             size: int) -> None:
+    """The CPU form of a split step: each piece over the prefix and its own keys first (``local_parts``, while
+    the exchange runs), then over the step's keys before it (the exchanged rows), merged (``merge_parts``)."""
+    gen = torch.Generator().manual_seed(prefix + length)
+    q = torch.randn(length, Q_HEADS, DIM, generator=gen)
+    k, v = (torch.randn(prefix + length, KV_HEADS, DIM, generator=gen) for _ in range(2))
+    out = torch.full_like(q, float("nan"))
+    for rank in range(size):
+        for p in SplitPlan.build([SplitSeq(0, length, prefix)], rank, size, torch.device("cpu")).pieces:
+            rows, own = slice(p.offset, p.offset + p.length), slice(prefix + p.offset, prefix + p.offset + p.length)
+            parts = local_parts(q[rows], [k[:prefix], v[:prefix]] if prefix else None, (k[own], v[own]), SCALE)
+            earlier = slice(prefix, prefix + p.offset)
+            late = [unmasked_cpu(q[rows], k[earlier], v[earlier], SCALE)] if p.offset else []
+            out[rows] = merge_parts([*parts, *late], q.dtype)
     torch.testing.assert_close(out, _reference(q, k, v, prefix), atol=1e-5, rtol=1e-4)
 
 

@@ -6,9 +6,10 @@ Each sequence's new tokens are cut into ``2N`` zigzag chunks and rank r computes
 pairs cost every rank the same, and rank 0 (the sampling rank under CP) holds every sequence's last
 token, the only hidden row sampling needs. A rank runs the embedding, projections, MLP and norms on
 its own rows only; at attention it exchanges its rows' new K/V with the other ranks (one all-gather
-per layer, ``SplitAttention._exchange``), so the owner of every page stores the step's KV of that
+per layer, ``SplitAttention._start_exchange``), so the owner of every page stores the step's KV of that
 page and every rank attends its queries over the cached prefix (gathered per layer from its owners,
-``engine/cp/gather.py``) plus every new key up to its position.
+``engine/cp/gather.py``) plus every new key up to its position. On the CPU the exchange runs while the
+rank attends over the prefix and its own keys; only the part over the step's earlier keys waits for it.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 
 from tierserve.engine.cp.gather import LayerGather
 from tierserve.model.attention import AttentionBatch, decode_attention, gather_pages, split_extend
+from tierserve.model.partial_attention import causal_cpu, combine, unmasked_cpu
 
 SPLIT_MIN_TOKENS = 256  # a step with fewer new tokens stays replicated: docs/cp.md has the measurement
 
@@ -51,7 +53,8 @@ class Piece:
 @dataclass
 class SplitClock:
     """Steps that split their tokens between the ranks, the decodes they computed on every rank
-    (steps mixing a long chunk with decodes), and the seconds in their K/V exchanges."""
+    (steps mixing a long chunk with decodes), and the seconds attention waited for their K/V exchanges
+    (what the attention started before the wait did not hide)."""
 
     steps: int = 0
     decodes: int = 0
@@ -128,27 +131,55 @@ class SplitAttention:
         return True
 
     def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        """q [n, heads, dim], k/v [n, kv_heads, dim] of this rank's rows -> [n, heads * dim]."""
+        """q [n, heads, dim], k/v [n, kv_heads, dim] of this rank's rows -> [n, heads * dim]. On the CPU the
+        exchange runs while this rank attends its pieces over the prefix and over their own keys; only
+        the part over the step's earlier keys waits for it (``docs/cp.md``, the exchange's overlap)."""
         split = len(self.plan.rows[self.plan.rank])  # this rank's extend rows; the decodes' after them
-        kv = torch.cat([self._exchange(torch.cat([k[:split], v[:split]], dim=1)), torch.cat([k[split:], v[split:]], 1)])
-        k_all, v_all = kv[:, : k.shape[1]], kv[:, k.shape[1]:]
+        exchange = self._start_exchange(torch.cat([k[:split], v[:split]], dim=1))
         buffers = self.store.layer(layer_id)
+        early = self._local_parts(q, k, v, buffers, scale) if q.device.type == "cpu" else None
+        kv = torch.cat([self._finish_exchange(*exchange), torch.cat([k[split:], v[split:]], 1)])
+        k_all, v_all = kv[:, : k.shape[1]], kv[:, k.shape[1]:]
         for buffer, new in zip(buffers, (k_all, v_all), strict=True):
             buffer.view(buffer.shape[0], -1).index_copy_(0, self.batch.out_slots, new.reshape(new.shape[0], -1))
         self.store.after_kv_written(layer_id)  # the owners store their pages' new K/V
         out = torch.empty_like(q)
         for i, s in enumerate(self.plan.seqs):
             pieces = [p for p in self.plan.pieces if p.seq == i]
-            if pieces:
+            if pieces and early is not None:
+                self._finish_seq(s, pieces, q, out, (k_all, v_all), early, scale)
+            elif pieces:
                 self._attend_seq(s, pieces, q, out, (k_all, v_all), buffers, scale)
         if self.plan.decodes:  # every rank: over the gathered prefix, as a replicated step would
             out[split:] = decode_attention(q[split:], self.batch, buffers, scale)
         return out.flatten(1)
 
+    def _local_parts(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     buffers: tuple[torch.Tensor, torch.Tensor], scale: float) -> dict[Piece, list[Part]]:
+        """Each piece's attention over what this rank has before the exchange: the sequence's cached
+        prefix (in the step buffer, gathered) and the piece's own keys (causal)."""
+        parts: dict[Piece, list[Part]] = {}
+        for i, s in enumerate(self.plan.seqs):
+            pieces = [p for p in self.plan.pieces if p.seq == i]
+            prefix = [_prefix(s, b, self.store.page_size) for b in buffers] if s.prefix and pieces else None
+            for p in pieces:
+                rows = slice(p.local, p.local + p.length)
+                parts[p] = local_parts(q[rows], prefix, (k[rows], v[rows]), scale)
+        return parts
+
+    def _finish_seq(self, s: SplitSeq, pieces: list[Piece], q: torch.Tensor, out: torch.Tensor,
+                    new: tuple[torch.Tensor, torch.Tensor], early: dict[Piece, list[Part]], scale: float) -> None:
+        """Each piece's part over the step's keys before it (every rank's, exchanged), merged with its early parts."""
+        for p in pieces:
+            rows, earlier = slice(p.local, p.local + p.length), slice(s.start, s.start + p.offset)
+            late = [unmasked_cpu(q[rows], new[0][earlier], new[1][earlier], scale)] if p.offset else []
+            out[rows] = merge_parts([*early[p], *late], q.dtype)
+
     def _attend_seq(self, s: SplitSeq, pieces: list[Piece], q: torch.Tensor, out: torch.Tensor,
                     new: tuple[torch.Tensor, torch.Tensor], buffers: tuple[torch.Tensor, torch.Tensor],
                     scale: float) -> None:
-        """Each piece's queries over the keys before it (prefix, then the step's) and its own (causal)."""
+        """Off the CPU: each piece's queries over the keys before it (prefix, then the step's) and its own
+        (causal), in one masked call, after the exchange."""
         seen = max(p.offset for p in pieces)
         page = self.store.page_size
         keys = [_before(s, t[s.start: s.start + seen], b, page) for t, b in zip(new, buffers, strict=True)]
@@ -158,28 +189,54 @@ class SplitAttention:
             out[p.local: p.local + p.length] = attend_piece(q[p.local: p.local + p.length], *old,
                                                             new[0][mine], new[1][mine], scale)
 
-    def _exchange(self, mine: torch.Tensor) -> torch.Tensor:
-        """This rank's rows [n, ...] -> every flat row of the step, in flat order."""
-        started = time.perf_counter()
+    def _start_exchange(self, mine: torch.Tensor) -> tuple[dist.Work, list[torch.Tensor]]:
+        """Sends this rank's rows [n, ...] to every rank (asynchronous): the handle and where they land."""
         padded = mine.new_zeros((self.width, *mine.shape[1:]))
         padded[: mine.shape[0]] = mine
         parts = [torch.empty_like(padded) for _ in self.plan.rows]
-        dist.all_gather(parts, padded, group=self.group)
+        return dist.all_gather(parts, padded, group=self.group, async_op=True), parts
+
+    def _finish_exchange(self, handle: dist.Work, parts: list[torch.Tensor]) -> torch.Tensor:
+        """Every flat row of the step's extends, in flat order, once the exchange is done. The clock counts
+        the seconds waited for it (the part the early attention did not hide)."""
+        started = time.perf_counter()
+        handle.wait()
+        if self.clock is not None:
+            self.clock.seconds += time.perf_counter() - started
         gathered = torch.cat([part[: len(rows)] for part, rows in zip(parts, self.plan.rows, strict=True)])
         flat = torch.empty_like(gathered)
         flat[self.plan.perm] = gathered
-        if self.clock is not None:
-            self.clock.seconds += time.perf_counter() - started
         return flat
+
+
+Part = tuple[torch.Tensor, torch.Tensor]  # a part's attention output [L, heads, dim] and its log-sum-exp [L, heads]
+
+
+def local_parts(q: torch.Tensor, prefix: list[torch.Tensor] | None, own: tuple[torch.Tensor, torch.Tensor],
+                scale: float) -> list[Part]:
+    """On the CPU, q [L, heads, dim] over every key of ``prefix`` (K and V [P, kv_heads, dim], no mask; None:
+    no prefix) and over ``own`` (the queries' own keys, causal), each with its log-sum-exp."""
+    parts = [unmasked_cpu(q, *prefix, scale)] if prefix is not None else []
+    return [*parts, causal_cpu(q, *own, scale)]
+
+
+def merge_parts(parts: list[Part], dtype: torch.dtype) -> torch.Tensor:
+    """Attention over the union of the parts' disjoint key sets, in ``dtype``."""
+    if len(parts) == 1:
+        return parts[0][0].to(dtype)
+    out, _ = combine(torch.stack([o.float() for o, _ in parts]), torch.stack([lse for _, lse in parts]))
+    return out.to(dtype)
+
+
+def _prefix(s: SplitSeq, buffer: torch.Tensor, page_size: int) -> torch.Tensor:
+    """The sequence's cached prefix [prefix, kv_heads, dim] from the step buffer (gathered from its owners)."""
+    return gather_pages(buffer, s.prefix_rows, page_size)[0, : s.prefix]
 
 
 def _before(s: SplitSeq, new: torch.Tensor, buffer: torch.Tensor, page_size: int) -> torch.Tensor:
     """The sequence's keys (or values) at positions ``[0, prefix + len(new))``: the prefix's from the
     step buffer (gathered from their owners), then ``new``."""
-    if s.prefix == 0:
-        return new
-    prefix = gather_pages(buffer, s.prefix_rows, page_size)[0, : s.prefix]
-    return torch.cat([prefix, new])
+    return torch.cat([_prefix(s, buffer, page_size), new]) if s.prefix else new
 
 
 def attend_piece(q: torch.Tensor, k_old: torch.Tensor, v_old: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
