@@ -10,7 +10,9 @@ import random
 from collections import Counter
 
 import pytest
+from helpers.clock import ManualClock
 
+from tierserve.api.admission import Lane
 from tierserve.core.scope import NO_SCOPE
 from tierserve.proto import tierserve_pb2 as pb
 from tierserve.router.backend import PDBackend, RouterOptions, _Request
@@ -104,7 +106,11 @@ def test_each_kind_makes_its_policy(kind: PolicyKind, cls: type) -> None:
     assert type(make_policy(kind)) is cls
 
 
-def _cp_cluster(decode_cp: tuple[int, ...], capacity_per_rank: int) -> PDBackend:
+THRESHOLD_24 = RouterOptions(disaggregation_threshold=24)
+
+
+def _cp_cluster(decode_cp: tuple[int, ...], capacity_per_rank: int, options: RouterOptions = THRESHOLD_24
+                ) -> PDBackend:
     """A router's backend over one prefill worker and decode workers of the given CP sizes, each
     rank's pool holding ``capacity_per_rank`` tokens (no node runs: the workers' ``Info`` is set)."""
     registry = Registry()
@@ -114,8 +120,7 @@ def _cp_cluster(decode_cp: tuple[int, ...], capacity_per_rank: int) -> PDBackend
         info = pb.NodeInfo(role=pb.ROLE_DECODE, cp_size=cp, kv_capacity_tokens=cp * capacity_per_rank)
         registry.workers[(role, f"10.0.1.{i}:1")] = Worker(role, f"10.0.1.{i}:1", channel=None,
                                                            state=WorkerState.HEALTHY, info=info)
-    return PDBackend(registry, CacheAware(), CacheAware(), RouterOptions(disaggregation_threshold=24), 1 << 20,
-                     lookup=lambda tokens, salt: _held)
+    return PDBackend(registry, CacheAware(), CacheAware(), options, 1 << 20, lookup=lambda tokens, salt: _held)
 
 
 def _held(worker: Worker) -> CachedPrefix:
@@ -124,8 +129,9 @@ def _held(worker: Worker) -> CachedPrefix:
     return CachedPrefix(device=60) if worker.role is Role.DECODE else CachedPrefix()
 
 
-def _route(backend: PDBackend, prompt_tokens: int, max_tokens: int = 8) -> dict[str, object]:
-    request = _Request("r", list(range(prompt_tokens)), pb.SamplingOptions(max_tokens=max_tokens), NO_SCOPE, False)
+def _route(backend: PDBackend, prompt_tokens: int, max_tokens: int = 8, resumed: int = 0) -> dict[str, object]:
+    request = _Request("r", list(range(prompt_tokens)), pb.SamplingOptions(max_tokens=max_tokens), NO_SCOPE, False,
+                       resumed=resumed)
     backend._pick(request)
     return backend.routes[-1]
 
@@ -153,3 +159,19 @@ def test_a_cp_decode_node_prefills_cp_times_the_threshold_itself(cp: int) -> Non
     assert _route(backend, held + 24 * cp - 1)["path"] == ServedPath.DECODE_ONLY.value
     assert _route(backend, held + 24 * cp)["path"] == ServedPath.PREFILL_DECODE.value
     assert Disaggregation(24).limit(cp) == 24 * cp and Disaggregation(0).limit(cp) == 0
+
+
+def test_a_migrated_request_never_spills_to_its_decode_node() -> None:
+    """With the prefill node backed up (``--disaggregation-spill-priority 0``) a fresh request is
+    prefilled on the decode node; a migrated one still goes through the prefill node, since only the
+    PD path's ``Generate`` carries the text it continues (``resumed_tokens``)."""
+    backend = _cp_cluster((1,), 1 << 16, RouterOptions(disaggregation_threshold=24, disaggregation_spill_priority=0))
+    clock = ManualClock()
+    lane = backend.ttft.lanes["10.0.1.0:1"] = Lane(clock)  # the prefill node: 100 tokens/s, 10,000 ahead
+    lane.sent("measure", 0, 100)
+    clock.now = 1.0
+    lane.first_token("measure")
+    lane.sent("ahead", 0, 10_000)
+    prompt = 60 * PAGE + 200  # the decode node holds 60 pages: 200 tokens to compute there
+    assert _route(backend, prompt)["path"] == ServedPath.DECODE_ONLY.value and backend.spilled == 1
+    assert _route(backend, prompt, resumed=4)["path"] == ServedPath.PREFILL_DECODE.value and backend.spilled == 1

@@ -332,7 +332,7 @@ class PDBackend:
         if path is not ServedPath.DECODE_ONLY and not prefills:
             raise oa.APIError(503, "no healthy prefill worker", code="unavailable")
         prefill = self.prefill_policy.pick(prefills, lookup) if path is not ServedPath.DECODE_ONLY else None
-        if path is ServedPath.PREFILL_DECODE and self._spills(decode, prefill, request):
+        if path is ServedPath.PREFILL_DECODE and not request.resumed and self._spills(decode, prefill, request):
             path, prefill = ServedPath.DECODE_ONLY, None
             route |= {"path": path.value, "spilled": True}
             self.spilled += 1
@@ -350,7 +350,8 @@ class PDBackend:
 
     def _spills(self, decode: Worker, prefill: Worker, request: _Request) -> bool:
         """Whether the decode node prefills this prompt itself because the prefill nodes are backed up
-        (``--disaggregation-spill-priority``, ``TTFTView.spills``)."""
+        (``--disaggregation-spill-priority``, ``TTFTView.spills``); never a migrated request (the caller
+        checks: only the PD path's ``Generate`` carries ``resumed``)."""
         priority = request.sampling.priority
         return self.disaggregation.may_spill(priority) and \
             self.ttft.spills(decode, prefill, request.prompt, priority, request.scope.salt)
