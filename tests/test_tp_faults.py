@@ -32,7 +32,7 @@ from helpers.rank_servers import (
 from helpers.tiny_models import add_word_tokenizer, make_tiny_model
 
 from tierserve.cli.main import main
-from tierserve.core.test_hooks import JOIN_LAG
+from tierserve.core.test_hooks import JOIN_LAG, JOINED_LAG
 
 pytestmark = pytest.mark.integration
 DEATH_DEADLINE_S = 30.0
@@ -167,6 +167,19 @@ def test_a_rank_slow_while_the_groups_form_is_waited_for_past_the_dist_timeout(m
     ``join`` lag): still part of the start, so the node serves (CI failed once with rank 0's gloo
     connect given up after the 2 s collective timeout)."""
     faults = write_faults(tmp_path / "faults.json", lag={JOIN_LAG: HELD_FOR_S})
+    server = start_server(model, 2, tmp_path / "serve.log", "--dist-timeout", "2", env=node_env(faults))
+    try:
+        server.wait_healthy()
+        assert _stream_in_background(server).wait(60), "no token streamed"
+    finally:
+        server.stop()
+
+
+def test_a_rank_slow_to_build_its_engine_is_waited_for_past_the_dist_timeout(model: Path, tmp_path: Path) -> None:
+    """The groups formed, then rank 1 takes longer than --dist-timeout to reach its engine's first
+    collective (the test's ``joined`` lag): still the start, so the node serves (CI failed twice with
+    rank 0's pool agreement given up after the 2 s collective timeout, a rank stopped in that window)."""
+    faults = write_faults(tmp_path / "faults.json", lag={JOINED_LAG: HELD_FOR_S})
     server = start_server(model, 2, tmp_path / "serve.log", "--dist-timeout", "2", env=node_env(faults))
     try:
         server.wait_healthy()

@@ -30,6 +30,7 @@ class FaultSwitch(Enum):
 
 
 JOIN_LAG = "join"  # a ``lag_commands`` key: ranks 1..N-1 sleep after all ranks arrived, before the groups form
+JOINED_LAG = "joined"  # ... and this one: they sleep once the groups formed, before their engine's collectives
 
 
 def refuse_test_switches(config: Mapping[str, Any]) -> None:
@@ -50,8 +51,8 @@ def injected(switch: FaultSwitch) -> Any:
 
 
 def injected_lag(name: str) -> float:
-    """Seconds the tests' ``lag_commands`` switch gives ``name`` (a command's type name or ``JOIN_LAG``);
-    0 without it."""
+    """Seconds the tests' ``lag_commands`` switch gives ``name`` (a command's type name, ``JOIN_LAG``
+    or ``JOINED_LAG``); 0 without it."""
     return float((injected(FaultSwitch.LAG_COMMANDS) or {}).get(name, 0.0))
 
 

@@ -123,6 +123,7 @@ class Engine:
         self.prefill_tokens_computed = 0  # prompt tokens this engine computed (not taken from the cache)
         self.late_first_tokens = 0  # first tokens sampled after their request's deadline (``SamplingParams``)
         self._generate_ids = itertools.count()  # the same on every rank, as ids must be
+        self.ranks.started()  # the start's collectives are done: steps get --dist-timeout (docs/ranks.md)
         log.info("engine ready: model=%s device=%s dtype=%s kv_pages=%d page_size=%d rank=%d/%d stage=%d/%d "
                  "layers=%d-%d namespace=%s", model_dir.name, self.device, self.dtype, self.num_pages,
                  config.page_size, self.ranks.rank, self.ranks.size, self.ranks.pp.stage, self.ranks.pp.size,

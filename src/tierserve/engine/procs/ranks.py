@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from enum import Enum
 
@@ -23,7 +23,7 @@ import torch.distributed as dist
 from tierserve.cache.sharded.agreement import Agreement, CollectiveMin, SingleRank
 from tierserve.cache.sharded.cp_pages import PageOwnership
 from tierserve.cache.sharded.shards import HeadRange, KVShard, LayerRange
-from tierserve.core.test_hooks import JOIN_LAG, injected_lag
+from tierserve.core.test_hooks import JOIN_LAG, JOINED_LAG, injected_lag
 from tierserve.engine.config import EngineConfig
 from tierserve.engine.procs.rank_layout import RankLayout, RankPlace
 from tierserve.model.parallel import HeadShard, TensorParallel
@@ -69,6 +69,14 @@ class Ranks:
     cp: PageOwnership = field(default_factory=PageOwnership)
     cp_merge: dist.ProcessGroup | None = None  # CP: the merged attention's own group, not queued behind gathers
     cp_group: dist.ProcessGroup | None = None  # CP: the per-layer gathers' group
+    step_timeout_s: float | None = None  # --dist-timeout, given to every group by ``started`` (None: one rank)
+
+    def started(self) -> None:
+        """The engine on this rank is built: every collective from now on is a step's, bounded by
+        ``--dist-timeout``; those of the start (joining, the engine's agreements) had the start's
+        timeout, since a rank slow to start (a loaded machine) is not a frozen one."""
+        if self.step_timeout_s is not None:
+            _bound_collectives(self, timedelta(seconds=self.step_timeout_s))
 
     @property
     def layout(self) -> RankLayout:
@@ -161,7 +169,8 @@ def nccl_settings(timeout_s: float) -> dict[str, str]:
 def join(spec: RankSpec, config: EngineConfig, store: dist.Store | None = None) -> Ranks:
     """Joins the node's groups as ``spec.rank`` (rank 0 passes the store it hosts); returns the rank's
     view. Forming the groups is part of starting a rank, bounded by the start's timeout
-    (``_startup_timeout``); every collective after it by ``spec.timeout_s`` (``--dist-timeout``)."""
+    (``_startup_timeout``), and so are the engine's collectives while it is built; every collective
+    after that by ``spec.timeout_s`` (``--dist-timeout``), once the engine calls ``Ranks.started``."""
     device = pick_device(config.device, spec.rank, config.base_gpu_id)
     startup = _startup_timeout(spec.timeout_s)
     if store is None:
@@ -176,8 +185,9 @@ def join(spec: RankSpec, config: EngineConfig, store: dist.Store | None = None) 
         time.sleep(injected_lag(JOIN_LAG))
     dist.init_process_group(backend.value, store=store, rank=spec.rank, world_size=spec.size, timeout=startup)
     ranks = _join_groups(spec, config, device, backend, startup)
-    _bound_collectives(ranks, timedelta(seconds=spec.timeout_s))
-    return ranks
+    if spec.rank > 0:
+        time.sleep(injected_lag(JOINED_LAG))
+    return replace(ranks, step_timeout_s=spec.timeout_s)
 
 
 def _join_groups(spec: RankSpec, config: EngineConfig, device: torch.device, backend: Backend,
