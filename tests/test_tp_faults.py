@@ -162,24 +162,14 @@ def test_a_rank_slow_to_start_is_waited_for_past_the_dist_timeout(model: Path, t
         server.stop()
 
 
-def test_a_rank_slow_while_the_groups_form_is_waited_for_past_the_dist_timeout(model: Path, tmp_path: Path) -> None:
-    """Every rank arrived, then rank 1 takes longer than --dist-timeout to form the groups (the test's
-    ``join`` lag): still part of the start, so the node serves (CI failed once with rank 0's gloo
-    connect given up after the 2 s collective timeout)."""
-    faults = write_faults(tmp_path / "faults.json", lag={JOIN_LAG: HELD_FOR_S})
-    server = start_server(model, 2, tmp_path / "serve.log", "--dist-timeout", "2", env=node_env(faults))
-    try:
-        server.wait_healthy()
-        assert _stream_in_background(server).wait(60), "no token streamed"
-    finally:
-        server.stop()
-
-
-def test_a_rank_slow_to_build_its_engine_is_waited_for_past_the_dist_timeout(model: Path, tmp_path: Path) -> None:
-    """The groups formed, then rank 1 takes longer than --dist-timeout to reach its engine's first
-    collective (the test's ``joined`` lag): still the start, so the node serves (CI failed twice with
-    rank 0's pool agreement given up after the 2 s collective timeout, a rank stopped in that window)."""
-    faults = write_faults(tmp_path / "faults.json", lag={JOINED_LAG: HELD_FOR_S})
+@pytest.mark.parametrize("lag", [JOIN_LAG, JOINED_LAG], ids=["while-the-groups-form", "before-its-engine"])
+def test_a_rank_slow_later_in_its_start_is_waited_for_past_the_dist_timeout(model: Path, tmp_path: Path,
+                                                                            lag: str) -> None:
+    """Every rank arrived, then rank 1 takes longer than --dist-timeout to form the groups (``join``), or,
+    the groups formed, to reach its engine's first collective (``joined``): still the start, so the node
+    serves. CI failed once with rank 0's gloo connect given up after the 2 s collective timeout, and twice
+    with its pool agreement given up so, a rank stopped in the second window."""
+    faults = write_faults(tmp_path / "faults.json", lag={lag: HELD_FOR_S})
     server = start_server(model, 2, tmp_path / "serve.log", "--dist-timeout", "2", env=node_env(faults))
     try:
         server.wait_healthy()
