@@ -426,7 +426,9 @@ def test_with_a_node_token_only_its_holders_can_follow_the_events() -> None:
             "holder", page) == (2, 0))
         tree.insert([1, 2, 3, 4, 5, 6], [0, 1, 2])
         await _until(lambda: subs["holder"].index.match("holder", page_keys(SEED, [1, 2, 3, 4, 5, 6], PS)) == (3, 0))
-        assert asked == ["holder"]
+        # the holder may be asked twice: a subscription that reaches the publisher after batch 1 left
+        # (ZMQ's slow joiner, slower under CURVE) loses it, and the next heartbeat resynchronises
+        assert set(asked) == {"holder"}
         assert not subs["other"].index.is_synced("other") and not subs["plain"].index.is_synced("plain")
         for sub in subs.values():
             await sub.close()
