@@ -227,19 +227,20 @@ async def _run_constrained(prefill: str, decode: str, prompt: list[int], samplin
 # of two stages into two tensor ranks, and the packed draft's layers from two tensor ranks (through the
 # decode ranks' staging) into the last of two stages (rank 0 of which holds none of them); with CP (the draft's
 # pages owned as the target's): the packed draft's layers and the EAGLE head's sidecar rows (its feature plane
-# with them) each sent by their page's prefill owner, the sidecar's rows each into its decode owner's local slots;
+# with them) each sent by their page's prefill owner into a TP2xCP2 decode node (the owner's local slots of each
+# head shard), the sidecar's rows each into its decode owner's local slots;
 # EAGLE's ``auto`` from two stages into one rank: packed on both nodes (the head's layers on P's last stage only;
 # into two tensor ranks ``up`` makes it the sidecar on both, ``test_up_plan``, passed here once by hand)
 @pytest.mark.parametrize(("layout", "sizes"), [("packed", "--prefill-tp-size 2 --decode-tp-size 2"),
                                                ("sidecar", "--prefill-pp-size 2 --decode-tp-size 2"),
                                                ("eagle", "--prefill-tp-size 2 --decode-tp-size 2"),
                                                ("packed", "--prefill-tp-size 2 --decode-pp-size 2"),
-                                               ("packed", "--prefill-cp-size 2"),
+                                               ("packed", "--prefill-cp-size 2 --decode-tp-size 2 --decode-cp-size 2"),
                                                ("sidecar", "--decode-cp-size 2"),
-                                               ("eagle", "--prefill-cp-size 2"),
+                                               ("eagle", "--prefill-cp-size 2 --decode-tp-size 2 --decode-cp-size 2"),
                                                ("eagle-auto", "--prefill-pp-size 2")],
-                         ids=["packed-tp2-tp2", "sidecar-pp2-tp2", "eagle-tp2-tp2", "packed-tp2-pp2", "packed-cp2-1",
-                              "sidecar-1-cp2", "eagle-cp2-1", "eagle-packed-pp2-tp1"])
+                         ids=["packed-tp2-tp2", "sidecar-pp2-tp2", "eagle-tp2-tp2", "packed-tp2-pp2",
+                              "packed-cp2-tp2cp2", "sidecar-1-cp2", "eagle-cp2-tp2cp2", "eagle-packed-pp2-tp1"])
 def test_up_with_a_draft_equals_no_speculation(tiny: Path, drafts: dict[str, Path], eagle: dict[str, Path],
                                                layout: str, sizes: str) -> None:
     """``tierserve up`` (router, prefill node, decode node, of several ranks) with a draft of either
@@ -280,9 +281,11 @@ def _metrics_of(lines: list[str], child: str) -> str:
 
 
 @pytest.mark.slow
-def test_up_with_ngram_equals_no_speculation(tiny: Path, tmp_path: Path) -> None:
-    """``tierserve up --speculative-algorithm NGRAM`` (no draft model; the decode node, here of two
-    tensor ranks, looks up the prompt it was handed and its output): greedy outputs equal decoding
+@pytest.mark.parametrize("sizes", ["--decode-tp-size 2", "--decode-cp-size 2", "--decode-pp-size 2",
+                                   "--decode-tp-size 2 --decode-cp-size 2"], ids=["tp2", "cp2", "pp2", "tp2cp2"])
+def test_up_with_ngram_equals_no_speculation(tiny: Path, tmp_path: Path, sizes: str) -> None:
+    """``tierserve up --speculative-algorithm NGRAM`` (no draft model; the decode node, of several
+    ranks, looks up the prompt it was handed and its output): greedy outputs equal decoding
     without speculation and ``usage.speculative`` a single engine's counts, drafts accepted on
     prompts that repeat."""
     model = add_word_tokenizer(make_looping_model(tiny, tmp_path / "looping"), byte_level=True)
@@ -299,9 +302,15 @@ def test_up_with_ngram_equals_no_speculation(tiny: Path, tmp_path: Path) -> None
     port = free_port()
     with running_up(port, "--model", str(model), "--dtype", "float32", "--no-l3", "--page-size", str(PAGE),
                     "--chunked-prefill-size", str(CHUNK), "--max-total-tokens", "4096",
-                    "--speculative-algorithm", "NGRAM", "--decode-tp-size", "2"):
-        answers = asyncio.run(_complete_all(port, batch))
-        assert [ids_of(a["choices"][0]["logprobs"]["tokens"]) for a in answers] == plain
+                    "--speculative-algorithm", "NGRAM", *sizes.split()):
+        pp = "pp" in sizes  # no logprobs at pipeline stages yet: the text says the tokens
+        answers = asyncio.run(_complete_all(port, batch, logprobs=not pp))
+        assert all("choices" in a for a in answers), answers
+        if pp:
+            words = transformers.AutoTokenizer.from_pretrained(model)
+            assert [a["choices"][0]["text"] for a in answers] == [words.decode(ids) for ids in plain]
+        else:
+            assert [ids_of(a["choices"][0]["logprobs"]["tokens"]) for a in answers] == plain
         assert [a["usage"]["speculative"]["accepted_tokens"] for a in answers] == want
 
 
