@@ -229,7 +229,7 @@ async def _run_constrained(prefill: str, decode: str, prompt: list[int], samplin
 # pages owned as the target's): the packed draft's layers and the EAGLE head's sidecar rows (its feature plane
 # with them) each sent by their page's prefill owner into a TP2xCP2 decode node (the owner's local slots of each
 # head shard), the sidecar's rows each into its decode owner's local slots;
-# EAGLE's ``auto`` from two stages into one rank: packed on both nodes (the head's layers on P's last stage only;
+# EAGLE's ``auto`` from two stages into two stages: packed on both nodes (the head's layers on each last stage only;
 # into two tensor ranks ``up`` makes it the sidecar on both, ``test_up_plan``, passed here once by hand)
 @pytest.mark.parametrize(("layout", "sizes"), [("packed", "--prefill-tp-size 2 --decode-tp-size 2"),
                                                ("sidecar", "--prefill-pp-size 2 --decode-tp-size 2"),
@@ -238,9 +238,9 @@ async def _run_constrained(prefill: str, decode: str, prompt: list[int], samplin
                                                ("packed", "--prefill-cp-size 2 --decode-tp-size 2 --decode-cp-size 2"),
                                                ("sidecar", "--decode-cp-size 2"),
                                                ("eagle", "--prefill-cp-size 2 --decode-tp-size 2 --decode-cp-size 2"),
-                                               ("eagle-auto", "--prefill-pp-size 2")],
+                                               ("eagle-auto", "--prefill-pp-size 2 --decode-pp-size 2")],
                          ids=["packed-tp2-tp2", "sidecar-pp2-tp2", "eagle-tp2-tp2", "packed-tp2-pp2",
-                              "packed-cp2-tp2cp2", "sidecar-1-cp2", "eagle-cp2-tp2cp2", "eagle-packed-pp2-tp1"])
+                              "packed-cp2-tp2cp2", "sidecar-1-cp2", "eagle-cp2-tp2cp2", "eagle-packed-pp2-pp2"])
 def test_up_with_a_draft_equals_no_speculation(tiny: Path, drafts: dict[str, Path], eagle: dict[str, Path],
                                                layout: str, sizes: str) -> None:
     """``tierserve up`` (router, prefill node, decode node, of several ranks) with a draft of either
