@@ -38,6 +38,7 @@ COPY_PAGES = hicache.copy_pages
 
 SHOWN_PAGES = 6  # what rank 1's faulty store admits to, or reads
 TIMEOUT_S = 30.0  # every collective's, and the deadline of each rank's loop
+CONTROL_TIMEOUT_S = 6.0  # the negative controls': their diverged ranks wait this out, and they only have to fail
 LAG_S = 5.0  # rank 1's delay before each read call: far past the prefetch timeout below
 # fault -> (rank 1's fault, prefetch policy, pages every rank must take from L3)
 FAULTS = {"exists": ({"ranks": [1], "exists_cap": SHOWN_PAGES}, PrefetchPolicy.WAIT_COMPLETE, SHOWN_PAGES),
@@ -45,19 +46,19 @@ FAULTS = {"exists": ({"ranks": [1], "exists_cap": SHOWN_PAGES}, PrefetchPolicy.W
           "lags": ({"ranks": [1], "get_delay_s": LAG_S}, PrefetchPolicy.TIMEOUT, 0)}
 LAYOUTS = {"tp2": {"tp_size": 2}, "cp2": {"cp_size": 2}}  # -> EngineConfig sizes
 # (layout, fault, agreed): every fault at TP 2; CP 2's reads failing (lagging reads take the TP path: the
-# prefetch timeout); a negative control of each layout (CP's waits out a collective timeout: ~50 s)
+# prefetch timeout); a negative control of each layout (CP's waits out a collective timeout)
 CASES = [*(("tp2", f, True) for f in sorted(FAULTS)), ("tp2", "exists", False),
          ("cp2", "reads", True), ("cp2", "exists", False)]
 
 
-def _config(model: Path, master: str, layout: str, policy: PrefetchPolicy = PrefetchPolicy.WAIT_COMPLETE
-            ) -> EngineConfig:
+def _config(model: Path, master: str, layout: str, policy: PrefetchPolicy = PrefetchPolicy.WAIT_COMPLETE,
+            timeout_s: float = TIMEOUT_S) -> EngineConfig:
     l3 = {"master_server_address": master, "global_segment_size": 32 << 20, "local_buffer_size": 8 << 20,
           "prefetch_threshold": 2 * PAGE, "prefetch_timeout_base": 0.5, "prefetch_timeout_per_ki_token": 0.0}
     hicache = HiCacheOptions(storage_backend="mooncake", storage_config=l3, prefetch_policy=policy)
     return EngineConfig(model, device="cpu", dtype="float32", page_size=PAGE, max_total_tokens=512,
                         chunked_prefill_size=16, enable_hierarchical_cache=True, hicache=hicache,
-                        dist_timeout_s=TIMEOUT_S, **LAYOUTS[layout])
+                        dist_timeout_s=timeout_s, **LAYOUTS[layout])
 
 
 def _from_l3(layout: str, fault: str) -> int:
@@ -70,13 +71,14 @@ def _from_l3(layout: str, fault: str) -> int:
 
 def _rank(rank: int, port: int, model: str, master: str, layout: str, fault: str, skip: bool, out: str) -> None:
     store = dist.TCPStore(HOST, port, 2, is_master=True, wait_for_workers=False) if rank == 0 else None
-    config = _config(Path(model), master, layout)
-    ranks = join(RankSpec(rank, 2, port, TIMEOUT_S), config, store)
+    timeout_s = CONTROL_TIMEOUT_S if skip else TIMEOUT_S
+    config = _config(Path(model), master, layout, timeout_s=timeout_s)
+    ranks = join(RankSpec(rank, 2, port, timeout_s), config, store)
     writer = Engine(config, ranks=ranks)  # its segment holds the pages
     cold, _ = run_agreed(writer, "cold", PROMPT, count_failures=True)
     faults, policy, _ = FAULTS[fault]
     inject_here(Path(f"{out}.faults.json"), faults, skip)  # the reader's alone: built after this
-    reader = Engine(_config(Path(model), master, layout, policy), ranks=ranks)
+    reader = Engine(_config(Path(model), master, layout, policy, timeout_s), ranks=ranks)
     warm, tiers = run_agreed(reader, "warm", PROMPT, count_failures=True)
     tree = tree_of(reader)
     flushed = reader.cache.flush(True, True)  # every rank at the same point, as the step bus makes them
