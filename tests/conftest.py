@@ -14,7 +14,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# One compute thread per process: `make test` runs two workers on two cores, each starting nodes of
+# One compute thread per process: `make test` runs three workers on two cores, each starting nodes of
 # their own, so the cores are always oversubscribed, and torch's OpenMP threads then spin at every
 # parallel region waiting for a sibling that is not running (a 135M model's 16 tokens took 20 s of
 # CPU instead of 2). Set before torch is imported; node processes the tests start inherit it
@@ -27,8 +27,8 @@ from helpers.tiny_models import FAMILIES, add_word_tokenizer, make_tiny_model
 
 from tierserve.cache.storage.mooncake import MooncakeStorage
 
-# `make test` runs the files on two workers (pytest-xdist, a whole file each), longest first, so that no
-# long file starts last and runs alone while the other worker idles. By time taken in a full run
+# `make test` runs the files on three workers (pytest-xdist, a whole file each), longest first, so that no
+# long file starts last and runs alone while the other workers idle. By time taken in a full run
 # (pytest --durations=0, summed per file; those under ~40 s keep collection order after these).
 LONGEST_FIRST = (
     "test_rank_hicache", "test_pd_ranks", "test_pp_serve", "test_cp_long", "test_router", "test_cp_pd",
