@@ -82,6 +82,7 @@ def _run_cli(argv: list[str], log: str, append: bool, env: dict[str, str], cwd: 
 
     os.environ.clear()
     os.environ.update(env)
+    _thread_count(env)
     os.chdir(cwd)
     _redirect_output(log, append)
     sys.argv = ["tierserve", *argv]
@@ -89,6 +90,16 @@ def _run_cli(argv: list[str], log: str, append: bool, env: dict[str, str], cwd: 
         runpy.run_module("tierserve.cli", run_name="__main__", alter_sys=True)
     finally:
         atexit._run_exitfuncs()
+
+
+def _thread_count(env: dict[str, str]) -> None:
+    """torch read ``OMP_NUM_THREADS`` once, in the forkserver, with the environment of the first process
+    started: a child whose own says otherwise (a benchmark's node of two threads beside one of one) gets its
+    count as a fresh process would (unset: one per core, torch's default here)."""
+    import torch
+
+    threads = env.get("OMP_NUM_THREADS", "")
+    torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0 else os.cpu_count() or 1)
 
 
 def _redirect_output(log: str, append: bool) -> None:

@@ -125,9 +125,10 @@ class Engine:
         self._generate_ids = itertools.count()  # the same on every rank, as ids must be
         self.ranks.started()  # the start's collectives are done: steps get --dist-timeout (docs/ranks.md)
         log.info("engine ready: model=%s device=%s dtype=%s kv_pages=%d page_size=%d rank=%d/%d stage=%d/%d "
-                 "layers=%d-%d namespace=%s", model_dir.name, self.device, self.dtype, self.num_pages,
+                 "layers=%d-%d namespace=%s threads=%d", model_dir.name, self.device, self.dtype, self.num_pages,
                  config.page_size, self.ranks.rank, self.ranks.size, self.ranks.pp.stage, self.ranks.pp.size,
-                 self.model.layer_ids.start, self.model.layer_ids.stop - 1, self.namespace.digest())
+                 self.model.layer_ids.start, self.model.layer_ids.stop - 1, self.namespace.digest(),
+                 torch.get_num_threads())
 
     @property
     def eos_ids(self) -> set[int]:
