@@ -1,6 +1,7 @@
 """Speculative decoding survives a migration (issue 32 item 3, docs/migration.md): a draft whose
-KV rows need the sidecar layout (its own pool, its own L3 objects) on a prefill node of one rank and
-two decode nodes: a STANDALONE draft on decode nodes of one rank, and an EAGLE head (its rows and the
+KV rows need the sidecar layout (its own pool, its own L3 objects), or one packed into the target's pages,
+on a prefill node of one rank and two decode nodes: a STANDALONE draft of either layout on decode nodes of
+one rank, and an EAGLE head (its rows and the
 target's hidden states it reads) on decode nodes of two tensor ranks (each holding and backing up the
 replicated head's rows, which the prefill node reads whole: L3 across TP sizes). Greedy streams lose
 their decode node (SIGKILL) mid-stream and continue on the spare, re-prefilled from L3, where the
@@ -44,20 +45,24 @@ GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
-    """By algorithm, the target and its draft: the word-tokenizer llama with a draft agreeing with it
-    often, its KV heads doubled (sidecar); the EAGLE target with a head that mimics its layer."""
+    """By setup kind, the target and its draft: the word-tokenizer llama with a draft agreeing with it
+    often, its KV heads doubled (sidecar), or as they are (packed: its rows in the target's pages, so
+    its L3 objects too); the EAGLE target with a head that mimics its layer."""
     root = tmp_path_factory.mktemp("spec-migration")
     target = model_with_words(root / "target")
     eagle = add_word_tokenizer(make_eagle_target(root / "eagle", layers=1), byte_level=True)
     return {"standalone": (target, widen_kv_heads(make_noisy_draft(target, root / "draft", 0.03))),
+            "packed": (target, make_noisy_draft(target, root / "packed", 0.03)),
             "eagle": (eagle, make_mimic_eagle(eagle, root / "head", 0.1))}
 
 
 # the algorithm and the decode nodes' flags; EAGLE's sidecar on every node (its ``auto`` would pack it on the
 # prefill node of one rank: another KV namespace)
 SETUPS = {"standalone-decode-tp1": ("standalone", ()),
+          "standalone-packed-decode-tp1": ("packed", ()),
           "eagle-decode-tp2": ("eagle", ("--tp-size", "2"))}
-SPEC_FLAGS = {"standalone": (), "eagle": ("--speculative-algorithm", "EAGLE", "--speculative-draft-layout", "sidecar")}
+SPEC_FLAGS = {"standalone": (), "packed": ("--speculative-draft-layout", "packed"),
+              "eagle": ("--speculative-algorithm", "EAGLE", "--speculative-draft-layout", "sidecar")}
 
 
 @pytest.fixture(scope="module", params=list(SETUPS))
