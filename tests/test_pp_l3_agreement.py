@@ -19,6 +19,7 @@ from helpers.rank_agreement import (
     PAGE,
     PROMPT,
     assert_same_tree_every_step,
+    collective_timeout_s,
     digest,
     holds_only_with_the_agreement,
     rank_reports,
@@ -36,7 +37,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 STAGES = 2
 TIMEOUT_S = 20.0  # every collective's
-CONTROL_TIMEOUT_S = 6.0  # the negative control's: its diverged stages wait this out, and it only has to fail
 # stage 1's store: shows 6 of the prompt's 17 pages and reads slowly, or fails reads past 5 pages
 FAULTS = {"short_and_slow": ({"exists_cap": 6, "get_delay_s": 0.3}, 6), "failing": ({"get_cap": 5}, 5)}
 CASES = [*((f, True) for f in sorted(FAULTS)), ("failing", False)]  # (fault, agreed): one negative control
@@ -55,7 +55,7 @@ def _config(model: Path, master: str, timeout_s: float) -> EngineConfig:
 def _stage(rank: int, port: int, model: str, master: str, faults: dict, skip: bool, out: str) -> None:
     store = dist.TCPStore(HOST, port, STAGES, is_master=True, wait_for_workers=False) if rank == 0 else None
     inject_here(Path(f"{out}.faults.json"), {"ranks": [1], **faults}, skip)  # before the engine reads them
-    timeout_s = CONTROL_TIMEOUT_S if skip else TIMEOUT_S
+    timeout_s = collective_timeout_s(TIMEOUT_S, skip)
     config = _config(Path(model), master, timeout_s)
     engine = Engine(config, ranks=join(RankSpec(rank, STAGES, port, timeout_s), config, store))
     digests: list[str] = []

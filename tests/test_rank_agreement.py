@@ -18,6 +18,7 @@ from helpers.processes import MasterProcess
 from helpers.rank_agreement import (
     PAGE,
     PROMPT,
+    collective_timeout_s,
     holds_only_with_the_agreement,
     rank_reports,
     report_and_leave,
@@ -38,7 +39,6 @@ COPY_PAGES = hicache.copy_pages
 
 SHOWN_PAGES = 6  # what rank 1's faulty store admits to, or reads
 TIMEOUT_S = 30.0  # every collective's, and the deadline of each rank's loop
-CONTROL_TIMEOUT_S = 6.0  # the negative controls': their diverged ranks wait this out, and they only have to fail
 LAG_S = 5.0  # rank 1's delay before each read call: far past the prefetch timeout below
 # fault -> (rank 1's fault, prefetch policy, pages every rank must take from L3)
 FAULTS = {"exists": ({"ranks": [1], "exists_cap": SHOWN_PAGES}, PrefetchPolicy.WAIT_COMPLETE, SHOWN_PAGES),
@@ -71,7 +71,7 @@ def _from_l3(layout: str, fault: str) -> int:
 
 def _rank(rank: int, port: int, model: str, master: str, layout: str, fault: str, skip: bool, out: str) -> None:
     store = dist.TCPStore(HOST, port, 2, is_master=True, wait_for_workers=False) if rank == 0 else None
-    timeout_s = CONTROL_TIMEOUT_S if skip else TIMEOUT_S
+    timeout_s = collective_timeout_s(TIMEOUT_S, skip)
     config = _config(Path(model), master, layout, timeout_s=timeout_s)
     ranks = join(RankSpec(rank, 2, port, timeout_s), config, store)
     writer = Engine(config, ranks=ranks)  # its segment holds the pages

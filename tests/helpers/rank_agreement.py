@@ -19,6 +19,7 @@ from tierserve.engine.procs.ranks import leave
 from tierserve.launch import free_port
 
 PAGE = 4
+CONTROL_TIMEOUT_S = 6.0  # a negative control's collectives: its diverged ranks wait this out, and it only has to fail
 PROMPT = torch.randint(2, 384, (70,), generator=torch.Generator().manual_seed(5)).tolist()  # 17 full pages
 
 
@@ -102,6 +103,11 @@ def assert_same_tree_every_step(first: dict, second: dict) -> None:
     assert len(first["digests"]) == len(second["digests"])
     for step, (a, b) in enumerate(zip(first["digests"], second["digests"], strict=True)):
         assert a == b, f"the stages' trees differ after step {step}"
+
+
+def collective_timeout_s(timeout_s: float, agreement_off: bool) -> float:
+    """The ranks' collective timeout: ``timeout_s``, or ``CONTROL_TIMEOUT_S`` for a negative control."""
+    return CONTROL_TIMEOUT_S if agreement_off else timeout_s
 
 
 def holds_only_with_the_agreement(agreed: bool, check: Callable[[], None]) -> None:
