@@ -1,5 +1,5 @@
 """Speculation at several ranks (docs/speculative.md, layouts): ``tierserve serve`` (real rank processes
-over gloo) with NGRAM at PP 2, CP 2 and TP 2 x CP 2, with a STANDALONE draft model at TP 2, PP 2 and CP 2
+over gloo) with NGRAM at TP 2, PP 2, CP 2 and TP 2 x CP 2, with a STANDALONE draft model at TP 2, PP 2 and CP 2
 (its KV packed into the target's pools, or in a sidecar pool; at CP owned as the target's pages), at
 TP 2 x CP 2 (sidecar) and PP 2 x CP 2 (packed), and with an EAGLE head at TP 2 (its rows in a sidecar), PP 2
 (packed, on the last stage, which copies the target's embedding), TP 2 x PP 2 (sidecar, replicated on the
@@ -9,8 +9,7 @@ concurrent batch through the OpenAI API with the greedy tokens of no speculation
 some rejected). With a draft model also: the batch again, its prefixes now cached with their draft
 rows, gives the same counts, and so does a prompt followed by its answer (the answer's pages cached);
 a seeded sampled request draws the single engine's tokens. At CP 2 a long prompt's split step gives the
-single engine's answer and counts, with NGRAM and with a draft model whose own pass splits. NGRAM at TP 2
-alone is the decode node of ``tests/test_speculative_pd.py``'s ``tierserve up`` test (one cluster fewer)."""
+single engine's answer and counts, with NGRAM and with a draft model whose own pass splits."""
 
 from __future__ import annotations
 
@@ -50,7 +49,7 @@ CP_L2 = ("--enable-hierarchical-cache", "--max-total-tokens", "96")
 # the TP 2 x CP 2 and PP 2 x CP 2 drafts have CP_L2's HiCache, so their batch comes back from L1 and from L2;
 # cp2 and cp2-standalone-packed: chunks of 512, so a long prompt's step splits (``test_a_split_step_under_...``;
 # the batch's prompts take one chunk but equal the single engine's with chunks of 16)
-LAYOUTS = {"pp2": (1, ("--pp-size", "2"), NGRAM),
+LAYOUTS = {"tp2": (2, (), NGRAM), "pp2": (1, ("--pp-size", "2"), NGRAM),
            "cp2": (1, ("--cp-size", "2", "--chunked-prefill-size", "512"), NGRAM),
            "tp2-cp2": (2, ("--cp-size", "2"), NGRAM), "tp2-standalone-packed": (2, (), "packed"),
            "tp2-standalone-sidecar": (2, L2, "sidecar"), "pp2-standalone-packed": (1, ("--pp-size", "2"), "packed"),
