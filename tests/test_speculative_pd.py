@@ -230,7 +230,8 @@ async def _run_constrained(prefill: str, decode: str, prompt: list[int], samplin
 # with them) each sent by their page's prefill owner into a TP2xCP2 decode node (the owner's local slots of each
 # head shard), the sidecar's rows each into its decode owner's local slots;
 # EAGLE's ``auto`` from two stages into two stages: packed on both nodes (the head's layers on each last stage only;
-# into two tensor ranks ``up`` makes it the sidecar on both, ``test_up_plan``, passed here once by hand)
+# into two tensor ranks ``up`` makes it the sidecar on both, ``test_up_plan``, passed here once by hand); and
+# one rank on both nodes (the sidecar draft, the EAGLE head)
 @pytest.mark.parametrize(("layout", "sizes"), [("packed", "--prefill-tp-size 2 --decode-tp-size 2"),
                                                ("sidecar", "--prefill-pp-size 2 --decode-tp-size 2"),
                                                ("eagle", "--prefill-tp-size 2 --decode-tp-size 2"),
@@ -238,9 +239,11 @@ async def _run_constrained(prefill: str, decode: str, prompt: list[int], samplin
                                                ("packed", "--prefill-cp-size 2 --decode-tp-size 2 --decode-cp-size 2"),
                                                ("sidecar", "--decode-cp-size 2"),
                                                ("eagle", "--prefill-cp-size 2 --decode-tp-size 2 --decode-cp-size 2"),
-                                               ("eagle-auto", "--prefill-pp-size 2 --decode-pp-size 2")],
+                                               ("eagle-auto", "--prefill-pp-size 2 --decode-pp-size 2"),
+                                               ("sidecar", ""), ("eagle", "")],
                          ids=["packed-tp2-tp2", "sidecar-pp2-tp2", "eagle-tp2-tp2", "packed-tp2-pp2",
-                              "packed-cp2-tp2cp2", "sidecar-1-cp2", "eagle-cp2-tp2cp2", "eagle-packed-pp2-pp2"])
+                              "packed-cp2-tp2cp2", "sidecar-1-cp2", "eagle-cp2-tp2cp2", "eagle-packed-pp2-pp2",
+                              "sidecar-1-1", "eagle-1-1"])
 def test_up_with_a_draft_equals_no_speculation(tiny: Path, drafts: dict[str, Path], eagle: dict[str, Path],
                                                layout: str, sizes: str) -> None:
     """``tierserve up`` (router, prefill node, decode node, of several ranks) with a draft of either
@@ -281,11 +284,11 @@ def _metrics_of(lines: list[str], child: str) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sizes", ["--decode-tp-size 2", "--decode-cp-size 2", "--decode-pp-size 2",
-                                   "--decode-tp-size 2 --decode-cp-size 2"], ids=["tp2", "cp2", "pp2", "tp2cp2"])
+@pytest.mark.parametrize("sizes", ["", "--decode-tp-size 2", "--decode-cp-size 2", "--decode-pp-size 2",
+                                   "--decode-tp-size 2 --decode-cp-size 2"], ids=["1", "tp2", "cp2", "pp2", "tp2cp2"])
 def test_up_with_ngram_equals_no_speculation(tiny: Path, tmp_path: Path, sizes: str) -> None:
-    """``tierserve up --speculative-algorithm NGRAM`` (no draft model; the decode node, of several
-    ranks, looks up the prompt it was handed and its output): greedy outputs equal decoding
+    """``tierserve up --speculative-algorithm NGRAM`` (no draft model; the decode node, of one rank or
+    several, looks up the prompt it was handed and its output): greedy outputs equal decoding
     without speculation and ``usage.speculative`` a single engine's counts, drafts accepted on
     prompts that repeat."""
     model = add_word_tokenizer(make_looping_model(tiny, tmp_path / "looping"), byte_level=True)
