@@ -11,7 +11,7 @@ WHEELS=(fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic_core==2.50.
         annotated-doc typing-inspection==0.4.5 typing_extensions==4.16.0 uvicorn==0.54.0 anyio==4.16.0
         pyzmq==27.3.0 grpcio==1.85.3 grpcio-health-checking==1.85.1 protobuf==7.36.2 gguf
         openai==3.57.0 jiter==0.19.0 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 sniffio==1.3.1
-        nvidia-cuda-runtime-cu12 mooncake-transfer-engine==0.3.13.post1)
+        llguidance==1.9.1 opentelemetry-api==1.45.2 importlib-metadata nvidia-cuda-runtime-cu12 mooncake-transfer-engine==0.3.13.post1)
 UNUSED=(libmooncake_pg.so transfer_engine_bench libmooncake_ep_device.so mooncake_client 'pg_*.so' '_ep*.so'
         libmooncake_pg_device.so)
 

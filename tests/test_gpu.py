@@ -135,22 +135,27 @@ def test_cuda_handoff_between_tp_sizes_through_staging(p: tuple[str, int], d: tu
 
 
 def test_cuda_structured_outputs_match_cpu(tmp_path: Path) -> None:
-    """The grammar's bitmask applied on the device: constrained greedy outputs equal the CPU's."""
+    """The grammar's bitmask applied on the device: constrained greedy outputs equal the CPU's, and
+    each is the schema's JSON (a byte tokenizer: the GPU machine has no built-in model)."""
     import json
 
-    from helpers.tiny_models import BUILTIN_VOCAB, add_builtin_tokenizer, make_tiny_model
+    from helpers.tiny_models import add_byte_tokenizer, make_tiny_model
+    from tokenizers import Tokenizer
 
     from tierserve.core.constraint import Constraint, ConstraintKind
 
-    model = add_builtin_tokenizer(make_tiny_model("qwen3", tmp_path / "qwen3", vocab_size=BUILTIN_VOCAB))
-    schema = {"type": "object", "properties": {"a": {"type": "integer", "maximum": 999}}, "required": ["a"]}
+    model = add_byte_tokenizer(make_tiny_model("qwen3", tmp_path / "qwen3"))
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "maximum": 999}}, "required": ["a"],
+              "additionalProperties": False}
     params = SamplingParams(max_tokens=24, temperature=0,
                             constraint=Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(schema)))
-    prompts = [[5, 6, 7], [100, 200, 300, 400]]
+    prompts = [[5, 6, 7], [100, 200, 300, 40]]
     engines = [Engine(EngineConfig(model, device=d, dtype="float32", page_size=16, max_total_tokens=2048))
                for d in ("cpu", "cuda")]
     cpu, cuda = (e.generate(prompts, params) for e in engines)
     assert cuda == cpu
+    tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
+    assert all(set(json.loads(tokenizer.decode(out))) == {"a"} for out in cuda)
 
 
 def test_a_cuda_rank_joins_nccl_with_the_node_fault_settings(tiny_llama: Path) -> None:
@@ -170,3 +175,27 @@ def test_a_cuda_rank_joins_nccl_with_the_node_fault_settings(tiny_llama: Path) -
         assert total.tolist() == [1.0] * 4
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("algorithm", ["EAGLE", "NGRAM"])
+def test_cuda_speculation_keeps_the_cpu_greedy_output(tmp_path: Path, algorithm: str) -> None:
+    """Drafting and verifying on the device (the head's features, the lookup's tokens, the accepted
+    rows' KV) leave greedy output equal to the CPU engine without speculation, with drafts accepted."""
+    from helpers.engine_runs import assert_no_pages_held, spread_prompts
+    from helpers.tiny_models import make_eagle_target, make_looping_model, make_mimic_eagle
+
+    from tierserve.engine.config import SpeculativeAlgorithm
+
+    target = make_eagle_target(tmp_path / "target")
+    spec = {"speculative_algorithm": SpeculativeAlgorithm[algorithm], "speculative_num_steps": 3}
+    if algorithm == "EAGLE":
+        spec["speculative_draft_model_path"] = make_mimic_eagle(target, tmp_path / "head", 0.1)
+    else:
+        target = make_looping_model(target, tmp_path / "looping")
+    prompts, params = spread_prompts(4, 12, seed=3), SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    config = {"dtype": "float32", "page_size": 4, "max_total_tokens": 2048}
+    want = Engine(EngineConfig(target, device="cpu", **config)).generate(prompts, params)
+    cuda = Engine(EngineConfig(target, device="cuda", chunked_prefill_size=8, **config, **spec))
+    assert cuda.generate(prompts, params) == want
+    assert cuda.spec.counters.accepted_tokens > 0
+    assert_no_pages_held(cuda)

@@ -70,6 +70,21 @@ def add_word_tokenizer(model_dir: Path, vocab_size: int = 384, byte_level: bool 
     return model_dir
 
 
+def add_byte_tokenizer(model_dir: Path) -> Path:
+    """Gives a tiny model a byte-level tokenizer with no merges: ids 0 and 1 are ``<s>`` and ``</s>``
+    (the tiny config's BOS and EOS), id 2 + b the byte b. It spells any text one byte a token, so
+    a JSON grammar runs on a tiny model without the built-in model's package (a GPU machine has none)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tokenizer = Tokenizer(models.BPE({"<s>": 0, "</s>": 1} | {c: 2 + i for i, c in enumerate(alphabet)}, []))
+    tokenizer.add_special_tokens([AddedToken("<s>", special=True), AddedToken("</s>", special=True)])
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.save(str(model_dir / "tokenizer.json"))
+    return model_dir
+
+
 # A regex over a byte-level word vocabulary (``add_word_tokenizer(byte_level=True)``): 400 words of
 # w2-w99, never complete within a test's tokens (no EOS). llguidance tokenizes the bytes every
 # continuation shares ("forced") with the model's tokenizer, which cannot spell " w" alone: the
