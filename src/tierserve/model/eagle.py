@@ -7,13 +7,22 @@ norm), no final norm, then the LM head. The embedding and the head are the targe
 checkpoint has its own (``embed_tokens.weight``, ``lm_head.weight``); tensor names may carry a
 ``model.`` prefix. The feature is the target's final hidden state (after its norm), as SGLang and
 vLLM capture it. On a last pipeline stage, which holds the target's LM head but not its embedding
-(unless tied), the head loads its own copy of the target's embedding from the target's checkpoint."""
+(unless tied), the head loads its own copy of the target's embedding from the target's checkpoint.
+
+The EAGLE-3 layout as SGLang's ``LlamaForCausalLMEagle3`` and vLLM's ``Eagle3LlamaForCausalLM`` load it:
+``fc`` maps three of the target's residual streams (entering the layers ``capture_layers`` names) [3H]
+to H; one decoder layer, ``midlayer``, whose attention reads concat(input_layernorm(embed(token)),
+hidden_norm(h)) [2H] with h as the residual; a final ``norm``; an LM head over ``draft_vocab_size``
+tokens whose ids ``d2t`` maps to the target's (target = draft + d2t[draft]). A chain step past the first
+feeds the head's own output (before its norm), which is H wide and skips ``fc``."""
 
 from __future__ import annotations
 
 import json
 import math
 from collections.abc import Iterator
+from dataclasses import dataclass
+from enum import Enum
 from itertools import chain, islice
 from pathlib import Path
 
@@ -24,20 +33,53 @@ from torch import nn
 from tierserve.core.model_config import ModelConfig
 from tierserve.model.attention import AttentionBatch, KVStore
 from tierserve.model.draft import write_model_folder
-from tierserve.model.layers import ColumnParallelLinear, Embedding, copy_whole
-from tierserve.model.llama import CausalLM, DecoderLayer
+from tierserve.model.layers import ColumnParallelLinear, Embedding, GatedMLP, RMSNorm, copy_whole
+from tierserve.model.llama import CausalLM, DecoderLayer, RopeTables, SelfAttention
 from tierserve.model.loader import checkpoint_tensors, parameter_target
 from tierserve.model.parallel import TensorParallel
 from tierserve.model.rope import RotaryEmbedding
 
 EAGLE_ARCHITECTURE = "LlamaForCausalLMEagle"
+EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
 _OWN = ("embed_tokens.weight", "lm_head.weight")
 
 
-def feature_layers(hidden_size: int, num_kv_heads: int, head_dim: int) -> int:
-    """KV layers of the head's pool that hold one target hidden state per slot (its K and V rows
+class EagleLayout(Enum):
+    """The published checkpoint layouts (docs/speculative.md, EAGLE)."""
+
+    EAGLE1 = "eagle1"
+    EAGLE3 = "eagle3"
+
+
+@dataclass(frozen=True)
+class EagleSpec:
+    """What a head's folder says about it: its ``layout``, the tensors it brings of its own
+    (embedding, LM head), whether ``fc`` has a bias, and for EAGLE-3 the target layers whose inputs
+    it reads (``capture``, ``CausalLM.capture_inputs``) and the draft vocabulary's size."""
+
+    config: ModelConfig
+    layout: EagleLayout
+    own: frozenset[str]
+    fc_bias: bool
+    capture: tuple[int, ...] = ()
+    draft_vocab: int | None = None
+
+    @property
+    def feature_width(self) -> int:
+        """The width of one feature row the target hands the head: its final hidden state
+        (EAGLE-1) or the captured residual streams side by side (EAGLE-3)."""
+        return self.config.hidden_size * max(1, len(self.capture))
+
+    @property
+    def plane_layers(self) -> int:
+        """KV layers of the head's pool that hold its features (``feature_layers``)."""
+        return feature_layers(self.feature_width, self.config.num_kv_heads, self.config.head_dim)
+
+
+def feature_layers(width: int, num_kv_heads: int, head_dim: int) -> int:
+    """KV layers of the head's pool that hold one feature row of ``width`` per slot (its K and V rows
     side by side): the feature plane (``engine/spec/eagle.py``)."""
-    return math.ceil(hidden_size / (2 * num_kv_heads * head_dim))
+    return math.ceil(width / (2 * num_kv_heads * head_dim))
 
 
 class EagleHead(nn.Module):
@@ -78,23 +120,100 @@ class EagleHead(nn.Module):
         return F.linear(hidden, self.lm_head.weight).float()
 
 
-def eagle_config(draft_dir: Path) -> tuple[ModelConfig, set[str], bool]:
-    """The head's shapes, the tensors it brings of its own (embedding, LM head) and whether ``fc``
-    has a bias, read from ``draft_dir``'s config.json and tensor names."""
+class Eagle3Layer(nn.Module):
+    """EAGLE-3's decoder layer (``midlayer``): attention reads the normed token embedding and the
+    normed hidden input side by side [2H]; the hidden input is the residual."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        hidden, tp = cfg.hidden_size, TensorParallel()
+        self.input_layernorm = RMSNorm(hidden, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(hidden, cfg.rms_norm_eps)
+        self.self_attn = SelfAttention(cfg, layer_id, tp, in_features=2 * hidden)
+        self.post_attention_layernorm = RMSNorm(hidden, cfg.rms_norm_eps)
+        self.mlp = GatedMLP(hidden, cfg.intermediate_size, cfg.mlp_bias, tp)
+
+    def forward(self, rope: RopeTables, embed: torch.Tensor, x: torch.Tensor, batch: AttentionBatch,
+                kv: KVStore) -> torch.Tensor:
+        h = torch.cat([self.input_layernorm(embed), self.hidden_norm(x)], dim=-1)
+        x = x + self.self_attn(rope, h, batch, kv)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Eagle3Head(nn.Module):
+    """An EAGLE-3 head (module docstring), the same contract as ``EagleHead``: ``forward`` returns
+    its output before the final norm (what a chain step feeds back), ``logits`` the target's
+    vocabulary's (a draft vocabulary's ids mapped by ``d2t``; the tokens outside it -inf)."""
+
+    def __init__(self, spec: EagleSpec, first_layer: int, target: CausalLM) -> None:
+        super().__init__()
+        cfg = spec.config
+        self.config, self.__dict__["target"] = cfg, target
+        hidden, tp = cfg.hidden_size, TensorParallel()
+        embeds = "embed_tokens.weight" in spec.own or target.embed_tokens is None
+        self.embed_tokens = Embedding(cfg.vocab_size, hidden) if embeds else None
+        self.fc = nn.Linear(spec.feature_width, hidden, bias=spec.fc_bias)
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position, cfg.rope_scaling)
+        self.midlayer = Eagle3Layer(cfg, first_layer)
+        self.norm = RMSNorm(hidden, cfg.rms_norm_eps)
+        vocab = spec.draft_vocab or cfg.vocab_size
+        self.lm_head = ColumnParallelLinear.split(hidden, [vocab], False, tp) if "lm_head.weight" in spec.own else None
+        # the target id of each draft id (``d2t``: their difference); None: the vocabularies are one
+        self.register_buffer("hot_ids", torch.arange(vocab) if spec.draft_vocab else None, persistent=False)
+
+    def forward(self, input_ids: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
+                batch: AttentionBatch, kv: KVStore) -> torch.Tensor:
+        """The head's output per token [T, H] (before its norm), from each token and the feature it
+        is paired with: the target's captures [T, 3H], which go through ``fc``, or [T, H], the
+        head's own output at the chain step before."""
+        embed = self.embed_tokens(input_ids) if self.embed_tokens is not None else self.target.embed_tokens(input_ids)
+        features = features.to(embed.dtype)
+        x = self.fc(features) if features.shape[-1] != self.config.hidden_size else features
+        return self.midlayer(self.rope.tables(positions, x.dtype), embed, x, batch, kv)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits [n, target vocab] of the head's outputs."""
+        normed = self.norm(hidden)
+        if self.lm_head is None:
+            return self.target.logits(normed)
+        logits = F.linear(normed, self.lm_head.weight).float()
+        if self.hot_ids is None:
+            return logits
+        full = logits.new_full((logits.shape[0], self.target.config.vocab_size), float("-inf"))
+        full[:, self.hot_ids] = logits
+        return full
+
+
+def eagle_spec(draft_dir: Path, target_layers: int) -> EagleSpec:
+    """What ``draft_dir``'s config.json and tensor names say about its head, for a target of
+    ``target_layers`` layers; ``ValueError`` when it is no EAGLE head or its captures do not fit."""
+    draft_dir = Path(draft_dir)
+    names = _names(draft_dir)
     cfg = ModelConfig.from_dir(draft_dir)
-    names = _names(draft_dir)
-    return cfg, {n for n in _OWN if n in names}, "fc.bias" in names
-
-
-def layout_problem(draft_dir: Path) -> str | None:
-    """Why ``draft_dir`` is not an EAGLE-1 head, from its tensor names alone (None: it is one)."""
-    names = _names(draft_dir)
-    if any(n.startswith(("midlayer.", "d2t", "t2d")) for n in names):
-        return (f"{draft_dir} is an EAGLE-3 head (midlayer, d2t): only the EAGLE-1 layout is supported "
-                "(docs/speculative.md)")
+    own, fc_bias = frozenset(n for n in _OWN if n in names), "fc.bias" in names
     if "fc.weight" not in names:
-        return f"{draft_dir} is not an EAGLE-1 head: it has no fc.weight"
-    return None
+        raise ValueError(f"{draft_dir} is not an EAGLE head: it has no fc.weight")
+    if not any(n.startswith("midlayer.") for n in names):
+        return EagleSpec(cfg, EagleLayout.EAGLE1, own, fc_bias)
+    raw = json.loads((draft_dir / "config.json").read_text())
+    draft_vocab = raw.get("draft_vocab_size") if "d2t" in names else None
+    if "d2t" in names and not draft_vocab:
+        raise ValueError(f"{draft_dir}: the head maps its vocabulary (d2t) but its config.json has no draft_vocab_size")
+    return EagleSpec(cfg, EagleLayout.EAGLE3, own, fc_bias, capture_layers(raw, target_layers, draft_dir), draft_vocab)
+
+
+def capture_layers(raw: dict, target_layers: int, draft_dir: Path) -> tuple[int, ...]:
+    """The target layers whose inputs an EAGLE-3 head reads (``target_layers``: the last one's
+    output): ``eagle_config.eagle_aux_hidden_state_layer_ids`` names layers whose outputs it reads,
+    as SGLang and vLLM take it; without it the published default, the inputs of layers 2, L/2 and L-3."""
+    ids = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    layers = tuple(i + 1 for i in ids) if ids is not None else (2, target_layers // 2, target_layers - 3)
+    if len(set(layers)) != 3 or not all(0 <= i <= target_layers for i in layers):
+        source = "eagle_config.eagle_aux_hidden_state_layer_ids" if ids is not None else "the default layers"
+        raise ValueError(f"{draft_dir}: an EAGLE-3 head reads three distinct layers of the target's "
+                         f"{target_layers}; {source} give inputs of {list(layers)} (set "
+                         "eagle_config.eagle_aux_hidden_state_layer_ids in its config.json)")
+    return tuple(sorted(layers))
 
 
 def _names(draft_dir: Path) -> set[str]:
@@ -112,21 +231,22 @@ def _names(draft_dir: Path) -> set[str]:
 
 
 def load_eagle(draft_dir: str | Path, target: CausalLM, first_layer: int, device: torch.device,
-               dtype: torch.dtype, target_dir: Path | None = None) -> EagleHead:
-    """The EAGLE head of ``draft_dir`` on ``device`` in ``dtype``, drafting for ``target`` (loaded
-    from ``target_dir``, which must be given where ``target`` has no embedding and the head none of
-    its own: the head then copies it); raises ``ValueError`` naming a tensor the layout has no place
-    for, or a parameter left unloaded."""
+               dtype: torch.dtype, target_dir: Path | None = None) -> EagleHead | Eagle3Head:
+    """The EAGLE head of ``draft_dir`` (either layout) on ``device`` in ``dtype``, drafting for
+    ``target`` (loaded from ``target_dir``, which must be given where ``target`` has no embedding
+    and the head none of its own: the head then copies it); raises ``ValueError`` naming a tensor
+    the layout has no place for, or a parameter left unloaded."""
     draft_dir = Path(draft_dir)
-    cfg, own, fc_bias = eagle_config(draft_dir)
+    spec = eagle_spec(draft_dir, target.config.num_layers)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            head = EagleHead(cfg, first_layer, target, own, fc_bias)
+            head = EagleHead(spec.config, first_layer, target, set(spec.own), spec.fc_bias) \
+                if spec.layout is EagleLayout.EAGLE1 else Eagle3Head(spec, first_layer, target)
     finally:
         torch.set_default_dtype(previous)
-    borrowed = head.embed_tokens is not None and "embed_tokens.weight" not in own
+    borrowed = head.embed_tokens is not None and "embed_tokens.weight" not in spec.own
     if borrowed and target_dir is None:
         raise ValueError(f"{draft_dir}: the target has no embedding here and the head none of its own; "
                          "load_eagle needs the target's folder to copy it from")
@@ -140,12 +260,15 @@ def _target_embedding(target_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
     return islice(checkpoint_tensors(target_dir, lambda name: parameter_target(name)[0] == "embed_tokens.weight"), 1)
 
 
-def _load(head: EagleHead, draft_dir: Path, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+def _load(head: EagleHead | Eagle3Head, draft_dir: Path, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
     params, loaded = dict(head.named_parameters()), set()
     for ckpt_name, tensor in tensors:
         name, shard = parameter_target(ckpt_name)
-        if name == "layers.0.input_layernorm.weight" or name.endswith("rotary_emb.inv_freq"):
-            continue  # some conversions keep the unused norm
+        if name == "layers.0.input_layernorm.weight" or name.endswith("rotary_emb.inv_freq") or name == "t2d":
+            continue  # some conversions keep the unused norm; t2d is d2t's inverse, for training
+        if name == "d2t" and isinstance(head, Eagle3Head) and head.hot_ids is not None:
+            _load_hot_ids(head, draft_dir, tensor)
+            continue
         if name not in params:
             raise ValueError(f"{draft_dir}: unexpected tensor {ckpt_name} for an EAGLE head")
         param = params[name]
@@ -155,6 +278,17 @@ def _load(head: EagleHead, draft_dir: Path, tensors: Iterator[tuple[str, torch.T
     missing = sorted(n for n, p in params.items() if counts[n] < getattr(p, "num_shards", 1))
     if missing:
         raise ValueError(f"{draft_dir}: the EAGLE head lacks {missing[:5]}")
+
+
+def _load_hot_ids(head: Eagle3Head, draft_dir: Path, d2t: torch.Tensor) -> None:
+    """The target id of each draft id: d2t holds their differences (as SGLang and vLLM read it)."""
+    if d2t.shape != head.hot_ids.shape:
+        raise ValueError(f"{draft_dir}: d2t has {tuple(d2t.shape)} entries, draft_vocab_size is {len(head.hot_ids)}")
+    hot = d2t.to(torch.int64) + torch.arange(len(d2t))
+    vocab = head.target.config.vocab_size
+    if hot.min() < 0 or hot.max() >= vocab or len(hot.unique()) != len(hot):
+        raise ValueError(f"{draft_dir}: d2t maps draft ids outside the target's {vocab} tokens or two onto one")
+    head.hot_ids.copy_(hot)
 
 
 def write_random_eagle(target_dir: Path, out_dir: Path, layers: int = 1, seed: int = 0) -> Path:
@@ -169,11 +303,36 @@ def write_random_eagle(target_dir: Path, out_dir: Path, layers: int = 1, seed: i
     return write_model_folder(out_dir, config, tensors)
 
 
-def random_eagle_for(target_dir: Path) -> Path:
-    """The random head of ``write_random_eagle`` for ``target_dir``, beside it as
-    ``<name>-eagle-random`` (written once)."""
-    out = target_dir.parent / f"{target_dir.name}-eagle-random"
-    return out if (out / "model.safetensors").is_file() else write_random_eagle(target_dir, out)
+def write_random_eagle3(target_dir: Path, out_dir: Path, capture: tuple[int, ...] | None = None,
+                        draft_vocab: int | None = None, seed: int = 0) -> Path:
+    """Writes to ``out_dir`` (replacing it) a randomly initialised EAGLE-3 head for the model in
+    ``target_dir``: ``capture`` the target layers whose outputs it reads (the config's
+    ``eagle_aux_hidden_state_layer_ids``; None: the published default), and with ``draft_vocab``
+    its own LM head over that many of the target's tokens (a seeded choice, mapped by ``d2t``;
+    else the target's head)."""
+    target = ModelConfig.from_dir(target_dir)
+    config = _eagle_json(json.loads((target_dir / "config.json").read_text()), target, 1) | {
+        "architectures": [EAGLE3_ARCHITECTURE]}
+    if capture is not None:
+        config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(capture)}
+    gen = torch.Generator().manual_seed(seed)
+    dtype = getattr(torch, target.torch_dtype, torch.float32)
+    tensors = {name: _init(shape, gen).to(dtype) for name, shape in _shapes3(target, draft_vocab).items()}
+    if draft_vocab:
+        config["draft_vocab_size"] = draft_vocab
+        hot = torch.randperm(target.vocab_size, generator=gen)[:draft_vocab].sort().values
+        tensors["d2t"] = hot - torch.arange(draft_vocab)
+        tensors["t2d"] = torch.zeros(target.vocab_size, dtype=torch.bool).index_fill_(0, hot, True)
+    return write_model_folder(out_dir, config, tensors)
+
+
+def random_eagle_for(target_dir: Path, layout: EagleLayout = EagleLayout.EAGLE1) -> Path:
+    """The random head of ``write_random_eagle`` (``write_random_eagle3``) for ``target_dir``,
+    beside it as ``<name>-eagle-random`` (``<name>-eagle3-random``), written once."""
+    out = target_dir.parent / f"{target_dir.name}-{'eagle' if layout is EagleLayout.EAGLE1 else 'eagle3'}-random"
+    if (out / "model.safetensors").is_file():
+        return out
+    return write_random_eagle(target_dir, out) if layout is EagleLayout.EAGLE1 else write_random_eagle3(target_dir, out)
 
 
 def _eagle_json(config: dict, target: ModelConfig, layers: int) -> dict:
@@ -198,6 +357,21 @@ def _shapes(cfg: ModelConfig, layers: int) -> dict[str, tuple[int, ...]]:
                    p + "mlp.down_proj.weight": (h, inter), p + "post_attention_layernorm.weight": (h,)}
         if i:
             shapes[p + "input_layernorm.weight"] = (h,)
+    return shapes
+
+
+def _shapes3(cfg: ModelConfig, draft_vocab: int | None) -> dict[str, tuple[int, ...]]:
+    h, q, kv, inter = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, \
+        cfg.intermediate_size
+    p = "midlayer."
+    shapes: dict[str, tuple[int, ...]] = {
+        "fc.weight": (h, 3 * h), "norm.weight": (h,), p + "self_attn.q_proj.weight": (q, 2 * h),
+        p + "self_attn.k_proj.weight": (kv, 2 * h), p + "self_attn.v_proj.weight": (kv, 2 * h),
+        p + "self_attn.o_proj.weight": (h, q), p + "mlp.gate_proj.weight": (inter, h),
+        p + "mlp.up_proj.weight": (inter, h), p + "mlp.down_proj.weight": (h, inter),
+        p + "input_layernorm.weight": (h,), p + "hidden_norm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
+    if draft_vocab:
+        shapes["lm_head.weight"] = (draft_vocab, h)
     return shapes
 
 

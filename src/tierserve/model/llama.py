@@ -26,12 +26,13 @@ RopeTables = tuple[torch.Tensor, torch.Tensor]
 class SelfAttention(nn.Module):
     """QKV projection, optional per-head q/k norm (Qwen3), rope, paged attention, output projection."""
 
-    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TensorParallel) -> None:
-        """``layer_id``: the layer's index in this stage's KV pool (its own layers only)."""
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TensorParallel, in_features: int | None = None) -> None:
+        """``layer_id``: the layer's index in this stage's KV pool (its own layers only);
+        ``in_features``: the width q, k and v are projected from (default: the hidden size)."""
         super().__init__()
         shard = tp.heads(cfg.num_heads, cfg.num_kv_heads)
         self.heads, self.kv_heads, self.head_dim = shard.q_heads, shard.kv_heads, cfg.head_dim
-        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, shard, cfg.attention_bias)
+        self.qkv_proj = QKVParallelLinear(in_features or cfg.hidden_size, cfg.head_dim, shard, cfg.attention_bias)
         o_bias = cfg.attention_bias and cfg.family is not ModelFamily.QWEN2  # Qwen2 biases q/k/v only
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, o_bias, tp)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
@@ -85,17 +86,31 @@ class CausalLM(nn.Module):
             cfg.hidden_size, [cfg.vocab_size], False, TensorParallel()
         )
         self._head_t: torch.Tensor | None = None  # CPU only: a transposed copy for one-row logits
+        self.capture: tuple[int, ...] = ()  # ``capture_inputs``
+        self.captured: torch.Tensor | None = None
+
+    def capture_inputs(self, layers: tuple[int, ...]) -> None:
+        """From now on each forward keeps the residual stream entering each of ``layers`` (ascending;
+        ``num_layers``: the last layer's output, before the final norm): an EAGLE-3 head's features
+        (docs/speculative.md, EAGLE-3). A stage sends the ones it took on with its output, so the
+        last stage's ``captured`` [T, len(layers) * hidden] holds them all, in the order of ``layers``."""
+        self.capture = tuple(sorted(set(layers)))
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch, kv: KVStore
     ) -> torch.Tensor:
-        x = self._stage_input(input_ids)
+        x, kept = self._stage_input(input_ids)
         rope = self.rope.tables(positions, x.dtype)
-        for layer in self.layers.values():
+        for i, layer in self.layers.items():
+            if int(i) in self.capture:
+                kept.append(x)
             x = layer(rope, x, batch, kv)
+        if self.pp.last and self.config.num_layers in self.capture:
+            kept.append(x)
         if not self.pp.last:
-            self.pp.send(x)
+            self.pp.send(torch.cat([x, *kept], dim=-1) if kept else x)
             return x
+        self.captured = torch.cat(kept, dim=-1) if kept else None
         return self.norm(x)
 
     def elsewhere(self, name: str) -> bool:
@@ -107,11 +122,15 @@ class CausalLM(nn.Module):
             return layer.isdigit() and int(layer) < self.config.num_layers and layer not in self.layers
         return head in ("embed_tokens", "norm", "lm_head") and getattr(self, head) is None
 
-    def _stage_input(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def _stage_input(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The stage's input and the captures earlier stages took (``capture_inputs``)."""
         if self.pp.first:
-            return self.embed_tokens(input_ids)
+            return self.embed_tokens(input_ids), []
         dtype = next(iter(self.layers.values())).input_layernorm.weight.dtype  # the stages' common dtype
-        return self.pp.receive(input_ids.shape[0], self.config.hidden_size, dtype, input_ids.device)
+        hidden, earlier = self.config.hidden_size, sum(1 for i in self.capture if i < self.layer_ids.start)
+        received = self.pp.receive(input_ids.shape[0], hidden * (1 + earlier), dtype, input_ids.device)
+        x, *kept = received.split(hidden, dim=-1)
+        return x, list(kept)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [n, vocab] for the given final hidden states."""

@@ -22,6 +22,7 @@ from tierserve.engine.spec.ngram import NgramDrafter
 from tierserve.engine.spec.sampling import verify
 from tierserve.engine.spec.spans import Span, forward
 from tierserve.engine.spec.standalone import DraftRelay, ModelDrafter
+from tierserve.model.eagle import eagle_spec
 from tierserve.model.llama import CausalLM
 from tierserve.model.logprobs import token_logprobs
 from tierserve.model.parallel import SINGLE, TensorParallel
@@ -54,6 +55,8 @@ class SpecDecoder:
         or EAGLE head's, None on a pipeline stage without it; ``runner``: the engine's, which the
         target's pass runs on at several ranks; ``tp``: the rank's tensor shard, the draft model's too)."""
         algorithm, counters, device = config.spec_algorithm, SpecCounters(), pool.buffer.device
+        if algorithm is SpeculativeAlgorithm.EAGLE:  # every stage: each sends on what it took (EAGLE-3)
+            target.capture_inputs(eagle_spec(config.speculative_draft_model_path, target.config.num_layers).capture)
         if algorithm is SpeculativeAlgorithm.NGRAM:
             drafter: Drafter = NgramDrafter(config.ngram_sizes, target.config.vocab_size, device)
         elif algorithm is None:
@@ -89,8 +92,9 @@ class SpecDecoder:
         hooks = step_hooks(batch, restores)
         drafts = self.drafter.propose(batch, hooks)
         spans = [self._target_span(s, drafts.get(s.request.request_id)) for s in batch]
-        hidden = forward(self.target, self.pool, spans, hooks)
-        self.drafter.target_pass(spans, hidden, hooks)
+        captured = [] if self.target.capture else None
+        hidden = forward(self.target, self.pool, spans, hooks, captured=captured)
+        self.drafter.target_pass(spans, hidden if captured is None else captured, hooks)
         self.drafter.sync([s for s in batch if s.draft_tokens == 0], hooks)
         logprobs = StepLogprobs(prompt=self._prompt_logprobs(batch, hidden))
         out = StepResult({}, logprobs)
@@ -118,7 +122,8 @@ class SpecDecoder:
 
         def seen(ordered: list[Scheduled], hidden: torch.Tensor) -> None:
             spans = [_wide_span(s, drafts.get(s.request.request_id)) for s in ordered]
-            self.drafter.target_pass(spans, list(hidden.split([len(x.ids) for x in spans])), hooks)
+            features = self.target.captured if self.target.capture else hidden  # EAGLE-3: its captures
+            self.drafter.target_pass(spans, list(features.split([len(x.ids) for x in spans])), hooks)
 
         # only a head fed the target's hidden states needs them (so its steps are never split, on every stage)
         verify = Verify({rid: d.tokens for rid, d in drafts.items()}, judge, seen if self.feeds_hidden else None)

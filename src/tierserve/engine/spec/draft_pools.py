@@ -16,7 +16,7 @@ from tierserve.cache.sharded.shards import HeadRange
 from tierserve.core.model_config import ModelConfig
 from tierserve.engine.config import EngineConfig, SpeculativeAlgorithm
 from tierserve.model.attention import KVStore, LayerHooks
-from tierserve.model.eagle import feature_layers, layout_problem
+from tierserve.model.eagle import EagleSpec, eagle_spec
 from tierserve.model.identity import model_identity
 from tierserve.model.parallel import SINGLE, TensorParallel, TensorParallelError, check_model, kv_heads_of
 
@@ -40,12 +40,11 @@ def check_draft(target_dir: Path, draft_dir: Path, max_model_len: int | None = N
     return draft
 
 
-def draft_geometry(draft: ModelConfig, target: KVGeometry, eagle: bool = False,
+def draft_geometry(draft: ModelConfig, target: KVGeometry, plane: int = 0,
                    tp: TensorParallel = SINGLE) -> KVGeometry:
     """The draft's KV shape on tensor rank ``tp``: its layers and its share of the KV heads (split as
     the target's are, docs/tp.md), the target's page size and dtype; an EAGLE head's layers come
-    after its feature plane's (``engine/spec/eagle.py``)."""
-    plane = feature_layers(draft.hidden_size, draft.num_kv_heads, draft.head_dim) if eagle else 0
+    after its feature plane's ``plane`` layers (``engine/spec/eagle.py``)."""
     heads = tp.heads(draft.num_heads, draft.num_kv_heads).kv_heads
     return KVGeometry(plane + draft.num_layers, heads, draft.head_dim, target.page_size, target.dtype)
 
@@ -59,18 +58,19 @@ def check_draft_split(draft: ModelConfig, tp_size: int) -> None:
         raise DraftMismatchError(f"the draft model cannot be split like the target: {exc}") from None
 
 
-def check_eagle(target_dir: Path, draft_dir: Path, draft: ModelConfig) -> None:
-    """``draft_dir`` holds an EAGLE-1 head, and it reads the target's hidden states: their widths must match."""
+def check_eagle(target_dir: Path, draft_dir: Path, draft: ModelConfig) -> EagleSpec:
+    """What the EAGLE head in ``draft_dir`` is (either layout); it reads the target's hidden states,
+    so their widths must match, and an EAGLE-3 head's layers must be the target's."""
+    target = ModelConfig.from_dir(Path(target_dir))
     try:
-        problem = layout_problem(Path(draft_dir))
-    except FileNotFoundError as exc:
+        spec = eagle_spec(Path(draft_dir), target.num_layers)
+    except (FileNotFoundError, ValueError) as exc:
         raise DraftMismatchError(str(exc)) from None
-    if problem is not None:
-        raise DraftMismatchError(problem)
-    hidden = ModelConfig.from_dir(Path(target_dir)).hidden_size
+    hidden = target.hidden_size
     if draft.hidden_size != hidden:
         raise DraftMismatchError(f"the EAGLE head's hidden size ({draft.hidden_size}) differs from the target's "
                                  f"({hidden}): it could not read the target's hidden states")
+    return spec
 
 
 def resolve_layout(asked: DraftLayout, target: KVGeometry, draft: KVGeometry) -> DraftLayout:
@@ -149,18 +149,17 @@ class DraftPlan:
             return None
         draft = check_draft(config.model_dir, path, max_model_len)
         eagle = config.spec_algorithm is SpeculativeAlgorithm.EAGLE
-        if eagle:
-            check_eagle(config.model_dir, path, draft)
-        else:
+        plane = check_eagle(config.model_dir, path, draft).plane_layers if eagle else 0
+        if not eagle:
             check_draft_split(draft, tp.size)
         split = SINGLE if eagle else tp
         whole = target if eagle else dataclasses.replace(target, num_kv_heads=target_kv_heads or target.num_kv_heads)
-        layout = resolve_layout(config.speculative_draft_layout, whole, draft_geometry(draft, target, eagle))
+        layout = resolve_layout(config.speculative_draft_layout, whole, draft_geometry(draft, target, plane))
         mine = split.heads(draft.num_heads, draft.num_kv_heads)
         # the ranks holding the same rows (a replicated head; more ranks than KV heads): the first writes them
         replicas = tp.size // split.size * max(1, split.size // draft.num_kv_heads)
         identity = f"{model_identity(Path(path))}/{layout.value}{'/eagle' if eagle else ''}"  # eagle: read another way
-        return cls(layout, draft_geometry(draft, target, eagle, split), identity,
+        return cls(layout, draft_geometry(draft, target, plane, split), identity,
                    HeadRange(mine.kv_start, mine.kv_heads, draft.num_kv_heads), here, tp.rank % replicas == 0)
 
     @property

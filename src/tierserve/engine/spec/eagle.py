@@ -31,7 +31,7 @@ from tierserve.engine.spec.draft_pools import DraftKV
 from tierserve.engine.spec.drafts import Drafted, SpecCounters, chain
 from tierserve.engine.spec.spans import Span, forward
 from tierserve.model.attention import AttentionBatch, KVStore, LayerHooks
-from tierserve.model.eagle import EagleHead, eagle_config, feature_layers, load_eagle
+from tierserve.model.eagle import Eagle3Head, EagleHead, eagle_spec, load_eagle
 from tierserve.model.llama import CausalLM
 
 
@@ -110,15 +110,16 @@ class EagleDrafter:
         the head's rows on their pages' owners, the plane read across them (``FeaturePlane``), the
         head's attention gathering the prefix pages of its layers from their owners every pass
         (``CPAttention.GATHER``: the merged attention's readers cannot hide slot 0)."""
-        cfg, _, _ = eagle_config(Path(draft_dir))
-        plane = feature_layers(cfg.hidden_size, cfg.num_kv_heads, cfg.head_dim)
+        spec = eagle_spec(Path(draft_dir), target.config.num_layers)
+        plane = spec.plane_layers
         self.head = load_eagle(draft_dir, target, plane, device, dtype, target_dir)
         self.cp = cp.over(draft_kv.kv, CPAttention.GATHER, plane) if cp is not None else None  # type: ignore[arg-type]
-        self.plane = FeaturePlane(draft_kv.kv, plane, cfg.hidden_size, self.cp)
+        self.plane = FeaturePlane(draft_kv.kv, plane, spec.feature_width, self.cp)
         self.draft_kv, self.counters, self.tokens = draft_kv, counters, tokens or SoleSampler()
 
     def target_pass(self, spans: list[Span], hidden: list[torch.Tensor], hooks: LayerHooks | None) -> None:
-        """Keeps the target's hidden state of every position of the step's pass in the feature plane."""
+        """Keeps the target's feature of every position of the step's pass in the feature plane:
+        ``hidden`` is its final hidden states (EAGLE-1) or its captures (EAGLE-3, ``SpecDecoder``)."""
         ps = self.head_page_size
         slots = [s.pages[p // ps] * ps + p % ps for s in spans for p in range(s.start, s.start + len(s.ids))]
         device = hidden[0].device
@@ -189,7 +190,7 @@ class _Fed:
     """The head as ``spans.forward`` calls a model: the features follow the tokens in the order
     ``forward`` lays the spans out (extends first, then single-token decodes)."""
 
-    def __init__(self, head: EagleHead, spans: list[Span], features: list[torch.Tensor]) -> None:
+    def __init__(self, head: EagleHead | Eagle3Head, spans: list[Span], features: list[torch.Tensor]) -> None:
         order = [i for i, s in enumerate(spans) if not s.is_decode] + [i for i, s in enumerate(spans) if s.is_decode]
         self.head, self.features = head, torch.cat([features[i] for i in order])
 

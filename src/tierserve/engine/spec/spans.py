@@ -39,7 +39,8 @@ class Span:
 
 
 def forward(model: CausalLM, pool: PagedKV, spans: list[Span], hooks: LayerHooks | None = None,
-            cp: CPRunner | None = None, split: bool = False) -> list[torch.Tensor]:
+            cp: CPRunner | None = None, split: bool = False, captured: list[torch.Tensor] | None = None
+            ) -> list[torch.Tensor]:
     """Writes every span's KV into ``pool`` and returns each span's final hidden states [len(ids),
     hidden], in the order of ``spans``. Extends attend one by one, single-token decodes in one
     padded batch (as ``ModelRunner.run``). Under context parallelism ``cp`` (over ``pool``) reads
@@ -47,7 +48,8 @@ def forward(model: CausalLM, pool: PagedKV, spans: list[Span], hooks: LayerHooks
     merged at layer 0 and gathered after): every rank of its group calls this for the same spans.
     ``split``: the caller reads no hidden state, so a long pass divides its extends' tokens between
     the CP ranks as a long target step does (``CPRunner.step_of``) and then returns [] (no rank
-    holds every row)."""
+    holds every row). ``captured``: filled with each span's rows of ``model.captured`` (the
+    target's captures, ``CausalLM.capture_inputs``), in the order of ``spans``."""
     device = pool.buffer.device
     order = [i for i, s in enumerate(spans) if not s.is_decode] + [i for i, s in enumerate(spans) if s.is_decode]
     ordered = [spans[i] for i in order]
@@ -76,8 +78,15 @@ def forward(model: CausalLM, pool: PagedKV, spans: list[Span], hooks: LayerHooks
     starts = [0]
     for s in ordered:
         starts.append(starts[-1] + len(s.ids))
-    rows = {i: hidden[starts[k]: starts[k + 1]] for k, i in enumerate(order)}
-    return [rows[i] for i in range(len(spans))]
+    if captured is not None:
+        captured += _per_span(model.captured, order, starts)
+    return _per_span(hidden, order, starts)
+
+
+def _per_span(flat: torch.Tensor, order: list[int], starts: list[int]) -> list[torch.Tensor]:
+    """``flat``'s rows per span, in the spans' own order (``order``: the flat batch's)."""
+    rows = {i: flat[starts[k]: starts[k + 1]] for k, i in enumerate(order)}
+    return [rows[i] for i in range(len(order))]
 
 
 def _seq_keys(ordered: list[Span], page_size: int) -> list[SeqKeys]:
