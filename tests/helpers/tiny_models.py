@@ -174,17 +174,19 @@ def add_builtin_tokenizer(model_dir: Path, chat_template: str | None = None) -> 
     return model_dir
 
 
-def make_eagle_target(out_dir: Path, seed: int = 0, layers: int = 1) -> Path:
-    """A tiny llama whose embedding rows have RMS 1, so its first norm only scales them by its
-    weight: an EAGLE head can then compute what the target computes (``make_mimic_eagle``). Layers
-    after the first add nothing to the residual (their output projections are zero), so the model
-    computes what its first layer does, over as many pipeline stages as ``layers``."""
+def make_eagle_target(out_dir: Path, seed: int = 0, layers: int = 1, embed_rms: float = 1.0) -> Path:
+    """A tiny llama whose embedding rows have RMS ``embed_rms``, so its first norm only scales them by
+    its weight: an EAGLE head can then compute what the target computes (``make_mimic_eagle``; at
+    0.01 the embedding is negligible in the residual beside the attention's output, which an EAGLE-3
+    head needs: ``make_mimic_eagle3``). Layers after the first add nothing to the residual (their
+    output projections are zero), so the model computes what its first layer does, over as many
+    pipeline stages as ``layers``."""
     from safetensors.torch import load_file, save_file
 
     make_tiny_model("llama", out_dir, seed=seed, layers=layers)
     tensors = load_file(str(out_dir / "model.safetensors"))
     embed = tensors["model.embed_tokens.weight"]
-    tensors["model.embed_tokens.weight"] = embed / embed.pow(2).mean(-1, keepdim=True).sqrt()
+    tensors["model.embed_tokens.weight"] = embed / embed.pow(2).mean(-1, keepdim=True).sqrt() * embed_rms
     for name in [n for n in tensors if n.endswith(("o_proj.weight", "down_proj.weight"))]:
         if not name.startswith("model.layers.0."):
             tensors[name] = torch.zeros_like(tensors[name])
@@ -218,4 +220,34 @@ def make_mimic_eagle(target_dir: Path, out_dir: Path, feature_scale: float) -> P
     save_file(head, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((out_dir / "config.json").read_text())
     (out_dir / "config.json").write_text(json.dumps(config | {"torch_dtype": "float32"}))
+    return out_dir
+
+
+def make_mimic_eagle3(target_dir: Path, out_dir: Path, feature_scale: float) -> Path:
+    """An EAGLE-3 head for ``make_eagle_target(layers=2, embed_rms=0.01)``'s model that recomputes
+    its first layer. It reads the outputs of layers -1 (the embedding), 0 and 1. ``fc`` passes a
+    thousandth of layer 0's output at the position before: the residual, negligible beside the
+    attention's output as the target's embedding is. The midlayer's attention reads the token as
+    the target's layer does (its input norm, q/k/v) plus ``feature_scale`` times q/k/v of the normed
+    feature; its output projection, MLP and norms, the final norm and the LM head are the target's.
+    So, like ``make_mimic_eagle``, it agrees with the target often, not always, and with a feature
+    scale what it drafts depends on the features it is handed (the captures of the right layers)."""
+    from safetensors.torch import load_file, save_file
+
+    from tierserve.model.eagle import write_random_eagle3
+
+    write_random_eagle3(target_dir, out_dir, capture=(-1, 0, 1))
+    t = load_file(str(target_dir / "model.safetensors"))
+    hidden = t["model.embed_tokens.weight"].shape[1]
+    zeros = torch.zeros(hidden, hidden)
+    head = load_file(str(out_dir / "model.safetensors"))
+    head["fc.weight"] = torch.cat([zeros, 1e-3 * torch.eye(hidden), zeros], dim=1)
+    for name, tensor in t.items():
+        if not name.startswith("model.layers.0."):
+            continue
+        ours = "midlayer." + name.removeprefix("model.layers.0.")
+        q_k_v = name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight"))
+        head[ours] = torch.cat([tensor, feature_scale * tensor], dim=1) if q_k_v else tensor
+    head["norm.weight"] = t["model.norm.weight"]
+    save_file(head, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     return out_dir
