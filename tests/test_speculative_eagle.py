@@ -15,7 +15,7 @@ import pytest
 import torch
 from helpers.engine_runs import assert_no_pages_held, spread_prompts
 from helpers.rank_servers import NEW_TOKENS, hf_greedy
-from helpers.tiny_models import make_eagle_target, make_mimic_eagle
+from helpers.tiny_models import make_eagle_target, make_mimic_eagle, make_mimic_eagle3, make_tiny_model
 from safetensors.torch import load_file, save_file
 
 from tierserve.cli.main import build_parser
@@ -25,7 +25,8 @@ from tierserve.engine.engine import Engine
 from tierserve.engine.spec.drafts import SpecCounters
 from tierserve.engine.spec.eagle import EagleDrafter
 from tierserve.engine.spec.standalone import DraftRelay
-from tierserve.model.eagle import EAGLE_ARCHITECTURE, load_eagle, write_random_eagle
+from tierserve.model.eagle import EAGLE3_ARCHITECTURE, EAGLE_ARCHITECTURE, load_eagle, write_random_eagle, \
+    write_random_eagle3
 from tierserve.model.loader import load_model
 
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
@@ -201,7 +202,9 @@ def test_model_fetch_writes_a_random_head_for_a_target(heads: dict[str, Path], c
      "hidden size (32) differs from the target's (64)"),
     (["--speculative-algorithm", "eagle", "--speculative-draft-model-path", "HEAD",
       "--speculative-ngram-window", "9"], "need --speculative-algorithm NGRAM"),
-    (["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", "EAGLE3"], "is an EAGLE-3 head"),
+    (["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", "EAGLE3"], "has no draft_vocab_size"),
+    (["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", "EAGLE3-DEEP"],
+     "reads three distinct layers of the target's 1; the default layers give inputs of [2, 0, -2]"),
     (["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", "TARGET"], "has no fc.weight"),
 ])
 def test_bad_eagle_flags_are_refused_at_start(heads: dict[str, Path], tmp_path: Path, capsys, flags: list[str],
@@ -212,11 +215,12 @@ def test_bad_eagle_flags_are_refused_at_start(heads: dict[str, Path], tmp_path: 
         (tmp_path / "config.json").write_text(json.dumps(config | {"hidden_size": 32}))
         shutil.copy(heads["random"] / "model.safetensors", tmp_path / "model.safetensors")
         names["WIDE"] = str(tmp_path)
-    if "EAGLE3" in flags:  # EAGLE-3's names: a midlayer over 2H, fc over the target's 3 hidden states, d2t
+    if "EAGLE3" in flags or "EAGLE3-DEEP" in flags:  # EAGLE-3's names: a midlayer over 2H, fc over 3H, d2t
         (tmp_path / "config.json").write_text(json.dumps(config))
-        save_file({"midlayer.self_attn.q_proj.weight": torch.zeros(64, 128), "fc.weight": torch.zeros(64, 192),
-                   "d2t": torch.zeros(384, dtype=torch.int64)}, str(tmp_path / "model.safetensors"))
-        names["EAGLE3"] = str(tmp_path)
+        d2t = {"d2t": torch.zeros(384, dtype=torch.int64)} if "EAGLE3" in flags else {}
+        save_file({"midlayer.self_attn.q_proj.weight": torch.zeros(64, 128), "fc.weight": torch.zeros(64, 192)} | d2t,
+                  str(tmp_path / "model.safetensors"))
+        names["EAGLE3"] = names["EAGLE3-DEEP"] = str(tmp_path)
     args = build_parser().parse_args(["serve", "--model", str(heads["target"]), *[names.get(f, f) for f in flags]])
     assert args.func(args) == 2
     assert message in capsys.readouterr().err
@@ -226,3 +230,98 @@ def test_model_fetch_refuses_eagle_with_draft_layers(capsys) -> None:
     args = build_parser().parse_args(["model", "fetch", "--draft", "--eagle", "--draft-layers", "0,1"])
     assert args.func(args) == 2
     assert "does not go with --eagle" in capsys.readouterr().err
+
+
+# EAGLE-3 (docs/speculative.md, EAGLE-3): the head reads three of the target's residual streams
+
+
+@pytest.fixture(scope="module")
+def heads3(tmp_path_factory) -> dict[str, Path]:
+    """The two-layer target with a negligible embedding, and EAGLE-3 heads reading the outputs of its
+    layers -1, 0 and 1: random (with the target's LM head, or its own over 100 mapped tokens), and
+    mimics with no and with some feature mixed in."""
+    root = tmp_path_factory.mktemp("eagle3")
+    target = make_eagle_target(root / "target", layers=2, embed_rms=0.01)
+    return {"target": target, "random": write_random_eagle3(target, root / "random", (-1, 0, 1)),
+            "vocab": write_random_eagle3(target, root / "vocab", (-1, 0, 1), draft_vocab=100, seed=1),
+            "mimic": make_mimic_eagle3(target, root / "mimic", 0.0),
+            "mixed": make_mimic_eagle3(target, root / "mixed", 0.1)}
+
+
+@pytest.mark.parametrize("name", ["random", "vocab", "mixed"])
+def test_eagle3_greedy_batched_chunked_output_equals_transformers(heads3: dict[str, Path], name: str) -> None:
+    prompts = spread_prompts(5, 9)
+    want = hf_greedy(heads3["target"], prompts)
+    engine = _engine(heads3["target"], heads3[name], chunked_prefill_size=8, speculative_num_steps=3)
+    assert engine.generate(prompts, GREEDY) == want
+    c = engine.spec.counters
+    assert c.verify_steps > 0 and c.draft_tokens > 0 and c.prompt_catch_up_tokens == 0
+    if name == "mixed":
+        assert 0 < c.accepted_tokens < c.draft_tokens
+    assert_no_pages_held(engine)
+
+
+def test_an_eagle3_head_recomputing_the_target_agrees_with_it(heads3: dict[str, Path]) -> None:
+    """The mimic's first draft of a step is the target's next token but for slot 0 and the residual
+    it is fed (a thousandth of a capture): most are accepted. Rows, captures or positions out of
+    place would leave it agreeing about as often as the random head (almost never). Later drafts
+    of a chain feed the head's own output as the residual, which the mimic cannot copy: one step."""
+    prompts = spread_prompts(4, 12, seed=3)
+    counts = {}
+    for name in ("mimic", "random"):
+        engine = _engine(heads3["target"], heads3[name], speculative_num_steps=1)
+        assert engine.generate(prompts, GREEDY) == _engine(heads3["target"], None).generate(prompts, GREEDY)
+        counts[name] = engine.spec.counters
+    assert counts["mimic"].accepted_tokens > 0.6 * counts["mimic"].draft_tokens
+    assert counts["random"].accepted_tokens < 0.1 * counts["random"].draft_tokens
+
+
+def test_the_target_captures_the_inputs_of_the_heads_layers(tmp_path: Path) -> None:
+    """``capture_inputs``: the residual streams entering layers 0 and 2 equal transformers' hidden
+    states there, and the stream after the last layer is what the final norm turns into the
+    output: what SGLang and vLLM hand an EAGLE-3 head."""
+    import transformers
+
+    model_dir = make_tiny_model("llama", tmp_path / "deep", layers=4)
+    head = write_random_eagle3(model_dir, tmp_path / "head", (-1, 1, 3))
+    engine = _engine(model_dir, head)
+    prompt = spread_prompts(1, 11)[0]
+    engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0))  # one pass: the prompt's
+    target = engine.model
+    assert target.capture == (0, 2, 4)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    states = hf(torch.tensor([prompt]), output_hidden_states=True).hidden_states
+    first, third, last = target.captured.split(64, dim=-1)
+    torch.testing.assert_close(first, states[0][0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(third, states[2][0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(target.norm(last), states[4][0], atol=1e-5, rtol=1e-5)
+
+
+def test_a_draft_vocabulary_drafts_only_its_mapped_tokens(heads3: dict[str, Path]) -> None:
+    """``d2t``: draft id d is target id d + d2t[d]; the head's logits over the target's vocabulary
+    are -inf outside those ids, so it drafts nothing else, and sampling and verification see the
+    target's ids."""
+    engine = _engine(heads3["target"], heads3["vocab"], speculative_num_steps=3)
+    head = engine.spec.drafter.head
+    d2t = load_file(str(heads3["vocab"] / "model.safetensors"))["d2t"]
+    assert torch.equal(head.hot_ids, d2t + torch.arange(100))
+    finite = head.logits(torch.randn(3, 64)).isfinite()
+    assert finite.shape == (3, 384) and torch.equal(finite.nonzero()[:, 1].unique(), head.hot_ids.sort().values)
+
+
+def test_model_fetch_writes_an_eagle3_head_for_a_deep_enough_target(tmp_path: Path, capsys) -> None:
+    """The published default reads the inputs of layers 2, L/2 and L-3: a seven-layer target has
+    three distinct ones; a one-layer target is refused with the config key to set."""
+    deep = make_tiny_model("llama", tmp_path / "deep", layers=7)
+    fetch = ["model", "fetch", "--draft", "--eagle", "--eagle-layout", "eagle3", "--target"]
+    args = build_parser().parse_args([*fetch, str(deep)])
+    assert args.func(args) == 0
+    head = Path(capsys.readouterr().out.strip().splitlines()[-1])
+    assert json.loads((head / "config.json").read_text())["architectures"] == [EAGLE3_ARCHITECTURE]
+    engine = _engine(deep, head)
+    assert engine.model.capture == (2, 3, 4)
+    assert engine.generate(spread_prompts(2, 6), GREEDY) == _engine(deep, None).generate(spread_prompts(2, 6), GREEDY)
+    shallow = make_tiny_model("llama", tmp_path / "shallow", layers=1)
+    args = build_parser().parse_args([*fetch, str(shallow)])
+    assert args.func(args) == 2
+    assert "eagle_aux_hidden_state_layer_ids" in capsys.readouterr().err

@@ -22,8 +22,12 @@ def add_model_commands(model: argparse.ArgumentParser, common: argparse.Argument
                        help="with --draft: write a randomly initialised EAGLE-1 head instead (for "
                        "--speculative-algorithm EAGLE; it drafts little the target accepts: a trained head is "
                        "brought as a folder, docs/speculative.md)")
+    fetch.add_argument("--eagle-layout", choices=["eagle1", "eagle3"], default="eagle1",
+                       help="with --draft --eagle: the head's checkpoint layout (eagle3: it reads the inputs of the "
+                       "target's layers 2, L/2 and L-3, and drafts over the target's vocabulary)")
     fetch.add_argument("--target", type=Path, help="with --draft --eagle: the model folder the head is for "
-                       "(default: the built-in model); the head is written beside it as <name>-eagle-random")
+                       "(default: the built-in model); the head is written beside it as <name>-eagle-random "
+                       "(<name>-eagle3-random)")
     fetch.set_defaults(func=cmd_model_fetch)
 
 
@@ -42,8 +46,8 @@ def _fetch_draft(args: argparse.Namespace) -> int:
 
     if args.eagle:
         return _fetch_eagle(args)
-    if args.target is not None:
-        print("tierserve: --target needs --eagle", file=sys.stderr)
+    if args.target is not None or args.eagle_layout != "eagle1":
+        print("tierserve: --target and --eagle-layout need --eagle", file=sys.stderr)
         return 2
 
     try:
@@ -57,7 +61,7 @@ def _fetch_draft(args: argparse.Namespace) -> int:
 
 def _fetch_eagle(args: argparse.Namespace) -> int:
     """A random EAGLE head for ``--target`` (or the built-in model), written once; prints its folder."""
-    from tierserve.model.eagle import random_eagle_for
+    from tierserve.model.eagle import EagleLayout, random_eagle_for
     from tierserve.model.fetch import fetch_builtin_model
 
     if args.draft_layers:
@@ -67,5 +71,9 @@ def _fetch_eagle(args: argparse.Namespace) -> int:
     if not (target / "config.json").is_file():
         print(f"tierserve: --target {target} is not a model folder (no config.json)", file=sys.stderr)
         return 2
-    print(random_eagle_for(target))
+    try:
+        print(random_eagle_for(target, EagleLayout(args.eagle_layout)))
+    except ValueError as exc:  # a target too shallow for the default layers, say
+        print(f"tierserve: {exc}", file=sys.stderr)
+        return 2
     return 0

@@ -315,6 +315,7 @@ def write_random_eagle3(target_dir: Path, out_dir: Path, capture: tuple[int, ...
         "architectures": [EAGLE3_ARCHITECTURE]}
     if capture is not None:
         config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(capture)}
+    capture_layers(config, target.num_layers, out_dir)  # a head the target could not feed is refused now
     gen = torch.Generator().manual_seed(seed)
     dtype = getattr(torch, target.torch_dtype, torch.float32)
     tensors = {name: _init(shape, gen).to(dtype) for name, shape in _shapes3(target, draft_vocab).items()}
