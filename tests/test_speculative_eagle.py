@@ -25,8 +25,13 @@ from tierserve.engine.engine import Engine
 from tierserve.engine.spec.drafts import SpecCounters
 from tierserve.engine.spec.eagle import EagleDrafter
 from tierserve.engine.spec.standalone import DraftRelay
-from tierserve.model.eagle import EAGLE3_ARCHITECTURE, EAGLE_ARCHITECTURE, load_eagle, write_random_eagle, \
-    write_random_eagle3
+from tierserve.model.eagle import (
+    EAGLE3_ARCHITECTURE,
+    EAGLE_ARCHITECTURE,
+    load_eagle,
+    write_random_eagle,
+    write_random_eagle3,
+)
 from tierserve.model.loader import load_model
 
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
