@@ -10,7 +10,8 @@ STANDALONE (the default; a draft model): the draft's cost per chain pass (one dr
 request), the target's verification pass per step, against a plain decode step; prompts ``TEXTS``.
 
 EAGLE (``--algorithm EAGLE``): a randomly initialised EAGLE-1 head for the target (``tierserve model fetch
---draft --eagle``; or ``--draft DIR``, a trained one): it drafts almost nothing the target accepts, so the
+--draft --eagle``; ``--eagle-layout eagle3``: an EAGLE-3 one, reading three of the target's layers; or
+``--draft DIR``, a trained one): it drafts almost nothing the target accepts, so the
 speedup column is its floor; what it measures is the cost of a speculative step (the head's chain and the
 target's verification over 1 + steps tokens) relative to a plain decode step, ``step ratio``, and the
 per-token acceptance a head would need for speculation to break even at that cost, ``break-even``: the
@@ -26,7 +27,7 @@ alone. Per workload: drafts proposed per step, and the matcher's own time per st
 (``NgramDrafter.propose``, timed) against a plain decode step.
 
     .venv/bin/python benchmarks/speculative.py [--draft DIR] [--steps 1] [--repeats 5] [--new-tokens 48] [--threads N]
-    .venv/bin/python benchmarks/speculative.py --algorithm EAGLE --steps 3 [--draft HEAD_DIR] [...]
+    .venv/bin/python benchmarks/speculative.py --algorithm EAGLE --steps 3 [--eagle-layout eagle3] [--draft HEAD_DIR] [...]
     .venv/bin/python benchmarks/speculative.py --algorithm NGRAM --steps 5 [--workloads copy,text,norepeat] [...]
 """
 
@@ -45,7 +46,7 @@ from tierserve.core.sampling import SamplingParams
 from tierserve.engine.config import EngineConfig, SpeculativeAlgorithm
 from tierserve.engine.engine import Engine
 from tierserve.model.draft import fetch_builtin_draft
-from tierserve.model.eagle import random_eagle_for
+from tierserve.model.eagle import EagleLayout, random_eagle_for
 from tierserve.model.fetch import fetch_builtin_model
 
 TEXTS = (
@@ -232,6 +233,8 @@ def main() -> None:
     parser.add_argument("--algorithm", type=SpeculativeAlgorithm, default=SpeculativeAlgorithm.STANDALONE)
     parser.add_argument("--draft", type=Path, default=None, help="STANDALONE: default tierserve model fetch --draft; "
                         "EAGLE: a head folder, default a random head (model fetch --draft --eagle)")
+    parser.add_argument("--eagle-layout", type=EagleLayout, default=EagleLayout.EAGLE1,
+                        help="EAGLE without --draft: the random head's layout (eagle1 or eagle3)")
     parser.add_argument("--steps", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--new-tokens", type=int, default=48)
@@ -254,7 +257,7 @@ def main() -> None:
         columns, texts = NGRAM_COLUMNS, {"copy": EDITS, "text": TEXTS, "norepeat": TEXTS}
         workloads = args.workloads.split(",")
     elif args.algorithm is SpeculativeAlgorithm.EAGLE:
-        draft = args.draft or random_eagle_for(model)
+        draft = args.draft or random_eagle_for(model, args.eagle_layout)
         spec = Engine(EngineConfig(model, **common, speculative_draft_model_path=draft,
                                    speculative_algorithm=SpeculativeAlgorithm.EAGLE))
         print(f"target {model.name}, EAGLE head {draft.name}, {args.steps} draft tokens per step, "
