@@ -27,7 +27,7 @@ alone. Per workload: drafts proposed per step, and the matcher's own time per st
 (``NgramDrafter.propose``, timed) against a plain decode step.
 
     .venv/bin/python benchmarks/speculative.py [--draft DIR] [--steps 1] [--repeats 5] [--new-tokens 48] [--threads N]
-    .venv/bin/python benchmarks/speculative.py --algorithm EAGLE --steps 3 [--eagle-layout eagle3] [--draft HEAD_DIR] [...]
+    .venv/bin/python benchmarks/speculative.py --algorithm EAGLE --steps 3 [--eagle-layout eagle3] [--draft HEAD] [...]
     .venv/bin/python benchmarks/speculative.py --algorithm NGRAM --steps 5 [--workloads copy,text,norepeat] [...]
 """
 
