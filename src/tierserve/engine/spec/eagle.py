@@ -8,7 +8,8 @@ and those before it only, like its target KV: a cached page's rows are right for
 matches it. Slot 0 has no feature (zeros) and no published row: attention hides it from every
 other row (``AttentionBatch.hide_first_slot``).
 
-The target's hidden state of every position it computes is kept beside the head's KV, in the
+The target's hidden state of every position it computes (EAGLE-3: the three residual streams the
+head reads, side by side, ``CausalLM.capture_inputs``) is kept beside the head's KV, in the
 feature plane: the first layers of the draft's pool (packed or sidecar), one hidden state per slot
 in its K and V rows. So it is cached, restored, backed up to L3 and handed over in PD with the
 page, as the draft's KV is, and the first decode step on a decode node finds the feature of the
@@ -36,7 +37,7 @@ from tierserve.model.llama import CausalLM
 
 
 class FeaturePlane:
-    """The target's hidden state per slot, in ``layers`` KV layers of ``kv`` (K then V rows of
+    """The target's feature per slot (``hidden`` wide), in ``layers`` KV layers of ``kv`` (K then V rows of
     layer 0, then layer 1, ...), zero-padded to their width. Reads and writes go through the
     step's hooks as the draft's layers 0..layers-1 (``DraftKV.hooks``: loads and handoffs).
 
@@ -102,7 +103,7 @@ class EagleDrafter:
                  dtype: torch.dtype, counters: SpecCounters, tokens: TokenShare | None = None,
                  target_dir: Path | None = None, cp: CPRunner | None = None) -> None:
         """Several tensor ranks: every rank runs the whole head (replicated: one layer, its KV and
-        the plane whole on each rank, fed the target's final hidden states, which every tensor rank
+        the plane whole on each rank, fed the target's final hidden states (EAGLE-3: captures), which every tensor rank
         has), and ``tokens`` (the runner's) makes it take the sampling rank's draw at each chain step.
         Pipeline stages: the last runs it (``target`` is that stage's, with the LM head; the head
         copies the embedding from ``target_dir`` if that stage has none), the others relay
