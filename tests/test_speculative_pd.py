@@ -6,7 +6,9 @@ with the draft state a single engine would have. Checked by effect: per request,
 equals decoding without speculation and the accepted-draft count equals a single uncached engine's,
 on a cold and on a warm cluster (prefixes cached on both nodes), through gRPC as the router drives
 the nodes and through ``tierserve up``; noise written over the handed draft rows changes the counts.
-An EAGLE head's rows and the target's hidden states it reads travel the same way (sidecar or packed)."""
+An EAGLE head's rows and the target's hidden states it reads travel the same way (sidecar or packed);
+an EAGLE-3 head's rows and the three residual streams it reads too (through ``up`` from a prefill
+node of two pipeline stages, whose first takes one of them, into a decode node of two tensor ranks)."""
 
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from helpers.tiny_models import (
     make_eagle_target,
     make_looping_model,
     make_mimic_eagle,
+    make_mimic_eagle3,
     make_noisy_draft,
     make_tiny_model,
     widen_kv_heads,
@@ -231,7 +234,8 @@ async def _run_constrained(prefill: str, decode: str, prompt: list[int], samplin
 # head shard), the sidecar's rows each into its decode owner's local slots;
 # EAGLE's ``auto`` from two stages into two stages: packed on both nodes (the head's layers on each last stage only;
 # into two tensor ranks ``up`` makes it the sidecar on both, ``test_up_plan``, passed here once by hand); and
-# one rank on both nodes (the sidecar draft, the EAGLE head)
+# one rank on both nodes (the sidecar draft, the EAGLE head); an EAGLE-3 head's ``auto`` from two stages (the first
+# capturing the embedding, which the head reads, and sending it on) into two tensor ranks: the sidecar on both
 @pytest.mark.parametrize(("layout", "sizes"), [("packed", "--prefill-tp-size 2 --decode-tp-size 2"),
                                                ("sidecar", "--prefill-pp-size 2 --decode-tp-size 2"),
                                                ("eagle", "--prefill-tp-size 2 --decode-tp-size 2"),
@@ -240,22 +244,25 @@ async def _run_constrained(prefill: str, decode: str, prompt: list[int], samplin
                                                ("sidecar", "--decode-cp-size 2"),
                                                ("eagle", "--prefill-cp-size 2 --decode-tp-size 2 --decode-cp-size 2"),
                                                ("eagle-auto", "--prefill-pp-size 2 --decode-pp-size 2"),
-                                               ("sidecar", ""), ("eagle", "")],
+                                               ("sidecar", ""), ("eagle", ""),
+                                               ("eagle3-auto", "--prefill-pp-size 2 --decode-tp-size 2")],
                          ids=["packed-tp2-tp2", "sidecar-pp2-tp2", "eagle-tp2-tp2", "packed-tp2-pp2",
                               "packed-cp2-tp2cp2", "sidecar-1-cp2", "eagle-cp2-tp2cp2", "eagle-packed-pp2-pp2",
-                              "sidecar-1-1", "eagle-1-1"])
-def test_up_with_a_draft_equals_no_speculation(tiny: Path, drafts: dict[str, Path], eagle: dict[str, Path],
-                                               layout: str, sizes: str) -> None:
+                              "sidecar-1-1", "eagle-1-1", "eagle3-pp2-tp2"])
+def test_up_with_a_draft_equals_no_speculation(request, tiny: Path, drafts: dict[str, Path], layout: str,
+                                               sizes: str) -> None:
     """``tierserve up`` (router, prefill node, decode node, of several ranks) with a draft of either
-    layout, or an EAGLE head (its hidden states handed over with its rows): greedy outputs equal
-    decoding without speculation, ``usage.speculative`` the single engine's counts, and the decode
-    node's draft computes no prompt position (every decode rank holding the draft got its rows).
+    layout, or an EAGLE-1 or EAGLE-3 head (its hidden states, or captures, handed over with its
+    rows): greedy outputs equal decoding without speculation, ``usage.speculative`` the single
+    engine's counts, and the decode node's draft computes no prompt position (every decode rank
+    holding the draft got its rows).
     With ``--handoff-integrity``: the ranks' digests of the draft's rows add up on both sides (the
     replicated EAGLE head's, sent by prefill rank 0 to both decode ranks, counted once per decode rank)."""
     batch, model, draft = _prompts(), tiny, drafts.get(layout)
     spec, flags = {}, []
     if layout.startswith("eagle"):
-        model, draft, spec = eagle["target"], eagle["head"], _EAGLE
+        heads = request.getfixturevalue(layout.split("-")[0])  # ``eagle`` or ``eagle3``
+        model, draft, spec = heads["target"], heads["head"], _EAGLE
         flags = ["--speculative-algorithm", "EAGLE", *(["--speculative-draft-layout", "sidecar"] * (layout == "eagle"))]
     plain, want = reference(model, batch), _uncached(model, draft, batch, **spec)
     words = transformers.AutoTokenizer.from_pretrained(model)  # one word per token id
@@ -404,6 +411,16 @@ def eagle(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("eagle")
     target = add_word_tokenizer(make_eagle_target(root / "target", layers=2), byte_level=True)
     return {"target": target, "head": make_mimic_eagle(target, root / "head", 0.1)}
+
+
+@pytest.fixture(scope="module")
+def eagle3(tmp_path_factory) -> dict[str, Path]:
+    """As ``eagle``, with an EAGLE-3 head: it reads the residuals entering the target's layers 0, 1
+    and 2 (the embedding among them, which a first pipeline stage takes and sends on) and agrees
+    with the target now and then."""
+    root = tmp_path_factory.mktemp("eagle3")
+    target = add_word_tokenizer(make_eagle_target(root / "target", layers=2, embed_rms=0.01), byte_level=True)
+    return {"target": target, "head": make_mimic_eagle3(target, root / "head", 0.1, embed_feature=0.3)}
 
 
 @pytest.fixture(scope="module")

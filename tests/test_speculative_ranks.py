@@ -3,7 +3,9 @@ over gloo) with NGRAM at TP 2, PP 2, CP 2 and TP 2 x CP 2, with a STANDALONE dra
 (its KV packed into the target's pools, or in a sidecar pool; at CP owned as the target's pages), at
 TP 2 x CP 2 (sidecar) and PP 2 x CP 2 (packed), and with an EAGLE head at TP 2 (its rows in a sidecar), PP 2
 (packed, on the last stage, which copies the target's embedding), TP 2 x PP 2 (sidecar, replicated on the
-last stage's tensor ranks), CP 2 (packed) and TP 2 x CP 2 (sidecar, replicated on the tensor ranks), answers a
+last stage's tensor ranks), CP 2 (packed) and TP 2 x CP 2 (sidecar, replicated on the tensor ranks), and with an
+EAGLE-3 head at TP 2, PP 2 (the residual entering layer 0 captured on stage 0 and sent on with its output to
+the last stage, which runs the head), CP 2 and TP 2 x CP 2, answers a
 concurrent batch through the OpenAI API with the greedy tokens of no speculation and of
 ``transformers``, and with a single engine's accepted-draft counts per request (drafts accepted and
 some rejected). With a draft model also: the batch again, its prefixes now cached with their draft
@@ -27,6 +29,7 @@ from helpers.tiny_models import (
     make_eagle_target,
     make_looping_model,
     make_mimic_eagle,
+    make_mimic_eagle3,
     make_noisy_draft,
     widen_kv_heads,
 )
@@ -45,7 +48,7 @@ L2 = ("--enable-hierarchical-cache", "--max-total-tokens", "192")
 # (where a draft pass ignored CP: a 500)
 CP_L2 = ("--enable-hierarchical-cache", "--max-total-tokens", "96")
 # name: (tp size, more flags, draft source: a key of ``cases``), one server each; EAGLE's draft layout is
-# ``auto``: packed where the head's KV rows are shaped like a rank's target rows (PP 2), else the sidecar
+# ``auto`` (EAGLE-3's too): packed where the head's KV rows are shaped like a rank's target rows (PP 2), else sidecar
 # the TP 2 x CP 2 and PP 2 x CP 2 drafts have CP_L2's HiCache, so their batch comes back from L1 and from L2;
 # cp2 and cp2-standalone-packed: chunks of 512, so a long prompt's step splits (``test_a_split_step_under_...``;
 # the batch's prompts take one chunk but equal the single engine's with chunks of 16)
@@ -60,7 +63,10 @@ LAYOUTS = {"tp2": (2, (), NGRAM), "pp2": (1, ("--pp-size", "2"), NGRAM),
            "cp2-eagle": (1, ("--cp-size", "2", "--max-total-tokens", "96"), "eagle"),
            "tp2-cp2-standalone-sidecar": (2, ("--cp-size", "2", *CP_L2), "sidecar"),
            "tp2-cp2-eagle": (2, ("--cp-size", "2", *CP_L2), "eagle"),
-           "pp2-cp2-standalone-packed": (1, ("--pp-size", "2", "--cp-size", "2", *CP_L2), "packed")}
+           "pp2-cp2-standalone-packed": (1, ("--pp-size", "2", "--cp-size", "2", *CP_L2), "packed"),
+           "tp2-eagle3": (2, (), "eagle3"), "pp2-eagle3": (1, ("--pp-size", "2"), "eagle3"),
+           "cp2-eagle3": (1, ("--cp-size", "2", "--max-total-tokens", "96"), "eagle3"),
+           "tp2-cp2-eagle3": (2, ("--cp-size", "2", *CP_L2), "eagle3")}
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
 SAMPLED = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.8, seed=7, ignore_eos=True)
 
@@ -149,7 +155,11 @@ def cases(reference, tmp_path_factory) -> dict[str, Case]:
     reference model (its weights plus noise: it agrees with the target part of the time; for the
     sidecar its KV heads widened, rows of another shape); EAGLE's, a head that recomputes a
     target's first layer with a tenth of the feature mixed in (its own target and answers; the
-    target's second layer adds nothing, so it splits over two stages and the head still mimics it)."""
+    target's second layer adds nothing, so it splits over two stages and the head still mimics it);
+    EAGLE-3's, a head reading the residuals entering the target's layers 0, 1 and 2 (its own target,
+    whose embedding is negligible, and answers), that recomputes the first layer with a tenth of the
+    features mixed in, among them the embedding (layer 0's input, which a first stage takes): the
+    same head blind to it accepts other counts, so a layout that lost that capture would too."""
     model, prompts, plain, counts = reference
     root = tmp_path_factory.mktemp("drafts")
     out = {NGRAM: Case(model, ("--speculative-algorithm", "NGRAM"), prompts, plain, counts,
@@ -162,6 +172,14 @@ def cases(reference, tmp_path_factory) -> dict[str, Case]:
     answers = _single(_engine(target, ngram=False), prompts)[0]
     assert answers == hf_greedy(target, prompts)
     out["eagle"] = _draft_case(target, head, prompts, answers, speculative_algorithm=SpeculativeAlgorithm.EAGLE)
+    target3 = add_word_tokenizer(make_eagle_target(root / "eagle3-target", layers=2, embed_rms=0.01))
+    head3 = make_mimic_eagle3(target3, root / "eagle3-head", 0.1, embed_feature=0.3)
+    answers3 = _single(_engine(target3, ngram=False), prompts)[0]
+    assert answers3 == hf_greedy(target3, prompts)
+    out["eagle3"] = _draft_case(target3, head3, prompts, answers3, speculative_algorithm=SpeculativeAlgorithm.EAGLE)
+    blind = _draft_case(target3, make_mimic_eagle3(target3, root / "eagle3-blind", 0.1), prompts, answers3,
+                        speculative_algorithm=SpeculativeAlgorithm.EAGLE)
+    assert blind.counts != out["eagle3"].counts
     return out
 
 

@@ -1,7 +1,9 @@
-"""Speculative sampling follows the target's distribution, per algorithm (a draft model's or an EAGLE
-head's drafts drawn from its q; NGRAM's point-mass drafts): on a 5-token vocabulary, the first three tokens of thousands
-of seeded requests are checked against the exact distribution computed with transformers
-(chi-square), and a verifier that accepts every draft fails the same check."""
+"""Speculative sampling follows the target's distribution, per algorithm (a draft model's, an EAGLE-1
+head's or an EAGLE-3 head's drafts drawn from its q, the EAGLE-3 head's over a draft vocabulary of 3 of
+the 5 tokens mapped by ``d2t``, so q is 0 on the others; NGRAM's point-mass drafts): on a 5-token
+vocabulary, the first three tokens of thousands of seeded requests are checked against the exact
+distribution computed with transformers (chi-square), and a verifier that accepts every draft fails
+the same check."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from tierserve.core.sampling import SamplingParams
 from tierserve.engine.config import EngineConfig, SpeculativeAlgorithm
 from tierserve.engine.engine import Engine
 from tierserve.engine.spec.sampling import probs
-from tierserve.model.eagle import write_random_eagle
+from tierserve.model.eagle import write_random_eagle, write_random_eagle3
 
 VOCAB, PROMPT, SAMPLES = 5, [2, 3, 4], 1500
 PARAMS = dict(max_tokens=4, temperature=1.0, ignore_eos=True)  # t1 from the prefill, t2 and t3 from 2 drafts
@@ -31,9 +33,13 @@ def pair(tmp_path_factory) -> tuple[Path, Path]:
 
 
 @pytest.fixture(scope="module")
-def eagle_head(pair: tuple[Path, Path], tmp_path_factory) -> Path:
-    """A random EAGLE head for the target (on 5 tokens its drafts are often right, often not)."""
-    return write_random_eagle(pair[0], tmp_path_factory.mktemp("eagle5") / "head")
+def drafts(pair: tuple[Path, Path], tmp_path_factory) -> dict[str, Path]:
+    """Per draft source, its draft: the draft model; random EAGLE-1 and EAGLE-3 heads for the
+    target (on 5 tokens their drafts are often right, often not), the EAGLE-3 head reading the
+    residuals entering the target's layers 0, 1 and 2, with a draft vocabulary of 3 tokens."""
+    root = tmp_path_factory.mktemp("eagle5")
+    return {"standalone": pair[1], "ngram": pair[1], "eagle": write_random_eagle(pair[0], root / "head"),
+            "eagle3": write_random_eagle3(pair[0], root / "head3", capture=(-1, 0, 1), draft_vocab=3)}
 
 
 def _exact(target: Path) -> dict[tuple[int, ...], float]:
@@ -60,6 +66,11 @@ SPEC = {SpeculativeAlgorithm.STANDALONE: ({}, SAMPLES),  # the chain proposes 2 
         SpeculativeAlgorithm.EAGLE: ({"speculative_algorithm": SpeculativeAlgorithm.EAGLE}, SAMPLES),
         SpeculativeAlgorithm.NGRAM: ({"speculative_algorithm": SpeculativeAlgorithm.NGRAM,
                                       "speculative_ngram_min_match_window_size": 1}, SAMPLES // 2)}
+
+
+# each draft source's algorithm (an EAGLE-3 head is EAGLE's; its checkpoint says which layout it has)
+SOURCES = {"standalone": SpeculativeAlgorithm.STANDALONE, "eagle": SpeculativeAlgorithm.EAGLE,
+           "eagle3": SpeculativeAlgorithm.EAGLE, "ngram": SpeculativeAlgorithm.NGRAM}
 
 
 def _sampled(target: Path, draft: Path, algorithm: SpeculativeAlgorithm) -> dict[tuple[int, ...], int]:
@@ -101,10 +112,10 @@ def _accept_always(drafts, dists, logits, row) -> list[int]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algorithm", list(SpeculativeAlgorithm))
-def test_sampled_tokens_follow_the_target_distribution(pair: tuple[Path, Path], eagle_head: Path, monkeypatch,
-                                                       algorithm: SpeculativeAlgorithm) -> None:
-    target, draft = pair[0], eagle_head if algorithm is SpeculativeAlgorithm.EAGLE else pair[1]
+@pytest.mark.parametrize("source", list(SOURCES))
+def test_sampled_tokens_follow_the_target_distribution(pair: tuple[Path, Path], drafts: dict[str, Path], monkeypatch,
+                                                       source: str) -> None:
+    target, draft, algorithm = pair[0], drafts[source], SOURCES[source]
     exact = _exact(target)
     assert _p_value(_sampled(target, draft, algorithm), exact) > 1e-3
     monkeypatch.setattr(speculative, "verify", _accept_always)
