@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.eagle_drafts import recorded_drafts
 from helpers.tiny_models import (
     make_eagle_target,
     make_mimic_eagle,
@@ -285,9 +286,8 @@ def eagle3(tmp_path_factory) -> dict:
 
 
 def _eagle_setup(target: Path, head: Path) -> dict:
-    engine = _engine(target, head, cache=False, **_eagle(DraftLayout.AUTO))
-    drafts = _record_drafts(engine)
-    uncached = _run(engine, _prompts())
+    with recorded_drafts(_prompt_index) as drafts:
+        uncached = _run(_engine(target, head, cache=False, **_eagle(DraftLayout.AUTO)), _prompts())
     return {"target": target, "head": head, "uncached": uncached, "drafts": drafts,
             "plain": _run(_engine(target, None, cache=False), _prompts())}
 
@@ -296,19 +296,9 @@ def _eagle(layout: DraftLayout) -> dict:
     return {"speculative_algorithm": SpeculativeAlgorithm.EAGLE, "speculative_draft_layout": layout}
 
 
-def _record_drafts(engine: Engine) -> dict[int, list[list[int]]]:
-    """From now on, the head's drafts at each step, by prompt index (``_run``'s ids: ``p<i>-<n>``)."""
-    drafts: dict[int, list[list[int]]] = {}
-    propose = engine.spec.drafter.propose
-
-    def recorded(batch: list, hooks: object) -> dict:
-        out = propose(batch, hooks)
-        for rid, drafted in out.items():
-            drafts.setdefault(int(rid[1:].split("-")[0]), []).append(drafted.tokens)
-        return out
-
-    engine.spec.drafter.propose = recorded
-    return drafts
+def _prompt_index(rid: str) -> int:
+    """The prompt of one of ``_run``'s request ids (``p<i>-<n>``)."""
+    return int(rid[1:].split("-")[0])
 
 
 def _eagle_restored(eagle: dict, layout: DraftLayout, tier: str, l3: Path, part: str | None
@@ -324,8 +314,8 @@ def _eagle_restored(eagle: dict, layout: DraftLayout, tier: str, l3: Path, part:
         engine = _engine(eagle["target"], eagle["head"], l3, **_eagle(layout))
     plane = engine.spec.drafter.plane.layers
     layers = {None: slice(None), "head": slice(plane, None), "features": slice(0, plane)}[part]
-    drafts = _record_drafts(engine)
-    got = _restored(engine, tier, _prompts(), corrupt=part is not None, layers=layers)
+    with recorded_drafts(_prompt_index) as drafts:
+        got = _restored(engine, tier, _prompts(), corrupt=part is not None, layers=layers)
     _check(got, eagle["uncached"], eagle["plain"], tier)
     assert engine.spec.counters.prompt_catch_up_tokens == 0
     return got, drafts
