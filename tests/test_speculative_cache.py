@@ -2,7 +2,8 @@
 L3, in the packed and the sidecar layout, checked by its effect on the draft's predictions: for
 greedy requests the accepted-draft counts with a cached prefix equal those with no cache, and
 corrupting the restored draft rows changes them (while the output stays the target's). For a
-draft model (STANDALONE) and an EAGLE head (its rows and the target's hidden states it reads)."""
+draft model (STANDALONE) and an EAGLE head (its rows and the target's hidden states it reads: the
+final ones for EAGLE-1, the three captured residual streams, a plane three times as wide, for EAGLE-3)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.tiny_models import make_eagle_target, make_mimic_eagle, make_noisy_draft, make_tiny_model, widen_kv_heads
+from helpers.eagle_drafts import recorded_drafts
+from helpers.tiny_models import (
+    make_eagle_target,
+    make_mimic_eagle,
+    make_mimic_eagle3,
+    make_noisy_draft,
+    make_tiny_model,
+    widen_kv_heads,
+)
 
 from tierserve.cache import hicache as hicache_module
 from tierserve.cache.base import PrefixHit
@@ -32,7 +41,7 @@ from tierserve.core.sampling import SamplingParams
 from tierserve.engine.config import EngineConfig, SpeculativeAlgorithm
 from tierserve.engine.engine import Engine
 from tierserve.engine.spec.draft_pools import DraftPlan
-from tierserve.model.eagle import feature_layers, write_random_eagle
+from tierserve.model.eagle import write_random_eagle
 from tierserve.model.parallel import TensorParallel
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
@@ -253,17 +262,33 @@ def test_l2_size_counts_the_draft_rows(tiny_llama: Path, drafts: dict, layout: D
 
 # EAGLE (docs/speculative.md, EAGLE): the head's rows and the target's hidden states (its feature
 # plane, the first layers of the draft's rows) come back with the page from every tier, in either
-# layout; noise over either part once restored changes the accepted counts.
+# layout: the head drafts the tokens it drafts uncached; noise over either part once restored changes
+# its drafts (and for all but EAGLE-3's features, the accepted counts). EAGLE-1 in every case; EAGLE-3
+# (its plane the three captured residual streams: three times as wide, more layers) from L2 and from
+# L3 on another engine.
 
 
 @pytest.fixture(scope="module")
 def eagle(tmp_path_factory) -> dict:
-    """The one-layer target, a head that agrees with it now and then, and the uncached runs."""
+    """The one-layer target, an EAGLE-1 head that agrees with it now and then, and the uncached runs."""
     root = tmp_path_factory.mktemp("eagle")
     target = make_eagle_target(root / "target")
-    head = make_mimic_eagle(target, root / "head", 0.1)
-    uncached = _run(_engine(target, head, cache=False, **_eagle(DraftLayout.AUTO)), _prompts())
-    return {"target": target, "head": head, "uncached": uncached,
+    return _eagle_setup(target, make_mimic_eagle(target, root / "head", 0.1))
+
+
+@pytest.fixture(scope="module")
+def eagle3(tmp_path_factory) -> dict:
+    """The two-layer target, an EAGLE-3 head reading three of its residual streams (the embedding's
+    into its residual too) that agrees with it now and then, and the uncached runs."""
+    root = tmp_path_factory.mktemp("eagle3")
+    target = make_eagle_target(root / "target", layers=2, embed_rms=0.01)
+    return _eagle_setup(target, make_mimic_eagle3(target, root / "head", 0.1, embed_feature=0.3))
+
+
+def _eagle_setup(target: Path, head: Path) -> dict:
+    with recorded_drafts(_prompt_index) as drafts:
+        uncached = _run(_engine(target, head, cache=False, **_eagle(DraftLayout.AUTO)), _prompts())
+    return {"target": target, "head": head, "uncached": uncached, "drafts": drafts,
             "plain": _run(_engine(target, None, cache=False), _prompts())}
 
 
@@ -271,37 +296,56 @@ def _eagle(layout: DraftLayout) -> dict:
     return {"speculative_algorithm": SpeculativeAlgorithm.EAGLE, "speculative_draft_layout": layout}
 
 
-def _eagle_restored(eagle: dict, layout: DraftLayout, tier: str, l3: Path, layers: slice | None) -> dict[int, dict]:
-    """The prompts run once, then again with their prefix in ``tier`` (L3: on a second engine);
-    ``layers``: which of the draft's rows get noise once restored (None: none)."""
+def _prompt_index(rid: str) -> int:
+    """The prompt of one of ``_run``'s request ids (``p<i>-<n>``)."""
+    return int(rid[1:].split("-")[0])
+
+
+def _eagle_restored(eagle: dict, layout: DraftLayout, tier: str, l3: Path, part: str | None
+                    ) -> tuple[dict[int, dict], dict[int, list[list[int]]]]:
+    """The prompts run once, then again with their prefix in ``tier`` (L3: on a second engine):
+    the second run's outputs and drafts. ``part``: the draft rows that get noise once restored,
+    the head's or the feature plane's (its layers: the drafter's; None: none)."""
     engine = _engine(eagle["target"], eagle["head"], l3, **_eagle(layout))
     assert engine.draft.layout is (DraftLayout.PACKED if layout is DraftLayout.AUTO else layout)
     _run(engine, _prompts())
     if tier == "storage":
         engine.cache.wait_background()
         engine = _engine(eagle["target"], eagle["head"], l3, **_eagle(layout))
-    got = _restored(engine, tier, _prompts(), corrupt=layers is not None, layers=layers or slice(None))
+    plane = engine.spec.drafter.plane.layers
+    layers = {None: slice(None), "head": slice(plane, None), "features": slice(0, plane)}[part]
+    with recorded_drafts(_prompt_index) as drafts:
+        got = _restored(engine, tier, _prompts(), corrupt=part is not None, layers=layers)
     _check(got, eagle["uncached"], eagle["plain"], tier)
     assert engine.spec.counters.prompt_catch_up_tokens == 0
-    return got
+    return got, drafts
+
+
+# (head, tier): EAGLE-1 from every tier, EAGLE-3 from L2 and L3
+HEAD_TIERS = [*(("eagle", t) for t in TIERS), ("eagle3", "host"), ("eagle3", "storage")]
 
 
 @pytest.mark.parametrize("layout", [DraftLayout.AUTO, DraftLayout.SIDECAR])
-@pytest.mark.parametrize("tier", TIERS)
-def test_eagle_restored_rows_give_the_uncached_acceptance(eagle: dict, tmp_path: Path, layout: DraftLayout,
+@pytest.mark.parametrize(("heads", "tier"), HEAD_TIERS)
+def test_eagle_restored_rows_give_the_uncached_acceptance(request, tmp_path: Path, layout: DraftLayout, heads: str,
                                                           tier: str) -> None:
-    got = _eagle_restored(eagle, layout, tier, tmp_path / "l3", None)
+    """The restored head rows and features make the head draft what it drafts uncached, step by step."""
+    eagle = request.getfixturevalue(heads)
+    got, drafts = _eagle_restored(eagle, layout, tier, tmp_path / "l3", None)
     assert [got[i]["accepted"] for i in got] == [eagle["uncached"][i]["accepted"] for i in got]
+    assert drafts == eagle["drafts"]
 
 
 @pytest.mark.parametrize("part", ["head", "features"])
-@pytest.mark.parametrize("tier", TIERS)
-def test_eagle_corrupted_rows_or_features_change_acceptance(eagle: dict, tmp_path: Path, part: str,
+@pytest.mark.parametrize(("heads", "tier"), HEAD_TIERS)
+def test_eagle_corrupted_rows_or_features_change_acceptance(request, tmp_path: Path, part: str, heads: str,
                                                             tier: str) -> None:
-    """The head reads its restored KV rows and the restored feature of the last cached position."""
-    plane = feature_layers(64, 2, 16)  # the tiny target's hidden size and the head's KV heads, head size
-    layers = slice(plane, None) if part == "head" else slice(0, plane)
-    got = _eagle_restored(eagle, DraftLayout.SIDECAR, tier, tmp_path / "l3", layers)
+    """The head reads its restored KV rows and the restored feature of the last cached position
+    (EAGLE-3: the plane's layers hold the three captured streams side by side): noise over either
+    changes the drafts and the accepted counts."""
+    eagle = request.getfixturevalue(heads)
+    got, drafts = _eagle_restored(eagle, DraftLayout.SIDECAR, tier, tmp_path / "l3", part)
+    assert drafts != eagle["drafts"]
     assert [got[i]["accepted"] for i in got] != [eagle["uncached"][i]["accepted"] for i in got]
 
 

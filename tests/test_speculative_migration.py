@@ -1,9 +1,10 @@
 """Speculative decoding survives a migration (issue 32 item 3, docs/migration.md): a draft whose
 KV rows need the sidecar layout (its own pool, its own L3 objects), or one packed into the target's pages,
 on a prefill node of one rank and two decode nodes: a STANDALONE draft of either layout on decode nodes of
-one rank, and an EAGLE head (its rows and the
-target's hidden states it reads) on decode nodes of two tensor ranks (each holding and backing up the
-replicated head's rows, which the prefill node reads whole: L3 across TP sizes). Greedy streams lose
+one rank, and an EAGLE-1 or an EAGLE-3 head (its rows and the
+target's hidden states it reads: EAGLE-3's the three residual streams it captures, a feature plane three
+times as wide) on decode nodes of two tensor ranks (each holding and backing up the replicated head's
+rows, which the prefill node reads whole: L3 across TP sizes). Greedy streams lose
 their decode node (SIGKILL) mid-stream and continue on the spare, re-prefilled from L3, where the
 victim's continuous offload put the target's and the draft's pages as they filled. Checked by effect,
 per stream: the tokens equal decoding without speculation; the accepted drafts reported for the whole
@@ -28,6 +29,7 @@ from helpers.tiny_models import (
     add_word_tokenizer,
     make_eagle_target,
     make_mimic_eagle,
+    make_mimic_eagle3,
     make_noisy_draft,
     widen_kv_heads,
 )
@@ -47,22 +49,27 @@ GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
 def models(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
     """By setup kind, the target and its draft: the word-tokenizer llama with a draft agreeing with it
     often, its KV heads doubled (sidecar), or as they are (packed: its rows in the target's pages, so
-    its L3 objects too); the EAGLE target with a head that mimics its layer."""
+    its L3 objects too); the EAGLE target with a head that mimics its layer, and the EAGLE-3 target with
+    a head that mimics its first layer."""
     root = tmp_path_factory.mktemp("spec-migration")
     target = model_with_words(root / "target")
     eagle = add_word_tokenizer(make_eagle_target(root / "eagle", layers=1), byte_level=True)
+    eagle3 = add_word_tokenizer(make_eagle_target(root / "eagle3", layers=2, embed_rms=0.01), byte_level=True)
     return {"standalone": (target, widen_kv_heads(make_noisy_draft(target, root / "draft", 0.03))),
             "packed": (target, make_noisy_draft(target, root / "packed", 0.03)),
-            "eagle": (eagle, make_mimic_eagle(eagle, root / "head", 0.1))}
+            "eagle": (eagle, make_mimic_eagle(eagle, root / "head", 0.1)),
+            "eagle3": (eagle3, make_mimic_eagle3(eagle3, root / "head3", 0.1, embed_feature=0.3))}
 
 
-# the algorithm and the decode nodes' flags; EAGLE's sidecar on every node (its ``auto`` would pack it on the
-# prefill node of one rank: another KV namespace)
+# the algorithm and the decode nodes' flags (EAGLE-3 is the EAGLE algorithm: its head's tensors say which);
+# EAGLE's sidecar on every node (its ``auto`` would pack it on the prefill node of one rank: another KV namespace)
 SETUPS = {"standalone-decode-tp1": ("standalone", ()),
           "standalone-packed-decode-tp1": ("packed", ()),
-          "eagle-decode-tp2": ("eagle", ("--tp-size", "2"))}
+          "eagle-decode-tp2": ("eagle", ("--tp-size", "2")),
+          "eagle3-decode-tp2": ("eagle3", ("--tp-size", "2"))}
 SPEC_FLAGS = {"standalone": (), "packed": ("--speculative-draft-layout", "packed"),
-              "eagle": ("--speculative-algorithm", "EAGLE", "--speculative-draft-layout", "sidecar")}
+              "eagle": ("--speculative-algorithm", "EAGLE", "--speculative-draft-layout", "sidecar"),
+              "eagle3": ("--speculative-algorithm", "EAGLE", "--speculative-draft-layout", "sidecar")}
 
 
 @pytest.fixture(scope="module", params=list(SETUPS))
@@ -100,7 +107,7 @@ def cluster(request, models, tmp_path_factory) -> Iterator[tuple[str, RouterProc
 
 def engine(target: Path, draft: Path | None, algorithm: str = "standalone") -> Engine:
     eagle = {"speculative_algorithm": SpeculativeAlgorithm.EAGLE, "speculative_draft_layout": DraftLayout.SIDECAR} \
-        if algorithm == "eagle" and draft is not None else {}
+        if algorithm.startswith("eagle") and draft is not None else {}
     return Engine(EngineConfig(target, device="cpu", dtype="float32", page_size=PAGE, max_total_tokens=16384,
                                disable_radix_cache=True, speculative_draft_model_path=draft, **eagle))
 

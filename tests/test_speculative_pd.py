@@ -7,8 +7,9 @@ equals decoding without speculation and the accepted-draft count equals a single
 on a cold and on a warm cluster (prefixes cached on both nodes), through gRPC as the router drives
 the nodes and through ``tierserve up``; noise written over the handed draft rows changes the counts.
 An EAGLE head's rows and the target's hidden states it reads travel the same way (sidecar or packed);
-an EAGLE-3 head's rows and the three residual streams it reads too (through ``up`` from a prefill
-node of two pipeline stages, whose first takes one of them, into a decode node of two tensor ranks)."""
+an EAGLE-3 head's rows and the three residual streams it reads too (its feature plane three times as
+wide; through ``up`` from a prefill node of two pipeline stages, whose first takes one of them, into a
+decode node of two tensor ranks)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import pytest
 import torch
 import transformers
 from helpers import metrics
+from helpers.eagle_drafts import recorded_drafts
 from helpers.logprob_checks import ids_of
 from helpers.pd_nodes import CHUNK, DECODE_ARGS, MAX_NEW, NODE_ARGS, PAGE, greedy, node_metric, reference
 from helpers.processes import NodeProcess, free_port, running_up
@@ -432,34 +434,60 @@ def eagle_sides(eagle: dict[str, Path]) -> tuple[RankTransfer, RankTransfer]:
         NodeRankRole(Side.DECODE, TransferOptions()).start(decode)
 
 
+@pytest.fixture(scope="module")
+def eagle3_sides(eagle3: dict[str, Path]) -> tuple[RankTransfer, RankTransfer]:
+    """As ``eagle_sides``, with the EAGLE-3 head (its rows and the target's captures in the sidecar)."""
+    prefill = _engine(eagle3["target"], eagle3["head"], **_EAGLE)
+    decode = _engine(eagle3["target"], eagle3["head"], cache=False, **_EAGLE)
+    return NodeRankRole(Side.PREFILL, TransferOptions()).start(prefill), \
+        NodeRankRole(Side.DECODE, TransferOptions()).start(decode)
+
+
+# an EAGLE head's fixtures: its models, its sides
+_HEADS = {"eagle": ("eagle", "eagle_sides"), "eagle3": ("eagle3", "eagle3_sides")}
+
+
+@pytest.mark.parametrize("heads", list(_HEADS))
 @pytest.mark.parametrize("part", ["none", "head", "features"])
-def test_handed_eagle_rows_and_hidden_states_decide_the_acceptance(eagle: dict[str, Path], eagle_sides,
-                                                                   part: str) -> None:
-    """The decode engine's EAGLE head reads the rows and the last prompt position's hidden state
-    the handoff wrote: as handed over, the accepted counts equal a single uncached engine's; with
-    noise over the head's rows, or over the hidden states alone, they change (output unchanged)."""
+def test_handed_eagle_rows_and_hidden_states_decide_the_acceptance(request, heads: str, part: str) -> None:
+    """The decode engine's EAGLE head (EAGLE-1, EAGLE-3) reads the rows and the last prompt
+    position's hidden state (EAGLE-3: its captures) the handoff wrote: as handed over, it drafts
+    what a single uncached engine's head drafts, step by step, and the accepted counts are equal;
+    with noise over the head's rows, or over the hidden states alone, the drafts and the counts
+    change (output unchanged). The EAGLE-3 mimic passes the embedding's capture into its residual
+    (``embed_feature``), where noise is not normalised away as in its attention's ``hidden_norm``."""
+    eagle, eagle_sides = (request.getfixturevalue(name) for name in _HEADS[heads])
     batch = _prompts()
-    want = _uncached(eagle["target"], eagle["head"], batch, **_EAGLE)
+    with recorded_drafts() as want_drafts:
+        want = _uncached(eagle["target"], eagle["head"], batch, **_EAGLE)
     plane = eagle_sides[1].engine.spec.drafter.plane.layers
     layers = {"none": slice(None), "head": slice(plane, None), "features": slice(0, plane)}[part]
-    got = _handed_over(eagle_sides, batch, part != "none", layers)
+    with recorded_drafts() as drafts:
+        got = _handed_over(eagle_sides, batch, part != "none", layers)
     assert [ids for ids, _ in got.values()] == [ids for ids, _ in want.values()]
+    assert (drafts != want_drafts) if part != "none" else (drafts == want_drafts)
     counts = ([n for _, n in got.values()], [n for _, n in want.values()])
     assert (counts[0] != counts[1]) if part != "none" else (counts[0] == counts[1]), counts
     assert sum(counts[1]) > 0
 
 
-@pytest.mark.parametrize("part", ["draft", "head", "features"])
-def test_handoff_integrity_covers_the_draft_rows(request, tiny: Path, drafts: dict[str, Path],
-                                                 eagle: dict[str, Path], part: str) -> None:
+@pytest.mark.parametrize(("part", "heads"), [("draft", None), ("head", "eagle"), ("features", "eagle"),
+                                             ("head", "eagle3"), ("features", "eagle3")],
+                         ids=["draft", "head", "features", "eagle3-head", "eagle3-features"])
+def test_handoff_integrity_covers_the_draft_rows(request, tiny: Path, drafts: dict[str, Path], part: str,
+                                                 heads: str | None) -> None:
     """``--handoff-integrity`` (the sender's ``integrity``): the digests count the sidecar pool's
-    layers after the target's (a draft model's rows; an EAGLE head's, its feature plane's first),
-    so one bit flipped in one handed row of one request (the draft's last layer, the head's
-    first, a hidden state of the plane) after it arrived fails that request's check, its pages
-    freed, and never reaches a draft or an acceptance; the others pass (no false alarm) with a
-    single uncached engine's outputs and accepted counts."""
-    p, d = request.getfixturevalue("sides" if part == "draft" else "eagle_sides")
-    model, head, spec = (tiny, drafts["sidecar"], {}) if part == "draft" else (eagle["target"], eagle["head"], _EAGLE)
+    layers after the target's (a draft model's rows; an EAGLE head's, its feature plane's first:
+    EAGLE-3's, three hidden states wide, has more layers), so one bit flipped in one handed row of
+    one request (the draft's last layer, the head's first, a hidden state of the plane's last
+    layer) after it arrived fails that request's check, its pages freed, and never reaches a draft
+    or an acceptance; the others pass (no false alarm) with a single uncached engine's outputs and
+    accepted counts."""
+    if heads is None:
+        (p, d), model, head, spec = request.getfixturevalue("sides"), tiny, drafts["sidecar"], {}
+    else:
+        models, (p, d) = (request.getfixturevalue(name) for name in _HEADS[heads])
+        model, head, spec = models["target"], models["head"], _EAGLE
     batch = _prompts()
     want = _uncached(model, head, batch, **spec)
     free = d.engine.allocator.num_free
