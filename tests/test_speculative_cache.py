@@ -321,8 +321,8 @@ def _eagle_restored(eagle: dict, layout: DraftLayout, tier: str, l3: Path, part:
     return got, drafts
 
 
-# (head, tier): EAGLE-1 from every tier, EAGLE-3 from L2 and L3
-HEAD_TIERS = [*(("eagle", t) for t in TIERS), ("eagle3", "host"), ("eagle3", "storage")]
+# (head, tier): EAGLE-1 and EAGLE-3 from every tier
+HEAD_TIERS = [*(("eagle", t) for t in TIERS), *(("eagle3", t) for t in TIERS)]
 
 
 @pytest.mark.parametrize("layout", [DraftLayout.AUTO, DraftLayout.SIDECAR])
