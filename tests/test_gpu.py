@@ -160,7 +160,8 @@ def test_cuda_structured_outputs_match_cpu(tmp_path: Path) -> None:
 
 def test_a_cuda_rank_joins_nccl_with_the_node_fault_settings(tiny_llama: Path) -> None:
     """One CUDA rank joins its node's groups: NCCL for the model, a gloo control group, and the NCCL
-    fault settings in its environment before the group formed (``nccl_settings``); a collective runs."""
+    fault settings in its environment before the group formed (``nccl_settings``); once started, every
+    group (NCCL's too) takes the step timeout (``Ranks.started``), and a collective runs."""
     import torch.distributed as dist
 
     from tierserve.engine.procs.ranks import RankSpec, join, nccl_settings, rendezvous
@@ -170,6 +171,7 @@ def test_a_cuda_rank_joins_nccl_with_the_node_fault_settings(tiny_llama: Path) -
     try:
         assert dist.get_backend() == "nccl" and ranks.control is not None
         assert all(os.environ.get(k) is not None for k in nccl_settings(60.0))
+        ranks.started()  # _set_pg_timeout on the NCCL group (run on a GPU: not yet, docs/faults.md)
         total = torch.ones(4, device=ranks.device)
         dist.all_reduce(total)
         assert total.tolist() == [1.0] * 4

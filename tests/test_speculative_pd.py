@@ -237,7 +237,8 @@ async def _run_constrained(prefill: str, decode: str, prompt: list[int], samplin
 # EAGLE's ``auto`` from two stages into two stages: packed on both nodes (the head's layers on each last stage only;
 # into two tensor ranks ``up`` makes it the sidecar on both, ``test_up_plan``, passed here once by hand); and
 # one rank on both nodes (the sidecar draft, the EAGLE head); an EAGLE-3 head's ``auto`` from two stages (the first
-# capturing the embedding, which the head reads, and sending it on) into two tensor ranks: the sidecar on both
+# capturing the embedding, which the head reads, and sending it on) into two tensor ranks: the sidecar on both;
+# and the EAGLE-3 head (sidecar) from CP 2 into TP 2 x CP 2, and on one rank on both nodes
 @pytest.mark.parametrize(("layout", "sizes"), [("packed", "--prefill-tp-size 2 --decode-tp-size 2"),
                                                ("sidecar", "--prefill-pp-size 2 --decode-tp-size 2"),
                                                ("eagle", "--prefill-tp-size 2 --decode-tp-size 2"),
@@ -247,10 +248,12 @@ async def _run_constrained(prefill: str, decode: str, prompt: list[int], samplin
                                                ("eagle", "--prefill-cp-size 2 --decode-tp-size 2 --decode-cp-size 2"),
                                                ("eagle-auto", "--prefill-pp-size 2 --decode-pp-size 2"),
                                                ("sidecar", ""), ("eagle", ""),
-                                               ("eagle3-auto", "--prefill-pp-size 2 --decode-tp-size 2")],
+                                               ("eagle3-auto", "--prefill-pp-size 2 --decode-tp-size 2"),
+                                               ("eagle3", "--prefill-cp-size 2 --decode-tp-size 2 --decode-cp-size 2"),
+                                               ("eagle3", "")],
                          ids=["packed-tp2-tp2", "sidecar-pp2-tp2", "eagle-tp2-tp2", "packed-tp2-pp2",
                               "packed-cp2-tp2cp2", "sidecar-1-cp2", "eagle-cp2-tp2cp2", "eagle-packed-pp2-pp2",
-                              "sidecar-1-1", "eagle-1-1", "eagle3-pp2-tp2"])
+                              "sidecar-1-1", "eagle-1-1", "eagle3-pp2-tp2", "eagle3-cp2-tp2cp2", "eagle3-1-1"])
 def test_up_with_a_draft_equals_no_speculation(request, tiny: Path, drafts: dict[str, Path], layout: str,
                                                sizes: str) -> None:
     """``tierserve up`` (router, prefill node, decode node, of several ranks) with a draft of either
@@ -265,7 +268,8 @@ def test_up_with_a_draft_equals_no_speculation(request, tiny: Path, drafts: dict
     if layout.startswith("eagle"):
         heads = request.getfixturevalue(layout.split("-")[0])  # ``eagle`` or ``eagle3``
         model, draft, spec = heads["target"], heads["head"], _EAGLE
-        flags = ["--speculative-algorithm", "EAGLE", *(["--speculative-draft-layout", "sidecar"] * (layout == "eagle"))]
+        sidecar = not layout.endswith("-auto")
+        flags = ["--speculative-algorithm", "EAGLE", *(["--speculative-draft-layout", "sidecar"] * sidecar)]
     plain, want = reference(model, batch), _uncached(model, draft, batch, **spec)
     words = transformers.AutoTokenizer.from_pretrained(model)  # one word per token id
     port = free_port()
