@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.eagle_drafts import recorded_drafts
 from helpers.engine_runs import assert_no_pages_held, spread_prompts
 from helpers.rank_servers import NEW_TOKENS, hf_greedy
 from helpers.tiny_models import make_eagle_target, make_mimic_eagle, make_mimic_eagle3, make_tiny_model
@@ -211,6 +212,10 @@ def test_model_fetch_writes_a_random_head_for_a_target(heads: dict[str, Path], c
     (["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", "EAGLE3-DEEP"],
      "reads three distinct layers of the target's 1; the default layers give inputs of [2, 0, -2]"),
     (["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", "TARGET"], "has no fc.weight"),
+    (["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", "SPECULATORS"],
+     "a speculators-format head: flatten its transformer_layer_config"),
+    (["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", "HEADLESS"],
+     "config.json has no 'num_attention_heads'"),
 ])
 def test_bad_eagle_flags_are_refused_at_start(heads: dict[str, Path], tmp_path: Path, capsys, flags: list[str],
                                               message: str) -> None:
@@ -226,6 +231,11 @@ def test_bad_eagle_flags_are_refused_at_start(heads: dict[str, Path], tmp_path: 
         save_file({"midlayer.self_attn.q_proj.weight": torch.zeros(64, 128), "fc.weight": torch.zeros(64, 192)} | d2t,
                   str(tmp_path / "model.safetensors"))
         names["EAGLE3"] = names["EAGLE3-DEEP"] = str(tmp_path)
+    if "SPECULATORS" in flags or "HEADLESS" in flags:  # configs this build cannot read: exit 2, not a traceback
+        (tmp_path / "config.json").write_text(json.dumps(
+            {"architectures": ["Eagle3Speculator"], "transformer_layer_config": config} if "SPECULATORS" in flags
+            else {k: v for k, v in config.items() if k != "num_attention_heads"}))
+        names["SPECULATORS"] = names["HEADLESS"] = str(tmp_path)
     args = build_parser().parse_args(["serve", "--model", str(heads["target"]), *[names.get(f, f) for f in flags]])
     assert args.func(args) == 2
     assert message in capsys.readouterr().err
@@ -242,13 +252,13 @@ def test_model_fetch_refuses_eagle_with_draft_layers(capsys) -> None:
 
 @pytest.fixture(scope="module")
 def heads3(tmp_path_factory) -> dict[str, Path]:
-    """The two-layer target with a negligible embedding, and EAGLE-3 heads reading the outputs of its
-    layers -1, 0 and 1: random (with the target's LM head, or its own over 100 mapped tokens), and
-    mimics with no and with some feature mixed in."""
+    """The two-layer target with a negligible embedding, and EAGLE-3 heads reading the inputs of its
+    layers 0, 1 and 2 (the embedding, layer 0's output, the last layer's): random (with the target's
+    LM head, or its own over 100 mapped tokens), and mimics with no and with some feature mixed in."""
     root = tmp_path_factory.mktemp("eagle3")
     target = make_eagle_target(root / "target", layers=2, embed_rms=0.01)
-    return {"target": target, "random": write_random_eagle3(target, root / "random", (-1, 0, 1)),
-            "vocab": write_random_eagle3(target, root / "vocab", (-1, 0, 1), draft_vocab=100, seed=1),
+    return {"target": target, "random": write_random_eagle3(target, root / "random", (0, 1, 2)),
+            "vocab": write_random_eagle3(target, root / "vocab", (0, 1, 2), draft_vocab=100, seed=1),
             "mimic": make_mimic_eagle3(target, root / "mimic", 0.0),
             "mixed": make_mimic_eagle3(target, root / "mixed", 0.1)}
 
@@ -288,7 +298,7 @@ def test_the_target_captures_the_inputs_of_the_heads_layers(tmp_path: Path) -> N
     import transformers
 
     model_dir = make_tiny_model("llama", tmp_path / "deep", layers=4)
-    head = write_random_eagle3(model_dir, tmp_path / "head", (-1, 1, 3))
+    head = write_random_eagle3(model_dir, tmp_path / "head", (0, 2, 4))
     engine = _engine(model_dir, head)
     prompt = spread_prompts(1, 11)[0]
     engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0))  # one pass: the prompt's
@@ -330,3 +340,47 @@ def test_model_fetch_writes_an_eagle3_head_for_a_deep_enough_target(tmp_path: Pa
     args = build_parser().parse_args([*fetch, str(shallow)])
     assert args.func(args) == 2
     assert "eagle_aux_hidden_state_layer_ids" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("config", "inputs"), [
+    ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 2, 3]}}, (2, 3, 4)),  # outputs of layers 1-3
+    ({"eagle_aux_hidden_state_layer_ids": [2, 3, 4]}, (2, 3, 4)),  # inputs of layers 2-4, at the top as vLLM reads
+    ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 3, 7]}}, (0, 3, 7)),  # the embedding, ..., the output
+    ({}, (2, 3, 4)),  # the published default: inputs of layers 2, L/2, L-3
+])
+def test_eagle3_layer_ids_are_read_in_either_convention(tmp_path: Path, config: dict, inputs: tuple) -> None:
+    """Published heads name their layers two ways (sgl-project/sglang#25454): ids from 1 are
+    outputs (the next layer's input), others inputs; a seven-layer target captures those inputs."""
+    deep = make_tiny_model("llama", tmp_path / "deep", layers=7)
+    head = write_random_eagle3(deep, tmp_path / "head")
+    raw = {k: v for k, v in json.loads((head / "config.json").read_text()).items() if k != "eagle_config"}
+    (head / "config.json").write_text(json.dumps(raw | config))
+    assert _engine(deep, head).model.capture == inputs
+
+
+def test_norm_before_residual_feeds_the_normed_hidden_input_to_the_residual(heads3: dict[str, Path],
+                                                                            tmp_path: Path) -> None:
+    """``norm_before_residual`` (vLLM's reading, the speculators format's heads): the same weights
+    draft otherwise (the residual is hidden_norm(h), not h), and greedy output stays the target's."""
+    plain = heads3["mixed"]
+    normed = tmp_path / "normed"
+    shutil.copytree(plain, normed)
+    config = json.loads((plain / "config.json").read_text())
+    (normed / "config.json").write_text(json.dumps(config | {"norm_before_residual": True}))
+    prompts, runs = spread_prompts(3, 9, seed=2), []
+    for head in (plain, normed):
+        with recorded_drafts(lambda rid: int(rid.rpartition("-")[2])) as drafts:
+            out = _engine(heads3["target"], head, speculative_num_steps=2).generate(prompts, GREEDY)
+        runs.append((out, drafts))
+    assert runs[0][0] == runs[1][0] == _engine(heads3["target"], None).generate(prompts, GREEDY)
+    assert runs[0][1] != runs[1][1]
+
+
+@pytest.mark.parametrize("key", ["norm_before_fc", "fc_norm"])
+def test_an_eagle3_head_with_a_norm_before_fc_is_refused(heads3: dict[str, Path], tmp_path: Path, key: str) -> None:
+    head = tmp_path / "head"
+    shutil.copytree(heads3["random"], head)
+    config = json.loads((head / "config.json").read_text())
+    (head / "config.json").write_text(json.dumps(config | {key: True}))
+    with pytest.raises(ValueError, match=f"{key}.*not supported"):
+        _engine(heads3["target"], head)

@@ -39,7 +39,7 @@ def drafts(pair: tuple[Path, Path], tmp_path_factory) -> dict[str, Path]:
     residuals entering the target's layers 0, 1 and 2, with a draft vocabulary of 3 tokens."""
     root = tmp_path_factory.mktemp("eagle5")
     return {"standalone": pair[1], "ngram": pair[1], "eagle": write_random_eagle(pair[0], root / "head"),
-            "eagle3": write_random_eagle3(pair[0], root / "head3", capture=(-1, 0, 1), draft_vocab=3)}
+            "eagle3": write_random_eagle3(pair[0], root / "head3", capture=(0, 1, 2), draft_vocab=3)}
 
 
 def _exact(target: Path) -> dict[tuple[int, ...], float]:

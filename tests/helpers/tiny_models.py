@@ -225,21 +225,21 @@ def make_mimic_eagle(target_dir: Path, out_dir: Path, feature_scale: float) -> P
 
 def make_mimic_eagle3(target_dir: Path, out_dir: Path, feature_scale: float, embed_feature: float = 0.0) -> Path:
     """An EAGLE-3 head for ``make_eagle_target(layers=2, embed_rms=0.01)``'s model that recomputes
-    its first layer. It reads the outputs of layers -1 (the embedding), 0 and 1. ``fc`` passes a
-    thousandth of layer 0's output at the position before: the residual, negligible beside the
-    attention's output as the target's embedding is. The midlayer's attention reads the token as
+    its first layer. It reads the inputs of layers 0 (the embedding), 1 and 2 (the last layer's
+    output). ``fc`` passes a thousandth of layer 0's output at the position before: the residual,
+    negligible beside the attention's output as the target's embedding is. The midlayer's attention reads the token as
     the target's layer does (its input norm, q/k/v) plus ``feature_scale`` times q/k/v of the normed
     feature; its output projection, MLP and norms, the final norm and the LM head are the target's.
     So, like ``make_mimic_eagle``, it agrees with the target often, not always, and with a feature
     scale what it drafts depends on the features it is handed (the captures of the right layers).
-    ``embed_feature``: ``fc`` also passes that much of layer -1's output (the embedding at the
+    ``embed_feature``: ``fc`` also passes that much of layer 0's input (the embedding at the
     position before, taken on a pipeline's first stage and sent on to the last), so its drafts
     depend on that capture too (at 0.3 some change; the residual stays negligible)."""
     from safetensors.torch import load_file, save_file
 
     from tierserve.model.eagle import write_random_eagle3
 
-    write_random_eagle3(target_dir, out_dir, capture=(-1, 0, 1))
+    write_random_eagle3(target_dir, out_dir, capture=(0, 1, 2))
     t = load_file(str(target_dir / "model.safetensors"))
     hidden = t["model.embed_tokens.weight"].shape[1]
     zeros = torch.zeros(hidden, hidden)

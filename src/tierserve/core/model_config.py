@@ -21,6 +21,7 @@ _ARCHITECTURES = {
     "LlamaForCausalLM": ModelFamily.LLAMA,
     "LlamaForCausalLMEagle": ModelFamily.LLAMA,  # an EAGLE-1 draft head (model/eagle.py): Llama layers
     "LlamaForCausalLMEagle3": ModelFamily.LLAMA,  # an EAGLE-3 draft head (model/eagle.py): a Llama midlayer
+    "Eagle3LlamaForCausalLM": ModelFamily.LLAMA,  # vLLM's name for the same layout
     "MistralForCausalLM": ModelFamily.LLAMA,
     "Qwen2ForCausalLM": ModelFamily.QWEN2,
     "Qwen3ForCausalLM": ModelFamily.QWEN3,

@@ -12,8 +12,9 @@ vLLM capture it. On a last pipeline stage, which holds the target's LM head but 
 The EAGLE-3 layout as SGLang's ``LlamaForCausalLMEagle3`` and vLLM's ``Eagle3LlamaForCausalLM`` load it:
 ``fc`` maps three of the target's residual streams (entering the layers ``capture_layers`` names) [3H]
 to H; one decoder layer, ``midlayer``, whose attention reads concat(input_layernorm(embed(token)),
-hidden_norm(h)) [2H] with h as the residual; a final ``norm``; an LM head over ``draft_vocab_size``
-tokens whose ids ``d2t`` maps to the target's (target = draft + d2t[draft]). A chain step past the first
+hidden_norm(h)) [2H] with h as the residual (hidden_norm(h) with ``norm_before_residual``, as vLLM
+reads it); a final ``norm``; an LM head over ``draft_vocab_size`` tokens whose ids ``d2t`` maps to
+the target's (target = draft + d2t[draft]). A chain step past the first
 feeds the head's own output (before its norm), which is H wide and skips ``fc``."""
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ class EagleLayout(Enum):
 class EagleSpec:
     """What a head's folder says about it: its ``layout``, the tensors it brings of its own
     (embedding, LM head), whether ``fc`` has a bias, and for EAGLE-3 the target layers whose inputs
-    it reads (``capture``, ``CausalLM.capture_inputs``) and the draft vocabulary's size."""
+    it reads (``capture``, ``CausalLM.capture_inputs``), the draft vocabulary's size and where its
+    layer norms its hidden input."""
 
     config: ModelConfig
     layout: EagleLayout
@@ -63,6 +65,7 @@ class EagleSpec:
     fc_bias: bool
     capture: tuple[int, ...] = ()
     draft_vocab: int | None = None
+    norm_before_residual: bool = False  # EAGLE-3 (vLLM's, the speculators format's): the residual is hidden_norm(h)
 
     @property
     def feature_width(self) -> int:
@@ -122,11 +125,13 @@ class EagleHead(nn.Module):
 
 class Eagle3Layer(nn.Module):
     """EAGLE-3's decoder layer (``midlayer``): attention reads the normed token embedding and the
-    normed hidden input side by side [2H]; the hidden input is the residual."""
+    normed hidden input side by side [2H]; the residual is the hidden input, or with
+    ``norm_before_residual`` the normed hidden input."""
 
-    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, norm_before_residual: bool = False) -> None:
         super().__init__()
         hidden, tp = cfg.hidden_size, TensorParallel()
+        self.norm_before_residual = norm_before_residual
         self.input_layernorm = RMSNorm(hidden, cfg.rms_norm_eps)
         self.hidden_norm = RMSNorm(hidden, cfg.rms_norm_eps)
         self.self_attn = SelfAttention(cfg, layer_id, tp, in_features=2 * hidden)
@@ -135,8 +140,9 @@ class Eagle3Layer(nn.Module):
 
     def forward(self, rope: RopeTables, embed: torch.Tensor, x: torch.Tensor, batch: AttentionBatch,
                 kv: KVStore) -> torch.Tensor:
-        h = torch.cat([self.input_layernorm(embed), self.hidden_norm(x)], dim=-1)
-        x = x + self.self_attn(rope, h, batch, kv)
+        normed = self.hidden_norm(x)
+        h = torch.cat([self.input_layernorm(embed), normed], dim=-1)
+        x = (normed if self.norm_before_residual else x) + self.self_attn(rope, h, batch, kv)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -154,7 +160,7 @@ class Eagle3Head(nn.Module):
         self.embed_tokens = Embedding(cfg.vocab_size, hidden) if embeds else None
         self.fc = nn.Linear(spec.feature_width, hidden, bias=spec.fc_bias)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position, cfg.rope_scaling)
-        self.midlayer = Eagle3Layer(cfg, first_layer)
+        self.midlayer = Eagle3Layer(cfg, first_layer, spec.norm_before_residual)
         self.norm = RMSNorm(hidden, cfg.rms_norm_eps)
         vocab = spec.draft_vocab or cfg.vocab_size
         self.lm_head = ColumnParallelLinear.split(hidden, [vocab], False, tp) if "lm_head.weight" in spec.own else None
@@ -186,7 +192,8 @@ class Eagle3Head(nn.Module):
 
 def eagle_spec(draft_dir: Path, target_layers: int) -> EagleSpec:
     """What ``draft_dir``'s config.json and tensor names say about its head, for a target of
-    ``target_layers`` layers; ``ValueError`` when it is no EAGLE head or its captures do not fit."""
+    ``target_layers`` layers; ``ValueError`` when it is no EAGLE head, its captures do not fit, or
+    it asks for a variant this build does not run."""
     draft_dir = Path(draft_dir)
     names = _names(draft_dir)
     cfg = ModelConfig.from_dir(draft_dir)
@@ -199,20 +206,32 @@ def eagle_spec(draft_dir: Path, target_layers: int) -> EagleSpec:
     draft_vocab = raw.get("draft_vocab_size") if "d2t" in names else None
     if "d2t" in names and not draft_vocab:
         raise ValueError(f"{draft_dir}: the head maps its vocabulary (d2t) but its config.json has no draft_vocab_size")
-    return EagleSpec(cfg, EagleLayout.EAGLE3, own, fc_bias, capture_layers(raw, target_layers, draft_dir), draft_vocab)
+    unsupported = [key for key in ("norm_before_fc", "fc_norm") if raw.get(key)]
+    if unsupported:
+        raise ValueError(f"{draft_dir}: EAGLE-3 heads with {', '.join(unsupported)} (a norm over the captures "
+                         "before fc) are not supported (docs/speculative.md, EAGLE-3)")
+    return EagleSpec(cfg, EagleLayout.EAGLE3, own, fc_bias, capture_layers(raw, target_layers, draft_dir), draft_vocab,
+                     bool(raw.get("norm_before_residual", False)))
 
 
 def capture_layers(raw: dict, target_layers: int, draft_dir: Path) -> tuple[int, ...]:
     """The target layers whose inputs an EAGLE-3 head reads (``target_layers``: the last one's
-    output): ``eagle_config.eagle_aux_hidden_state_layer_ids`` names layers whose outputs it reads,
-    as SGLang and vLLM take it; without it the published default, the inputs of layers 2, L/2 and L-3."""
-    ids = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    layers = tuple(i + 1 for i in ids) if ids is not None else (2, target_layers // 2, target_layers - 3)
+    output). Its config's ``eagle_aux_hidden_state_layer_ids`` (at the top, as vLLM reads it, or in
+    ``eagle_config``, as SGLang does) comes in two conventions, told apart as SGLang does
+    (sgl-project/sglang#25454): ids starting at 1 name layers whose outputs it reads (the input of
+    the next), others the layers whose inputs it reads (no head reads the embedding's output as
+    layer 1's). Without ids: the published default, the inputs of layers 2, L/2 and L-3."""
+    ids = raw.get("eagle_aux_hidden_state_layer_ids") or (raw.get("eagle_config") or {}).get(
+        "eagle_aux_hidden_state_layer_ids")
+    if ids:
+        layers = tuple(i + 1 for i in ids) if ids[0] == 1 else tuple(ids)
+    else:
+        layers = (2, target_layers // 2, target_layers - 3)
     if len(set(layers)) != 3 or not all(0 <= i <= target_layers for i in layers):
-        source = "eagle_config.eagle_aux_hidden_state_layer_ids" if ids is not None else "the default layers"
+        source = f"eagle_aux_hidden_state_layer_ids {list(ids)}" if ids else "the default layers"
         raise ValueError(f"{draft_dir}: an EAGLE-3 head reads three distinct layers of the target's "
                          f"{target_layers}; {source} give inputs of {list(layers)} (set "
-                         "eagle_config.eagle_aux_hidden_state_layer_ids in its config.json)")
+                         "eagle_aux_hidden_state_layer_ids in its config.json)")
     return tuple(sorted(layers))
 
 
@@ -304,17 +323,19 @@ def write_random_eagle(target_dir: Path, out_dir: Path, layers: int = 1, seed: i
 
 
 def write_random_eagle3(target_dir: Path, out_dir: Path, capture: tuple[int, ...] | None = None,
-                        draft_vocab: int | None = None, seed: int = 0) -> Path:
+                        draft_vocab: int | None = None, seed: int = 0, norm_before_residual: bool = False) -> Path:
     """Writes to ``out_dir`` (replacing it) a randomly initialised EAGLE-3 head for the model in
-    ``target_dir``: ``capture`` the target layers whose outputs it reads (the config's
-    ``eagle_aux_hidden_state_layer_ids``; None: the published default), and with ``draft_vocab``
-    its own LM head over that many of the target's tokens (a seeded choice, mapped by ``d2t``;
-    else the target's head)."""
+    ``target_dir``: ``capture`` its config's ``eagle_aux_hidden_state_layer_ids`` (read as
+    ``capture_layers`` says; None: the published default), with ``draft_vocab`` its own LM head over
+    that many of the target's tokens (a seeded choice, mapped by ``d2t``; else the target's head),
+    ``norm_before_residual`` in its config."""
     target = ModelConfig.from_dir(target_dir)
     config = _eagle_json(json.loads((target_dir / "config.json").read_text()), target, 1) | {
         "architectures": [EAGLE3_ARCHITECTURE]}
     if capture is not None:
         config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(capture)}
+    if norm_before_residual:
+        config["norm_before_residual"] = True
     capture_layers(config, target.num_layers, out_dir)  # a head the target could not feed is refused now
     gen = torch.Generator().manual_seed(seed)
     dtype = getattr(torch, target.torch_dtype, torch.float32)

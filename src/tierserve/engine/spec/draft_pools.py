@@ -4,6 +4,7 @@ planned before the engine sizes its pools."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,7 +14,7 @@ from tierserve.cache.device_pool import DeviceKVPool, KVGeometry
 from tierserve.cache.draft_kv import DraftShard
 from tierserve.cache.options import DraftLayout
 from tierserve.cache.sharded.shards import HeadRange
-from tierserve.core.model_config import ModelConfig
+from tierserve.core.model_config import ModelConfig, UnsupportedModelError
 from tierserve.engine.config import EngineConfig, SpeculativeAlgorithm
 from tierserve.model.attention import KVStore, LayerHooks
 from tierserve.model.eagle import EagleSpec, eagle_spec
@@ -30,7 +31,7 @@ def check_draft(target_dir: Path, draft_dir: Path, max_model_len: int | None = N
     model in ``target_dir``: drafts are verified token id by token id, so vocabularies must match."""
     if not (Path(draft_dir) / "config.json").is_file():
         raise DraftMismatchError(f"--speculative-draft-model-path {draft_dir} is not a model folder (no config.json)")
-    target, draft = ModelConfig.from_dir(Path(target_dir)), ModelConfig.from_dir(Path(draft_dir))
+    target, draft = ModelConfig.from_dir(Path(target_dir)), _draft_config(Path(draft_dir))
     if draft.vocab_size != target.vocab_size:
         raise DraftMismatchError(f"the draft model's vocabulary ({draft.vocab_size} tokens) differs from the "
                                  f"target's ({target.vocab_size}): drafts could not be verified")
@@ -38,6 +39,18 @@ def check_draft(target_dir: Path, draft_dir: Path, max_model_len: int | None = N
     if draft.max_position < needed:
         raise DraftMismatchError(f"the draft model has {draft.max_position} positions, the engine needs {needed}")
     return draft
+
+
+def _draft_config(draft_dir: Path) -> ModelConfig:
+    """The draft's config; ``DraftMismatchError`` naming what this build cannot read in it."""
+    try:
+        return ModelConfig.from_dir(draft_dir)
+    except (UnsupportedModelError, KeyError) as exc:
+        raw = json.loads((draft_dir / "config.json").read_text())
+        hint = "; a speculators-format head: flatten its transformer_layer_config into config.json" \
+            if "transformer_layer_config" in raw else ""
+        what = f"config.json has no {exc}" if isinstance(exc, KeyError) else str(exc)
+        raise DraftMismatchError(f"--speculative-draft-model-path {draft_dir}: {what}{hint}") from None
 
 
 def draft_geometry(draft: ModelConfig, target: KVGeometry, plane: int = 0,
