@@ -263,9 +263,8 @@ def test_l2_size_counts_the_draft_rows(tiny_llama: Path, drafts: dict, layout: D
 # EAGLE (docs/speculative.md, EAGLE): the head's rows and the target's hidden states (its feature
 # plane, the first layers of the draft's rows) come back with the page from every tier, in either
 # layout: the head drafts the tokens it drafts uncached; noise over either part once restored changes
-# its drafts (and for all but EAGLE-3's features, the accepted counts). EAGLE-1 in every case; EAGLE-3
-# (its plane the three captured residual streams: three times as wide, more layers) from L2 and from
-# L3 on another engine.
+# its drafts and the accepted counts. EAGLE-1 and EAGLE-3 (its plane the three captured residual
+# streams: three times as wide, more layers) from every tier.
 
 
 @pytest.fixture(scope="module")

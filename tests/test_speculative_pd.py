@@ -9,7 +9,7 @@ the nodes and through ``tierserve up``; noise written over the handed draft rows
 An EAGLE head's rows and the target's hidden states it reads travel the same way (sidecar or packed);
 an EAGLE-3 head's rows and the three residual streams it reads too (its feature plane three times as
 wide; through ``up`` from a prefill node of two pipeline stages, whose first takes one of them, into a
-decode node of two tensor ranks)."""
+decode node of two tensor ranks, from CP 2 into TP 2 x CP 2, and on one rank on both nodes)."""
 
 from __future__ import annotations
 
