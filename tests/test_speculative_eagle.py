@@ -384,3 +384,18 @@ def test_an_eagle3_head_with_a_norm_before_fc_is_refused(heads3: dict[str, Path]
     (head / "config.json").write_text(json.dumps(config | {key: True}))
     with pytest.raises(ValueError, match=f"{key}.*not supported"):
         _engine(heads3["target"], head)
+
+
+def test_an_eagle3_head_named_as_vllm_names_it_loads(heads3: dict[str, Path], tmp_path: Path) -> None:
+    """vLLM names the midlayer ``layers.0.`` (the heads its speculators tools write); with a
+    ``model.`` prefix too: the same head, the same drafts and counts."""
+    tensors = {("model." + n.replace("midlayer.", "layers.0.")) if n.startswith("midlayer.") else n: t
+               for n, t in load_file(str(heads3["mixed"] / "model.safetensors")).items()}
+    renamed = tmp_path / "renamed"
+    renamed.mkdir()
+    (renamed / "config.json").write_text((heads3["mixed"] / "config.json").read_text())
+    save_file(tensors, str(renamed / "model.safetensors"))
+    prompts = spread_prompts(3, 10, seed=4)
+    runs = [_engine(heads3["target"], h, speculative_num_steps=2) for h in (heads3["mixed"], renamed)]
+    assert runs[0].generate(prompts, GREEDY) == runs[1].generate(prompts, GREEDY)
+    assert runs[0].spec.counters == runs[1].spec.counters and runs[0].spec.counters.accepted_tokens > 0

@@ -9,7 +9,8 @@ checkpoint has its own (``embed_tokens.weight``, ``lm_head.weight``); tensor nam
 vLLM capture it. On a last pipeline stage, which holds the target's LM head but not its embedding
 (unless tied), the head loads its own copy of the target's embedding from the target's checkpoint.
 
-The EAGLE-3 layout as SGLang's ``LlamaForCausalLMEagle3`` and vLLM's ``Eagle3LlamaForCausalLM`` load it:
+The EAGLE-3 layout as SGLang's ``LlamaForCausalLMEagle3`` and vLLM's ``Eagle3LlamaForCausalLM`` load it
+(its layer named ``midlayer.`` or, as vLLM names it, ``layers.0.``; told from EAGLE-1 by its ``hidden_norm``):
 ``fc`` maps three of the target's residual streams (entering the layers ``capture_layers`` names) [3H]
 to H; one decoder layer, ``midlayer``, whose attention reads concat(input_layernorm(embed(token)),
 hidden_norm(h)) [2H] with h as the residual (hidden_norm(h) with ``norm_before_residual``, as vLLM
@@ -200,7 +201,7 @@ def eagle_spec(draft_dir: Path, target_layers: int) -> EagleSpec:
     own, fc_bias = frozenset(n for n in _OWN if n in names), "fc.bias" in names
     if "fc.weight" not in names:
         raise ValueError(f"{draft_dir} is not an EAGLE head: it has no fc.weight")
-    if not any(n.startswith("midlayer.") for n in names):
+    if not any(n.startswith("midlayer.") or n.endswith(".hidden_norm.weight") for n in names):
         return EagleSpec(cfg, EagleLayout.EAGLE1, own, fc_bias)
     raw = json.loads((draft_dir / "config.json").read_text())
     draft_vocab = raw.get("draft_vocab_size") if "d2t" in names else None
@@ -283,6 +284,8 @@ def _load(head: EagleHead | Eagle3Head, draft_dir: Path, tensors: Iterator[tuple
     params, loaded = dict(head.named_parameters()), set()
     for ckpt_name, tensor in tensors:
         name, shard = parameter_target(ckpt_name)
+        if isinstance(head, Eagle3Head) and name.startswith("layers.0."):
+            name = "midlayer." + name.removeprefix("layers.0.")  # vLLM's name for it (its speculators' heads)
         if name == "layers.0.input_layernorm.weight" or name.endswith("rotary_emb.inv_freq") or name == "t2d":
             continue  # some conversions keep the unused norm; t2d is d2t's inverse, for training
         if name == "d2t" and isinstance(head, Eagle3Head) and head.hot_ids is not None:
