@@ -29,6 +29,7 @@ from tierserve.engine.spec.standalone import DraftRelay
 from tierserve.model.eagle import (
     EAGLE3_ARCHITECTURE,
     EAGLE_ARCHITECTURE,
+    eagle_spec,
     load_eagle,
     write_random_eagle,
     write_random_eagle3,
@@ -119,9 +120,10 @@ def test_a_head_copies_the_embedding_a_last_stage_lacks(heads: dict[str, Path]) 
     target = load_model(heads["target"], torch.device("cpu"), torch.float32)
     embedding = target.embed_tokens.weight.clone()
     target.embed_tokens = None  # as the last of two stages holds the target
+    spec = eagle_spec(heads["mixed"], target.config.num_layers)
     with pytest.raises(ValueError, match="needs the target's folder"):
-        load_eagle(heads["mixed"], target, 1, torch.device("cpu"), torch.float32)
-    head = load_eagle(heads["mixed"], target, 1, torch.device("cpu"), torch.float32, heads["target"])
+        load_eagle(spec, target, 1, torch.device("cpu"), torch.float32)
+    head = load_eagle(spec, target, 1, torch.device("cpu"), torch.float32, heads["target"])
     assert torch.equal(head.embed_tokens.weight, embedding)
 
 

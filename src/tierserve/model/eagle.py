@@ -55,11 +55,12 @@ class EagleLayout(Enum):
 
 @dataclass(frozen=True)
 class EagleSpec:
-    """What a head's folder says about it: its ``layout``, the tensors it brings of its own
+    """What a head's ``folder`` says about it: its ``layout``, the tensors it brings of its own
     (embedding, LM head), whether ``fc`` has a bias, and for EAGLE-3 the target layers whose inputs
     it reads (``capture``, ``CausalLM.capture_inputs``), the draft vocabulary's size and where its
     layer norms its hidden input."""
 
+    folder: Path
     config: ModelConfig
     layout: EagleLayout
     own: frozenset[str]
@@ -202,7 +203,7 @@ def eagle_spec(draft_dir: Path, target_layers: int) -> EagleSpec:
     if "fc.weight" not in names:
         raise ValueError(f"{draft_dir} is not an EAGLE head: it has no fc.weight")
     if not any(n.startswith("midlayer.") or n.endswith(".hidden_norm.weight") for n in names):
-        return EagleSpec(cfg, EagleLayout.EAGLE1, own, fc_bias)
+        return EagleSpec(draft_dir, cfg, EagleLayout.EAGLE1, own, fc_bias)
     raw = json.loads((draft_dir / "config.json").read_text())
     draft_vocab = raw.get("draft_vocab_size") if "d2t" in names else None
     if "d2t" in names and not draft_vocab:
@@ -211,8 +212,8 @@ def eagle_spec(draft_dir: Path, target_layers: int) -> EagleSpec:
     if unsupported:
         raise ValueError(f"{draft_dir}: EAGLE-3 heads with {', '.join(unsupported)} (a norm over the captures "
                          "before fc) are not supported (docs/speculative.md, EAGLE-3)")
-    return EagleSpec(cfg, EagleLayout.EAGLE3, own, fc_bias, capture_layers(raw, target_layers, draft_dir), draft_vocab,
-                     bool(raw.get("norm_before_residual", False)))
+    return EagleSpec(draft_dir, cfg, EagleLayout.EAGLE3, own, fc_bias, capture_layers(raw, target_layers, draft_dir),
+                     draft_vocab, bool(raw.get("norm_before_residual", False)))
 
 
 def capture_layers(raw: dict, target_layers: int, draft_dir: Path) -> tuple[int, ...]:
@@ -250,14 +251,13 @@ def _names(draft_dir: Path) -> set[str]:
     return names
 
 
-def load_eagle(draft_dir: str | Path, target: CausalLM, first_layer: int, device: torch.device,
+def load_eagle(spec: EagleSpec, target: CausalLM, first_layer: int, device: torch.device,
                dtype: torch.dtype, target_dir: Path | None = None) -> EagleHead | Eagle3Head:
-    """The EAGLE head of ``draft_dir`` (either layout) on ``device`` in ``dtype``, drafting for
-    ``target`` (loaded from ``target_dir``, which must be given where ``target`` has no embedding
-    and the head none of its own: the head then copies it); raises ``ValueError`` naming a tensor
-    the layout has no place for, or a parameter left unloaded."""
-    draft_dir = Path(draft_dir)
-    spec = eagle_spec(draft_dir, target.config.num_layers)
+    """The EAGLE head ``spec`` describes (either layout; ``eagle_spec`` for ``target``) on ``device``
+    in ``dtype``, drafting for ``target`` (loaded from ``target_dir``, which must be given where
+    ``target`` has no embedding and the head none of its own: the head then copies it); raises
+    ``ValueError`` naming a tensor the layout has no place for, or a parameter left unloaded."""
+    draft_dir = spec.folder
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:

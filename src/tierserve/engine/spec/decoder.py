@@ -56,7 +56,8 @@ class SpecDecoder:
         target's pass runs on at several ranks; ``tp``: the rank's tensor shard, the draft model's too)."""
         algorithm, counters, device = config.spec_algorithm, SpecCounters(), pool.buffer.device
         if algorithm is SpeculativeAlgorithm.EAGLE:  # every stage: each sends on what it took (EAGLE-3)
-            target.capture_inputs(eagle_spec(config.speculative_draft_model_path, target.config.num_layers).capture)
+            head = eagle_spec(config.speculative_draft_model_path, target.config.num_layers)
+            target.capture_inputs(head.capture)
         if algorithm is SpeculativeAlgorithm.NGRAM:
             drafter: Drafter = NgramDrafter(config.ngram_sizes, target.config.vocab_size, device)
         elif algorithm is None:
@@ -68,8 +69,7 @@ class SpecDecoder:
             cp = runner.cp.over(draft_kv.kv) if runner.cp is not None else None  # type: ignore[arg-type]
             drafter = ModelDrafter(path, draft_kv, device, pool.geometry.dtype, counters, tp, runner.tokens, cp)
         else:
-            path = config.speculative_draft_model_path
-            drafter = EagleDrafter(path, draft_kv, target, device, pool.geometry.dtype, counters, runner.tokens,
+            drafter = EagleDrafter(head, draft_kv, target, device, pool.geometry.dtype, counters, runner.tokens,
                                    config.model_dir, runner.cp)
         on_ranks = runner if algorithm is SpeculativeAlgorithm.NGRAM or config.num_ranks > 1 else None
         return cls(target, pool, drafter, config.spec_steps, counters, on_ranks,

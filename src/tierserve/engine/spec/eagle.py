@@ -32,7 +32,7 @@ from tierserve.engine.spec.draft_pools import DraftKV
 from tierserve.engine.spec.drafts import Drafted, SpecCounters, chain
 from tierserve.engine.spec.spans import Span, forward
 from tierserve.model.attention import AttentionBatch, KVStore, LayerHooks
-from tierserve.model.eagle import Eagle3Head, EagleHead, eagle_spec, load_eagle
+from tierserve.model.eagle import Eagle3Head, EagleHead, EagleSpec, load_eagle
 from tierserve.model.llama import CausalLM
 
 
@@ -99,21 +99,21 @@ class EagleDrafter:
     whose head rows are computed (with true features: the chain's rows past the pending token use
     the head's own outputs and are recomputed once their tokens are verified)."""
 
-    def __init__(self, draft_dir: Path, draft_kv: DraftKV, target: CausalLM, device: torch.device,
+    def __init__(self, spec: EagleSpec, draft_kv: DraftKV, target: CausalLM, device: torch.device,
                  dtype: torch.dtype, counters: SpecCounters, tokens: TokenShare | None = None,
                  target_dir: Path | None = None, cp: CPRunner | None = None) -> None:
-        """Several tensor ranks: every rank runs the whole head (replicated: one layer, its KV and
-        the plane whole on each rank, fed the target's final hidden states (EAGLE-3: captures), which every tensor rank
-        has), and ``tokens`` (the runner's) makes it take the sampling rank's draw at each chain step.
-        Pipeline stages: the last runs it (``target`` is that stage's, with the LM head; the head
-        copies the embedding from ``target_dir`` if that stage has none), the others relay
-        (``DraftRelay``). Several CP ranks: ``cp`` (the target's ``CPRunner``) places the plane's and
-        the head's rows on their pages' owners, the plane read across them (``FeaturePlane``), the
-        head's attention gathering the prefix pages of its layers from their owners every pass
-        (``CPAttention.GATHER``: the merged attention's readers cannot hide slot 0)."""
-        spec = eagle_spec(Path(draft_dir), target.config.num_layers)
+        """``spec``: the head's (``eagle_spec``). Several tensor ranks: every rank runs the whole
+        head (replicated: one layer, its KV and the plane whole on each rank, fed the target's final
+        hidden states or EAGLE-3's captures, which every tensor rank has), and ``tokens`` (the
+        runner's) makes it take the sampling rank's draw at each chain step. Pipeline stages: the
+        last runs it (``target`` is that stage's, with the LM head; the head copies the embedding
+        from ``target_dir`` if that stage has none), the others relay (``DraftRelay``). Several CP
+        ranks: ``cp`` (the target's ``CPRunner``) places the plane's and the head's rows on their
+        pages' owners, the plane read across them (``FeaturePlane``), the head's attention gathering
+        the prefix pages of its layers from their owners every pass (``CPAttention.GATHER``: the
+        merged attention's readers cannot hide slot 0)."""
         plane = spec.plane_layers
-        self.head = load_eagle(draft_dir, target, plane, device, dtype, target_dir)
+        self.head = load_eagle(spec, target, plane, device, dtype, target_dir)
         self.cp = cp.over(draft_kv.kv, CPAttention.GATHER, plane) if cp is not None else None  # type: ignore[arg-type]
         self.plane = FeaturePlane(draft_kv.kv, plane, spec.feature_width, self.cp)
         self.draft_kv, self.counters, self.tokens = draft_kv, counters, tokens or SoleSampler()
