@@ -432,17 +432,19 @@ def eagle3(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def eagle_sides(eagle: dict[str, Path]) -> tuple[RankTransfer, RankTransfer]:
     """As ``sides``, with the EAGLE head (its rows and the target's hidden states in the sidecar)."""
-    prefill = _engine(eagle["target"], eagle["head"], **_EAGLE)
-    decode = _engine(eagle["target"], eagle["head"], cache=False, **_EAGLE)
-    return NodeRankRole(Side.PREFILL, TransferOptions()).start(prefill), \
-        NodeRankRole(Side.DECODE, TransferOptions()).start(decode)
+    return _head_sides(eagle)
 
 
 @pytest.fixture(scope="module")
 def eagle3_sides(eagle3: dict[str, Path]) -> tuple[RankTransfer, RankTransfer]:
     """As ``eagle_sides``, with the EAGLE-3 head (its rows and the target's captures in the sidecar)."""
-    prefill = _engine(eagle3["target"], eagle3["head"], **_EAGLE)
-    decode = _engine(eagle3["target"], eagle3["head"], cache=False, **_EAGLE)
+    return _head_sides(eagle3)
+
+
+def _head_sides(models: dict[str, Path]) -> tuple[RankTransfer, RankTransfer]:
+    """A prefill and an uncached decode engine of ``models``' target and EAGLE head, started as roles."""
+    prefill = _engine(models["target"], models["head"], **_EAGLE)
+    decode = _engine(models["target"], models["head"], cache=False, **_EAGLE)
     return NodeRankRole(Side.PREFILL, TransferOptions()).start(prefill), \
         NodeRankRole(Side.DECODE, TransferOptions()).start(decode)
 
