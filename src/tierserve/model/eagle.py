@@ -88,30 +88,31 @@ def feature_layers(width: int, num_kv_heads: int, head_dim: int) -> int:
 
 
 class EagleHead(nn.Module):
-    """An EAGLE-1 head. ``first_layer``: the KV layer of the store its layer 0 uses (the feature
-    plane's layers come first). ``target``: the model it drafts for, whose embedding and LM head it
-    uses where it has none of its own (kept outside the module: its weights are not the head's).
-    Where ``target`` has no embedding (a last pipeline stage, its LM head untied) the head has one,
-    a copy of the target's (``load_eagle`` reads it from the target's checkpoint)."""
+    """An EAGLE-1 head (``spec``: its folder's, ``eagle_spec``). ``first_layer``: the KV layer of
+    the store its layer 0 uses (the feature plane's layers come first). ``target``: the model it
+    drafts for, whose embedding and LM head it uses where it has none of its own (kept outside the
+    module: its weights are not the head's). Where ``target`` has no embedding (a last pipeline
+    stage, its LM head untied) the head has one, a copy of the target's (``load_eagle`` reads it
+    from the target's checkpoint)."""
 
-    def __init__(self, cfg: ModelConfig, first_layer: int, target: CausalLM, own: set[str], fc_bias: bool) -> None:
+    def __init__(self, spec: EagleSpec, first_layer: int, target: CausalLM) -> None:
         super().__init__()
+        cfg = spec.config
         self.config, self.__dict__["target"] = cfg, target
         hidden, tp = cfg.hidden_size, TensorParallel()
-        embeds = "embed_tokens.weight" in own or target.embed_tokens is None
-        self.embed_tokens = Embedding(cfg.vocab_size, hidden) if embeds else None
-        self.fc = nn.Linear(2 * hidden, hidden, bias=fc_bias)
+        self.embed_tokens = _own_embedding(spec, target)
+        self.fc = nn.Linear(2 * hidden, hidden, bias=spec.fc_bias)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position, cfg.rope_scaling)
         self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, first_layer + i, tp) for i in range(cfg.num_layers)})
         self.layers["0"].input_layernorm = nn.Identity()  # EAGLE removed it: fc's output goes straight in
-        self.lm_head = ColumnParallelLinear.split(hidden, [cfg.vocab_size], False, tp) if "lm_head.weight" in own \
-            else None
+        self.lm_head = ColumnParallelLinear.split(hidden, [cfg.vocab_size], False, tp) \
+            if "lm_head.weight" in spec.own else None
 
     def forward(self, input_ids: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
                 batch: AttentionBatch, kv: KVStore) -> torch.Tensor:
         """The head's output per token [T, H] (no final norm), from each token and the feature it
         is paired with (``features`` [T, H])."""
-        embed = self.embed_tokens(input_ids) if self.embed_tokens is not None else self.target.embed_tokens(input_ids)
+        embed = _embed(self, input_ids)
         x = self.fc(torch.cat([embed, features.to(embed.dtype)], dim=-1))
         rope = self.rope.tables(positions, x.dtype)
         for layer in self.layers.values():
@@ -158,8 +159,7 @@ class Eagle3Head(nn.Module):
         cfg = spec.config
         self.config, self.__dict__["target"] = cfg, target
         hidden, tp = cfg.hidden_size, TensorParallel()
-        embeds = "embed_tokens.weight" in spec.own or target.embed_tokens is None
-        self.embed_tokens = Embedding(cfg.vocab_size, hidden) if embeds else None
+        self.embed_tokens = _own_embedding(spec, target)
         self.fc = nn.Linear(spec.feature_width, hidden, bias=spec.fc_bias)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position, cfg.rope_scaling)
         self.midlayer = Eagle3Layer(cfg, first_layer, spec.norm_before_residual)
@@ -174,7 +174,7 @@ class Eagle3Head(nn.Module):
         """The head's output per token [T, H] (before its norm), from each token and the feature it
         is paired with: the target's captures [T, 3H], which go through ``fc``, or [T, H], the
         head's own output at the chain step before."""
-        embed = self.embed_tokens(input_ids) if self.embed_tokens is not None else self.target.embed_tokens(input_ids)
+        embed = _embed(self, input_ids)
         features = features.to(embed.dtype)
         x = self.fc(features) if features.shape[-1] != self.config.hidden_size else features
         return self.midlayer(self.rope.tables(positions, x.dtype), embed, x, batch, kv)
@@ -190,6 +190,17 @@ class Eagle3Head(nn.Module):
         full = logits.new_full((logits.shape[0], self.target.config.vocab_size), float("-inf"))
         full[:, self.hot_ids] = logits
         return full
+
+
+def _own_embedding(spec: EagleSpec, target: CausalLM) -> Embedding | None:
+    """The head's own embedding, where its checkpoint brings one or ``target`` has none here (a last
+    pipeline stage: ``load_eagle`` copies the target's); None: it embeds with the target's."""
+    own = "embed_tokens.weight" in spec.own or target.embed_tokens is None
+    return Embedding(spec.config.vocab_size, spec.config.hidden_size) if own else None
+
+
+def _embed(head: EagleHead | Eagle3Head, input_ids: torch.Tensor) -> torch.Tensor:
+    return (head.embed_tokens if head.embed_tokens is not None else head.target.embed_tokens)(input_ids)
 
 
 def eagle_spec(draft_dir: Path, target_layers: int) -> EagleSpec:
@@ -262,8 +273,7 @@ def load_eagle(spec: EagleSpec, target: CausalLM, first_layer: int, device: torc
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            head = EagleHead(spec.config, first_layer, target, set(spec.own), spec.fc_bias) \
-                if spec.layout is EagleLayout.EAGLE1 else Eagle3Head(spec, first_layer, target)
+            head = (EagleHead if spec.layout is EagleLayout.EAGLE1 else Eagle3Head)(spec, first_layer, target)
     finally:
         torch.set_default_dtype(previous)
     borrowed = head.embed_tokens is not None and "embed_tokens.weight" not in spec.own
