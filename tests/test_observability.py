@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 from helpers import dashboard
-from helpers.metrics import scrape
+from helpers.metrics import find, scrape
 from helpers.otlp_receiver import ERROR, Receiver, by_name, one, otlp_receiver, spans_of
 from helpers.polling import wait_for
 from helpers.processes import free_port, running_up
@@ -96,6 +96,16 @@ def test_every_metric_the_dashboard_queries_is_exported_by_the_router_or_a_node(
     renamed = json.loads(json.dumps(dashboard.load()).replace("tierserve_transfer_bytes_total",
                                                               "tierserve_transfer_byte_total"))
     assert dashboard.dashboard_metrics(renamed) - exported == {"tierserve_transfer_byte_total"}
+
+
+def test_the_router_and_every_node_froze_their_startup_heap(cluster: Cluster) -> None:
+    """docs/architecture.md, the collector: a full pass over a process's startup heap stalls it for
+    ~150 ms, so each serving process freezes that heap when it becomes ready."""
+    cluster.complete(PROMPT)
+    for text in [scrape(cluster.url)] + [httpx.get(u, timeout=10).text for u in cluster.node_metrics_urls()]:
+        frozen = find(text, "tierserve_gc_frozen_objects")
+        assert frozen is not None and frozen > 50_000, frozen  # torch and the model alone are more than that
+        assert find(text, "tierserve_gc_passes_total", generation="0") is not None
 
 
 def test_bench_scrape_metrics_reports_the_servers_figures_beside_the_clients(cluster: Cluster, tmp_path: Path,

@@ -8,6 +8,8 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
+from tierserve.core.gc_heap import freeze_startup_heap
+
 # Longer than the 5 s for which httpx (so the openai SDK) and aiohttp keep an idle connection pooled:
 # with uvicorn's own 5 s both sides expire it at once, and a request sent on it as the server closes
 # it is lost ("Server disconnected without sending a response"). nginx keeps 75 s.
@@ -23,7 +25,10 @@ class _Uvicorn(uvicorn.Server):
 
     async def startup(self, sockets: list[Any] | None = None) -> None:
         await super().startup(sockets=sockets)
-        if self.started and self._on_ready is not None:
+        if not self.started:
+            return
+        freeze_startup_heap()  # before the first request (docs/architecture.md, the collector)
+        if self._on_ready is not None:
             self._on_ready()
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from tierserve.core.gc_heap import GCCollector
 from tierserve.core.outputs import RequestOutput
 from tierserve.core.sampling import SamplingParams
 from tierserve.core.tiers import TIERS
@@ -43,7 +44,7 @@ class ApiMetrics:
                             "priority", ["priority"], registry=r)
         self.on_time = Counter("tierserve_requests_on_time", "Choices with a deadline whose first token came "
                                "within it, by priority", ["priority"], registry=r)
-        for collector in collectors:
+        for collector in (GCCollector(), *collectors):
             r.register(collector)
 
     def first_token(self, params: SamplingParams, waited_s: float) -> None:

@@ -8,6 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from tierserve.api.engine_metrics import EngineCollector, StatsSource
+from tierserve.core.gc_heap import GCCollector
 from tierserve.node.sessions import RouterSessions
 
 _TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -29,6 +30,7 @@ class NodeMetrics:
                                          "KV transfer time left after the prompt's compute (not hidden)",
                                          buckets=_TRANSFER_BUCKETS, registry=r)
         r.register(EngineCollector(engine))
+        r.register(GCCollector())
 
     def watch(self, sessions: RouterSessions) -> None:
         """Adds the routers' sessions (``node/sessions.py``) to the scrape."""

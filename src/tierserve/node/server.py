@@ -15,6 +15,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from tierserve.cache.events import KVEventPublisher
+from tierserve.core.gc_heap import freeze_startup_heap
 from tierserve.core.kv_events_auth import CurveKeys
 from tierserve.core.node_auth import TLSFiles, server_interceptors
 from tierserve.core.transfer import TransferProtocol
@@ -167,6 +168,7 @@ async def _serve(node: Node, options: NodeOptions, role: pb.Role, add_service: A
     if port == 0:
         raise OSError(f"cannot listen on {options.host}:{options.port}")
     await server.start()
+    freeze_startup_heap()  # before the first request (docs/architecture.md, the collector)
     names = ("", service_name, "tierserve.v1.NodeService")
     await _set_health(health_servicer, names, serving=True)
     follow = asyncio.create_task(_follow_engine(node.loop, health_servicer, names))

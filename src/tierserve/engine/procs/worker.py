@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 
+from tierserve.core.gc_heap import freeze_startup_heap
 from tierserve.core.logs import configure_logging
 from tierserve.core.test_hooks import lagging
 from tierserve.engine.commands import Bind, EngineCall, EngineCommand, RankRole, runs_collectives
@@ -74,6 +75,7 @@ def run_rank(spec: RankSpec, config: EngineConfig, parent_pid: int, log_level: s
         ranks = join(spec, config)
         engine = Engine(config, ranks=ranks)
         bind = lagging(role.attach(engine) if role is not None else (lambda command: command))  # lag: tests only
+        freeze_startup_heap()  # as rank 0 does: a pass over this heap would stall the node's lockstep
         follow(engine, FollowerBus(ranks), bind)
         engine.cache.close()  # as rank 0 does: an L3 client left mounted would be given objects it cannot hold
         leave()
