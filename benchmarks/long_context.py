@@ -3,9 +3,12 @@
 
 1. TTFT of prompts of ``--lengths`` tokens (32K and 128K), uncached (a *writer* node computes a
    fresh prompt) and from L3 (a *reader* node of the same CP size, which never saw it, reads it once
-   the writer backed it up), CP=1 vs CP=2: all four nodes up at once, the CP sizes in rotating
+   the writer backed it up), CP=1 vs CP=2: all five nodes up at once, the CP sizes in rotating
    order, one warm-up round at the shortest length, medians of ``--repeats`` rounds. TTFT is the
-   client's time from sending to the first streamed token.
+   client's time from sending to the first streamed token. CP=1's nodes use both cores; a second
+   CP=1 reader (``cp1_1t``) has one thread, as each CP=2 rank, and reads the same prompt as the first
+   (the two CP=1 readers in alternating order): CP=2 / CP=1 from L3 is reported at equal total cores
+   and at equal per-rank resources, medians of per-round ratios.
 2. The share of each layer's gather left exposed at CP=2 (``engine/cp/gather.py``): over each
    timed request, the change of rank 0's ``tierserve_cp_gather_*_seconds_total`` (time attention
    waited for its layer's gather / time from the gather's start to the end of that wait), layer 0
@@ -98,12 +101,14 @@ def gather_clock(server: TPServer) -> dict[str, float]:
 
 @dataclass
 class TTFTNodes:
-    """A writer and a reader node per CP size, on one master. A CP=1 node's L1 holds the longest
-    prompt; a CP=2 rank's L1 half of it (the node holds the same tokens)."""
+    """A writer and a reader node per CP size, and a one-thread CP=1 reader (``one_thread``), on one
+    master. A CP=1 node's L1 holds the longest prompt; a CP=2 rank's L1 half of it (the node holds the
+    same tokens)."""
 
     master: MasterProcess
     writers: dict[int, TPServer]
     readers: dict[int, TPServer]
+    one_thread: TPServer | None = None
 
     @classmethod
     def start(cls, model: Path, logs: Path, longest: int) -> TTFTNodes:
@@ -114,28 +119,33 @@ class TTFTNodes:
                 flags = l3_flags(master, longest // cp + 4096)
                 nodes.writers[cp] = start_node(model, cp, logs / f"writer-cp{cp}.log", *flags)
                 nodes.readers[cp] = start_node(model, cp, logs / f"reader-cp{cp}.log", *flags)
+            with _threads("1"):
+                nodes.one_thread = start_node(model, 1, logs / "reader-cp1_1t.log", *l3_flags(master, longest + 4096))
         except BaseException:
             nodes.stop()
             raise
         return nodes
 
     def stop(self) -> None:
-        for node in [*self.readers.values(), *self.writers.values()]:
+        for node in [*self.readers.values(), *self.writers.values(), *([self.one_thread] if self.one_thread else [])]:
             node.stop()
         self.master.kill()
 
 
-def timed_pair(nodes: TTFTNodes, model: Path, cp: int, ids: list[int]) -> dict[str, float]:
-    """Uncached TTFT on the writer, then, once backed up, the TTFT from L3 on the reader; with
-    each, at CP=2, the gather clock's change over it. Checks both answers agree and the L3 share."""
+def timed_pair(nodes: TTFTNodes, model: Path, cp: int, ids: list[int], turn: int) -> dict[str, float]:
+    """Uncached TTFT on the writer, then, once backed up, the TTFT from L3 on the reader (at CP=1 on
+    both CP=1 readers, alternating which goes first); with each, at CP=2, the gather clock's change
+    over it. Checks the answers agree and the L3 share."""
     sample: dict[str, float] = {}
     computed = _clocked(nodes.writers[cp], model, ids, sample, f"cp{cp}_uncached")
     wait_backed_up(nodes.master, model, ids)
-    served = _clocked(nodes.readers[cp], model, ids, sample, f"cp{cp}_l3")
-    if computed.tokens != served.tokens or served.tiers["storage"] < 0.95 * len(ids) // PAGE * PAGE:
-        raise RuntimeError(f"CP={cp}, {len(ids)} tokens: answers {computed.tokens} / {served.tokens}, "
-                           f"from L3 {served.tiers}")
-    sample[f"cp{cp}_l3_share"] = served.tiers["storage"] / len(ids)
+    readers = {f"cp{cp}": nodes.readers[cp]} | ({"cp1_1t": nodes.one_thread} if cp == 1 and nodes.one_thread else {})
+    for name in rotated(list(readers), turn):
+        served = _clocked(readers[name], model, ids, sample, f"{name}_l3")
+        if computed.tokens != served.tokens or served.tiers["storage"] < 0.95 * len(ids) // PAGE * PAGE:
+            raise RuntimeError(f"{name}, {len(ids)} tokens: answers {computed.tokens} / {served.tokens}, "
+                               f"from L3 {served.tiers}")
+        sample[f"{name}_l3_share"] = served.tiers["storage"] / len(ids)
     return sample
 
 
@@ -153,13 +163,13 @@ def measure_ttft(model: Path, logs: Path, lengths: list[int], repeats: int) -> d
     nodes = TTFTNodes.start(model, logs, max(lengths))
     try:
         for cp in CP_SIZES:
-            timed_pair(nodes, model, cp, prompt(WARM_UP_TOKENS, 1000 + cp))
+            timed_pair(nodes, model, cp, prompt(WARM_UP_TOKENS, 1000 + cp), 0)
         out: dict[int, list[dict[str, float]]] = {n: [] for n in lengths}
         for turn in range(repeats):
             for n in lengths:
                 sample: dict[str, float] = {}
                 for cp in rotated(list(CP_SIZES), turn):
-                    sample |= timed_pair(nodes, model, cp, prompt(n, n + 10 * turn + cp))
+                    sample |= timed_pair(nodes, model, cp, prompt(n, n + 10 * turn + cp), turn)
                 print(f"  {n} tokens, round {turn + 1}: " + ", ".join(f"{k} {v:.3g}" for k, v in sample.items()
                                                                     if "gather" not in k), flush=True)
                 out[n].append(sample)
@@ -273,6 +283,12 @@ def ttft_report(results: dict[int, list[dict[str, float]]]) -> list[str]:
             speedup = statistics.median(r[un] / r[l3] for r in rounds)  # per-round ratio, side by side
             rows.append(f"| {n} | {cp} | {med(rounds, un):.2f} | {med(rounds, l3):.2f} "
                         f"| {speedup:.1f} | {med(rounds, l3 + '_share'):.3f} |")
+    for n, rounds in results.items():
+        for base, what in (("cp1", "equal total cores"), ("cp1_1t", "equal per-rank threads")):
+            ratios = [r["cp2_l3"] / r[f"{base}_l3"] for r in rounds if f"{base}_l3" in r]
+            if ratios:
+                rows.append(f"\n{n} tokens, from L3, CP=2 / {base} ({what}; target <= 1): "
+                            f"{statistics.median(ratios):.2f} (rounds {', '.join(f'{x:.2f}' for x in ratios)})")
     return rows
 
 

@@ -30,6 +30,8 @@ from helpers.rank_servers import (
 )
 from helpers.tiny_models import add_word_tokenizer, make_tiny_model
 
+from tierserve.engine.commands import AHEAD_PROMPT_TOKENS
+
 pytestmark = pytest.mark.integration
 PAGE = 4  # tp_server's page size
 DEADLINE_S = 30.0
@@ -193,3 +195,28 @@ def test_a_prefix_shared_in_flight_continues_its_rotation(llama: Path, llama_ser
     assert c_out == expected[2]
     assert c_cached == len(b)  # B's own pages continued the prefix's rotation: all stored
     assert _refused_pages(server) == 0
+
+
+def test_long_prompts_published_ahead_of_rank_0_keep_the_ranks_in_step(tmp_path: Path) -> None:
+    """A prompt of ``AHEAD_PROMPT_TOKENS`` or more goes to the other rank before rank 0 applies it
+    (docs/ranks.md, step bus): one that fits answers as transformers; one the pool cannot hold is
+    refused on both ranks, rank 0's outcome arriving with the next message, so the node stays up and
+    answers the next request as transformers too."""
+    heads, kv_heads = HEADS["llama"]
+    model = add_word_tokenizer(make_tiny_model("llama", tmp_path / "llama", max_position=4 * AHEAD_PROMPT_TOKENS,
+                                               heads=heads, kv_heads=kv_heads))
+    per_rank = AHEAD_PROMPT_TOKENS  # the node holds twice that
+    server = start_server(model, 1, tmp_path / "serve.log", "--cp-size", "2", "--max-total-tokens", str(per_rank),
+                          "--chunked-prefill-size", "1024").wait_healthy()
+    gen = torch.Generator().manual_seed(9)
+    fits = torch.randint(2, 384, (AHEAD_PROMPT_TOKENS + 100,), generator=gen).tolist()
+    too_long = torch.randint(2, 384, (2 * per_rank + 1,), generator=gen).tolist()
+    after = torch.randint(2, 384, (30,), generator=gen).tolist()
+    try:
+        client = server.client()
+        assert _cached(client, model, fits)[0] == hf_greedy(model, [fits])[0]
+        with pytest.raises(openai.BadRequestError, match="KV cache"):
+            _cached(client, model, too_long)
+        assert _cached(client, model, after)[0] == hf_greedy(model, [after])[0], server.log.read_text()[-3000:]
+    finally:
+        server.stop()

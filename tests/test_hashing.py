@@ -20,6 +20,15 @@ def test_keys_are_chained_sha256_of_u32_le_tokens() -> None:
     assert page_keys(keys[0], tokens[4:], 4) == keys[1:]  # continuing a chain from a page key
 
 
+def test_ids_of_any_u32_value_keep_the_format_from_a_list_or_a_tuple() -> None:
+    """Ids above 16 bits (vocabularies of 150K) and near 2**32 pack as u32 little-endian too; the
+    whole prompt is packed at once, so a page boundary must still cut it where it did."""
+    tokens = (151_000, 2**32 - 1, 65_536, 7, 2**31 + 5, 0, 1, 2)
+    expected = hashlib.sha256(NS.seed() + struct.pack("<4I", *tokens[:4])).digest()
+    expected = [expected, hashlib.sha256(expected + struct.pack("<4I", *tokens[4:])).digest()]
+    assert page_keys(NS.seed(), tokens, 4) == page_keys(NS.seed(), list(tokens), 4) == expected
+
+
 def test_same_page_different_prefix_gets_a_different_key() -> None:
     a = page_keys(NS.seed(), [1, 2, 3, 4, 9, 9, 9, 9], 4)
     b = page_keys(NS.seed(), [5, 6, 7, 8, 9, 9, 9, 9], 4)

@@ -56,6 +56,23 @@ def test_a_command_failing_only_on_rank_0_is_a_mismatch_too() -> None:
         _follow(Fake("a"), failed=frozenset({0}))
 
 
+def _ahead(*commands: object, then_late: bool) -> None:
+    """A message whose last command rank 0 published before applying it, then the next message,
+    which says whether it raised on rank 0."""
+    unsettled = apply_message(None, StepMessage(tuple(commands), ahead=True), lambda c: c)  # type: ignore[arg-type]
+    assert unsettled is not None and unsettled.command is commands[-1]  # not compared yet
+    apply_message(None, StepMessage(late=then_late), lambda c: c, unsettled)  # type: ignore[arg-type]
+
+
+def test_a_command_published_ahead_is_compared_when_rank_0s_outcome_comes() -> None:
+    _ahead(Fake("a"), Fake("long"), then_late=False)
+    _ahead(Fake("a"), Fake("long", "prompt too long"), then_late=True)
+    with pytest.raises(CommandMismatch, match=r"Fake of request long failed on this rank, not on rank 0: .*pages"):
+        _ahead(Fake("long", "out of pages"), then_late=False)
+    with pytest.raises(CommandMismatch, match="Fake of request long failed on rank 0, not on this rank"):
+        _ahead(Fake("long"), then_late=True)
+
+
 def test_a_failing_ranks_error_reaches_rank_0s_store() -> None:
     store = rendezvous(3, 10)
     assert reported_failures(store, 3) == []

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.tiny_models import make_tiny_model
 
 from tierserve.core.sampling import InvalidRequestError, SamplingParams
-from tierserve.engine.commands import AbortRequest, AddRequest, EngineCommand
+from tierserve.engine.commands import AHEAD_PROMPT_TOKENS, AbortRequest, AddRequest, EngineCommand
 from tierserve.engine.config import EngineConfig
 from tierserve.engine.engine import Engine
 from tierserve.engine.loop import EngineLoop
@@ -25,24 +26,35 @@ class RecordingBus:
 
     idle_wait: float | None = None
 
-    def __init__(self) -> None:
+    def __init__(self, engine: Engine | None = None) -> None:
+        self.engine = engine
         self.pending: list[EngineCommand] = []
         self.turns: list[tuple[tuple[EngineCommand, ...], bool]] = []
         self.times: list[float] = []
         self.stopped = False
         self.errors: list[BaseException] = []
         self.failures: list[EngineCommand] = []  # commands marked failed on rank 0
+        self.ahead: list[tuple[str, bool]] = []  # published ahead: (request, was rank 0's engine holding it then)
+        self.late: list[EngineCommand] = []  # published ahead, then failed on rank 0
 
     def record(self, command: EngineCommand) -> None:
         self.pending.append(command)
 
     def failed(self) -> None:
-        self.failures.append(self.pending[-1])
+        if self.pending:
+            self.failures.append(self.pending[-1])
+        else:
+            self.late.append(self.turns[-1][0][-1])
 
     def publish(self, step: bool, now: float) -> None:
         self.turns.append((tuple(self.pending), step))
         self.times.append(now)
         self.pending = []
+
+    def publish_ahead(self) -> None:
+        request_id = self.pending[-1].request_id
+        self.ahead.append((request_id, self.engine is not None and request_id in self.engine.requests))
+        self.publish(False, 0.0)
 
     def stop(self) -> None:
         self.stopped = True
@@ -113,6 +125,34 @@ def test_a_command_that_fails_on_rank_0_is_marked_failed_for_the_other_ranks(tin
     finally:
         loop.stop()
     assert [c.request_id for c in bus.failures] == ["empty"]
+
+
+def test_a_long_prompt_goes_out_before_rank_0_applies_it_and_its_failure_with_the_next_message(
+        tmp_path: Path) -> None:
+    """A prompt of ``AHEAD_PROMPT_TOKENS`` is published before rank 0 hashes its pages and starts its
+    L3 probe (the other ranks do it beside rank 0: issue 28), and when applying it then raises here,
+    the bus marks it for the next message (``StepMessage.late``); a shorter one rides in the turn's
+    message, as before."""
+    model = make_tiny_model("llama", tmp_path / "llama", max_position=2 * AHEAD_PROMPT_TOKENS)
+    engine = Engine(EngineConfig(model, dtype="float32", max_total_tokens=2 * AHEAD_PROMPT_TOKENS + 64))
+    bus = RecordingBus(engine)
+    loop = EngineLoop(engine, bus).start()
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+
+    async def run() -> None:
+        for request_id, prompt in (("long", [5] * AHEAD_PROMPT_TOKENS), ("short", [5] * 40)):
+            async for _ in loop.generate(request_id, prompt, params):
+                pass
+        with pytest.raises(InvalidRequestError):  # longer than the model's context: refused on every rank
+            async for _ in loop.generate("too-long", [5] * (2 * AHEAD_PROMPT_TOKENS + 1), params):
+                pass
+
+    try:
+        asyncio.run(run())
+    finally:
+        loop.stop()
+    assert bus.ahead == [("long", False), ("too-long", False)]  # before rank 0's engine had it
+    assert [c.request_id for c in bus.late] == ["too-long"] and not bus.failures
 
 
 def test_a_handoff_cannot_cross_ranks() -> None:

@@ -23,7 +23,7 @@ from tierserve.core.sampling import SamplingParams
 from tierserve.engine.commands import EngineCall, EngineCommand
 from tierserve.engine.config import EngineConfig
 from tierserve.engine.engine import Engine
-from tierserve.engine.loop import IDLE_POLL_MAX_S, IDLE_POLL_S, EngineLoop
+from tierserve.engine.loop import IDLE_POLL_MAX_S, PEER_POLL_S, EngineLoop
 from tierserve.engine.step_watch import HISTORY, LARGE_STEP_TOKENS, STEP_FACTOR, STEP_FLOOR_S, StepWatch
 from tierserve.node.server import _follow_engine
 
@@ -179,14 +179,14 @@ def test_background_work_with_nothing_to_schedule_backs_off_instead_of_stepping_
 
 def test_a_rank_waiting_for_the_others_l3_work_polls_without_backing_off(tiny_llama: Path) -> None:
     """Rank 0 finished its probe or read of a prefetch and the others have not (``awaits_peers``):
-    their L3 lanes cannot wake its loop, so it polls every ``IDLE_POLL_S`` instead of backing off
+    their L3 lanes cannot wake its loop, so it polls every ``PEER_POLL_S`` instead of backing off
     to ``IDLE_POLL_MAX_S`` (issue 28: a CP=2 node's read from L3 lost up to 50 ms at the probe and
     at the end of the read); once it no longer waits for them, it backs off again."""
     engine = Engine(EngineConfig(tiny_llama, dtype="float32", page_size=16, max_total_tokens=512))
     engine.has_work = lambda: True  # type: ignore[method-assign]  # background work, nothing to schedule
     loop = EngineLoop(engine, CountingBus())  # not started: its waits are asked for directly
     engine.cache.awaits_peers = True  # type: ignore[misc]
-    assert [loop._wait() for _ in range(6)] == [IDLE_POLL_S] * 6
+    assert [loop._wait() for _ in range(6)] == [PEER_POLL_S] * 6
     engine.cache.awaits_peers = False  # type: ignore[misc]
     assert [loop._wait() for _ in range(6)][-1] == IDLE_POLL_MAX_S
 

@@ -43,6 +43,19 @@ def runs_collectives(command: EngineCommand | EngineCall) -> bool:
     return isinstance(command, CollectiveCall) or bool(getattr(command, "collective", False))
 
 
+# A new request with at least this many prompt tokens is published before rank 0 applies it: applying
+# one hashes every page of its prompt and starts its L3 probe (4-6 ms at 32K tokens, growing with the
+# prompt), which the other ranks then do beside rank 0 instead of after it (issue 28). A shorter one
+# rides in the loop turn's message, which carries every command it drained in one broadcast.
+AHEAD_PROMPT_TOKENS = 4096
+
+
+def published_ahead(command: EngineCommand | EngineCall) -> bool:
+    """Rank 0 publishes ``command`` before applying it, its outcome in the next message
+    (``LeaderBus.publish_ahead``); unlike a collective one, the ranks' outcomes are compared."""
+    return isinstance(command, AddRequest) and len(command.prompt_ids) >= AHEAD_PROMPT_TOKENS
+
+
 @dataclass(frozen=True)
 class AddRequest:
     """``Engine.add_request``. A ``handoff`` is this process's own object: it never crosses ranks;

@@ -23,6 +23,8 @@ from tierserve.engine.commands import (
     EngineCommand,
     StartReserved,
     StorageControl,
+    published_ahead,
+    runs_collectives,
 )
 from tierserve.engine.engine import Engine
 from tierserve.engine.handoff import Handoff, KVCheck
@@ -38,6 +40,10 @@ RESERVED_WAIT_S = 0.05  # only reservations pending: a lease or a quarantine end
 # broadcast and a collective on every rank). What the wait is for wakes it (``set_waker``).
 IDLE_POLL_S = 0.005
 IDLE_POLL_MAX_S = 0.05
+# While this rank waits only for another rank's probe or read to end (``awaits_peers``, at most
+# ``PEER_WAIT_S`` in cache/storage_tier.py), the turns come this often: that rank's lane cannot wake
+# this loop, and a CP=2 read from L3 lost half of IDLE_POLL_S on average to each such wait (issue 28).
+PEER_POLL_S = 0.001
 
 
 @dataclass
@@ -236,7 +242,7 @@ class EngineLoop:
         starts them is a command, which wakes the wait: a decode node does not poll for its
         handoffs); when the last step could schedule nothing (e.g. every page pinned, a stuck L3
         read) a moment that doubles each such turn (``IDLE_POLL_S`` to ``IDLE_POLL_MAX_S``) so the
-        thread neither spins nor steps a collective every few ms, but only ``IDLE_POLL_S`` while this
+        thread neither spins nor steps a collective every few ms, but only ``PEER_POLL_S`` while this
         rank finished L3 work that another rank has not (``awaits_peers``: that rank's lane cannot
         wake this loop); else not at all."""
         if not self.engine.has_work() or self.engine.last_batch_size:
@@ -245,7 +251,7 @@ class EngineLoop:
         if self.engine.only_reservations():
             return min(RESERVED_WAIT_S, self.bus.idle_wait or RESERVED_WAIT_S)
         if self.engine.cache.awaits_peers:  # another rank is behind: no waker here tells when it is done
-            return IDLE_POLL_S
+            return PEER_POLL_S
         return self._back_off()
 
     def _back_off(self) -> float:
@@ -282,9 +288,12 @@ class EngineLoop:
             submit.sink(exc)
             return
         try:
-            if getattr(submit.command, "collective", False):
+            if runs_collectives(submit.command):
                 with self._watched(learn=False):
                     self.bus.publish(False, time.monotonic())  # the other ranks enter its collectives with this one
+            elif published_ahead(submit.command):
+                with self._watched(learn=False):
+                    self.bus.publish_ahead()  # the other ranks apply it beside this one
             first = submit.command.apply(self.engine)
         except Exception as exc:
             self.bus.failed()  # the other ranks must fail it too

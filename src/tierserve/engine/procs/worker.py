@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import sys
+from dataclasses import dataclass
 
 from tierserve.core.gc_heap import freeze_startup_heap
 from tierserve.core.logs import configure_logging
@@ -25,36 +26,66 @@ log = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
 
 
+@dataclass(frozen=True)
+class Outcome:
+    """How a command went on this rank: ``error`` is what it raised (None: it went well)."""
+
+    command: EngineCommand | EngineCall
+    error: Exception | None
+
+
 def follow(engine: Engine, bus: FollowerBus, bind: Bind = lambda command: command) -> None:
     """Applies rank 0's messages (each command through ``bind``, the role's) until the stop
     message. Outputs and errors are rank 0's to report: fed the same commands, this rank's engine
     produced the same ones. A command that fails here and not on rank 0, or the other way round,
     raises ``CommandMismatch`` naming it and the error (the rank then fails, and rank 0 stops the
-    node with that message: ``report_failure``)."""
+    node with that message: ``report_failure``); a command published ahead of rank 0's outcome is
+    compared when the next message brings it, before anything else of that message is applied."""
+    unsettled: Outcome | None = None
     while not (message := bus.receive()).stop:
-        apply_message(engine, message, bind)
+        unsettled = apply_message(engine, message, bind, unsettled)
 
 
-def apply_message(engine: Engine, message: StepMessage, bind: Bind) -> None:
-    """One message of rank 0's: its commands, in order, then its step if it has one."""
+def apply_message(engine: Engine, message: StepMessage, bind: Bind, unsettled: Outcome | None = None
+                  ) -> Outcome | None:
+    """One message of rank 0's: first the outcome it brings of the previous message's last command
+    (``unsettled``, when that was published ahead), then its commands, in order, then its step if
+    it has one. Returns this message's last command's outcome here when it was published ahead."""
+    if unsettled is not None:
+        _compare(unsettled, failed_on_leader=message.late)
+    last = len(message.commands) - 1
     for index, command in enumerate(message.commands):
-        _apply_one(engine, command, bind, failed_on_leader=index in message.failed)
+        outcome = _apply_one(engine, command, bind)
+        if message.ahead and index == last:
+            return _stepped(engine, message, outcome)
+        _compare(outcome, failed_on_leader=index in message.failed)
+    return _stepped(engine, message, None)
+
+
+def _stepped(engine: Engine, message: StepMessage, unsettled: Outcome | None) -> Outcome | None:
     if message.step:
         engine.step(message.now)  # rank 0's clock: leases expire at the same step on every rank
         engine.take_failures()
+    return unsettled
 
 
-def _apply_one(engine: Engine, command: EngineCommand | EngineCall, bind: Bind, failed_on_leader: bool) -> None:
-    """Applies one command; its outcome must be rank 0's, except for a collective one, whose ranks
-    agree on its outcome themselves (rank 0 published it before it knew its own)."""
+def _apply_one(engine: Engine, command: EngineCommand | EngineCall, bind: Bind) -> Outcome:
     try:
         bind(command).apply(engine)
     except Exception as exc:
-        if not failed_on_leader and not runs_collectives(command):
-            raise CommandMismatch(f"{_named(command)} failed on this rank, not on rank 0: {exc!r}") from exc
-        return  # rank 0 answered this request with the same error
-    if failed_on_leader:
-        raise CommandMismatch(f"{_named(command)} failed on rank 0, not on this rank")
+        return Outcome(command, exc)
+    return Outcome(command, None)
+
+
+def _compare(outcome: Outcome, failed_on_leader: bool) -> None:
+    """A command's outcome here must be rank 0's, except for a collective one, whose ranks agree on
+    its outcome themselves (rank 0 published it before it knew its own)."""
+    if runs_collectives(outcome.command) or (outcome.error is not None) == failed_on_leader:
+        return  # the same error: rank 0 answered the request with it
+    if outcome.error is not None:
+        raise CommandMismatch(f"{_named(outcome.command)} failed on this rank, not on rank 0: "
+                              f"{outcome.error!r}") from outcome.error
+    raise CommandMismatch(f"{_named(outcome.command)} failed on rank 0, not on this rank")
 
 
 def _named(command: EngineCommand | EngineCall) -> str:
