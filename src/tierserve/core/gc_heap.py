@@ -2,7 +2,7 @@
 
 Everything alive once a process is ready (imported modules, the model, the tokenizer, the pools' and the
 tree's bookkeeping) lives until the process exits, yet every full (generation 2) collection walks all of it,
-with the GIL held: 140-165 ms per pass in a rank process of the long-context benchmark's tiny model, a stall
+with the GIL held: 118-166 ms per pass in a rank process of the long-context benchmark's tiny model, a stall
 that lands on whatever request is in flight, and at several ranks on the whole node (its ranks step in
 lockstep). Freezing that heap once at ready leaves collections only what serving allocates since (vLLM and
 SGLang do the same). The process's pauses are counted on ``/metrics`` so the claim can be checked in
