@@ -19,11 +19,15 @@ from pathlib import Path
 
 import pytest
 from helpers import metrics
-from helpers.pd_nodes import DECODE_ARGS, NODE_ARGS, PAGE, idle, info, prompts, reference, run_all, run_pd
+from helpers.pd_nodes import DECODE_ARGS, MAX_NEW, NODE_ARGS, PAGE, idle, info, prompts, reference, run_all, run_pd
 from helpers.polling import wait_for
 from helpers.processes import NodeProcess, free_port
 from helpers.tiny_models import make_tiny_model
 
+from tierserve.core.sampling import SamplingParams
+from tierserve.engine.commands import AHEAD_PROMPT_TOKENS
+from tierserve.engine.config import EngineConfig
+from tierserve.engine.engine import Engine
 from tierserve.proto import tierserve_pb2 as pb
 
 pytestmark = pytest.mark.integration
@@ -126,3 +130,34 @@ def test_info_reports_the_tensor_ranks_and_stages(nodes, p: str, tp: int, pp: in
     reply = asyncio.run(info(nodes[p].address))
     assert (reply.tp_size, reply.pp_size, reply.cp_size) == (tp, pp, cp)
     assert reply.kv_capacity_tokens == 4096 * cp
+
+
+@pytest.fixture(scope="module")
+def long_pair(tmp_path_factory) -> Iterator[tuple[Path, NodeProcess, NodeProcess]]:
+    """The model above with a context of 8192 tokens, a CP 2 prefill node and a TP 1 decode node that
+    hold a prompt of ``AHEAD_PROMPT_TOKENS``."""
+    folder = tmp_path_factory.mktemp("cp_pd_long")
+    model = make_tiny_model("llama", folder / "llama", heads=8, kv_heads=4, layers=LAYERS, max_position=8192)
+    room = ["--max-total-tokens", "8192", "--chunked-prefill-size", "1024"]
+    started = [NodeProcess(role, ["--model", str(model), *(NODE_ARGS if role == "prefill" else DECODE_ARGS), *sizes,
+                                  *room], folder / f"{role}.log")
+               for role, sizes in (("prefill", ["--cp-size", "2"]), ("decode", []))]
+    try:
+        prefill, decode = (node.wait_ready() for node in started)
+        yield model, prefill, decode
+    finally:
+        for node in started:
+            node.stop()
+
+
+def test_a_long_prompt_published_ahead_is_handed_over_by_both_ranks(long_pair) -> None:
+    """A prompt of ``AHEAD_PROMPT_TOKENS`` reaches the prefill node's rank 1 before rank 0 applies it
+    (docs/ranks.md): each rank still builds its handoff from the plan and sends the pages it owns,
+    every token's KV once; the answer is the single engine's."""
+    model, prefill, decode = long_pair
+    prompt = [2 + (i * 7919) % 380 for i in range(AHEAD_PROMPT_TOKENS + 100)]
+    tokens, response = asyncio.run(run_pd(prefill.address, decode.address, "ahead", prompt))
+    engine = Engine(EngineConfig(model, dtype="float32", page_size=PAGE, max_total_tokens=8192))
+    assert tokens == engine.generate([prompt], SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True))[0]
+    assert response.transferred_bytes == len(prompt) * TOKEN_BYTES
+    wait_for(lambda: idle(prefill.address, decode.address), "every page back on both nodes", 10)
