@@ -21,7 +21,7 @@ from tierserve.cache.hashing import page_keys, salted_seed
 from tierserve.cache.host_pool import HostKVPool
 from tierserve.cache.lanes import Lane, close_lanes
 from tierserve.cache.options import PrefetchPolicy
-from tierserve.cache.prefetch import CHUNK_PAGES, PrefetchOptions, PrefetchTicket, prefetch_timeout
+from tierserve.cache.prefetch import PrefetchOptions, PrefetchTicket, chunk_pages, prefetch_timeout
 from tierserve.cache.radix_tree import Node, RadixTree
 from tierserve.cache.sharded.agreement import leading_true
 from tierserve.cache.sharded.cp_host import rank_io
@@ -287,9 +287,9 @@ class StorageTier:
         def record(pages: list[int], seconds: float) -> None:  # the bytes this rank read (CP: its own pages)
             self.speed.record_read(sum(map(self.ownership.owns, pages)) * page_bytes, seconds)
 
-        # Under CP a rank reads one page in ``size``: chunks of CHUNK_PAGES of its own pages, or each
+        # Under CP a rank reads one page in ``size``: chunks of ``chunk_pages`` of its own pages, or each
         # rank would make as many calls for its share as a CP=1 node for the whole prompt.
-        ticket.run(read, record, CHUNK_PAGES * self.ownership.size)
+        ticket.run(read, record, chunk_pages(page_bytes) * self.ownership.size)
         ticket.ended_at = time.monotonic()  # before the lane wakes the engine (``_woken``)
         if ticket.failed:
             self._fail("prefetch", None)
