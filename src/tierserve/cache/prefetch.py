@@ -20,7 +20,7 @@ def chunk_pages(page_bytes: int) -> int:
     """A rank's pages per backend call of a prefetch, for pages of ``page_bytes``: ``CHUNK_PAGES``,
     or more where pages are small, so that a call carries about ``CHUNK_BYTES``. Reading a 32K-token
     prompt of 8 KiB pages from L3 in calls of 256 pages instead of 16 took TTFT from 0.21 to 0.14 s
-    (benchmarks/RESULTS.md, #l3-chunks)."""
+    (benchmarks/RESULTS.md#l3-chunks)."""
     return max(CHUNK_PAGES, min(MAX_CHUNK_PAGES, CHUNK_BYTES // max(page_bytes, 1)))
 
 
