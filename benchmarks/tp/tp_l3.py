@@ -39,7 +39,7 @@ from tierserve.cache.device_pool import KVGeometry
 from tierserve.cache.hashing import Namespace, page_keys
 from tierserve.cache.host_pool import HostKVPool
 from tierserve.cache.options import HostLayout, object_format
-from tierserve.cache.prefetch import CHUNK_PAGES
+from tierserve.cache.prefetch import chunk_pages
 from tierserve.cache.sharded.shard_io import ShardIO
 from tierserve.cache.sharded.shards import HeadRange, KVShard, Source, object_key
 from tierserve.cache.staging import page_io
@@ -129,11 +129,13 @@ def probe(store: MooncakeStorage, node: Reader, keys: list[bytes]) -> float:
 
 
 def read(store: MooncakeStorage, node: Reader, keys: list[bytes]) -> float:
-    """Every rank reads its heads of every page, ``CHUNK_PAGES`` per call, one rank after the other."""
+    """Every rank reads its heads of every page, as many per call as the prefetcher's (``chunk_pages``),
+    one rank after the other."""
     start = time.perf_counter()
     for io, source in zip(node.ranks, node.sources, strict=True):
-        for at in range(0, len(keys), CHUNK_PAGES):
-            chunk = keys[at : at + CHUNK_PAGES]
+        per_call = chunk_pages(io.host.geometry.bytes_per_page)
+        for at in range(0, len(keys), per_call):
+            chunk = keys[at : at + per_call]
             if not all(io.get_into(store, source, chunk, list(range(at, at + len(chunk))))):
                 raise RuntimeError("an L3 read failed")
     return time.perf_counter() - start
