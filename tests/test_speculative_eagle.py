@@ -115,6 +115,23 @@ def test_a_head_recomputing_the_target_agrees_with_it(request, fixture: str, ste
     assert counts["random"].accepted_tokens < 0.1 * counts["random"].draft_tokens
 
 
+def _rewritten(head: Path, tensors: dict[str, torch.Tensor], folder: Path) -> Path:
+    """``head``'s config with ``tensors`` (renamed or added to its own) in ``folder``."""
+    folder.mkdir()
+    (folder / "config.json").write_text((head / "config.json").read_text())
+    save_file(tensors, str(folder / "model.safetensors"))
+    return folder
+
+
+def _same_drafts(target: Path, head: Path, other: Path, prompts: list[list[int]]) -> list:
+    """Engines drafting with ``head`` and with ``other``, after checking that they answer ``prompts``
+    alike with the same draft counts."""
+    runs = [_engine(target, h, speculative_num_steps=2) for h in (head, other)]
+    assert runs[0].generate(prompts, GREEDY) == runs[1].generate(prompts, GREEDY)
+    assert runs[0].spec.counters == runs[1].spec.counters
+    return runs
+
+
 def test_published_layout_with_model_prefix_and_own_embedding_loads(heads: dict[str, Path], tmp_path: Path) -> None:
     """Checkpoints name tensors with or without ``model.``; a head may bring its own embedding (the
     target's, here: the same drafts); a tensor the layout has no place for is refused by name."""
@@ -122,14 +139,8 @@ def test_published_layout_with_model_prefix_and_own_embedding_loads(heads: dict[
                for n, t in load_file(str(heads["mixed"] / "model.safetensors")).items()}
     tensors["model.embed_tokens.weight"] = load_file(str(heads["target"] / "model.safetensors"))[
         "model.embed_tokens.weight"]
-    own = tmp_path / "own"
-    own.mkdir()
-    (own / "config.json").write_text((heads["mixed"] / "config.json").read_text())
-    save_file(tensors, str(own / "model.safetensors"))
-    prompts = spread_prompts(2, 10, seed=4)
-    runs = [_engine(heads["target"], h, speculative_num_steps=2) for h in (heads["mixed"], own)]
-    assert runs[0].generate(prompts, GREEDY) == runs[1].generate(prompts, GREEDY)
-    assert runs[0].spec.counters == runs[1].spec.counters
+    own = _rewritten(heads["mixed"], tensors, tmp_path / "own")
+    runs = _same_drafts(heads["target"], heads["mixed"], own, spread_prompts(2, 10, seed=4))
     assert runs[1].spec.drafter.head.embed_tokens is not None
     tensors["model.final_norm.weight"] = tensors["model.fc.weight"][0].clone()
     save_file(tensors, str(own / "model.safetensors"))
@@ -376,11 +387,6 @@ def test_an_eagle3_head_named_as_vllm_names_it_loads(heads3: dict[str, Path], tm
     ``model.`` prefix too: the same head, the same drafts and counts."""
     tensors = {("model." + n.replace("midlayer.", "layers.0.")) if n.startswith("midlayer.") else n: t
                for n, t in load_file(str(heads3["mixed"] / "model.safetensors")).items()}
-    renamed = tmp_path / "renamed"
-    renamed.mkdir()
-    (renamed / "config.json").write_text((heads3["mixed"] / "config.json").read_text())
-    save_file(tensors, str(renamed / "model.safetensors"))
-    prompts = spread_prompts(3, 10, seed=4)
-    runs = [_engine(heads3["target"], h, speculative_num_steps=2) for h in (heads3["mixed"], renamed)]
-    assert runs[0].generate(prompts, GREEDY) == runs[1].generate(prompts, GREEDY)
-    assert runs[0].spec.counters == runs[1].spec.counters and runs[0].spec.counters.accepted_tokens > 0
+    renamed = _rewritten(heads3["mixed"], tensors, tmp_path / "renamed")
+    runs = _same_drafts(heads3["target"], heads3["mixed"], renamed, spread_prompts(3, 10, seed=4))
+    assert runs[0].spec.counters.accepted_tokens > 0

@@ -87,7 +87,26 @@ def feature_layers(width: int, num_kv_heads: int, head_dim: int) -> int:
     return math.ceil(width / (2 * num_kv_heads * head_dim))
 
 
-class EagleHead(nn.Module):
+class _HeadFrame(nn.Module):
+    """What an EAGLE head of either layout has around its layers (``spec``, ``target``: as for
+    ``EagleHead``): its config, the target it drafts for (kept outside the module: its weights are
+    not the head's), an embedding of its own where it needs one (``_own_embedding``; ``embed``
+    uses the target's otherwise), ``fc`` from ``fc_in`` feature columns to the hidden size, and the
+    rope."""
+
+    def __init__(self, spec: EagleSpec, target: CausalLM, fc_in: int) -> None:
+        super().__init__()
+        cfg = spec.config
+        self.config, self.__dict__["target"] = cfg, target
+        self.embed_tokens = _own_embedding(spec, target)
+        self.fc = nn.Linear(fc_in, cfg.hidden_size, bias=spec.fc_bias)
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position, cfg.rope_scaling)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return (self.embed_tokens if self.embed_tokens is not None else self.target.embed_tokens)(input_ids)
+
+
+class EagleHead(_HeadFrame):
     """An EAGLE-1 head (``spec``: its folder's, ``eagle_spec``). ``first_layer``: the KV layer of
     the store its layer 0 uses (the feature plane's layers come first). ``target``: the model it
     drafts for, whose embedding and LM head it uses where it has none of its own (kept outside the
@@ -96,23 +115,17 @@ class EagleHead(nn.Module):
     from the target's checkpoint)."""
 
     def __init__(self, spec: EagleSpec, first_layer: int, target: CausalLM) -> None:
-        super().__init__()
-        cfg = spec.config
-        self.config, self.__dict__["target"] = cfg, target
-        hidden, tp = cfg.hidden_size, TensorParallel()
-        self.embed_tokens = _own_embedding(spec, target)
-        self.fc = nn.Linear(2 * hidden, hidden, bias=spec.fc_bias)
-        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position, cfg.rope_scaling)
+        super().__init__(spec, target, 2 * spec.config.hidden_size)
+        cfg, tp = spec.config, TensorParallel()
         self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, first_layer + i, tp) for i in range(cfg.num_layers)})
         self.layers["0"].input_layernorm = nn.Identity()  # EAGLE removed it: fc's output goes straight in
-        self.lm_head = ColumnParallelLinear.split(hidden, [cfg.vocab_size], False, tp) \
-            if "lm_head.weight" in spec.own else None
+        self.lm_head = _own_lm_head(spec, cfg.vocab_size)
 
     def forward(self, input_ids: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
                 batch: AttentionBatch, kv: KVStore) -> torch.Tensor:
         """The head's output per token [T, H] (no final norm), from each token and the feature it
         is paired with (``features`` [T, H])."""
-        embed = _embed(self, input_ids)
+        embed = self.embed(input_ids)
         x = self.fc(torch.cat([embed, features.to(embed.dtype)], dim=-1))
         rope = self.rope.tables(positions, x.dtype)
         for layer in self.layers.values():
@@ -149,23 +162,18 @@ class Eagle3Layer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class Eagle3Head(nn.Module):
+class Eagle3Head(_HeadFrame):
     """An EAGLE-3 head (module docstring), the same contract as ``EagleHead``: ``forward`` returns
     its output before the final norm (what a chain step feeds back), ``logits`` the target's
     vocabulary's (a draft vocabulary's ids mapped by ``d2t``; the tokens outside it -inf)."""
 
     def __init__(self, spec: EagleSpec, first_layer: int, target: CausalLM) -> None:
-        super().__init__()
+        super().__init__(spec, target, spec.feature_width)
         cfg = spec.config
-        self.config, self.__dict__["target"] = cfg, target
-        hidden, tp = cfg.hidden_size, TensorParallel()
-        self.embed_tokens = _own_embedding(spec, target)
-        self.fc = nn.Linear(spec.feature_width, hidden, bias=spec.fc_bias)
-        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position, cfg.rope_scaling)
         self.midlayer = Eagle3Layer(cfg, first_layer, spec.norm_before_residual)
-        self.norm = RMSNorm(hidden, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         vocab = spec.draft_vocab or cfg.vocab_size
-        self.lm_head = ColumnParallelLinear.split(hidden, [vocab], False, tp) if "lm_head.weight" in spec.own else None
+        self.lm_head = _own_lm_head(spec, vocab)
         # the target id of each draft id (``d2t``: their difference); None: the vocabularies are one
         self.register_buffer("hot_ids", torch.arange(vocab) if spec.draft_vocab else None, persistent=False)
 
@@ -174,7 +182,7 @@ class Eagle3Head(nn.Module):
         """The head's output per token [T, H] (before its norm), from each token and the feature it
         is paired with: the target's captures [T, 3H], which go through ``fc``, or [T, H], the
         head's own output at the chain step before."""
-        embed = _embed(self, input_ids)
+        embed = self.embed(input_ids)
         features = features.to(embed.dtype)
         x = self.fc(features) if features.shape[-1] != self.config.hidden_size else features
         return self.midlayer(self.rope.tables(positions, x.dtype), embed, x, batch, kv)
@@ -199,8 +207,12 @@ def _own_embedding(spec: EagleSpec, target: CausalLM) -> Embedding | None:
     return Embedding(spec.config.vocab_size, spec.config.hidden_size) if own else None
 
 
-def _embed(head: EagleHead | Eagle3Head, input_ids: torch.Tensor) -> torch.Tensor:
-    return (head.embed_tokens if head.embed_tokens is not None else head.target.embed_tokens)(input_ids)
+def _own_lm_head(spec: EagleSpec, vocab: int) -> ColumnParallelLinear | None:
+    """The head's own LM head over ``vocab`` tokens, where its checkpoint brings one; None: it uses
+    the target's."""
+    if "lm_head.weight" not in spec.own:
+        return None
+    return ColumnParallelLinear.split(spec.config.hidden_size, [vocab], False, TensorParallel())
 
 
 def eagle_spec(draft_dir: Path, target_layers: int) -> EagleSpec:
